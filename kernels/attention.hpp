@@ -1,0 +1,108 @@
+// attention.hpp — causal multi-head self-attention on the fused qkv activation.
+//
+// qkv[B,T,3C] holds q | k | v per token; head h uses channels [h*hs, (h+1)*hs) of each part.
+// att[B,H,T,T] keeps the softmax probabilities for the backward. Scores are scaled by
+// 1/sqrt(hs) (GPT-2). Work is done per (batch, head) and per block of kRowBlock query rows:
+// a row block only needs keys up to its last row, so sgemm skips most of the masked half.
+#pragma once
+
+#include <cblas.h>
+
+#include <cmath>
+
+#include "common.hpp"
+
+namespace zero3d::kernels {
+
+constexpr Index kRowBlock = 64;
+
+// Row-wise causal softmax of rows [r0, r1) of the T×T block at s (row stride T), in place.
+inline void causal_softmax_rows(float* s, Index r0, Index r1, Index cols, Index T) {
+  Kokkos::parallel_for("causal_softmax", range(r1 - r0), KOKKOS_LAMBDA(Index k) {
+    const Index i = r0 + k;
+    float* row = s + i * T;
+    float mx = row[0];
+    for (Index j = 1; j <= i; ++j) mx = row[j] > mx ? row[j] : mx;
+    float sum = 0.0f;
+    for (Index j = 0; j <= i; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    const float inv = 1.0f / sum;
+    for (Index j = 0; j <= i; ++j) row[j] *= inv;
+    for (Index j = i + 1; j < cols; ++j) row[j] = 0.0f;  // masked keys inside the block
+  });
+}
+
+inline void attention_forward(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+  const Index hs = C / H, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const float* q = qkv + b * T * C3 + h * hs;
+      const float* k = q + C;
+      const float* v = q + 2 * C;
+      float* p = att + (b * H + h) * T * T;
+      float* o = out + b * T * C + h * hs;
+      for (Index r0 = 0; r0 < T; r0 += kRowBlock) {
+        const Index rows = r0 + kRowBlock < T ? kRowBlock : T - r0;
+        const Index cols = r0 + rows;  // keys 0 .. last query row of the block
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, hs, scale, q + r0 * C3, C3, k, C3, 0.0f,
+                    p + r0 * T, T);
+        causal_softmax_rows(p, r0, r0 + rows, cols, T);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, cols, 1.0f, p + r0 * T, T, v, C3, 0.0f,
+                    o + r0 * C, C);
+      }
+    }
+}
+
+// dqkv written (all of it); scratch needs kRowBlock*T floats.
+inline void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
+                               Index B, Index T, Index C, Index H) {
+  const Index hs = C / H, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  // dk and dv accumulate over row blocks: start from zero.
+  Kokkos::parallel_for("zero_dkv", range(B * T), KOKKOS_LAMBDA(Index bt) {
+    float* d = dqkv + bt * C3 + C;
+    for (Index c = 0; c < 2 * C; ++c) d[c] = 0.0f;
+  });
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const float* q = qkv + b * T * C3 + h * hs;
+      const float* k = q + C;
+      const float* v = q + 2 * C;
+      float* dq = dqkv + b * T * C3 + h * hs;
+      float* dk = dq + C;
+      float* dv = dq + 2 * C;
+      const float* p = att + (b * H + h) * T * T;
+      const float* dy = dout + b * T * C + h * hs;
+      for (Index r0 = 0; r0 < T; r0 += kRowBlock) {
+        const Index rows = r0 + kRowBlock < T ? kRowBlock : T - r0;
+        const Index cols = r0 + rows;
+        const float* prow = p + r0 * T;
+        // dP = dY · Vᵀ  (rows × cols), row stride T in scratch
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, hs, 1.0f, dy + r0 * C, C, v, C3, 0.0f,
+                    scratch, T);
+        // dV += Pᵀ · dY
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, hs, rows, 1.0f, prow, T, dy + r0 * C, C, 1.0f, dv,
+                    C3);
+        // softmax backward: dS_ij = P_ij (dP_ij - Σ_k P_ik dP_ik), zero above the diagonal
+        Kokkos::parallel_for("softmax_backward", range(rows), KOKKOS_LAMBDA(Index kr) {
+          const Index i = r0 + kr;
+          const float* pi = prow + kr * T;
+          float* ds = scratch + kr * T;
+          float dot = 0.0f;
+          for (Index j = 0; j <= i; ++j) dot += pi[j] * ds[j];
+          for (Index j = 0; j <= i; ++j) ds[j] = pi[j] * (ds[j] - dot);
+          for (Index j = i + 1; j < cols; ++j) ds[j] = 0.0f;
+        });
+        // dQ = scale · dS · K ; dK += scale · dSᵀ · Q
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, cols, scale, scratch, T, k, C3, 0.0f,
+                    dq + r0 * C3, C3);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, hs, rows, scale, scratch, T, q + r0 * C3, C3, 1.0f,
+                    dk, C3);
+      }
+    }
+}
+
+}  // namespace zero3d::kernels

@@ -1,0 +1,138 @@
+// optimizers.hpp — single-pass parameter updates over flat fp32 buffers.
+//
+// Adam/AdamW follow DeepSpeed FusedAdam (ops/adam/multi_tensor_adam.cu): mode 1 (adam_w_mode)
+// adds weight_decay·p to the update; mode 0 adds it to the gradient (L2). LAMB follows
+// DeepSpeed FusedLamb (csrc/lamb/fused_lamb_cuda_kernel.cu), per tensor: the trust ratio
+// ‖p‖/‖update‖ is clamped to [min_coeff, max_coeff] and the bias correction is folded into
+// the step size. SGD follows torch.optim.SGD (momentum buffer = grad on the first step).
+#pragma once
+
+#include <cmath>
+
+#include "common.hpp"
+
+namespace zero3d::kernels {
+
+struct AdamStep {
+  float lr, beta1, beta2, eps, weight_decay;
+  float bias_correction1, bias_correction2;  // 1 - beta^step, or 1 when bias_correction is off
+  bool adam_w_mode;
+};
+
+inline AdamStep make_adam_step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                               bool bias_correction, bool adam_w_mode) {
+  AdamStep s;
+  s.lr = static_cast<float>(lr);
+  s.beta1 = static_cast<float>(beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.eps = static_cast<float>(eps);
+  s.weight_decay = static_cast<float>(weight_decay);
+  s.bias_correction1 = bias_correction ? static_cast<float>(1.0 - std::pow(beta1, step)) : 1.0f;
+  s.bias_correction2 = bias_correction ? static_cast<float>(1.0 - std::pow(beta2, step)) : 1.0f;
+  s.adam_w_mode = adam_w_mode;
+  return s;
+}
+
+// One fused pass: reads p, g, m, v and writes p, m, v (28 bytes per parameter).
+inline void adam_update(float* params, const float* grads, float* m, float* v, Index n, const AdamStep& s) {
+  const float b1 = s.beta1, b2 = s.beta2, omb1 = 1.0f - s.beta1, omb2 = 1.0f - s.beta2;
+  const float inv_bc1 = 1.0f / s.bias_correction1, inv_sqrt_bc2 = 1.0f / std::sqrt(s.bias_correction2);
+  const float lr = s.lr, eps = s.eps, wd = s.weight_decay;
+  if (s.adam_w_mode) {
+    Kokkos::parallel_for("adamw_update", range(n), KOKKOS_LAMBDA(Index i) {
+      const float g = grads[i], p = params[i];
+      const float mi = b1 * m[i] + omb1 * g;
+      const float vi = b2 * v[i] + omb2 * g * g;
+      m[i] = mi;
+      v[i] = vi;
+      const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
+      params[i] = p - lr * (mi * inv_bc1 / denom + wd * p);
+    });
+  } else {
+    Kokkos::parallel_for("adam_l2_update", range(n), KOKKOS_LAMBDA(Index i) {
+      const float p = params[i];
+      const float g = grads[i] + wd * p;
+      const float mi = b1 * m[i] + omb1 * g;
+      const float vi = b2 * v[i] + omb2 * g * g;
+      m[i] = mi;
+      v[i] = vi;
+      const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
+      params[i] = p - lr * (mi * inv_bc1 / denom);
+    });
+  }
+}
+
+struct LambStep {
+  float lr, beta1, beta2, eps, weight_decay, max_coeff, min_coeff;
+  float step_size;  // lr·sqrt(1-beta2^t)/(1-beta1^t) with bias correction, else lr
+  bool eps_inside_sqrt;
+};
+
+inline LambStep make_lamb_step(double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                               bool bias_correction, bool eps_inside_sqrt, double max_coeff, double min_coeff) {
+  LambStep s{static_cast<float>(lr),        static_cast<float>(beta1),     static_cast<float>(beta2),
+             static_cast<float>(eps),       static_cast<float>(weight_decay), static_cast<float>(max_coeff),
+             static_cast<float>(min_coeff), static_cast<float>(lr),        eps_inside_sqrt};
+  if (bias_correction)
+    s.step_size = static_cast<float>(lr * std::sqrt(1.0 - std::pow(beta2, step)) / (1.0 - std::pow(beta1, step)));
+  return s;
+}
+
+// Updates one tensor; returns the trust ratio it applied.
+inline float lamb_update(float* params, const float* grads, float* m, float* v, Index n, const LambStep& s) {
+  const float b1 = s.beta1, b2 = s.beta2, eps = s.eps, wd = s.weight_decay;
+  const bool inside = s.eps_inside_sqrt;
+  // Pass 1: moments, and the squared norms of the weights and of the raw update.
+  double w2 = 0.0, u2 = 0.0;
+  Kokkos::parallel_reduce(
+      "lamb_moments", range(n),
+      KOKKOS_LAMBDA(Index i, double& wsum, double& usum) {
+        const float g = grads[i], p = params[i];
+        const float mi = b1 * m[i] + (1.0f - b1) * g;
+        const float vi = b2 * v[i] + (1.0f - b2) * g * g;
+        m[i] = mi;
+        v[i] = vi;
+        const float denom = inside ? std::sqrt(vi + eps) : std::sqrt(vi) + eps;
+        const float u = mi / denom + wd * p;
+        wsum += static_cast<double>(p) * p;
+        usum += static_cast<double>(u) * u;
+      },
+      w2, u2);
+  const double wn = std::sqrt(w2), un = std::sqrt(u2);
+  float coeff = 1.0f;
+  if (wn != 0.0 && un != 0.0) {
+    coeff = static_cast<float>(wn / un);
+    coeff = coeff > s.max_coeff ? s.max_coeff : coeff;
+    coeff = coeff < s.min_coeff ? s.min_coeff : coeff;
+  }
+  const float step = s.step_size * coeff;
+  // Pass 2: apply the scaled update.
+  Kokkos::parallel_for("lamb_apply", range(n), KOKKOS_LAMBDA(Index i) {
+    const float p = params[i];
+    const float denom = inside ? std::sqrt(v[i] + eps) : std::sqrt(v[i]) + eps;
+    params[i] = p - step * (m[i] / denom + wd * p);
+  });
+  return coeff;
+}
+
+struct SgdStep {
+  float lr, momentum, dampening, weight_decay;
+  bool nesterov, first_step;  // first_step: the momentum buffer starts as the gradient
+};
+
+inline void sgd_update(float* params, const float* grads, float* momentum_buf, Index n, const SgdStep& s) {
+  const float lr = s.lr, mu = s.momentum, damp = s.dampening, wd = s.weight_decay;
+  const bool nesterov = s.nesterov, first = s.first_step, use_mom = s.momentum != 0.0f;
+  Kokkos::parallel_for("sgd_update", range(n), KOKKOS_LAMBDA(Index i) {
+    const float p = params[i];
+    float d = grads[i] + wd * p;
+    if (use_mom) {
+      const float buf = first ? d : mu * momentum_buf[i] + (1.0f - damp) * d;
+      momentum_buf[i] = buf;
+      d = nesterov ? d + mu * buf : buf;
+    }
+    params[i] = p - lr * d;
+  });
+}
+
+}  // namespace zero3d::kernels

@@ -1,0 +1,724 @@
+// config.cpp — the only JSON reader. See config.hpp for the contract.
+#include "config.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "base.hpp"
+
+namespace zero3d {
+
+using json = nlohmann::json;
+
+namespace {
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string nearest(const std::string& key, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const auto& c : candidates) {
+    size_t d = edit_distance(lower(key), lower(c));
+    if (d < best_d) best_d = d, best = c;
+  }
+  // Suggest only plausible neighbours: at most a third of the key's letters differ.
+  if (best.empty() || best_d > std::max<size_t>(2, key.size() / 3)) return "";
+  return best;
+}
+
+std::string show(const json& v) {
+  std::string s = v.dump();
+  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
+}
+
+// Reads one JSON object, remembering which keys were consumed, and writes every value
+// (given or default) into the resolved config at the same path.
+class Section {
+ public:
+  Section(const json* obj, std::string path, std::string file, json* resolved)
+      : obj_(obj), path_(std::move(path)), file_(std::move(file)), resolved_(resolved) {
+    if (obj_ && !obj_->is_object())
+      fail(path_, "expected an object, got " + show(*obj_));
+  }
+
+  bool has(const std::string& key) const { return obj_ && obj_->contains(key); }
+  bool is_auto(const std::string& key) const {
+    return has(key) && (*obj_)[key].is_string() && (*obj_)[key] == "auto";
+  }
+  std::string key_path(const std::string& key) const {
+    return path_.empty() ? key : path_ + "." + key;
+  }
+
+  [[noreturn]] void fail(const std::string& key_path, const std::string& why) const {
+    throw InputError(file_ + ": `" + key_path + "`: " + why);
+  }
+  [[noreturn]] void fail_key(const std::string& key, const std::string& why) const {
+    fail(key_path(key), why);
+  }
+
+  void mark_known(const std::string& key) { known_.push_back(key); }
+
+  // A key zero3d reads: returns its raw JSON (or null when absent) and marks it known.
+  const json* raw(const std::string& key) {
+    known_.push_back(key);
+    if (!has(key)) return nullptr;
+    const json* v = &(*obj_)[key];
+    if (v->is_string() && *v == "auto") fail_key(key, "\"auto\" cannot be derived for this key; give a value");
+    return v;
+  }
+
+  bool boolean(const std::string& key, bool def) {
+    const json* v = raw(key);
+    bool out = def;
+    if (v) {
+      if (!v->is_boolean()) fail_key(key, "expected true or false, got " + show(*v));
+      out = v->get<bool>();
+    }
+    (*resolved_)[key] = out;
+    return out;
+  }
+
+  int64_t integer(const std::string& key, int64_t def, int64_t lo, int64_t hi) {
+    const json* v = raw(key);
+    int64_t out = def;
+    if (v) out = as_integer(key, *v);
+    if (out < lo || out > hi)
+      fail_key(key, "value " + std::to_string(out) + " is out of range [" + std::to_string(lo) + ", " +
+                        std::to_string(hi) + "]");
+    (*resolved_)[key] = out;
+    return out;
+  }
+
+  // lo_open: the lower bound itself is not allowed (e.g. lr > 0 vs eps >= 0).
+  double number(const std::string& key, double def, double lo, double hi, bool lo_open = false) {
+    const json* v = raw(key);
+    double out = def;
+    if (v) {
+      if (!v->is_number()) fail_key(key, "expected a number, got " + show(*v));
+      out = v->get<double>();
+    }
+    check_range(key, out, lo, hi, lo_open);
+    (*resolved_)[key] = out;
+    return out;
+  }
+
+  std::string string(const std::string& key, const std::string& def) {
+    const json* v = raw(key);
+    std::string out = def;
+    if (v) {
+      if (!v->is_string()) fail_key(key, "expected a string, got " + show(*v));
+      out = v->get<std::string>();
+    }
+    (*resolved_)[key] = out;
+    return out;
+  }
+
+  // A string from a fixed set, matched case-insensitively; returns the canonical spelling.
+  std::string choice(const std::string& key, const std::string& def, const std::vector<std::string>& options) {
+    std::string s = string(key, def);
+    for (const auto& o : options)
+      if (lower(o) == lower(s)) {
+        (*resolved_)[key] = o;
+        return o;
+      }
+    std::string list;
+    for (const auto& o : options) list += (list.empty() ? "" : ", ") + o;
+    fail_key(key, "value \"" + s + "\" is not one of: " + list);
+  }
+
+  // A pair of numbers such as Adam's betas, each in [0, 1).
+  std::pair<double, double> pair(const std::string& key, std::pair<double, double> def) {
+    const json* v = raw(key);
+    auto out = def;
+    if (v) {
+      if (!v->is_array() || v->size() != 2 || !(*v)[0].is_number() || !(*v)[1].is_number())
+        fail_key(key, "expected a list of two numbers, got " + show(*v));
+      out = {(*v)[0].get<double>(), (*v)[1].get<double>()};
+    }
+    for (double b : {out.first, out.second})
+      if (!(b >= 0.0 && b < 1.0)) fail_key(key, "each value must be in [0, 1), got " + show(*v));
+    (*resolved_)[key] = {out.first, out.second};
+    return out;
+  }
+
+  // A value that may be "auto", resolved by the caller from what it can derive.
+  double number_or_auto(const std::string& key, double def, double auto_value, double lo, double hi,
+                        bool lo_open = false) {
+    if (is_auto(key)) {
+      mark_known(key);
+      check_range(key, auto_value, lo, hi, lo_open);
+      (*resolved_)[key] = auto_value;
+      return auto_value;
+    }
+    return number(key, def, lo, hi, lo_open);
+  }
+  int64_t integer_or_auto(const std::string& key, int64_t def, int64_t auto_value, int64_t lo, int64_t hi) {
+    if (is_auto(key)) {
+      mark_known(key);
+      (*resolved_)[key] = auto_value;
+      return auto_value;
+    }
+    return integer(key, def, lo, hi);
+  }
+
+  Section child(const std::string& key) {
+    known_.push_back(key);
+    const json* v = has(key) ? &(*obj_)[key] : nullptr;
+    if (!resolved_->contains(key)) (*resolved_)[key] = json::object();
+    return Section(v, key_path(key), file_, &(*resolved_)[key]);
+  }
+
+  // Keys DeepSpeed defines that zero3d accepts only at their DeepSpeed default (the
+  // feature is off); any other value is rejected as unsupported rather than misspelt.
+  void accept_default_only(const std::string& key, const json& deepspeed_default) {
+    known_.push_back(key);
+    if (!has(key)) return;
+    const json& v = (*obj_)[key];
+    if (v == deepspeed_default || (v.is_number() && deepspeed_default.is_number() &&
+                                   v.get<double>() == deepspeed_default.get<double>())) {
+      (*resolved_)[key] = v;
+      return;
+    }
+    fail_key(key, "DeepSpeed feature `" + key_path(key) + "` (value " + show(v) +
+                      ") is not supported by zero3d; remove it or set it to " + deepspeed_default.dump());
+  }
+
+  // A DeepSpeed section zero3d does not implement: accepted only while it is disabled.
+  void accept_disabled_section(const std::string& key) {
+    known_.push_back(key);
+    if (!has(key)) return;
+    const json& v = (*obj_)[key];
+    bool enabled = true;
+    if (v.is_object()) {
+      auto it = v.find("enabled");
+      enabled = it != v.end() && !(it->is_boolean() && !it->get<bool>());
+    } else if (v.is_boolean()) {
+      enabled = v.get<bool>();
+    }
+    if (enabled)
+      fail_key(key, "DeepSpeed feature `" + key_path(key) + "` is not supported by zero3d" +
+                        (v.is_object() ? "; remove the section or set \"enabled\": false" : ""));
+    (*resolved_)[key] = v;
+  }
+
+  // Every key not read above is an error: a DeepSpeed key zero3d lacks is named as such,
+  // anything else as unknown with the nearest known key. Keys starting with `_` are comments.
+  void finish(const std::vector<std::string>& deepspeed_only = {}) {
+    if (!obj_) return;
+    for (auto it = obj_->begin(); it != obj_->end(); ++it) {
+      const std::string& key = it.key();
+      if (!key.empty() && key[0] == '_') continue;
+      if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
+      if (std::find(deepspeed_only.begin(), deepspeed_only.end(), key) != deepspeed_only.end())
+        fail_key(key, "DeepSpeed feature `" + key_path(key) + "` is not supported by zero3d");
+      std::string hint = nearest(key, known_);
+      fail_key(key, "unknown key" + (hint.empty() ? std::string() : " (did you mean `" + key_path(hint) + "`?)"));
+    }
+  }
+
+ private:
+  int64_t as_integer(const std::string& key, const json& v) const {
+    if (v.is_number_integer()) return v.get<int64_t>();
+    // DeepSpeed configs often write sizes as 5e8: accept a float with an integral value.
+    if (v.is_number_float()) {
+      double d = v.get<double>();
+      if (std::isfinite(d) && std::floor(d) == d && std::fabs(d) < 9.2e18) return static_cast<int64_t>(d);
+    }
+    fail_key(key, "expected an integer, got " + show(v));
+  }
+  void check_range(const std::string& key, double x, double lo, double hi, bool lo_open) const {
+    bool ok = std::isfinite(x) && (lo_open ? x > lo : x >= lo) && x <= hi;
+    if (!ok) {
+      std::ostringstream os;
+      os << "value " << x << " is out of range " << (lo_open ? "(" : "[") << lo << ", " << hi << "]";
+      fail_key(key, os.str());
+    }
+  }
+
+  const json* obj_;
+  std::string path_, file_;
+  json* resolved_;
+  std::vector<std::string> known_;
+};
+
+constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+
+// --- batch triad (DEEPSPEED-FACTS §1.2: config.py _set_batch_related_parameters) -----------
+BatchConfig derive_batch(Section& top, int64_t world_size) {
+  // "auto" (Hugging Face style) means: derive this one from the others.
+  auto read = [&](const char* key) -> std::optional<int64_t> {
+    if (top.is_auto(key)) {
+      top.mark_known(key);
+      return std::nullopt;
+    }
+    const json* v = top.raw(key);
+    if (!v) return std::nullopt;
+    if (!v->is_number_integer()) top.fail_key(key, "expected an integer, got " + show(*v));
+    return v->get<int64_t>();
+  };
+  std::optional<int64_t> T = read("train_batch_size");
+  std::optional<int64_t> M = read("train_micro_batch_size_per_gpu");
+  std::optional<int64_t> G = read("gradient_accumulation_steps");
+  const int64_t W = world_size;
+  std::ostringstream how;
+  if (T && M && G) {
+    how << "all three given";
+  } else if (T && M) {
+    G = (*T / *M) / W;
+    how << "gradient_accumulation_steps = (" << *T << " // " << *M << ") // " << W << " = " << *G;
+  } else if (T && G) {
+    M = (*T / W) / *G;
+    how << "train_micro_batch_size_per_gpu = (" << *T << " // " << W << ") // " << *G << " = " << *M;
+  } else if (M && G) {
+    T = *M * *G * W;
+    how << "train_batch_size = " << *M << " * " << *G << " * " << W << " = " << *T;
+  } else if (T) {
+    G = 1;
+    M = *T / W;
+    how << "gradient_accumulation_steps = 1, train_micro_batch_size_per_gpu = " << *T << " // " << W << " = " << *M;
+  } else if (M) {
+    G = 1;
+    T = *M * W;
+    how << "gradient_accumulation_steps = 1, train_batch_size = " << *M << " * " << W << " = " << *T;
+  } else {
+    top.fail("train_batch_size", "either train_batch_size or train_micro_batch_size_per_gpu needs to be provided");
+  }
+  auto positive = [&](const char* key, int64_t v) {
+    if (v <= 0)
+      top.fail(key, "must be greater than 0, got " + std::to_string(v) + " (" + how.str() + ", world size " +
+                        std::to_string(W) + ")");
+  };
+  positive("train_batch_size", *T);
+  positive("train_micro_batch_size_per_gpu", *M);
+  positive("gradient_accumulation_steps", *G);
+  if (*T != *M * *G * W)
+    top.fail("train_batch_size",
+             "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size: " +
+                 std::to_string(*T) + " != " + std::to_string(*M) + " * " + std::to_string(*G) + " * " +
+                 std::to_string(W));
+  BatchConfig b;
+  b.train_batch_size = *T;
+  b.micro_batch = *M;
+  b.gradient_accumulation_steps = *G;
+  b.world_size = W;
+  std::ostringstream out;
+  out << "train_batch_size " << *T << " = micro_batch " << *M << " x gradient_accumulation_steps " << *G
+      << " x data-parallel size " << W << " (" << how.str() << ")";
+  b.derivation = out.str();
+  return b;
+}
+
+// --- optimizer (DEEPSPEED-FACTS §1.5) ---------------------------------------------------------
+OptimizerConfig read_optimizer(Section& top) {
+  OptimizerConfig o;
+  Section sec = top.child("optimizer");
+  std::string type = sec.string("type", "AdamW");
+  const std::string t = lower(type);
+  const std::vector<std::string> deepspeed_unsupported = {"onebitadam", "zerooneadam", "onebitlamb", "adagrad",
+                                                          "lion", "muadam", "muadamw", "musgd", "muon"};
+  if (t == "adam" || t == "adamw") {
+    o.type = OptimizerType::Adam;
+  } else if (t == "lamb") {
+    o.type = OptimizerType::Lamb;
+  } else if (type == "SGD") {  // a torch.optim name: case-sensitive, as DeepSpeed looks it up
+    o.type = OptimizerType::SGD;
+  } else if (std::find(deepspeed_unsupported.begin(), deepspeed_unsupported.end(), t) !=
+                 deepspeed_unsupported.end() ||
+             type == "Adagrad" || type == "RMSprop" || type == "Adadelta" || type == "Adamax" ||
+             type == "NAdam" || type == "RAdam" || type == "ASGD" || type == "Rprop" || type == "LBFGS") {
+    sec.fail_key("type", "DeepSpeed optimizer \"" + type + "\" is not supported by zero3d (supported: Adam, AdamW, "
+                         "Lamb, SGD)");
+  } else {
+    std::string hint = nearest(type, {"Adam", "AdamW", "Lamb", "SGD"});
+    sec.fail_key("type", "\"" + type + "\" is not a supported optimizer (Adam, AdamW, Lamb, SGD)" +
+                             (hint.empty() ? "" : "; did you mean \"" + hint + "\"?"));
+  }
+  o.type_name = type;
+  Section p = sec.child("params");
+  if (p.has("max_grad_norm"))
+    p.fail_key("max_grad_norm", "is not allowed in optimizer params; use the top-level `gradient_clipping`");
+  const double inf = std::numeric_limits<double>::infinity();
+  switch (o.type) {
+    case OptimizerType::Adam: {
+      o.lr = p.number("lr", 1e-3, 0.0, inf);
+      std::tie(o.beta1, o.beta2) = p.pair("betas", {0.9, 0.999});
+      o.eps = p.number("eps", 1e-8, 0.0, inf);
+      o.weight_decay = p.number("weight_decay", 0.0, 0.0, inf);
+      o.bias_correction = p.boolean("bias_correction", true);
+      // DeepSpeed: effective AdamW = (type == "adamw") or adam_w_mode (default true).
+      bool mode = p.boolean("adam_w_mode", true);
+      o.adam_w_mode = (t == "adamw") || mode;
+      p.boolean("torch_adam", false);  // torch's and DeepSpeed's Adam compute the same update
+      if (p.boolean("amsgrad", false)) p.fail_key("amsgrad", "amsgrad is not supported (DeepSpeed FusedAdam rejects it)");
+      p.finish();
+      break;
+    }
+    case OptimizerType::Lamb: {
+      o.lr = p.number("lr", 1e-3, 0.0, inf);
+      std::tie(o.beta1, o.beta2) = p.pair("betas", {0.9, 0.999});
+      o.eps = p.number("eps", 1e-8, 0.0, inf);
+      o.eps_inside_sqrt = p.boolean("eps_inside_sqrt", false);
+      o.weight_decay = p.number("weight_decay", 0.0, 0.0, inf);
+      o.bias_correction = p.boolean("bias_correction", true);
+      o.max_coeff = p.number("max_coeff", 10.0, 0.0, inf, true);
+      o.min_coeff = p.number("min_coeff", 0.01, 0.0, inf);
+      if (o.min_coeff > o.max_coeff)
+        p.fail_key("min_coeff", "must not exceed max_coeff (" + std::to_string(o.max_coeff) + ")");
+      p.finish();
+      break;
+    }
+    case OptimizerType::SGD: {
+      o.lr = p.number("lr", 1e-3, 0.0, inf);
+      o.momentum = p.number("momentum", 0.0, 0.0, inf);
+      o.dampening = p.number("dampening", 0.0, -inf, inf);
+      o.weight_decay = p.number("weight_decay", 0.0, 0.0, inf);
+      o.nesterov = p.boolean("nesterov", false);
+      if (o.nesterov && (o.momentum <= 0.0 || o.dampening != 0.0))
+        p.fail_key("nesterov", "Nesterov momentum requires a momentum > 0 and zero dampening (as torch.optim.SGD)");
+      p.accept_default_only("maximize", false);
+      p.accept_default_only("foreach", nullptr);
+      p.accept_default_only("differentiable", false);
+      p.finish();
+      break;
+    }
+  }
+  sec.finish();
+  return o;
+}
+
+// --- LR schedulers (DEEPSPEED-FACTS §4) ------------------------------------------------------
+SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t total_steps) {
+  SchedulerConfig s;
+  if (!top.has("scheduler")) {
+    top.raw("scheduler");
+    return s;
+  }
+  Section sec = top.child("scheduler");
+  const std::vector<std::string> names = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"};
+  const json* tv = sec.raw("type");
+  if (!tv) sec.fail_key("type", "is required (one of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)");
+  if (!tv->is_string()) sec.fail_key("type", "expected a string, got " + show(*tv));
+  std::string type = tv->get<std::string>();
+  auto it = std::find(names.begin(), names.end(), type);
+  if (it == names.end()) {
+    std::string hint = nearest(type, names);
+    sec.fail_key("type", "\"" + type + "\" is not a zero3d scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, "
+                         "OneCycle, LRRangeTest)" + (hint.empty() ? "" : "; did you mean \"" + hint + "\"?"));
+  }
+  s.type_name = type;
+  s.type = static_cast<SchedulerType>(1 + (it - names.begin()));
+  Section p = sec.child("params");
+  const double inf = std::numeric_limits<double>::infinity();
+  auto warmup = [&](double default_max) {
+    s.warmup_min_lr = p.number("warmup_min_lr", 0.0, 0.0, inf);
+    s.warmup_max_lr = p.number_or_auto("warmup_max_lr", default_max, opt.lr, 0.0, inf);
+    s.warmup_num_steps = p.integer("warmup_num_steps", 1000, 1, kMaxInt * 1000LL);
+    s.warmup_log = p.choice("warmup_type", "log", {"log", "linear"}) == "log";
+  };
+  auto total = [&]() {
+    s.total_num_steps = p.integer_or_auto("total_num_steps", total_steps, total_steps, 1, kMaxInt * 1000LL);
+  };
+  switch (s.type) {
+    case SchedulerType::WarmupLR:
+      warmup(opt.lr);  // DeepSpeed: warmup_max_lr None -> the optimizer's lr
+      break;
+    case SchedulerType::WarmupDecayLR:
+      warmup(0.001);
+      total();
+      if (s.total_num_steps < s.warmup_num_steps)
+        p.fail_key("total_num_steps", "must be at least warmup_num_steps (" + std::to_string(s.warmup_num_steps) + ")");
+      break;
+    case SchedulerType::WarmupCosineLR:
+      total();
+      s.warmup_min_ratio = p.number("warmup_min_ratio", 0.0, 0.0, 1.0);
+      s.warmup_num_steps = p.integer("warmup_num_steps", 1000, 1, kMaxInt * 1000LL);
+      s.cos_min_ratio = p.number("cos_min_ratio", 1e-4, 0.0, 1.0);
+      s.warmup_log = p.choice("warmup_type", "log", {"log", "linear"}) == "log";
+      break;
+    case SchedulerType::OneCycle: {
+      if (!p.has("cycle_min_lr") || !p.has("cycle_max_lr"))
+        p.fail_key(p.has("cycle_min_lr") ? "cycle_max_lr" : "cycle_min_lr", "is required by OneCycle");
+      s.cycle_min_lr = p.number("cycle_min_lr", 0.0, 0.0, inf);
+      s.cycle_max_lr = p.number_or_auto("cycle_max_lr", opt.lr, opt.lr, 0.0, inf);
+      s.decay_lr_rate = p.number("decay_lr_rate", 0.0, 0.0, inf);
+      s.cycle_first_step_size = p.integer("cycle_first_step_size", 2000, 1, kMaxInt * 1000LL);
+      s.cycle_second_step_size = p.integer("cycle_second_step_size", s.cycle_first_step_size, 0, kMaxInt * 1000LL);
+      s.cycle_first_stair_count = p.integer("cycle_first_stair_count", 0, 0, kMaxInt);
+      s.cycle_second_stair_count = p.integer("cycle_second_stair_count", s.cycle_first_stair_count, 0, kMaxInt);
+      s.decay_step_size = p.integer("decay_step_size", 0, 0, kMaxInt * 1000LL);
+      s.cycle_momentum = p.boolean("cycle_momentum", true);
+      s.cycle_min_mom = p.number("cycle_min_mom", 0.8, 0.0, 1.0);
+      s.cycle_max_mom = p.number("cycle_max_mom", 0.9, 0.0, 1.0);
+      s.decay_mom_rate = p.number("decay_mom_rate", 0.0, 0.0, inf);
+      break;
+    }
+    case SchedulerType::LRRangeTest:
+      s.lr_range_test_min_lr = p.number("lr_range_test_min_lr", 1e-3, 0.0, inf);
+      s.lr_range_test_step_size = p.integer("lr_range_test_step_size", 2000, 1, kMaxInt * 1000LL);
+      s.lr_range_test_step_rate = p.number("lr_range_test_step_rate", 1.0, 0.0, inf);
+      s.lr_range_test_staircase = p.boolean("lr_range_test_staircase", false);
+      break;
+    case SchedulerType::None:
+      break;
+  }
+  p.integer("last_batch_iteration", -1, -1, -1);  // resuming a schedule belongs to checkpoints
+  p.finish();
+  sec.finish();
+  return s;
+}
+
+ModelConfig read_model(Section& top) {
+  ModelConfig m;
+  Section sec = top.child("model");
+  m.vocab_size = sec.integer("vocab_size", 256, 2, 1 << 24);
+  m.n_positions = sec.integer("n_positions", 256, 1, 1 << 20);
+  m.n_layer = sec.integer("n_layer", 2, 1, 4096);
+  m.n_head = sec.integer("n_head", 2, 1, 4096);
+  m.n_embd = sec.integer("n_embd", 64, 1, 1 << 20);
+  if (m.n_embd % m.n_head != 0)
+    sec.fail_key("n_embd", "value " + std::to_string(m.n_embd) + " is not divisible by n_head (" +
+                               std::to_string(m.n_head) + ")");
+  m.init_from = sec.string("init_from", "");
+  sec.finish({"n_ctx", "activation_function", "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon",
+              "n_inner", "scale_attn_weights", "use_cache"});
+  return m;
+}
+
+DataConfig read_data(Section& top, const ModelConfig& model) {
+  DataConfig d;
+  Section sec = top.child("data");
+  std::string src = sec.choice("source", "synthetic", {"synthetic", "text", "tokens"});
+  d.source = src == "text" ? DataSource::Text : src == "tokens" ? DataSource::Tokens : DataSource::Synthetic;
+  d.path = sec.string("path", "");
+  d.shuffle = sec.boolean("shuffle", false);
+  if (d.source != DataSource::Synthetic && d.path.empty())
+    sec.fail_key("path", "is required when data.source is \"" + src + "\"");
+  if (d.source == DataSource::Text && model.vocab_size < 256)
+    top.fail("model.vocab_size", "byte-level text needs vocab_size >= 256, got " + std::to_string(model.vocab_size));
+  sec.finish();
+  return d;
+}
+
+TrainingConfig read_training(Section& top) {
+  TrainingConfig t;
+  Section sec = top.child("training");
+  t.steps = sec.integer("steps", 100, 0, kMaxInt * 1000LL);
+  t.seed = static_cast<uint64_t>(sec.integer("seed", 1234, 0, std::numeric_limits<int64_t>::max()));
+  t.output_dir = sec.string("output_dir", "");
+  t.peak_gflops = sec.number("peak_gflops", 0.0, 0.0, 1e12);
+  sec.finish();
+  return t;
+}
+
+// zero_optimization keys of DEEPSPEED-FACTS §5.1 (with deprecated aliases).
+const std::vector<std::string> kZeroKeys = {
+    "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint",
+    "offload_param", "offload_optimizer", "sub_group_size", "prefetch_bucket_size", "stage3_prefetch_bucket_size",
+    "param_persistence_threshold", "stage3_param_persistence_threshold", "model_persistence_threshold",
+    "stage3_model_persistence_threshold", "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance",
+    "stage3_max_reuse_distance", "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "module_granularity_threshold",
+    "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential", "stage3_allgather_sequential", "ignore_unused_parameters", "legacy_stage1",
+    "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size", "mics_hierarchical_params_gather",
+    "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+    "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "cpu_offload", "cpu_offload_param",
+    "cpu_offload_use_pin_memory", "zenflow", "leaf_module"};
+
+int64_t read_zero(Section& top) {
+  if (top.has("zero_optimization") && top.raw("zero_optimization")->is_boolean()) {
+    // Deprecated bool form: true means stage 1.
+    bool on = top.raw("zero_optimization")->get<bool>();
+    if (on) top.fail("zero_optimization", "DeepSpeed feature `zero_optimization.stage=1` is not supported by zero3d yet");
+    return 0;
+  }
+  Section sec = top.child("zero_optimization");
+  int64_t stage = sec.integer("stage", 0, 0, 3);
+  if (stage != 0)
+    sec.fail_key("stage", "DeepSpeed feature `zero_optimization.stage=" + std::to_string(stage) +
+                              "` is not supported by zero3d yet (stage 0 only)");
+  // At stage 0 these keys have no effect (they tune partitioning); DeepSpeed accepts them there too.
+  sec.finish(kZeroKeys);
+  return stage;
+}
+
+// DeepSpeed top-level keys zero3d does not implement: accepted at their defaults only.
+void read_unsupported_top_level(Section& top) {
+  for (const char* sec : {"fp16", "bf16", "bfloat16", "amp", "torch_autocast", "flops_profiler", "tensorboard",
+                          "csv_monitor", "wandb", "comet", "comms_logger", "elasticity", "autotuning", "compile",
+                          "hybrid_engine", "eigenvalue", "progressive_layer_drop", "sparse_attention",
+                          "curriculum_learning", "data_efficiency", "weight_quantization", "nebula"})
+    top.accept_disabled_section(sec);
+  top.accept_default_only("prescale_gradients", false);
+  top.accept_default_only("gradient_predivide_factor", 1.0);
+  top.accept_default_only("gradient_allreduce_op", "mean");
+  top.accept_default_only("sparse_gradients", false);
+  top.accept_default_only("memory_breakdown", false);
+  top.accept_default_only("dump_state", false);
+  top.accept_default_only("disable_allgather", false);
+  top.accept_default_only("managed_gradient_accumulation", true);
+  top.accept_default_only("zero_allow_untested_optimizer", false);
+  top.accept_default_only("zero_force_ds_cpu_optimizer", true);
+  top.accept_default_only("dataloader_drop_last", false);
+  top.accept_default_only("sequence_parallel_size", 1);
+}
+
+const std::vector<std::string> kDeepSpeedOnlyTopLevel = {
+    "communication_data_type", "seq_parallel_communication_data_type", "data_types", "activation_checkpointing",
+    "checkpoint", "pipeline", "tensor_parallel", "aio", "compression_training", "quantize_training",
+    "zenflow", "moe", "train_data", "data_sampling"};
+
+}  // namespace
+
+json parse_json_text(const std::string& text, const std::string& file) {
+  // Track keys per open object to reject duplicates, as DeepSpeed does.
+  std::vector<std::set<std::string>> open_objects;
+  std::vector<std::string> path;
+  std::string pending_key;
+  auto callback = [&](int depth, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+        open_objects.emplace_back();
+        if (depth > 0 || !pending_key.empty()) path.push_back(pending_key);
+        pending_key.clear();
+        break;
+      case json::parse_event_t::object_end:
+        open_objects.pop_back();
+        if (!path.empty()) path.pop_back();
+        break;
+      case json::parse_event_t::key: {
+        std::string key = parsed.get<std::string>();
+        if (!open_objects.back().insert(key).second) {
+          std::string where;
+          for (const auto& p : path) where += (p.empty() ? "" : p + ".");
+          throw InputError(file + ": duplicate key `" + where + key + "`");
+        }
+        pending_key = key;
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  };
+  try {
+    return json::parse(text, callback, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+  } catch (const json::parse_error& e) {
+    size_t pos = e.byte == 0 ? 0 : e.byte - 1;
+    size_t line = 1, col = 1;
+    for (size_t i = 0; i < pos && i < text.size(); ++i) {
+      if (text[i] == '\n') ++line, col = 1;
+      else ++col;
+    }
+    std::string what = e.what();
+    auto cut = what.find("syntax error while parsing ");
+    std::string detail = cut == std::string::npos ? what : what.substr(cut + 20);
+    throw InputError(file + ":" + std::to_string(line) + ":" + std::to_string(col) + ": JSON syntax error: " + detail);
+  }
+}
+
+json load_json_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(path + ": cannot open config file");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_json_text(ss.str(), path);
+}
+
+void apply_override(json& root, const std::string& assignment) {
+  auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw InputError("--set " + assignment + ": expected key.path=value");
+  std::string path = assignment.substr(0, eq), value_text = assignment.substr(eq + 1);
+  json value;
+  try {
+    value = json::parse(value_text);
+  } catch (const json::parse_error&) {
+    value = value_text;  // bare words are strings: --set scheduler.type=WarmupLR
+  }
+  json* node = &root;
+  size_t start = 0;
+  while (true) {
+    size_t dot = path.find('.', start);
+    std::string key = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    if (key.empty()) throw InputError("--set " + assignment + ": empty key in `" + path + "`");
+    if (!node->is_object()) throw InputError("--set " + assignment + ": `" + path.substr(0, start - 1) + "` is not an object");
+    if (dot == std::string::npos) {
+      (*node)[key] = value;
+      return;
+    }
+    node = &(*node)[key];
+    if (node->is_null()) *node = json::object();
+    start = dot + 1;
+  }
+}
+
+Config read_config(const json& root, const std::string& file, int64_t world_size) {
+  Config c;
+  c.file = file;
+  c.resolved = json::object();
+  Section top(&root, "", file, &c.resolved);
+  c.model = read_model(top);
+  c.data = read_data(top, c.model);
+  c.training = read_training(top);
+  c.batch = derive_batch(top, world_size);
+  c.resolved["train_batch_size"] = c.batch.train_batch_size;
+  c.resolved["train_micro_batch_size_per_gpu"] = c.batch.micro_batch;
+  c.resolved["gradient_accumulation_steps"] = c.batch.gradient_accumulation_steps;
+  c.optimizer = read_optimizer(top);
+  c.scheduler = read_scheduler(top, c.optimizer, c.training.steps);
+  c.gradient_clipping = top.number_or_auto("gradient_clipping", 1.0, 1.0, 0.0, 1e30);
+  c.steps_per_print = top.integer("steps_per_print", 10, 1, kMaxInt);
+  c.wall_clock_breakdown = top.boolean("wall_clock_breakdown", false);
+  c.zero_stage = read_zero(top);
+  read_unsupported_top_level(top);
+  top.finish(kDeepSpeedOnlyTopLevel);
+  return c;
+}
+
+json quickstart_json() {
+  // A small GPT on the built-in synthetic task: learns in well under two minutes on 2 cores.
+  return json::parse(R"({
+    "_comment": "zero3d quick-start: a small GPT-2 on the built-in synthetic task",
+    "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 8,
+    "steps_per_print": 10,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 20,
+                             "warmup_type": "linear", "total_num_steps": "auto"}},
+    "model": {"vocab_size": 256, "n_positions": 64, "n_layer": 2, "n_head": 4, "n_embd": 128},
+    "data": {"source": "synthetic"},
+    "training": {"steps": 200, "seed": 1234}
+  })");
+}
+
+}  // namespace zero3d

@@ -1,0 +1,122 @@
+// config.hpp — plain option structs, and the one reader that fills them from JSON.
+//
+// Every module below the engine receives these structs, never JSON. The reader
+// (config.cpp) is the only place that knows key names: it tracks which keys were read,
+// rejects unknown ones with the nearest known key, fills defaults, derives the batch
+// triad exactly as DeepSpeed does (DEEPSPEED-FACTS §1.2), and records the resolved
+// configuration that a run writes to output/<run>/config.json.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace zero3d {
+
+struct ModelConfig {
+  int64_t vocab_size = 256;
+  int64_t n_positions = 256;  // T: the sequence length trained on
+  int64_t n_layer = 2;
+  int64_t n_head = 2;
+  int64_t n_embd = 64;
+  std::string init_from;  // HDF5 or safetensors file with Hugging Face GPT-2 names; empty = init from seed
+};
+
+enum class DataSource { Synthetic, Text, Tokens };
+
+struct DataConfig {
+  DataSource source = DataSource::Synthetic;
+  std::string path;      // text file, or llm.c token shard(s) (a glob pattern is allowed)
+  bool shuffle = false;  // false: llm.c's sequential windows; true: windows at seeded random offsets
+};
+
+struct TrainingConfig {
+  int64_t steps = 100;
+  uint64_t seed = 1234;
+  std::string output_dir;    // where metrics.jsonl and config.json go
+  double peak_gflops = 0.0;  // per-rank peak used for MFU; 0 = measure a short sgemm at start-up
+};
+
+enum class OptimizerType { Adam, Lamb, SGD };
+
+// One struct for all optimizers: each type reads the fields it owns (see config.cpp).
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::Adam;
+  std::string type_name = "AdamW";
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool bias_correction = true;
+  bool adam_w_mode = true;       // Adam/AdamW: decoupled weight decay (DeepSpeed FusedAdam mode 1)
+  bool eps_inside_sqrt = false;  // Lamb
+  double max_coeff = 10.0, min_coeff = 0.01;  // Lamb trust-ratio clamp
+  double momentum = 0.0, dampening = 0.0;     // SGD
+  bool nesterov = false;                      // SGD
+};
+
+enum class SchedulerType { None, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest };
+
+struct SchedulerConfig {
+  SchedulerType type = SchedulerType::None;
+  std::string type_name;
+  // WarmupLR / WarmupDecayLR / WarmupCosineLR
+  double warmup_min_lr = 0.0, warmup_max_lr = 1e-3;
+  int64_t warmup_num_steps = 1000;
+  bool warmup_log = true;  // warmup_type "log" (true) or "linear"
+  int64_t total_num_steps = 0;
+  double warmup_min_ratio = 0.0, cos_min_ratio = 1e-4;
+  // OneCycle
+  double cycle_min_lr = 0.0, cycle_max_lr = 0.0, decay_lr_rate = 0.0;
+  int64_t cycle_first_step_size = 2000, cycle_second_step_size = 2000;
+  int64_t cycle_first_stair_count = 0, cycle_second_stair_count = 0, decay_step_size = 0;
+  bool cycle_momentum = true;
+  double cycle_min_mom = 0.8, cycle_max_mom = 0.9, decay_mom_rate = 0.0;
+  // LRRangeTest
+  double lr_range_test_min_lr = 1e-3, lr_range_test_step_rate = 1.0;
+  int64_t lr_range_test_step_size = 2000;
+  bool lr_range_test_staircase = false;
+};
+
+// The batch triad after derivation: train_batch_size == micro_batch * gas * world_size.
+struct BatchConfig {
+  int64_t train_batch_size = 0;
+  int64_t micro_batch = 0;  // train_micro_batch_size_per_gpu
+  int64_t gradient_accumulation_steps = 0;
+  int64_t world_size = 1;   // data-parallel size used for the derivation
+  std::string derivation;   // human-readable account printed at start-up
+};
+
+struct Config {
+  std::string file;  // where it came from, for messages
+  ModelConfig model;
+  DataConfig data;
+  TrainingConfig training;
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  BatchConfig batch;
+  double gradient_clipping = 1.0;  // DeepSpeed 0.19.6 default; 0 disables
+  int64_t steps_per_print = 10;
+  bool wall_clock_breakdown = false;
+  int64_t zero_stage = 0;
+  nlohmann::json resolved;  // every key with its value after defaults and derivation
+};
+
+// Parses JSON text; syntax errors name file:line:column. Duplicate keys are rejected.
+nlohmann::json parse_json_text(const std::string& text, const std::string& file);
+
+// Reads a file and parses it (parse_json_text). Unreadable file -> InputError naming it.
+nlohmann::json load_json_file(const std::string& path);
+
+// Applies one `--set key.path=value` override; value is parsed as JSON, else taken as a string.
+void apply_override(nlohmann::json& root, const std::string& assignment);
+
+// Validates and resolves a whole config for a data-parallel world of `world_size` ranks.
+// Throws InputError with one message naming the file, key and value.
+Config read_config(const nlohmann::json& root, const std::string& file, int64_t world_size);
+
+// The built-in quick-start configuration (also shipped as input/quickstart.json).
+nlohmann::json quickstart_json();
+
+}  // namespace zero3d

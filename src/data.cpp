@@ -1,0 +1,132 @@
+// data.cpp — the three data sources behind DataLoader.
+#include "data.hpp"
+
+#include <glob.h>
+
+#include <algorithm>
+#include <fstream>
+#include <numeric>
+
+#include "base.hpp"
+#include "rng.hpp"
+
+namespace zero3d {
+
+namespace {
+constexpr int32_t kShardMagic = 20240520;
+constexpr int32_t kShardVersion = 1;
+constexpr double kSyntheticNoise = 0.1;  // probability that the next token is random
+
+std::vector<std::string> expand_glob(const std::string& pattern) {
+  glob_t g{};
+  std::vector<std::string> out;
+  if (::glob(pattern.c_str(), 0, nullptr, &g) == 0)
+    for (size_t i = 0; i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
+  globfree(&g);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+}  // namespace
+
+std::vector<int32_t> read_token_shard(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(path + ": cannot open token shard");
+  int32_t header[256];
+  if (!in.read(reinterpret_cast<char*>(header), sizeof(header)))
+    throw InputError(path + ": too short for an llm.c token shard header (1024 bytes)");
+  if (header[0] != kShardMagic)
+    throw InputError(path + ": not an llm.c token shard (magic " + std::to_string(header[0]) + ", expected " +
+                     std::to_string(kShardMagic) + ")");
+  if (header[1] != kShardVersion)
+    throw InputError(path + ": unsupported token shard version " + std::to_string(header[1]) + " (expected 1)");
+  const int64_t n = header[2];
+  std::vector<uint16_t> raw(static_cast<size_t>(n));
+  if (n < 0 || !in.read(reinterpret_cast<char*>(raw.data()), n * 2))
+    throw InputError(path + ": header promises " + std::to_string(n) + " tokens but the file is shorter");
+  return std::vector<int32_t>(raw.begin(), raw.end());
+}
+
+DataLoader::DataLoader(const DataConfig& cfg, int64_t vocab_size, int64_t B, int64_t T, uint64_t seed)
+    : cfg_(cfg), V_(vocab_size), B_(B), T_(T), seed_(seed) {
+  const int64_t window = B * T;
+  if (cfg.source == DataSource::Synthetic) {
+    // A random permutation: token x is followed by successor[x] with probability 1 - noise.
+    successor_.resize(static_cast<size_t>(V_));
+    std::iota(successor_.begin(), successor_.end(), 0);
+    Rng rng(seed, hash_name("data.synthetic.successor"));
+    for (int64_t i = V_ - 1; i > 0; --i) std::swap(successor_[i], successor_[rng.below(static_cast<uint64_t>(i + 1))]);
+    description_ = "synthetic: next token = fixed permutation of the current one, randomised with p=0.1";
+    return;
+  }
+  std::vector<std::string> files;
+  if (cfg.source == DataSource::Text) {
+    files = {cfg.path};
+  } else {
+    files = expand_glob(cfg.path);
+    if (files.empty()) throw InputError("data.path: no token shard matches \"" + cfg.path + "\"");
+  }
+  for (const std::string& f : files) {
+    std::vector<int32_t> toks;
+    if (cfg.source == DataSource::Text) {
+      std::ifstream in(f, std::ios::binary);
+      if (!in) throw InputError(f + ": cannot open text file (data.path)");
+      std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      toks.reserve(bytes.size());
+      for (unsigned char c : bytes) toks.push_back(c);
+    } else {
+      toks = read_token_shard(f);
+      for (size_t i = 0; i < toks.size(); ++i)
+        if (toks[i] >= V_)
+          throw InputError(f + ": token " + std::to_string(toks[i]) + " at position " + std::to_string(i) +
+                           " is outside model.vocab_size " + std::to_string(V_));
+    }
+    const int64_t n = static_cast<int64_t>(toks.size());
+    if (n < window + 1)
+      throw InputError(f + ": has " + std::to_string(n) + " tokens; one micro-batch needs B*T+1 = " +
+                       std::to_string(window + 1));
+    // llm.c moves on to the next shard when a window of B*T+1 would run past the end.
+    const int64_t base = static_cast<int64_t>(tokens_.size());
+    for (int64_t pos = 0; pos + window + 1 <= n; pos += window) window_starts_.push_back(base + pos);
+    tokens_.insert(tokens_.end(), toks.begin(), toks.end());
+  }
+  description_ = std::string(cfg.source == DataSource::Text ? "byte-level text" : "llm.c token shards") + " (" +
+                 std::to_string(files.size()) + " file" + (files.size() > 1 ? "s" : "") + ", " +
+                 std::to_string(tokens_.size()) + " tokens, " +
+                 (cfg.shuffle ? "shuffled windows" : std::to_string(window_starts_.size()) + " sequential windows") +
+                 ")";
+}
+
+std::string DataLoader::describe() const { return description_; }
+
+void DataLoader::synthetic_batch(int64_t k, int32_t* inputs, int32_t* targets) const {
+  for (int64_t b = 0; b < B_; ++b) {
+    Rng rng(seed_, static_cast<uint64_t>(k * B_ + b) ^ 0xD5A7A5EEDull);
+    int32_t x = static_cast<int32_t>(rng.below(static_cast<uint64_t>(V_)));
+    for (int64_t t = 0; t <= T_; ++t) {
+      if (t < T_) inputs[b * T_ + t] = x;
+      if (t > 0) targets[b * T_ + t - 1] = x;
+      x = rng.uniform() < kSyntheticNoise ? static_cast<int32_t>(rng.below(static_cast<uint64_t>(V_))) : successor_[x];
+    }
+  }
+}
+
+void DataLoader::micro_batch(int64_t k, int32_t* inputs, int32_t* targets) const {
+  if (cfg_.source == DataSource::Synthetic) return synthetic_batch(k, inputs, targets);
+  const int64_t window = B_ * T_;
+  if (!cfg_.shuffle) {
+    const int64_t start = window_starts_[static_cast<size_t>(k % static_cast<int64_t>(window_starts_.size()))];
+    std::copy_n(tokens_.begin() + start, window, inputs);
+    std::copy_n(tokens_.begin() + start + 1, window, targets);
+    return;
+  }
+  // Shuffled: each row is T+1 tokens from a seeded random offset.
+  const int64_t n = static_cast<int64_t>(tokens_.size());
+  for (int64_t b = 0; b < B_; ++b) {
+    Rng rng(seed_, static_cast<uint64_t>(k * B_ + b) ^ 0x5EFF1Eull);
+    const int64_t start = static_cast<int64_t>(rng.below(static_cast<uint64_t>(n - T_)));
+    std::copy_n(tokens_.begin() + start, T_, inputs + b * T_);
+    std::copy_n(tokens_.begin() + start + 1, T_, targets + b * T_);
+  }
+}
+
+}  // namespace zero3d

@@ -1,0 +1,205 @@
+// engine.cpp — the training loop. Reads like the algorithm (DEEPSPEED-FACTS §1.2, §3, §4).
+#include "engine.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+
+#include "base.hpp"
+#include "reduce.hpp"
+#include "weights.hpp"
+
+namespace zero3d {
+
+namespace {
+GPTShape shape_of(const ModelConfig& m) {
+  return GPTShape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
+}
+
+void check_mpi(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) throw SystemError(std::string("MPI error in ") + what);
+}
+}  // namespace
+
+Engine::Engine(const Config& cfg, MPI_Comm comm, std::string output_dir)
+    : cfg_(cfg), comm_(comm), output_dir_(std::move(output_dir)) {
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &world_);
+  const int64_t B = cfg_.batch.micro_batch, T = cfg_.model.n_positions;
+  model_ = std::make_unique<GPT>(shape_of(cfg_.model), B, T);
+  if (cfg_.model.init_from.empty())
+    init_gpt_params(model_->params().data(), model_->layout(), model_->shape(), cfg_.training.seed);
+  else
+    load_weights(cfg_.model.init_from, model_->layout(), model_->params().data());
+  data_ = std::make_unique<DataLoader>(cfg_.data, cfg_.model.vocab_size, B, T, cfg_.training.seed);
+  optimizer_ = std::make_unique<Optimizer>(cfg_.optimizer, model_->layout());
+  schedule_ = std::make_unique<LRSchedule>(cfg_.scheduler, cfg_.optimizer.lr);
+  inputs_ = Kokkos::View<int32_t*>("inputs", B * T);
+  targets_ = Kokkos::View<int32_t*>("targets", B * T);
+
+  flops_per_token_ = gpt_flops_per_token(model_->shape(), model_->num_params());
+  double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_sgemm_peak_gflops();
+  check_mpi(MPI_Allreduce(&peak, &peak_gflops_total_, 1, MPI_DOUBLE, MPI_SUM, comm_), "peak allreduce");
+
+  if (rank_ == 0 && !output_dir_.empty()) {
+    make_directories(output_dir_);
+    std::ofstream out(output_dir_ + "/config.json");
+    out << cfg_.resolved.dump(2) << '\n';
+    if (!out) throw SystemError(output_dir_ + "/config.json: write failed");
+    metrics_ = std::make_unique<MetricsWriter>(output_dir_ + "/metrics.jsonl");
+  }
+  print_startup();
+}
+
+void Engine::print_startup() const {
+  if (rank_ != 0) return;
+  const GPTShape& s = model_->shape();
+  std::printf("zero3d %s | world size %d (data parallel %d) | Kokkos %s\n", ZERO3D_VERSION, world_, world_,
+              typeid(Kokkos::DefaultExecutionSpace).name() == typeid(Kokkos::Serial).name() ? "Serial" : "device");
+  std::printf("model   GPT-2 V=%lld T=%lld L=%lld H=%lld C=%lld: %lld parameters (%.2f MB fp32), %s\n",
+              (long long)s.vocab_size, (long long)s.n_positions, (long long)s.n_layer, (long long)s.n_head,
+              (long long)s.n_embd, (long long)model_->num_params(), model_->num_params() * 4.0 / 1e6,
+              cfg_.model.init_from.empty() ? ("initialised from seed " + std::to_string(cfg_.training.seed)).c_str()
+                                           : ("loaded from " + cfg_.model.init_from).c_str());
+  std::printf("batch   %s\n", cfg_.batch.derivation.c_str());
+  std::printf("data    %s\n", data_->describe().c_str());
+  std::printf("optim   %s lr %.3g%s | clip %.3g | %lld steps | MFU peak %.1f GFLOP/s (%s)\n",
+              cfg_.optimizer.type_name.c_str(), cfg_.optimizer.lr,
+              cfg_.scheduler.type == SchedulerType::None ? "" : (" | scheduler " + cfg_.scheduler.type_name).c_str(),
+              cfg_.gradient_clipping, (long long)cfg_.training.steps, peak_gflops_total_,
+              cfg_.training.peak_gflops > 0 ? "training.peak_gflops" : "measured sgemm, all ranks");
+  if (!output_dir_.empty()) std::printf("output  %s/{config.json,metrics.jsonl}\n", output_dir_.c_str());
+  std::fflush(stdout);
+}
+
+// Averages gradients over the data-parallel group: one reduction per optimizer step.
+void Engine::allreduce_mean_gradients() {
+  if (world_ == 1) return;
+  float* g = model_->grads().data();
+  const int64_t n = model_->num_params();
+  constexpr int64_t kMaxCount = std::numeric_limits<int>::max() / 2;  // MPI counts are int
+  for (int64_t off = 0; off < n; off += kMaxCount) {
+    const int count = static_cast<int>(std::min(kMaxCount, n - off));
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, g + off, count, MPI_FLOAT, MPI_SUM, comm_), "gradient allreduce");
+  }
+  kernels::scale_in_place(g, n, 1.0f / static_cast<float>(world_));
+}
+
+StepResult Engine::train_step() {
+  const auto t0 = std::chrono::steady_clock::now();
+  timers_.reset();
+  const int64_t gas = cfg_.batch.gradient_accumulation_steps;
+  StepResult r;
+  r.step = step_ + 1;
+  r.lr = schedule_->lr();
+
+  model_->zero_grad();
+  auto host_in = Kokkos::create_mirror_view(inputs_);
+  auto host_tgt = Kokkos::create_mirror_view(targets_);
+  double local_loss = 0.0;
+  for (int64_t micro = 0; micro < gas; ++micro) {
+    const int64_t k = (step_ * gas + micro) * world_ + rank_;  // global micro-batch number
+    data_->micro_batch(k, host_in.data(), host_tgt.data());
+    Kokkos::deep_copy(inputs_, host_in);
+    Kokkos::deep_copy(targets_, host_tgt);
+    {
+      auto t = timers_.time("forward");
+      local_loss += model_->forward(inputs_.data(), targets_.data());
+    }
+    {
+      auto t = timers_.time("backward_inner");
+      // DeepSpeed scales the loss by 1/GAS so that accumulated gradients are a mean.
+      model_->backward(1.0f / static_cast<float>(gas));
+    }
+  }
+  {
+    auto t = timers_.time("backward_allreduce");
+    allreduce_mean_gradients();
+  }
+  {
+    auto t = timers_.time("step");
+    float* g = model_->grads().data();
+    const int64_t n = model_->num_params();
+    r.grad_norm = std::sqrt(kernels::sum_of_squares(g, n));
+    // Global-norm clipping as torch.nn.utils.clip_grad_norm_ (DeepSpeed fp32 path, FACTS §3).
+    if (cfg_.gradient_clipping > 0.0) {
+      const double coef = cfg_.gradient_clipping / (r.grad_norm + 1e-6);
+      if (coef < 1.0) kernels::scale_in_place(g, n, static_cast<float>(coef));
+    }
+    optimizer_->step(model_->params().data(), g, r.lr, schedule_->betas());
+    schedule_->step();
+  }
+  double mean_loss = local_loss / static_cast<double>(gas);
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &mean_loss, 1, MPI_DOUBLE, MPI_SUM, comm_), "loss allreduce");
+  r.loss = mean_loss / world_;
+  ++step_;
+
+  r.elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double tokens = static_cast<double>(cfg_.batch.train_batch_size * cfg_.model.n_positions);
+  r.tokens_per_s = tokens / (r.elapsed_ms / 1e3);
+  r.mfu = flops_per_token_ * r.tokens_per_s / (peak_gflops_total_ * 1e9);
+  return r;
+}
+
+std::vector<StepResult> Engine::train() {
+  std::vector<StepResult> results;
+  double total_ms = 0.0;
+  for (int64_t s = 0; s < cfg_.training.steps; ++s) {
+    StepResult r = train_step();
+    results.push_back(r);
+    if (s > 0 || cfg_.training.steps == 1) total_ms += r.elapsed_ms;  // the first step warms caches
+    if (rank_ != 0) continue;
+    const auto& ms = timers_.ms();
+    if (metrics_) {
+      nlohmann::json rec = {{"step", r.step},
+                            {"loss", r.loss},
+                            {"lr", r.lr},
+                            {"grad_norm", r.grad_norm},
+                            {"tokens_per_s", r.tokens_per_s},
+                            {"mfu", r.mfu},
+                            {"elapsed_ms", r.elapsed_ms},
+                            {"samples", r.step * cfg_.batch.train_batch_size}};
+      if (cfg_.wall_clock_breakdown) {
+        const double fwd = ms.count("forward") ? ms.at("forward") : 0.0;
+        const double inner = ms.count("backward_inner") ? ms.at("backward_inner") : 0.0;
+        const double ar = ms.count("backward_allreduce") ? ms.at("backward_allreduce") : 0.0;
+        const double st = ms.count("step") ? ms.at("step") : 0.0;
+        rec["time_ms"] = {{"forward", fwd}, {"backward", inner + ar}, {"backward_inner", inner},
+                          {"backward_allreduce", ar}, {"step", st}};
+      }
+      metrics_->write(rec);
+    }
+    if (r.step % cfg_.steps_per_print == 0 || r.step == 1 || r.step == cfg_.training.steps) {
+      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad_norm %.4f | %8.0f tok/s | MFU %5.1f%% | %7.1f ms\n",
+                  (long long)r.step, (long long)cfg_.training.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s,
+                  100.0 * r.mfu, r.elapsed_ms);
+      if (cfg_.wall_clock_breakdown) {
+        std::printf("time (ms) | forward: %.2f | backward: %.2f | backward_inner: %.2f | backward_allreduce: %.2f | "
+                    "step: %.2f\n",
+                    ms.count("forward") ? ms.at("forward") : 0.0,
+                    (ms.count("backward_inner") ? ms.at("backward_inner") : 0.0) +
+                        (ms.count("backward_allreduce") ? ms.at("backward_allreduce") : 0.0),
+                    ms.count("backward_inner") ? ms.at("backward_inner") : 0.0,
+                    ms.count("backward_allreduce") ? ms.at("backward_allreduce") : 0.0,
+                    ms.count("step") ? ms.at("step") : 0.0);
+      }
+      std::fflush(stdout);
+    }
+  }
+  if (rank_ == 0 && !results.empty()) {
+    const int64_t timed = std::max<int64_t>(1, static_cast<int64_t>(results.size()) - 1);
+    const double tokens = static_cast<double>(timed) * cfg_.batch.train_batch_size * cfg_.model.n_positions;
+    const double tps = tokens / (total_ms / 1e3);
+    std::printf("done: %lld steps | final loss %.4f (first %.4f) | %.0f tokens/s | MFU %.1f%% of %.1f GFLOP/s | "
+                "%.1f s\n",
+                (long long)results.size(), results.back().loss, results.front().loss, tps,
+                100.0 * flops_per_token_ * tps / (peak_gflops_total_ * 1e9), peak_gflops_total_,
+                (total_ms + results.front().elapsed_ms) / 1e3);
+    std::fflush(stdout);
+  }
+  return results;
+}
+
+}  // namespace zero3d

@@ -1,0 +1,62 @@
+// engine.hpp — builds model, data, optimizer and schedule from a Config and runs the
+// training loop: micro-batches with local gradient accumulation, one data-parallel
+// gradient average per optimizer step, clipping, update, LR step, one line of figures.
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config.hpp"
+#include "data.hpp"
+#include "lr_schedule.hpp"
+#include "model.hpp"
+#include "monitor.hpp"
+#include "optimizer.hpp"
+
+namespace zero3d {
+
+struct StepResult {
+  int64_t step = 0;  // 1-based optimizer step
+  double loss = 0.0; // mean over the global batch
+  double lr = 0.0;
+  double grad_norm = 0.0;  // before clipping
+  double elapsed_ms = 0.0;
+  double tokens_per_s = 0.0;
+  double mfu = 0.0;
+};
+
+class Engine {
+ public:
+  // comm: the data-parallel group. output_dir empty = write no files.
+  Engine(const Config& cfg, MPI_Comm comm, std::string output_dir);
+
+  // Runs cfg.training.steps optimizer steps; returns the per-step results.
+  std::vector<StepResult> train();
+  StepResult train_step();
+
+  GPT& model() { return *model_; }
+  int rank() const { return rank_; }
+
+ private:
+  void print_startup() const;
+  void allreduce_mean_gradients();
+
+  Config cfg_;
+  MPI_Comm comm_;
+  int rank_ = 0, world_ = 1;
+  std::string output_dir_;
+  std::unique_ptr<GPT> model_;
+  std::unique_ptr<DataLoader> data_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<LRSchedule> schedule_;
+  std::unique_ptr<MetricsWriter> metrics_;
+  PhaseTimers timers_;
+  Kokkos::View<int32_t*> inputs_, targets_;
+  double flops_per_token_ = 0.0, peak_gflops_total_ = 0.0;
+  int64_t step_ = 0;
+};
+
+}  // namespace zero3d

@@ -1,0 +1,215 @@
+// model.cpp — GPT-2 forward and backward: the layer loop, read top-down then bottom-up.
+#include "model.hpp"
+
+#include <cblas.h>
+
+#include <cmath>
+
+#include "attention.hpp"
+#include "crossentropy.hpp"
+#include "encoder.hpp"
+#include "gelu.hpp"
+#include "layernorm.hpp"
+#include "matmul.hpp"
+#include "rng.hpp"
+
+namespace zero3d {
+
+using namespace kernels;
+
+namespace {
+const char* kBlockTensorNames[] = {"ln_1.weight",       "ln_1.bias",       "attn.c_attn.weight", "attn.c_attn.bias",
+                                   "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight",        "ln_2.bias",
+                                   "mlp.c_fc.weight",    "mlp.c_fc.bias",    "mlp.c_proj.weight",  "mlp.c_proj.bias"};
+
+void copy(float* dst, const float* src, int64_t n) {
+  Kokkos::parallel_for("copy", range(n), KOKKOS_LAMBDA(Index i) { dst[i] = src[i]; });
+}
+}  // namespace
+
+ParamLayout gpt_layout(const GPTShape& s) {
+  const int64_t V = s.vocab_size, T = s.n_positions, C = s.n_embd;
+  ParamLayout layout;
+  layout.add("wte.weight", {V, C});
+  layout.add("wpe.weight", {T, C});
+  for (int64_t l = 0; l < s.n_layer; ++l) {
+    const std::string p = "h." + std::to_string(l) + ".";
+    const std::vector<std::vector<int64_t>> shapes = {{C}, {C}, {C, 3 * C}, {3 * C}, {C, C},     {C},
+                                                      {C}, {C}, {C, 4 * C}, {4 * C}, {4 * C, C}, {C}};
+    for (size_t k = 0; k < shapes.size(); ++k) layout.add(p + kBlockTensorNames[k], shapes[k]);
+  }
+  layout.add("ln_f.weight", {C});
+  layout.add("ln_f.bias", {C});
+  return layout;
+}
+
+double gpt_flops_per_token(const GPTShape& s, int64_t num_params) {
+  return 6.0 * static_cast<double>(num_params) +
+         12.0 * static_cast<double>(s.n_layer) * static_cast<double>(s.n_positions) * static_cast<double>(s.n_embd);
+}
+
+void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& shape, uint64_t seed) {
+  const double proj_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(shape.n_layer));
+  for (const TensorSpec& t : layout.tensors()) {
+    float* p = params + t.offset;
+    const auto ends_with = [&](const char* suffix) {
+      const std::string s(suffix);
+      return t.name.size() >= s.size() && t.name.compare(t.name.size() - s.size(), s.size(), s) == 0;
+    };
+    const bool is_layernorm = t.name.find("ln_") != std::string::npos;
+    if (ends_with(".bias")) {
+      for (int64_t i = 0; i < t.numel; ++i) p[i] = 0.0f;
+    } else if (is_layernorm) {
+      for (int64_t i = 0; i < t.numel; ++i) p[i] = 1.0f;
+    } else {
+      // GPT-2 scales the residual projections by 1/sqrt(2L) (Radford et al. 2019, §2.3).
+      const double std = 0.02 * (ends_with("c_proj.weight") ? proj_scale : 1.0);
+      Rng rng(seed, hash_name(t.name));
+      for (int64_t i = 0; i < t.numel; ++i) p[i] = static_cast<float>(std * rng.normal());
+    }
+  }
+}
+
+GPT::GPT(const GPTShape& shape, int64_t B, int64_t T) : shape_(shape), B_(B), T_(T), layout_(gpt_layout(shape)) {
+  const int64_t L = shape.n_layer, C = shape.n_embd, V = shape.vocab_size, H = shape.n_head, BT = B * T;
+  params_ = make_flat_buffer("params", layout_.total());
+  grads_ = make_flat_buffer("grads", layout_.total());
+  for (int64_t l = 0; l < L; ++l) block_offsets_.push_back(layout_.find("h." + std::to_string(l) + ".ln_1.weight")->offset);
+
+  // Activations: one allocation, carved into named arrays in forward order.
+  const int64_t per_block = 16 * BT * C + 4 * BT + B * H * T * T;
+  const int64_t total = BT * C + L * per_block + BT * C + 2 * BT + BT * V + 2 * BT;
+  acts_ = make_scratch_buffer("activations", total);
+  float* p = acts_.data();
+  auto take = [&p](int64_t n) {
+    float* out = p;
+    p += n;
+    return out;
+  };
+  encoded_ = take(BT * C);
+  for (int64_t l = 0; l < L; ++l) {
+    BlockActivations a;
+    a.ln_1 = take(BT * C);
+    a.ln_1_mean = take(BT);
+    a.ln_1_rstd = take(BT);
+    a.qkv = take(3 * BT * C);
+    a.att = take(B * H * T * T);
+    a.atty = take(BT * C);
+    a.res_2 = take(BT * C);
+    a.ln_2 = take(BT * C);
+    a.ln_2_mean = take(BT);
+    a.ln_2_rstd = take(BT);
+    a.fch = take(4 * BT * C);
+    a.fch_gelu = take(4 * BT * C);
+    a.res_3 = take(BT * C);
+    blocks_.push_back(a);
+  }
+  ln_f_ = take(BT * C);
+  ln_f_mean_ = take(BT);
+  ln_f_rstd_ = take(BT);
+  logits_ = take(BT * V);
+  losses_ = take(BT);
+  lse_ = take(BT);
+
+  // Backward scratch, shared by all blocks.
+  scratch_ = make_scratch_buffer("backward_scratch", BT * C * 3 + 3 * BT * C + 4 * BT * C + kRowBlock * T);
+  p = scratch_.data();
+  dres_ = take(BT * C);
+  dln_ = take(BT * C);
+  datty_ = take(BT * C);
+  dqkv_ = take(3 * BT * C);
+  dfch_ = take(4 * BT * C);
+  datt_scratch_ = take(kRowBlock * T);
+}
+
+BlockTensors GPT::block(float* base, int64_t l) const {
+  const int64_t C = shape_.n_embd;
+  float* p = base + block_offsets_[l];
+  BlockTensors b;
+  float** fields[] = {&b.ln_1_w, &b.ln_1_b, &b.c_attn_w, &b.c_attn_b, &b.attn_proj_w, &b.attn_proj_b,
+                      &b.ln_2_w, &b.ln_2_b, &b.c_fc_w,   &b.c_fc_b,   &b.mlp_proj_w,  &b.mlp_proj_b};
+  const int64_t sizes[] = {C, C, 3 * C * C, 3 * C, C * C, C, C, C, 4 * C * C, 4 * C, 4 * C * C, C};
+  for (int k = 0; k < 12; ++k) {
+    *fields[k] = p;
+    p += sizes[k];
+  }
+  return b;
+}
+
+float GPT::forward(const int32_t* tokens, const int32_t* targets) {
+  const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
+  float* P = params_.data();
+  const float* wte = P + layout_.find("wte.weight")->offset;
+  const float* wpe = P + layout_.find("wpe.weight")->offset;
+  tokens_ = tokens;
+  targets_ = targets;
+
+  encoder_forward(encoded_, tokens, wte, wpe, B, T, C);
+  for (int64_t l = 0; l < shape_.n_layer; ++l) {
+    const BlockTensors w = block(P, l);
+    BlockActivations& a = blocks_[l];
+    const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
+    // x + attn(ln_1(x))
+    layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, BT, C);
+    matmul_forward(a.qkv, a.ln_1, w.c_attn_w, w.c_attn_b, BT, C, 3 * C);
+    attention_forward(a.atty, a.att, a.qkv, B, T, C, H);
+    copy(a.res_2, residual, BT * C);
+    matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true);
+    // x + mlp(ln_2(x))
+    layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, BT, C);
+    matmul_forward(a.fch, a.ln_2, w.c_fc_w, w.c_fc_b, BT, C, 4 * C);
+    gelu_forward(a.fch_gelu, a.fch, BT * 4 * C);
+    copy(a.res_3, a.res_2, BT * C);
+    matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true);
+  }
+  const float* last = blocks_.back().res_3;
+  layernorm_forward(ln_f_, ln_f_mean_, ln_f_rstd_, last, P + layout_.find("ln_f.weight")->offset,
+                    P + layout_.find("ln_f.bias")->offset, BT, C);
+  // LM head tied to wte: logits = ln_f · wteᵀ
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, BT, V, C, 1.0f, ln_f_, C, wte, C, 0.0f, logits_, V);
+  crossentropy_forward(losses_, lse_, logits_, targets, BT, V);
+  float sum = 0.0f;
+  const float* losses = losses_;
+  Kokkos::parallel_reduce("mean_loss", range(BT), KOKKOS_LAMBDA(Index i, float& acc) { acc += losses[i]; }, sum);
+  return sum / static_cast<float>(BT);
+}
+
+void GPT::backward(float grad_scale) {
+  const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
+  float* P = params_.data();
+  float* G = grads_.data();
+  const TensorSpec& wte = *layout_.find("wte.weight");
+  const TensorSpec& lnf_w = *layout_.find("ln_f.weight");
+  const TensorSpec& lnf_b = *layout_.find("ln_f.bias");
+
+  // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
+  crossentropy_backward(logits_, lse_, targets_, grad_scale / static_cast<float>(BT), BT, V);
+  float* dlogits = logits_;
+  // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, BT, C, V, 1.0f, dlogits, V, P + wte.offset, C, 0.0f, dln_, C);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, BT, 1.0f, dlogits, V, ln_f_, C, 1.0f, G + wte.offset, C);
+  Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres_, BT * C), 0.0f);
+  layernorm_backward(dres_, G + lnf_w.offset, G + lnf_b.offset, dln_, blocks_.back().res_3, P + lnf_w.offset,
+                     ln_f_mean_, ln_f_rstd_, BT, C);
+
+  for (int64_t l = shape_.n_layer - 1; l >= 0; --l) {
+    const BlockTensors w = block(P, l), dw = block(G, l);
+    const BlockActivations& a = blocks_[l];
+    const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
+    // MLP half: dres holds d(res_3)
+    matmul_backward(dfch_, dw.mlp_proj_w, dw.mlp_proj_b, dres_, a.fch_gelu, w.mlp_proj_w, BT, 4 * C, C);
+    gelu_backward(dfch_, a.fch, dfch_, BT * 4 * C);
+    matmul_backward(dln_, dw.c_fc_w, dw.c_fc_b, dfch_, a.ln_2, w.c_fc_w, BT, C, 4 * C);
+    layernorm_backward(dres_, dw.ln_2_w, dw.ln_2_b, dln_, a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, BT, C);
+    // attention half: dres now holds d(res_2)
+    matmul_backward(datty_, dw.attn_proj_w, dw.attn_proj_b, dres_, a.atty, w.attn_proj_w, BT, C, C);
+    attention_backward(dqkv_, datt_scratch_, datty_, a.qkv, a.att, B, T, C, H);
+    matmul_backward(dln_, dw.c_attn_w, dw.c_attn_b, dqkv_, a.ln_1, w.c_attn_w, BT, C, 3 * C);
+    layernorm_backward(dres_, dw.ln_1_w, dw.ln_1_b, dln_, residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, BT, C);
+  }
+  encoder_backward(G + wte.offset, G + layout_.find("wpe.weight")->offset, dres_, tokens_, B, T, C);
+}
+
+void GPT::zero_grad() { Kokkos::deep_copy(grads_, 0.0f); }
+
+}  // namespace zero3d

@@ -1,0 +1,55 @@
+// monitor.hpp — timers, the MFU denominator, and the metrics.jsonl writer.
+#pragma once
+
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace zero3d {
+
+// Wall-clock milliseconds accumulated per named phase; reset once per optimizer step.
+// Names follow DeepSpeed's wall_clock_breakdown timers: forward, backward, backward_inner,
+// backward_allreduce, step.
+class PhaseTimers {
+ public:
+  class Scope {
+   public:
+    Scope(PhaseTimers& t, const char* name) : t_(t), name_(name), start_(std::chrono::steady_clock::now()) {}
+    ~Scope() {
+      t_.ms_[name_] += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+    }
+
+   private:
+    PhaseTimers& t_;
+    const char* name_;
+    std::chrono::steady_clock::time_point start_;
+  };
+  Scope time(const char* name) { return Scope(*this, name); }
+  const std::map<std::string, double>& ms() const { return ms_; }
+  void reset() { ms_.clear(); }
+
+ private:
+  std::map<std::string, double> ms_;
+};
+
+// Peak single-rank GFLOP/s of a short square sgemm (the MFU denominator when
+// training.peak_gflops is not given). Takes about a quarter of a second.
+double measure_sgemm_peak_gflops();
+
+// Appends one JSON object per line; flushed after each so a killed run keeps its history.
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(const std::string& path);
+  void write(const nlohmann::json& record);
+
+ private:
+  std::ofstream out_;
+  std::string path_;
+};
+
+// mkdir -p; SystemError naming the path on failure.
+void make_directories(const std::string& path);
+
+}  // namespace zero3d

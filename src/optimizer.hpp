@@ -1,0 +1,37 @@
+// optimizer.hpp — the optimizer over one flat fp32 parameter buffer and its state.
+//
+// Adam keeps m and v, SGD a momentum buffer, LAMB m and v plus per-tensor trust ratios
+// (LAMB normalises each named tensor on its own, hence the ParamLayout).
+#pragma once
+
+#include <optional>
+#include <utility>
+
+#include "buffer.hpp"
+#include "config.hpp"
+
+namespace zero3d {
+
+class Optimizer {
+ public:
+  Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout);
+
+  // One update with learning rate `lr`; `betas` overrides (beta1, beta2) for this step (OneCycle).
+  void step(float* params, const float* grads, double lr,
+            std::optional<std::pair<double, double>> betas = std::nullopt);
+
+  int64_t step_count() const { return step_count_; }
+  const OptimizerConfig& config() const { return cfg_; }
+  // Bytes of optimizer state held (m, v or momentum).
+  int64_t state_bytes() const;
+  FlatBuffer& exp_avg() { return m_; }
+  FlatBuffer& exp_avg_sq() { return v_; }
+
+ private:
+  OptimizerConfig cfg_;
+  const ParamLayout& layout_;
+  FlatBuffer m_, v_;  // Adam/LAMB: first and second moments; SGD: m_ is the momentum buffer
+  int64_t step_count_ = 0;
+};
+
+}  // namespace zero3d

@@ -1,0 +1,129 @@
+// weights.cpp — HDF5 and safetensors readers for initial weights.
+#include "weights.hpp"
+
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "base.hpp"
+#include "h5.hpp"
+
+namespace zero3d {
+
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? "," : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      uint32_t m = mant;
+      do {
+        ++e;
+        m <<= 1;
+      } while ((m & 0x400u) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+void load_hdf5(const std::string& path, const ParamLayout& layout, float* params) {
+  h5::File f = h5::File::open_read(path);
+  for (const TensorSpec& t : layout.tensors()) {
+    std::string name = t.name;
+    if (!f.has(name) && f.has("transformer." + name)) name = "transformer." + name;
+    if (!f.has(name)) throw InputError(path + ": tensor `" + t.name + "` is missing (model.init_from)");
+    if (f.shape(name) != t.shape)
+      throw InputError(path + ": tensor `" + t.name + "` has shape " + shape_str(f.shape(name)) + ", the model needs " +
+                       shape_str(t.shape));
+    std::vector<float> data = f.read_floats(name);
+    std::memcpy(params + t.offset, data.data(), data.size() * sizeof(float));
+  }
+}
+
+void load_safetensors(const std::string& path, const ParamLayout& layout, float* params) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(path + ": file not found (model.init_from)");
+  uint64_t header_len = 0;
+  if (!in.read(reinterpret_cast<char*>(&header_len), 8) || header_len > (1ull << 30))
+    throw InputError(path + ": not a safetensors file (bad header length)");
+  std::string header(header_len, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(header_len)))
+    throw InputError(path + ": truncated safetensors header");
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(header);
+  } catch (const nlohmann::json::parse_error&) {
+    throw InputError(path + ": safetensors header is not valid JSON");
+  }
+  const std::streamoff data_start = 8 + static_cast<std::streamoff>(header_len);
+  for (const TensorSpec& t : layout.tensors()) {
+    std::string name = t.name;
+    if (!meta.contains(name) && meta.contains("transformer." + name)) name = "transformer." + name;
+    if (!meta.contains(name)) throw InputError(path + ": tensor `" + t.name + "` is missing (model.init_from)");
+    const auto& e = meta[name];
+    const std::string dtype = e.value("dtype", "");
+    const std::vector<int64_t> shape = e.value("shape", std::vector<int64_t>{});
+    if (shape != t.shape)
+      throw InputError(path + ": tensor `" + t.name + "` has shape " + shape_str(shape) + ", the model needs " +
+                       shape_str(t.shape));
+    const auto offsets = e.value("data_offsets", std::vector<int64_t>{0, 0});
+    const int64_t width = dtype == "F32" ? 4 : (dtype == "F16" || dtype == "BF16") ? 2 : 0;
+    if (width == 0) throw InputError(path + ": tensor `" + t.name + "` has dtype " + dtype + " (need F32, F16 or BF16)");
+    if (offsets.size() != 2 || offsets[1] - offsets[0] != width * t.numel)
+      throw InputError(path + ": tensor `" + t.name + "` has inconsistent data_offsets");
+    std::vector<char> raw(static_cast<size_t>(width * t.numel));
+    in.seekg(data_start + offsets[0]);
+    if (!in.read(raw.data(), static_cast<std::streamsize>(raw.size())))
+      throw InputError(path + ": tensor `" + t.name + "` runs past the end of the file");
+    float* dst = params + t.offset;
+    for (int64_t i = 0; i < t.numel; ++i) {
+      if (width == 4) {
+        std::memcpy(dst + i, raw.data() + 4 * i, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, raw.data() + 2 * i, 2);
+        if (dtype == "BF16") {
+          uint32_t bits = static_cast<uint32_t>(h) << 16;
+          std::memcpy(dst + i, &bits, 4);
+        } else {
+          dst[i] = half_to_float(h);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void load_weights(const std::string& path, const ParamLayout& layout, float* params) {
+  if (ends_with(path, ".safetensors")) return load_safetensors(path, layout, params);
+  load_hdf5(path, layout, params);
+}
+
+void save_weights_hdf5(const std::string& path, const ParamLayout& layout, const float* params) {
+  h5::File f = h5::File::create(path);
+  for (const TensorSpec& t : layout.tensors()) f.write_floats(t.name, params + t.offset, t.shape);
+}
+
+}  // namespace zero3d
