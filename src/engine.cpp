@@ -122,12 +122,7 @@ StepResult Engine::train_step() {
     auto t = timers_.time("step");
     float* g = model_->grads().data();
     const int64_t n = model_->num_params();
-    r.grad_norm = std::sqrt(kernels::sum_of_squares(g, n));
-    // Global-norm clipping as torch.nn.utils.clip_grad_norm_ (DeepSpeed fp32 path, FACTS §3).
-    if (cfg_.gradient_clipping > 0.0) {
-      const double coef = cfg_.gradient_clipping / (r.grad_norm + 1e-6);
-      if (coef < 1.0) kernels::scale_in_place(g, n, static_cast<float>(coef));
-    }
+    r.grad_norm = clip_grad_norm(g, n, cfg_.gradient_clipping);
     optimizer_->step(model_->params().data(), g, r.lr, schedule_->betas());
     schedule_->step();
   }

@@ -1,7 +1,10 @@
 // optimizer.cpp — dispatch to the fused update kernels.
 #include "optimizer.hpp"
 
+#include <cmath>
+
 #include "optimizers.hpp"
+#include "reduce.hpp"
 
 namespace zero3d {
 
@@ -47,6 +50,15 @@ void Optimizer::step(float* params, const float* grads, double lr, std::optional
       break;
     }
   }
+}
+
+double clip_grad_norm(float* grads, int64_t n, double max_norm) {
+  const double norm = std::sqrt(kernels::sum_of_squares(grads, n));
+  if (max_norm > 0.0) {
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) kernels::scale_in_place(grads, n, static_cast<float>(coef));
+  }
+  return norm;
 }
 
 }  // namespace zero3d

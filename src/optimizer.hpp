@@ -34,4 +34,8 @@ class Optimizer {
   int64_t step_count_ = 0;
 };
 
+// Global L2-norm clipping as torch.nn.utils.clip_grad_norm_ (DeepSpeed's fp32 path, FACTS §3):
+// coef = max_norm / (norm + 1e-6), applied when < 1. Returns the norm before clipping.
+double clip_grad_norm(float* grads, int64_t n, double max_norm);
+
 }  // namespace zero3d
