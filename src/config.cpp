@@ -715,9 +715,9 @@ json quickstart_json() {
     "scheduler": {"type": "WarmupDecayLR",
                   "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 20,
                              "warmup_type": "linear", "total_num_steps": "auto"}},
-    "model": {"vocab_size": 256, "n_positions": 64, "n_layer": 2, "n_head": 4, "n_embd": 128},
+    "model": {"vocab_size": 256, "n_positions": 128, "n_layer": 4, "n_head": 4, "n_embd": 128},
     "data": {"source": "synthetic"},
-    "training": {"steps": 200, "seed": 1234}
+    "training": {"steps": 300, "seed": 1234}
   })");
 }
 

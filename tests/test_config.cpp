@@ -1,0 +1,249 @@
+// test_config.cpp — validation messages and DeepSpeed's batch-triad derivation (FACTS §1.2).
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "base.hpp"
+#include "config.hpp"
+
+using namespace zero3d;
+using json = nlohmann::json;
+
+namespace {
+
+json minimal() { return json{{"train_batch_size", 32}, {"train_micro_batch_size_per_gpu", 16}}; }
+
+// The message of the InputError that reading `j` raises ("" if it is accepted).
+std::string error_of(const json& j, int64_t world = 2) {
+  try {
+    read_config(j, "cfg.json", world);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+Config batch(std::optional<int64_t> T, std::optional<int64_t> M, std::optional<int64_t> G, int64_t W = 2) {
+  json j = json::object();
+  if (T) j["train_batch_size"] = *T;
+  if (M) j["train_micro_batch_size_per_gpu"] = *M;
+  if (G) j["gradient_accumulation_steps"] = *G;
+  return read_config(j, "cfg.json", W);
+}
+
+TEST(BatchTriad, AcceptsConsistentTriplesAtWorldSizeTwo) {
+  EXPECT_EQ(batch(32, 16, 1).batch.train_batch_size, 32);
+  EXPECT_EQ(batch(32, 8, 2).batch.gradient_accumulation_steps, 2);
+}
+
+TEST(BatchTriad, RejectsTriplesThatDoNotMultiplyOut) {
+  EXPECT_THROW(batch(33, 17, 2), InputError);
+  EXPECT_THROW(batch(32, 18, 1), InputError);
+  EXPECT_NE(error_of(json{{"train_batch_size", 32}, {"train_micro_batch_size_per_gpu", 18},
+                          {"gradient_accumulation_steps", 1}}).find("32 != 18 * 1 * 2"),
+            std::string::npos);
+}
+
+TEST(BatchTriad, DerivesAccumulationStepsWithFloorDivision) {
+  EXPECT_EQ(batch(32, 8, std::nullopt).batch.gradient_accumulation_steps, 2);  // (32 // 8) // 2
+}
+
+TEST(BatchTriad, FloorDivisionToZeroIsRejectedNamingTheKey) {
+  // W=2, T=33, M=17 -> G = (33 // 17) // 2 = 0
+  const std::string e = error_of(json{{"train_batch_size", 33}, {"train_micro_batch_size_per_gpu", 17}});
+  EXPECT_NE(e.find("gradient_accumulation_steps"), std::string::npos) << e;
+  EXPECT_NE(e.find("greater than 0"), std::string::npos) << e;
+}
+
+TEST(BatchTriad, DerivesMicroBatchFromBatchAndAccumulation) {
+  EXPECT_EQ(batch(32, std::nullopt, 4).batch.micro_batch, 4);  // (32 // 2) // 4
+}
+
+TEST(BatchTriad, DerivesBatchFromMicroBatchAndAccumulation) {
+  EXPECT_EQ(batch(std::nullopt, 4, 3).batch.train_batch_size, 24);
+}
+
+TEST(BatchTriad, BatchAloneMeansNoAccumulation) {
+  Config c = batch(32, std::nullopt, std::nullopt);
+  EXPECT_EQ(c.batch.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.batch.micro_batch, 16);
+}
+
+TEST(BatchTriad, MicroBatchAloneMeansNoAccumulation) {
+  EXPECT_EQ(batch(std::nullopt, 4, std::nullopt).batch.train_batch_size, 8);
+}
+
+TEST(BatchTriad, NeitherBatchNorMicroBatchIsAnError) {
+  EXPECT_NE(error_of(json{{"gradient_accumulation_steps", 2}}).find("train_micro_batch_size_per_gpu"),
+            std::string::npos);
+}
+
+TEST(BatchTriad, AutoIsDerivedFromTheOtherTwo) {
+  json j = {{"train_batch_size", 32}, {"train_micro_batch_size_per_gpu", "auto"}, {"gradient_accumulation_steps", 2}};
+  EXPECT_EQ(read_config(j, "cfg.json", 2).batch.micro_batch, 8);
+}
+
+TEST(ConfigValidation, UnknownTopLevelKeyNamesItAndSuggestsTheNearest) {
+  json j = minimal();
+  j["optimiser"] = {{"type", "AdamW"}};
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("cfg.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("unknown key"), std::string::npos) << e;
+  EXPECT_NE(e.find("`optimiser`"), std::string::npos) << e;
+  EXPECT_NE(e.find("did you mean `optimizer`"), std::string::npos) << e;
+}
+
+TEST(ConfigValidation, UnknownNestedKeyNamesTheFullPath) {
+  json j = minimal();
+  j["optimizer"] = {{"type", "AdamW"}, {"params", {{"lrr", 0.1}}}};
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("`optimizer.params.lrr`"), std::string::npos) << e;
+  EXPECT_NE(e.find("did you mean `optimizer.params.lr`"), std::string::npos) << e;
+}
+
+TEST(ConfigValidation, DeepSpeedKeyZero3dLacksIsNamedUnsupportedNotMisspelt) {
+  json j = minimal();
+  j["communication_data_type"] = "fp16";
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("DeepSpeed feature `communication_data_type` is not supported by zero3d"), std::string::npos) << e;
+  EXPECT_EQ(e.find("unknown key"), std::string::npos) << e;
+}
+
+TEST(ConfigValidation, EnabledDeepSpeedSectionZero3dLacksIsRejected) {
+  json j = minimal();
+  j["fp16"] = {{"enabled", true}};
+  EXPECT_NE(error_of(j).find("DeepSpeed feature `fp16` is not supported by zero3d"), std::string::npos);
+}
+
+TEST(ConfigValidation, DisabledDeepSpeedSectionIsAccepted) {
+  json j = minimal();
+  j["fp16"] = {{"enabled", false}};
+  j["tensorboard"] = {{"enabled", false}, {"output_path", "x"}};
+  EXPECT_EQ(error_of(j), "");
+}
+
+TEST(ConfigValidation, WrongTypeNamesKeyAndValue) {
+  json j = minimal();
+  j["steps_per_print"] = "ten";
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("`steps_per_print`"), std::string::npos) << e;
+  EXPECT_NE(e.find("\"ten\""), std::string::npos) << e;
+}
+
+TEST(ConfigValidation, OutOfRangeValueNamesKeyAndValue) {
+  json j = minimal();
+  j["optimizer"] = {{"type", "Adam"}, {"params", {{"lr", -0.1}}}};
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("`optimizer.params.lr`"), std::string::npos) << e;
+  EXPECT_NE(e.find("-0.1"), std::string::npos) << e;
+}
+
+TEST(ConfigValidation, UnderscoreKeysAreComments) {
+  json j = minimal();
+  j["_comment"] = "anything";
+  j["optimizer"] = {{"type", "AdamW"}, {"_note", 1}};
+  EXPECT_EQ(error_of(j), "");
+}
+
+TEST(ConfigValidation, UnknownOptimizerSuggestsTheRightSpelling) {
+  json j = minimal();
+  j["optimizer"] = {{"type", "sgd"}};
+  EXPECT_NE(error_of(j).find("did you mean \"SGD\""), std::string::npos);
+}
+
+TEST(ConfigValidation, DeepSpeedOptimizerZero3dLacksIsNamedUnsupported) {
+  json j = minimal();
+  j["optimizer"] = {{"type", "OneBitAdam"}};
+  EXPECT_NE(error_of(j).find("not supported by zero3d"), std::string::npos);
+}
+
+TEST(ConfigValidation, MaxGradNormInOptimizerParamsPointsToGradientClipping) {
+  json j = minimal();
+  j["optimizer"] = {{"type", "AdamW"}, {"params", {{"max_grad_norm", 1.0}}}};
+  EXPECT_NE(error_of(j).find("gradient_clipping"), std::string::npos);
+}
+
+TEST(ConfigValidation, AutoThatCannotBeDerivedIsRejectedByName) {
+  json j = minimal();
+  j["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", "auto"}}}};
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("`optimizer.params.lr`"), std::string::npos) << e;
+  EXPECT_NE(e.find("\"auto\""), std::string::npos) << e;
+}
+
+TEST(ConfigValidation, AutoTotalStepsResolvesToTrainingSteps) {
+  json j = minimal();
+  j["training"] = {{"steps", 77}};
+  j["scheduler"] = {{"type", "WarmupDecayLR"}, {"params", {{"total_num_steps", "auto"}, {"warmup_num_steps", 5}}}};
+  Config c = read_config(j, "cfg.json", 2);
+  EXPECT_EQ(c.scheduler.total_num_steps, 77);
+  EXPECT_EQ(c.resolved["scheduler"]["params"]["total_num_steps"], 77);
+}
+
+TEST(ConfigValidation, ResolvedConfigHoldsEveryDefault) {
+  Config c = read_config(minimal(), "cfg.json", 2);
+  EXPECT_EQ(c.resolved["gradient_clipping"], 1.0);
+  EXPECT_EQ(c.resolved["optimizer"]["params"]["betas"], json({0.9, 0.999}));
+  EXPECT_EQ(c.resolved["gradient_accumulation_steps"], 1);
+  EXPECT_EQ(c.resolved["model"]["n_layer"], 2);
+}
+
+TEST(ConfigValidation, ZeroStageAboveZeroIsRejectedAsNotYetSupported) {
+  json j = minimal();
+  j["zero_optimization"] = {{"stage", 2}};
+  EXPECT_NE(error_of(j).find("zero_optimization.stage=2"), std::string::npos);
+}
+
+TEST(ConfigValidation, EmbeddingMustSplitIntoHeads) {
+  json j = minimal();
+  j["model"] = {{"n_embd", 10}, {"n_head", 3}};
+  EXPECT_NE(error_of(j).find("`model.n_embd`"), std::string::npos);
+}
+
+TEST(JsonParsing, SyntaxErrorGivesFileLineAndColumn) {
+  try {
+    parse_json_text("{\n  \"a\": 1,\n  \"b\": ,\n}", "bad.json");
+    FAIL() << "accepted invalid JSON";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("bad.json:3:8:", 0), 0u) << e.what();
+  }
+}
+
+TEST(JsonParsing, DuplicateKeysAreRejected) {
+  try {
+    parse_json_text(R"({"optimizer": {"type": "Adam", "type": "SGD"}})", "dup.json");
+    FAIL() << "accepted duplicate keys";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("duplicate key `optimizer.type`"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Overrides, SetReplacesANestedNumber) {
+  json j = minimal();
+  apply_override(j, "optimizer.params.lr=0.5");
+  EXPECT_EQ(j["optimizer"]["params"]["lr"], 0.5);
+}
+
+TEST(Overrides, SetTakesBareWordsAsStrings) {
+  json j = minimal();
+  apply_override(j, "scheduler.type=WarmupLR");
+  EXPECT_EQ(j["scheduler"]["type"], "WarmupLR");
+}
+
+TEST(Overrides, SetWithoutEqualsIsRejected) {
+  json j = minimal();
+  EXPECT_THROW(apply_override(j, "training.steps"), InputError);
+}
+
+TEST(Quickstart, ShippedFileEqualsTheBuiltInDefault) {
+  EXPECT_EQ(load_json_file(std::string(ZERO3D_SOURCE_DIR) + "/input/quickstart.json"), quickstart_json());
+}
+
+TEST(Quickstart, EveryShippedConfigValidates) {
+  for (const char* name : {"quickstart.json", "gpt-small-cpu.json"}) {
+    const std::string path = std::string(ZERO3D_SOURCE_DIR) + "/input/" + name;
+    EXPECT_NO_THROW(read_config(load_json_file(path), path, 2)) << path;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,124 @@
+// test_data.cpp — micro-batches are a pure function of (seed, k); llm.c shards read as llm.c does.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include "base.hpp"
+#include "data.hpp"
+
+using namespace zero3d;
+
+namespace {
+
+std::string write_shard(const std::string& name, int n_tokens, int32_t magic = 20240520) {
+  const std::string path = ::testing::TempDir() + name;
+  std::ofstream out(path, std::ios::binary);
+  int32_t header[256] = {};
+  header[0] = magic;
+  header[1] = 1;
+  header[2] = n_tokens;
+  out.write(reinterpret_cast<const char*>(header), sizeof(header));
+  for (int i = 0; i < n_tokens; ++i) {
+    const uint16_t t = static_cast<uint16_t>(i % 50);
+    out.write(reinterpret_cast<const char*>(&t), 2);
+  }
+  return path;
+}
+
+DataConfig tokens_config(const std::string& path) {
+  DataConfig d;
+  d.source = DataSource::Tokens;
+  d.path = path;
+  return d;
+}
+
+TEST(TokenShards, MicroBatchKIsTheWindowStartingAtKTimesBT) {
+  DataLoader data(tokens_config(write_shard("shard_a.bin", 100)), 50, 2, 4, 1);
+  std::vector<int32_t> in(8), tgt(8);
+  data.micro_batch(1, in.data(), tgt.data());
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(in[i], 8 + i);       // window of B*T+1 starting at k*B*T
+    EXPECT_EQ(tgt[i], 8 + i + 1);  // targets shifted by one
+  }
+}
+
+TEST(TokenShards, WindowsWrapAroundAfterTheLastFullOne) {
+  // 100 tokens, B*T = 8: windows start at 0, 8, ..., 88 (88 + 9 <= 100) -> 12 windows.
+  DataLoader data(tokens_config(write_shard("shard_b.bin", 100)), 50, 2, 4, 1);
+  std::vector<int32_t> in(8), tgt(8);
+  data.micro_batch(12, in.data(), tgt.data());
+  EXPECT_EQ(in[0], 0);
+  data.micro_batch(11, in.data(), tgt.data());
+  EXPECT_EQ(in[0], 88 % 50);
+}
+
+TEST(TokenShards, WrongMagicIsRejectedNamingTheFile) {
+  const std::string path = write_shard("shard_bad.bin", 100, 12345);
+  try {
+    DataLoader data(tokens_config(path), 50, 2, 4, 1);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("magic"), std::string::npos);
+  }
+}
+
+TEST(TokenShards, TokenOutsideVocabularyIsRejected) {
+  EXPECT_THROW(DataLoader(tokens_config(write_shard("shard_c.bin", 100)), 40, 2, 4, 1), InputError);
+}
+
+TEST(TokenShards, ShardTooSmallForOneMicroBatchIsRejected) {
+  EXPECT_THROW(DataLoader(tokens_config(write_shard("shard_d.bin", 8)), 50, 2, 4, 1), InputError);
+}
+
+TEST(TextData, BytesAreTokens) {
+  const std::string path = ::testing::TempDir() + "text.txt";
+  std::ofstream(path) << "hello, world! hello, world!";
+  DataConfig d;
+  d.source = DataSource::Text;
+  d.path = path;
+  DataLoader data(d, 256, 1, 4, 1);
+  std::vector<int32_t> in(4), tgt(4);
+  data.micro_batch(0, in.data(), tgt.data());
+  EXPECT_EQ(in, (std::vector<int32_t>{'h', 'e', 'l', 'l'}));
+  EXPECT_EQ(tgt, (std::vector<int32_t>{'e', 'l', 'l', 'o'}));
+}
+
+TEST(SyntheticData, SameMicroBatchNumberGivesSameTokens) {
+  DataLoader a(DataConfig{}, 64, 2, 16, 5), b(DataConfig{}, 64, 2, 16, 5);
+  std::vector<int32_t> i1(32), t1(32), i2(32), t2(32);
+  a.micro_batch(7, i1.data(), t1.data());
+  b.micro_batch(7, i2.data(), t2.data());
+  EXPECT_EQ(i1, i2);
+  EXPECT_EQ(t1, t2);
+  a.micro_batch(8, i2.data(), t2.data());
+  EXPECT_NE(i1, i2);
+}
+
+TEST(SyntheticData, TargetsAreInputsShiftedByOne) {
+  DataLoader a(DataConfig{}, 64, 2, 16, 5);
+  std::vector<int32_t> in(32), tgt(32);
+  a.micro_batch(3, in.data(), tgt.data());
+  for (int b = 0; b < 2; ++b)
+    for (int t = 0; t + 1 < 16; ++t) EXPECT_EQ(tgt[b * 16 + t], in[b * 16 + t + 1]);
+}
+
+TEST(SyntheticData, MostTransitionsFollowTheHiddenPermutation) {
+  // Learnable: the same token is followed by the same successor about 90% of the time.
+  DataLoader a(DataConfig{}, 16, 8, 64, 5);
+  std::vector<int32_t> in(512), tgt(512);
+  std::map<std::pair<int, int>, int> pairs;
+  for (int k = 0; k < 4; ++k) {
+    a.micro_batch(k, in.data(), tgt.data());
+    for (int i = 0; i < 512; ++i) pairs[{in[i], tgt[i]}]++;
+  }
+  std::map<int, int> best;
+  for (auto& [p, n] : pairs) best[p.first] = std::max(best[p.first], n);
+  int top = 0;
+  for (auto& [tok, n] : best) top += n;
+  EXPECT_GT(top, 0.85 * 2048);
+}
+
+}  // namespace
