@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "common.hpp"
+#include "fastmath.hpp"
 
 namespace zero3d::kernels {
 
@@ -25,7 +26,7 @@ inline void causal_softmax_rows(float* s, Index r0, Index r1, Index cols, Index 
     for (Index j = 1; j <= i; ++j) mx = row[j] > mx ? row[j] : mx;
     float sum = 0.0f;
     for (Index j = 0; j <= i; ++j) {
-      row[j] = std::exp(row[j] - mx);
+      row[j] = fast_exp(row[j] - mx);
       sum += row[j];
     }
     const float inv = 1.0f / sum;

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "common.hpp"
+#include "fastmath.hpp"
 
 namespace zero3d::kernels {
 
@@ -18,7 +19,7 @@ inline void crossentropy_forward(float* losses, float* lse, const float* logits,
     float mx = z[0];
     for (Index v = 1; v < V; ++v) mx = z[v] > mx ? z[v] : mx;
     float sum = 0.0f;
-    for (Index v = 0; v < V; ++v) sum += std::exp(z[v] - mx);
+    for (Index v = 0; v < V; ++v) sum += fast_exp(z[v] - mx);
     const float l = mx + std::log(sum);
     lse[i] = l;
     losses[i] = l - z[targets[i]];
@@ -31,7 +32,7 @@ inline void crossentropy_backward(float* logits, const float* lse, const int32_t
   Kokkos::parallel_for("crossentropy_backward", range(N), KOKKOS_LAMBDA(Index i) {
     float* z = logits + i * V;
     const float l = lse[i];
-    for (Index v = 0; v < V; ++v) z[v] = std::exp(z[v] - l) * dloss;
+    for (Index v = 0; v < V; ++v) z[v] = fast_exp(z[v] - l) * dloss;
     z[targets[i]] -= dloss;
   });
 }

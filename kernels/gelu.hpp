@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "common.hpp"
+#include "fastmath.hpp"
 
 namespace zero3d::kernels {
 
@@ -13,7 +14,7 @@ constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 inline void gelu_forward(float* out, const float* inp, Index n) {
   Kokkos::parallel_for("gelu_forward", range(n), KOKKOS_LAMBDA(Index i) {
     const float x = inp[i];
-    out[i] = 0.5f * x * (1.0f + std::tanh(kGeluScale * (x + 0.044715f * x * x * x)));
+    out[i] = 0.5f * x * (1.0f + fast_tanh(kGeluScale * (x + 0.044715f * x * x * x)));
   });
 }
 
@@ -22,7 +23,7 @@ inline void gelu_backward(float* dinp, const float* inp, const float* dout, Inde
   Kokkos::parallel_for("gelu_backward", range(n), KOKKOS_LAMBDA(Index i) {
     const float x = inp[i];
     const float u = kGeluScale * (x + 0.044715f * x * x * x);
-    const float th = std::tanh(u);
+    const float th = fast_tanh(u);
     const float sech2 = 1.0f - th * th;
     const float du = kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
     dinp[i] = (0.5f * (1.0f + th) + 0.5f * x * sech2 * du) * dout[i];

@@ -5,11 +5,22 @@
 
 namespace zero3d::kernels {
 
-// Σ x² accumulated in double (DeepSpeed computes grad norms in fp64).
+// Σ x² accumulated in double (DeepSpeed computes grad norms in fp64). Chunks of kChunk
+// elements are summed with an explicit SIMD reduction (reassociation the compiler may not
+// do on its own), then the chunk sums are reduced by Kokkos.
 inline double sum_of_squares(const float* x, Index n) {
+  constexpr Index kChunk = 4096;
   double acc = 0.0;
   Kokkos::parallel_reduce(
-      "sum_of_squares", range(n), KOKKOS_LAMBDA(Index i, double& s) { s += static_cast<double>(x[i]) * x[i]; }, acc);
+      "sum_of_squares", range((n + kChunk - 1) / kChunk),
+      KOKKOS_LAMBDA(Index c, double& s) {
+        const Index begin = c * kChunk, end = begin + kChunk < n ? begin + kChunk : n;
+        double part = 0.0;
+#pragma omp simd reduction(+ : part)
+        for (Index i = begin; i < end; ++i) part += static_cast<double>(x[i]) * x[i];
+        s += part;
+      },
+      acc);
   return acc;
 }
 

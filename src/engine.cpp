@@ -57,7 +57,7 @@ void Engine::print_startup() const {
   if (rank_ != 0) return;
   const GPTShape& s = model_->shape();
   std::printf("zero3d %s | world size %d (data parallel %d) | Kokkos %s\n", ZERO3D_VERSION, world_, world_,
-              typeid(Kokkos::DefaultExecutionSpace).name() == typeid(Kokkos::Serial).name() ? "Serial" : "device");
+              Kokkos::DefaultExecutionSpace::name());
   std::printf("model   GPT-2 V=%lld T=%lld L=%lld H=%lld C=%lld: %lld parameters (%.2f MB fp32), %s\n",
               (long long)s.vocab_size, (long long)s.n_positions, (long long)s.n_layer, (long long)s.n_head,
               (long long)s.n_embd, (long long)model_->num_params(), model_->num_params() * 4.0 / 1e6,

@@ -10,6 +10,7 @@
 #include "attention.hpp"
 #include "crossentropy.hpp"
 #include "encoder.hpp"
+#include "fastmath.hpp"
 #include "gelu.hpp"
 #include "layernorm.hpp"
 #include "matmul.hpp"
@@ -157,6 +158,23 @@ TEST(KernelGradients, EncoderBackwardSumsRepeatedTokens) {
   encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C);
   EXPECT_EQ(dwte, (std::vector<float>{5, 6, 4, 6}));  // token 0: row 2; token 1: rows 0 + 1
   EXPECT_EQ(dwpe, dout);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(FastMath, ExpIsWithinFourUlpOfLibmAcrossTheFloatRange) {
+  for (float x = -87.0f; x < 88.0f; x += 0.01234f) {
+    const double ref = std::exp(static_cast<double>(x));
+    EXPECT_NEAR(fast_exp(x) / ref, 1.0, 5e-7) << "x = " << x;
+  }
+}
+
+TEST(FastMath, TanhSaturatesAndMatchesLibm) {
+  EXPECT_EQ(fast_tanh(100.0f), 1.0f);
+  EXPECT_EQ(fast_tanh(-100.0f), -1.0f);
+  for (float u = -10.0f; u < 10.0f; u += 0.0173f) EXPECT_NEAR(fast_tanh(u), std::tanh(u), 3e-7f) << "u = " << u;
 }
 
 }  // namespace

@@ -1,0 +1,177 @@
+// bench_kernels.cpp — Google Benchmark of each kernel at the gpt-small-cpu shapes
+// (B=8, T=256, C=384, H=6, V=256). Reports GFLOP/s for compute-bound kernels and GB/s or
+// parameters/s for memory-bound ones. Run with OPENBLAS_NUM_THREADS=1 (make bench does).
+#include <benchmark/benchmark.h>
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <vector>
+
+#include "attention.hpp"
+#include "crossentropy.hpp"
+#include "gelu.hpp"
+#include "layernorm.hpp"
+#include "matmul.hpp"
+#include "optimizers.hpp"
+#include "rng.hpp"
+
+using namespace zero3d;
+using namespace zero3d::kernels;
+
+namespace {
+
+constexpr Index B = 8, T = 256, C = 384, H = 6, V = 256, BT = B * T;
+
+std::vector<float> randn(size_t n, uint64_t stream, float scale = 1.0f) {
+  Rng rng(1, stream);
+  std::vector<float> v(n);
+  for (auto& x : v) x = static_cast<float>(scale * rng.normal());
+  return v;
+}
+
+// Matmul at the four GPT linear shapes: args = (IC, OC).
+void BM_MatmulForward(benchmark::State& state) {
+  const Index IC = state.range(0), OC = state.range(1);
+  auto inp = randn(BT * IC, 1), w = randn(IC * OC, 2), b = randn(OC, 3);
+  std::vector<float> out(BT * OC);
+  for (auto _ : state) {
+    matmul_forward(out.data(), inp.data(), w.data(), b.data(), BT, IC, OC);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * BT * IC * OC, benchmark::Counter::kIsIterationInvariantRate,
+                                                 benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_MatmulForward)->Args({C, 3 * C})->Args({C, C})->Args({C, 4 * C})->Args({4 * C, C})->Unit(benchmark::kMillisecond);
+
+void BM_MatmulBackward(benchmark::State& state) {
+  const Index IC = state.range(0), OC = state.range(1);
+  auto inp = randn(BT * IC, 1), w = randn(IC * OC, 2), dout = randn(BT * OC, 3);
+  std::vector<float> dinp(BT * IC), dw(IC * OC), db(OC);
+  for (auto _ : state) {
+    matmul_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), BT, IC, OC);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(4.0 * BT * IC * OC, benchmark::Counter::kIsIterationInvariantRate,
+                                                 benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_MatmulBackward)->Args({C, 3 * C})->Args({C, C})->Args({C, 4 * C})->Args({4 * C, C})->Unit(benchmark::kMillisecond);
+
+void BM_LayerNormForward(benchmark::State& state) {
+  auto inp = randn(BT * C, 4), w = randn(C, 5), b = randn(C, 6);
+  std::vector<float> out(BT * C), mean(BT), rstd(BT);
+  for (auto _ : state) {
+    layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), BT, C);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(2.0 * BT * C * 4, benchmark::Counter::kIsIterationInvariantRate,
+                                              benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_LayerNormForward)->Unit(benchmark::kMicrosecond);
+
+void BM_LayerNormBackward(benchmark::State& state) {
+  auto inp = randn(BT * C, 4), w = randn(C, 5), b = randn(C, 6), dout = randn(BT * C, 7);
+  std::vector<float> out(BT * C), mean(BT), rstd(BT), dinp(BT * C), dw(C), db(C);
+  layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(), BT, C);
+  for (auto _ : state) {
+    layernorm_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), mean.data(), rstd.data(),
+                       BT, C);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(3.0 * BT * C * 4, benchmark::Counter::kIsIterationInvariantRate,
+                                              benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_LayerNormBackward)->Unit(benchmark::kMicrosecond);
+
+// Causal attention FLOPs counted as the full T×T products (4·B·T²·C forward), as the MFU formula does.
+void BM_AttentionForward(benchmark::State& state) {
+  auto qkv = randn(BT * 3 * C, 8);
+  std::vector<float> out(BT * C), att(B * H * T * T);
+  for (auto _ : state) {
+    attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(4.0 * B * T * T * C, benchmark::Counter::kIsIterationInvariantRate,
+                                                 benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_AttentionForward)->Unit(benchmark::kMillisecond);
+
+void BM_AttentionBackward(benchmark::State& state) {
+  auto qkv = randn(BT * 3 * C, 8), dout = randn(BT * C, 9);
+  std::vector<float> out(BT * C), att(B * H * T * T), dqkv(BT * 3 * C), scratch(kRowBlock * T);
+  attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H);
+  for (auto _ : state) {
+    attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(8.0 * B * T * T * C, benchmark::Counter::kIsIterationInvariantRate,
+                                                 benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_AttentionBackward)->Unit(benchmark::kMillisecond);
+
+void BM_GeluForward(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  auto inp = randn(n, 10);
+  std::vector<float> out(n);
+  for (auto _ : state) {
+    gelu_forward(out.data(), inp.data(), n);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(8.0 * n, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_GeluForward)->Unit(benchmark::kMillisecond);
+
+void BM_GeluBackward(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  auto inp = randn(n, 10), dout = randn(n, 11);
+  std::vector<float> dinp(n);
+  for (auto _ : state) {
+    gelu_backward(dinp.data(), inp.data(), dout.data(), n);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(12.0 * n, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_GeluBackward)->Unit(benchmark::kMillisecond);
+
+void BM_SoftmaxCrossEntropy(benchmark::State& state) {
+  auto logits = randn(BT * V, 12);
+  std::vector<int32_t> targets(BT);
+  for (Index i = 0; i < BT; ++i) targets[i] = static_cast<int32_t>(i % V);
+  std::vector<float> losses(BT), lse(BT), work(BT * V);
+  for (auto _ : state) {
+    std::copy(logits.begin(), logits.end(), work.begin());
+    crossentropy_forward(losses.data(), lse.data(), work.data(), targets.data(), BT, V);
+    crossentropy_backward(work.data(), lse.data(), targets.data(), 1.0f / BT, BT, V);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(4.0 * BT * V * 4, benchmark::Counter::kIsIterationInvariantRate,
+                                              benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_SoftmaxCrossEntropy)->Unit(benchmark::kMicrosecond);
+
+// One AdamW step over a flat buffer; args = number of parameters.
+void BM_AdamWStep(benchmark::State& state) {
+  const Index n = state.range(0);
+  std::vector<float> p = randn(n, 13), g = randn(n, 14), m(n, 0.0f), v(n, 0.0f);
+  int64_t step = 0;
+  for (auto _ : state) {
+    const auto s = make_adam_step(1e-3, 0.9, 0.999, 1e-8, 0.01, ++step, true, true);
+    adam_update(p.data(), g.data(), m.data(), v.data(), n, s);
+    benchmark::ClobberMemory();
+  }
+  state.counters["params/s"] = benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] = benchmark::Counter(28.0 * n, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_AdamWStep)->Arg(10'800'000)->Arg(1 << 24)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  Kokkos::initialize(argc, argv);
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  Kokkos::finalize();
+  MPI_Finalize();
+  return 0;
+}

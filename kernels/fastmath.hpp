@@ -1,0 +1,40 @@
+// fastmath.hpp — exp and tanh as plain arithmetic, so loops over them vectorise.
+//
+// libm's expf/tanhf are opaque calls that keep GELU and softmax loops scalar (GELU alone
+// was a third of a gpt-small-cpu step). Cody-Waite reduction x = n·ln2 + r, |r| <= ln2/2,
+// then a degree-6 polynomial for e^r and 2^n assembled in the exponent bits: max relative
+// error ~2 ulp over the whole float range (tests/test_kernels.cpp checks it against std::exp).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "common.hpp"
+
+namespace zero3d::kernels {
+
+KOKKOS_INLINE_FUNCTION float fast_exp(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);  // keep 2^n a normal float
+  // n = round(x / ln2) by the 1.5·2^23 trick: plain adds vectorise where floorf does not.
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  // r = x - n·ln2 in two parts for accuracy (Cody-Waite)
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  // e^r on [-ln2/2, ln2/2]: Taylor to degree 6 in Horner form
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// tanh(u) = 1 - 2 / (e^{2u} + 1): exact limits ±1, absolute error ~1e-7.
+KOKKOS_INLINE_FUNCTION float fast_tanh(float u) { return 1.0f - 2.0f / (fast_exp(2.0f * u) + 1.0f); }
+
+}  // namespace zero3d::kernels
