@@ -531,14 +531,15 @@ TrainingConfig read_training(Section& top) {
   t.seed = static_cast<uint64_t>(sec.integer("seed", 1234, 0, std::numeric_limits<int64_t>::max()));
   t.output_dir = sec.string("output_dir", "");
   t.peak_gflops = sec.number("peak_gflops", 0.0, 0.0, 1e12);
+  t.comms_timeout = sec.number("comms_timeout", 0.0, 0.0, 1e9);
   sec.finish();
   return t;
 }
 
 // zero_optimization keys of DEEPSPEED-FACTS §5.1 (with deprecated aliases).
 const std::vector<std::string> kZeroKeys = {
-    "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
-    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint",
+    "contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce",
+    "allgather_partitions", "allgather_bucket_size", "load_from_fp32_weights", "elastic_checkpoint",
     "offload_param", "offload_optimizer", "sub_group_size", "prefetch_bucket_size", "stage3_prefetch_bucket_size",
     "param_persistence_threshold", "stage3_param_persistence_threshold", "model_persistence_threshold",
     "stage3_model_persistence_threshold", "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance",
@@ -552,21 +553,22 @@ const std::vector<std::string> kZeroKeys = {
     "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "cpu_offload", "cpu_offload_param",
     "cpu_offload_use_pin_memory", "zenflow", "leaf_module"};
 
-int64_t read_zero(Section& top) {
+void read_zero(Section& top, Config& c) {
   if (top.has("zero_optimization") && top.raw("zero_optimization")->is_boolean()) {
     // Deprecated bool form: true means stage 1.
     bool on = top.raw("zero_optimization")->get<bool>();
     if (on) top.fail("zero_optimization", "DeepSpeed feature `zero_optimization.stage=1` is not supported by zero3d yet");
-    return 0;
+    return;
   }
   Section sec = top.child("zero_optimization");
-  int64_t stage = sec.integer("stage", 0, 0, 3);
-  if (stage != 0)
-    sec.fail_key("stage", "DeepSpeed feature `zero_optimization.stage=" + std::to_string(stage) +
+  c.zero_stage = sec.integer("stage", 0, 0, 3);
+  if (c.zero_stage != 0)
+    sec.fail_key("stage", "DeepSpeed feature `zero_optimization.stage=" + std::to_string(c.zero_stage) +
                               "` is not supported by zero3d yet (stage 0 only)");
-  // At stage 0 these keys have no effect (they tune partitioning); DeepSpeed accepts them there too.
+  c.reduce_bucket_size = sec.integer("reduce_bucket_size", 500000000, 1, std::numeric_limits<int64_t>::max());
+  c.overlap_comm = sec.boolean("overlap_comm", c.zero_stage == 3);  // DeepSpeed: None -> (stage == 3)
+  // The remaining keys tune partitioning, which stage 0 does not do; DeepSpeed accepts them there too.
   sec.finish(kZeroKeys);
-  return stage;
 }
 
 // DeepSpeed top-level keys zero3d does not implement: accepted at their defaults only.
@@ -697,7 +699,7 @@ Config read_config(const json& root, const std::string& file, int64_t world_size
   c.gradient_clipping = top.number_or_auto("gradient_clipping", 1.0, 1.0, 0.0, 1e30);
   c.steps_per_print = top.integer("steps_per_print", 10, 1, kMaxInt);
   c.wall_clock_breakdown = top.boolean("wall_clock_breakdown", false);
-  c.zero_stage = read_zero(top);
+  read_zero(top, c);
   read_unsupported_top_level(top);
   top.finish(kDeepSpeedOnlyTopLevel);
   return c;

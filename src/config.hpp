@@ -36,6 +36,7 @@ struct TrainingConfig {
   uint64_t seed = 1234;
   std::string output_dir;    // where metrics.jsonl and config.json go
   double peak_gflops = 0.0;  // per-rank peak used for MFU; 0 = measure a short sgemm at start-up
+  double comms_timeout = 0.0;  // seconds a communication may wait before the job is aborted; 0 = off
 };
 
 enum class OptimizerType { Adam, Lamb, SGD };
@@ -100,6 +101,8 @@ struct Config {
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
   int64_t zero_stage = 0;
+  int64_t reduce_bucket_size = 500000000;  // elements per gradient all-reduce bucket
+  bool overlap_comm = false;               // launch bucket reductions during backward
   nlohmann::json resolved;  // every key with its value after defaults and derivation
 };
 

@@ -7,7 +7,11 @@
 #include <fstream>
 #include <limits>
 
+#include <cstdlib>
+#include <thread>
+
 #include "base.hpp"
+#include "failure.hpp"
 #include "reduce.hpp"
 #include "weights.hpp"
 
@@ -18,15 +22,39 @@ GPTShape shape_of(const ModelConfig& m) {
   return GPTShape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
 }
 
-void check_mpi(int rc, const char* what) {
-  if (rc != MPI_SUCCESS) throw SystemError(std::string("MPI error in ") + what);
+// "2 nodes, 4 ranks per node (local rank from MPI_COMM_TYPE_SHARED)"
+std::string node_summary(MPI_Comm world, int* local_rank_out) {
+  MPI_Comm node;
+  MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  int local_rank = 0, local_size = 1, leaders = 0;
+  MPI_Comm_rank(node, &local_rank);
+  MPI_Comm_size(node, &local_size);
+  *local_rank_out = local_rank;
+  int is_leader = local_rank == 0 ? 1 : 0;
+  MPI_Allreduce(&is_leader, &leaders, 1, MPI_INT, MPI_SUM, world);
+  MPI_Comm_free(&node);
+  return std::to_string(leaders) + (leaders == 1 ? " node, " : " nodes, ") + std::to_string(local_size) +
+         " ranks on rank 0's node";
 }
 }  // namespace
 
-Engine::Engine(const Config& cfg, MPI_Comm comm, std::string output_dir)
-    : cfg_(cfg), comm_(comm), output_dir_(std::move(output_dir)) {
-  MPI_Comm_rank(comm_, &rank_);
-  MPI_Comm_size(comm_, &world_);
+Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string output_dir, Watchdog* watchdog)
+    : cfg_(cfg), groups_(groups), output_dir_(std::move(output_dir)) {
+  dp_comm_ = std::make_unique<MpiCommunicator>(groups.data_parallel(), watchdog);
+  rank_ = dp_comm_->rank();
+  world_ = dp_comm_->size();
+  run_collectively(groups.world(), [this] { setup_local(); });
+  reducer_ = std::make_unique<GradientReducer>(*dp_comm_, model_->grads().data(), model_->num_params(),
+                                               cfg_.reduce_bucket_size, cfg_.overlap_comm);
+  flops_per_token_ = gpt_flops_per_token(model_->shape(), model_->num_params());
+  double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_sgemm_peak_gflops();
+  peak_gflops_total_ = peak;
+  dp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
+  node_summary_ = node_summary(groups.world(), &local_rank_);
+  print_startup();
+}
+
+void Engine::setup_local() {
   const int64_t B = cfg_.batch.micro_batch, T = cfg_.model.n_positions;
   model_ = std::make_unique<GPT>(shape_of(cfg_.model), B, T);
   if (cfg_.model.init_from.empty())
@@ -38,26 +66,38 @@ Engine::Engine(const Config& cfg, MPI_Comm comm, std::string output_dir)
   schedule_ = std::make_unique<LRSchedule>(cfg_.scheduler, cfg_.optimizer.lr);
   inputs_ = Kokkos::View<int32_t*>("inputs", B * T);
   targets_ = Kokkos::View<int32_t*>("targets", B * T);
-
-  flops_per_token_ = gpt_flops_per_token(model_->shape(), model_->num_params());
-  double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_sgemm_peak_gflops();
-  check_mpi(MPI_Allreduce(&peak, &peak_gflops_total_, 1, MPI_DOUBLE, MPI_SUM, comm_), "peak allreduce");
-
-  if (rank_ == 0 && !output_dir_.empty()) {
+  if (groups_.rank() == 0 && !output_dir_.empty()) {
     make_directories(output_dir_);
     std::ofstream out(output_dir_ + "/config.json");
     out << cfg_.resolved.dump(2) << '\n';
     if (!out) throw SystemError(output_dir_ + "/config.json: write failed");
     metrics_ = std::make_unique<MetricsWriter>(output_dir_ + "/metrics.jsonl");
   }
-  print_startup();
+  inject_fault(-1);
+}
+
+// Fault injection for the failure tests: ZERO3D_FAULT="KIND:RANK[:STEP]" with KIND one of
+// input (bad input at setup), throw (a system error at STEP), stall (hang at STEP).
+void Engine::inject_fault(int64_t step) const {
+  const char* spec = std::getenv("ZERO3D_FAULT");
+  if (!spec) return;
+  char kind[16] = {};
+  int rank = -1;
+  long long at = -1;
+  if (std::sscanf(spec, "%15[a-z]:%d:%lld", kind, &rank, &at) < 2 || rank != groups_.rank() || at != step) return;
+  const std::string k = kind;
+  if (k == "input") throw InputError("injected bad input (ZERO3D_FAULT=" + std::string(spec) + ")");
+  if (k == "throw") throw SystemError("injected failure at step " + std::to_string(step));
+  if (k == "stall") std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
 void Engine::print_startup() const {
   if (rank_ != 0) return;
   const GPTShape& s = model_->shape();
-  std::printf("zero3d %s | world size %d (data parallel %d) | Kokkos %s\n", ZERO3D_VERSION, world_, world_,
-              Kokkos::DefaultExecutionSpace::name());
+  const ProcessTopology& topo = groups_.topology();
+  std::printf("zero3d %s | world size %d | topology pipe=%d data=%d model=%d | Kokkos %s | %s\n", ZERO3D_VERSION,
+              topo.world_size(), topo.get_dim("pipe"), topo.get_dim("data"), topo.get_dim("model"),
+              Kokkos::DefaultExecutionSpace::name(), node_summary_.c_str());
   std::printf("model   GPT-2 V=%lld T=%lld L=%lld H=%lld C=%lld: %lld parameters (%.2f MB fp32), %s\n",
               (long long)s.vocab_size, (long long)s.n_positions, (long long)s.n_layer, (long long)s.n_head,
               (long long)s.n_embd, (long long)model_->num_params(), model_->num_params() * 4.0 / 1e6,
@@ -70,26 +110,17 @@ void Engine::print_startup() const {
               cfg_.scheduler.type == SchedulerType::None ? "" : (" | scheduler " + cfg_.scheduler.type_name).c_str(),
               cfg_.gradient_clipping, (long long)cfg_.training.steps, peak_gflops_total_,
               cfg_.training.peak_gflops > 0 ? "training.peak_gflops" : "measured sgemm, all ranks");
+  std::printf("comm    data-parallel all-reduce over %s in buckets of %lld elements, overlap_comm %s%s\n",
+              dp_comm_->backend().c_str(), (long long)reducer_->bucket_elems(), cfg_.overlap_comm ? "on" : "off",
+              cfg_.training.comms_timeout > 0 ? (", comms_timeout " + std::to_string(cfg_.training.comms_timeout) + " s").c_str() : "");
   if (!output_dir_.empty()) std::printf("output  %s/{config.json,metrics.jsonl}\n", output_dir_.c_str());
   std::fflush(stdout);
-}
-
-// Averages gradients over the data-parallel group: one reduction per optimizer step.
-void Engine::allreduce_mean_gradients() {
-  if (world_ == 1) return;
-  float* g = model_->grads().data();
-  const int64_t n = model_->num_params();
-  constexpr int64_t kMaxCount = std::numeric_limits<int>::max() / 2;  // MPI counts are int
-  for (int64_t off = 0; off < n; off += kMaxCount) {
-    const int count = static_cast<int>(std::min(kMaxCount, n - off));
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, g + off, count, MPI_FLOAT, MPI_SUM, comm_), "gradient allreduce");
-  }
-  kernels::scale_in_place(g, n, 1.0f / static_cast<float>(world_));
 }
 
 StepResult Engine::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   timers_.reset();
+  inject_fault(step_ + 1);
   const int64_t gas = cfg_.batch.gradient_accumulation_steps;
   StepResult r;
   r.step = step_ + 1;
@@ -110,13 +141,16 @@ StepResult Engine::train_step() {
     }
     {
       auto t = timers_.time("backward_inner");
+      // Gradients accumulate locally; only the last micro-batch's backward communicates.
+      const bool boundary = micro == gas - 1 && world_ > 1;
+      if (boundary) reducer_->begin();
       // DeepSpeed scales the loss by 1/GAS so that accumulated gradients are a mean.
-      model_->backward(1.0f / static_cast<float>(gas));
+      model_->backward(1.0f / static_cast<float>(gas), boundary ? reducer_.get() : nullptr);
     }
   }
-  {
+  if (world_ > 1) {
     auto t = timers_.time("backward_allreduce");
-    allreduce_mean_gradients();
+    reducer_->finish();
   }
   {
     auto t = timers_.time("step");
@@ -127,7 +161,7 @@ StepResult Engine::train_step() {
     schedule_->step();
   }
   double mean_loss = local_loss / static_cast<double>(gas);
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &mean_loss, 1, MPI_DOUBLE, MPI_SUM, comm_), "loss allreduce");
+  dp_comm_->all_reduce(&mean_loss, 1, DType::F64, ReduceOp::Sum);
   r.loss = mean_loss / world_;
   ++step_;
 

@@ -9,12 +9,16 @@
 #include <string>
 #include <vector>
 
+#include "comm.hpp"
 #include "config.hpp"
 #include "data.hpp"
+#include "grad_reducer.hpp"
 #include "lr_schedule.hpp"
 #include "model.hpp"
 #include "monitor.hpp"
 #include "optimizer.hpp"
+#include "topology.hpp"
+#include "watchdog.hpp"
 
 namespace zero3d {
 
@@ -30,8 +34,9 @@ struct StepResult {
 
 class Engine {
  public:
-  // comm: the data-parallel group. output_dir empty = write no files.
-  Engine(const Config& cfg, MPI_Comm comm, std::string output_dir);
+  // Collective over groups.world(): a setup error on any rank is reported once and thrown on
+  // all ranks (failure.hpp). output_dir empty = write no files. watchdog may be null.
+  Engine(const Config& cfg, const ProcessGroups& groups, std::string output_dir, Watchdog* watchdog = nullptr);
 
   // Runs cfg.training.steps optimizer steps; returns the per-step results.
   std::vector<StepResult> train();
@@ -41,12 +46,17 @@ class Engine {
   int rank() const { return rank_; }
 
  private:
+  void setup_local();  // everything that may fail on one rank alone: weights, data, files
   void print_startup() const;
-  void allreduce_mean_gradients();
+  void inject_fault(int64_t step) const;
 
   Config cfg_;
-  MPI_Comm comm_;
-  int rank_ = 0, world_ = 1;
+  const ProcessGroups& groups_;
+  std::unique_ptr<MpiCommunicator> dp_comm_;
+  std::unique_ptr<GradientReducer> reducer_;
+  int rank_ = 0, world_ = 1;  // in the data-parallel group
+  int local_rank_ = 0;        // on this node (MPI_COMM_TYPE_SHARED): the GPU a CUDA build would use
+  std::string node_summary_;
   std::string output_dir_;
   std::unique_ptr<GPT> model_;
   std::unique_ptr<DataLoader> data_;

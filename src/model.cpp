@@ -174,7 +174,10 @@ float GPT::forward(const int32_t* tokens, const int32_t* targets) {
   return sum / static_cast<float>(BT);
 }
 
-void GPT::backward(float grad_scale) {
+void GPT::backward(float grad_scale, BackwardHooks* hooks) {
+  auto progress = [hooks] {
+    if (hooks) hooks->progress();
+  };
   const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
   float* P = params_.data();
   float* G = grads_.data();
@@ -191,6 +194,7 @@ void GPT::backward(float grad_scale) {
   Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres_, BT * C), 0.0f);
   layernorm_backward(dres_, G + lnf_w.offset, G + lnf_b.offset, dln_, blocks_.back().res_3, P + lnf_w.offset,
                      ln_f_mean_, ln_f_rstd_, BT, C);
+  if (hooks) hooks->grads_ready(lnf_w.offset);
 
   for (int64_t l = shape_.n_layer - 1; l >= 0; --l) {
     const BlockTensors w = block(P, l), dw = block(G, l);
@@ -198,16 +202,22 @@ void GPT::backward(float grad_scale) {
     const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
     // MLP half: dres holds d(res_3)
     matmul_backward(dfch_, dw.mlp_proj_w, dw.mlp_proj_b, dres_, a.fch_gelu, w.mlp_proj_w, BT, 4 * C, C);
+    progress();
     gelu_backward(dfch_, a.fch, dfch_, BT * 4 * C);
     matmul_backward(dln_, dw.c_fc_w, dw.c_fc_b, dfch_, a.ln_2, w.c_fc_w, BT, C, 4 * C);
+    progress();
     layernorm_backward(dres_, dw.ln_2_w, dw.ln_2_b, dln_, a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, BT, C);
     // attention half: dres now holds d(res_2)
     matmul_backward(datty_, dw.attn_proj_w, dw.attn_proj_b, dres_, a.atty, w.attn_proj_w, BT, C, C);
+    progress();
     attention_backward(dqkv_, datt_scratch_, datty_, a.qkv, a.att, B, T, C, H);
+    progress();
     matmul_backward(dln_, dw.c_attn_w, dw.c_attn_b, dqkv_, a.ln_1, w.c_attn_w, BT, C, 3 * C);
     layernorm_backward(dres_, dw.ln_1_w, dw.ln_1_b, dln_, residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, BT, C);
+    if (hooks) hooks->grads_ready(block_offsets_[l]);
   }
   encoder_backward(G + wte.offset, G + layout_.find("wpe.weight")->offset, dres_, tokens_, B, T, C);
+  if (hooks) hooks->grads_ready(0);
 }
 
 void GPT::zero_grad() { Kokkos::deep_copy(grads_, 0.0f); }

@@ -37,6 +37,17 @@ double gpt_flops_per_token(const GPTShape& shape, int64_t num_params);
 // (seed, tensor name), c_proj weights scaled by 1/sqrt(2L), zero biases, unit LN weights.
 void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& shape, uint64_t seed);
 
+// What backward() tells its caller while it runs, so gradient communication can overlap it.
+// The model knows nothing of ZeRO or MPI; whoever passes hooks decides what to do.
+class BackwardHooks {
+ public:
+  virtual ~BackwardHooks() = default;
+  // Gradients in [offset, num_params) are final for this backward pass.
+  virtual void grads_ready(int64_t offset) = 0;
+  // Called between kernels: a chance to advance communication already in flight.
+  virtual void progress() = 0;
+};
+
 class GPT {
  public:
   // B, T: micro-batch shape the activation buffers are sized for (T <= n_positions).
@@ -51,7 +62,8 @@ class GPT {
   // tokens/targets: device arrays of B*T ids. Returns the mean cross-entropy.
   float forward(const int32_t* tokens, const int32_t* targets);
   // Accumulates d(grad_scale · mean loss)/dθ into grads(); call after forward() on the same batch.
-  void backward(float grad_scale);
+  // Blocks run last to first, so the ready region grows from the end of the buffer down to 0.
+  void backward(float grad_scale, BackwardHooks* hooks = nullptr);
   void zero_grad();
 
   // Logits [B,T,V] of the last forward (overwritten by backward()).

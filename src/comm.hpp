@@ -1,0 +1,80 @@
+// comm.hpp — the communicator interface the training code talks to: collectives and
+// point-to-point over one process group. Implementations: MPI (always) and NCCL (when
+// built with CUDA and NCCL; device buffers).
+//
+// Counts are elements, 64-bit. all_reduce is in place; reduce_scatter takes size()·recv_count
+// elements and leaves this rank's block; all_gather concatenates every rank's send_count
+// elements in rank order.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "watchdog.hpp"
+
+namespace zero3d {
+
+enum class DType { F32, F64, I32, I64, U8 };
+enum class ReduceOp { Sum, Max, Min };
+
+size_t dtype_size(DType t);
+
+// A nonblocking collective in flight.
+class CommRequest {
+ public:
+  virtual ~CommRequest() = default;
+  virtual bool test() = 0;  // advances progress; true once complete
+  virtual void wait() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual std::string backend() const = 0;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  virtual void all_reduce(void* buf, int64_t count, DType type, ReduceOp op) = 0;
+  virtual std::unique_ptr<CommRequest> all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) = 0;
+  virtual void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType type, ReduceOp op) = 0;
+  virtual void all_gather(const void* send, void* recv, int64_t send_count, DType type) = 0;
+  virtual void broadcast(void* buf, int64_t count, DType type, int root) = 0;
+  virtual void send(const void* buf, int64_t count, DType type, int peer, int tag) = 0;
+  virtual void recv(void* buf, int64_t count, DType type, int peer, int tag) = 0;
+  virtual void barrier() = 0;
+};
+
+// MPI over one communicator (MPI-4 large-count calls, so counts beyond 2^31 work).
+class MpiCommunicator : public Communicator {
+ public:
+  // watchdog may be null; the communicator does not own comm or watchdog.
+  MpiCommunicator(MPI_Comm comm, Watchdog* watchdog = nullptr);
+  std::string backend() const override { return "mpi"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  MPI_Comm comm() const { return comm_; }
+
+  void all_reduce(void* buf, int64_t count, DType type, ReduceOp op) override;
+  std::unique_ptr<CommRequest> all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) override;
+  void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType type, ReduceOp op) override;
+  void all_gather(const void* send, void* recv, int64_t send_count, DType type) override;
+  void broadcast(void* buf, int64_t count, DType type, int root) override;
+  void send(const void* buf, int64_t count, DType type, int peer, int tag) override;
+  void recv(void* buf, int64_t count, DType type, int peer, int tag) override;
+  void barrier() override;
+
+ private:
+  MPI_Comm comm_;
+  Watchdog* watchdog_;
+  int rank_ = 0, size_ = 1;
+};
+
+// NCCL communicator over device buffers; nullptr when zero3d was built without NCCL.
+// Rank 0 of `comm` creates the NCCL id and broadcasts it over MPI.
+std::unique_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, Watchdog* watchdog = nullptr);
+bool nccl_available();
+
+}  // namespace zero3d

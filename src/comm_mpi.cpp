@@ -1,0 +1,117 @@
+// comm_mpi.cpp — MpiCommunicator: every call checked, every blocking call watched.
+#include <string>
+
+#include "base.hpp"
+#include "comm.hpp"
+
+namespace zero3d {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F32: return 4;
+    case DType::F64: return 8;
+    case DType::I32: return 4;
+    case DType::I64: return 8;
+    case DType::U8: return 1;
+  }
+  return 0;
+}
+
+namespace {
+MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::F32: return MPI_FLOAT;
+    case DType::F64: return MPI_DOUBLE;
+    case DType::I32: return MPI_INT32_T;
+    case DType::I64: return MPI_INT64_T;
+    case DType::U8: return MPI_UINT8_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return MPI_SUM;
+    case ReduceOp::Max: return MPI_MAX;
+    case ReduceOp::Min: return MPI_MIN;
+  }
+  return MPI_OP_NULL;
+}
+
+void check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  throw SystemError(std::string("MPI ") + what + " failed: " + std::string(msg, len));
+}
+
+class MpiRequest : public CommRequest {
+ public:
+  MpiRequest(MPI_Request r, Watchdog* w) : req_(r), watchdog_(w) {}
+  ~MpiRequest() override {
+    if (req_ != MPI_REQUEST_NULL) MPI_Wait(&req_, MPI_STATUS_IGNORE);
+  }
+  bool test() override {
+    int done = 0;
+    check(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), "Test");
+    return done != 0;
+  }
+  void wait() override {
+    Watchdog::Scope watch(watchdog_, "all_reduce(wait)");
+    check(MPI_Wait(&req_, MPI_STATUS_IGNORE), "Wait");
+  }
+
+ private:
+  MPI_Request req_;
+  Watchdog* watchdog_;
+};
+}  // namespace
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, Watchdog* watchdog) : comm_(comm), watchdog_(watchdog) {
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+}
+
+void MpiCommunicator::all_reduce(void* buf, int64_t count, DType type, ReduceOp op) {
+  Watchdog::Scope watch(watchdog_, "all_reduce");
+  check(MPI_Allreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op), comm_), "Allreduce");
+}
+
+std::unique_ptr<CommRequest> MpiCommunicator::all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) {
+  MPI_Request req;
+  check(MPI_Iallreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op), comm_, &req), "Iallreduce");
+  return std::make_unique<MpiRequest>(req, watchdog_);
+}
+
+void MpiCommunicator::reduce_scatter(const void* send, void* recv, int64_t recv_count, DType type, ReduceOp op) {
+  Watchdog::Scope watch(watchdog_, "reduce_scatter");
+  check(MPI_Reduce_scatter_block_c(send, recv, recv_count, mpi_type(type), mpi_op(op), comm_), "Reduce_scatter_block");
+}
+
+void MpiCommunicator::all_gather(const void* send, void* recv, int64_t send_count, DType type) {
+  Watchdog::Scope watch(watchdog_, "all_gather");
+  check(MPI_Allgather_c(send, send_count, mpi_type(type), recv, send_count, mpi_type(type), comm_), "Allgather");
+}
+
+void MpiCommunicator::broadcast(void* buf, int64_t count, DType type, int root) {
+  Watchdog::Scope watch(watchdog_, "broadcast");
+  check(MPI_Bcast_c(buf, count, mpi_type(type), root, comm_), "Bcast");
+}
+
+void MpiCommunicator::send(const void* buf, int64_t count, DType type, int peer, int tag) {
+  Watchdog::Scope watch(watchdog_, "send");
+  check(MPI_Send_c(buf, count, mpi_type(type), peer, tag, comm_), "Send");
+}
+
+void MpiCommunicator::recv(void* buf, int64_t count, DType type, int peer, int tag) {
+  Watchdog::Scope watch(watchdog_, "recv");
+  check(MPI_Recv_c(buf, count, mpi_type(type), peer, tag, comm_, MPI_STATUS_IGNORE), "Recv");
+}
+
+void MpiCommunicator::barrier() {
+  Watchdog::Scope watch(watchdog_, "barrier");
+  check(MPI_Barrier(comm_), "Barrier");
+}
+
+}  // namespace zero3d

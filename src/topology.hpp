@@ -1,0 +1,73 @@
+// topology.hpp — DeepSpeed's ProcessTopology (runtime/pipe/topology.py; FACTS §8.1): pure
+// rank <-> coordinate arithmetic over named axes, row-major (the last axis varies fastest).
+//
+// Worked example: axes [pipe, data, model], dims [2, 2, 2] (8 ranks)
+//   rank 5 = (pipe 1, data 0, model 1); get_axis_comm_lists("pipe") = [[0,4],[1,5],[2,6],[3,7]];
+//   data groups [[0,2],[1,3],[4,6],[5,7]]; model (tensor) groups [[0,1],[2,3],[4,5],[6,7]].
+//
+// ProcessGroups turns one topology into MPI communicators, one per axis, for this rank.
+#pragma once
+
+#include <mpi.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace zero3d {
+
+class ProcessTopology {
+ public:
+  using Coord = std::map<std::string, int>;
+
+  ProcessTopology(std::vector<std::string> axes, std::vector<int> dims);
+
+  // pipe/data/model topology with model fastest, then data (PipeModelDataParallelTopology).
+  static ProcessTopology pipe_data_model(int pp, int dp, int tp);
+
+  int world_size() const { return world_size_; }
+  const std::vector<std::string>& get_axis_names() const { return axes_; }
+  const std::vector<int>& dims() const { return dims_; }
+  int get_dim(const std::string& axis) const;  // 0 for an unknown axis
+  // Every axis must be given (std::invalid_argument otherwise).
+  int get_rank(const Coord& coord) const;
+  Coord get_coord(int rank) const;
+  // For every combination of the other axes (row-major), the ranks varying along `axis`.
+  std::vector<std::vector<int>> get_axis_comm_lists(const std::string& axis) const;
+  // Ranks whose coordinates match every given axis value, in rank order.
+  std::vector<int> filter_match(const Coord& filter) const;
+  std::vector<int> get_axis_list(const std::string& axis, int idx) const;
+  std::string get_rank_repr(int rank, const std::vector<std::string>& omit_axes = {"data", "pipe"},
+                            const std::string& inner_sep = "_", const std::string& outer_sep = "-") const;
+
+ private:
+  int axis_index(const std::string& axis) const;  // -1 if unknown
+  std::vector<std::string> axes_;
+  std::vector<int> dims_;
+  int world_size_ = 1;
+};
+
+// One MPI communicator per topology axis, for the calling rank (built with MPI_Comm_split).
+// Owned here and passed to whoever needs a group; nothing is global.
+class ProcessGroups {
+ public:
+  ProcessGroups(const ProcessTopology& topology, MPI_Comm world);
+  ~ProcessGroups();
+  ProcessGroups(const ProcessGroups&) = delete;
+  ProcessGroups& operator=(const ProcessGroups&) = delete;
+
+  const ProcessTopology& topology() const { return topology_; }
+  MPI_Comm world() const { return world_; }
+  MPI_Comm axis(const std::string& name) const;  // "data", "model", "pipe"
+  MPI_Comm data_parallel() const { return axis("data"); }
+  int rank() const { return rank_; }
+  ProcessTopology::Coord coord() const { return topology_.get_coord(rank_); }
+
+ private:
+  ProcessTopology topology_;
+  MPI_Comm world_;
+  int rank_ = 0;
+  std::map<std::string, MPI_Comm> comms_;
+};
+
+}  // namespace zero3d
