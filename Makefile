@@ -43,7 +43,8 @@ test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j 1
 
 bench: build
-	$(BUILD_DIR)/zero3d_bench --benchmark_min_time=0.2
+	$(BUILD_DIR)/benchmarks/zero3d_bench --benchmark_min_time=0.2
+	mpirun -np $(NP) $(BUILD_DIR)/benchmarks/zero3d_comm_bench
 
 goldens:
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_goldens.py tests/golden

@@ -37,10 +37,12 @@ std::string temp_path(const std::string& name) {
   return dir + "/" + name;
 }
 
-// Runs `zero3d ARGS` on `np` ranks (np 0: without mpiexec).
-Result run(const std::string& args, int np = 0) {
+// Runs `zero3d ARGS` on `np` ranks (np 0: without mpiexec). `prefix` goes before the launch:
+// environment assignments (VAR=value) or a wrapper such as `timeout 60`.
+Result run(const std::string& args, int np = 0, const std::string& prefix = "") {
   const std::string out = temp_path("stdout.txt"), err = temp_path("stderr.txt");
-  std::string cmd = (np > 0 ? kMpiexec + " -np " + std::to_string(np) + " " : "") + kExe + " " + args;
+  std::string cmd = prefix + (prefix.empty() ? "" : " ") + (np > 0 ? kMpiexec + " -np " + std::to_string(np) + " " : "") +
+                    kExe + " " + args;
   int status = std::system((cmd + " >" + out + " 2>" + err).c_str());
   return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
 }
@@ -212,6 +214,108 @@ TEST(Cli, InitFromWithWrongShapesNamesTheTensor) {
   Result r = run("train " + write_config("init_shape.json", j) + " --output " + temp_path("init_shape"), 1);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("wte.weight"), std::string::npos) << r.err;
+}
+
+// --- data parallelism (issue 3) --------------------------------------------------------------
+
+std::vector<double> losses_of(const std::string& dir) {
+  std::vector<double> out;
+  for (const auto& row : read_metrics(dir)) out.push_back(row["loss"].get<double>());
+  return out;
+}
+
+struct Layout {
+  int np, gas;
+  bool overlap;
+  int64_t bucket;
+};
+void PrintTo(const Layout& l, std::ostream* os) {
+  *os << "np " << l.np << " x GAS " << l.gas << (l.overlap ? ", overlap_comm" : "") << ", bucket " << l.bucket;
+}
+
+class SameGlobalBatch : public ::testing::TestWithParam<Layout> {};
+
+// Global batch 8 = micro-batch 2 x GAS x np: every layout sees the same samples per step.
+TEST_P(SameGlobalBatch, GivesTheLossesOfOneRankAccumulatingFourMicroBatches) {
+  const Layout l = GetParam();
+  json j = tiny_config();
+  j["train_batch_size"] = 8;
+  j["train_micro_batch_size_per_gpu"] = 2;
+  j["training"]["steps"] = 10;
+  const std::string path = write_config("equiv.json", j);
+  static std::vector<double> reference;
+  if (reference.empty()) {
+    ASSERT_EQ(run("train " + path + " --output " + temp_path("equiv_ref"), 1).code, 0);
+    reference = losses_of(temp_path("equiv_ref"));
+  }
+  const std::string dir = temp_path("equiv_np" + std::to_string(l.np));
+  Result r = run("train " + path + " --output " + dir + " --set gradient_accumulation_steps=" + std::to_string(l.gas) +
+                     " --set zero_optimization.overlap_comm=" +
+                     (l.overlap ? "true" : "false") + " --set zero_optimization.reduce_bucket_size=" +
+                     std::to_string(l.bucket),
+                 l.np);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto losses = losses_of(dir);
+  ASSERT_EQ(losses.size(), reference.size());
+  for (size_t i = 0; i < losses.size(); ++i)
+    EXPECT_NEAR(losses[i], reference[i], 1e-5 * std::fabs(reference[i])) << "step " << i + 1;
+}
+
+// 1000 elements is smaller than one block (12·32² + 13·32 = 12,704 parameters).
+INSTANTIATE_TEST_SUITE_P(DataParallel, SameGlobalBatch,
+                         ::testing::Values(Layout{2, 2, false, 500000000}, Layout{2, 2, true, 1000},
+                                           Layout{4, 1, false, 1000}, Layout{4, 1, true, 500000000},
+                                           Layout{4, 1, true, 1000}),
+                         [](const auto& info) {
+                           return "np" + std::to_string(info.param.np) + (info.param.overlap ? "_overlap" : "") +
+                                  (info.param.bucket < 100000 ? "_small_buckets" : "");
+                         });
+
+TEST(Failure, BadInputOnOneRankIsReportedOnceByThatRank) {
+  Result r = run("train " + write_config("fault.json", tiny_config()) + " --output " + temp_path("fault_input"), 2,
+                 "ZERO3D_FAULT=input:1");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(count(r.err, "injected bad input"), 1u) << r.err;
+  EXPECT_NE(r.err.find("rank 1: error"), std::string::npos) << r.err;
+}
+
+TEST(Failure, ExceptionDuringTrainingEndsTheJobNamingTheRank) {
+  Result r = run("train " + write_config("fault.json", tiny_config()) + " --output " + temp_path("fault_throw"), 2,
+                 "ZERO3D_FAULT=throw:1:2");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("rank 1: fatal: injected failure at step 2"), std::string::npos) << r.err;
+}
+
+TEST(Failure, WatchdogAbortsWhenAPeerStallsInsteadOfHanging) {
+  json j = tiny_config();
+  j["training"]["comms_timeout"] = 2;
+  Result r = run("train " + write_config("stall.json", j) + " --output " + temp_path("fault_stall"), 2,
+                 "ZERO3D_FAULT=stall:1:2 timeout 60");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.code, 124) << "the job hung until the test's own timeout";
+  EXPECT_NE(r.err.find("rank 0 waits in all_reduce"), std::string::npos) << r.err;
+}
+
+TEST(Topology, JsonListsEveryRanksCoordinatesAndGroups) {
+  Result r = run("topology --pp 2 --dp 2 --tp 2 --json");
+  ASSERT_EQ(r.code, 0);
+  const json t = json::parse(r.out);
+  EXPECT_EQ(t["axes"], json({"pipe", "data", "model"}));
+  EXPECT_EQ(t["dims"], json({2, 2, 2}));
+  ASSERT_EQ(t["ranks"].size(), 8u);
+  const json& r5 = t["ranks"][5];
+  EXPECT_EQ(r5["coord"], json({{"pipe", 1}, {"data", 0}, {"model", 1}}));
+  EXPECT_EQ(r5["groups"]["pipe"], json({1, 5}));
+  EXPECT_EQ(r5["groups"]["data"], json({5, 7}));
+  EXPECT_EQ(r5["groups"]["model"], json({4, 5}));
+}
+
+TEST(Topology, TextShowsOneLinePerRank) {
+  Result r = run("topology --pp 2 --dp 2 --tp 2");
+  ASSERT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("rank   7  pipe 1 data 1 model 1  | data group [5,7]  tensor group [6,7]  pipe group [3,7]"),
+            std::string::npos)
+      << r.out;
 }
 
 }  // namespace
