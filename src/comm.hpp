@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "watchdog.hpp"
 
@@ -21,6 +22,7 @@ enum class DType { F32, F64, I32, I64, U8 };
 enum class ReduceOp { Sum, Max, Min };
 
 size_t dtype_size(DType t);
+class CommRequest;
 
 // A nonblocking collective in flight.
 class CommRequest {
@@ -41,10 +43,31 @@ class Communicator {
   virtual std::unique_ptr<CommRequest> all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) = 0;
   virtual void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType type, ReduceOp op) = 0;
   virtual void all_gather(const void* send, void* recv, int64_t send_count, DType type) = 0;
+  // Variable blocks: rank r's result block has counts[r] elements; `send` holds all blocks in
+  // rank order (Σ counts elements) and `recv` receives this rank's block.
+  virtual std::unique_ptr<CommRequest> reduce_scatter_v_async(const void* send, void* recv,
+                                                             const std::vector<int64_t>& counts, DType type,
+                                                             ReduceOp op) = 0;
+  // In place: rank r's counts[r] elements already sit at buf + displs[r]; afterwards every
+  // rank holds every block.
+  virtual std::unique_ptr<CommRequest> all_gather_v_async(void* buf, const std::vector<int64_t>& counts,
+                                                         const std::vector<int64_t>& displs, DType type) = 0;
   virtual void broadcast(void* buf, int64_t count, DType type, int root) = 0;
   virtual void send(const void* buf, int64_t count, DType type, int peer, int tag) = 0;
   virtual void recv(void* buf, int64_t count, DType type, int peer, int tag) = 0;
   virtual void barrier() = 0;
+
+  // Bytes this rank moved, counted as nccl-tests' bus bytes: all_reduce 2(W-1)/W·n,
+  // reduce_scatter and all_gather (W-1)/W of the whole buffer, broadcast/send n.
+  int64_t bus_bytes() const { return bus_bytes_; }
+  void reset_bus_bytes() { bus_bytes_ = 0; }
+
+ protected:
+  void count_bus_bytes(double factor, int64_t elements, DType type) {
+    bus_bytes_ += static_cast<int64_t>(factor * static_cast<double>(elements) * static_cast<double>(dtype_size(type)));
+  }
+  double ring_factor() const { return size() > 1 ? double(size() - 1) / size() : 0.0; }
+  int64_t bus_bytes_ = 0;
 };
 
 // MPI over one communicator (MPI-4 large-count calls, so counts beyond 2^31 work).
@@ -61,6 +84,10 @@ class MpiCommunicator : public Communicator {
   std::unique_ptr<CommRequest> all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) override;
   void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType type, ReduceOp op) override;
   void all_gather(const void* send, void* recv, int64_t send_count, DType type) override;
+  std::unique_ptr<CommRequest> reduce_scatter_v_async(const void* send, void* recv, const std::vector<int64_t>& counts,
+                                                     DType type, ReduceOp op) override;
+  std::unique_ptr<CommRequest> all_gather_v_async(void* buf, const std::vector<int64_t>& counts,
+                                                 const std::vector<int64_t>& displs, DType type) override;
   void broadcast(void* buf, int64_t count, DType type, int root) override;
   void send(const void* buf, int64_t count, DType type, int peer, int tag) override;
   void recv(void* buf, int64_t count, DType type, int peer, int tag) override;

@@ -74,32 +74,66 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, Watchdog* watchdog) : comm_(comm
 }
 
 void MpiCommunicator::all_reduce(void* buf, int64_t count, DType type, ReduceOp op) {
+  count_bus_bytes(2.0 * ring_factor(), count, type);
   Watchdog::Scope watch(watchdog_, "all_reduce");
   check(MPI_Allreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op), comm_), "Allreduce");
 }
 
 std::unique_ptr<CommRequest> MpiCommunicator::all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) {
+  count_bus_bytes(2.0 * ring_factor(), count, type);
   MPI_Request req;
   check(MPI_Iallreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op), comm_, &req), "Iallreduce");
   return std::make_unique<MpiRequest>(req, watchdog_);
 }
 
 void MpiCommunicator::reduce_scatter(const void* send, void* recv, int64_t recv_count, DType type, ReduceOp op) {
+  count_bus_bytes(ring_factor(), recv_count * size_, type);
   Watchdog::Scope watch(watchdog_, "reduce_scatter");
   check(MPI_Reduce_scatter_block_c(send, recv, recv_count, mpi_type(type), mpi_op(op), comm_), "Reduce_scatter_block");
 }
 
 void MpiCommunicator::all_gather(const void* send, void* recv, int64_t send_count, DType type) {
+  count_bus_bytes(ring_factor(), send_count * size_, type);
   Watchdog::Scope watch(watchdog_, "all_gather");
   check(MPI_Allgather_c(send, send_count, mpi_type(type), recv, send_count, mpi_type(type), comm_), "Allgather");
 }
 
+std::unique_ptr<CommRequest> MpiCommunicator::reduce_scatter_v_async(const void* send, void* recv,
+                                                                     const std::vector<int64_t>& counts, DType type,
+                                                                     ReduceOp op) {
+  std::vector<MPI_Count> c(counts.begin(), counts.end());
+  int64_t total = 0;
+  for (int64_t n : counts) total += n;
+  count_bus_bytes(ring_factor(), total, type);
+  static float empty;  // a valid address for an empty block
+  MPI_Request req;
+  check(MPI_Ireduce_scatter_c(send, counts[rank_] > 0 ? recv : &empty, c.data(), mpi_type(type), mpi_op(op), comm_,
+                              &req),
+        "Ireduce_scatter");
+  return std::make_unique<MpiRequest>(req, watchdog_);
+}
+
+std::unique_ptr<CommRequest> MpiCommunicator::all_gather_v_async(void* buf, const std::vector<int64_t>& counts,
+                                                                 const std::vector<int64_t>& displs, DType type) {
+  std::vector<MPI_Count> c(counts.begin(), counts.end());
+  std::vector<MPI_Aint> d(displs.begin(), displs.end());
+  int64_t total = 0;
+  for (int64_t n : counts) total += n;
+  count_bus_bytes(ring_factor(), total, type);
+  MPI_Request req;
+  check(MPI_Iallgatherv_c(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, c.data(), d.data(), mpi_type(type), comm_, &req),
+        "Iallgatherv");
+  return std::make_unique<MpiRequest>(req, watchdog_);
+}
+
 void MpiCommunicator::broadcast(void* buf, int64_t count, DType type, int root) {
+  count_bus_bytes(1.0, count, type);
   Watchdog::Scope watch(watchdog_, "broadcast");
   check(MPI_Bcast_c(buf, count, mpi_type(type), root, comm_), "Bcast");
 }
 
 void MpiCommunicator::send(const void* buf, int64_t count, DType type, int peer, int tag) {
+  count_bus_bytes(1.0, count, type);
   Watchdog::Scope watch(watchdog_, "send");
   check(MPI_Send_c(buf, count, mpi_type(type), peer, tag, comm_), "Send");
 }

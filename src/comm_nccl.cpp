@@ -106,6 +106,34 @@ class NcclCommunicator : public Communicator {
                "ncclAllGather");
     sync("all_gather");
   }
+  // NCCL has no v-collectives: one reduce (or broadcast) per rank's block, fused in a group.
+  std::unique_ptr<CommRequest> reduce_scatter_v_async(const void* send, void* recv, const std::vector<int64_t>& counts,
+                                                     DType type, ReduceOp op) override {
+    const char* base = static_cast<const char*>(send);
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    for (int r = 0; r < size_; ++r) {
+      if (counts[r] > 0)
+        check_nccl(ncclReduce(base, r == rank_ ? recv : nullptr, static_cast<size_t>(counts[r]), nccl_type(type),
+                              nccl_op(op), r, comm_, stream_),
+                   "ncclReduce");
+      base += counts[r] * dtype_size(type);
+    }
+    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    return std::make_unique<NcclRequest>(stream_, watchdog_);
+  }
+  std::unique_ptr<CommRequest> all_gather_v_async(void* buf, const std::vector<int64_t>& counts,
+                                                 const std::vector<int64_t>& displs, DType type) override {
+    char* base = static_cast<char*>(buf);
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    for (int r = 0; r < size_; ++r)
+      if (counts[r] > 0) {
+        char* block = base + displs[r] * dtype_size(type);
+        check_nccl(ncclBroadcast(block, block, static_cast<size_t>(counts[r]), nccl_type(type), r, comm_, stream_),
+                   "ncclBroadcast");
+      }
+    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    return std::make_unique<NcclRequest>(stream_, watchdog_);
+  }
   void broadcast(void* buf, int64_t count, DType type, int root) override {
     check_nccl(ncclBroadcast(buf, buf, static_cast<size_t>(count), nccl_type(type), root, comm_, stream_),
                "ncclBroadcast");

@@ -536,39 +536,83 @@ TrainingConfig read_training(Section& top) {
   return t;
 }
 
-// zero_optimization keys of DEEPSPEED-FACTS §5.1 (with deprecated aliases).
-const std::vector<std::string> kZeroKeys = {
-    "contiguous_gradients", "reduce_scatter", "use_multi_rank_bucket_allreduce",
-    "allgather_partitions", "allgather_bucket_size", "load_from_fp32_weights", "elastic_checkpoint",
-    "offload_param", "offload_optimizer", "sub_group_size", "prefetch_bucket_size", "stage3_prefetch_bucket_size",
-    "param_persistence_threshold", "stage3_param_persistence_threshold", "model_persistence_threshold",
-    "stage3_model_persistence_threshold", "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance",
-    "stage3_max_reuse_distance", "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save", "module_granularity_threshold",
-    "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
-    "allgather_sequential", "stage3_allgather_sequential", "ignore_unused_parameters", "legacy_stage1",
-    "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size", "mics_hierarchical_params_gather",
-    "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
-    "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "cpu_offload", "cpu_offload_param",
-    "cpu_offload_use_pin_memory", "zenflow", "leaf_module"};
+// zero_optimization keys of DEEPSPEED-FACTS §5.1 whose features zero3d does not have (or
+// always has, like contiguous buffers): accepted at DeepSpeed's default, rejected otherwise.
+const std::vector<std::pair<const char*, nlohmann::json>> kZeroDefaultOnlyKeys = {
+    {"contiguous_gradients", true}, {"reduce_scatter", true}, {"use_multi_rank_bucket_allreduce", true},
+    {"allgather_partitions", true}, {"load_from_fp32_weights", true}, {"elastic_checkpoint", false},
+    {"gather_16bit_weights_on_model_save", false}, {"stage3_gather_16bit_weights_on_model_save", false},
+    {"stage3_gather_fp16_weights_on_model_save", false}, {"module_granularity_threshold", 0},
+    {"stage3_module_granularity_threshold", 0}, {"use_all_reduce_for_fetch_params", false},
+    {"stage3_use_all_reduce_for_fetch_params", false}, {"allgather_sequential", false},
+    {"stage3_allgather_sequential", false}, {"ignore_unused_parameters", true}, {"round_robin_gradients", false},
+    {"zero_hpz_partition_size", 1}, {"zero_quantized_weights", false}, {"zero_quantized_nontrainable_weights", false},
+    {"zero_quantized_gradients", false}, {"zeropp_loco_param", nullptr}, {"mics_shard_size", -1},
+    {"mics_hierarchical_params_gather", false}, {"memory_efficient_linear", true},
+    {"pipeline_loading_checkpoint", false}, {"override_module_apply", true}, {"log_trace_cache_warnings", false},
+    {"enable_sanity_checks", false}, {"save_muon_momentum_buffer_in_memory", false}, {"zenflow", nullptr},
+    {"leaf_module", nullptr}};
 
 void read_zero(Section& top, Config& c) {
   if (top.has("zero_optimization") && top.raw("zero_optimization")->is_boolean()) {
-    // Deprecated bool form: true means stage 1.
-    bool on = top.raw("zero_optimization")->get<bool>();
-    if (on) top.fail("zero_optimization", "DeepSpeed feature `zero_optimization.stage=1` is not supported by zero3d yet");
+    c.zero_stage = top.raw("zero_optimization")->get<bool>() ? 1 : 0;  // deprecated bool form: true = stage 1
+    c.overlap_comm = false;
     return;
   }
   Section sec = top.child("zero_optimization");
+  const int64_t kMax = std::numeric_limits<int64_t>::max();
   c.zero_stage = sec.integer("stage", 0, 0, 3);
-  if (c.zero_stage != 0)
-    sec.fail_key("stage", "DeepSpeed feature `zero_optimization.stage=" + std::to_string(c.zero_stage) +
-                              "` is not supported by zero3d yet (stage 0 only)");
-  c.reduce_bucket_size = sec.integer("reduce_bucket_size", 500000000, 1, std::numeric_limits<int64_t>::max());
+  c.reduce_bucket_size = sec.integer("reduce_bucket_size", 500000000, 1, kMax);
+  c.allgather_bucket_size = sec.integer("allgather_bucket_size", 500000000, 2, kMax);
+  if (c.allgather_bucket_size % 2 != 0)
+    sec.fail_key("allgather_bucket_size", "must be a multiple of 2, got " + std::to_string(c.allgather_bucket_size));
   c.overlap_comm = sec.boolean("overlap_comm", c.zero_stage == 3);  // DeepSpeed: None -> (stage == 3)
-  // The remaining keys tune partitioning, which stage 0 does not do; DeepSpeed accepts them there too.
-  sec.finish(kZeroKeys);
+  // Stage-3 knobs, each also accepted under its deprecated stage3_ name (not both).
+  auto aliased = [&](const std::string& key, int64_t def, int64_t lo) {
+    const std::string old = "stage3_" + key;
+    if (sec.has(key) && sec.has(old))
+      sec.fail_key(old, "cannot be given together with `zero_optimization." + key + "` (deprecated alias)");
+    return sec.has(old) ? sec.integer(old, def, lo, kMax) : sec.integer(key, def, lo, kMax);
+  };
+  c.prefetch_bucket_size = aliased("prefetch_bucket_size", 50000000, 0);
+  c.param_persistence_threshold = aliased("param_persistence_threshold", 100000, 0);
+  c.model_persistence_threshold = aliased("model_persistence_threshold", kMax, 0);
+  c.max_live_parameters = aliased("max_live_parameters", 1000000000, 0);
+  c.max_reuse_distance = aliased("max_reuse_distance", 1000000000, 0);
+  // Offload belongs to a later release: reject anything but "none", naming the key.
+  for (const char* key : {"offload_optimizer", "offload_param"}) {
+    Section off = sec.child(key);
+    const std::string device = off.choice("device", "none", {"none", "cpu", "nvme"});
+    if (device != "none")
+      off.fail_key("device", "DeepSpeed feature `zero_optimization." + std::string(key) + ".device=" + device +
+                                 "` is not supported by zero3d yet (offload)");
+    off.finish({"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory", "pipeline_read",
+                "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc"});
+  }
+  for (const char* key : {"cpu_offload", "cpu_offload_param"})
+    if (sec.boolean(key, false))
+      sec.fail_key(key, "DeepSpeed feature `zero_optimization." + std::string(key) +
+                            "` (offload to CPU) is not supported by zero3d yet");
+  if (sec.boolean("legacy_stage1", false))
+    sec.fail_key("legacy_stage1", "legacy_stage1 was removed from DeepSpeed; remove the key");
+  // Pure tuning knobs with no effect on results or zero3d's memory: any valid value.
+  sec.integer("sub_group_size", 1000000000, 1, kMax);
+  sec.boolean("cpu_offload_use_pin_memory", false);
+  for (const auto& [key, deepspeed_default] : kZeroDefaultOnlyKeys) sec.accept_default_only(key, deepspeed_default);
+  sec.finish();
+}
+
+// DeepSpeed lets ZeRO run only its tested optimizers unless zero_allow_untested_optimizer;
+// Lamb's per-tensor trust ratio cannot be computed on flat partitions, so it stays stage 0.
+void check_zero_optimizer(Section& top, const Config& c) {
+  if (c.zero_stage == 0) return;
+  if (c.optimizer.type == OptimizerType::Lamb)
+    top.fail("optimizer.type", "Lamb needs whole tensors for its trust ratio; use zero_optimization.stage 0 with "
+                               "Lamb, or Adam/AdamW with ZeRO stage " + std::to_string(c.zero_stage));
+  if (c.optimizer.type == OptimizerType::SGD && !c.zero_allow_untested_optimizer)
+    top.fail("optimizer.type", "SGD is not a ZeRO-tested optimizer in DeepSpeed; set "
+                               "\"zero_allow_untested_optimizer\": true to use it with ZeRO stage " +
+                               std::to_string(c.zero_stage));
 }
 
 // DeepSpeed top-level keys zero3d does not implement: accepted at their defaults only.
@@ -586,7 +630,6 @@ void read_unsupported_top_level(Section& top) {
   top.accept_default_only("dump_state", false);
   top.accept_default_only("disable_allgather", false);
   top.accept_default_only("managed_gradient_accumulation", true);
-  top.accept_default_only("zero_allow_untested_optimizer", false);
   top.accept_default_only("zero_force_ds_cpu_optimizer", true);
   top.accept_default_only("dataloader_drop_last", false);
   top.accept_default_only("sequence_parallel_size", 1);
@@ -700,6 +743,8 @@ Config read_config(const json& root, const std::string& file, int64_t world_size
   c.steps_per_print = top.integer("steps_per_print", 10, 1, kMaxInt);
   c.wall_clock_breakdown = top.boolean("wall_clock_breakdown", false);
   read_zero(top, c);
+  c.zero_allow_untested_optimizer = top.boolean("zero_allow_untested_optimizer", false);
+  check_zero_optimizer(top, c);
   read_unsupported_top_level(top);
   top.finish(kDeepSpeedOnlyTopLevel);
   return c;

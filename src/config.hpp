@@ -101,8 +101,16 @@ struct Config {
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
   int64_t zero_stage = 0;
-  int64_t reduce_bucket_size = 500000000;  // elements per gradient all-reduce bucket
-  bool overlap_comm = false;               // launch bucket reductions during backward
+  int64_t reduce_bucket_size = 500000000;     // elements per gradient reduction bucket
+  int64_t allgather_bucket_size = 500000000;  // elements per parameter all-gather bucket (stages 1-2)
+  bool overlap_comm = false;                  // launch bucket reductions during backward
+  bool zero_allow_untested_optimizer = false;
+  // stage 3
+  int64_t prefetch_bucket_size = 50000000;
+  int64_t param_persistence_threshold = 100000;
+  int64_t model_persistence_threshold = INT64_MAX;
+  int64_t max_live_parameters = 1000000000;
+  int64_t max_reuse_distance = 1000000000;
   nlohmann::json resolved;  // every key with its value after defaults and derivation
 };
 

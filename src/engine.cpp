@@ -7,6 +7,8 @@
 #include <fstream>
 #include <limits>
 
+#include <sys/resource.h>
+
 #include <cstdlib>
 #include <thread>
 
@@ -20,6 +22,13 @@ namespace zero3d {
 namespace {
 GPTShape shape_of(const ModelConfig& m) {
   return GPTShape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
+}
+
+// The process's resident-memory high-water mark (getrusage reports KiB on Linux).
+int64_t peak_rss_bytes() {
+  struct rusage u {};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
 }
 
 // "2 nodes, 4 ranks per node (local rank from MPI_COMM_TYPE_SHARED)"
@@ -44,8 +53,6 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   rank_ = dp_comm_->rank();
   world_ = dp_comm_->size();
   run_collectively(groups.world(), [this] { setup_local(); });
-  reducer_ = std::make_unique<GradientReducer>(*dp_comm_, model_->grads().data(), model_->num_params(),
-                                               cfg_.reduce_bucket_size, cfg_.overlap_comm);
   flops_per_token_ = gpt_flops_per_token(model_->shape(), model_->num_params());
   double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_sgemm_peak_gflops();
   peak_gflops_total_ = peak;
@@ -57,12 +64,20 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
 void Engine::setup_local() {
   const int64_t B = cfg_.batch.micro_batch, T = cfg_.model.n_positions;
   model_ = std::make_unique<GPT>(shape_of(cfg_.model), B, T);
-  if (cfg_.model.init_from.empty())
-    init_gpt_params(model_->params().data(), model_->layout(), model_->shape(), cfg_.training.seed);
-  else
-    load_weights(cfg_.model.init_from, model_->layout(), model_->params().data());
+  zero_ = std::make_unique<ZeroOptimizer>(zero_config_from(cfg_), cfg_.optimizer, model_->layout(), model_->units(),
+                                          *dp_comm_);
+  if (cfg_.model.init_from.empty()) {
+    zero_->init_params([&](float* out, int64_t begin, int64_t end) {
+      init_gpt_params_range(out, model_->layout(), model_->shape(), cfg_.training.seed, begin, end);
+    });
+  } else {
+    std::vector<float> full(static_cast<size_t>(model_->num_params()));
+    load_weights(cfg_.model.init_from, model_->layout(), full.data());
+    zero_->init_params([&](float* out, int64_t begin, int64_t end) {
+      std::copy(full.begin() + begin, full.begin() + end, out);
+    });
+  }
   data_ = std::make_unique<DataLoader>(cfg_.data, cfg_.model.vocab_size, B, T, cfg_.training.seed);
-  optimizer_ = std::make_unique<Optimizer>(cfg_.optimizer, model_->layout());
   schedule_ = std::make_unique<LRSchedule>(cfg_.scheduler, cfg_.optimizer.lr);
   inputs_ = Kokkos::View<int32_t*>("inputs", B * T);
   targets_ = Kokkos::View<int32_t*>("targets", B * T);
@@ -110,9 +125,16 @@ void Engine::print_startup() const {
               cfg_.scheduler.type == SchedulerType::None ? "" : (" | scheduler " + cfg_.scheduler.type_name).c_str(),
               cfg_.gradient_clipping, (long long)cfg_.training.steps, peak_gflops_total_,
               cfg_.training.peak_gflops > 0 ? "training.peak_gflops" : "measured sgemm, all ranks");
-  std::printf("comm    data-parallel all-reduce over %s in buckets of %lld elements, overlap_comm %s%s\n",
-              dp_comm_->backend().c_str(), (long long)reducer_->bucket_elems(), cfg_.overlap_comm ? "on" : "off",
+  const MemoryBytes m = zero_->memory();
+  std::printf("zero    stage %d over %d data-parallel ranks (%s), reduce buckets of %lld elements, overlap_comm %s%s\n",
+              zero_->stage(), world_, dp_comm_->backend().c_str(), (long long)cfg_.reduce_bucket_size,
+              cfg_.overlap_comm ? "on" : "off",
               cfg_.training.comms_timeout > 0 ? (", comms_timeout " + std::to_string(cfg_.training.comms_timeout) + " s").c_str() : "");
+  std::printf("memory  bytes per rank: params %lld | grads %lld | master %lld | optimizer_states %lld | "
+              "comm_buffers %lld | model states %.1f MB (stage 0 would hold %.1f MB) | activations %.1f MB\n",
+              (long long)m.params, (long long)m.grads, (long long)m.master, (long long)m.optimizer_states,
+              (long long)m.comm_buffers, m.model_states() / 1e6, 16.0 * model_->num_params() / 1e6,
+              model_->activation_bytes() / 1e6);
   if (!output_dir_.empty()) std::printf("output  %s/{config.json,metrics.jsonl}\n", output_dir_.c_str());
   std::fflush(stdout);
 }
@@ -126,7 +148,8 @@ StepResult Engine::train_step() {
   r.step = step_ + 1;
   r.lr = schedule_->lr();
 
-  model_->zero_grad();
+  dp_comm_->reset_bus_bytes();
+  zero_->zero_grad();
   auto host_in = Kokkos::create_mirror_view(inputs_);
   auto host_tgt = Kokkos::create_mirror_view(targets_);
   double local_loss = 0.0;
@@ -135,31 +158,28 @@ StepResult Engine::train_step() {
     data_->micro_batch(k, host_in.data(), host_tgt.data());
     Kokkos::deep_copy(inputs_, host_in);
     Kokkos::deep_copy(targets_, host_tgt);
+    // Gradients accumulate locally; the last micro-batch's backward completes them.
+    zero_->begin_micro_step(micro == gas - 1);
     {
       auto t = timers_.time("forward");
-      local_loss += model_->forward(inputs_.data(), targets_.data());
+      local_loss += model_->forward(inputs_.data(), targets_.data(), *zero_);
     }
     {
       auto t = timers_.time("backward_inner");
-      // Gradients accumulate locally; only the last micro-batch's backward communicates.
-      const bool boundary = micro == gas - 1 && world_ > 1;
-      if (boundary) reducer_->begin();
       // DeepSpeed scales the loss by 1/GAS so that accumulated gradients are a mean.
-      model_->backward(1.0f / static_cast<float>(gas), boundary ? reducer_.get() : nullptr);
+      model_->backward(1.0f / static_cast<float>(gas), *zero_);
     }
   }
-  if (world_ > 1) {
+  {
     auto t = timers_.time("backward_allreduce");
-    reducer_->finish();
+    zero_->finish_reduction();
   }
   {
     auto t = timers_.time("step");
-    float* g = model_->grads().data();
-    const int64_t n = model_->num_params();
-    r.grad_norm = clip_grad_norm(g, n, cfg_.gradient_clipping);
-    optimizer_->step(model_->params().data(), g, r.lr, schedule_->betas());
+    r.grad_norm = zero_->step(r.lr, schedule_->betas(), cfg_.gradient_clipping);
     schedule_->step();
   }
+  r.comm_bytes = dp_comm_->bus_bytes();
   double mean_loss = local_loss / static_cast<double>(gas);
   dp_comm_->all_reduce(&mean_loss, 1, DType::F64, ReduceOp::Sum);
   r.loss = mean_loss / world_;
@@ -189,7 +209,13 @@ std::vector<StepResult> Engine::train() {
                             {"tokens_per_s", r.tokens_per_s},
                             {"mfu", r.mfu},
                             {"elapsed_ms", r.elapsed_ms},
-                            {"samples", r.step * cfg_.batch.train_batch_size}};
+                            {"samples", r.step * cfg_.batch.train_batch_size},
+                            {"comm_bytes", r.comm_bytes},
+                            {"peak_rss_bytes", peak_rss_bytes()}};
+      const MemoryBytes m = zero_->memory();
+      rec["memory"] = {{"params", m.params},           {"grads", m.grads},
+                       {"master", m.master},           {"optimizer_states", m.optimizer_states},
+                       {"comm_buffers", m.comm_buffers}, {"live_params_peak", m.live_params_peak}};
       if (cfg_.wall_clock_breakdown) {
         const double fwd = ms.count("forward") ? ms.at("forward") : 0.0;
         const double inner = ms.count("backward_inner") ? ms.at("backward_inner") : 0.0;

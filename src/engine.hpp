@@ -12,7 +12,7 @@
 #include "comm.hpp"
 #include "config.hpp"
 #include "data.hpp"
-#include "grad_reducer.hpp"
+#include "zero.hpp"
 #include "lr_schedule.hpp"
 #include "model.hpp"
 #include "monitor.hpp"
@@ -30,6 +30,7 @@ struct StepResult {
   double elapsed_ms = 0.0;
   double tokens_per_s = 0.0;
   double mfu = 0.0;
+  int64_t comm_bytes = 0;  // bus bytes this rank moved in the step
 };
 
 class Engine {
@@ -43,6 +44,7 @@ class Engine {
   StepResult train_step();
 
   GPT& model() { return *model_; }
+  ZeroOptimizer& zero() { return *zero_; }
   int rank() const { return rank_; }
 
  private:
@@ -53,14 +55,13 @@ class Engine {
   Config cfg_;
   const ProcessGroups& groups_;
   std::unique_ptr<MpiCommunicator> dp_comm_;
-  std::unique_ptr<GradientReducer> reducer_;
+  std::unique_ptr<ZeroOptimizer> zero_;
   int rank_ = 0, world_ = 1;  // in the data-parallel group
   int local_rank_ = 0;        // on this node (MPI_COMM_TYPE_SHARED): the GPU a CUDA build would use
   std::string node_summary_;
   std::string output_dir_;
   std::unique_ptr<GPT> model_;
   std::unique_ptr<DataLoader> data_;
-  std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<LRSchedule> schedule_;
   std::unique_ptr<MetricsWriter> metrics_;
   PhaseTimers timers_;

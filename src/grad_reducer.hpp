@@ -1,47 +1,76 @@
-// grad_reducer.hpp — data-parallel gradient averaging in buckets of reduce_bucket_size
-// elements, once per optimizer step (micro-batches accumulate locally before it).
+// grad_reducer.hpp — data-parallel gradient reduction in buckets of reduce_bucket_size elements.
 //
-// Buckets are cut from the END of the flat gradient buffer, because backward finishes the
-// last block first: with overlap_comm, each bucket's all_reduce is launched non-blocking as
-// soon as backward reports that its range is final, and progress() is polled between
-// kernels (MPICH advances non-blocking collectives only inside MPI calls). finish() launches
-// what is left, waits, and divides by the group size (DeepSpeed's post-scaling, FACTS §5.6).
+// Two modes over the same bucketing:
+//  * AllReduce (ZeRO stage 0): every rank ends with the averaged full gradient.
+//  * ReduceScatter (stages 1-3): each bucket [a, b) is reduce-scattered with per-rank counts
+//    |[a, b) ∩ partition r|, so each rank receives only the averaged part it owns, staged in a
+//    partition-sized buffer and then written (stage 1) or added (stages 2-3, which reduce
+//    every micro-batch) into the rank's gradient partition.
+// Buckets are cut from the end of a range down, the order in which backward completes the
+// flat buffer. With overlap_comm, buckets are launched non-blocking as soon as their range is
+// final and progress() is polled between kernels (MPICH advances non-blocking collectives only
+// inside MPI calls); otherwise each bucket is reduced when launched, blocking.
 //
-// Example: 10 elements, bucket 4, ready(6) -> launch [6,10); ready(0) -> launch [2,6);
-// finish() -> launch [0,2), wait for all three, scale by 1/W.
+// Example (AllReduce, 10 elements, bucket 4): ready(6) -> launch [6,10); ready(0) -> launch
+// [2,6); finish() -> launch [0,2), wait for all three, scale by 1/W.
 #pragma once
 
 #include <memory>
 #include <vector>
 
+#include "buffer.hpp"
 #include "comm.hpp"
 #include "model.hpp"
 
 namespace zero3d {
 
-class GradientReducer : public BackwardHooks {
+class GradientReducer : public FlatParamStore::ReadyListener {
  public:
-  GradientReducer(Communicator& comm, float* grads, int64_t n, int64_t bucket_elems, bool overlap);
+  enum class Mode { AllReduce, ReduceScatter };
 
-  // Call before the backward pass whose gradients complete the accumulation.
-  void begin();
+  // AllReduce over a flat buffer of n elements.
+  GradientReducer(Communicator& comm, float* grads, int64_t n, int64_t bucket_elems, bool overlap);
+  // ReduceScatter into `dest` (this rank's partition, part elements); accumulate: += instead of =.
+  GradientReducer(Communicator& comm, const Partition& partition, float* dest, bool accumulate, int64_t bucket_elems,
+                  bool overlap);
+
+  // --- flat-buffer use (stages 0 and 1): a frontier that moves from the end down to 0.
+  void begin(float* flat_grads = nullptr);
   void grads_ready(int64_t offset) override;
   void progress() override;
-  // Reduces everything not yet launched, waits for all buckets, averages. Returns buckets used.
+  // Launches what is left of the flat buffer, waits for everything, applies results
+  // (AllReduce: scales by 1/W). Returns the number of buckets of this reduction.
   int64_t finish();
 
+  // --- window use (stages 2 and 3): reduce src (holding global range [begin, end)) now.
+  void reduce_range(const float* src, int64_t begin, int64_t end, int tag);
+  void wait_tag(int tag);  // until no bucket read from window `tag` is in flight
+  void wait_all();
+
   int64_t bucket_elems() const { return bucket_; }
+  int64_t staging_bytes() const { return static_cast<int64_t>(staging_.size() * sizeof(float)); }
 
  private:
-  void launch(int64_t begin, int64_t end);
+  struct InFlight {
+    std::unique_ptr<CommRequest> request;
+    int64_t begin, end;  // global range of the bucket
+    int tag;
+  };
+  void launch(const float* src, int64_t begin, int64_t end, int tag);
+  void complete(InFlight& f);
 
   Communicator& comm_;
-  float* grads_;
-  int64_t n_, bucket_;
+  Mode mode_;
+  Partition partition_;
+  float* flat_ = nullptr;  // AllReduce / flat-buffer source
+  float* dest_ = nullptr;  // ReduceScatter destination (partition)
+  bool accumulate_ = false;
+  std::vector<float> staging_;  // ReduceScatter: this rank's part of every bucket, partition-indexed
+  int64_t n_ = 0, bucket_;
   bool overlap_;
   int64_t frontier_ = 0;  // [frontier_, n_) has been launched
   int64_t launched_ = 0;
-  std::vector<std::unique_ptr<CommRequest>> inflight_;
+  std::vector<InFlight> inflight_;
 };
 
 }  // namespace zero3d

@@ -6,8 +6,10 @@
 
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base.hpp"
@@ -166,7 +168,11 @@ int main(int argc, char** argv) {
     code = bad_input ? kExitBadInput : kExitSystem;
     std::fprintf(stderr, "zero3d: rank %d: %s: %s\n", rank, bad_input ? "error" : "fatal", e.what());
     std::fflush(stderr);
-    if (world > 1) MPI_Abort(MPI_COMM_WORLD, code);
+    if (world > 1) {
+      // Give the launcher a moment to forward the message before it tears the job down.
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      MPI_Abort(MPI_COMM_WORLD, code);
+    }
   }
   std::fflush(stdout);
   Kokkos::finalize();

@@ -3,6 +3,7 @@
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "attention.hpp"
@@ -43,38 +44,53 @@ ParamLayout gpt_layout(const GPTShape& s) {
   return layout;
 }
 
+std::vector<ParamUnit> gpt_units(const ParamLayout& layout, int64_t n_layer) {
+  std::vector<int64_t> starts = {0};
+  for (int64_t l = 0; l < n_layer; ++l) starts.push_back(layout.find("h." + std::to_string(l) + ".ln_1.weight")->offset);
+  starts.push_back(layout.find("ln_f.weight")->offset);
+  starts.push_back(layout.total());
+  std::vector<ParamUnit> units;
+  for (size_t u = 0; u + 1 < starts.size(); ++u) units.push_back({starts[u], starts[u + 1] - starts[u]});
+  return units;
+}
+
 double gpt_flops_per_token(const GPTShape& s, int64_t num_params) {
   return 6.0 * static_cast<double>(num_params) +
          12.0 * static_cast<double>(s.n_layer) * static_cast<double>(s.n_positions) * static_cast<double>(s.n_embd);
 }
 
-void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& shape, uint64_t seed) {
+void init_gpt_params_range(float* out, const ParamLayout& layout, const GPTShape& shape, uint64_t seed, int64_t begin,
+                           int64_t end) {
   const double proj_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(shape.n_layer));
   for (const TensorSpec& t : layout.tensors()) {
-    float* p = params + t.offset;
+    const int64_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.numel);
+    if (lo >= hi) continue;
+    float* p = out + (lo - begin);
     const auto ends_with = [&](const char* suffix) {
       const std::string s(suffix);
       return t.name.size() >= s.size() && t.name.compare(t.name.size() - s.size(), s.size(), s) == 0;
     };
     const bool is_layernorm = t.name.find("ln_") != std::string::npos;
-    if (ends_with(".bias")) {
-      for (int64_t i = 0; i < t.numel; ++i) p[i] = 0.0f;
-    } else if (is_layernorm) {
-      for (int64_t i = 0; i < t.numel; ++i) p[i] = 1.0f;
+    if (ends_with(".bias") || is_layernorm) {
+      const float value = ends_with(".bias") ? 0.0f : 1.0f;
+      for (int64_t i = lo; i < hi; ++i) p[i - lo] = value;
     } else {
       // GPT-2 scales the residual projections by 1/sqrt(2L) (Radford et al. 2019, §2.3).
       const double std = 0.02 * (ends_with("c_proj.weight") ? proj_scale : 1.0);
       Rng rng(seed, hash_name(t.name));
-      for (int64_t i = 0; i < t.numel; ++i) p[i] = static_cast<float>(std * rng.normal());
+      for (int64_t i = t.offset; i < lo; ++i) rng.normal();  // the draws of elements before the range
+      for (int64_t i = lo; i < hi; ++i) p[i - lo] = static_cast<float>(std * rng.normal());
     }
   }
 }
 
-GPT::GPT(const GPTShape& shape, int64_t B, int64_t T) : shape_(shape), B_(B), T_(T), layout_(gpt_layout(shape)) {
+void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& shape, uint64_t seed) {
+  init_gpt_params_range(params, layout, shape, seed, 0, layout.total());
+}
+
+GPT::GPT(const GPTShape& shape, int64_t B, int64_t T)
+    : shape_(shape), B_(B), T_(T), layout_(gpt_layout(shape)), units_(gpt_units(layout_, shape.n_layer)) {
   const int64_t L = shape.n_layer, C = shape.n_embd, V = shape.vocab_size, H = shape.n_head, BT = B * T;
-  params_ = make_flat_buffer("params", layout_.total());
-  grads_ = make_flat_buffer("grads", layout_.total());
-  for (int64_t l = 0; l < L; ++l) block_offsets_.push_back(layout_.find("h." + std::to_string(l) + ".ln_1.weight")->offset);
 
   // Activations: one allocation, carved into named arrays in forward order.
   const int64_t per_block = 16 * BT * C + 4 * BT + B * H * T * T;
@@ -122,9 +138,9 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T) : shape_(shape), B_(B), T_
   datt_scratch_ = take(kRowBlock * T);
 }
 
-BlockTensors GPT::block(float* base, int64_t l) const {
+BlockTensors GPT::block(const float* unit) const {
   const int64_t C = shape_.n_embd;
-  float* p = base + block_offsets_[l];
+  float* p = const_cast<float*>(unit);  // one struct serves parameters (read) and gradients (written)
   BlockTensors b;
   float** fields[] = {&b.ln_1_w, &b.ln_1_b, &b.c_attn_w, &b.c_attn_b, &b.attn_proj_w, &b.attn_proj_b,
                       &b.ln_2_w, &b.ln_2_b, &b.c_fc_w,   &b.c_fc_b,   &b.mlp_proj_w,  &b.mlp_proj_b};
@@ -136,17 +152,21 @@ BlockTensors GPT::block(float* base, int64_t l) const {
   return b;
 }
 
-float GPT::forward(const int32_t* tokens, const int32_t* targets) {
+namespace {
+constexpr int kEmbed = 0;  // unit of wte and wpe
+}
+
+float GPT::forward(const int32_t* tokens, const int32_t* targets, ParamStore& store) {
   const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
-  float* P = params_.data();
-  const float* wte = P + layout_.find("wte.weight")->offset;
-  const float* wpe = P + layout_.find("wpe.weight")->offset;
+  const int ln_f = static_cast<int>(shape_.n_layer) + 1;
   tokens_ = tokens;
   targets_ = targets;
 
-  encoder_forward(encoded_, tokens, wte, wpe, B, T, C);
+  const float* E = store.fetch(kEmbed);  // wte [V,C] then wpe [T,C]
+  encoder_forward(encoded_, tokens, E, E + V * C, B, T, C);
+  store.release(kEmbed);
   for (int64_t l = 0; l < shape_.n_layer; ++l) {
-    const BlockTensors w = block(P, l);
+    const BlockTensors w = block(store.fetch(static_cast<int>(l) + 1));
     BlockActivations& a = blocks_[l];
     const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
     // x + attn(ln_1(x))
@@ -161,12 +181,15 @@ float GPT::forward(const int32_t* tokens, const int32_t* targets) {
     gelu_forward(a.fch_gelu, a.fch, BT * 4 * C);
     copy(a.res_3, a.res_2, BT * C);
     matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true);
+    store.release(static_cast<int>(l) + 1);
   }
-  const float* last = blocks_.back().res_3;
-  layernorm_forward(ln_f_, ln_f_mean_, ln_f_rstd_, last, P + layout_.find("ln_f.weight")->offset,
-                    P + layout_.find("ln_f.bias")->offset, BT, C);
+  const float* F = store.fetch(ln_f);  // weight [C] then bias [C]
+  layernorm_forward(ln_f_, ln_f_mean_, ln_f_rstd_, blocks_.back().res_3, F, F + C, BT, C);
+  store.release(ln_f);
   // LM head tied to wte: logits = ln_f · wteᵀ
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, BT, V, C, 1.0f, ln_f_, C, wte, C, 0.0f, logits_, V);
+  E = store.fetch(kEmbed);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, BT, V, C, 1.0f, ln_f_, C, E, C, 0.0f, logits_, V);
+  store.release(kEmbed);
   crossentropy_forward(losses_, lse_, logits_, targets, BT, V);
   float sum = 0.0f;
   const float* losses = losses_;
@@ -174,52 +197,50 @@ float GPT::forward(const int32_t* tokens, const int32_t* targets) {
   return sum / static_cast<float>(BT);
 }
 
-void GPT::backward(float grad_scale, BackwardHooks* hooks) {
-  auto progress = [hooks] {
-    if (hooks) hooks->progress();
-  };
+void GPT::backward(float grad_scale, ParamStore& store) {
   const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
-  float* P = params_.data();
-  float* G = grads_.data();
-  const TensorSpec& wte = *layout_.find("wte.weight");
-  const TensorSpec& lnf_w = *layout_.find("ln_f.weight");
-  const TensorSpec& lnf_b = *layout_.find("ln_f.bias");
+  const int ln_f = static_cast<int>(shape_.n_layer) + 1;
 
   // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
   crossentropy_backward(logits_, lse_, targets_, grad_scale / static_cast<float>(BT), BT, V);
   float* dlogits = logits_;
-  // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, BT, C, V, 1.0f, dlogits, V, P + wte.offset, C, 0.0f, dln_, C);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, BT, 1.0f, dlogits, V, ln_f_, C, 1.0f, G + wte.offset, C);
+  // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f (dE stays open until the encoder)
+  const float* E = store.fetch(kEmbed);
+  float* dE = store.grad_target(kEmbed);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, BT, C, V, 1.0f, dlogits, V, E, C, 0.0f, dln_, C);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, BT, 1.0f, dlogits, V, ln_f_, C, 1.0f, dE, C);
+  store.release(kEmbed);
   Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres_, BT * C), 0.0f);
-  layernorm_backward(dres_, G + lnf_w.offset, G + lnf_b.offset, dln_, blocks_.back().res_3, P + lnf_w.offset,
-                     ln_f_mean_, ln_f_rstd_, BT, C);
-  if (hooks) hooks->grads_ready(lnf_w.offset);
+  const float* F = store.fetch(ln_f);
+  float* dF = store.grad_target(ln_f);
+  layernorm_backward(dres_, dF, dF + C, dln_, blocks_.back().res_3, F, ln_f_mean_, ln_f_rstd_, BT, C);
+  store.release(ln_f);
+  store.grads_done(ln_f);
 
   for (int64_t l = shape_.n_layer - 1; l >= 0; --l) {
-    const BlockTensors w = block(P, l), dw = block(G, l);
+    const int u = static_cast<int>(l) + 1;
+    const BlockTensors w = block(store.fetch(u)), dw = block(store.grad_target(u));
     const BlockActivations& a = blocks_[l];
     const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
     // MLP half: dres holds d(res_3)
     matmul_backward(dfch_, dw.mlp_proj_w, dw.mlp_proj_b, dres_, a.fch_gelu, w.mlp_proj_w, BT, 4 * C, C);
-    progress();
+    store.progress();
     gelu_backward(dfch_, a.fch, dfch_, BT * 4 * C);
     matmul_backward(dln_, dw.c_fc_w, dw.c_fc_b, dfch_, a.ln_2, w.c_fc_w, BT, C, 4 * C);
-    progress();
+    store.progress();
     layernorm_backward(dres_, dw.ln_2_w, dw.ln_2_b, dln_, a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, BT, C);
     // attention half: dres now holds d(res_2)
     matmul_backward(datty_, dw.attn_proj_w, dw.attn_proj_b, dres_, a.atty, w.attn_proj_w, BT, C, C);
-    progress();
+    store.progress();
     attention_backward(dqkv_, datt_scratch_, datty_, a.qkv, a.att, B, T, C, H);
-    progress();
+    store.progress();
     matmul_backward(dln_, dw.c_attn_w, dw.c_attn_b, dqkv_, a.ln_1, w.c_attn_w, BT, C, 3 * C);
     layernorm_backward(dres_, dw.ln_1_w, dw.ln_1_b, dln_, residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, BT, C);
-    if (hooks) hooks->grads_ready(block_offsets_[l]);
+    store.release(u);
+    store.grads_done(u);
   }
-  encoder_backward(G + wte.offset, G + layout_.find("wpe.weight")->offset, dres_, tokens_, B, T, C);
-  if (hooks) hooks->grads_ready(0);
+  encoder_backward(dE, dE + V * C, dres_, tokens_, B, T, C);  // no parameters needed
+  store.grads_done(kEmbed);
 }
-
-void GPT::zero_grad() { Kokkos::deep_copy(grads_, 0.0f); }
 
 }  // namespace zero3d

@@ -55,6 +55,7 @@ void Watchdog::run() {
                  "or dead; aborting the job\n",
                  rank_, op, static_cast<long long>(seq_.load()), waited, timeout_s_);
     std::fflush(stderr);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let the launcher forward it
     int level = MPI_THREAD_SINGLE;
     MPI_Query_thread(&level);
     if (level == MPI_THREAD_MULTIPLE) MPI_Abort(MPI_COMM_WORLD, kExitSystem);

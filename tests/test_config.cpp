@@ -188,10 +188,43 @@ TEST(ConfigValidation, ResolvedConfigHoldsEveryDefault) {
   EXPECT_EQ(c.resolved["model"]["n_layer"], 2);
 }
 
-TEST(ConfigValidation, ZeroStageAboveZeroIsRejectedAsNotYetSupported) {
+TEST(ConfigValidation, OffloadIsRejectedNamingTheKeyUntilSupported) {
   json j = minimal();
+  j["zero_optimization"] = {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}};
+  EXPECT_NE(error_of(j).find("`zero_optimization.offload_optimizer.device`"), std::string::npos) << error_of(j);
+  j["zero_optimization"] = {{"stage", 2}, {"cpu_offload", true}};
+  EXPECT_NE(error_of(j).find("`zero_optimization.cpu_offload`"), std::string::npos) << error_of(j);
+}
+
+TEST(ConfigValidation, DeprecatedStage3AliasIsAcceptedButNotWithItsNewName) {
+  json j = minimal();
+  j["zero_optimization"] = {{"stage", 3}, {"stage3_max_live_parameters", 1000}};
+  EXPECT_EQ(read_config(j, "cfg.json", 2).max_live_parameters, 1000);
+  j["zero_optimization"]["max_live_parameters"] = 2000;
+  EXPECT_NE(error_of(j).find("stage3_max_live_parameters"), std::string::npos);
+}
+
+TEST(ConfigValidation, ZeroTuningKeyAtItsDefaultIsAcceptedOtherwiseUnsupported) {
+  json j = minimal();
+  j["zero_optimization"] = {{"stage", 2}, {"contiguous_gradients", true}, {"reduce_scatter", true}};
+  EXPECT_EQ(error_of(j), "");
+  j["zero_optimization"]["round_robin_gradients"] = true;
+  EXPECT_NE(error_of(j).find("DeepSpeed feature `zero_optimization.round_robin_gradients`"), std::string::npos);
+}
+
+TEST(ConfigValidation, OverlapCommDefaultsOnForStageThreeOnly) {
+  json j = minimal();
+  j["zero_optimization"] = {{"stage", 3}};
+  EXPECT_TRUE(read_config(j, "cfg.json", 2).overlap_comm);
   j["zero_optimization"] = {{"stage", 2}};
-  EXPECT_NE(error_of(j).find("zero_optimization.stage=2"), std::string::npos);
+  EXPECT_FALSE(read_config(j, "cfg.json", 2).overlap_comm);
+}
+
+TEST(ConfigValidation, LambWithZeroIsRejectedNamingTheOptimizer) {
+  json j = minimal();
+  j["optimizer"] = {{"type", "Lamb"}};
+  j["zero_optimization"] = {{"stage", 1}};
+  EXPECT_NE(error_of(j).find("`optimizer.type`"), std::string::npos);
 }
 
 TEST(ConfigValidation, EmbeddingMustSplitIntoHeads) {

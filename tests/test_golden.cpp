@@ -46,13 +46,13 @@ class GoldenModel : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     golden_ = std::make_unique<Golden>(open_golden(GetParam()));
-    model_ = std::make_unique<GPT>(golden_->shape, golden_->batch, golden_->shape.n_positions);
-    load_weights(golden_->file.path(), model_->layout(), model_->params().data());
+    model_ = std::make_unique<FlatModel>(golden_->shape, golden_->batch, golden_->shape.n_positions);
+    load_weights(golden_->file.path(), model_->model.layout(), model_->params.data());
     inputs_ = golden_->file.read_ints("golden/inputs");
     targets_ = golden_->file.read_ints("golden/targets");
   }
   std::unique_ptr<Golden> golden_;
-  std::unique_ptr<GPT> model_;
+  std::unique_ptr<FlatModel> model_;
   std::vector<int32_t> inputs_, targets_;
 };
 
@@ -60,7 +60,7 @@ TEST_P(GoldenModel, LogitsAndLossMatchPyTorch) {
   const float loss = model_->forward(inputs_.data(), targets_.data());
   const std::vector<float> logits = golden_->file.read_floats("golden/logits");
   ASSERT_EQ(logits.size(), static_cast<size_t>(golden_->batch * golden_->shape.n_positions * golden_->shape.vocab_size));
-  EXPECT_LE(max_abs_diff(model_->logits(), logits), 1e-4f);
+  EXPECT_LE(max_abs_diff(model_->model.logits(), logits), 1e-4f);
   const float ref = golden_->file.read_floats("golden/loss")[0];
   EXPECT_NEAR(loss, ref, 1e-4f * std::fabs(ref));
 }
@@ -69,10 +69,10 @@ TEST_P(GoldenModel, EveryParameterGradientMatchesPyTorch) {
   model_->zero_grad();
   model_->forward(inputs_.data(), targets_.data());
   model_->backward(1.0f);
-  for (const TensorSpec& t : model_->layout().tensors()) {
+  for (const TensorSpec& t : model_->model.layout().tensors()) {
     const std::vector<float> ref = golden_->file.read_floats("golden/grads/" + t.name);
     ASSERT_EQ(ref.size(), static_cast<size_t>(t.numel)) << t.name;
-    EXPECT_LE(max_abs_diff(model_->grads().data() + t.offset, ref), 1e-4f) << t.name;
+    EXPECT_LE(max_abs_diff(model_->grads.data() + t.offset, ref), 1e-4f) << t.name;
   }
 }
 
@@ -91,14 +91,14 @@ TEST_P(GoldenModel, TenAdamWStepsFollowPyTorchLossTrajectory) {
   oc.beta2 = hp[2];
   oc.eps = hp[3];
   oc.weight_decay = hp[4];
-  Optimizer opt(oc, model_->layout());
+  Optimizer opt(oc, model_->model.layout());
   for (size_t step = 0; step < ref.size(); ++step) {
     model_->zero_grad();
     const float loss = model_->forward(inputs_.data(), targets_.data());
     EXPECT_NEAR(loss, ref[step], 1e-4 * std::fabs(ref[step])) << "step " << step + 1;
     model_->backward(1.0f);
-    clip_grad_norm(model_->grads().data(), model_->num_params(), hp[5]);
-    opt.step(model_->params().data(), model_->grads().data(), oc.lr);
+    clip_grad_norm(model_->grads.data(), model_->model.num_params(), hp[5]);
+    opt.step(model_->params.data(), model_->grads.data(), oc.lr);
   }
 }
 
