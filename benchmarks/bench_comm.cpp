@@ -18,7 +18,8 @@ using namespace zero3d;
 
 namespace {
 
-enum Op { AllReduce, ReduceScatter, AllGather };
+// The _v forms are what ZeRO uses: per-rank counts (equal here) through the async path.
+enum Op { AllReduce, ReduceScatter, AllGather, ReduceScatterV, AllGatherV };
 enum Impl { Communicator_, RawMpi };
 
 void run_op(Op op, Impl impl, MpiCommunicator& comm, float* a, float* b, int64_t elems) {
@@ -37,6 +38,21 @@ void run_op(Op op, Impl impl, MpiCommunicator& comm, float* a, float* b, int64_t
         MPI_Allgather(b, static_cast<int>(elems / n), MPI_FLOAT, a, static_cast<int>(elems / n), MPI_FLOAT, comm.comm());
       else comm.all_gather(b, a, elems / n, DType::F32);
       break;
+    case ReduceScatterV: {
+      std::vector<int> counts(n, static_cast<int>(elems / n));
+      if (impl == RawMpi) MPI_Reduce_scatter(a, b, counts.data(), MPI_FLOAT, MPI_SUM, comm.comm());
+      else comm.reduce_scatter_v_async(a, b, std::vector<int64_t>(n, elems / n), DType::F32, ReduceOp::Sum)->wait();
+      break;
+    }
+    case AllGatherV: {
+      std::vector<int> counts(n, static_cast<int>(elems / n)), displs(n);
+      std::vector<int64_t> c64(n, elems / n), d64(n);
+      for (int r = 0; r < n; ++r) d64[r] = displs[r] = static_cast<int>(r * (elems / n));
+      if (impl == RawMpi)
+        MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, a, counts.data(), displs.data(), MPI_FLOAT, comm.comm());
+      else comm.all_gather_v_async(a, c64, d64, DType::F32)->wait();
+      break;
+    }
   }
 }
 
@@ -55,7 +71,7 @@ void BM_Collective(benchmark::State& state, Op op, Impl impl) {
     MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     state.SetIterationTime(t);
   }
-  const double factor = n == 1 ? 1.0 : (op == AllReduce ? 2.0 * (n - 1) / n : double(n - 1) / n);
+  const double factor = n == 1 ? 1.0 : (op == AllReduce ? 2.0 * (n - 1) / n : double(n - 1) / n);  // nccl-tests
   state.counters["busbw_GB/s"] = benchmark::Counter(double(elems) * 4 * factor / 1e9,
                                                     benchmark::Counter::kIsIterationInvariantRate);
   state.SetBytesProcessed(state.iterations() * elems * 4);
@@ -67,7 +83,8 @@ void register_all() {
   const struct {
     const char* name;
     Op op;
-  } ops[] = {{"all_reduce", AllReduce}, {"reduce_scatter", ReduceScatter}, {"all_gather", AllGather}};
+  } ops[] = {{"all_reduce", AllReduce},           {"reduce_scatter", ReduceScatter}, {"all_gather", AllGather},
+             {"reduce_scatter_v", ReduceScatterV}, {"all_gather_v", AllGatherV}};
   for (const auto& o : ops)
     for (int64_t bytes = 1 << 10; bytes <= (int64_t(256) << 20); bytes *= 4)
       for (Impl impl : {Communicator_, RawMpi}) {

@@ -14,7 +14,7 @@ GradientReducer::GradientReducer(Communicator& comm, float* grads, int64_t n, in
 GradientReducer::GradientReducer(Communicator& comm, const Partition& partition, float* dest, bool accumulate,
                                  int64_t bucket_elems, bool overlap)
     : comm_(comm), mode_(Mode::ReduceScatter), partition_(partition), dest_(dest), accumulate_(accumulate),
-      staging_(static_cast<size_t>(partition.part)), n_(partition.padded), bucket_(std::max<int64_t>(1, bucket_elems)),
+      n_(partition.padded), bucket_(std::max<int64_t>(1, bucket_elems)),
       overlap_(overlap) {}
 
 void GradientReducer::begin(float* flat_grads) {
@@ -34,10 +34,10 @@ void GradientReducer::launch(const float* src, int64_t begin, int64_t end, int t
       const auto [lo, hi] = partition_.owned(r, begin, end);
       counts[r] = hi - lo;
     }
-    const auto [lo, hi] = partition_.owned(comm_.rank(), begin, end);
-    (void)hi;
-    f.request = comm_.reduce_scatter_v_async(src, staging_.data() + (lo - partition_.begin(comm_.rank())), counts,
-                                            DType::F32, ReduceOp::Sum);
+    f.staging.resize(static_cast<size_t>(counts[comm_.rank()]));
+    staging_live_ += counts[comm_.rank()];
+    staging_peak_ = std::max(staging_peak_, staging_live_);
+    f.request = comm_.reduce_scatter_v_async(src, f.staging.data(), counts, DType::F32, ReduceOp::Sum);
   }
   inflight_.push_back(std::move(f));
   if (!overlap_) {  // blocking: finish this bucket before the caller goes on
@@ -55,7 +55,8 @@ void GradientReducer::complete(InFlight& f) {
   const int64_t off = lo - partition_.begin(r), n = hi - lo;
   const float inv = 1.0f / static_cast<float>(comm_.size());
   float* d = dest_ + off;
-  const float* s = staging_.data() + off;
+  const float* s = f.staging.data();
+  staging_live_ -= n;
   if (accumulate_)
     Kokkos::parallel_for("zero_grad_accumulate", kernels::range(n), KOKKOS_LAMBDA(kernels::Index i) { d[i] += s[i] * inv; });
   else
@@ -71,8 +72,17 @@ void GradientReducer::grads_ready(int64_t offset) {
   progress();
 }
 
+// Advances every bucket in flight; finished ReduceScatter buckets are applied and their
+// staging freed right away, so staging holds only what is really in flight.
 void GradientReducer::progress() {
-  for (auto& f : inflight_) f.request->test();
+  for (auto it = inflight_.begin(); it != inflight_.end();) {
+    if (it->request->test() && mode_ == Mode::ReduceScatter) {
+      complete(*it);
+      it = inflight_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 int64_t GradientReducer::finish() {

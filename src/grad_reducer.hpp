@@ -48,13 +48,15 @@ class GradientReducer : public FlatParamStore::ReadyListener {
   void wait_all();
 
   int64_t bucket_elems() const { return bucket_; }
-  int64_t staging_bytes() const { return static_cast<int64_t>(staging_.size() * sizeof(float)); }
+  // Peak bytes of receive staging held at once (one bucket's own part per bucket in flight).
+  int64_t staging_peak_bytes() const { return staging_peak_ * static_cast<int64_t>(sizeof(float)); }
 
  private:
   struct InFlight {
     std::unique_ptr<CommRequest> request;
     int64_t begin, end;  // global range of the bucket
     int tag;
+    std::vector<float> staging;  // ReduceScatter: receives this rank's part of the bucket
   };
   void launch(const float* src, int64_t begin, int64_t end, int tag);
   void complete(InFlight& f);
@@ -65,7 +67,7 @@ class GradientReducer : public FlatParamStore::ReadyListener {
   float* flat_ = nullptr;  // AllReduce / flat-buffer source
   float* dest_ = nullptr;  // ReduceScatter destination (partition)
   bool accumulate_ = false;
-  std::vector<float> staging_;  // ReduceScatter: this rank's part of every bucket, partition-indexed
+  int64_t staging_live_ = 0, staging_peak_ = 0;  // elements
   int64_t n_ = 0, bucket_;
   bool overlap_;
   int64_t frontier_ = 0;  // [frontier_, n_) has been launched

@@ -66,8 +66,10 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   }
   if (stage_ >= 2) {  // gradient windows, allocated up front so the start-up table is complete
     const int last = static_cast<int>(units_.size()) - 1;
-    for (int u : {0, last, 1, 2})  // embeddings, ln_f, both block windows
-      if (u <= last) window_for(u);
+    // embeddings, ln_f and one block window; a second one lets overlap_comm reduce block l
+    // while block l-1 computes
+    for (int u : {0, last, 1, 2})
+      if (u <= last && (u != 2 || cfg_.overlap_comm)) window_for(u);
   }
   if (stage_ == 3) {
     // The order in which one micro-batch fetches units: forward (embeddings, blocks, ln_f,
@@ -163,9 +165,15 @@ void ZeroOptimizer::release(int u) {
 
 // --- gradients -----------------------------------------------------------------------------
 
+// Blocks alternate between two windows with overlap_comm, else share one.
+int ZeroOptimizer::window_key(int u) const {
+  const int last = static_cast<int>(units_.size()) - 1;
+  return u == 0 ? kEmbedWindow : u == last ? kLastWindow : cfg_.overlap_comm ? u % 2 : 1;
+}
+
 float* ZeroOptimizer::window_for(int u) {
   const int last = static_cast<int>(units_.size()) - 1;
-  const int key = u == 0 ? kEmbedWindow : u == last ? kLastWindow : u % 2;
+  const int key = window_key(u);
   auto it = windows_.find(key);
   if (it == windows_.end()) {
     int64_t size = units_[u].numel;
@@ -188,8 +196,7 @@ void ZeroOptimizer::grads_done(int u) {
     if (boundary_ && world_ > 1) reducer_->grads_ready(units_[u].offset);
     return;
   }
-  const int last = static_cast<int>(units_.size()) - 1;
-  const int key = u == 0 ? kEmbedWindow : u == last ? kLastWindow : u % 2;
+  const int key = window_key(u);
   const ParamUnit& unit = units_[u];
   reducer_->reduce_range(windows_.at(key).data(), unit.offset, unit.offset + unit.numel, key);
   if (u == 0) reducer_->wait_all();  // the backward pass is over: windows and staging free again
@@ -282,7 +289,7 @@ MemoryBytes ZeroOptimizer::memory() const {
   m.grads = static_cast<int64_t>(grads_.extent(0) * sizeof(float));
   m.master = 0;  // fp32 training: the parameters are the master copy
   m.optimizer_states = optimizer_->state_bytes();
-  m.comm_buffers = reducer_->staging_bytes();
+  m.comm_buffers = reducer_->staging_peak_bytes();
   for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
   m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(sizeof(float));
   return m;

@@ -97,6 +97,7 @@ class ZeroOptimizer : public ParamStore {
   void free_gathered(int u);
   bool keep_after_use(int u) const;  // stage 3: persistent, or reused soon enough
   float* window_for(int u);
+  int window_key(int u) const;
   double partition_sum_of_squares() const;
   void gather_updated_params();
 

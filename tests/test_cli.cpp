@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -316,6 +317,151 @@ TEST(Topology, TextShowsOneLinePerRank) {
   EXPECT_NE(r.out.find("rank   7  pipe 1 data 1 model 1  | data group [5,7]  tensor group [6,7]  pipe group [3,7]"),
             std::string::npos)
       << r.out;
+}
+
+// --- ZeRO stages (issue 4) -------------------------------------------------------------------
+
+// 61·32 + 16·32 + 2·12,704 + 64 = 27,936 parameters; vocab 61 keeps it from dividing evenly
+// once padded per rank; buckets of 1000 are smaller than one block; clipping at 0.3 is active.
+json zero_config(int np) {
+  json j = tiny_config();
+  j["model"]["vocab_size"] = 61;
+  j["train_micro_batch_size_per_gpu"] = 2;
+  j["gradient_accumulation_steps"] = 2;
+  j["train_batch_size"] = 4 * np;
+  j["gradient_clipping"] = 0.3;
+  j["optimizer"]["params"]["weight_decay"] = 0.1;
+  j["zero_optimization"] = {{"reduce_bucket_size", 1000}, {"allgather_bucket_size", 1000}};
+  j["training"]["steps"] = 20;
+  return j;
+}
+constexpr int64_t kZeroPsi = 27936;
+
+struct StageRun {
+  int np, stage;
+};
+void PrintTo(const StageRun& r, std::ostream* os) { *os << "np " << r.np << ", stage " << r.stage; }
+
+class ZeroStage : public ::testing::TestWithParam<StageRun> {};
+
+TEST_P(ZeroStage, GivesTheLossesOfStageZero) {
+  const StageRun p = GetParam();
+  const std::string path = write_config("zero_np" + std::to_string(p.np) + ".json", zero_config(p.np));
+  const std::string ref_dir = temp_path("zero_ref_np" + std::to_string(p.np));
+  static std::map<int, std::vector<double>> reference;
+  if (!reference.count(p.np)) {
+    ASSERT_EQ(run("train " + path + " --output " + ref_dir + " --set zero_optimization.stage=0", p.np).code, 0);
+    reference[p.np] = losses_of(ref_dir);
+  }
+  const std::string dir = temp_path("zero_np" + std::to_string(p.np) + "_s" + std::to_string(p.stage));
+  Result r = run("train " + path + " --output " + dir + " --set zero_optimization.stage=" + std::to_string(p.stage),
+                 p.np);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto losses = losses_of(dir);
+  const auto& ref = reference[p.np];
+  ASSERT_EQ(losses.size(), 20u);
+  for (size_t i = 0; i < losses.size(); ++i)
+    EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::fabs(ref[i])) << "step " << i + 1;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllStages, ZeroStage,
+                         ::testing::Values(StageRun{1, 1}, StageRun{1, 2}, StageRun{1, 3}, StageRun{2, 1},
+                                           StageRun{2, 2}, StageRun{2, 3}, StageRun{4, 1}, StageRun{4, 2},
+                                           StageRun{4, 3}),
+                         [](const auto& info) {
+                           return "np" + std::to_string(info.param.np) + "_stage" + std::to_string(info.param.stage);
+                         });
+
+class ZeroBytes : public ::testing::TestWithParam<int> {};
+
+// fp32 Adam, Ψ parameters, N ranks (ZeRO paper): 16Ψ | 4Ψ+4Ψ+8Ψ/N | 4Ψ+12Ψ/N | 16Ψ/N, with Ψ
+// padded to a multiple of 2N for the partitioned stages.
+TEST_P(ZeroBytes, ModelStateCountersEqualTheZeroFormulas) {
+  const int np = GetParam();
+  const int64_t padded = (kZeroPsi + 2 * np - 1) / (2 * np) * (2 * np), part = padded / np;
+  const struct {
+    int stage;
+    int64_t params, grads, states;
+  } expected[] = {{0, 4 * kZeroPsi, 4 * kZeroPsi, 8 * kZeroPsi},
+                  {1, 4 * padded, 4 * padded, 8 * part},
+                  {2, 4 * padded, 4 * part, 8 * part},
+                  {3, 4 * part, 4 * part, 8 * part}};
+  json j = zero_config(np);
+  j["training"]["steps"] = 1;
+  const std::string path = write_config("bytes.json", j);
+  for (const auto& e : expected) {
+    const std::string dir = temp_path("bytes_np" + std::to_string(np) + "_s" + std::to_string(e.stage));
+    ASSERT_EQ(run("train " + path + " --output " + dir + " --set zero_optimization.stage=" + std::to_string(e.stage),
+                  np).code,
+              0);
+    const json m = read_metrics(dir).back()["memory"];
+    EXPECT_EQ(m["params"], e.params) << "stage " << e.stage;
+    EXPECT_EQ(m["grads"], e.grads) << "stage " << e.stage;
+    EXPECT_EQ(m["optimizer_states"], e.states) << "stage " << e.stage;
+    EXPECT_EQ(m["master"], 0) << "stage " << e.stage;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ZeroBytes, ::testing::Values(2, 4));
+
+TEST(ZeroStage3, CommunicatesAboutThreePsiAndStagesZeroToTwoAboutTwoPsi) {
+  // Bus bytes per step at np 2, GAS 1: (W-1)/W · Ψ · 4 bytes per pass over the parameters.
+  json j = zero_config(2);
+  j["gradient_accumulation_steps"] = 1;
+  j["train_batch_size"] = 4;
+  j["training"]["steps"] = 1;
+  j["zero_optimization"]["max_reuse_distance"] = 0;  // stage 3 re-gathers for backward
+  j["zero_optimization"]["param_persistence_threshold"] = 0;
+  const std::string path = write_config("comm.json", j);
+  const double pass = 0.5 * kZeroPsi * 4;
+  for (int stage : {0, 1, 2, 3}) {
+    const std::string dir = temp_path("comm_s" + std::to_string(stage));
+    ASSERT_EQ(run("train " + path + " --output " + dir + " --set zero_optimization.stage=" + std::to_string(stage), 2)
+                  .code,
+              0);
+    const double bytes = read_metrics(dir).back()["comm_bytes"].get<double>();
+    // Stage 3: gather for forward (the tied embeddings twice: encoder and head), gather for
+    // backward (all but the embeddings, still held from the head), reduce-scatter = 3 passes.
+    const double passes = stage == 3 ? 3.0 : 2.0;
+    EXPECT_NEAR(bytes / pass, passes, 0.01) << "stage " << stage << ": " << bytes << " bytes";
+  }
+}
+
+TEST(ZeroStage3, NeverHoldsMoreThanMaxLiveParametersPlusOneUnit) {
+  json j = zero_config(2);
+  j["training"]["steps"] = 3;
+  j["zero_optimization"]["stage"] = 3;
+  j["zero_optimization"]["max_live_parameters"] = 14000;  // about one block (12,704)
+  j["zero_optimization"]["max_reuse_distance"] = 0;
+  j["zero_optimization"]["param_persistence_threshold"] = 0;
+  const std::string dir = temp_path("live");
+  ASSERT_EQ(run("train " + write_config("live.json", j) + " --output " + dir, 2).code, 0);
+  const int64_t live = read_metrics(dir).back()["memory"]["live_params_peak"];
+  EXPECT_LE(live, 4 * (14000 + 12704));
+  EXPECT_GT(live, 0);
+  EXPECT_LT(live, 4 * kZeroPsi) << "everything was gathered at once";
+}
+
+TEST(ZeroStages, PeakResidentMemoryFallsAsTheStageRises) {
+  // ~57M parameters (8 blocks of 7.1M) at np 2: model states dominate the process.
+  json j = tiny_config();
+  j["model"] = {{"vocab_size", 256}, {"n_positions", 16}, {"n_layer", 8}, {"n_head", 4}, {"n_embd", 768}};
+  j["train_batch_size"] = 2;
+  j["train_micro_batch_size_per_gpu"] = 1;
+  j["training"]["steps"] = 2;
+  j["zero_optimization"] = {{"reduce_bucket_size", 2000000}, {"allgather_bucket_size", 2000000},
+                            {"max_live_parameters", 8000000}, {"max_reuse_distance", 0},
+                            {"overlap_comm", false}};
+  const std::string path = write_config("rss.json", j);
+  std::vector<double> rss;
+  for (int stage : {0, 1, 2, 3}) {
+    const std::string dir = temp_path("rss_s" + std::to_string(stage));
+    Result r = run("train " + path + " --output " + dir + " --set zero_optimization.stage=" + std::to_string(stage), 2);
+    ASSERT_EQ(r.code, 0) << r.err;
+    rss.push_back(read_metrics(dir).back()["peak_rss_bytes"].get<double>());
+  }
+  for (int s = 1; s < 4; ++s)
+    EXPECT_LT(rss[s], rss[s - 1]) << "stage " << s << ": " << rss[s] / 1e6 << " MB vs " << rss[s - 1] / 1e6 << " MB";
 }
 
 }  // namespace
