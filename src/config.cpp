@@ -532,6 +532,10 @@ TrainingConfig read_training(Section& top) {
   t.output_dir = sec.string("output_dir", "");
   t.peak_gflops = sec.number("peak_gflops", 0.0, 0.0, 1e12);
   t.comms_timeout = sec.number("comms_timeout", 0.0, 0.0, 1e9);
+  t.save_interval = sec.integer("save_interval", 0, 0, kMaxInt * 1000LL);
+  t.save_dir = sec.string("save_dir", "");
+  t.keep_last = sec.integer("keep_last", 0, 0, kMaxInt);
+  t.resume = sec.string("resume", "");
   sec.finish();
   return t;
 }

@@ -37,6 +37,10 @@ struct TrainingConfig {
   std::string output_dir;    // where metrics.jsonl and config.json go
   double peak_gflops = 0.0;  // per-rank peak used for MFU; 0 = measure a short sgemm at start-up
   double comms_timeout = 0.0;  // seconds a communication may wait before the job is aborted; 0 = off
+  int64_t save_interval = 0;   // save a checkpoint every N steps (and at the end); 0 = never
+  std::string save_dir;        // default <output_dir>/checkpoints
+  int64_t keep_last = 0;       // keep the newest N checkpoints; 0 = all
+  std::string resume;          // "latest", a tag, or a path; empty = start fresh
 };
 
 enum class OptimizerType { Adam, Lamb, SGD };

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "base.hpp"
+#include "checkpoint.hpp"
 #include "failure.hpp"
 #include "reduce.hpp"
 #include "weights.hpp"
@@ -53,6 +54,7 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   rank_ = dp_comm_->rank();
   world_ = dp_comm_->size();
   run_collectively(groups.world(), [this] { setup_local(); });
+  if (!cfg_.training.resume.empty()) resume_from_checkpoint();
   flops_per_token_ = gpt_flops_per_token(model_->shape(), model_->num_params());
   double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_sgemm_peak_gflops();
   peak_gflops_total_ = peak;
@@ -86,7 +88,7 @@ void Engine::setup_local() {
     std::ofstream out(output_dir_ + "/config.json");
     out << cfg_.resolved.dump(2) << '\n';
     if (!out) throw SystemError(output_dir_ + "/config.json: write failed");
-    metrics_ = std::make_unique<MetricsWriter>(output_dir_ + "/metrics.jsonl");
+    metrics_ = std::make_unique<MetricsWriter>(output_dir_ + "/metrics.jsonl", !cfg_.training.resume.empty());
   }
   inject_fault(-1);
 }
@@ -104,6 +106,67 @@ void Engine::inject_fault(int64_t step) const {
   if (k == "input") throw InputError("injected bad input (ZERO3D_FAULT=" + std::string(spec) + ")");
   if (k == "throw") throw SystemError("injected failure at step " + std::to_string(step));
   if (k == "stall") std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+// Re-partitions on load: each rank reads its own range of the flat buffers, whatever the
+// world size and stage of the run that saved.
+void Engine::resume_from_checkpoint() {
+  std::unique_ptr<CheckpointReader> reader;
+  run_collectively(groups_.world(), [&] {
+    reader = std::make_unique<CheckpointReader>(CheckpointReader::open(cfg_.training.resume, cfg_.training.save_dir));
+    reader->check_layout(model_->layout());
+    const CheckpointMeta& m = reader->meta();
+    const std::string type = cfg_.optimizer.type == OptimizerType::SGD ? "SGD"
+                             : cfg_.optimizer.type == OptimizerType::Lamb ? "Lamb" : "Adam";
+    if (m.optimizer_type != type)
+      throw InputError(reader->dir() + ": saved with optimizer " + m.optimizer_type + ", the config uses " + type);
+    zero_->read_checkpoint(*reader);
+  });
+  zero_->finish_checkpoint_load();
+  const CheckpointMeta& m = reader->meta();
+  step_ = m.step;
+  schedule_->set_last_batch_iteration(m.lr_last_batch_iteration);
+  if (rank_ == 0) {
+    std::printf("resume  %s: step %lld, saved by %lld rank%s at ZeRO stage %lld\n", reader->dir().c_str(),
+                (long long)m.step, (long long)m.dp_world_size, m.dp_world_size == 1 ? "" : "s", (long long)m.zero_stage);
+    if (m.micro_batch != cfg_.batch.micro_batch)
+      std::printf("resume  note: micro-batch %lld differs from the saved %lld, so the data order differs from the "
+                  "uninterrupted run\n", (long long)cfg_.batch.micro_batch, (long long)m.micro_batch);
+  }
+}
+
+void Engine::save(bool final_step) {
+  const int64_t every = cfg_.training.save_interval;
+  if (every <= 0 || (step_ % every != 0 && !final_step)) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  CheckpointMeta m;
+  m.step = step_;
+  m.global_samples = step_ * cfg_.batch.train_batch_size;
+  m.zero_stage = zero_->stage();
+  m.dp_world_size = world_;
+  m.optimizer_step = zero_->optimizer_step();
+  m.lr_last_batch_iteration = schedule_->last_batch_iteration();
+  m.micro_batch = cfg_.batch.micro_batch;
+  m.gradient_accumulation_steps = cfg_.batch.gradient_accumulation_steps;
+  m.data_position = step_ * cfg_.batch.gradient_accumulation_steps * world_;
+  m.seed = cfg_.training.seed;
+  m.optimizer_type = cfg_.optimizer.type == OptimizerType::SGD ? "SGD" : cfg_.optimizer.type == OptimizerType::Lamb ? "Lamb" : "Adam";
+  m.config = cfg_.resolved;
+  m.total_params = model_->num_params();
+  for (const TensorSpec& t : model_->layout().tensors())
+    m.tensors.push_back({{"name", t.name}, {"shape", t.shape}, {"offset", t.offset}});
+  for (int r = 0; r < world_; ++r) m.ranges.push_back(zero_->partition().owned(r, 0, model_->num_params()));
+  m.states = zero_->checkpoint_states();
+  const std::string tag = "global_step" + std::to_string(step_);
+  save_checkpoint(cfg_.training.save_dir, tag, m, zero_->checkpoint_slice(), model_->layout(), groups_.world(),
+                  cfg_.training.keep_last);
+  if (rank_ == 0) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double mb = 4.0 * m.states.size() * model_->num_params() / 1e6;
+    std::printf("checkpoint %s/%s: %.1f MB in %.2f s (%.0f MB/s)\n", cfg_.training.save_dir.c_str(), tag.c_str(), mb, s,
+                mb / s);
+    std::fflush(stdout);
+  }
 }
 
 void Engine::print_startup() const {
@@ -195,10 +258,11 @@ StepResult Engine::train_step() {
 std::vector<StepResult> Engine::train() {
   std::vector<StepResult> results;
   double total_ms = 0.0;
-  for (int64_t s = 0; s < cfg_.training.steps; ++s) {
+  for (int64_t s = step_; s < cfg_.training.steps; ++s) {
     StepResult r = train_step();
+    save(s + 1 == cfg_.training.steps);
     results.push_back(r);
-    if (s > 0 || cfg_.training.steps == 1) total_ms += r.elapsed_ms;  // the first step warms caches
+    if (results.size() > 1 || cfg_.training.steps == 1) total_ms += r.elapsed_ms;  // the first step warms caches
     if (rank_ != 0) continue;
     const auto& ms = timers_.ms();
     if (metrics_) {

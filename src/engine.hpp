@@ -50,6 +50,8 @@ class Engine {
  private:
   void setup_local();  // everything that may fail on one rank alone: weights, data, files
   void print_startup() const;
+  void resume_from_checkpoint();
+  void save(bool final_step);
   void inject_fault(int64_t step) const;
 
   Config cfg_;

@@ -76,4 +76,49 @@ void File::write_ints(const std::string& name, const int32_t* data, const std::v
   write_as(*this, name, data, shape, H5T_STD_I32LE, H5T_NATIVE_INT32);
 }
 
+void write_attribute(hid_t obj, const std::string& name, int64_t value) {
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle attr(H5Acreate2(obj, name.c_str(), H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  if (attr.get() < 0 || H5Awrite(attr.get(), H5T_NATIVE_INT64, &value) < 0)
+    throw SystemError("cannot write HDF5 attribute " + name);
+}
+
+void write_attribute(hid_t obj, const std::string& name, const std::string& value) {
+  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(type.get(), value.empty() ? 1 : value.size());
+  H5Tset_cset(type.get(), H5T_CSET_UTF8);
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle attr(H5Acreate2(obj, name.c_str(), type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  const std::string padded = value.empty() ? std::string(1, '\0') : value;
+  if (attr.get() < 0 || H5Awrite(attr.get(), type.get(), padded.data()) < 0)
+    throw SystemError("cannot write HDF5 attribute " + name);
+}
+
+bool read_attribute(hid_t obj, const std::string& name, int64_t& value) {
+  if (H5Aexists(obj, name.c_str()) <= 0) return false;
+  Handle attr(H5Aopen(obj, name.c_str(), H5P_DEFAULT), H5Aclose);
+  return H5Aread(attr.get(), H5T_NATIVE_INT64, &value) >= 0;
+}
+
+bool read_attribute(hid_t obj, const std::string& name, std::string& value) {
+  if (H5Aexists(obj, name.c_str()) <= 0) return false;
+  Handle attr(H5Aopen(obj, name.c_str(), H5P_DEFAULT), H5Aclose);
+  Handle type(H5Aget_type(attr.get()), H5Tclose);
+  const size_t n = H5Tget_size(type.get());
+  std::string buf(n, '\0');
+  if (H5Aread(attr.get(), type.get(), buf.data()) < 0) return false;
+  value = std::string(buf.c_str());
+  return true;
+}
+
+hid_t bf16_type() {
+  hid_t t = H5Tcopy(H5T_IEEE_F32LE);
+  H5Tset_fields(t, 15, 7, 8, 0, 7);  // sign bit 15, exponent bits 7..14, mantissa bits 0..6
+  H5Tset_offset(t, 0);
+  H5Tset_precision(t, 16);
+  H5Tset_size(t, 2);
+  H5Tset_ebias(t, 127);
+  return t;
+}
+
 }  // namespace zero3d::h5

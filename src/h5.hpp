@@ -61,4 +61,14 @@ class File {
 // Silences HDF5's own error-stack printing: zero3d reports errors itself, once.
 void quiet_errors();
 
+// Attributes on any object (file, group, dataset). Readers return false when absent.
+void write_attribute(hid_t obj, const std::string& name, int64_t value);
+void write_attribute(hid_t obj, const std::string& name, const std::string& value);
+bool read_attribute(hid_t obj, const std::string& name, int64_t& value);
+bool read_attribute(hid_t obj, const std::string& name, std::string& value);
+
+// A 16-bit brain-float type (8-bit exponent, 7-bit mantissa) that HDF5 converts to and from
+// native float itself, so h5py/h5dump read bf16 datasets as numbers. Caller closes it.
+hid_t bf16_type();
+
 }  // namespace zero3d::h5

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "base.hpp"
+#include "checkpoint.hpp"
 #include "config.hpp"
 #include "engine.hpp"
 #include "failure.hpp"
@@ -67,6 +68,8 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
           : !cfg.training.output_dir.empty() ? cfg.training.output_dir
                                              : "output/" + run_name(a.path);
     cfg.resolved["training"]["output_dir"] = out;
+    if (cfg.training.save_dir.empty()) cfg.training.save_dir = out + "/checkpoints";
+    cfg.resolved["training"]["save_dir"] = cfg.training.save_dir;
   });
   // Pure data parallelism for now: every rank is one data-parallel replica.
   ProcessGroups groups(ProcessTopology::pipe_data_model(1, size, 1), world);
@@ -108,6 +111,40 @@ int cmd_topology(int pp, int dp, int tp, bool as_json, int rank) {
   return kExitOk;
 }
 
+int cmd_inspect(const std::string& dir, const std::string& tag, const std::string& tensor, bool as_json, int rank) {
+  if (rank != 0) return kExitOk;
+  const nlohmann::json r = inspect_checkpoint(dir, tag, tensor);
+  if (as_json) {
+    std::printf("%s\n", r.dump(2).c_str());
+    return kExitOk;
+  }
+  std::printf("checkpoint %s\n", r["dir"].get<std::string>().c_str());
+  if (r.contains("tags")) {
+    std::string tags;
+    for (const auto& t : r["tags"]) tags += (tags.empty() ? "" : ", ") + t.get<std::string>();
+    std::printf("tags       %s (latest: %s)\n", tags.c_str(), r["latest"].get<std::string>().c_str());
+  }
+  std::printf("step %lld | samples %lld | ZeRO stage %lld | topology pipe 1 x data %lld x model 1 | %zu shards | "
+              "master %s | optimizer %s | checksums verified\n",
+              r["step"].get<long long>(), r["global_samples"].get<long long>(), r["zero_stage"].get<long long>(),
+              r["topology"]["data"].get<long long>(), r["shards"].get<size_t>(),
+              r["dtypes"]["master"].get<std::string>().c_str(), r["optimizer"].get<std::string>().c_str());
+  std::printf("%-28s %-14s %-5s %12s %12s %12s %12s\n", "tensor", "shape", "dtype", "min", "max", "mean", "l2_norm");
+  for (const auto& t : r["tensors"])
+    std::printf("%-28s %-14s %-5s %12.5g %12.5g %12.5g %12.5g\n", t["name"].get<std::string>().c_str(),
+                t["shape"].dump().c_str(), t["dtype"].get<std::string>().c_str(), t["min"].get<double>(),
+                t["max"].get<double>(), t["mean"].get<double>(), t["l2_norm"].get<double>());
+  return kExitOk;
+}
+
+int cmd_convert(const std::string& dir, const std::string& out, const std::string& tag, const std::string& format,
+                const std::string& dtype, const std::string& max_shard, int rank) {
+  if (rank != 0) return kExitOk;
+  const int64_t shard = max_shard.empty() ? 0 : parse_byte_size(max_shard);
+  for (const auto& f : convert_checkpoint(dir, tag, out, format, dtype, shard)) std::printf("wrote %s\n", f.c_str());
+  return kExitOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -144,12 +181,30 @@ int main(int argc, char** argv) {
   topology->add_option("--tp", tp, "tensor-parallel size")->check(CLI::PositiveNumber);
   topology->add_flag("--json", as_json, "machine-readable output");
 
+  std::string ck_dir, ck_tag, ck_tensor, ck_out, ck_format = "hdf5", ck_dtype = "fp32", ck_shard;
+  bool ck_json = false;
+  auto* inspect = app.add_subcommand("inspect", "Show a checkpoint's tags, metadata and tensors; verify checksums");
+  inspect->add_option("dir", ck_dir, "checkpoint directory (save_dir or one tag)")->required();
+  inspect->add_option("--tag", ck_tag, "tag to inspect (default: latest)");
+  inspect->add_option("--tensor", ck_tensor, "only this tensor (Hugging Face name)");
+  inspect->add_flag("--json", ck_json, "machine-readable output");
+  auto* convert = app.add_subcommand("convert", "Consolidate a checkpoint into Hugging Face-named weights");
+  convert->add_option("dir", ck_dir, "checkpoint directory (save_dir or one tag)")->required();
+  convert->add_option("out", ck_out, "output file, e.g. out/model.safetensors")->required();
+  convert->add_option("--tag", ck_tag, "tag to convert (default: latest)");
+  convert->add_option("--format", ck_format, "hdf5 or safetensors")->check(CLI::IsMember({"hdf5", "safetensors"}));
+  convert->add_option("--dtype", ck_dtype, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  convert->add_option("--max-shard-size", ck_shard, "split into files of at most this size (e.g. 5GB)");
+
   int code = kExitOk;
   try {
     app.parse(argc, argv);
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
     else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
     else if (topology->parsed()) code = cmd_topology(pp, dp, tp, as_json, rank);
+    else if (inspect->parsed()) code = cmd_inspect(ck_dir, ck_tag, ck_tensor, ck_json, rank);
+    else if (convert->parsed())
+      code = cmd_convert(ck_dir, ck_out, ck_tag, ck_format, ck_dtype, ck_shard, rank);
   } catch (const CLI::ParseError& e) {
     // --help and --version are "errors" with exit code 0 in CLI11.
     if (rank == 0) app.exit(e);

@@ -28,7 +28,8 @@ double measure_sgemm_peak_gflops() {
   return best;
 }
 
-MetricsWriter::MetricsWriter(const std::string& path) : out_(path, std::ios::trunc), path_(path) {
+MetricsWriter::MetricsWriter(const std::string& path, bool append)
+    : out_(path, append ? std::ios::app : std::ios::trunc), path_(path) {
   if (!out_) throw SystemError(path + ": cannot open for writing");
 }
 

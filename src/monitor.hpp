@@ -41,7 +41,8 @@ double measure_sgemm_peak_gflops();
 // Appends one JSON object per line; flushed after each so a killed run keeps its history.
 class MetricsWriter {
  public:
-  explicit MetricsWriter(const std::string& path);
+  // append: continue an existing file (a resumed run), else start it anew.
+  MetricsWriter(const std::string& path, bool append);
   void write(const nlohmann::json& record);
 
  private:

@@ -22,6 +22,16 @@ int64_t Optimizer::state_bytes() const {
   return static_cast<int64_t>((m_.extent(0) + v_.extent(0)) * sizeof(float));
 }
 
+std::vector<std::string> Optimizer::state_names() const {
+  if (cfg_.type == OptimizerType::SGD) return m_.extent(0) ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
+  return {"exp_avg", "exp_avg_sq"};
+}
+
+std::vector<FlatBuffer*> Optimizer::state_buffers() {
+  if (cfg_.type == OptimizerType::SGD) return m_.extent(0) ? std::vector<FlatBuffer*>{&m_} : std::vector<FlatBuffer*>{};
+  return {&m_, &v_};
+}
+
 void Optimizer::step(float* params, const float* grads, double lr, std::optional<std::pair<double, double>> betas) {
   ++step_count_;
   const double beta1 = betas ? betas->first : cfg_.beta1;

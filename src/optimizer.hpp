@@ -5,6 +5,8 @@
 #pragma once
 
 #include <optional>
+#include <string>
+#include <vector>
 #include <utility>
 
 #include "buffer.hpp"
@@ -21,6 +23,11 @@ class Optimizer {
             std::optional<std::pair<double, double>> betas = std::nullopt);
 
   int64_t step_count() const { return step_count_; }
+  void set_step_count(int64_t n) { step_count_ = n; }
+  // Names of the state buffers, as checkpoints store them ("exp_avg", "exp_avg_sq" or
+  // "momentum_buffer"), and the buffers themselves in the same order.
+  std::vector<std::string> state_names() const;
+  std::vector<FlatBuffer*> state_buffers();
   const OptimizerConfig& config() const { return cfg_; }
   // Bytes of optimizer state held (m, v or momentum).
   int64_t state_bytes() const;

@@ -3,6 +3,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "base.hpp"
@@ -47,9 +48,12 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
-void load_hdf5(const std::string& path, const ParamLayout& layout, float* params) {
+using Tensors = std::vector<const TensorSpec*>;
+
+void load_hdf5(const std::string& path, const Tensors& tensors, float* params) {
   h5::File f = h5::File::open_read(path);
-  for (const TensorSpec& t : layout.tensors()) {
+  for (const TensorSpec* tp : tensors) {
+    const TensorSpec& t = *tp;
     std::string name = t.name;
     if (!f.has(name) && f.has("transformer." + name)) name = "transformer." + name;
     if (!f.has(name)) throw InputError(path + ": tensor `" + t.name + "` is missing (model.init_from)");
@@ -61,7 +65,7 @@ void load_hdf5(const std::string& path, const ParamLayout& layout, float* params
   }
 }
 
-void load_safetensors(const std::string& path, const ParamLayout& layout, float* params) {
+void load_safetensors(const std::string& path, const Tensors& tensors, float* params) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(path + ": file not found (model.init_from)");
   uint64_t header_len = 0;
@@ -77,7 +81,8 @@ void load_safetensors(const std::string& path, const ParamLayout& layout, float*
     throw InputError(path + ": safetensors header is not valid JSON");
   }
   const std::streamoff data_start = 8 + static_cast<std::streamoff>(header_len);
-  for (const TensorSpec& t : layout.tensors()) {
+  for (const TensorSpec* tp : tensors) {
+    const TensorSpec& t = *tp;
     std::string name = t.name;
     if (!meta.contains(name) && meta.contains("transformer." + name)) name = "transformer." + name;
     if (!meta.contains(name)) throw InputError(path + ": tensor `" + t.name + "` is missing (model.init_from)");
@@ -116,10 +121,44 @@ void load_safetensors(const std::string& path, const ParamLayout& layout, float*
 
 }  // namespace
 
-void load_weights(const std::string& path, const ParamLayout& layout, float* params) {
-  if (ends_with(path, ".safetensors")) return load_safetensors(path, layout, params);
-  load_hdf5(path, layout, params);
+namespace {
+
+void load_file(const std::string& path, const Tensors& tensors, float* params) {
+  if (ends_with(path, ".safetensors")) return load_safetensors(path, tensors, params);
+  load_hdf5(path, tensors, params);
 }
+
+// Hugging Face's sharded layout: {"weight_map": {tensor name: file next to the index}}.
+void load_sharded(const std::string& index, const ParamLayout& layout, float* params) {
+  std::ifstream in(index);
+  if (!in) throw InputError(index + ": file not found (model.init_from)");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error&) {
+    throw InputError(index + ": not valid JSON");
+  }
+  if (!j.contains("weight_map") || !j["weight_map"].is_object()) throw InputError(index + ": no \"weight_map\"");
+  const std::string dir = index.find('/') == std::string::npos ? "" : index.substr(0, index.find_last_of('/') + 1);
+  std::map<std::string, Tensors> by_file;
+  for (const TensorSpec& t : layout.tensors()) {
+    auto it = j["weight_map"].find(t.name);
+    if (it == j["weight_map"].end()) it = j["weight_map"].find("transformer." + t.name);
+    if (it == j["weight_map"].end()) throw InputError(index + ": tensor `" + t.name + "` is missing from weight_map");
+    by_file[dir + it->get<std::string>()].push_back(&t);
+  }
+  for (const auto& [file, tensors] : by_file) load_file(file, tensors, params);
+}
+
+}  // namespace
+
+void load_weights(const std::string& path, const ParamLayout& layout, float* params) {
+  if (ends_with(path, ".index.json")) return load_sharded(path, layout, params);
+  Tensors all;
+  for (const TensorSpec& t : layout.tensors()) all.push_back(&t);
+  load_file(path, all, params);
+}
+
 
 void save_weights_hdf5(const std::string& path, const ParamLayout& layout, const float* params) {
   h5::File f = h5::File::create(path);

@@ -283,6 +283,56 @@ std::vector<float> ZeroOptimizer::gather_full_params() {
   return full;
 }
 
+std::vector<std::string> ZeroOptimizer::checkpoint_states() const {
+  std::vector<std::string> names = {"params"};
+  for (const auto& n : optimizer_->state_names()) names.push_back(n);
+  return names;
+}
+
+// Stage 0 holds full moments (index = flat offset); stages 1-3 hold partitions (index 0 =
+// part.begin(rank)). Parameters are full except at stage 3.
+ShardSlice ZeroOptimizer::checkpoint_slice() {
+  const auto [b, e] = part_.owned(rank_, 0, layout_.total());
+  ShardSlice s;
+  s.begin = b;
+  s.end = e;
+  const int64_t pb = part_.begin(rank_);
+  s.arrays.emplace_back("params", params_.data() + (stage_ == 3 ? b - pb : b));
+  const auto names = optimizer_->state_names();
+  const auto buffers = optimizer_->state_buffers();
+  for (size_t k = 0; k < names.size(); ++k)
+    s.arrays.emplace_back(names[k], buffers[k]->data() + (stage_ == 0 ? b : b - pb));
+  return s;
+}
+
+void ZeroOptimizer::read_checkpoint(const CheckpointReader& reader) {
+  const auto [b, e] = part_.owned(rank_, 0, layout_.total());
+  const int64_t pb = part_.begin(rank_);
+  reader.read_range("params", b, e, params_.data() + (stage_ == 3 ? b - pb : b));
+  const auto names = optimizer_->state_names();
+  const auto buffers = optimizer_->state_buffers();
+  for (size_t k = 0; k < names.size(); ++k)
+    reader.read_range(names[k], b, e, buffers[k]->data() + (stage_ == 0 ? b : b - pb));
+  optimizer_->set_step_count(reader.meta().optimizer_step);
+}
+
+void ZeroOptimizer::all_gather_replicated(float* full) {
+  std::vector<int64_t> counts(world_), displs(world_);
+  for (int r = 0; r < world_; ++r) {
+    const auto [lo, hi] = part_.owned(r, 0, layout_.total());
+    counts[r] = hi - lo;
+    displs[r] = lo;
+  }
+  dp_.all_gather_v_async(full, counts, displs, DType::F32)->wait();
+}
+
+void ZeroOptimizer::finish_checkpoint_load() {
+  if (stage_ < 3) all_gather_replicated(params_.data());
+  if (stage_ == 0)
+    for (FlatBuffer* m : optimizer_->state_buffers()) all_gather_replicated(m->data());
+  dp_.reset_bus_bytes();
+}
+
 MemoryBytes ZeroOptimizer::memory() const {
   MemoryBytes m;
   m.params = static_cast<int64_t>(params_.extent(0) * sizeof(float));

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "buffer.hpp"
+#include "checkpoint.hpp"
 #include "comm.hpp"
 #include "config.hpp"
 #include "grad_reducer.hpp"
@@ -78,6 +79,16 @@ class ZeroOptimizer : public ParamStore {
   std::vector<float> gather_full_params();
 
   MemoryBytes memory() const;
+
+  // --- checkpoints: every stage saves and loads the same thing, the flat buffers cut by
+  // partition() (each rank its own range), so any stage and world size can load any save.
+  ShardSlice checkpoint_slice();
+  std::vector<std::string> checkpoint_states() const;  // "params" then the optimizer's
+  int64_t optimizer_step() const { return optimizer_->step_count(); }
+  // Local part of a load: reads this rank's ranges (no collectives; may throw InputError).
+  void read_checkpoint(const CheckpointReader& reader);
+  // Collective part: rebuilds replicated buffers from the ranks' ranges.
+  void finish_checkpoint_load();
   int stage() const { return stage_; }
   const Partition& partition() const { return part_; }
 
@@ -100,6 +111,7 @@ class ZeroOptimizer : public ParamStore {
   int window_key(int u) const;
   double partition_sum_of_squares() const;
   void gather_updated_params();
+  void all_gather_replicated(float* full);  // every rank's owned(r, 0, Ψ) range of a full buffer
 
   ZeroConfig cfg_;
   const ParamLayout& layout_;
