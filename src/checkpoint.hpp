@@ -37,7 +37,7 @@ struct CheckpointMeta {
   int64_t optimizer_step = 0;  // Adam's bias-correction counter
   int64_t lr_last_batch_iteration = -1;
   int64_t micro_batch = 0, gradient_accumulation_steps = 0;
-  int64_t data_position = 0;   // micro-batches consumed globally
+  int64_t data_position = 0;   // samples consumed (the next sample number)
   uint64_t seed = 0;
   std::string optimizer_type;  // "Adam", "Lamb", "SGD"
   std::string dtype = "fp32";

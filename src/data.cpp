@@ -98,34 +98,37 @@ DataLoader::DataLoader(const DataConfig& cfg, int64_t vocab_size, int64_t B, int
 
 std::string DataLoader::describe() const { return description_; }
 
-void DataLoader::synthetic_batch(int64_t k, int32_t* inputs, int32_t* targets) const {
-  for (int64_t b = 0; b < B_; ++b) {
-    Rng rng(seed_, static_cast<uint64_t>(k * B_ + b) ^ 0xD5A7A5EEDull);
-    int32_t x = static_cast<int32_t>(rng.below(static_cast<uint64_t>(V_)));
-    for (int64_t t = 0; t <= T_; ++t) {
-      if (t < T_) inputs[b * T_ + t] = x;
-      if (t > 0) targets[b * T_ + t - 1] = x;
-      x = rng.uniform() < kSyntheticNoise ? static_cast<int32_t>(rng.below(static_cast<uint64_t>(V_))) : successor_[x];
-    }
+void DataLoader::synthetic_sample(int64_t s, int32_t* inputs, int32_t* targets) const {
+  Rng rng(seed_, static_cast<uint64_t>(s) ^ 0xD5A7A5EEDull);
+  int32_t x = static_cast<int32_t>(rng.below(static_cast<uint64_t>(V_)));
+  for (int64_t t = 0; t <= T_; ++t) {
+    if (t < T_) inputs[t] = x;
+    if (t > 0) targets[t - 1] = x;
+    x = rng.uniform() < kSyntheticNoise ? static_cast<int32_t>(rng.below(static_cast<uint64_t>(V_))) : successor_[x];
   }
 }
 
-void DataLoader::micro_batch(int64_t k, int32_t* inputs, int32_t* targets) const {
-  if (cfg_.source == DataSource::Synthetic) return synthetic_batch(k, inputs, targets);
-  const int64_t window = B_ * T_;
-  if (!cfg_.shuffle) {
-    const int64_t start = window_starts_[static_cast<size_t>(k % static_cast<int64_t>(window_starts_.size()))];
-    std::copy_n(tokens_.begin() + start, window, inputs);
-    std::copy_n(tokens_.begin() + start + 1, window, targets);
-    return;
-  }
-  // Shuffled: each row is T+1 tokens from a seeded random offset.
+void DataLoader::micro_batch(int64_t first_sample, int32_t* inputs, int32_t* targets) const {
   const int64_t n = static_cast<int64_t>(tokens_.size());
+  const int64_t samples_per_epoch = static_cast<int64_t>(window_starts_.size()) * B_;
   for (int64_t b = 0; b < B_; ++b) {
-    Rng rng(seed_, static_cast<uint64_t>(k * B_ + b) ^ 0x5EFF1Eull);
-    const int64_t start = static_cast<int64_t>(rng.below(static_cast<uint64_t>(n - T_)));
-    std::copy_n(tokens_.begin() + start, T_, inputs + b * T_);
-    std::copy_n(tokens_.begin() + start + 1, T_, targets + b * T_);
+    const int64_t s = first_sample + b;
+    int32_t* in = inputs + b * T_;
+    int32_t* tgt = targets + b * T_;
+    if (cfg_.source == DataSource::Synthetic) {
+      synthetic_sample(s, in, tgt);
+      continue;
+    }
+    int64_t start;
+    if (cfg_.shuffle) {  // a seeded random offset per sample
+      Rng rng(seed_, static_cast<uint64_t>(s) ^ 0x5EFF1Eull);
+      start = static_cast<int64_t>(rng.below(static_cast<uint64_t>(n - T_)));
+    } else {  // row b of llm.c's window: window s / B, wrapping after the last full window
+      const int64_t e = s % samples_per_epoch;
+      start = window_starts_[static_cast<size_t>(e / B_)] + (e % B_) * T_;
+    }
+    std::copy_n(tokens_.begin() + start, T_, in);
+    std::copy_n(tokens_.begin() + start + 1, T_, tgt);
   }
 }
 

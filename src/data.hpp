@@ -1,10 +1,12 @@
-// data.hpp — deterministic micro-batches: micro-batch number k is a pure function of
-// (seed, k), so any rank can produce its share without coordination.
+// data.hpp — deterministic data: sample number s (one row of T tokens plus its next-token
+// targets) is a pure function of (seed, s), so any rank produces its share without
+// coordination and the data order does not depend on the world size.
 //
-// The engine numbers micro-batches k = (step·GAS + micro_step)·W + dp_rank. With llm.c token
-// shards and shuffle off, micro-batch k is the window of B·T+1 consecutive tokens starting at
-// token k·B·T (inputs: the first B·T, targets: shifted by one), exactly llm.c's DataLoader
-// with process_rank = dp_rank and num_processes = W.
+// The engine gives the micro-batch of (step, micro_step, dp_rank) the B samples starting at
+// s = step·train_batch_size + (micro_step·W + dp_rank)·B: the same global batch whatever
+// the split into ranks and accumulation steps. With llm.c token shards and shuffle off, B
+// consecutive samples starting at a multiple of B are the window of B·T+1 consecutive tokens
+// llm.c's DataLoader reads (process_rank = dp_rank, num_processes = W).
 #pragma once
 
 #include <cstdint>
@@ -19,14 +21,14 @@ class DataLoader {
  public:
   DataLoader(const DataConfig& cfg, int64_t vocab_size, int64_t B, int64_t T, uint64_t seed);
 
-  // Writes B*T input ids and B*T target ids (host memory) for micro-batch k.
-  void micro_batch(int64_t k, int32_t* inputs, int32_t* targets) const;
+  // Writes B*T input ids and B*T target ids (host memory): samples first_sample .. +B-1.
+  void micro_batch(int64_t first_sample, int32_t* inputs, int32_t* targets) const;
 
   std::string describe() const;
   int64_t num_tokens() const { return static_cast<int64_t>(tokens_.size()); }
 
  private:
-  void synthetic_batch(int64_t k, int32_t* inputs, int32_t* targets) const;
+  void synthetic_sample(int64_t s, int32_t* inputs, int32_t* targets) const;
 
   DataConfig cfg_;
   int64_t V_, B_, T_;

@@ -129,9 +129,10 @@ void Engine::resume_from_checkpoint() {
   if (rank_ == 0) {
     std::printf("resume  %s: step %lld, saved by %lld rank%s at ZeRO stage %lld\n", reader->dir().c_str(),
                 (long long)m.step, (long long)m.dp_world_size, m.dp_world_size == 1 ? "" : "s", (long long)m.zero_stage);
-    if (m.micro_batch != cfg_.batch.micro_batch)
-      std::printf("resume  note: micro-batch %lld differs from the saved %lld, so the data order differs from the "
-                  "uninterrupted run\n", (long long)cfg_.batch.micro_batch, (long long)m.micro_batch);
+    if (m.global_samples != step_ * cfg_.batch.train_batch_size)
+      std::printf("resume  note: train_batch_size differs from the saved run's (%lld samples in %lld steps); the data "
+                  "continues at sample %lld\n", (long long)m.global_samples, (long long)m.step,
+                  (long long)(step_ * cfg_.batch.train_batch_size));
   }
 }
 
@@ -148,7 +149,7 @@ void Engine::save(bool final_step) {
   m.lr_last_batch_iteration = schedule_->last_batch_iteration();
   m.micro_batch = cfg_.batch.micro_batch;
   m.gradient_accumulation_steps = cfg_.batch.gradient_accumulation_steps;
-  m.data_position = step_ * cfg_.batch.gradient_accumulation_steps * world_;
+  m.data_position = step_ * cfg_.batch.train_batch_size;  // samples consumed
   m.seed = cfg_.training.seed;
   m.optimizer_type = cfg_.optimizer.type == OptimizerType::SGD ? "SGD" : cfg_.optimizer.type == OptimizerType::Lamb ? "Lamb" : "Adam";
   m.config = cfg_.resolved;
@@ -217,8 +218,9 @@ StepResult Engine::train_step() {
   auto host_tgt = Kokkos::create_mirror_view(targets_);
   double local_loss = 0.0;
   for (int64_t micro = 0; micro < gas; ++micro) {
-    const int64_t k = (step_ * gas + micro) * world_ + rank_;  // global micro-batch number
-    data_->micro_batch(k, host_in.data(), host_tgt.data());
+    // This rank's samples of the global batch (data.hpp): independent of how it is split.
+    const int64_t first = step_ * cfg_.batch.train_batch_size + (micro * world_ + rank_) * cfg_.batch.micro_batch;
+    data_->micro_batch(first, host_in.data(), host_tgt.data());
     Kokkos::deep_copy(inputs_, host_in);
     Kokkos::deep_copy(targets_, host_tgt);
     // Gradients accumulate locally; the last micro-batch's backward completes them.

@@ -1,6 +1,7 @@
 // test_cli.cpp — the zero3d executable as users run it: exit codes, one message for bad
 // input (also under mpiexec -np 2), files of a run, and multi-rank training behaviour.
 #include <gtest/gtest.h>
+#include <hdf5.h>
 #include <sys/wait.h>
 
 #include <cmath>
@@ -462,6 +463,263 @@ TEST(ZeroStages, PeakResidentMemoryFallsAsTheStageRises) {
   }
   for (int s = 1; s < 4; ++s)
     EXPECT_LT(rss[s], rss[s - 1]) << "stage " << s << ": " << rss[s] / 1e6 << " MB vs " << rss[s - 1] / 1e6 << " MB";
+}
+
+// --- checkpoints (issue 6) --------------------------------------------------------------------
+
+json checkpoint_config() {
+  json j = zero_config(2);
+  j["gradient_accumulation_steps"] = 1;
+  j["train_batch_size"] = 4;
+  j["scheduler"] = {{"type", "WarmupDecayLR"},
+                    {"params", {{"warmup_num_steps", 5}, {"warmup_max_lr", 3e-3}, {"total_num_steps", 20}}}};
+  j["training"]["save_interval"] = 10;
+  return j;
+}
+
+// Trains 20 steps with checkpoints at 10 and 20 (cached per stage and np), returns its dir.
+std::string reference_run(int np, int stage) {
+  static std::map<std::pair<int, int>, std::string> done;
+  const auto key = std::make_pair(np, stage);
+  if (!done.count(key)) {
+    const std::string dir = temp_path("ck_np" + std::to_string(np) + "_s" + std::to_string(stage));
+    std::system(("rm -rf " + dir).c_str());
+    Result r = run("train " + write_config("ck.json", checkpoint_config()) + " --output " + dir +
+                       " --set zero_optimization.stage=" + std::to_string(stage),
+                   np);
+    EXPECT_EQ(r.code, 0) << r.err;
+    done[key] = dir;
+  }
+  return done[key];
+}
+
+class BitExactResume : public ::testing::TestWithParam<int> {};
+
+TEST_P(BitExactResume, TenStepsResumedForTenMoreEqualTwentyInEveryBit) {
+  const int stage = GetParam();
+  const std::string ref = reference_run(2, stage), dir = temp_path("resume_s" + std::to_string(stage));
+  std::system(("rm -rf " + dir).c_str());
+  Result r = run("train " + write_config("ck.json", checkpoint_config()) + " --output " + dir +
+                     " --set zero_optimization.stage=" + std::to_string(stage) + " --set training.resume=" + ref +
+                     "/checkpoints/global_step10",
+                 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto full = losses_of(ref), resumed = losses_of(dir);
+  ASSERT_EQ(resumed.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed[i], full[10 + i]) << "step " << 11 + i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, BitExactResume, ::testing::Values(0, 1, 2, 3));
+
+struct Reshard {
+  int np, stage;
+};
+void PrintTo(const Reshard& r, std::ostream* os) { *os << "np 2 stage 2 -> np " << r.np << " stage " << r.stage; }
+class ReshardedResume : public ::testing::TestWithParam<Reshard> {};
+
+TEST_P(ReshardedResume, ContinuesTheUninterruptedRun) {
+  const Reshard p = GetParam();
+  const std::string ref = reference_run(2, 2);
+  const std::string dir = temp_path("reshard_np" + std::to_string(p.np) + "_s" + std::to_string(p.stage));
+  std::system(("rm -rf " + dir).c_str());
+  // Same global batch of 4 samples, split as the new world size allows.
+  json j = checkpoint_config();
+  j["train_batch_size"] = 4;
+  j.erase("gradient_accumulation_steps");
+  j.erase("train_micro_batch_size_per_gpu");
+  j["gradient_accumulation_steps"] = p.np == 1 ? 2 : 1;
+  Result r = run("train " + write_config("reshard.json", j) + " --output " + dir + " --set zero_optimization.stage=" +
+                     std::to_string(p.stage) + " --set training.resume=" + ref + "/checkpoints/global_step10",
+                 p.np);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto full = losses_of(ref), resumed = losses_of(dir);
+  ASSERT_EQ(resumed.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) EXPECT_NEAR(resumed[i], full[10 + i], 1e-5 * full[10 + i]) << "step " << 11 + i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ReshardedResume,
+                         ::testing::Values(Reshard{1, 0}, Reshard{4, 3}, Reshard{2, 3}, Reshard{4, 1}));
+
+TEST(Checkpoint, IndexPresentsWholeTensorsUnderHuggingFaceNamesToH5dump) {
+  const std::string tag = reference_run(2, 3) + "/checkpoints/global_step10";
+  const std::string out = temp_path("h5dump.txt");
+  ASSERT_EQ(std::system(("cd / && h5dump -d /h.1.attn.c_attn.weight " + tag + "/index.h5 > " + out).c_str()), 0);
+  EXPECT_NE(slurp(out).find("SIMPLE { ( 32, 96 ) / ( 32, 96 ) }"), std::string::npos) << slurp(out).substr(0, 400);
+  EXPECT_EQ(slurp(out).find("(31,95): 0,"), std::string::npos) << "the last element is a fill value, not data";
+}
+
+TEST(Checkpoint, LatestNamesTheNewestTagAndEveryTagHasItsShards) {
+  const std::string ck = reference_run(2, 1) + "/checkpoints";
+  EXPECT_EQ(slurp(ck + "/latest"), "global_step20\n");
+  for (const char* tag : {"global_step10", "global_step20"})
+    for (const char* f : {"index.h5", "rank_00000.h5", "rank_00001.h5"})
+      EXPECT_TRUE(std::ifstream(ck + "/" + tag + "/" + f).good()) << tag << "/" << f;
+}
+
+TEST(Checkpoint, KeepLastRotatesOldTags) {
+  json j = checkpoint_config();
+  j["training"]["save_interval"] = 5;
+  j["training"]["keep_last"] = 2;
+  const std::string dir = temp_path("keep_last");
+  std::system(("rm -rf " + dir).c_str());
+  ASSERT_EQ(run("train " + write_config("keep.json", j) + " --output " + dir, 2).code, 0);
+  EXPECT_FALSE(std::ifstream(dir + "/checkpoints/global_step10/index.h5").good());
+  EXPECT_TRUE(std::ifstream(dir + "/checkpoints/global_step15/index.h5").good());
+  EXPECT_TRUE(std::ifstream(dir + "/checkpoints/global_step20/index.h5").good());
+}
+
+TEST(Checkpoint, SaveKilledMidwayLeavesThePreviousCheckpointAndLatest) {
+  const std::string dir = temp_path("killed");
+  std::system(("rm -rf " + dir).c_str());
+  const std::string cfg = write_config("killed.json", checkpoint_config());
+  Result r = run("train " + cfg + " --output " + dir, 2, "ZERO3D_FAULT=save_crash:1:20");
+  EXPECT_NE(r.code, 0);
+  const std::string ck = dir + "/checkpoints";
+  EXPECT_EQ(slurp(ck + "/latest"), "global_step10\n");
+  EXPECT_FALSE(std::ifstream(ck + "/global_step20/index.h5").good());
+  EXPECT_TRUE(std::ifstream(ck + "/global_step20.tmp/rank_00000.h5").good()) << "the save did not start";
+  EXPECT_EQ(run("inspect " + ck).code, 0) << "the previous checkpoint is damaged";
+  // The next run resumes from it, and its own save removes the stale .tmp.
+  Result again = run("train " + cfg + " --output " + dir + " --set training.resume=latest", 2);
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_EQ(slurp(ck + "/latest"), "global_step20\n");
+  EXPECT_FALSE(std::ifstream(ck + "/global_step20.tmp/rank_00000.h5").good());
+}
+
+// A copy of a good checkpoint tag to damage.
+std::string copy_of_tag(const std::string& name) {
+  const std::string dst = temp_path(name);
+  std::system(("rm -rf " + dst + " && cp -r " + reference_run(2, 2) + "/checkpoints/global_step10 " + dst).c_str());
+  return dst;
+}
+
+Result resume_from(const std::string& tag_dir, const std::string& extra = "") {
+  return run("train " + write_config("ck.json", checkpoint_config()) + " --output " + temp_path("damaged_run") +
+                 " --set zero_optimization.stage=2 --set training.resume=" + tag_dir + extra,
+             2);
+}
+
+TEST(CheckpointDefects, TruncatedShardIsReportedNamingTheFile) {
+  const std::string tag = copy_of_tag("truncated");
+  std::system(("truncate -s 5000 " + tag + "/rank_00001.h5").c_str());
+  Result r = resume_from(tag);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("rank_00001.h5"), std::string::npos) << r.err;
+  EXPECT_EQ(count(r.err, "rank_00001.h5"), 1u) << r.err;
+}
+
+TEST(CheckpointDefects, FlippedBytesFailTheChecksum) {
+  const std::string tag = copy_of_tag("flipped");
+  const std::string shard = tag + "/rank_00000.h5";
+  haddr_t offset = 0;
+  {  // where does the first chunk of exp_avg live in the file?
+    hid_t f = H5Fopen(shard.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    hid_t ds = H5Dopen2(f, "exp_avg", H5P_DEFAULT);
+    hsize_t coord[1];
+    unsigned mask = 0;
+    hsize_t size = 0;
+    hid_t space = H5Dget_space(ds);
+    ASSERT_GE(H5Dget_chunk_info(ds, space, 0, coord, &mask, &offset, &size), 0);
+    H5Sclose(space);
+    H5Dclose(ds);
+    H5Fclose(f);
+  }
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(offset + 128));
+    const char junk[4] = {'\x13', '\x37', '\x42', '\x42'};
+    f.write(junk, 4);
+  }
+  Result r = resume_from(tag);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("rank_00000.h5"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("checksum"), std::string::npos) << r.err;
+  Result inspect = run("inspect " + tag);
+  EXPECT_EQ(inspect.code, 2);
+  EXPECT_NE(inspect.err.find("checksum"), std::string::npos) << inspect.err;
+}
+
+TEST(CheckpointDefects, MissingShardIsReported) {
+  const std::string tag = copy_of_tag("missing");
+  std::system(("rm " + tag + "/rank_00001.h5").c_str());
+  Result r = resume_from(tag);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("rank_00001.h5: missing shard"), std::string::npos) << r.err;
+}
+
+TEST(CheckpointDefects, ModelThatDoesNotMatchIsReported) {
+  Result r = resume_from(reference_run(2, 2) + "/checkpoints/global_step10", " --set model.n_embd=48");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("wte.weight"), std::string::npos) << r.err;
+}
+
+TEST(Inspect, JsonListsEveryTensorWithStatistics) {
+  Result r = run("inspect " + reference_run(2, 1) + "/checkpoints --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["step"], 20);
+  EXPECT_EQ(j["verified"], true);
+  EXPECT_EQ(j["tensors"].size(), 2u + 2 * 12 + 2);
+  EXPECT_GT(j["tensors"][0]["l2_norm"].get<double>(), 0.0);
+}
+
+TEST(Inspect, UnknownTensorExitsTwo) {
+  EXPECT_EQ(run("inspect " + reference_run(2, 1) + "/checkpoints --tensor h.9.nope").code, 2);
+}
+
+// Text whose period divides B·T: every micro-batch is the same window, so a run started from
+// converted weights sees the batch the checkpointed run saw next.
+std::string periodic_text_config(const std::string& name) {
+  const std::string text = temp_path("periodic.txt");
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 400; ++i) out << "zero3d trains GPT models, fast!\n";  // 32 bytes
+  }
+  json j = checkpoint_config();
+  j["model"]["vocab_size"] = 256;
+  j["data"] = {{"source", "text"}, {"path", text}};
+  j["train_batch_size"] = 2;  // B·T = 2·16 = 32
+  j["gradient_accumulation_steps"] = 1;
+  j["train_micro_batch_size_per_gpu"] = 2;
+  j["training"]["steps"] = 11;
+  return write_config(name, j);
+}
+
+class ConvertRoundTrip : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ConvertRoundTrip, ConvertedWeightsReloadedGiveTheSameLoss) {
+  const std::string format = GetParam();
+  const std::string cfg = periodic_text_config("periodic.json"), dir = temp_path("convert_src");
+  std::system(("rm -rf " + dir).c_str());
+  ASSERT_EQ(run("train " + cfg + " --output " + dir, 1).code, 0);
+  const std::string out = temp_path("converted/model." + std::string(format == "hdf5" ? "h5" : "safetensors"));
+  Result c = run("convert " + dir + "/checkpoints --tag global_step10 " + out + " --format " + format);
+  ASSERT_EQ(c.code, 0) << c.err;
+  const std::string fresh = temp_path("convert_dst");
+  Result r = run("train " + cfg + " --output " + fresh + " --set training.steps=1 --set training.save_interval=0" +
+                     " --set model.init_from=" + out,
+                 1);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(losses_of(fresh)[0], losses_of(dir)[10]);  // same weights, same batch: same bits
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, ConvertRoundTrip, ::testing::Values("hdf5", "safetensors"));
+
+TEST(Convert, Bf16ShardedSafetensorsReloadThroughTheIndex) {
+  const std::string cfg = periodic_text_config("periodic.json"), dir = temp_path("convert_src16");
+  std::system(("rm -rf " + dir).c_str());
+  ASSERT_EQ(run("train " + cfg + " --output " + dir, 1).code, 0);
+  const std::string out = temp_path("sharded/model.safetensors");
+  Result c = run("convert " + dir + "/checkpoints --tag global_step10 " + out +
+                 " --format safetensors --dtype bf16 --max-shard-size 30KB");
+  ASSERT_EQ(c.code, 0) << c.err;
+  EXPECT_NE(c.out.find("model.safetensors.index.json"), std::string::npos) << c.out;
+  const std::string fresh = temp_path("convert_dst16");
+  Result r = run("train " + cfg + " --output " + fresh + " --set training.steps=1 --set training.save_interval=0" +
+                     " --set model.init_from=" + temp_path("sharded/model.safetensors.index.json"),
+                 1);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NEAR(losses_of(fresh)[0], losses_of(dir)[10], 2e-2 * losses_of(dir)[10]);  // bf16 rounding
 }
 
 }  // namespace

@@ -37,7 +37,7 @@ DataConfig tokens_config(const std::string& path) {
 TEST(TokenShards, MicroBatchKIsTheWindowStartingAtKTimesBT) {
   DataLoader data(tokens_config(write_shard("shard_a.bin", 100)), 50, 2, 4, 1);
   std::vector<int32_t> in(8), tgt(8);
-  data.micro_batch(1, in.data(), tgt.data());
+  data.micro_batch(1 * 2, in.data(), tgt.data());  // micro-batch k = 1 starts at sample k·B
   for (int i = 0; i < 8; ++i) {
     EXPECT_EQ(in[i], 8 + i);       // window of B*T+1 starting at k*B*T
     EXPECT_EQ(tgt[i], 8 + i + 1);  // targets shifted by one
@@ -48,9 +48,9 @@ TEST(TokenShards, WindowsWrapAroundAfterTheLastFullOne) {
   // 100 tokens, B*T = 8: windows start at 0, 8, ..., 88 (88 + 9 <= 100) -> 12 windows.
   DataLoader data(tokens_config(write_shard("shard_b.bin", 100)), 50, 2, 4, 1);
   std::vector<int32_t> in(8), tgt(8);
-  data.micro_batch(12, in.data(), tgt.data());
+  data.micro_batch(12 * 2, in.data(), tgt.data());
   EXPECT_EQ(in[0], 0);
-  data.micro_batch(11, in.data(), tgt.data());
+  data.micro_batch(11 * 2, in.data(), tgt.data());
   EXPECT_EQ(in[0], 88 % 50);
 }
 
@@ -89,12 +89,20 @@ TEST(TextData, BytesAreTokens) {
 TEST(SyntheticData, SameMicroBatchNumberGivesSameTokens) {
   DataLoader a(DataConfig{}, 64, 2, 16, 5), b(DataConfig{}, 64, 2, 16, 5);
   std::vector<int32_t> i1(32), t1(32), i2(32), t2(32);
-  a.micro_batch(7, i1.data(), t1.data());
-  b.micro_batch(7, i2.data(), t2.data());
+  a.micro_batch(14, i1.data(), t1.data());
+  b.micro_batch(14, i2.data(), t2.data());
   EXPECT_EQ(i1, i2);
   EXPECT_EQ(t1, t2);
-  a.micro_batch(8, i2.data(), t2.data());
+  a.micro_batch(16, i2.data(), t2.data());
   EXPECT_NE(i1, i2);
+}
+
+TEST(SyntheticData, ASampleIsTheSameWhateverMicroBatchItIsPartOf) {
+  DataLoader two(DataConfig{}, 64, 2, 16, 5), one(DataConfig{}, 64, 1, 16, 5);
+  std::vector<int32_t> pair_in(32), pair_tgt(32), in(16), tgt(16);
+  two.micro_batch(6, pair_in.data(), pair_tgt.data());  // samples 6 and 7
+  one.micro_batch(7, in.data(), tgt.data());
+  EXPECT_EQ(std::vector<int32_t>(pair_in.begin() + 16, pair_in.end()), in);
 }
 
 TEST(SyntheticData, TargetsAreInputsShiftedByOne) {
@@ -111,7 +119,7 @@ TEST(SyntheticData, MostTransitionsFollowTheHiddenPermutation) {
   std::vector<int32_t> in(512), tgt(512);
   std::map<std::pair<int, int>, int> pairs;
   for (int k = 0; k < 4; ++k) {
-    a.micro_batch(k, in.data(), tgt.data());
+    a.micro_batch(k * 8, in.data(), tgt.data());
     for (int i = 0; i < 512; ++i) pairs[{in[i], tgt[i]}]++;
   }
   std::map<int, int> best;
