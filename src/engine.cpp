@@ -111,6 +111,7 @@ void Engine::inject_fault(int64_t step) const {
 // Re-partitions on load: each rank reads its own range of the flat buffers, whatever the
 // world size and stage of the run that saved.
 void Engine::resume_from_checkpoint() {
+  const auto t0 = std::chrono::steady_clock::now();
   std::unique_ptr<CheckpointReader> reader;
   run_collectively(groups_.world(), [&] {
     reader = std::make_unique<CheckpointReader>(CheckpointReader::open(cfg_.training.resume, cfg_.training.save_dir));
@@ -127,8 +128,11 @@ void Engine::resume_from_checkpoint() {
   step_ = m.step;
   schedule_->set_last_batch_iteration(m.lr_last_batch_iteration);
   if (rank_ == 0) {
-    std::printf("resume  %s: step %lld, saved by %lld rank%s at ZeRO stage %lld\n", reader->dir().c_str(),
-                (long long)m.step, (long long)m.dp_world_size, m.dp_world_size == 1 ? "" : "s", (long long)m.zero_stage);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double mb = 4.0 * m.states.size() * m.total_params / 1e6;
+    std::printf("resume  %s: step %lld, saved by %lld rank%s at ZeRO stage %lld; loaded %.1f MB in %.2f s (%.0f MB/s)\n",
+                reader->dir().c_str(), (long long)m.step, (long long)m.dp_world_size, m.dp_world_size == 1 ? "" : "s",
+                (long long)m.zero_stage, mb, s, mb / s);
     if (m.global_samples != step_ * cfg_.batch.train_batch_size)
       std::printf("resume  note: train_batch_size differs from the saved run's (%lld samples in %lld steps); the data "
                   "continues at sample %lld\n", (long long)m.global_samples, (long long)m.step,
