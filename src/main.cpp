@@ -16,6 +16,7 @@
 #include "checkpoint.hpp"
 #include "config.hpp"
 #include "engine.hpp"
+#include "estimator.hpp"
 #include "failure.hpp"
 #include "h5.hpp"
 #include "topology.hpp"
@@ -145,6 +146,97 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
   return kExitOk;
 }
 
+struct EstimateArgs {
+  std::string kind;  // zero2 | zero3 | empty (the complete budget of --config)
+  double params = 0, largest_layer = -1, buffer_factor = 1.5;
+  int gpus_per_node = 1, nodes = 1;
+  std::string model, report, memory_per_rank;
+  ConfigArgs config;
+  int64_t world_size = 1;
+  bool json = false;
+};
+
+std::string mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%10.1f MiB", bytes / 1048576.0);
+  return buf;
+}
+
+int cmd_estimate(EstimateArgs a, int rank) {
+  if (rank != 0) return kExitOk;
+  if (a.kind == "zero2" || a.kind == "zero3") {
+    // Cold (--params) or live (--model CONFIG: counts from the model definition).
+    if (!a.model.empty()) {
+      const Config c = read_config(load_json_file(a.model), a.model, 1);
+      const ModelCounts counts = count_model(c.model);
+      a.params = double(counts.params);
+      a.largest_layer = double(counts.largest_layer);
+    }
+    if (a.params <= 0) throw InputError("estimate " + a.kind + ": give --params P or --model CONFIG");
+    if (a.kind == "zero3" && a.largest_layer < 0)
+      throw InputError("estimate zero3: give --largest-layer-params L or --model CONFIG");
+    const auto rows = a.kind == "zero2"
+                          ? deepspeed_zero2_rows(a.params, a.gpus_per_node, a.nodes, a.buffer_factor)
+                          : deepspeed_zero3_rows(a.params, a.largest_layer, a.gpus_per_node, a.nodes, a.buffer_factor);
+    std::printf("%s", deepspeed_table(rows, a.params, a.kind == "zero3" ? a.largest_layer : -1, a.gpus_per_node,
+                                      a.nodes).c_str());
+    return kExitOk;
+  }
+  if (!a.kind.empty()) throw InputError("estimate: unknown kind \"" + a.kind + "\" (zero2, zero3, or --config)");
+  if (a.config.path.empty()) throw InputError("estimate: give zero2/zero3 with --params, or --config CONFIG");
+  std::string name;
+  const Config cfg = read_config(load_with_overrides(a.config, name), name, a.world_size);
+  std::vector<MemoryBudget> budgets;
+  for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage));
+  if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets);
+  nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"configured_stage", cfg.zero_stage},
+                        {"parameters", count_model(cfg.model).params}, {"budgets", nlohmann::json::array()}};
+  for (const auto& b : budgets) doc["budgets"].push_back(b.to_json());
+  int64_t limit = 0;
+  if (!a.memory_per_rank.empty()) {
+    limit = parse_byte_size(a.memory_per_rank);
+    doc["memory_per_rank"] = limit;
+    for (int stage = 0; stage <= 3; ++stage)
+      doc["largest_micro_batch"].push_back(largest_fitting_micro_batch(cfg, a.world_size, stage, limit));
+  }
+  if (a.json) {
+    std::printf("%s\n", doc.dump(2).c_str());
+    return kExitOk;
+  }
+  std::printf("%s: %lld parameters, micro-batch %lld, %lld data-parallel ranks (configured stage %lld)\n", name.c_str(),
+              (long long)doc["parameters"].get<int64_t>(), (long long)cfg.batch.micro_batch, (long long)a.world_size,
+              (long long)cfg.zero_stage);
+  std::printf("bytes per rank            %14s %14s %14s %14s\n", "stage 0", "stage 1", "stage 2", "stage 3");
+  const char* rows[] = {"params", "grads", "master", "optimizer_states", "comm_reduce", "comm_gather", "comm_prefetch",
+                        "live_params", "activations", "workspace", "runtime", "total"};
+  for (const char* row : rows) {
+    std::printf("%-25s", row);
+    for (const auto& b : budgets) std::printf(" %s", mib(b.to_json()[row].get<int64_t>()).c_str());
+    std::printf("\n");
+  }
+  std::printf("%-25s", "(activations, checkpointed)");
+  for (const auto& b : budgets) std::printf(" %s", mib(b.activations_checkpointed).c_str());
+  std::printf("\n");
+  if (limit > 0) {
+    std::printf("largest micro-batch within %s per rank:", a.memory_per_rank.c_str());
+    for (int stage = 0; stage <= 3; ++stage) {
+      const int64_t mb = doc["largest_micro_batch"][stage];
+      if (mb > 0) {
+        std::printf("  stage %d: %lld", stage, (long long)mb);
+      } else {
+        Config one = cfg;
+        one.batch.micro_batch = 1;
+        const MemoryBudget b = estimate_budget(one, a.world_size, stage);
+        std::printf("  stage %d: none (model states alone %.1f MiB, total at micro-batch 1 %.1f MiB)", stage,
+                    b.model_states() / 1048576.0, b.total() / 1048576.0);
+      }
+    }
+    std::printf("\n");
+  }
+  if (!a.report.empty()) std::printf("report  %s\n", a.report.c_str());
+  return kExitOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -196,12 +288,30 @@ int main(int argc, char** argv) {
   convert->add_option("--dtype", ck_dtype, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
   convert->add_option("--max-shard-size", ck_shard, "split into files of at most this size (e.g. 5GB)");
 
+  EstimateArgs est;
+  est.world_size = world;
+  auto* estimate = app.add_subcommand("estimate", "Memory per rank: DeepSpeed's tables (zero2/zero3) or a full budget");
+  estimate->add_option("kind", est.kind, "zero2 or zero3 for DeepSpeed's model-state tables");
+  estimate->add_option("--params", est.params, "total parameters (cold estimate)");
+  estimate->add_option("--largest-layer-params", est.largest_layer, "parameters of the largest layer (zero3)");
+  estimate->add_option("--gpus-per-node", est.gpus_per_node, "GPUs per node")->check(CLI::PositiveNumber);
+  estimate->add_option("--nodes", est.nodes, "nodes")->check(CLI::PositiveNumber);
+  estimate->add_option("--additional-buffer-factor", est.buffer_factor, "DeepSpeed's buffer factor (1.5)");
+  estimate->add_option("--model", est.model, "take the counts from this config's model (live estimate)");
+  estimate->add_option("--config", est.config.path, "the full per-rank budget of this configuration");
+  estimate->add_option("--set", est.config.overrides, "override a key of --config")->take_all();
+  estimate->add_option("--world-size", est.world_size, "data-parallel ranks")->check(CLI::PositiveNumber);
+  estimate->add_option("--memory-per-rank", est.memory_per_rank, "find the largest micro-batch that fits (e.g. 16GiB)");
+  estimate->add_option("--report", est.report, "write the budget to this HDF5 file");
+  estimate->add_flag("--json", est.json, "machine-readable output");
+
   int code = kExitOk;
   try {
     app.parse(argc, argv);
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
     else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
     else if (topology->parsed()) code = cmd_topology(pp, dp, tp, as_json, rank);
+    else if (estimate->parsed()) code = cmd_estimate(est, rank);
     else if (inspect->parsed()) code = cmd_inspect(ck_dir, ck_tag, ck_tensor, ck_json, rank);
     else if (convert->parsed())
       code = cmd_convert(ck_dir, ck_out, ck_tag, ck_format, ck_dtype, ck_shard, rank);

@@ -722,4 +722,72 @@ TEST(Convert, Bf16ShardedSafetensorsReloadThroughTheIndex) {
   EXPECT_NEAR(losses_of(fresh)[0], losses_of(dir)[10], 2e-2 * losses_of(dir)[10]);  // bf16 rounding
 }
 
+// --- estimator against the engine (issue 7) ---------------------------------------------------
+
+json estimate_of(const std::string& cfg, int np) {
+  Result r = run("estimate --config " + cfg + " --world-size " + std::to_string(np) + " --json");
+  EXPECT_EQ(r.code, 0) << r.err;
+  return json::parse(r.out);
+}
+
+TEST(EstimateVsEngine, ModelStateCategoriesEqualTheEngineCountsByteForByte) {
+  json j = zero_config(2);
+  j["training"]["steps"] = 1;
+  const std::string cfg = write_config("est_bytes.json", j);
+  const json est = estimate_of(cfg, 2);
+  for (int stage = 0; stage <= 3; ++stage) {
+    const std::string dir = temp_path("est_bytes_s" + std::to_string(stage));
+    ASSERT_EQ(run("train " + cfg + " --output " + dir + " --set zero_optimization.stage=" + std::to_string(stage), 2).code,
+              0);
+    const json m = read_metrics(dir).back()["memory"];
+    for (const char* category : {"params", "grads", "master", "optimizer_states"})
+      EXPECT_EQ(est["budgets"][stage][category], m[category]) << "stage " << stage << " " << category;
+  }
+}
+
+struct MeasuredRun {
+  int np, stage;
+};
+void PrintTo(const MeasuredRun& r, std::ostream* os) { *os << "np " << r.np << " stage " << r.stage; }
+class EstimateVsMeasured : public ::testing::TestWithParam<MeasuredRun> {};
+
+// A 57M-parameter model, so that what the estimate models dominates the process.
+TEST_P(EstimateVsMeasured, TotalIsWithinTenPercentOfPeakResidentMemory) {
+  const MeasuredRun p = GetParam();
+  json j = tiny_config();
+  j["model"] = {{"vocab_size", 256}, {"n_positions", 16}, {"n_layer", 8}, {"n_head", 4}, {"n_embd", 768}};
+  j.erase("train_batch_size");
+  j["train_micro_batch_size_per_gpu"] = 1;
+  j["gradient_accumulation_steps"] = 1;
+  j["training"]["steps"] = 2;
+  j["zero_optimization"] = {{"stage", p.stage}, {"reduce_bucket_size", 2000000}, {"allgather_bucket_size", 2000000},
+                            {"max_live_parameters", 8000000}, {"max_reuse_distance", 0}, {"overlap_comm", false}};
+  const std::string cfg = write_config("est_rss.json", j);
+  const std::string dir = temp_path("est_rss_np" + std::to_string(p.np) + "_s" + std::to_string(p.stage));
+  ASSERT_EQ(run("train " + cfg + " --output " + dir, p.np).code, 0);
+  const double measured = read_metrics(dir).back()["peak_rss_bytes"].get<double>();
+  const double estimated = estimate_of(cfg, p.np)["budgets"][p.stage]["total"].get<double>();
+  EXPECT_NEAR(estimated / measured, 1.0, 0.10) << "estimate " << estimated / 1e6 << " MB, measured " << measured / 1e6
+                                               << " MB";
+}
+
+INSTANTIATE_TEST_SUITE_P(SixConfigurations, EstimateVsMeasured,
+                         ::testing::Values(MeasuredRun{1, 0}, MeasuredRun{2, 1}, MeasuredRun{2, 2}, MeasuredRun{2, 3},
+                                           MeasuredRun{4, 2}, MeasuredRun{4, 3}));
+
+TEST(Estimate, CliPrintsDeepSpeedsTableForTheLiveQuickstartModel) {
+  Result r = run("estimate zero3 --model " + kSource + "/input/quickstart.json --gpus-per-node 8 --nodes 1");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("SW: Model with 0M total params, 0M largest layer params."), std::string::npos) << r.out;
+  EXPECT_EQ(count(r.out, "zero_init="), 6u);
+}
+
+TEST(Estimate, MemoryPerRankSaysWhatFits) {
+  Result r = run("estimate --config " + kSource + "/input/gpt-small-cpu.json --world-size 2 --memory-per-rank 1GiB");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("largest micro-batch within 1GiB per rank:"), std::string::npos) << r.out;
+  Result none = run("estimate --config " + kSource + "/input/gpt-small-cpu.json --memory-per-rank 10MB");
+  EXPECT_NE(none.out.find("none (model states alone"), std::string::npos) << none.out;
+}
+
 }  // namespace

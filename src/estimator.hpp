@@ -1,0 +1,72 @@
+// estimator.hpp — memory estimates before a job runs.
+//
+// 1. DeepSpeed's model-state estimators, reproduced to the digit (DEEPSPEED-FACTS §6:
+//    zero/stage_1_and_2.py and zero/stage3.py): GiB = 2^30, the 1.5 buffer factor, row order.
+// 2. zero3d's complete per-rank budget for one configuration: every category the engine
+//    allocates (model states byte for byte as ZeroOptimizer counts them, communication
+//    buffers, gathered parameters, activations, workspace, the process's fixed runtime), so
+//    the total predicts the measured peak resident memory.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "config.hpp"
+
+namespace zero3d {
+
+// --- DeepSpeed's cold estimators ---------------------------------------------------------------
+struct DeepSpeedEstimateRow {
+  double cpu_bytes, gpu_bytes;
+  std::string options;
+};
+
+// estimate_zero2_model_states_mem_needs_all_cold: rows offload_optimizer=cpu, then none.
+std::vector<DeepSpeedEstimateRow> deepspeed_zero2_rows(double params, int gpus_per_node, int nodes,
+                                                       double buffer_factor = 1.5);
+// estimate_zero3_model_states_mem_needs_all_cold: the six rows in DeepSpeed's order.
+std::vector<DeepSpeedEstimateRow> deepspeed_zero3_rows(double params, double largest_layer, int gpus_per_node,
+                                                       int nodes, double buffer_factor = 1.5);
+// The printed table, exactly as DeepSpeed prints it (largest_layer < 0: the ZeRO-2 header).
+std::string deepspeed_table(const std::vector<DeepSpeedEstimateRow>& rows, double params, double largest_layer,
+                            int gpus_per_node, int nodes);
+
+// Parameter count and largest layer (params of one module: weight + bias) of a GPT config.
+struct ModelCounts {
+  int64_t params = 0, largest_layer = 0;
+  std::string largest_layer_name;
+};
+ModelCounts count_model(const ModelConfig& model);
+
+// --- the complete budget -------------------------------------------------------------------------
+struct MemoryBudget {
+  int stage = 0;
+  int64_t micro_batch = 0;
+  // bytes per rank
+  int64_t params = 0, grads = 0, master = 0, optimizer_states = 0;
+  int64_t comm_reduce = 0, comm_gather = 0, comm_prefetch = 0;  // buckets and staging by purpose
+  int64_t live_params = 0;                                      // stage 3: gathered units at once
+  int64_t activations = 0, activations_checkpointed = 0;        // one micro-batch, as allocated / if every block were checkpointed
+  int64_t workspace = 0;                                        // startup sgemm, token buffers, init staging
+  int64_t runtime = 0;                                          // MPI, Kokkos, BLAS, libraries: measured constant
+  int64_t model_states() const { return params + grads + master + optimizer_states; }
+  int64_t total() const {
+    return model_states() + comm_reduce + comm_gather + comm_prefetch + live_params + activations + workspace + runtime;
+  }
+  nlohmann::json to_json() const;
+};
+
+// The budget of `cfg` on `world_size` data-parallel ranks at ZeRO `stage` (cfg's own if < 0).
+MemoryBudget estimate_budget(const Config& cfg, int64_t world_size, int stage = -1);
+
+// Largest micro-batch per stage whose total fits `bytes_per_rank` (0: not even micro-batch 1).
+int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank);
+
+// Writes the budgets (one per stage) to an HDF5 report: inputs as attributes, one dataset per
+// category holding the bytes at stages 0..3.
+void write_budget_report(const std::string& path, const Config& cfg, int64_t world_size,
+                         const std::vector<MemoryBudget>& budgets);
+
+}  // namespace zero3d
