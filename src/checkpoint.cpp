@@ -251,9 +251,14 @@ void save_checkpoint(const std::string& save_dir, const std::string& tag, const 
     fsync_path(index);
     fsync_path(tmp.string());
     std::error_code ec;
-    if (fs::exists(final_dir)) fs::remove_all(final_dir);  // re-saving the same step
+    // Re-saving a step: move the old tag aside (as a .tmp, which the next save removes) so the
+    // directory `latest` may name is replaced by one rename, never deleted first.
+    const fs::path old = dir / (tag + ".old.tmp");
+    if (fs::exists(final_dir)) fs::rename(final_dir, old, ec);
+    if (ec) throw SystemError(final_dir.string() + ": cannot move the previous save aside: " + ec.message());
     fs::rename(tmp, final_dir, ec);
     if (ec) throw SystemError(final_dir.string() + ": cannot publish checkpoint: " + ec.message());
+    fs::remove_all(old, ec);
     const fs::path latest = dir / "latest", latest_tmp = dir / "latest.tmp";
     {
       std::ofstream out(latest_tmp);

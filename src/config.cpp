@@ -559,18 +559,18 @@ const std::vector<std::pair<const char*, nlohmann::json>> kZeroDefaultOnlyKeys =
 
 void read_zero(Section& top, Config& c) {
   if (top.has("zero_optimization") && top.raw("zero_optimization")->is_boolean()) {
-    c.zero_stage = top.raw("zero_optimization")->get<bool>() ? 1 : 0;  // deprecated bool form: true = stage 1
-    c.overlap_comm = false;
+    c.zero.stage = top.raw("zero_optimization")->get<bool>() ? 1 : 0;  // deprecated bool form: true = stage 1
+    c.zero.overlap_comm = false;
     return;
   }
   Section sec = top.child("zero_optimization");
   const int64_t kMax = std::numeric_limits<int64_t>::max();
-  c.zero_stage = sec.integer("stage", 0, 0, 3);
-  c.reduce_bucket_size = sec.integer("reduce_bucket_size", 500000000, 1, kMax);
-  c.allgather_bucket_size = sec.integer("allgather_bucket_size", 500000000, 2, kMax);
-  if (c.allgather_bucket_size % 2 != 0)
-    sec.fail_key("allgather_bucket_size", "must be a multiple of 2, got " + std::to_string(c.allgather_bucket_size));
-  c.overlap_comm = sec.boolean("overlap_comm", c.zero_stage == 3);  // DeepSpeed: None -> (stage == 3)
+  c.zero.stage = static_cast<int>(sec.integer("stage", 0, 0, 3));
+  c.zero.reduce_bucket_size = sec.integer("reduce_bucket_size", 500000000, 1, kMax);
+  c.zero.allgather_bucket_size = sec.integer("allgather_bucket_size", 500000000, 2, kMax);
+  if (c.zero.allgather_bucket_size % 2 != 0)
+    sec.fail_key("allgather_bucket_size", "must be a multiple of 2, got " + std::to_string(c.zero.allgather_bucket_size));
+  c.zero.overlap_comm = sec.boolean("overlap_comm", c.zero.stage == 3);  // DeepSpeed: None -> (stage == 3)
   // Stage-3 knobs, each also accepted under its deprecated stage3_ name (not both).
   auto aliased = [&](const std::string& key, int64_t def, int64_t lo) {
     const std::string old = "stage3_" + key;
@@ -578,11 +578,11 @@ void read_zero(Section& top, Config& c) {
       sec.fail_key(old, "cannot be given together with `zero_optimization." + key + "` (deprecated alias)");
     return sec.has(old) ? sec.integer(old, def, lo, kMax) : sec.integer(key, def, lo, kMax);
   };
-  c.prefetch_bucket_size = aliased("prefetch_bucket_size", 50000000, 0);
-  c.param_persistence_threshold = aliased("param_persistence_threshold", 100000, 0);
-  c.model_persistence_threshold = aliased("model_persistence_threshold", kMax, 0);
-  c.max_live_parameters = aliased("max_live_parameters", 1000000000, 0);
-  c.max_reuse_distance = aliased("max_reuse_distance", 1000000000, 0);
+  c.zero.prefetch_bucket_size = aliased("prefetch_bucket_size", 50000000, 0);
+  c.zero.param_persistence_threshold = aliased("param_persistence_threshold", 100000, 0);
+  c.zero.model_persistence_threshold = aliased("model_persistence_threshold", kMax, 0);
+  c.zero.max_live_parameters = aliased("max_live_parameters", 1000000000, 0);
+  c.zero.max_reuse_distance = aliased("max_reuse_distance", 1000000000, 0);
   // Offload belongs to a later release: reject anything but "none", naming the key.
   for (const char* key : {"offload_optimizer", "offload_param"}) {
     Section off = sec.child(key);
@@ -609,14 +609,14 @@ void read_zero(Section& top, Config& c) {
 // DeepSpeed lets ZeRO run only its tested optimizers unless zero_allow_untested_optimizer;
 // Lamb's per-tensor trust ratio cannot be computed on flat partitions, so it stays stage 0.
 void check_zero_optimizer(Section& top, const Config& c) {
-  if (c.zero_stage == 0) return;
+  if (c.zero.stage == 0) return;
   if (c.optimizer.type == OptimizerType::Lamb)
     top.fail("optimizer.type", "Lamb needs whole tensors for its trust ratio; use zero_optimization.stage 0 with "
-                               "Lamb, or Adam/AdamW with ZeRO stage " + std::to_string(c.zero_stage));
+                               "Lamb, or Adam/AdamW with ZeRO stage " + std::to_string(c.zero.stage));
   if (c.optimizer.type == OptimizerType::SGD && !c.zero_allow_untested_optimizer)
     top.fail("optimizer.type", "SGD is not a ZeRO-tested optimizer in DeepSpeed; set "
                                "\"zero_allow_untested_optimizer\": true to use it with ZeRO stage " +
-                               std::to_string(c.zero_stage));
+                               std::to_string(c.zero.stage));
 }
 
 // DeepSpeed top-level keys zero3d does not implement: accepted at their defaults only.

@@ -84,6 +84,20 @@ struct SchedulerConfig {
   bool lr_range_test_staircase = false;
 };
 
+// zero_optimization (DEEPSPEED-FACTS §5.1), what the ZeRO optimizer reads.
+struct ZeroConfig {
+  int stage = 0;
+  int64_t reduce_bucket_size = 500000000;     // elements per gradient reduction bucket
+  int64_t allgather_bucket_size = 500000000;  // elements per parameter all-gather bucket (stages 1-2)
+  bool overlap_comm = false;                  // launch bucket reductions during backward
+  // stage 3
+  int64_t prefetch_bucket_size = 50000000;
+  int64_t param_persistence_threshold = 100000;
+  int64_t model_persistence_threshold = INT64_MAX;
+  int64_t max_live_parameters = 1000000000;
+  int64_t max_reuse_distance = 1000000000;
+};
+
 // The batch triad after derivation: train_batch_size == micro_batch * gas * world_size.
 struct BatchConfig {
   int64_t train_batch_size = 0;
@@ -104,17 +118,8 @@ struct Config {
   double gradient_clipping = 1.0;  // DeepSpeed 0.19.6 default; 0 disables
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
-  int64_t zero_stage = 0;
-  int64_t reduce_bucket_size = 500000000;     // elements per gradient reduction bucket
-  int64_t allgather_bucket_size = 500000000;  // elements per parameter all-gather bucket (stages 1-2)
-  bool overlap_comm = false;                  // launch bucket reductions during backward
+  ZeroConfig zero;
   bool zero_allow_untested_optimizer = false;
-  // stage 3
-  int64_t prefetch_bucket_size = 50000000;
-  int64_t param_persistence_threshold = 100000;
-  int64_t model_persistence_threshold = INT64_MAX;
-  int64_t max_live_parameters = 1000000000;
-  int64_t max_reuse_distance = 1000000000;
   nlohmann::json resolved;  // every key with its value after defaults and derivation
 };
 

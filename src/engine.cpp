@@ -66,7 +66,7 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
 void Engine::setup_local() {
   const int64_t B = cfg_.batch.micro_batch, T = cfg_.model.n_positions;
   model_ = std::make_unique<GPT>(shape_of(cfg_.model), B, T);
-  zero_ = std::make_unique<ZeroOptimizer>(zero_config_from(cfg_), cfg_.optimizer, model_->layout(), model_->units(),
+  zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, model_->layout(), model_->units(),
                                           *dp_comm_);
   if (cfg_.model.init_from.empty()) {
     zero_->init_params([&](float* out, int64_t begin, int64_t end) {
@@ -195,8 +195,8 @@ void Engine::print_startup() const {
               cfg_.training.peak_gflops > 0 ? "training.peak_gflops" : "measured sgemm, all ranks");
   const MemoryBytes m = zero_->memory();
   std::printf("zero    stage %d over %d data-parallel ranks (%s), reduce buckets of %lld elements, overlap_comm %s%s\n",
-              zero_->stage(), world_, dp_comm_->backend().c_str(), (long long)cfg_.reduce_bucket_size,
-              cfg_.overlap_comm ? "on" : "off",
+              zero_->stage(), world_, dp_comm_->backend().c_str(), (long long)cfg_.zero.reduce_bucket_size,
+              cfg_.zero.overlap_comm ? "on" : "off",
               cfg_.training.comms_timeout > 0 ? (", comms_timeout " + std::to_string(cfg_.training.comms_timeout) + " s").c_str() : "");
   std::printf("memory  bytes per rank: params %lld | grads %lld | master %lld | optimizer_states %lld | "
               "comm_buffers %lld | model states %.1f MB (stage 0 would hold %.1f MB) | activations %.1f MB\n",

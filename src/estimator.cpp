@@ -110,7 +110,7 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
   const int64_t psi = layout.total();
   const Partition part(psi, static_cast<int>(world));
   MemoryBudget b;
-  b.stage = stage < 0 ? static_cast<int>(cfg.zero_stage) : stage;
+  b.stage = stage < 0 ? static_cast<int>(cfg.zero.stage) : stage;
   b.micro_batch = cfg.batch.micro_batch;
   // Model states: what ZeroOptimizer allocates (zero.hpp's table), fp32 throughout.
   const int64_t full = b.stage == 0 ? psi : part.padded;
@@ -129,16 +129,16 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
     if (u > 0 && u + 1 < units.size()) largest_block = std::max(largest_block, units[u].numel);
   }
   if (b.stage >= 1) {
-    const int64_t staging = cfg.overlap_comm ? part.part : std::min(cfg.reduce_bucket_size, part.part);
+    const int64_t staging = cfg.zero.overlap_comm ? part.part : std::min(cfg.zero.reduce_bucket_size, part.part);
     b.comm_reduce = 4 * staging;
   }
   if (b.stage >= 2)
-    b.comm_reduce += 4 * (units.front().numel + units.back().numel + largest_block * (cfg.overlap_comm ? 2 : 1));
+    b.comm_reduce += 4 * (units.front().numel + units.back().numel + largest_block * (cfg.zero.overlap_comm ? 2 : 1));
   if (b.stage == 3) {
     // Gathered units: everything, when units are kept for reuse within the step (DeepSpeed's
     // defaults), else at most max_live_parameters plus the unit being fetched.
-    const bool keep_all = cfg.max_reuse_distance >= 2 * psi && cfg.max_live_parameters >= psi;
-    b.live_params = 4 * (keep_all ? psi : std::min(psi, cfg.max_live_parameters + largest_unit));
+    const bool keep_all = cfg.zero.max_reuse_distance >= 2 * psi && cfg.zero.max_live_parameters >= psi;
+    b.live_params = 4 * (keep_all ? psi : std::min(psi, cfg.zero.max_live_parameters + largest_unit));
     b.comm_prefetch = 0;  // prefetched units are inside live_params
   }
   // Activations: the GPT's buffers for one micro-batch (model.cpp allocates exactly these).

@@ -189,7 +189,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
   std::vector<MemoryBudget> budgets;
   for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage));
   if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets);
-  nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"configured_stage", cfg.zero_stage},
+  nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"configured_stage", cfg.zero.stage},
                         {"parameters", count_model(cfg.model).params}, {"budgets", nlohmann::json::array()}};
   for (const auto& b : budgets) doc["budgets"].push_back(b.to_json());
   int64_t limit = 0;
@@ -205,7 +205,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
   }
   std::printf("%s: %lld parameters, micro-batch %lld, %lld data-parallel ranks (configured stage %lld)\n", name.c_str(),
               (long long)doc["parameters"].get<int64_t>(), (long long)cfg.batch.micro_batch, (long long)a.world_size,
-              (long long)cfg.zero_stage);
+              (long long)cfg.zero.stage);
   std::printf("bytes per rank            %14s %14s %14s %14s\n", "stage 0", "stage 1", "stage 2", "stage 3");
   const char* rows[] = {"params", "grads", "master", "optimizer_states", "comm_reduce", "comm_gather", "comm_prefetch",
                         "live_params", "activations", "workspace", "runtime", "total"};

@@ -19,20 +19,6 @@ ParamLayout partition_layout(int64_t part) {
 }
 }  // namespace
 
-ZeroConfig zero_config_from(const Config& c) {
-  ZeroConfig z;
-  z.stage = static_cast<int>(c.zero_stage);
-  z.reduce_bucket_size = c.reduce_bucket_size;
-  z.allgather_bucket_size = c.allgather_bucket_size;
-  z.overlap_comm = c.overlap_comm;
-  z.prefetch_bucket_size = c.prefetch_bucket_size;
-  z.param_persistence_threshold = c.param_persistence_threshold;
-  z.model_persistence_threshold = c.model_persistence_threshold;
-  z.max_live_parameters = c.max_live_parameters;
-  z.max_reuse_distance = c.max_reuse_distance;
-  return z;
-}
-
 ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, const ParamLayout& layout,
                              std::vector<ParamUnit> units, Communicator& dp)
     : cfg_(zero), layout_(layout), units_(std::move(units)), dp_(dp), rank_(dp.rank()), world_(dp.size()),

@@ -31,19 +31,6 @@
 
 namespace zero3d {
 
-struct ZeroConfig {
-  int stage = 0;
-  int64_t reduce_bucket_size = 500000000;
-  int64_t allgather_bucket_size = 500000000;
-  bool overlap_comm = false;
-  // stage 3
-  int64_t prefetch_bucket_size = 50000000;
-  int64_t param_persistence_threshold = 100000;
-  int64_t model_persistence_threshold = INT64_MAX;
-  int64_t max_live_parameters = 1000000000;
-  int64_t max_reuse_distance = 1000000000;
-};
-
 // Bytes held by this rank, by category (what metrics.jsonl reports as "memory").
 struct MemoryBytes {
   int64_t params = 0, grads = 0, master = 0, optimizer_states = 0, comm_buffers = 0, live_params_peak = 0;
@@ -137,8 +124,5 @@ class ZeroOptimizer : public ParamStore {
   size_t trace_pos_ = 0;  // index in trace_ of the current (or next) fetch
   int64_t live_elems_ = 0, live_peak_elems_ = 0;
 };
-
-// Reads the zero_optimization stage-3 knobs from a Config.
-ZeroConfig zero_config_from(const Config& cfg);
 
 }  // namespace zero3d

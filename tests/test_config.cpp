@@ -199,7 +199,7 @@ TEST(ConfigValidation, OffloadIsRejectedNamingTheKeyUntilSupported) {
 TEST(ConfigValidation, DeprecatedStage3AliasIsAcceptedButNotWithItsNewName) {
   json j = minimal();
   j["zero_optimization"] = {{"stage", 3}, {"stage3_max_live_parameters", 1000}};
-  EXPECT_EQ(read_config(j, "cfg.json", 2).max_live_parameters, 1000);
+  EXPECT_EQ(read_config(j, "cfg.json", 2).zero.max_live_parameters, 1000);
   j["zero_optimization"]["max_live_parameters"] = 2000;
   EXPECT_NE(error_of(j).find("stage3_max_live_parameters"), std::string::npos);
 }
@@ -215,9 +215,9 @@ TEST(ConfigValidation, ZeroTuningKeyAtItsDefaultIsAcceptedOtherwiseUnsupported) 
 TEST(ConfigValidation, OverlapCommDefaultsOnForStageThreeOnly) {
   json j = minimal();
   j["zero_optimization"] = {{"stage", 3}};
-  EXPECT_TRUE(read_config(j, "cfg.json", 2).overlap_comm);
+  EXPECT_TRUE(read_config(j, "cfg.json", 2).zero.overlap_comm);
   j["zero_optimization"] = {{"stage", 2}};
-  EXPECT_FALSE(read_config(j, "cfg.json", 2).overlap_comm);
+  EXPECT_FALSE(read_config(j, "cfg.json", 2).zero.overlap_comm);
 }
 
 TEST(ConfigValidation, LambWithZeroIsRejectedNamingTheOptimizer) {
