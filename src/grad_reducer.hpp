@@ -24,7 +24,7 @@
 
 namespace zero3d {
 
-class GradientReducer : public FlatParamStore::ReadyListener {
+class GradientReducer {
  public:
   enum class Mode { AllReduce, ReduceScatter };
 
@@ -36,8 +36,8 @@ class GradientReducer : public FlatParamStore::ReadyListener {
 
   // --- flat-buffer use (stages 0 and 1): a frontier that moves from the end down to 0.
   void begin(float* flat_grads = nullptr);
-  void grads_ready(int64_t offset) override;
-  void progress() override;
+  void grads_ready(int64_t offset);  // [offset, end) of the flat buffer is final
+  void progress();
   // Launches what is left of the flat buffer, waits for everything, applies results
   // (AllReduce: scales by 1/W). Returns the number of buckets of this reduction.
   int64_t finish();

@@ -67,34 +67,22 @@ class ParamStore {
   virtual void progress() = 0;
 };
 
-// Whole parameters and gradients in two flat buffers: nothing to gather. grads_done()
-// forwards the completed offset to `on_ready` (the data-parallel reducer), if given.
+// Whole parameters and gradients in two flat buffers, nothing to gather or communicate
+// (single-process use: tests and tools; training goes through ZeroOptimizer).
 class FlatParamStore : public ParamStore {
  public:
   FlatParamStore(std::vector<ParamUnit> units, float* params, float* grads)
       : units_(std::move(units)), params_(params), grads_(grads) {}
-  struct ReadyListener {
-    virtual ~ReadyListener() = default;
-    virtual void grads_ready(int64_t offset) = 0;  // [offset, end) is final
-    virtual void progress() = 0;
-  };
-  void listen(ReadyListener* l) { listener_ = l; }
-
   const float* fetch(int u) override { return params_ + units_[u].offset; }
   void release(int) override {}
   float* grad_target(int u) override { return grads_ + units_[u].offset; }
-  void grads_done(int u) override {
-    if (listener_) listener_->grads_ready(units_[u].offset);
-  }
-  void progress() override {
-    if (listener_) listener_->progress();
-  }
+  void grads_done(int) override {}
+  void progress() override {}
 
  private:
   std::vector<ParamUnit> units_;
   float* params_;
   float* grads_;
-  ReadyListener* listener_ = nullptr;
 };
 
 // The GPT-2 layer loop over activation buffers it owns; parameters and gradients come from

@@ -62,12 +62,16 @@ void Optimizer::step(float* params, const float* grads, double lr, std::optional
   }
 }
 
+double clip_coefficient(double norm, double max_norm) {
+  if (max_norm <= 0.0) return 1.0;
+  const double coef = max_norm / (norm + 1e-6);
+  return coef < 1.0 ? coef : 1.0;
+}
+
 double clip_grad_norm(float* grads, int64_t n, double max_norm) {
   const double norm = std::sqrt(kernels::sum_of_squares(grads, n));
-  if (max_norm > 0.0) {
-    const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0) kernels::scale_in_place(grads, n, static_cast<float>(coef));
-  }
+  const double coef = clip_coefficient(norm, max_norm);
+  if (coef < 1.0) kernels::scale_in_place(grads, n, static_cast<float>(coef));
   return norm;
 }
 

@@ -42,7 +42,9 @@ class Optimizer {
 };
 
 // Global L2-norm clipping as torch.nn.utils.clip_grad_norm_ (DeepSpeed's fp32 path, FACTS §3):
-// coef = max_norm / (norm + 1e-6), applied when < 1. Returns the norm before clipping.
+// the factor max_norm / (norm + 1e-6) when that is < 1, else 1 (also when max_norm is 0: off).
+double clip_coefficient(double norm, double max_norm);
+// Clips a whole local gradient buffer; returns the norm before clipping.
 double clip_grad_norm(float* grads, int64_t n, double max_norm);
 
 }  // namespace zero3d

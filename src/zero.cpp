@@ -242,8 +242,9 @@ double ZeroOptimizer::step(double lr, std::optional<std::pair<double, double>> b
   double sq = stage_ == 0 ? kernels::sum_of_squares(g, n) : partition_sum_of_squares();
   if (stage_ > 0) dp_.all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);  // norm over all partitions
   const double norm = std::sqrt(sq);
-  // Global-norm clipping on the averaged gradient, as torch.nn.utils.clip_grad_norm_ (FACTS §3).
-  if (clip > 0.0 && clip / (norm + 1e-6) < 1.0) kernels::scale_in_place(g, n, static_cast<float>(clip / (norm + 1e-6)));
+  // Global-norm clipping of the averaged gradient, each rank scaling its own part.
+  const double coef = clip_coefficient(norm, clip);
+  if (coef < 1.0) kernels::scale_in_place(g, n, static_cast<float>(coef));
   optimizer_->step(p, g, lr, betas);
   if (stage_ == 1 || stage_ == 2) gather_updated_params();
   if (stage_ == 3) {  // every gathered copy is stale now
