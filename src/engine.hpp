@@ -43,9 +43,6 @@ class Engine {
   std::vector<StepResult> train();
   StepResult train_step();
 
-  GPT& model() { return *model_; }
-  ZeroOptimizer& zero() { return *zero_; }
-  int rank() const { return rank_; }
 
  private:
   void setup_local();  // everything that may fail on one rank alone: weights, data, files

@@ -25,7 +25,7 @@ void GradientReducer::begin(float* flat_grads) {
 
 void GradientReducer::launch(const float* src, int64_t begin, int64_t end, int tag) {
   ++launched_;
-  InFlight f{nullptr, begin, end, tag};
+  InFlight f{nullptr, begin, end, tag, {}};
   if (mode_ == Mode::AllReduce) {
     f.request = comm_.all_reduce_async(const_cast<float*>(src), end - begin, DType::F32, ReduceOp::Sum);
   } else {

@@ -47,7 +47,6 @@ class GradientReducer {
   void wait_tag(int tag);  // until no bucket read from window `tag` is in flight
   void wait_all();
 
-  int64_t bucket_elems() const { return bucket_; }
   // Peak bytes of receive staging held at once (one bucket's own part per bucket in flight).
   int64_t staging_peak_bytes() const { return staging_peak_ * static_cast<int64_t>(sizeof(float)); }
 

@@ -72,9 +72,6 @@ std::vector<int32_t> File::read_ints(const std::string& name) const { return rea
 void File::write_floats(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
   write_as(*this, name, data, shape, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT);
 }
-void File::write_ints(const std::string& name, const int32_t* data, const std::vector<int64_t>& shape) {
-  write_as(*this, name, data, shape, H5T_STD_I32LE, H5T_NATIVE_INT32);
-}
 
 void write_attribute(hid_t obj, const std::string& name, int64_t value) {
   Handle space(H5Screate(H5S_SCALAR), H5Sclose);

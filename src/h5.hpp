@@ -50,7 +50,6 @@ class File {
   std::vector<float> read_floats(const std::string& name) const;
   std::vector<int32_t> read_ints(const std::string& name) const;
   void write_floats(const std::string& name, const float* data, const std::vector<int64_t>& shape);
-  void write_ints(const std::string& name, const int32_t* data, const std::vector<int64_t>& shape);
 
  private:
   File(hid_t id, std::string path) : handle_(id, H5Fclose), path_(std::move(path)) {}

@@ -31,8 +31,6 @@ class Optimizer {
   const OptimizerConfig& config() const { return cfg_; }
   // Bytes of optimizer state held (m, v or momentum).
   int64_t state_bytes() const;
-  FlatBuffer& exp_avg() { return m_; }
-  FlatBuffer& exp_avg_sq() { return v_; }
 
  private:
   OptimizerConfig cfg_;
