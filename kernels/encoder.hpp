@@ -2,16 +2,17 @@
 #pragma once
 
 #include "common.hpp"
+#include "half.hpp"
 
 namespace zero3d::kernels {
 
-inline void encoder_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, Index B, Index T,
-                            Index C) {
+template <typename P>
+inline void encoder_forward(float* out, const int32_t* tokens, const P* wte, const P* wpe, Index B, Index T, Index C) {
   Kokkos::parallel_for("encoder_forward", range(B * T), KOKKOS_LAMBDA(Index bt) {
-    const float* w = wte + static_cast<Index>(tokens[bt]) * C;
-    const float* p = wpe + (bt % T) * C;
+    const P* w = wte + static_cast<Index>(tokens[bt]) * C;
+    const P* p = wpe + (bt % T) * C;
     float* o = out + bt * C;
-    for (Index c = 0; c < C; ++c) o[c] = w[c] + p[c];
+    for (Index c = 0; c < C; ++c) o[c] = to_float(w[c]) + to_float(p[c]);
   });
 }
 

@@ -4,14 +4,16 @@
 #include <cmath>
 
 #include "common.hpp"
+#include "half.hpp"
 
 namespace zero3d::kernels {
 
 constexpr float kLayerNormEps = 1e-5f;
 
-// Saves mean[N] and rstd[N] for the backward pass.
-inline void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                              const float* bias, Index N, Index C) {
+// Saves mean[N] and rstd[N] for the backward pass. P: the parameters' stored type.
+template <typename P>
+inline void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const P* weight, const P* bias,
+                              Index N, Index C) {
   Kokkos::parallel_for("layernorm_forward", range(N), KOKKOS_LAMBDA(Index i) {
     const float* x = inp + i * C;
     float m = 0.0f;
@@ -22,22 +24,23 @@ inline void layernorm_forward(float* out, float* mean, float* rstd, const float*
     v /= static_cast<float>(C);
     const float s = 1.0f / std::sqrt(v + kLayerNormEps);
     float* o = out + i * C;
-    for (Index c = 0; c < C; ++c) o[c] = (x[c] - m) * s * weight[c] + bias[c];
+    for (Index c = 0; c < C; ++c) o[c] = (x[c] - m) * s * to_float(weight[c]) + to_float(bias[c]);
     mean[i] = m;
     rstd[i] = s;
   });
 }
 
 // dinp += (accumulates: the residual stream's gradient flows through), dweight += , dbias += .
+template <typename P>
 inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                               const float* weight, const float* mean, const float* rstd, Index N, Index C) {
+                               const P* weight, const float* mean, const float* rstd, Index N, Index C) {
   Kokkos::parallel_for("layernorm_backward_input", range(N), KOKKOS_LAMBDA(Index i) {
     const float* x = inp + i * C;
     const float* dy = dout + i * C;
     const float m = mean[i], s = rstd[i];
     float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
     for (Index c = 0; c < C; ++c) {
-      const float dnorm = weight[c] * dy[c];
+      const float dnorm = to_float(weight[c]) * dy[c];
       dnorm_mean += dnorm;
       dnorm_norm_mean += dnorm * (x[c] - m) * s;
     }
@@ -46,7 +49,7 @@ inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const 
     float* dx = dinp + i * C;
     for (Index c = 0; c < C; ++c) {
       const float norm = (x[c] - m) * s;
-      dx[c] += (weight[c] * dy[c] - dnorm_mean - norm * dnorm_norm_mean) * s;
+      dx[c] += (to_float(weight[c]) * dy[c] - dnorm_mean - norm * dnorm_norm_mean) * s;
     }
   });
   constexpr Index kBlock = 16;

@@ -5,14 +5,16 @@
 #include <cblas.h>
 
 #include "common.hpp"
+#include "half.hpp"
 
 namespace zero3d::kernels {
 
-// Adds bias[OC] to every row of out[N,OC].
-inline void add_bias_rows(float* out, const float* bias, Index N, Index OC) {
+// Adds bias[OC] (stored as P) to every row of out[N,OC].
+template <typename P>
+inline void add_bias_rows(float* out, const P* bias, Index N, Index OC) {
   Kokkos::parallel_for("add_bias_rows", range(N), KOKKOS_LAMBDA(Index i) {
     float* row = out + i * OC;
-    for (Index o = 0; o < OC; ++o) row[o] += bias[o];
+    for (Index o = 0; o < OC; ++o) row[o] += to_float(bias[o]);
   });
 }
 

@@ -2,13 +2,16 @@
 #pragma once
 
 #include "common.hpp"
+#include "half.hpp"
 
 namespace zero3d::kernels {
 
 // Σ x² accumulated in double (DeepSpeed computes grad norms in fp64). Chunks of kChunk
 // elements are summed with an explicit SIMD reduction (reassociation the compiler may not
-// do on its own), then the chunk sums are reduced by Kokkos.
-inline double sum_of_squares(const float* x, Index n) {
+// do on its own), then the chunk sums are reduced by Kokkos. 16-bit inputs are widened first;
+// inf or NaN anywhere makes the result non-finite (the overflow check relies on it).
+template <typename T>
+inline double sum_of_squares(const T* x, Index n) {
   constexpr Index kChunk = 4096;
   double acc = 0.0;
   Kokkos::parallel_reduce(
@@ -17,7 +20,10 @@ inline double sum_of_squares(const float* x, Index n) {
         const Index begin = c * kChunk, end = begin + kChunk < n ? begin + kChunk : n;
         double part = 0.0;
 #pragma omp simd reduction(+ : part)
-        for (Index i = begin; i < end; ++i) part += static_cast<double>(x[i]) * x[i];
+        for (Index i = begin; i < end; ++i) {
+          const double v = static_cast<double>(to_float(x[i]));
+          part += v * v;
+        }
         s += part;
       },
       acc);

@@ -54,11 +54,12 @@ nlohmann::json meta_to_json(const CheckpointMeta& m) {
           {"optimizer_type", m.optimizer_type},
           {"optimizer_step", m.optimizer_step},
           {"lr_scheduler", {{"last_batch_iteration", m.lr_last_batch_iteration}}},
-          {"loss_scaler", {{"dynamic", false}, {"cur_scale", 1.0}}},
+          {"loss_scaler", m.loss_scaler},
+          {"skipped_steps", m.skipped_steps},
           {"data", {{"position", m.data_position}, {"micro_batch", m.micro_batch},
                     {"gradient_accumulation_steps", m.gradient_accumulation_steps}}},
           {"rng", {{"seed", m.seed}, {"note", "data and initialisation are pure functions of (seed, index)"}}},
-          {"dtypes", {{"master", m.dtype}, {"optimizer_states", "fp32"}}},
+          {"dtypes", {{"master", m.dtype}, {"model", m.model_dtype}, {"optimizer_states", "fp32"}}},
           {"total_params", m.total_params},
           {"partition_ranges", ranges},
           {"states", m.states},
@@ -84,6 +85,9 @@ CheckpointMeta meta_from_json(const nlohmann::json& j, const std::string& where)
     m.gradient_accumulation_steps = j.at("data").at("gradient_accumulation_steps");
     m.seed = j.at("rng").at("seed");
     m.dtype = j.at("dtypes").at("master");
+    m.model_dtype = j.at("dtypes").value("model", "fp32");
+    m.skipped_steps = j.value("skipped_steps", int64_t(0));
+    m.loss_scaler = j.at("loss_scaler");
     m.total_params = j.at("total_params");
     for (const auto& r : j.at("partition_ranges")) m.ranges.emplace_back(r.at(0), r.at(1));
     m.states = j.at("states").get<std::vector<std::string>>();

@@ -40,7 +40,10 @@ struct CheckpointMeta {
   int64_t data_position = 0;   // samples consumed (the next sample number)
   uint64_t seed = 0;
   std::string optimizer_type;  // "Adam", "Lamb", "SGD"
-  std::string dtype = "fp32";
+  std::string dtype = "fp32";        // of the saved parameters (the master copy): always fp32
+  std::string model_dtype = "fp32";  // what the run trained in: fp32, bf16 or fp16
+  int64_t skipped_steps = 0;         // overflow-skipped optimizer steps so far
+  nlohmann::json loss_scaler = {{"dynamic", false}, {"cur_scale", 1.0}};  // LossScalerState fields
   nlohmann::json config;       // the resolved configuration of the run that saved
   nlohmann::json tensors;      // [{"name", "shape", "offset"}] of the layout
   int64_t total_params = 0;

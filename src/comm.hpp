@@ -14,14 +14,13 @@
 #include <string>
 #include <vector>
 
+#include "dtype.hpp"
 #include "watchdog.hpp"
 
 namespace zero3d {
 
-enum class DType { F32, F64, I32, I64, U8 };
 enum class ReduceOp { Sum, Max, Min };
 
-size_t dtype_size(DType t);
 class CommRequest;
 
 // A nonblocking collective in flight.

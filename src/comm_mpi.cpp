@@ -3,19 +3,9 @@
 
 #include "base.hpp"
 #include "comm.hpp"
+#include "half.hpp"
 
 namespace zero3d {
-
-size_t dtype_size(DType t) {
-  switch (t) {
-    case DType::F32: return 4;
-    case DType::F64: return 8;
-    case DType::I32: return 4;
-    case DType::I64: return 8;
-    case DType::U8: return 1;
-  }
-  return 0;
-}
 
 namespace {
 MPI_Datatype mpi_type(DType t) {
@@ -25,11 +15,34 @@ MPI_Datatype mpi_type(DType t) {
     case DType::I32: return MPI_INT32_T;
     case DType::I64: return MPI_INT64_T;
     case DType::U8: return MPI_UINT8_T;
+    case DType::BF16: return MPI_UINT16_T;  // moved as raw bits; reductions use the ops below
+    case DType::F16: return MPI_UINT16_T;
   }
   return MPI_DATATYPE_NULL;
 }
 
-MPI_Op mpi_op(ReduceOp op) {
+// MPI has no 16-bit float types: a user operation adds two bf16/fp16 vectors in fp32 and
+// rounds once (RNE), the same arithmetic as NCCL's bf16/fp16 sum.
+template <typename T>
+void half_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = kernels::from_float<T>(kernels::to_float(a[i]) + kernels::to_float(b[i]));
+}
+
+MPI_Op half_sum_op(DType t) {
+  static MPI_Op bf16_op = MPI_OP_NULL, fp16_op = MPI_OP_NULL;
+  MPI_Op& op = t == DType::BF16 ? bf16_op : fp16_op;
+  if (op == MPI_OP_NULL)
+    MPI_Op_create(t == DType::BF16 ? &half_sum<kernels::bf16> : &half_sum<kernels::fp16>, /*commute=*/1, &op);
+  return op;
+}
+
+MPI_Op mpi_op(ReduceOp op, DType type = DType::F32) {
+  if (type == DType::BF16 || type == DType::F16) {
+    if (op != ReduceOp::Sum) throw SystemError("16-bit reductions support only sum");
+    return half_sum_op(type);
+  }
   switch (op) {
     case ReduceOp::Sum: return MPI_SUM;
     case ReduceOp::Max: return MPI_MAX;
@@ -76,20 +89,20 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, Watchdog* watchdog) : comm_(comm
 void MpiCommunicator::all_reduce(void* buf, int64_t count, DType type, ReduceOp op) {
   count_bus_bytes(2.0 * ring_factor(), count, type);
   Watchdog::Scope watch(watchdog_, "all_reduce");
-  check(MPI_Allreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op), comm_), "Allreduce");
+  check(MPI_Allreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op, type), comm_), "Allreduce");
 }
 
 std::unique_ptr<CommRequest> MpiCommunicator::all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) {
   count_bus_bytes(2.0 * ring_factor(), count, type);
   MPI_Request req;
-  check(MPI_Iallreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op), comm_, &req), "Iallreduce");
+  check(MPI_Iallreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op, type), comm_, &req), "Iallreduce");
   return std::make_unique<MpiRequest>(req, watchdog_);
 }
 
 void MpiCommunicator::reduce_scatter(const void* send, void* recv, int64_t recv_count, DType type, ReduceOp op) {
   count_bus_bytes(ring_factor(), recv_count * size_, type);
   Watchdog::Scope watch(watchdog_, "reduce_scatter");
-  check(MPI_Reduce_scatter_block_c(send, recv, recv_count, mpi_type(type), mpi_op(op), comm_), "Reduce_scatter_block");
+  check(MPI_Reduce_scatter_block_c(send, recv, recv_count, mpi_type(type), mpi_op(op, type), comm_), "Reduce_scatter_block");
 }
 
 void MpiCommunicator::all_gather(const void* send, void* recv, int64_t send_count, DType type) {
@@ -107,7 +120,7 @@ std::unique_ptr<CommRequest> MpiCommunicator::reduce_scatter_v_async(const void*
   count_bus_bytes(ring_factor(), total, type);
   static float empty;  // a valid address for an empty block
   MPI_Request req;
-  check(MPI_Ireduce_scatter_c(send, counts[rank_] > 0 ? recv : &empty, c.data(), mpi_type(type), mpi_op(op), comm_,
+  check(MPI_Ireduce_scatter_c(send, counts[rank_] > 0 ? recv : &empty, c.data(), mpi_type(type), mpi_op(op, type), comm_,
                               &req),
         "Ireduce_scatter");
   return std::make_unique<MpiRequest>(req, watchdog_);

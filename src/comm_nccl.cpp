@@ -29,6 +29,8 @@ ncclDataType_t nccl_type(DType t) {
     case DType::I32: return ncclInt32;
     case DType::I64: return ncclInt64;
     case DType::U8: return ncclUint8;
+    case DType::BF16: return ncclBfloat16;
+    case DType::F16: return ncclFloat16;
   }
   return ncclFloat32;
 }

@@ -12,259 +12,14 @@
 #include <sstream>
 
 #include "base.hpp"
+#include "config_section.hpp"
 
 namespace zero3d {
 
 using json = nlohmann::json;
 
 namespace {
-
-std::string lower(std::string s) {
-  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
-std::string nearest(const std::string& key, const std::vector<std::string>& candidates) {
-  std::string best;
-  size_t best_d = std::numeric_limits<size_t>::max();
-  for (const auto& c : candidates) {
-    size_t d = edit_distance(lower(key), lower(c));
-    if (d < best_d) best_d = d, best = c;
-  }
-  // Suggest only plausible neighbours: at most a third of the key's letters differ.
-  if (best.empty() || best_d > std::max<size_t>(2, key.size() / 3)) return "";
-  return best;
-}
-
-std::string show(const json& v) {
-  std::string s = v.dump();
-  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
-}
-
-// Reads one JSON object, remembering which keys were consumed, and writes every value
-// (given or default) into the resolved config at the same path.
-class Section {
- public:
-  Section(const json* obj, std::string path, std::string file, json* resolved)
-      : obj_(obj), path_(std::move(path)), file_(std::move(file)), resolved_(resolved) {
-    if (obj_ && !obj_->is_object())
-      fail(path_, "expected an object, got " + show(*obj_));
-  }
-
-  bool has(const std::string& key) const { return obj_ && obj_->contains(key); }
-  bool is_auto(const std::string& key) const {
-    return has(key) && (*obj_)[key].is_string() && (*obj_)[key] == "auto";
-  }
-  std::string key_path(const std::string& key) const {
-    return path_.empty() ? key : path_ + "." + key;
-  }
-
-  [[noreturn]] void fail(const std::string& key_path, const std::string& why) const {
-    throw InputError(file_ + ": `" + key_path + "`: " + why);
-  }
-  [[noreturn]] void fail_key(const std::string& key, const std::string& why) const {
-    fail(key_path(key), why);
-  }
-
-  void mark_known(const std::string& key) { known_.push_back(key); }
-
-  // A key zero3d reads: returns its raw JSON (or null when absent) and marks it known.
-  const json* raw(const std::string& key) {
-    known_.push_back(key);
-    if (!has(key)) return nullptr;
-    const json* v = &(*obj_)[key];
-    if (v->is_string() && *v == "auto") fail_key(key, "\"auto\" cannot be derived for this key; give a value");
-    return v;
-  }
-
-  bool boolean(const std::string& key, bool def) {
-    const json* v = raw(key);
-    bool out = def;
-    if (v) {
-      if (!v->is_boolean()) fail_key(key, "expected true or false, got " + show(*v));
-      out = v->get<bool>();
-    }
-    (*resolved_)[key] = out;
-    return out;
-  }
-
-  int64_t integer(const std::string& key, int64_t def, int64_t lo, int64_t hi) {
-    const json* v = raw(key);
-    int64_t out = def;
-    if (v) out = as_integer(key, *v);
-    if (out < lo || out > hi)
-      fail_key(key, "value " + std::to_string(out) + " is out of range [" + std::to_string(lo) + ", " +
-                        std::to_string(hi) + "]");
-    (*resolved_)[key] = out;
-    return out;
-  }
-
-  // lo_open: the lower bound itself is not allowed (e.g. lr > 0 vs eps >= 0).
-  double number(const std::string& key, double def, double lo, double hi, bool lo_open = false) {
-    const json* v = raw(key);
-    double out = def;
-    if (v) {
-      if (!v->is_number()) fail_key(key, "expected a number, got " + show(*v));
-      out = v->get<double>();
-    }
-    check_range(key, out, lo, hi, lo_open);
-    (*resolved_)[key] = out;
-    return out;
-  }
-
-  std::string string(const std::string& key, const std::string& def) {
-    const json* v = raw(key);
-    std::string out = def;
-    if (v) {
-      if (!v->is_string()) fail_key(key, "expected a string, got " + show(*v));
-      out = v->get<std::string>();
-    }
-    (*resolved_)[key] = out;
-    return out;
-  }
-
-  // A string from a fixed set, matched case-insensitively; returns the canonical spelling.
-  std::string choice(const std::string& key, const std::string& def, const std::vector<std::string>& options) {
-    std::string s = string(key, def);
-    for (const auto& o : options)
-      if (lower(o) == lower(s)) {
-        (*resolved_)[key] = o;
-        return o;
-      }
-    std::string list;
-    for (const auto& o : options) list += (list.empty() ? "" : ", ") + o;
-    fail_key(key, "value \"" + s + "\" is not one of: " + list);
-  }
-
-  // A pair of numbers such as Adam's betas, each in [0, 1).
-  std::pair<double, double> pair(const std::string& key, std::pair<double, double> def) {
-    const json* v = raw(key);
-    auto out = def;
-    if (v) {
-      if (!v->is_array() || v->size() != 2 || !(*v)[0].is_number() || !(*v)[1].is_number())
-        fail_key(key, "expected a list of two numbers, got " + show(*v));
-      out = {(*v)[0].get<double>(), (*v)[1].get<double>()};
-    }
-    for (double b : {out.first, out.second})
-      if (!(b >= 0.0 && b < 1.0)) fail_key(key, "each value must be in [0, 1), got " + show(*v));
-    (*resolved_)[key] = {out.first, out.second};
-    return out;
-  }
-
-  // A value that may be "auto", resolved by the caller from what it can derive.
-  double number_or_auto(const std::string& key, double def, double auto_value, double lo, double hi,
-                        bool lo_open = false) {
-    if (is_auto(key)) {
-      mark_known(key);
-      check_range(key, auto_value, lo, hi, lo_open);
-      (*resolved_)[key] = auto_value;
-      return auto_value;
-    }
-    return number(key, def, lo, hi, lo_open);
-  }
-  int64_t integer_or_auto(const std::string& key, int64_t def, int64_t auto_value, int64_t lo, int64_t hi) {
-    if (is_auto(key)) {
-      mark_known(key);
-      (*resolved_)[key] = auto_value;
-      return auto_value;
-    }
-    return integer(key, def, lo, hi);
-  }
-
-  Section child(const std::string& key) {
-    known_.push_back(key);
-    const json* v = has(key) ? &(*obj_)[key] : nullptr;
-    if (!resolved_->contains(key)) (*resolved_)[key] = json::object();
-    return Section(v, key_path(key), file_, &(*resolved_)[key]);
-  }
-
-  // Keys DeepSpeed defines that zero3d accepts only at their DeepSpeed default (the
-  // feature is off); any other value is rejected as unsupported rather than misspelt.
-  void accept_default_only(const std::string& key, const json& deepspeed_default) {
-    known_.push_back(key);
-    if (!has(key)) return;
-    const json& v = (*obj_)[key];
-    if (v == deepspeed_default || (v.is_number() && deepspeed_default.is_number() &&
-                                   v.get<double>() == deepspeed_default.get<double>())) {
-      (*resolved_)[key] = v;
-      return;
-    }
-    fail_key(key, "DeepSpeed feature `" + key_path(key) + "` (value " + show(v) +
-                      ") is not supported by zero3d; remove it or set it to " + deepspeed_default.dump());
-  }
-
-  // A DeepSpeed section zero3d does not implement: accepted only while it is disabled.
-  void accept_disabled_section(const std::string& key) {
-    known_.push_back(key);
-    if (!has(key)) return;
-    const json& v = (*obj_)[key];
-    bool enabled = true;
-    if (v.is_object()) {
-      auto it = v.find("enabled");
-      enabled = it != v.end() && !(it->is_boolean() && !it->get<bool>());
-    } else if (v.is_boolean()) {
-      enabled = v.get<bool>();
-    }
-    if (enabled)
-      fail_key(key, "DeepSpeed feature `" + key_path(key) + "` is not supported by zero3d" +
-                        (v.is_object() ? "; remove the section or set \"enabled\": false" : ""));
-    (*resolved_)[key] = v;
-  }
-
-  // Every key not read above is an error: a DeepSpeed key zero3d lacks is named as such,
-  // anything else as unknown with the nearest known key. Keys starting with `_` are comments.
-  void finish(const std::vector<std::string>& deepspeed_only = {}) {
-    if (!obj_) return;
-    for (auto it = obj_->begin(); it != obj_->end(); ++it) {
-      const std::string& key = it.key();
-      if (!key.empty() && key[0] == '_') continue;
-      if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
-      if (std::find(deepspeed_only.begin(), deepspeed_only.end(), key) != deepspeed_only.end())
-        fail_key(key, "DeepSpeed feature `" + key_path(key) + "` is not supported by zero3d");
-      std::string hint = nearest(key, known_);
-      fail_key(key, "unknown key" + (hint.empty() ? std::string() : " (did you mean `" + key_path(hint) + "`?)"));
-    }
-  }
-
- private:
-  int64_t as_integer(const std::string& key, const json& v) const {
-    if (v.is_number_integer()) return v.get<int64_t>();
-    // DeepSpeed configs often write sizes as 5e8: accept a float with an integral value.
-    if (v.is_number_float()) {
-      double d = v.get<double>();
-      if (std::isfinite(d) && std::floor(d) == d && std::fabs(d) < 9.2e18) return static_cast<int64_t>(d);
-    }
-    fail_key(key, "expected an integer, got " + show(v));
-  }
-  void check_range(const std::string& key, double x, double lo, double hi, bool lo_open) const {
-    bool ok = std::isfinite(x) && (lo_open ? x > lo : x >= lo) && x <= hi;
-    if (!ok) {
-      std::ostringstream os;
-      os << "value " << x << " is out of range " << (lo_open ? "(" : "[") << lo << ", " << hi << "]";
-      fail_key(key, os.str());
-    }
-  }
-
-  const json* obj_;
-  std::string path_, file_;
-  json* resolved_;
-  std::vector<std::string> known_;
-};
+using namespace config_detail;
 
 constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 
@@ -621,7 +376,7 @@ void check_zero_optimizer(Section& top, const Config& c) {
 
 // DeepSpeed top-level keys zero3d does not implement: accepted at their defaults only.
 void read_unsupported_top_level(Section& top) {
-  for (const char* sec : {"fp16", "bf16", "bfloat16", "amp", "torch_autocast", "flops_profiler", "tensorboard",
+  for (const char* sec : {"amp", "torch_autocast", "flops_profiler", "tensorboard",
                           "csv_monitor", "wandb", "comet", "comms_logger", "elasticity", "autotuning", "compile",
                           "hybrid_engine", "eigenvalue", "progressive_layer_drop", "sparse_attention",
                           "curriculum_learning", "data_efficiency", "weight_quantization", "nebula"})
@@ -640,7 +395,7 @@ void read_unsupported_top_level(Section& top) {
 }
 
 const std::vector<std::string> kDeepSpeedOnlyTopLevel = {
-    "communication_data_type", "seq_parallel_communication_data_type", "data_types", "activation_checkpointing",
+    "seq_parallel_communication_data_type", "activation_checkpointing",
     "checkpoint", "pipeline", "tensor_parallel", "aio", "compression_training", "quantize_training",
     "zenflow", "moe", "train_data", "data_sampling"};
 
@@ -749,6 +504,7 @@ Config read_config(const json& root, const std::string& file, int64_t world_size
   read_zero(top, c);
   c.zero_allow_untested_optimizer = top.boolean("zero_allow_untested_optimizer", false);
   check_zero_optimizer(top, c);
+  c.precision = read_precision(top, c);
   read_unsupported_top_level(top);
   top.finish(kDeepSpeedOnlyTopLevel);
   return c;

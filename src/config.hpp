@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "dtype.hpp"
+
 namespace zero3d {
 
 struct ModelConfig {
@@ -98,6 +100,22 @@ struct ZeroConfig {
   int64_t max_reuse_distance = 1000000000;
 };
 
+// fp16 / bf16 / communication_data_type / data_types (DEEPSPEED-FACTS §1.4, §2).
+struct PrecisionConfig {
+  DType param = DType::F32;       // model dtype: fp16.enabled -> F16, bf16.enabled -> BF16
+  DType grad_accum = DType::F32;  // data_types.grad_accum_dtype (default: the model dtype)
+  DType comm = DType::F32;        // communication_data_type (default: the model dtype)
+  // fp16 loss scaling
+  double loss_scale = 0.0;        // 0 = dynamic, else a static scale
+  int initial_scale_power = 16;
+  int64_t loss_scale_window = 1000;
+  int hysteresis = 2;
+  bool consecutive_hysteresis = false;
+  double min_loss_scale = 1.0;
+  // bf16: skip steps whose gradients hold inf/NaN
+  bool check_grad_overflow = true;
+};
+
 // The batch triad after derivation: train_batch_size == micro_batch * gas * world_size.
 struct BatchConfig {
   int64_t train_batch_size = 0;
@@ -119,6 +137,7 @@ struct Config {
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
   ZeroConfig zero;
+  PrecisionConfig precision;
   bool zero_allow_untested_optimizer = false;
   nlohmann::json resolved;  // every key with its value after defaults and derivation
 };

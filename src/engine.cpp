@@ -15,6 +15,7 @@
 #include "base.hpp"
 #include "checkpoint.hpp"
 #include "failure.hpp"
+#include "gemm.hpp"
 #include "reduce.hpp"
 #include "weights.hpp"
 
@@ -65,9 +66,22 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
 
 void Engine::setup_local() {
   const int64_t B = cfg_.batch.micro_batch, T = cfg_.model.n_positions;
-  model_ = std::make_unique<GPT>(shape_of(cfg_.model), B, T);
-  zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, model_->layout(), model_->units(),
-                                          *dp_comm_);
+  const PrecisionConfig& pc = cfg_.precision;
+  model_ = std::make_unique<GPT>(shape_of(cfg_.model), B, T, pc.param);
+  zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, StateTypes{pc.param, pc.grad_accum, pc.comm},
+                                          model_->layout(), model_->units(), *dp_comm_);
+  // DeepSpeed: fp16 scales the loss (dynamic when loss_scale is 0); bf16 and fp32 use 1.
+  LossScalerConfig ls;
+  ls.dynamic = pc.param == DType::F16 && pc.loss_scale == 0.0;
+  ls.static_scale = pc.param == DType::F16 && pc.loss_scale > 0.0 ? pc.loss_scale : 1.0;
+  ls.initial_scale_power = pc.initial_scale_power;
+  ls.scale_window = pc.loss_scale_window;
+  ls.hysteresis = pc.hysteresis;
+  ls.consecutive_hysteresis = pc.consecutive_hysteresis;
+  ls.min_scale = pc.min_loss_scale;
+  ls.zero_path = cfg_.zero.stage > 0;  // stage 0 behaves as DeepSpeed's non-ZeRO FP16_Optimizer
+  scaler_ = std::make_unique<LossScaler>(ls);
+  check_overflow_ = pc.param == DType::F16 || (pc.param == DType::BF16 && pc.check_grad_overflow);
   if (cfg_.model.init_from.empty()) {
     zero_->init_params([&](float* out, int64_t begin, int64_t end) {
       init_gpt_params_range(out, model_->layout(), model_->shape(), cfg_.training.seed, begin, end);
@@ -127,6 +141,16 @@ void Engine::resume_from_checkpoint() {
   const CheckpointMeta& m = reader->meta();
   step_ = m.step;
   schedule_->set_last_batch_iteration(m.lr_last_batch_iteration);
+  skipped_steps_ = m.skipped_steps;
+  // A dynamic scale continues where the saved run left it (when that run scaled dynamically too).
+  if (scaler_->dynamic() && m.loss_scaler.value("dynamic", false)) {
+    LossScalerState st;
+    st.cur_scale = m.loss_scaler.at("cur_scale");
+    st.cur_iter = m.loss_scaler.at("cur_iter");
+    st.last_overflow_iter = m.loss_scaler.at("last_overflow_iter");
+    st.cur_hysteresis = m.loss_scaler.at("cur_hysteresis");
+    scaler_->set_state(st);
+  }
   if (rank_ == 0) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double mb = 4.0 * m.states.size() * m.total_params / 1e6;
@@ -157,6 +181,11 @@ void Engine::save(bool final_step) {
   m.seed = cfg_.training.seed;
   m.optimizer_type = cfg_.optimizer.type == OptimizerType::SGD ? "SGD" : cfg_.optimizer.type == OptimizerType::Lamb ? "Lamb" : "Adam";
   m.config = cfg_.resolved;
+  m.model_dtype = dtype_name(cfg_.precision.param);
+  m.skipped_steps = skipped_steps_;
+  const LossScalerState& ls = scaler_->state();
+  m.loss_scaler = {{"dynamic", scaler_->dynamic()}, {"cur_scale", ls.cur_scale}, {"cur_iter", ls.cur_iter},
+                   {"last_overflow_iter", ls.last_overflow_iter}, {"cur_hysteresis", ls.cur_hysteresis}};
   m.total_params = model_->num_params();
   for (const TensorSpec& t : model_->layout().tensors())
     m.tensors.push_back({{"name", t.name}, {"shape", t.shape}, {"offset", t.offset}});
@@ -193,6 +222,18 @@ void Engine::print_startup() const {
               cfg_.scheduler.type == SchedulerType::None ? "" : (" | scheduler " + cfg_.scheduler.type_name).c_str(),
               cfg_.gradient_clipping, (long long)cfg_.training.steps, peak_gflops_total_,
               cfg_.training.peak_gflops > 0 ? "training.peak_gflops" : "measured sgemm, all ranks");
+  const PrecisionConfig& pc = cfg_.precision;
+  std::string scaling = "no loss scaling";
+  if (pc.param == DType::F16)
+    scaling = pc.loss_scale > 0 ? "static loss scale " + std::to_string(pc.loss_scale)
+                                : "dynamic loss scale 2^" + std::to_string(pc.initial_scale_power) + ", window " +
+                                      std::to_string(pc.loss_scale_window) + ", hysteresis " +
+                                      std::to_string(pc.hysteresis) + ", min " + std::to_string(pc.min_loss_scale);
+  std::printf("precision %s parameters, %s gradient accumulation, %s communication%s; %s; %s; matmuls: %s\n",
+              dtype_name(pc.param).c_str(), dtype_name(pc.grad_accum).c_str(), dtype_name(pc.comm).c_str(),
+              pc.param == DType::F32 ? "" : ", fp32 master and optimizer states", scaling.c_str(),
+              check_overflow_ ? "inf/NaN gradients skip the step" : "no overflow check",
+              gemm_path(model_->compute_type()).c_str());
   const MemoryBytes m = zero_->memory();
   std::printf("zero    stage %d over %d data-parallel ranks (%s), reduce buckets of %lld elements, overlap_comm %s%s\n",
               zero_->stage(), world_, dp_comm_->backend().c_str(), (long long)cfg_.zero.reduce_bucket_size,
@@ -236,7 +277,8 @@ StepResult Engine::train_step() {
     {
       auto t = timers_.time("backward_inner");
       // DeepSpeed scales the loss by 1/GAS so that accumulated gradients are a mean.
-      model_->backward(1.0f / static_cast<float>(gas), *zero_);
+      // fp16: the loss is multiplied by the loss scale as well (FACTS §2.4).
+      model_->backward(static_cast<float>(scaler_->scale()) / static_cast<float>(gas), *zero_);
     }
   }
   {
@@ -245,8 +287,28 @@ StepResult Engine::train_step() {
   }
   {
     auto t = timers_.time("step");
-    r.grad_norm = zero_->step(r.lr, schedule_->betas(), cfg_.gradient_clipping);
-    schedule_->step();
+    // DeepSpeed's order: overflow check, scaler update, then unscale+clip with the new scale.
+    const GradStats stats = zero_->grad_stats();
+    const bool overflow = check_overflow_ && !stats.finite;
+    std::string scaler_log;
+    try {
+      scaler_log = scaler_->update(overflow, r.step);
+    } catch (const SystemError& e) {  // every rank saw the same overflow: agreed, one report
+      throw AgreedFailure(e.what(), kExitSystem, 0, rank_ == 0);
+    }
+    if (!scaler_log.empty() && rank_ == 0) std::printf("[zero3d] %s\n", scaler_log.c_str());
+    r.loss_scale = scaler_->scale();
+    if (overflow) {  // no update, scheduler not advanced; the global step still counts
+      zero_->skip_step();
+      r.skipped = true;
+      r.grad_norm = -1.0;
+      ++skipped_steps_;
+    } else {
+      r.grad_norm = stats.norm_scaled / scaler_->scale();
+      zero_->apply_step(r.lr, schedule_->betas(), cfg_.gradient_clipping, scaler_->scale(), stats);
+      schedule_->step();
+    }
+    r.skipped_steps = skipped_steps_;
   }
   r.comm_bytes = dp_comm_->bus_bytes();
   double mean_loss = local_loss / static_cast<double>(gas);
@@ -281,7 +343,10 @@ std::vector<StepResult> Engine::train() {
                             {"elapsed_ms", r.elapsed_ms},
                             {"samples", r.step * cfg_.batch.train_batch_size},
                             {"comm_bytes", r.comm_bytes},
-                            {"peak_rss_bytes", peak_rss_bytes()}};
+                            {"peak_rss_bytes", peak_rss_bytes()},
+                            {"loss_scale", r.loss_scale},
+                            {"skipped", r.skipped},
+                            {"skipped_steps", r.skipped_steps}};
       const MemoryBytes m = zero_->memory();
       rec["memory"] = {{"params", m.params},           {"grads", m.grads},
                        {"master", m.master},           {"optimizer_states", m.optimizer_states},
@@ -297,9 +362,16 @@ std::vector<StepResult> Engine::train() {
       metrics_->write(rec);
     }
     if (r.step % cfg_.steps_per_print == 0 || r.step == 1 || r.step == cfg_.training.steps) {
-      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad_norm %.4f | %8.0f tok/s | MFU %5.1f%% | %7.1f ms\n",
+      std::string scale;
+      if (cfg_.precision.param != DType::F32) {
+        char buf[96];
+        std::snprintf(buf, sizeof buf, " | loss_scale %g | skipped %lld%s", r.loss_scale, (long long)r.skipped_steps,
+                      r.skipped ? " (this step)" : "");
+        scale = buf;
+      }
+      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad_norm %.4f | %8.0f tok/s | MFU %5.1f%% | %7.1f ms%s\n",
                   (long long)r.step, (long long)cfg_.training.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s,
-                  100.0 * r.mfu, r.elapsed_ms);
+                  100.0 * r.mfu, r.elapsed_ms, scale.c_str());
       if (cfg_.wall_clock_breakdown) {
         std::printf("time (ms) | forward: %.2f | backward: %.2f | backward_inner: %.2f | backward_allreduce: %.2f | "
                     "step: %.2f\n",

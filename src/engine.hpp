@@ -13,6 +13,7 @@
 #include "config.hpp"
 #include "data.hpp"
 #include "zero.hpp"
+#include "loss_scaler.hpp"
 #include "lr_schedule.hpp"
 #include "model.hpp"
 #include "monitor.hpp"
@@ -26,7 +27,10 @@ struct StepResult {
   int64_t step = 0;  // 1-based optimizer step
   double loss = 0.0; // mean over the global batch
   double lr = 0.0;
-  double grad_norm = 0.0;  // before clipping
+  double grad_norm = 0.0;  // before clipping, unscaled; -1 when the step overflowed
+  double loss_scale = 1.0;
+  bool skipped = false;        // gradients held inf/NaN: no update (DEEPSPEED-FACTS §2.4)
+  int64_t skipped_steps = 0;   // running count
   double elapsed_ms = 0.0;
   double tokens_per_s = 0.0;
   double mfu = 0.0;
@@ -62,6 +66,9 @@ class Engine {
   std::unique_ptr<GPT> model_;
   std::unique_ptr<DataLoader> data_;
   std::unique_ptr<LRSchedule> schedule_;
+  std::unique_ptr<LossScaler> scaler_;
+  bool check_overflow_ = false;  // fp16 always; bf16 when bf16.check_grad_overflow
+  int64_t skipped_steps_ = 0;
   std::unique_ptr<MetricsWriter> metrics_;
   PhaseTimers timers_;
   Kokkos::View<int32_t*> inputs_, targets_;

@@ -3,41 +3,52 @@
 
 #include <algorithm>
 
-#include "reduce.hpp"
-
 namespace zero3d {
 
-GradientReducer::GradientReducer(Communicator& comm, float* grads, int64_t n, int64_t bucket_elems, bool overlap)
-    : comm_(comm), mode_(Mode::AllReduce), flat_(grads), n_(n), bucket_(std::max<int64_t>(1, bucket_elems)),
-      overlap_(overlap) {}
+GradientReducer::GradientReducer(Communicator& comm, void* grads, DType grad_type, int64_t n, int64_t bucket_elems,
+                                 bool overlap, DType comm_type)
+    : comm_(comm), mode_(Mode::AllReduce), comm_type_(comm_type), flat_type_(grad_type), flat_(grads), n_(n),
+      bucket_(std::max<int64_t>(1, bucket_elems)), overlap_(overlap) {}
 
-GradientReducer::GradientReducer(Communicator& comm, const Partition& partition, float* dest, bool accumulate,
-                                 int64_t bucket_elems, bool overlap)
-    : comm_(comm), mode_(Mode::ReduceScatter), partition_(partition), dest_(dest), accumulate_(accumulate),
-      n_(partition.padded), bucket_(std::max<int64_t>(1, bucket_elems)),
-      overlap_(overlap) {}
+GradientReducer::GradientReducer(Communicator& comm, const Partition& partition, void* dest, DType dest_type,
+                                 bool accumulate, int64_t bucket_elems, bool overlap, DType comm_type, DType flat_type)
+    : comm_(comm), mode_(Mode::ReduceScatter), partition_(partition), comm_type_(comm_type), flat_type_(flat_type),
+      dest_type_(dest_type), dest_(dest), accumulate_(accumulate), n_(partition.padded),
+      bucket_(std::max<int64_t>(1, bucket_elems)), overlap_(overlap) {}
 
-void GradientReducer::begin(float* flat_grads) {
+void GradientReducer::begin(void* flat_grads) {
   if (flat_grads) flat_ = flat_grads;
   frontier_ = n_;
   launched_ = 0;
 }
 
-void GradientReducer::launch(const float* src, int64_t begin, int64_t end, int tag) {
+void GradientReducer::track(int64_t bytes) {
+  staging_live_ += bytes;
+  staging_peak_ = std::max(staging_peak_, staging_live_);
+}
+
+void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int64_t end, int tag) {
   ++launched_;
-  InFlight f{nullptr, begin, end, tag, {}};
+  const size_t esize = dtype_size(comm_type_);
+  InFlight f{nullptr, begin, end, tag, const_cast<void*>(src), src_type, {}, {}};
+  const void* send = src;
+  if (src_type != comm_type_) {
+    f.send.resize(static_cast<size_t>(end - begin) * esize);
+    convert_any(f.send.data(), comm_type_, src, src_type, end - begin);
+    track(static_cast<int64_t>(f.send.size()));
+    send = f.send.data();
+  }
   if (mode_ == Mode::AllReduce) {
-    f.request = comm_.all_reduce_async(const_cast<float*>(src), end - begin, DType::F32, ReduceOp::Sum);
+    f.request = comm_.all_reduce_async(const_cast<void*>(send), end - begin, comm_type_, ReduceOp::Sum);
   } else {
     std::vector<int64_t> counts(static_cast<size_t>(comm_.size()));
     for (int r = 0; r < comm_.size(); ++r) {
       const auto [lo, hi] = partition_.owned(r, begin, end);
       counts[r] = hi - lo;
     }
-    f.staging.resize(static_cast<size_t>(counts[comm_.rank()]));
-    staging_live_ += counts[comm_.rank()];
-    staging_peak_ = std::max(staging_peak_, staging_live_);
-    f.request = comm_.reduce_scatter_v_async(src, f.staging.data(), counts, DType::F32, ReduceOp::Sum);
+    f.staging.resize(static_cast<size_t>(counts[comm_.rank()]) * esize);
+    track(static_cast<int64_t>(f.staging.size()));
+    f.request = comm_.reduce_scatter_v_async(send, f.staging.data(), counts, comm_type_, ReduceOp::Sum);
   }
   inflight_.push_back(std::move(f));
   if (!overlap_) {  // blocking: finish this bucket before the caller goes on
@@ -47,36 +58,37 @@ void GradientReducer::launch(const float* src, int64_t begin, int64_t end, int t
   }
 }
 
-// Applies a finished ReduceScatter bucket to this rank's partition, averaged over the group.
+// Applies a finished bucket, averaged over the group: AllReduce back into the source,
+// ReduceScatter into this rank's partition.
 void GradientReducer::complete(InFlight& f) {
-  if (mode_ == Mode::AllReduce) return;  // averaged once over the whole buffer in finish()
+  const float inv = 1.0f / static_cast<float>(comm_.size());
+  staging_live_ -= static_cast<int64_t>(f.send.size() + f.staging.size());
+  if (mode_ == Mode::AllReduce) {
+    const void* result = f.send.empty() ? f.src : f.send.data();
+    convert_any(f.src, f.src_type, result, comm_type_, f.end - f.begin, inv);
+    return;
+  }
   const int r = comm_.rank();
   const auto [lo, hi] = partition_.owned(r, f.begin, f.end);
-  const int64_t off = lo - partition_.begin(r), n = hi - lo;
-  const float inv = 1.0f / static_cast<float>(comm_.size());
-  float* d = dest_ + off;
-  const float* s = f.staging.data();
-  staging_live_ -= n;
-  if (accumulate_)
-    Kokkos::parallel_for("zero_grad_accumulate", kernels::range(n), KOKKOS_LAMBDA(kernels::Index i) { d[i] += s[i] * inv; });
-  else
-    Kokkos::parallel_for("zero_grad_assign", kernels::range(n), KOKKOS_LAMBDA(kernels::Index i) { d[i] = s[i] * inv; });
+  void* d = static_cast<char*>(dest_) + (lo - partition_.begin(r)) * static_cast<int64_t>(dtype_size(dest_type_));
+  convert_any(d, dest_type_, f.staging.data(), comm_type_, hi - lo, inv, accumulate_);
 }
 
 void GradientReducer::grads_ready(int64_t offset) {
   if (!overlap_) return;  // without overlap the whole buffer is reduced in finish()
+  const int64_t esize = static_cast<int64_t>(dtype_size(flat_type_));
   while (frontier_ - offset >= bucket_) {
-    launch(flat_ + frontier_ - bucket_, frontier_ - bucket_, frontier_, 0);
+    launch(static_cast<char*>(flat_) + (frontier_ - bucket_) * esize, flat_type_, frontier_ - bucket_, frontier_, 0);
     frontier_ -= bucket_;
   }
   progress();
 }
 
-// Advances every bucket in flight; finished ReduceScatter buckets are applied and their
-// staging freed right away, so staging holds only what is really in flight.
+// Advances every bucket in flight; finished buckets are applied and their staging freed
+// right away, so staging holds only what is really in flight.
 void GradientReducer::progress() {
   for (auto it = inflight_.begin(); it != inflight_.end();) {
-    if (it->request->test() && mode_ == Mode::ReduceScatter) {
+    if (it->request->test()) {
       complete(*it);
       it = inflight_.erase(it);
     } else {
@@ -86,20 +98,20 @@ void GradientReducer::progress() {
 }
 
 int64_t GradientReducer::finish() {
+  const int64_t esize = static_cast<int64_t>(dtype_size(flat_type_));
   while (frontier_ > 0) {
     const int64_t begin = std::max<int64_t>(0, frontier_ - bucket_);
-    launch(flat_ + begin, begin, frontier_, 0);
+    launch(static_cast<char*>(flat_) + begin * esize, flat_type_, begin, frontier_, 0);
     frontier_ = begin;
   }
   wait_all();
-  if (mode_ == Mode::AllReduce) kernels::scale_in_place(flat_, n_, 1.0f / static_cast<float>(comm_.size()));
   return launched_;
 }
 
 void GradientReducer::reduce_range(const float* src, int64_t begin, int64_t end, int tag) {
   for (int64_t hi = end; hi > begin;) {
     const int64_t lo = std::max(begin, hi - bucket_);
-    launch(src + (lo - begin), lo, hi, tag);
+    launch(src + (lo - begin), DType::F32, lo, hi, tag);
     hi = lo;
   }
   progress();

@@ -12,7 +12,11 @@
 // inside MPI calls); otherwise each bucket is reduced when launched, blocking.
 //
 // Example (AllReduce, 10 elements, bucket 4): ready(6) -> launch [6,10); ready(0) -> launch
-// [2,6); finish() -> launch [0,2), wait for all three, scale by 1/W.
+// [2,6); finish() -> launch [0,2), wait for all three; each bucket is scaled by 1/W as it lands.
+//
+// Types: the collective runs in the communication dtype (DeepSpeed's communication_data_type,
+// FACTS §5.5). A source in another type is converted bucket by bucket into a send buffer; the
+// received result is converted into the destination's type (RNE) while it is averaged.
 #pragma once
 
 #include <memory>
@@ -21,6 +25,7 @@
 #include "buffer.hpp"
 #include "comm.hpp"
 #include "model.hpp"
+#include "typed.hpp"
 
 namespace zero3d {
 
@@ -28,45 +33,52 @@ class GradientReducer {
  public:
   enum class Mode { AllReduce, ReduceScatter };
 
-  // AllReduce over a flat buffer of n elements.
-  GradientReducer(Communicator& comm, float* grads, int64_t n, int64_t bucket_elems, bool overlap);
-  // ReduceScatter into `dest` (this rank's partition, part elements); accumulate: += instead of =.
-  GradientReducer(Communicator& comm, const Partition& partition, float* dest, bool accumulate, int64_t bucket_elems,
-                  bool overlap);
+  // AllReduce over a flat buffer of n elements of grad_type.
+  GradientReducer(Communicator& comm, void* grads, DType grad_type, int64_t n, int64_t bucket_elems, bool overlap,
+                  DType comm_type);
+  // ReduceScatter into `dest` (this rank's partition, part elements of dest_type);
+  // accumulate: += instead of =. flat_type: the type of the flat buffer begin() is given.
+  GradientReducer(Communicator& comm, const Partition& partition, void* dest, DType dest_type, bool accumulate,
+                  int64_t bucket_elems, bool overlap, DType comm_type, DType flat_type);
 
   // --- flat-buffer use (stages 0 and 1): a frontier that moves from the end down to 0.
-  void begin(float* flat_grads = nullptr);
+  void begin(void* flat_grads = nullptr);
   void grads_ready(int64_t offset);  // [offset, end) of the flat buffer is final
   void progress();
   // Launches what is left of the flat buffer, waits for everything, applies results
   // (AllReduce: scales by 1/W). Returns the number of buckets of this reduction.
   int64_t finish();
 
-  // --- window use (stages 2 and 3): reduce src (holding global range [begin, end)) now.
+  // --- window use (stages 2 and 3): reduce src (fp32, holding global range [begin, end)) now.
   void reduce_range(const float* src, int64_t begin, int64_t end, int tag);
   void wait_tag(int tag);  // until no bucket read from window `tag` is in flight
   void wait_all();
 
-  // Peak bytes of receive staging held at once (one bucket's own part per bucket in flight).
-  int64_t staging_peak_bytes() const { return staging_peak_ * static_cast<int64_t>(sizeof(float)); }
+  // Peak bytes of staging held at once: received parts, and send buffers of converted buckets.
+  int64_t staging_peak_bytes() const { return staging_peak_; }
 
  private:
   struct InFlight {
     std::unique_ptr<CommRequest> request;
     int64_t begin, end;  // global range of the bucket
     int tag;
-    std::vector<float> staging;  // ReduceScatter: receives this rank's part of the bucket
+    void* src;             // the bucket's first element in the source
+    DType src_type;
+    std::vector<char> send;     // the bucket in comm_type_ when the source has another type
+    std::vector<char> staging;  // ReduceScatter: receives this rank's part of the bucket
   };
-  void launch(const float* src, int64_t begin, int64_t end, int tag);
+  void launch(const void* src, DType src_type, int64_t begin, int64_t end, int tag);
   void complete(InFlight& f);
+  void track(int64_t bytes);
 
   Communicator& comm_;
   Mode mode_;
   Partition partition_;
-  float* flat_ = nullptr;  // AllReduce / flat-buffer source
-  float* dest_ = nullptr;  // ReduceScatter destination (partition)
+  DType comm_type_, flat_type_, dest_type_ = DType::F32;
+  void* flat_ = nullptr;  // AllReduce / flat-buffer source
+  void* dest_ = nullptr;  // ReduceScatter destination (partition)
   bool accumulate_ = false;
-  int64_t staging_live_ = 0, staging_peak_ = 0;  // elements
+  int64_t staging_live_ = 0, staging_peak_ = 0;  // bytes
   int64_t n_ = 0, bucket_;
   bool overlap_;
   int64_t frontier_ = 0;  // [frontier_, n_) has been launched

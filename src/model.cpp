@@ -9,6 +9,7 @@
 #include "attention.hpp"
 #include "crossentropy.hpp"
 #include "encoder.hpp"
+#include "gemm.hpp"
 #include "gelu.hpp"
 #include "layernorm.hpp"
 #include "matmul.hpp"
@@ -25,6 +26,32 @@ const char* kBlockTensorNames[] = {"ln_1.weight",       "ln_1.bias",       "attn
 
 void copy(float* dst, const float* src, int64_t n) {
   Kokkos::parallel_for("copy", range(n), KOKKOS_LAMBDA(Index i) { dst[i] = src[i]; });
+}
+
+template <typename P>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<float>() { return DType::F32; }
+template <>
+constexpr DType dtype_of<bf16>() { return DType::BF16; }
+template <>
+constexpr DType dtype_of<fp16>() { return DType::F16; }
+
+// Conv1D: out[N,OC] (+)= inp[N,IC] · w[IC,OC] + b, w and b in the parameter type P.
+template <typename P>
+void linear_forward(float* out, const float* inp, const P* w, const P* b, Index N, Index IC, Index OC, DType compute,
+                    bool accumulate = false) {
+  gemm(N, OC, IC, {inp, DType::F32, false, IC}, {w, dtype_of<P>(), false, OC}, out, OC, accumulate, compute);
+  if (b) add_bias_rows(out, b, N, OC);
+}
+
+// dinp = dout · wᵀ; dw += inpᵀ · dout; db += Σ rows of dout (gradients fp32).
+template <typename P>
+void linear_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const P* w, Index N,
+                     Index IC, Index OC, DType compute) {
+  gemm(N, IC, OC, {dout, DType::F32, false, OC}, {w, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
+  gemm(IC, OC, N, {inp, DType::F32, true, IC}, {dout, DType::F32, false, OC}, dw, OC, true, compute);
+  accumulate_column_sums(db, dout, N, OC);
 }
 }  // namespace
 
@@ -88,8 +115,9 @@ void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& s
   init_gpt_params_range(params, layout, shape, seed, 0, layout.total());
 }
 
-GPT::GPT(const GPTShape& shape, int64_t B, int64_t T)
-    : shape_(shape), B_(B), T_(T), layout_(gpt_layout(shape)), units_(gpt_units(layout_, shape.n_layer)) {
+GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type)
+    : shape_(shape), param_type_(param_type), compute_type_(param_type == DType::BF16 ? DType::BF16 : DType::F32),
+      B_(B), T_(T), layout_(gpt_layout(shape)), units_(gpt_units(layout_, shape.n_layer)) {
   const int64_t L = shape.n_layer, C = shape.n_embd, V = shape.vocab_size, H = shape.n_head, BT = B * T;
 
   // Activations: one allocation, carved into named arrays in forward order.
@@ -138,11 +166,12 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T)
   datt_scratch_ = take(kRowBlock * T);
 }
 
-BlockTensors GPT::block(const float* unit) const {
+template <typename T>
+BlockTensors<T> GPT::block(T* unit) const {
   const int64_t C = shape_.n_embd;
-  float* p = const_cast<float*>(unit);  // one struct serves parameters (read) and gradients (written)
-  BlockTensors b;
-  float** fields[] = {&b.ln_1_w, &b.ln_1_b, &b.c_attn_w, &b.c_attn_b, &b.attn_proj_w, &b.attn_proj_b,
+  T* p = unit;
+  BlockTensors<T> b;
+  T** fields[] = {&b.ln_1_w, &b.ln_1_b, &b.c_attn_w, &b.c_attn_b, &b.attn_proj_w, &b.attn_proj_b,
                       &b.ln_2_w, &b.ln_2_b, &b.c_fc_w,   &b.c_fc_b,   &b.mlp_proj_w,  &b.mlp_proj_b};
   const int64_t sizes[] = {C, C, 3 * C * C, 3 * C, C * C, C, C, C, 4 * C * C, 4 * C, 4 * C * C, C};
   for (int k = 0; k < 12; ++k) {
@@ -157,38 +186,56 @@ constexpr int kEmbed = 0;  // unit of wte and wpe
 }
 
 float GPT::forward(const int32_t* tokens, const int32_t* targets, ParamStore& store) {
+  switch (param_type_) {
+    case DType::BF16: return forward_impl<bf16>(tokens, targets, store);
+    case DType::F16: return forward_impl<fp16>(tokens, targets, store);
+    default: return forward_impl<float>(tokens, targets, store);
+  }
+}
+
+void GPT::backward(float grad_scale, ParamStore& store) {
+  switch (param_type_) {
+    case DType::BF16: return backward_impl<bf16>(grad_scale, store);
+    case DType::F16: return backward_impl<fp16>(grad_scale, store);
+    default: return backward_impl<float>(grad_scale, store);
+  }
+}
+
+template <typename P>
+float GPT::forward_impl(const int32_t* tokens, const int32_t* targets, ParamStore& store) {
   const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
   const int ln_f = static_cast<int>(shape_.n_layer) + 1;
   tokens_ = tokens;
   targets_ = targets;
 
-  const float* E = store.fetch(kEmbed);  // wte [V,C] then wpe [T,C]
+  const DType cmp = compute_type_;
+  const P* E = static_cast<const P*>(store.fetch(kEmbed));  // wte [V,C] then wpe [T,C]
   encoder_forward(encoded_, tokens, E, E + V * C, B, T, C);
   store.release(kEmbed);
   for (int64_t l = 0; l < shape_.n_layer; ++l) {
-    const BlockTensors w = block(store.fetch(static_cast<int>(l) + 1));
+    const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(static_cast<int>(l) + 1)));
     BlockActivations& a = blocks_[l];
     const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
     // x + attn(ln_1(x))
     layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, BT, C);
-    matmul_forward(a.qkv, a.ln_1, w.c_attn_w, w.c_attn_b, BT, C, 3 * C);
+    linear_forward(a.qkv, a.ln_1, w.c_attn_w, w.c_attn_b, BT, C, 3 * C, cmp);
     attention_forward(a.atty, a.att, a.qkv, B, T, C, H);
     copy(a.res_2, residual, BT * C);
-    matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true);
+    linear_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, cmp, /*accumulate=*/true);
     // x + mlp(ln_2(x))
     layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, BT, C);
-    matmul_forward(a.fch, a.ln_2, w.c_fc_w, w.c_fc_b, BT, C, 4 * C);
+    linear_forward(a.fch, a.ln_2, w.c_fc_w, w.c_fc_b, BT, C, 4 * C, cmp);
     gelu_forward(a.fch_gelu, a.fch, BT * 4 * C);
     copy(a.res_3, a.res_2, BT * C);
-    matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true);
+    linear_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, cmp, /*accumulate=*/true);
     store.release(static_cast<int>(l) + 1);
   }
-  const float* F = store.fetch(ln_f);  // weight [C] then bias [C]
+  const P* F = static_cast<const P*>(store.fetch(ln_f));  // weight [C] then bias [C]
   layernorm_forward(ln_f_, ln_f_mean_, ln_f_rstd_, blocks_.back().res_3, F, F + C, BT, C);
   store.release(ln_f);
   // LM head tied to wte: logits = ln_f · wteᵀ
-  E = store.fetch(kEmbed);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, BT, V, C, 1.0f, ln_f_, C, E, C, 0.0f, logits_, V);
+  E = static_cast<const P*>(store.fetch(kEmbed));
+  gemm(BT, V, C, {ln_f_, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, logits_, V, false, cmp);
   store.release(kEmbed);
   crossentropy_forward(losses_, lse_, logits_, targets, BT, V);
   float sum = 0.0f;
@@ -197,7 +244,8 @@ float GPT::forward(const int32_t* tokens, const int32_t* targets, ParamStore& st
   return sum / static_cast<float>(BT);
 }
 
-void GPT::backward(float grad_scale, ParamStore& store) {
+template <typename P>
+void GPT::backward_impl(float grad_scale, ParamStore& store) {
   const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
   const int ln_f = static_cast<int>(shape_.n_layer) + 1;
 
@@ -205,13 +253,14 @@ void GPT::backward(float grad_scale, ParamStore& store) {
   crossentropy_backward(logits_, lse_, targets_, grad_scale / static_cast<float>(BT), BT, V);
   float* dlogits = logits_;
   // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f (dE stays open until the encoder)
-  const float* E = store.fetch(kEmbed);
+  const DType cmp = compute_type_;
+  const P* E = static_cast<const P*>(store.fetch(kEmbed));
   float* dE = store.grad_target(kEmbed);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, BT, C, V, 1.0f, dlogits, V, E, C, 0.0f, dln_, C);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, BT, 1.0f, dlogits, V, ln_f_, C, 1.0f, dE, C);
+  gemm(BT, C, V, {dlogits, DType::F32, false, V}, {E, dtype_of<P>(), false, C}, dln_, C, false, cmp);
+  gemm(V, C, BT, {dlogits, DType::F32, true, V}, {ln_f_, DType::F32, false, C}, dE, C, true, cmp);
   store.release(kEmbed);
   Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres_, BT * C), 0.0f);
-  const float* F = store.fetch(ln_f);
+  const P* F = static_cast<const P*>(store.fetch(ln_f));
   float* dF = store.grad_target(ln_f);
   layernorm_backward(dres_, dF, dF + C, dln_, blocks_.back().res_3, F, ln_f_mean_, ln_f_rstd_, BT, C);
   store.release(ln_f);
@@ -219,22 +268,23 @@ void GPT::backward(float grad_scale, ParamStore& store) {
 
   for (int64_t l = shape_.n_layer - 1; l >= 0; --l) {
     const int u = static_cast<int>(l) + 1;
-    const BlockTensors w = block(store.fetch(u)), dw = block(store.grad_target(u));
+    const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)));
+    const BlockTensors<float> dw = block(store.grad_target(u));
     const BlockActivations& a = blocks_[l];
     const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
     // MLP half: dres holds d(res_3)
-    matmul_backward(dfch_, dw.mlp_proj_w, dw.mlp_proj_b, dres_, a.fch_gelu, w.mlp_proj_w, BT, 4 * C, C);
+    linear_backward(dfch_, dw.mlp_proj_w, dw.mlp_proj_b, dres_, a.fch_gelu, w.mlp_proj_w, BT, 4 * C, C, cmp);
     store.progress();
     gelu_backward(dfch_, a.fch, dfch_, BT * 4 * C);
-    matmul_backward(dln_, dw.c_fc_w, dw.c_fc_b, dfch_, a.ln_2, w.c_fc_w, BT, C, 4 * C);
+    linear_backward(dln_, dw.c_fc_w, dw.c_fc_b, dfch_, a.ln_2, w.c_fc_w, BT, C, 4 * C, cmp);
     store.progress();
     layernorm_backward(dres_, dw.ln_2_w, dw.ln_2_b, dln_, a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, BT, C);
     // attention half: dres now holds d(res_2)
-    matmul_backward(datty_, dw.attn_proj_w, dw.attn_proj_b, dres_, a.atty, w.attn_proj_w, BT, C, C);
+    linear_backward(datty_, dw.attn_proj_w, dw.attn_proj_b, dres_, a.atty, w.attn_proj_w, BT, C, C, cmp);
     store.progress();
     attention_backward(dqkv_, datt_scratch_, datty_, a.qkv, a.att, B, T, C, H);
     store.progress();
-    matmul_backward(dln_, dw.c_attn_w, dw.c_attn_b, dqkv_, a.ln_1, w.c_attn_w, BT, C, 3 * C);
+    linear_backward(dln_, dw.c_attn_w, dw.c_attn_b, dqkv_, a.ln_1, w.c_attn_w, BT, C, 3 * C, cmp);
     layernorm_backward(dres_, dw.ln_1_w, dw.ln_1_b, dln_, residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, BT, C);
     store.release(u);
     store.grads_done(u);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "buffer.hpp"
+#include "dtype.hpp"
 
 namespace zero3d {
 
@@ -21,10 +22,12 @@ struct GPTShape {
   int64_t n_embd = 64;        // C
 };
 
-// The parameter tensors of one transformer block, as pointers into a flat buffer.
+// The tensors of one transformer block, as pointers into a flat buffer of T (parameters in
+// their stored type, or fp32 gradients).
+template <typename T>
 struct BlockTensors {
-  float *ln_1_w, *ln_1_b, *c_attn_w, *c_attn_b, *attn_proj_w, *attn_proj_b;
-  float *ln_2_w, *ln_2_b, *c_fc_w, *c_fc_b, *mlp_proj_w, *mlp_proj_b;
+  T *ln_1_w, *ln_1_b, *c_attn_w, *c_attn_b, *attn_proj_w, *attn_proj_b;
+  T *ln_2_w, *ln_2_b, *c_fc_w, *c_fc_b, *mlp_proj_w, *mlp_proj_b;
 };
 
 // Builds the Hugging Face GPT-2 parameter layout for `shape`.
@@ -55,10 +58,10 @@ std::vector<ParamUnit> gpt_units(const ParamLayout& layout, int64_t n_layer);
 class ParamStore {
  public:
   virtual ~ParamStore() = default;
-  // Full parameters of unit u, valid until release(u).
-  virtual const float* fetch(int u) = 0;
+  // Full parameters of unit u in the model's parameter dtype, valid until release(u).
+  virtual const void* fetch(int u) = 0;
   virtual void release(int u) = 0;
-  // Gradients of unit u accumulate here (+=) during backward, until grads_done(u).
+  // Gradients of unit u accumulate here (+=, always fp32) during backward, until grads_done(u).
   virtual float* grad_target(int u) = 0;
   // Unit u's gradients are final for this backward pass (units finish in the order
   // L+1, L, ..., 1, 0: the buffer completes from its end down to 0).
@@ -73,7 +76,7 @@ class FlatParamStore : public ParamStore {
  public:
   FlatParamStore(std::vector<ParamUnit> units, float* params, float* grads)
       : units_(std::move(units)), params_(params), grads_(grads) {}
-  const float* fetch(int u) override { return params_ + units_[u].offset; }
+  const void* fetch(int u) override { return params_ + units_[u].offset; }
   void release(int) override {}
   float* grad_target(int u) override { return grads_ + units_[u].offset; }
   void grads_done(int) override {}
@@ -90,12 +93,16 @@ class FlatParamStore : public ParamStore {
 class GPT {
  public:
   // B, T: micro-batch shape the activation buffers are sized for (T <= n_positions).
-  GPT(const GPTShape& shape, int64_t B, int64_t T);
+  // param_type: how the store holds parameters (F32, BF16 or F16). Matrix products run in
+  // bf16 for bf16 parameters and in fp32 otherwise; everything else computes in fp32.
+  GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type = DType::F32);
 
   const GPTShape& shape() const { return shape_; }
   const ParamLayout& layout() const { return layout_; }
   const std::vector<ParamUnit>& units() const { return units_; }
   int64_t num_params() const { return layout_.total(); }
+  DType param_type() const { return param_type_; }
+  DType compute_type() const { return compute_type_; }
 
   // tokens/targets: device arrays of B*T ids. Returns the mean cross-entropy.
   float forward(const int32_t* tokens, const int32_t* targets, ParamStore& store);
@@ -115,9 +122,15 @@ class GPT {
     float *ln_2, *ln_2_mean, *ln_2_rstd, *fch, *fch_gelu, *res_3;
   };
   // Tensor pointers of a block whose unit starts at `unit` (parameters or gradients).
-  BlockTensors block(const float* unit) const;
+  template <typename T>
+  BlockTensors<T> block(T* unit) const;
+  template <typename P>
+  float forward_impl(const int32_t* tokens, const int32_t* targets, ParamStore& store);
+  template <typename P>
+  void backward_impl(float grad_scale, ParamStore& store);
 
   GPTShape shape_;
+  DType param_type_ = DType::F32, compute_type_ = DType::F32;
   int64_t B_, T_;
   ParamLayout layout_;
   std::vector<ParamUnit> units_;

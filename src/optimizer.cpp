@@ -5,6 +5,7 @@
 
 #include "optimizers.hpp"
 #include "reduce.hpp"
+#include "typed.hpp"
 
 namespace zero3d {
 
@@ -33,30 +34,52 @@ std::vector<FlatBuffer*> Optimizer::state_buffers() {
 }
 
 void Optimizer::step(float* params, const float* grads, double lr, std::optional<std::pair<double, double>> betas) {
+  step(params, grads, DType::F32, 1.0f, lr, betas);
+}
+
+void Optimizer::step(float* params, const void* grads, DType grad_type, float grad_mul, double lr,
+                     std::optional<std::pair<double, double>> betas) {
   ++step_count_;
   const double beta1 = betas ? betas->first : cfg_.beta1;
   const double beta2 = betas ? betas->second : cfg_.beta2;
+  const bool direct = grad_type == DType::F32 && grad_mul == 1.0f;
+  const size_t esize = dtype_size(grad_type);
+  // Gradients [a, a+n) as fp32: the buffer itself, or a widened and scaled copy.
+  auto fp32_grads = [&](int64_t a, int64_t n) -> const float* {
+    if (direct) return static_cast<const float*>(grads) + a;
+    if (widened_.size() < static_cast<size_t>(n)) widened_.resize(static_cast<size_t>(n));
+    convert_any(widened_.data(), DType::F32, static_cast<const char*>(grads) + a * esize, grad_type, n, grad_mul);
+    return widened_.data();
+  };
+  const int64_t total = layout_.total();
+  const int64_t chunk = direct ? std::max<int64_t>(total, 1) : 16384;  // 64 KiB of fp32: stays in L2
   switch (cfg_.type) {
     case OptimizerType::Adam: {
       const auto s = kernels::make_adam_step(lr, beta1, beta2, cfg_.eps, cfg_.weight_decay, step_count_,
                                              cfg_.bias_correction, cfg_.adam_w_mode);
-      kernels::adam_update(params, grads, m_.data(), v_.data(), layout_.total(), s);
+      for (int64_t a = 0; a < total; a += chunk) {
+        const int64_t n = std::min(chunk, total - a);
+        kernels::adam_update(params + a, fp32_grads(a, n), m_.data() + a, v_.data() + a, n, s);
+      }
       break;
     }
     case OptimizerType::Lamb: {
       const auto s = kernels::make_lamb_step(lr, beta1, beta2, cfg_.eps, cfg_.weight_decay, step_count_,
                                              cfg_.bias_correction, cfg_.eps_inside_sqrt, cfg_.max_coeff,
                                              cfg_.min_coeff);
-      for (const TensorSpec& t : layout_.tensors())
-        kernels::lamb_update(params + t.offset, grads + t.offset, m_.data() + t.offset, v_.data() + t.offset,
-                             t.numel, s);
+      for (const TensorSpec& t : layout_.tensors())  // the trust ratio needs whole tensors
+        kernels::lamb_update(params + t.offset, fp32_grads(t.offset, t.numel), m_.data() + t.offset,
+                             v_.data() + t.offset, t.numel, s);
       break;
     }
     case OptimizerType::SGD: {
       const kernels::SgdStep s{static_cast<float>(lr), static_cast<float>(cfg_.momentum),
                                static_cast<float>(cfg_.dampening), static_cast<float>(cfg_.weight_decay),
                                cfg_.nesterov, step_count_ == 1};
-      kernels::sgd_update(params, grads, m_.data(), layout_.total(), s);
+      for (int64_t a = 0; a < total; a += chunk) {
+        const int64_t n = std::min(chunk, total - a);
+        kernels::sgd_update(params + a, fp32_grads(a, n), m_.extent(0) ? m_.data() + a : nullptr, n, s);
+      }
       break;
     }
   }

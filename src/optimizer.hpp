@@ -11,6 +11,7 @@
 
 #include "buffer.hpp"
 #include "config.hpp"
+#include "dtype.hpp"
 
 namespace zero3d {
 
@@ -20,6 +21,11 @@ class Optimizer {
 
   // One update with learning rate `lr`; `betas` overrides (beta1, beta2) for this step (OneCycle).
   void step(float* params, const float* grads, double lr,
+            std::optional<std::pair<double, double>> betas = std::nullopt);
+  // The same with gradients stored as grad_type and multiplied by grad_mul on the way in
+  // (mixed precision: 16-bit gradients, DeepSpeed's combined unscale-and-clip factor).
+  // They are widened in cache-sized chunks, so no fp32 copy of the gradient is kept.
+  void step(float* params, const void* grads, DType grad_type, float grad_mul, double lr,
             std::optional<std::pair<double, double>> betas = std::nullopt);
 
   int64_t step_count() const { return step_count_; }
@@ -37,6 +43,7 @@ class Optimizer {
   const ParamLayout& layout_;
   FlatBuffer m_, v_;  // Adam/LAMB: first and second moments; SGD: m_ is the momentum buffer
   int64_t step_count_ = 0;
+  std::vector<float> widened_;  // chunk (Adam, SGD) or tensor (LAMB) of widened gradients
 };
 
 // Global L2-norm clipping as torch.nn.utils.clip_grad_norm_ (DeepSpeed's fp32 path, FACTS §3):

@@ -19,25 +19,36 @@ ParamLayout partition_layout(int64_t part) {
 }
 }  // namespace
 
-ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, const ParamLayout& layout,
-                             std::vector<ParamUnit> units, Communicator& dp)
-    : cfg_(zero), layout_(layout), units_(std::move(units)), dp_(dp), rank_(dp.rank()), world_(dp.size()),
-      stage_(zero.stage), part_(layout.total(), dp.size()) {
+double unscale_clip_multiplier(double norm_scaled, double loss_scale, double clip) {
+  double combined = loss_scale;
+  if (clip > 0.0) {
+    const double c = ((norm_scaled / loss_scale) + 1e-6) / clip;
+    if (c > 1.0) combined = c * loss_scale;
+  }
+  return 1.0 / combined;
+}
+
+ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types,
+                             const ParamLayout& layout, std::vector<ParamUnit> units, Communicator& dp)
+    : cfg_(zero), types_(types), mixed_(types.param != DType::F32),
+      use_windows_(zero.stage >= 2 || types.grad != DType::F32), layout_(layout), units_(std::move(units)), dp_(dp),
+      rank_(dp.rank()), world_(dp.size()), stage_(zero.stage), part_(layout.total(), dp.size()) {
   const int64_t full = stage_ == 0 ? layout.total() : part_.padded;
-  params_ = make_flat_buffer("params", stage_ == 3 ? part_.part : full);
-  grads_ = make_flat_buffer("grads", stage_ >= 2 ? part_.part : full);
+  params_ = TypedBuffer("params", types_.param, stage_ == 3 ? part_.part : full);
+  grads_ = TypedBuffer("grads", types_.grad, stage_ >= 2 ? part_.part : full);
+  if (mixed_) master_ = make_flat_buffer("master_params", stage_ == 0 ? layout.total() : part_.part);
   if (stage_ == 0) {
     optimizer_ = std::make_unique<Optimizer>(opt, layout_);
-    reducer_ = std::make_unique<GradientReducer>(dp_, grads_.data(), layout.total(), cfg_.reduce_bucket_size,
-                                                 cfg_.overlap_comm);
+    reducer_ = std::make_unique<GradientReducer>(dp_, grads_.data(), types_.grad, layout.total(),
+                                                 cfg_.reduce_bucket_size, cfg_.overlap_comm, types_.comm);
   } else {
     state_layout_ = partition_layout(part_.part);
     optimizer_ = std::make_unique<Optimizer>(opt, state_layout_);
     // Stage 1 writes the averaged partition into the full gradient buffer; 2-3 accumulate
     // every micro-batch into the partition buffer.
-    float* dest = stage_ == 1 ? grads_.data() + part_.begin(rank_) : grads_.data();
-    reducer_ = std::make_unique<GradientReducer>(dp_, part_, dest, stage_ >= 2, cfg_.reduce_bucket_size,
-                                                 cfg_.overlap_comm);
+    void* dest = stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data();
+    reducer_ = std::make_unique<GradientReducer>(dp_, part_, dest, types_.grad, stage_ >= 2, cfg_.reduce_bucket_size,
+                                                 cfg_.overlap_comm, types_.comm, types_.grad);
   }
   if (stage_ == 3) {
     // Persistent units stay gathered (DeepSpeed: numel <= param_persistence_threshold while
@@ -50,7 +61,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
       persistent_.push_back(keep);
     }
   }
-  if (stage_ >= 2) {  // gradient windows, allocated up front so the start-up table is complete
+  if (use_windows_) {  // gradient windows, allocated up front so the start-up table is complete
     const int last = static_cast<int>(units_.size()) - 1;
     // embeddings, ln_f and one block window; a second one lets overlap_comm reduce block l
     // while block l-1 computes
@@ -70,10 +81,48 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
 
 // --- parameters ----------------------------------------------------------------------------
 
+void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_t)>& fill) {
+  const int64_t total = layout_.total(), pb = part_.begin(rank_);
+  const auto [lo, hi] = part_.owned(rank_, 0, total);
+  if (!mixed_) {
+    if (stage_ < 3) fill(params_.as<float>(), 0, total);
+    else if (hi > lo) fill(params_.as<float>(), lo, hi);  // the partition buffer starts at part.begin(rank)
+    return;
+  }
+  if (stage_ == 0) fill(master_.data(), 0, total);
+  else if (hi > lo) fill(master_.data() + (lo - pb), lo, hi);
+  cast_master_to_params();
+  if (stage_ == 1 || stage_ == 2) {
+    // The other ranks' ranges of the 16-bit copy, filled tensor group by tensor group so that
+    // no full fp32 copy ever exists (and no collective is needed at start-up).
+    std::vector<float> chunk;
+    int64_t a = 0;
+    for (const TensorSpec& t : layout_.tensors()) {
+      const int64_t b = t.offset + t.numel;
+      if (b - a < (int64_t(1) << 22) && b < total) continue;
+      chunk.resize(static_cast<size_t>(b - a));
+      fill(chunk.data(), a, b);
+      convert_any(params_.at(a), types_.param, chunk.data(), DType::F32, b - a);
+      a = b;
+    }
+  }
+}
+
+void ZeroOptimizer::cast_master_to_params() {
+  if (stage_ == 0) {
+    convert_any(params_.data(), types_.param, master_.data(), DType::F32, layout_.total());
+    return;
+  }
+  const int64_t pb = part_.begin(rank_);
+  const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
+  if (hi > lo)
+    convert_any(params_.at(stage_ == 3 ? lo - pb : lo), types_.param, master_.data() + (lo - pb), DType::F32, hi - lo);
+}
+
 void ZeroOptimizer::start_gather(int u) {
   const ParamUnit& unit = units_[u];
   Gathered g;
-  g.buffer = make_scratch_buffer("gathered_unit", unit.numel);
+  g.buffer = TypedBuffer("gathered_unit", types_.param, unit.numel, /*zero=*/false);
   std::vector<int64_t> counts(world_), displs(world_);
   for (int r = 0; r < world_; ++r) {
     const auto [lo, hi] = part_.owned(r, unit.offset, unit.offset + unit.numel);
@@ -81,10 +130,8 @@ void ZeroOptimizer::start_gather(int u) {
     displs[r] = lo - unit.offset;
   }
   const auto [lo, hi] = part_.owned(rank_, unit.offset, unit.offset + unit.numel);
-  float* dst = g.buffer.data() + (lo - unit.offset);
-  const float* src = params_.data() + (lo - part_.begin(rank_));
-  Kokkos::parallel_for("gather_own_part", kernels::range(hi - lo), KOKKOS_LAMBDA(kernels::Index i) { dst[i] = src[i]; });
-  g.pending = dp_.all_gather_v_async(g.buffer.data(), counts, displs, DType::F32);
+  convert_any(g.buffer.at(lo - unit.offset), types_.param, params_.at(lo - part_.begin(rank_)), types_.param, hi - lo);
+  g.pending = dp_.all_gather_v_async(g.buffer.data(), counts, displs, types_.param);
   live_elems_ += unit.numel;
   live_peak_elems_ = std::max(live_peak_elems_, live_elems_);
   gathered_[u] = std::move(g);
@@ -98,8 +145,8 @@ void ZeroOptimizer::free_gathered(int u) {
   gathered_.erase(it);
 }
 
-const float* ZeroOptimizer::fetch(int u) {
-  if (stage_ < 3) return params_.data() + units_[u].offset;
+const void* ZeroOptimizer::fetch(int u) {
+  if (stage_ < 3) return params_.at(units_[u].offset);
   // Where are we in the trace? Normally exactly at u; otherwise its next occurrence.
   size_t k = trace_pos_;
   while (k < trace_.size() && trace_[k] != u) ++k;
@@ -167,18 +214,21 @@ float* ZeroOptimizer::window_for(int u) {
       for (int b = 1; b < last; ++b) size = std::max(size, units_[b].numel);
     it = windows_.emplace(key, make_flat_buffer("grad_window", size)).first;
   }
-  reducer_->wait_tag(key);  // the window's previous reduction must be done before reuse
+  if (stage_ >= 2) reducer_->wait_tag(key);  // the window's previous reduction must be done before reuse
   Kokkos::deep_copy(Kokkos::subview(it->second, std::make_pair(int64_t(0), units_[u].numel)), 0.0f);
   return it->second.data();
 }
 
 float* ZeroOptimizer::grad_target(int u) {
-  if (stage_ < 2) return grads_.data() + units_[u].offset;
+  if (!use_windows_) return grads_.as<float>() + units_[u].offset;
   return window_for(u);
 }
 
 void ZeroOptimizer::grads_done(int u) {
   if (stage_ < 2) {
+    if (use_windows_)  // round the unit's fp32 gradients into the accumulation buffer
+      convert_any(grads_.at(units_[u].offset), types_.grad, windows_.at(window_key(u)).data(), DType::F32,
+                  units_[u].numel, 1.0f, /*accumulate=*/true);
     if (boundary_ && world_ > 1) reducer_->grads_ready(units_[u].offset);
     return;
   }
@@ -214,11 +264,6 @@ void ZeroOptimizer::finish_reduction() {
 
 // --- the step ------------------------------------------------------------------------------
 
-double ZeroOptimizer::partition_sum_of_squares() const {
-  const float* g = stage_ == 1 ? grads_.data() + part_.begin(rank_) : grads_.data();
-  return kernels::sum_of_squares(g, part_.part);
-}
-
 void ZeroOptimizer::gather_updated_params() {
   std::vector<std::unique_ptr<CommRequest>> inflight;
   const int64_t bucket = std::max<int64_t>(2 * world_, cfg_.allgather_bucket_size);
@@ -230,38 +275,52 @@ void ZeroOptimizer::gather_updated_params() {
       counts[r] = hi - lo;
       displs[r] = lo - a;
     }
-    inflight.push_back(dp_.all_gather_v_async(params_.data() + a, counts, displs, DType::F32));
+    inflight.push_back(dp_.all_gather_v_async(params_.at(a), counts, displs, types_.param));
   }
   for (auto& r : inflight) r->wait();
 }
 
-double ZeroOptimizer::step(double lr, std::optional<std::pair<double, double>> betas, double clip) {
-  float* p = stage_ == 1 || stage_ == 2 ? params_.data() + part_.begin(rank_) : params_.data();
-  float* g = stage_ == 1 ? grads_.data() + part_.begin(rank_) : grads_.data();
+GradStats ZeroOptimizer::grad_stats() {
+  const void* g = stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data();
   const int64_t n = stage_ == 0 ? layout_.total() : part_.part;
-  double sq = stage_ == 0 ? kernels::sum_of_squares(g, n) : partition_sum_of_squares();
-  if (stage_ > 0) dp_.all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);  // norm over all partitions
-  const double norm = std::sqrt(sq);
-  // Global-norm clipping of the averaged gradient, each rank scaling its own part.
-  const double coef = clip_coefficient(norm, clip);
-  if (coef < 1.0) kernels::scale_in_place(g, n, static_cast<float>(coef));
-  optimizer_->step(p, g, lr, betas);
+  double sq = sum_of_squares_any(g, types_.grad, n);
+  // Stage 0 gradients are already identical on every rank; partitions need the sum over the
+  // group. inf/NaN survive the sum, so the result is also the group's agreed overflow flag.
+  if (stage_ > 0) dp_.all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);
+  return GradStats{std::sqrt(sq), std::isfinite(sq)};
+}
+
+void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double>> betas, double clip,
+                               double loss_scale, const GradStats& stats) {
+  const void* g = stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data();
+  const float mul = static_cast<float>(unscale_clip_multiplier(stats.norm_scaled, loss_scale, clip));
+  float* p = mixed_ ? master_.data()
+                    : stage_ == 1 || stage_ == 2 ? params_.as<float>() + part_.begin(rank_) : params_.as<float>();
+  optimizer_->step(p, g, types_.grad, mul, lr, betas);
+  if (mixed_) cast_master_to_params();
   if (stage_ == 1 || stage_ == 2) gather_updated_params();
-  if (stage_ == 3) {  // every gathered copy is stale now
+  skip_step();
+}
+
+// Nothing to update; at stage 3 the gathered copies are dropped either way (after an update
+// they are stale) and the next micro-batch replays the trace from its start.
+void ZeroOptimizer::skip_step() {
+  if (stage_ == 3) {
     while (!gathered_.empty()) free_gathered(gathered_.begin()->first);
     trace_pos_ = 0;
   }
-  return norm;
 }
 
-void ZeroOptimizer::zero_grad() { Kokkos::deep_copy(grads_, 0.0f); }
+void ZeroOptimizer::zero_grad() { zero_any(grads_.data(), grads_.type(), grads_.size()); }
 
 std::vector<float> ZeroOptimizer::gather_full_params() {
   std::vector<float> full(static_cast<size_t>(part_.padded), 0.0f);
-  if (stage_ < 3) {
-    std::copy_n(params_.data(), layout_.total(), full.begin());
+  const float* src = mixed_ ? master_.data() : params_.as<float>();
+  const bool local_is_full = stage_ == 0 || (!mixed_ && stage_ < 3);
+  if (local_is_full) {
+    std::copy_n(src, layout_.total(), full.begin());
   } else {
-    std::copy_n(params_.data(), part_.part, full.begin() + part_.begin(rank_));
+    std::copy_n(src, part_.part, full.begin() + part_.begin(rank_));
     std::vector<int64_t> counts(world_, part_.part), displs(world_);
     for (int r = 0; r < world_; ++r) displs[r] = part_.begin(r);
     dp_.all_gather_v_async(full.data(), counts, displs, DType::F32)->wait();
@@ -284,7 +343,9 @@ ShardSlice ZeroOptimizer::checkpoint_slice() {
   s.begin = b;
   s.end = e;
   const int64_t pb = part_.begin(rank_);
-  s.arrays.emplace_back("params", params_.data() + (stage_ == 3 ? b - pb : b));
+  // Checkpoints hold fp32 parameters: the master copy when mixed (loadable at any precision).
+  if (mixed_) s.arrays.emplace_back("params", master_.data() + (stage_ == 0 ? b : b - pb));
+  else s.arrays.emplace_back("params", params_.as<float>() + (stage_ == 3 ? b - pb : b));
   const auto names = optimizer_->state_names();
   const auto buffers = optimizer_->state_buffers();
   for (size_t k = 0; k < names.size(); ++k)
@@ -295,7 +356,8 @@ ShardSlice ZeroOptimizer::checkpoint_slice() {
 void ZeroOptimizer::read_checkpoint(const CheckpointReader& reader) {
   const auto [b, e] = part_.owned(rank_, 0, layout_.total());
   const int64_t pb = part_.begin(rank_);
-  reader.read_range("params", b, e, params_.data() + (stage_ == 3 ? b - pb : b));
+  if (mixed_) reader.read_range("params", b, e, master_.data() + (stage_ == 0 ? b : b - pb));
+  else reader.read_range("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
   const auto names = optimizer_->state_names();
   const auto buffers = optimizer_->state_buffers();
   for (size_t k = 0; k < names.size(); ++k)
@@ -303,32 +365,40 @@ void ZeroOptimizer::read_checkpoint(const CheckpointReader& reader) {
   optimizer_->set_step_count(reader.meta().optimizer_step);
 }
 
-void ZeroOptimizer::all_gather_replicated(float* full) {
+void ZeroOptimizer::all_gather_replicated(void* full, DType type) {
   std::vector<int64_t> counts(world_), displs(world_);
   for (int r = 0; r < world_; ++r) {
     const auto [lo, hi] = part_.owned(r, 0, layout_.total());
     counts[r] = hi - lo;
     displs[r] = lo;
   }
-  dp_.all_gather_v_async(full, counts, displs, DType::F32)->wait();
+  dp_.all_gather_v_async(full, counts, displs, type)->wait();
 }
 
 void ZeroOptimizer::finish_checkpoint_load() {
-  if (stage_ < 3) all_gather_replicated(params_.data());
+  if (!mixed_) {
+    if (stage_ < 3) all_gather_replicated(params_.data(), DType::F32);
+  } else if (stage_ == 0) {
+    all_gather_replicated(master_.data(), DType::F32);
+    cast_master_to_params();
+  } else {
+    cast_master_to_params();
+    if (stage_ < 3) all_gather_replicated(params_.data(), types_.param);
+  }
   if (stage_ == 0)
-    for (FlatBuffer* m : optimizer_->state_buffers()) all_gather_replicated(m->data());
+    for (FlatBuffer* m : optimizer_->state_buffers()) all_gather_replicated(m->data(), DType::F32);
   dp_.reset_bus_bytes();
 }
 
 MemoryBytes ZeroOptimizer::memory() const {
   MemoryBytes m;
-  m.params = static_cast<int64_t>(params_.extent(0) * sizeof(float));
-  m.grads = static_cast<int64_t>(grads_.extent(0) * sizeof(float));
-  m.master = 0;  // fp32 training: the parameters are the master copy
+  m.params = params_.bytes();
+  m.grads = grads_.bytes();
+  m.master = static_cast<int64_t>(master_.extent(0) * sizeof(float));  // 0 in fp32: the parameters are the master
   m.optimizer_states = optimizer_->state_bytes();
   m.comm_buffers = reducer_->staging_peak_bytes();
   for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
-  m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(sizeof(float));
+  m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(dtype_size(types_.param));
   return m;
 }
 

@@ -14,8 +14,16 @@
 //
 // fp32 Adam bytes per rank for Ψ parameters over N ranks (up to padding): 16Ψ; 4Ψ+4Ψ+8Ψ/N;
 // 4Ψ+12Ψ/N; 16Ψ/N — plus communication buffers and, at stage 3, the gathered units.
+//
+// Mixed precision (bf16/fp16, DEEPSPEED-FACTS §2): parameters and gradients are 16-bit
+// (2 bytes) in the same places; the optimizer partition adds an fp32 master copy next to the
+// moments (12 bytes per owned parameter), so stage 3 holds (2 + 2 + 12)Ψ/N. After the update
+// the master partition is rounded to 16 bits (RNE) and gathered. With
+// data_types.grad_accum_dtype = fp32 the gradients stay 4 bytes. Backward always
+// accumulates one unit's gradients in an fp32 window; they are rounded when they leave it.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -28,6 +36,7 @@
 #include "grad_reducer.hpp"
 #include "model.hpp"
 #include "optimizer.hpp"
+#include "typed.hpp"
 
 namespace zero3d {
 
@@ -37,32 +46,47 @@ struct MemoryBytes {
   int64_t model_states() const { return params + grads + master + optimizer_states; }
 };
 
+// What the step needs to know about the reduced gradients before touching them.
+struct GradStats {
+  double norm_scaled = 0.0;  // L2 norm of the averaged gradient as held (still loss-scaled)
+  bool finite = true;        // no inf/NaN on any rank (the overflow check, agreed by the group)
+};
+
+// The element types of the model state (DeepSpeed's model dtype, grad_accum_dtype and
+// communication_data_type).
+struct StateTypes {
+  DType param = DType::F32, grad = DType::F32, comm = DType::F32;
+};
+
+// DeepSpeed's unscale-and-clip in one factor (FACTS §3; stage_1_and_2.py
+// unscale_and_clip_grads): c = ((norm_scaled/scale) + 1e-6)/clip, c = max(c, 1); the
+// gradients are multiplied by 1/(c·scale). clip <= 0: no clipping, only unscaling.
+double unscale_clip_multiplier(double norm_scaled, double loss_scale, double clip);
+
 class ZeroOptimizer : public ParamStore {
  public:
-  ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, const ParamLayout& layout,
+  ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types, const ParamLayout& layout,
                 std::vector<ParamUnit> units, Communicator& dp);
 
   // Sets the parameters from a function that writes elements [begin, end) of the full flat
-  // buffer (every rank produces identical values); each rank keeps what its stage needs.
-  template <typename Fill>
-  void init_params(Fill&& fill) {
-    if (stage_ < 3) {
-      fill(params_.data(), 0, layout_.total());
-    } else {
-      const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
-      if (hi > lo) fill(params_.data(), lo, hi);  // the partition buffer starts at part.begin(rank)
-    }
-  }
+  // buffer in fp32 (every rank produces identical values); each rank keeps what its stage
+  // needs. No collectives.
+  void init_params(const std::function<void(float*, int64_t, int64_t)>& fill);
 
   // Before each micro-batch's backward; `boundary`: this one completes the accumulation.
   void begin_micro_step(bool boundary);
   // Waits for the gradient reduction still in flight (the exposed communication).
   void finish_reduction();
-  // Grad norm (of the averaged gradient, before clipping), clipping, update, parameter gather.
-  double step(double lr, std::optional<std::pair<double, double>> betas, double clip);
+  // The step in DeepSpeed's order: grad_stats() (collective), then the caller updates its
+  // loss scale, then apply_step() with the new scale, or skip_step() on overflow.
+  GradStats grad_stats();
+  void apply_step(double lr, std::optional<std::pair<double, double>> betas, double clip, double loss_scale,
+                  const GradStats& stats);
+  void skip_step();
   void zero_grad();
+  const StateTypes& types() const { return types_; }
 
-  // Full parameters, gathered (collective); for tests and tools.
+  // Full parameters in fp32 (the master copy when mixed), gathered (collective); for tests and tools.
   std::vector<float> gather_full_params();
 
   MemoryBytes memory() const;
@@ -80,7 +104,7 @@ class ZeroOptimizer : public ParamStore {
   const Partition& partition() const { return part_; }
 
   // ParamStore
-  const float* fetch(int u) override;
+  const void* fetch(int u) override;
   void release(int u) override;
   float* grad_target(int u) override;
   void grads_done(int u) override;
@@ -88,7 +112,7 @@ class ZeroOptimizer : public ParamStore {
 
  private:
   struct Gathered {
-    FlatBuffer buffer;
+    TypedBuffer buffer;
     std::unique_ptr<CommRequest> pending;  // prefetch in flight
   };
   void start_gather(int u);
@@ -96,25 +120,29 @@ class ZeroOptimizer : public ParamStore {
   bool keep_after_use(int u) const;  // stage 3: persistent, or reused soon enough
   float* window_for(int u);
   int window_key(int u) const;
-  double partition_sum_of_squares() const;
   void gather_updated_params();
-  void all_gather_replicated(float* full);  // every rank's owned(r, 0, Ψ) range of a full buffer
+  void all_gather_replicated(void* full, DType type);  // every rank's owned(r, 0, Ψ) range of a full buffer
+  void cast_master_to_params();  // this rank's owned range, rounded to the parameter type
 
   ZeroConfig cfg_;
+  StateTypes types_;
+  bool mixed_;         // 16-bit parameters with an fp32 master copy
+  bool use_windows_;   // backward writes fp32 unit windows instead of the gradient buffer
   const ParamLayout& layout_;
   std::vector<ParamUnit> units_;
   Communicator& dp_;
   int rank_, world_, stage_;
   Partition part_;
 
-  FlatBuffer params_;       // full (stages 0-2) or this rank's partition (stage 3)
-  FlatBuffer grads_;        // full (stages 0-1) or this rank's partition (stages 2-3)
+  TypedBuffer params_;      // full (stages 0-2) or this rank's partition (stage 3)
+  TypedBuffer grads_;       // full (stages 0-1) or this rank's partition (stages 2-3)
+  FlatBuffer master_;       // mixed only: fp32 params, full (stage 0) or this rank's partition
   ParamLayout state_layout_;  // stages 1-3: the optimizer sees one tensor, the partition
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<GradientReducer> reducer_;
   bool boundary_ = false;
 
-  // stages 2-3: gradient windows (unit 0, the last unit, and two alternating block windows)
+  // gradient windows (unit 0, the last unit, and two alternating block windows)
   std::map<int, FlatBuffer> windows_;
 
   // stage 3: gathered units and the fetch trace

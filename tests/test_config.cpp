@@ -103,16 +103,17 @@ TEST(ConfigValidation, UnknownNestedKeyNamesTheFullPath) {
 
 TEST(ConfigValidation, DeepSpeedKeyZero3dLacksIsNamedUnsupportedNotMisspelt) {
   json j = minimal();
-  j["communication_data_type"] = "fp16";
+  j["seq_parallel_communication_data_type"] = "fp16";
   const std::string e = error_of(j);
-  EXPECT_NE(e.find("DeepSpeed feature `communication_data_type` is not supported by zero3d"), std::string::npos) << e;
+  EXPECT_NE(e.find("DeepSpeed feature `seq_parallel_communication_data_type` is not supported by zero3d"),
+            std::string::npos) << e;
   EXPECT_EQ(e.find("unknown key"), std::string::npos) << e;
 }
 
 TEST(ConfigValidation, EnabledDeepSpeedSectionZero3dLacksIsRejected) {
   json j = minimal();
-  j["fp16"] = {{"enabled", true}};
-  EXPECT_NE(error_of(j).find("DeepSpeed feature `fp16` is not supported by zero3d"), std::string::npos);
+  j["amp"] = {{"enabled", true}};
+  EXPECT_NE(error_of(j).find("DeepSpeed feature `amp` is not supported by zero3d"), std::string::npos);
 }
 
 TEST(ConfigValidation, DisabledDeepSpeedSectionIsAccepted) {

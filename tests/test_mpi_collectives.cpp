@@ -110,7 +110,7 @@ TEST_P(Reducer, AveragesEveryElementWhateverTheBucketsAndOverlap) {
   const int64_t n = 1003;  // not a multiple of any bucket
   std::vector<float> g(n);
   for (int64_t i = 0; i < n; ++i) g[i] = float(w.r * 1000 + i);
-  GradientReducer reducer(w.comm, g.data(), n, bucket, overlap);
+  GradientReducer reducer(w.comm, g.data(), DType::F32, n, bucket, overlap, DType::F32);
   reducer.begin();
   reducer.grads_ready(700);  // what backward reports as blocks finish
   reducer.progress();
