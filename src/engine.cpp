@@ -26,6 +26,12 @@ GPTShape shape_of(const ModelConfig& m) {
   return GPTShape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
 }
 
+std::string format_number(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
+
 // The process's resident-memory high-water mark (getrusage reports KiB on Linux).
 int64_t peak_rss_bytes() {
   struct rusage u {};
@@ -57,7 +63,7 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   run_collectively(groups.world(), [this] { setup_local(); });
   if (!cfg_.training.resume.empty()) resume_from_checkpoint();
   flops_per_token_ = gpt_flops_per_token(model_->shape(), model_->num_params());
-  double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_sgemm_peak_gflops();
+  double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_gemm_peak_gflops(model_->compute_type());
   peak_gflops_total_ = peak;
   dp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
   node_summary_ = node_summary(groups.world(), &local_rank_);
@@ -221,14 +227,16 @@ void Engine::print_startup() const {
               cfg_.optimizer.type_name.c_str(), cfg_.optimizer.lr,
               cfg_.scheduler.type == SchedulerType::None ? "" : (" | scheduler " + cfg_.scheduler.type_name).c_str(),
               cfg_.gradient_clipping, (long long)cfg_.training.steps, peak_gflops_total_,
-              cfg_.training.peak_gflops > 0 ? "training.peak_gflops" : "measured sgemm, all ranks");
+              cfg_.training.peak_gflops > 0
+                  ? "training.peak_gflops"
+                  : (model_->compute_type() == DType::BF16 ? "measured bf16 gemm, all ranks" : "measured sgemm, all ranks"));
   const PrecisionConfig& pc = cfg_.precision;
   std::string scaling = "no loss scaling";
   if (pc.param == DType::F16)
-    scaling = pc.loss_scale > 0 ? "static loss scale " + std::to_string(pc.loss_scale)
+    scaling = pc.loss_scale > 0 ? "static loss scale " + format_number(pc.loss_scale)
                                 : "dynamic loss scale 2^" + std::to_string(pc.initial_scale_power) + ", window " +
                                       std::to_string(pc.loss_scale_window) + ", hysteresis " +
-                                      std::to_string(pc.hysteresis) + ", min " + std::to_string(pc.min_loss_scale);
+                                      std::to_string(pc.hysteresis) + ", min " + format_number(pc.min_loss_scale);
   std::printf("precision %s parameters, %s gradient accumulation, %s communication%s; %s; %s; matmuls: %s\n",
               dtype_name(pc.param).c_str(), dtype_name(pc.grad_accum).c_str(), dtype_name(pc.comm).c_str(),
               pc.param == DType::F32 ? "" : ", fp32 master and optimizer states", scaling.c_str(),

@@ -1,18 +1,19 @@
 // monitor.cpp
 #include "monitor.hpp"
 
-#include <cblas.h>
 #include <sys/stat.h>
 
 #include <cerrno>
 #include <cstring>
 #include <vector>
 
+#include "gemm.hpp"
+
 #include "base.hpp"
 
 namespace zero3d {
 
-double measure_sgemm_peak_gflops() {
+double measure_gemm_peak_gflops(DType compute) {
   constexpr int n = 512;
   std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n, 0.0f);
   const double flops = 2.0 * n * n * n;
@@ -20,7 +21,7 @@ double measure_sgemm_peak_gflops() {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(250);
   for (int rep = 0; rep < 3 || std::chrono::steady_clock::now() < deadline; ++rep) {
     const auto t0 = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    gemm(n, n, n, {a.data(), DType::F32, false, n}, {b.data(), DType::F32, false, n}, c.data(), n, false, compute);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s > 0) best = std::max(best, flops / s / 1e9);
     if (rep > 200) break;

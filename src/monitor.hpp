@@ -1,6 +1,8 @@
 // monitor.hpp — timers, the MFU denominator, and the metrics.jsonl writer.
 #pragma once
 
+#include "dtype.hpp"
+
 #include <chrono>
 #include <fstream>
 #include <map>
@@ -34,9 +36,10 @@ class PhaseTimers {
   std::map<std::string, double> ms_;
 };
 
-// Peak single-rank GFLOP/s of a short square sgemm (the MFU denominator when
-// training.peak_gflops is not given). Takes about a quarter of a second.
-double measure_sgemm_peak_gflops();
+// Peak single-rank GFLOP/s of a short square matrix product in the model's compute dtype
+// (sgemm, or the bf16 path): the MFU denominator when training.peak_gflops is not given.
+// Takes about a quarter of a second.
+double measure_gemm_peak_gflops(DType compute = DType::F32);
 
 // Appends one JSON object per line; flushed after each so a killed run keeps its history.
 class MetricsWriter {

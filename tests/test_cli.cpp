@@ -13,68 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "cli_helpers.hpp"
+
 using json = nlohmann::json;
+using namespace cli;
 
 namespace {
-
-const std::string kExe = ZERO3D_EXE;
-const std::string kMpiexec = ZERO3D_MPIEXEC;
-const std::string kSource = ZERO3D_SOURCE_DIR;
-
-struct Result {
-  int code;
-  std::string out, err;
-};
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string temp_path(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "zero3d_cli";
-  std::system(("mkdir -p " + dir).c_str());
-  return dir + "/" + name;
-}
-
-// Runs `zero3d ARGS` on `np` ranks (np 0: without mpiexec). `prefix` goes before the launch:
-// environment assignments (VAR=value) or a wrapper such as `timeout 60`.
-Result run(const std::string& args, int np = 0, const std::string& prefix = "") {
-  const std::string out = temp_path("stdout.txt"), err = temp_path("stderr.txt");
-  std::string cmd = prefix + (prefix.empty() ? "" : " ") + (np > 0 ? kMpiexec + " -np " + std::to_string(np) + " " : "") +
-                    kExe + " " + args;
-  int status = std::system((cmd + " >" + out + " 2>" + err).c_str());
-  return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
-}
-
-std::string write_config(const std::string& name, const json& j) {
-  const std::string path = temp_path(name);
-  std::ofstream(path) << j.dump(2);
-  return path;
-}
-
-json tiny_config() {
-  return json{{"train_batch_size", 8},
-              {"train_micro_batch_size_per_gpu", 4},
-              {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
-              {"model", {{"vocab_size", 64}, {"n_positions", 16}, {"n_layer", 2}, {"n_head", 2}, {"n_embd", 32}}},
-              {"training", {{"steps", 5}, {"seed", 7}, {"peak_gflops", 50}}}};
-}
-
-std::vector<json> read_metrics(const std::string& dir) {
-  std::vector<json> rows;
-  std::ifstream in(dir + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) rows.push_back(json::parse(line));
-  return rows;
-}
-
-size_t count(const std::string& haystack, const std::string& needle) {
-  size_t n = 0;
-  for (size_t p = haystack.find(needle); p != std::string::npos; p = haystack.find(needle, p + 1)) ++n;
-  return n;
-}
 
 TEST(Cli, VersionFlagPrintsTheVersion) {
   Result r = run("--version");

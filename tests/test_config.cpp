@@ -281,3 +281,87 @@ TEST(Quickstart, EveryShippedConfigValidates) {
 }
 
 }  // namespace
+
+// --- mixed precision keys (DEEPSPEED-FACTS §1.4; DEEPSPEED-TEST-BEHAVIOURS §A) -----------------
+
+TEST(PrecisionConfig, Fp32IsTheDefaultForParametersGradientsAndCommunication) {
+  const Config c = read_config(minimal(), "c.json", 2);
+  EXPECT_EQ(c.precision.param, DType::F32);
+  EXPECT_EQ(c.precision.grad_accum, DType::F32);
+  EXPECT_EQ(c.precision.comm, DType::F32);
+}
+
+TEST(PrecisionConfig, Fp16DefaultsAreDeepSpeeds) {
+  json j = minimal();
+  j["fp16"] = {{"enabled", true}};
+  const PrecisionConfig p = read_config(j, "c.json", 2).precision;
+  EXPECT_EQ(p.param, DType::F16);
+  EXPECT_EQ(p.grad_accum, DType::F16);
+  EXPECT_EQ(p.comm, DType::F16);
+  EXPECT_EQ(p.loss_scale, 0.0);
+  EXPECT_EQ(p.initial_scale_power, 16);
+  EXPECT_EQ(p.loss_scale_window, 1000);
+  EXPECT_EQ(p.hysteresis, 2);
+  EXPECT_FALSE(p.consecutive_hysteresis);
+  EXPECT_EQ(p.min_loss_scale, 1.0);
+}
+
+TEST(PrecisionConfig, LossScaleAcceptsZeroIntegersFloatsAndNumericStrings) {
+  for (const json& v : {json(0), json(1), json(2.0), json("3")}) {
+    json j = minimal();
+    j["fp16"] = {{"enabled", true}, {"loss_scale", v}};
+    EXPECT_EQ(error_of(j), "") << v.dump();
+  }
+  json j = minimal();
+  j["fp16"] = {{"enabled", true}, {"loss_scale", "3"}};
+  EXPECT_EQ(read_config(j, "c.json", 2).precision.loss_scale, 3.0);
+}
+
+TEST(PrecisionConfig, LossScaleRejectsNegativeNonFiniteBooleansListsAndObjects) {
+  for (const json& v : {json(-1), json("inf"), json("nan"), json(true), json::array({1}), json::object({{"a", 1}})}) {
+    json j = minimal();
+    j["fp16"] = {{"enabled", true}, {"loss_scale", v}};
+    const std::string e = error_of(j);
+    EXPECT_NE(e.find("`fp16.loss_scale`"), std::string::npos) << v.dump() << ": " << e;
+    EXPECT_NE(e.find("number"), std::string::npos) << v.dump() << ": " << e;
+  }
+}
+
+TEST(PrecisionConfig, Fp16AndBf16TogetherAreRejected) {
+  json j = minimal();
+  j["fp16"] = {{"enabled", true}};
+  j["bf16"] = {{"enabled", true}};
+  EXPECT_NE(error_of(j).find("both enabled"), std::string::npos);
+}
+
+TEST(PrecisionConfig, Bfloat16IsAnAliasOfBf16) {
+  json j = minimal();
+  j["bfloat16"] = {{"enabled", true}};
+  EXPECT_EQ(read_config(j, "c.json", 2).precision.param, DType::BF16);
+}
+
+TEST(PrecisionConfig, CommunicationDataTypeIsCaseInsensitiveAndValidated) {
+  json j = minimal();
+  j["bf16"] = {{"enabled", true}};
+  j["communication_data_type"] = "FP32";
+  EXPECT_EQ(read_config(j, "c.json", 2).precision.comm, DType::F32);
+  j["communication_data_type"] = "int8";
+  EXPECT_NE(error_of(j).find("`communication_data_type`"), std::string::npos);
+}
+
+TEST(PrecisionConfig, GradAccumDtypeIsFp32OrTheModelDtype) {
+  json j = minimal();
+  j["bf16"] = {{"enabled", true}};
+  j["data_types"] = {{"grad_accum_dtype", "fp32"}};
+  EXPECT_EQ(read_config(j, "c.json", 2).precision.grad_accum, DType::F32);
+  j["data_types"] = {{"grad_accum_dtype", "fp16"}};
+  EXPECT_NE(error_of(j).find("`data_types.grad_accum_dtype`"), std::string::npos);
+}
+
+TEST(PrecisionConfig, Bf16ChecksGradientOverflowByDefault) {
+  json j = minimal();
+  j["bf16"] = {{"enabled", true}};
+  EXPECT_TRUE(read_config(j, "c.json", 2).precision.check_grad_overflow);
+  j["bf16"]["check_grad_overflow"] = false;
+  EXPECT_FALSE(read_config(j, "c.json", 2).precision.check_grad_overflow);
+}

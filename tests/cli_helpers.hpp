@@ -1,0 +1,78 @@
+// cli_helpers.hpp — running the zero3d executable from black-box tests (test_cli*.cpp).
+#pragma once
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+using json = nlohmann::json;
+
+namespace cli {
+
+inline const std::string kExe = ZERO3D_EXE;
+inline const std::string kMpiexec = ZERO3D_MPIEXEC;
+inline const std::string kSource = ZERO3D_SOURCE_DIR;
+
+struct Result {
+  int code;
+  std::string out, err;
+};
+
+inline std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+inline std::string temp_path(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "zero3d_cli";
+  std::system(("mkdir -p " + dir).c_str());
+  return dir + "/" + name;
+}
+
+// Runs `zero3d ARGS` on `np` ranks (np 0: without mpiexec). `prefix` goes before the launch:
+// environment assignments (VAR=value) or a wrapper such as `timeout 60`.
+inline Result run(const std::string& args, int np = 0, const std::string& prefix = "") {
+  const std::string out = temp_path("stdout.txt"), err = temp_path("stderr.txt");
+  std::string cmd = prefix + (prefix.empty() ? "" : " ") + (np > 0 ? kMpiexec + " -np " + std::to_string(np) + " " : "") +
+                    kExe + " " + args;
+  int status = std::system((cmd + " >" + out + " 2>" + err).c_str());
+  return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
+
+inline std::string write_config(const std::string& name, const json& j) {
+  const std::string path = temp_path(name);
+  std::ofstream(path) << j.dump(2);
+  return path;
+}
+
+inline json tiny_config() {
+  return json{{"train_batch_size", 8},
+              {"train_micro_batch_size_per_gpu", 4},
+              {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+              {"model", {{"vocab_size", 64}, {"n_positions", 16}, {"n_layer", 2}, {"n_head", 2}, {"n_embd", 32}}},
+              {"training", {{"steps", 5}, {"seed", 7}, {"peak_gflops", 50}}}};
+}
+
+inline std::vector<json> read_metrics(const std::string& dir) {
+  std::vector<json> rows;
+  std::ifstream in(dir + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) rows.push_back(json::parse(line));
+  return rows;
+}
+
+inline size_t count(const std::string& haystack, const std::string& needle) {
+  size_t n = 0;
+  for (size_t p = haystack.find(needle); p != std::string::npos; p = haystack.find(needle, p + 1)) ++n;
+  return n;
+}
+
+}  // namespace cli
