@@ -10,6 +10,8 @@ computed in float64 and stored as float32. Each file holds
   /golden/adamw_losses [10]     loss before each of 10 AdamW steps on the same batch
   /golden/hparams               [lr, beta1, beta2, eps, weight_decay, gradient_clipping]
   attributes vocab_size, n_positions, n_layer, n_head, n_embd, batch
+and half_conversions.h5: /fp32 values (ties, subnormals, overflow, inf, NaN, random) with the
+bit patterns torch gives them as /bf16_bits and /fp16_bits (.to(dtype), round to nearest even).
 
 Run:  OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_goldens.py tests/golden
 """
@@ -133,10 +135,30 @@ def write(path, name, cfg, seed):
     print(f"{path}: loss {losses[0]:.6f} -> {losses[-1]:.6f} after 10 AdamW steps")
 
 
+def write_half_conversions(path):
+    f32 = np.float32
+    special = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"),
+               1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20,     # bf16 ties (to even) and just above
+               1 + 2**-11, 1 + 3 * 2**-11,                         # fp16 ties
+               65504.0, 65519.0, 65520.0, 70000.0, -1e6,            # fp16 max, last below the tie, overflow
+               2**-24, 2**-25, 3 * 2**-26, 1e-8, 6e-5,             # fp16 subnormals and underflow
+               3.0e38, 3.4028235e38, 1e-39, -1e-40]                # bf16 near max, fp32 subnormals
+    gen = np.random.default_rng(4321)
+    random = gen.standard_normal(2000) * np.exp(gen.uniform(-20, 20, 2000))
+    x = np.concatenate([np.array(special), random]).astype(f32)
+    t = torch.from_numpy(x)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("fp32", data=x)
+        f.create_dataset("bf16_bits", data=t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+        f.create_dataset("fp16_bits", data=t.to(torch.float16).view(torch.int16).numpy().view(np.uint16))
+    print(f"{path}: {len(x)} conversions")
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
     for i, (name, cfg) in enumerate(CONFIGS.items()):
         write(os.path.join(out, name + ".h5"), name, cfg, seed=1000 + i)
+    write_half_conversions(os.path.join(out, "half_conversions.h5"))
 
 
 if __name__ == "__main__":

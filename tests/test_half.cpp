@@ -1,0 +1,80 @@
+// test_half.cpp — fp32 -> bf16/fp16 rounding against PyTorch's conversions
+// (tests/golden/half_conversions.h5, written by tests/golden/make_goldens.py).
+#include <gtest/gtest.h>
+#include <hdf5.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "half.hpp"
+#include "h5.hpp"
+
+using namespace zero3d;
+using namespace zero3d::kernels;
+
+namespace {
+
+template <typename T>
+std::vector<T> read_dataset(const h5::File& f, const char* name, hid_t type) {
+  h5::Handle ds(H5Dopen2(f.id(), name, H5P_DEFAULT), H5Dclose);
+  h5::Handle space(H5Dget_space(ds.get()), H5Sclose);
+  std::vector<T> out(static_cast<size_t>(H5Sget_simple_extent_npoints(space.get())));
+  H5Dread(ds.get(), type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data());
+  return out;
+}
+
+struct Conversions {
+  std::vector<float> x;
+  std::vector<uint16_t> bf16_bits, fp16_bits;
+};
+
+const Conversions& golden() {
+  static const Conversions c = [] {
+    h5::File f = h5::File::open_read(std::string(ZERO3D_GOLDEN_DIR) + "/half_conversions.h5");
+    return Conversions{read_dataset<float>(f, "fp32", H5T_NATIVE_FLOAT),
+                       read_dataset<uint16_t>(f, "bf16_bits", H5T_NATIVE_UINT16),
+                       read_dataset<uint16_t>(f, "fp16_bits", H5T_NATIVE_UINT16)};
+  }();
+  return c;
+}
+
+}  // namespace
+
+TEST(HalfConversion, Bf16RoundsToNearestEvenLikeTorch) {
+  const Conversions& g = golden();
+  ASSERT_GT(g.x.size(), 2000u);
+  for (size_t i = 0; i < g.x.size(); ++i) {
+    const bf16 b = to_bf16(g.x[i]);
+    if (std::isnan(g.x[i])) {
+      EXPECT_TRUE(std::isnan(to_float(b)));
+      continue;
+    }
+    EXPECT_EQ(b.bits, g.bf16_bits[i]) << "x = " << g.x[i];
+    EXPECT_EQ(to_float(b), to_float(bf16{g.bf16_bits[i]}));  // widening is exact
+  }
+}
+
+TEST(HalfConversion, Fp16RoundsToNearestEvenWithSubnormalsAndOverflowToInfLikeTorch) {
+  const Conversions& g = golden();
+  for (size_t i = 0; i < g.x.size(); ++i) {
+    const fp16 h = to_fp16(g.x[i]);
+    if (std::isnan(g.x[i])) {
+      EXPECT_TRUE(std::isnan(to_float(h)));
+      continue;
+    }
+    EXPECT_EQ(h.bits, g.fp16_bits[i]) << "x = " << g.x[i];
+  }
+  EXPECT_TRUE(std::isinf(to_float(to_fp16(70000.0f)))) << "overflow must become inf for the loss scaler to see it";
+}
+
+TEST(HalfConversion, ConvertKernelAccumulatesInFp32AndRoundsOnce) {
+  // 256 + 1 is not representable in bf16 (8 bits of mantissa): 256 + 1 -> 256 (tie to even),
+  // but adding 1.5 rounds up to 258.
+  std::vector<bf16> acc = {to_bf16(256.0f), to_bf16(256.0f)};
+  const std::vector<float> add = {1.0f, 1.5f};
+  convert(acc.data(), add.data(), 2, 1.0f, /*accumulate=*/true);
+  EXPECT_EQ(to_float(acc[0]), 256.0f);
+  EXPECT_EQ(to_float(acc[1]), 258.0f);
+}
