@@ -112,33 +112,45 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
   MemoryBudget b;
   b.stage = stage < 0 ? static_cast<int>(cfg.zero.stage) : stage;
   b.micro_batch = cfg.batch.micro_batch;
-  // Model states: what ZeroOptimizer allocates (zero.hpp's table), fp32 throughout.
+  // Model states: what ZeroOptimizer allocates (zero.hpp's table) in the configured dtypes.
+  const PrecisionConfig& pc = cfg.precision;
+  const int64_t ps = static_cast<int64_t>(dtype_size(pc.param)), gs = static_cast<int64_t>(dtype_size(pc.grad_accum)),
+                cs = static_cast<int64_t>(dtype_size(pc.comm));
+  const bool mixed = pc.param != DType::F32;
   const int64_t full = b.stage == 0 ? psi : part.padded;
-  b.params = 4 * (b.stage == 3 ? part.part : full);
-  b.grads = 4 * (b.stage >= 2 ? part.part : full);
-  b.master = 0;  // fp32 parameters are their own master copy
+  b.params = ps * (b.stage == 3 ? part.part : full);
+  b.grads = gs * (b.stage >= 2 ? part.part : full);
   const int64_t state_elems = b.stage == 0 ? psi : part.part;
+  b.master = mixed ? 4 * state_elems : 0;  // fp32 parameters are their own master copy
   const int moments = cfg.optimizer.type == OptimizerType::SGD ? (cfg.optimizer.momentum != 0.0 ? 1 : 0) : 2;
   b.optimizer_states = 4 * moments * state_elems;
-  // Communication: reduce-scatter staging (rank 0's part of the buckets in flight) and, at
-  // stages 2-3, gradient windows (embeddings, ln_f, one block; two with overlap_comm).
-  // Parameter all-gathers are in place (stages 1-2) or land in the gathered units (stage 3).
-  int64_t largest_block = 0, largest_unit = 0;
+  // Communication: reduce-scatter staging (rank 0's part of the buckets in flight, in the
+  // communication dtype), send buffers for buckets converted to that dtype, and the fp32
+  // gradient windows (embeddings, ln_f, one block; two with overlap_comm) that stages 2-3 and
+  // 16-bit gradients use. Parameter all-gathers are in place (stages 1-2) or land in the
+  // gathered units (stage 3).
+  int64_t largest_block = 0, largest_unit = 0, largest_tensor = 0;
   for (size_t u = 0; u < units.size(); ++u) {
     largest_unit = std::max(largest_unit, units[u].numel);
     if (u > 0 && u + 1 < units.size()) largest_block = std::max(largest_block, units[u].numel);
   }
-  if (b.stage >= 1) {
-    const int64_t staging = cfg.zero.overlap_comm ? part.part : std::min(cfg.zero.reduce_bucket_size, part.part);
-    b.comm_reduce = 4 * staging;
+  for (const TensorSpec& t : layout.tensors()) largest_tensor = std::max(largest_tensor, t.numel);
+  const bool overlap = cfg.zero.overlap_comm;
+  if (b.stage >= 1) b.comm_reduce = cs * (overlap ? part.part : std::min(cfg.zero.reduce_bucket_size, part.part));
+  const bool windows = b.stage >= 2 || pc.grad_accum != DType::F32;
+  if (windows) b.comm_reduce += 4 * (units.front().numel + units.back().numel + largest_block * (overlap ? 2 : 1));
+  const DType source = b.stage >= 2 ? DType::F32 : pc.grad_accum;  // what the buckets are cut from
+  if (source != pc.comm) {
+    const int64_t one_call = b.stage >= 2 ? largest_unit : psi;  // what one reduction covers
+    const int64_t in_flight =
+        overlap ? (b.stage >= 2 ? 2 * largest_unit : psi) : std::min(cfg.zero.reduce_bucket_size, one_call);
+    b.comm_reduce += cs * in_flight;
   }
-  if (b.stage >= 2)
-    b.comm_reduce += 4 * (units.front().numel + units.back().numel + largest_block * (cfg.zero.overlap_comm ? 2 : 1));
   if (b.stage == 3) {
     // Gathered units: everything, when units are kept for reuse within the step (DeepSpeed's
     // defaults), else at most max_live_parameters plus the unit being fetched.
     const bool keep_all = cfg.zero.max_reuse_distance >= 2 * psi && cfg.zero.max_live_parameters >= psi;
-    b.live_params = 4 * (keep_all ? psi : std::min(psi, cfg.zero.max_live_parameters + largest_unit));
+    b.live_params = ps * (keep_all ? psi : std::min(psi, cfg.zero.max_live_parameters + largest_unit));
     b.comm_prefetch = 0;  // prefetched units are inside live_params
   }
   // Activations: the GPT's buffers for one micro-batch (model.cpp allocates exactly these).
@@ -150,9 +162,15 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
   b.activations = 4 * (BT * C + L * per_block + head + scratch);
   // With every block checkpointed: block inputs kept, one block's internals recomputed at a time.
   b.activations_checkpointed = 4 * (BT * C + L * BT * C + per_block + head + scratch);
-  // Workspace: token ids, the start-up sgemm that measures peak GFLOP/s, initial weights read
-  // whole by init_from, data held in memory (text bytes and token shards as int32).
+  // Workspace: token ids, the start-up product that measures peak GFLOP/s, initial weights
+  // read whole by init_from, data held in memory (text bytes and token shards as int32).
   b.workspace = 2 * 4 * BT + 3 * 512 * 512 * 4;
+  // 16-bit runs: operand conversions of the matrix products (gemm.cpp) and the tensor groups
+  // that fill the 16-bit copy at start-up (stages 1-2). (oneDNN's own code and caches measured
+  // within ±5 MB of nothing: kRuntimeBytes covers them.)
+  if (pc.param == DType::BF16) b.workspace += 2 * std::max(4 * BT * C, BT * V) + 2 * 4 * BT * C;
+  if (pc.param == DType::F16) b.workspace += 4 * std::max(V * C, 4 * C * C);
+  if (mixed && (b.stage == 1 || b.stage == 2)) b.workspace += 4 * std::min(psi, (int64_t(1) << 22) + largest_tensor);
   if (!m.init_from.empty()) b.workspace += 4 * psi;
   struct stat st {};
   if (cfg.data.source == DataSource::Text && ::stat(cfg.data.path.c_str(), &st) == 0) b.workspace += 5 * st.st_size;

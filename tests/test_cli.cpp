@@ -674,13 +674,16 @@ json estimate_of(const std::string& cfg, int np) {
   return json::parse(r.out);
 }
 
-TEST(EstimateVsEngine, ModelStateCategoriesEqualTheEngineCountsByteForByte) {
+class EstimateVsEngine : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EstimateVsEngine, ModelStateCategoriesEqualTheEngineCountsByteForByte) {
   json j = zero_config(2);
   j["training"]["steps"] = 1;
+  if (GetParam() != "fp32") j[GetParam()] = {{"enabled", true}};
   const std::string cfg = write_config("est_bytes.json", j);
   const json est = estimate_of(cfg, 2);
   for (int stage = 0; stage <= 3; ++stage) {
-    const std::string dir = temp_path("est_bytes_s" + std::to_string(stage));
+    const std::string dir = temp_path("est_bytes_s" + std::to_string(stage) + GetParam());
     ASSERT_EQ(run("train " + cfg + " --output " + dir + " --set zero_optimization.stage=" + std::to_string(stage), 2).code,
               0);
     const json m = read_metrics(dir).back()["memory"];
@@ -689,10 +692,13 @@ TEST(EstimateVsEngine, ModelStateCategoriesEqualTheEngineCountsByteForByte) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Dtypes, EstimateVsEngine, ::testing::Values("fp32", "bf16", "fp16"));
+
 struct MeasuredRun {
   int np, stage;
+  std::string dtype = "fp32";
 };
-void PrintTo(const MeasuredRun& r, std::ostream* os) { *os << "np " << r.np << " stage " << r.stage; }
+void PrintTo(const MeasuredRun& r, std::ostream* os) { *os << "np " << r.np << " stage " << r.stage << " " << r.dtype; }
 class EstimateVsMeasured : public ::testing::TestWithParam<MeasuredRun> {};
 
 // A 57M-parameter model, so that what the estimate models dominates the process.
@@ -706,8 +712,10 @@ TEST_P(EstimateVsMeasured, TotalIsWithinTenPercentOfPeakResidentMemory) {
   j["training"]["steps"] = 2;
   j["zero_optimization"] = {{"stage", p.stage}, {"reduce_bucket_size", 2000000}, {"allgather_bucket_size", 2000000},
                             {"max_live_parameters", 8000000}, {"max_reuse_distance", 0}, {"overlap_comm", false}};
+  if (p.dtype != "fp32") j[p.dtype] = {{"enabled", true}};
   const std::string cfg = write_config("est_rss.json", j);
-  const std::string dir = temp_path("est_rss_np" + std::to_string(p.np) + "_s" + std::to_string(p.stage));
+  const std::string dir =
+      temp_path("est_rss_np" + std::to_string(p.np) + "_s" + std::to_string(p.stage) + "_" + p.dtype);
   ASSERT_EQ(run("train " + cfg + " --output " + dir, p.np).code, 0);
   const double measured = read_metrics(dir).back()["peak_rss_bytes"].get<double>();
   const double estimated = estimate_of(cfg, p.np)["budgets"][p.stage]["total"].get<double>();
@@ -717,9 +725,11 @@ TEST_P(EstimateVsMeasured, TotalIsWithinTenPercentOfPeakResidentMemory) {
 
 // (np 4 at stage 3 with this model takes minutes: four ranks busy-polling two cores through
 // stage 3's many collectives; benchmarks/estimate_vs_measured.sh covers it.)
-INSTANTIATE_TEST_SUITE_P(SixConfigurations, EstimateVsMeasured,
+INSTANTIATE_TEST_SUITE_P(Configurations, EstimateVsMeasured,
                          ::testing::Values(MeasuredRun{1, 0}, MeasuredRun{2, 1}, MeasuredRun{2, 2}, MeasuredRun{2, 3},
-                                           MeasuredRun{4, 2}, MeasuredRun{1, 3}));
+                                           MeasuredRun{4, 2}, MeasuredRun{1, 3}, MeasuredRun{1, 0, "bf16"},
+                                           MeasuredRun{2, 1, "bf16"}, MeasuredRun{2, 3, "bf16"},
+                                           MeasuredRun{2, 2, "fp16"}));
 
 TEST(Estimate, CliPrintsDeepSpeedsTableForTheLiveQuickstartModel) {
   Result r = run("estimate zero3 --model " + kSource + "/input/quickstart.json --gpus-per-node 8 --nodes 1");
