@@ -10,6 +10,8 @@
 #include "attention.hpp"
 #include "crossentropy.hpp"
 #include "gelu.hpp"
+#include "gemm.hpp"
+#include "half.hpp"
 #include "layernorm.hpp"
 #include "matmul.hpp"
 #include "optimizers.hpp"
@@ -55,6 +57,35 @@ void BM_MatmulBackward(benchmark::State& state) {
                                                  benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_MatmulBackward)->Args({C, 3 * C})->Args({C, C})->Args({C, 4 * C})->Args({4 * C, C})->Unit(benchmark::kMillisecond);
+
+// The model's products through gemm(): args = (IC, OC, bf16). bf16 = 1 stores the weight as
+// bf16 and multiplies through the bf16 path (oneDNN when built with it), including the
+// per-call rounding of the fp32 activation; 0 is plain sgemm. Forward + both backward products.
+void BM_LinearTrainingProducts(benchmark::State& state) {
+  const Index IC = state.range(0), OC = state.range(1);
+  const bool bf = state.range(2) != 0;
+  auto inp = randn(BT * IC, 1), w = randn(IC * OC, 2), dout = randn(BT * OC, 3);
+  std::vector<bf16> w16(w.size());
+  for (size_t i = 0; i < w.size(); ++i) w16[i] = to_bf16(w[i]);
+  const DType wt = bf ? DType::BF16 : DType::F32, compute = bf ? DType::BF16 : DType::F32;
+  const void* wp = bf ? static_cast<const void*>(w16.data()) : w.data();
+  std::vector<float> out(BT * OC), dinp(BT * IC), dw(IC * OC);
+  for (auto _ : state) {
+    gemm(BT, OC, IC, {inp.data(), DType::F32, false, IC}, {wp, wt, false, OC}, out.data(), OC, false, compute);
+    gemm(BT, IC, OC, {dout.data(), DType::F32, false, OC}, {wp, wt, true, OC}, dinp.data(), IC, false, compute);
+    gemm(IC, OC, BT, {inp.data(), DType::F32, true, IC}, {dout.data(), DType::F32, false, OC}, dw.data(), OC, true,
+         compute);
+    benchmark::ClobberMemory();
+  }
+  state.SetLabel(gemm_path(compute));
+  state.counters["GFLOP/s"] = benchmark::Counter(6.0 * BT * IC * OC, benchmark::Counter::kIsIterationInvariantRate,
+                                                 benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_LinearTrainingProducts)
+    ->ArgsProduct({{C}, {3 * C, 4 * C}, {0, 1}})
+    ->Args({4 * C, C, 0})
+    ->Args({4 * C, C, 1})
+    ->Unit(benchmark::kMillisecond);
 
 void BM_LayerNormForward(benchmark::State& state) {
   auto inp = randn(BT * C, 4), w = randn(C, 5), b = randn(C, 6);

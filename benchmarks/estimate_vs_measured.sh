@@ -15,16 +15,21 @@ cat > "$DIR/est.json" <<'JSON'
                        "max_live_parameters": 8000000, "max_reuse_distance": 0, "overlap_comm": false},
  "training": {"steps": 2, "peak_gflops": 100}}
 JSON
-printf "%-4s %-6s %14s %14s %8s\n" np stage "estimate MB" "measured MB" ratio
-for cfg in "1 0" "2 0" "2 1" "2 2" "2 3" "4 2" "4 3" "1 3"; do
+export OMP_NUM_THREADS=1
+printf "%-4s %-6s %-6s %14s %14s %8s\n" np stage dtype "estimate MB" "measured MB" ratio
+for cfg in "1 0 fp32" "2 0 fp32" "2 1 fp32" "2 2 fp32" "2 3 fp32" "4 2 fp32" "4 3 fp32" "1 3 fp32" \
+           "1 0 bf16" "2 1 bf16" "2 2 bf16" "2 3 bf16" "1 3 bf16" "2 2 fp16"; do
   set -- $cfg
-  mpirun -np "$1" build/zero3d train "$DIR/est.json" --set zero_optimization.stage="$2" --output "$DIR/np$1_s$2" > /dev/null
-  build/zero3d estimate --config "$DIR/est.json" --world-size "$1" --json > "$DIR/np$1_s$2/estimate.json"
-  python3 - "$DIR/np$1_s$2" "$1" "$2" <<'PY'
+  run="$DIR/np$1_s$2_$3"
+  dtype=()
+  [ "$3" != fp32 ] && dtype=(--set "$3.enabled=true")
+  mpirun -np "$1" build/zero3d train "$DIR/est.json" --set zero_optimization.stage="$2" "${dtype[@]}" --output "$run" > /dev/null
+  build/zero3d estimate --config "$DIR/est.json" --world-size "$1" "${dtype[@]}" --json > "$run/estimate.json"
+  python3 - "$run" "$1" "$2" "$3" <<'PY'
 import json, sys
-d, np, stage = sys.argv[1], sys.argv[2], int(sys.argv[3])
+d, np, stage, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 measured = [json.loads(l) for l in open(d + "/metrics.jsonl")][-1]["peak_rss_bytes"]
 estimate = json.load(open(d + "/estimate.json"))["budgets"][stage]["total"]
-print(f"{np:<4} {stage:<6} {estimate/1e6:14.1f} {measured/1e6:14.1f} {estimate/measured:8.3f}")
+print(f"{np:<4} {stage:<6} {dtype:<6} {estimate/1e6:14.1f} {measured/1e6:14.1f} {estimate/measured:8.3f}")
 PY
 done
