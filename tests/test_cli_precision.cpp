@@ -121,12 +121,51 @@ TEST(Fp16, StageZeroHasNoHysteresis) {
   EXPECT_EQ(read_metrics(dir)[0]["loss_scale"].get<double>(), std::ldexp(1.0, 39));
 }
 
+TEST(Bf16, StepsWithNonFiniteGradientsAreSkippedUnlessCheckGradOverflowIsOff) {
+  // An absurd learning rate sends the weights to ~1e30 after step 1: later forwards overflow
+  // and every gradient after that is inf/NaN.
+  json j = fp16_config();
+  j.erase("fp16");
+  j.erase("scheduler");
+  j["bf16"] = {{"enabled", true}};
+  j["optimizer"]["params"]["lr"] = 1e30;
+  j["training"]["steps"] = 4;
+  const std::string path = write_config("bf16_nan.json", j);
+  const std::string checked = temp_path("bf16_nan_checked"), unchecked = temp_path("bf16_nan_unchecked");
+  ASSERT_EQ(run("train " + path + " --output " + checked, 2).code, 0);
+  const auto rows = read_metrics(checked);
+  EXPECT_FALSE(rows[0]["skipped"].get<bool>());
+  EXPECT_EQ(rows.back()["skipped_steps"].get<int64_t>(), 3);
+  EXPECT_EQ(rows.back()["loss_scale"].get<double>(), 1.0) << "bf16 never scales the loss";
+  ASSERT_EQ(run("train " + path + " --output " + unchecked + " --set bf16.check_grad_overflow=false", 2).code, 0);
+  EXPECT_EQ(read_metrics(unchecked).back()["skipped_steps"].get<int64_t>(), 0);
+}
+
+TEST(Bf16, CommunicationDataTypeSetsTheBytesOfTheGradientReduction) {
+  json j = fp16_config();
+  j.erase("fp16");
+  j["bf16"] = {{"enabled", true}};
+  j["gradient_accumulation_steps"] = 1;
+  j["train_batch_size"] = 4;
+  j["zero_optimization"]["stage"] = 0;
+  j["training"]["steps"] = 1;
+  const std::string path = write_config("bf16_comm.json", j);
+  const std::string b16 = temp_path("bf16_comm16"), f32 = temp_path("bf16_comm32");
+  ASSERT_EQ(run("train " + path + " --output " + b16, 2).code, 0);
+  ASSERT_EQ(run("train " + path + " --output " + f32 + " --set communication_data_type=fp32", 2).code, 0);
+  // Stage 0 all-reduces Ψ gradients: 2(W-1)/W·Ψ elements of 2 or 4 bytes (+ 8-byte scalars).
+  const double bytes16 = read_metrics(b16).back()["comm_bytes"].get<double>();
+  const double bytes32 = read_metrics(f32).back()["comm_bytes"].get<double>();
+  EXPECT_NEAR(bytes16, 2.0 * kPsi, 64);
+  EXPECT_NEAR(bytes32, 4.0 * kPsi, 64);
+}
+
 // The quick-start model for 100 steps in each precision at each stage (np 2).
 class MixedPrecisionStages : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(MixedPrecisionStages, FinalLossIsWithinThreePercentOfFp32AndStagesAgree) {
   const std::string dtype = GetParam();
-  static std::map<int, double> fp32_final;
+  static std::map<int, double> fp32_final, fp32_first_norm;
   std::vector<std::vector<double>> by_stage;
   for (int stage = 0; stage <= 3; ++stage) {
     const std::string set = " --set training.steps=100 --set zero_optimization.stage=" + std::to_string(stage);
@@ -134,14 +173,18 @@ TEST_P(MixedPrecisionStages, FinalLossIsWithinThreePercentOfFp32AndStagesAgree) 
       const std::string dir = temp_path("qs_fp32_s" + std::to_string(stage));
       ASSERT_EQ(run("train " + kSource + "/input/quickstart.json --output " + dir + set, 2).code, 0);
       fp32_final[stage] = read_metrics(dir).back()["loss"].get<double>();
+      fp32_first_norm[stage] = read_metrics(dir).front()["grad_norm"].get<double>();
     }
     const std::string dir = temp_path("qs_" + dtype + "_s" + std::to_string(stage));
     Result r = run("train " + kSource + "/input/quickstart.json --output " + dir + set + " --set " + dtype +
                        ".enabled=true",
                    2);
     ASSERT_EQ(r.code, 0) << r.err;
-    by_stage.push_back(losses(read_metrics(dir)));
+    const auto rows = read_metrics(dir);
+    by_stage.push_back(losses(rows));
     EXPECT_NEAR(by_stage.back().back(), fp32_final[stage], 0.03 * fp32_final[stage]) << dtype << " stage " << stage;
+    // The reported norm is the unscaled one: the same as fp32's up to 16-bit rounding.
+    EXPECT_NEAR(rows[0]["grad_norm"].get<double>(), fp32_first_norm[stage], 0.01 * fp32_first_norm[stage]);
   }
   // The fp32 stage test allows 1e-5 relative; 16-bit stages meet the same bound.
   for (int stage = 1; stage <= 3; ++stage)
