@@ -202,6 +202,9 @@ void write_budget_report(const std::string& path, const Config& cfg, int64_t wor
   h5::write_attribute(f.id(), "config_file", cfg.file);
   h5::write_attribute(f.id(), "world_size", world);
   h5::write_attribute(f.id(), "micro_batch", cfg.batch.micro_batch);
+  h5::write_attribute(f.id(), "param_dtype", dtype_name(cfg.precision.param));
+  h5::write_attribute(f.id(), "grad_accum_dtype", dtype_name(cfg.precision.grad_accum));
+  h5::write_attribute(f.id(), "communication_data_type", dtype_name(cfg.precision.comm));
   h5::write_attribute(f.id(), "parameters", count_model(cfg.model).params);
   h5::write_attribute(f.id(), "units", "bytes per rank; element k of each dataset is ZeRO stage k");
   const nlohmann::json first = budgets.front().to_json();

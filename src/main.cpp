@@ -190,7 +190,11 @@ int cmd_estimate(EstimateArgs a, int rank) {
   for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage));
   if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets);
   nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"configured_stage", cfg.zero.stage},
-                        {"parameters", count_model(cfg.model).params}, {"budgets", nlohmann::json::array()}};
+                        {"parameters", count_model(cfg.model).params},
+                        {"dtypes", {{"params", dtype_name(cfg.precision.param)},
+                                    {"grad_accum", dtype_name(cfg.precision.grad_accum)},
+                                    {"communication", dtype_name(cfg.precision.comm)}}},
+                        {"budgets", nlohmann::json::array()}};
   for (const auto& b : budgets) doc["budgets"].push_back(b.to_json());
   int64_t limit = 0;
   if (!a.memory_per_rank.empty()) {
@@ -203,9 +207,11 @@ int cmd_estimate(EstimateArgs a, int rank) {
     std::printf("%s\n", doc.dump(2).c_str());
     return kExitOk;
   }
-  std::printf("%s: %lld parameters, micro-batch %lld, %lld data-parallel ranks (configured stage %lld)\n", name.c_str(),
-              (long long)doc["parameters"].get<int64_t>(), (long long)cfg.batch.micro_batch, (long long)a.world_size,
-              (long long)cfg.zero.stage);
+  std::printf("%s: %lld parameters, micro-batch %lld, %lld data-parallel ranks (configured stage %lld), %s "
+              "parameters, %s gradients, %s communication\n",
+              name.c_str(), (long long)doc["parameters"].get<int64_t>(), (long long)cfg.batch.micro_batch,
+              (long long)a.world_size, (long long)cfg.zero.stage, dtype_name(cfg.precision.param).c_str(),
+              dtype_name(cfg.precision.grad_accum).c_str(), dtype_name(cfg.precision.comm).c_str());
   std::printf("bytes per rank            %14s %14s %14s %14s\n", "stage 0", "stage 1", "stage 2", "stage 3");
   const char* rows[] = {"params", "grads", "master", "optimizer_states", "comm_reduce", "comm_gather", "comm_prefetch",
                         "live_params", "activations", "workspace", "runtime", "total"};
