@@ -58,23 +58,26 @@ void BM_MatmulBackward(benchmark::State& state) {
 }
 BENCHMARK(BM_MatmulBackward)->Args({C, 3 * C})->Args({C, C})->Args({C, 4 * C})->Args({4 * C, C})->Unit(benchmark::kMillisecond);
 
-// The model's products through gemm(): args = (IC, OC, bf16). bf16 = 1 stores the weight as
-// bf16 and multiplies through the bf16 path (oneDNN when built with it), including the
-// per-call rounding of the fp32 activation; 0 is plain sgemm. Forward + both backward products.
+// One linear layer's training products (forward, then backward's two products) with the
+// weight stored as fp32 (sgemm) or bf16 (the bf16 path, oneDNN when built with it), as the
+// model runs them, operand conversions included: args = (IC, OC, bf16).
 void BM_LinearTrainingProducts(benchmark::State& state) {
   const Index IC = state.range(0), OC = state.range(1);
   const bool bf = state.range(2) != 0;
-  auto inp = randn(BT * IC, 1), w = randn(IC * OC, 2), dout = randn(BT * OC, 3);
-  std::vector<bf16> w16(w.size());
-  for (size_t i = 0; i < w.size(); ++i) w16[i] = to_bf16(w[i]);
-  const DType wt = bf ? DType::BF16 : DType::F32, compute = bf ? DType::BF16 : DType::F32;
-  const void* wp = bf ? static_cast<const void*>(w16.data()) : w.data();
-  std::vector<float> out(BT * OC), dinp(BT * IC), dw(IC * OC);
+  auto inp = randn(BT * IC, 1), w = randn(IC * OC, 2), b = randn(OC, 3), dout = randn(BT * OC, 4);
+  std::vector<bf16> w16(w.size()), b16(b.size());
+  convert(w16.data(), w.data(), static_cast<Index>(w.size()));
+  convert(b16.data(), b.data(), static_cast<Index>(b.size()));
+  const DType compute = bf ? DType::BF16 : DType::F32;
+  std::vector<float> out(BT * OC), dinp(BT * IC), dw(IC * OC), db(OC);
   for (auto _ : state) {
-    gemm(BT, OC, IC, {inp.data(), DType::F32, false, IC}, {wp, wt, false, OC}, out.data(), OC, false, compute);
-    gemm(BT, IC, OC, {dout.data(), DType::F32, false, OC}, {wp, wt, true, OC}, dinp.data(), IC, false, compute);
-    gemm(IC, OC, BT, {inp.data(), DType::F32, true, IC}, {dout.data(), DType::F32, false, OC}, dw.data(), OC, true,
-         compute);
+    if (bf) {
+      matmul_forward(out.data(), inp.data(), w16.data(), b16.data(), BT, IC, OC, false, compute);
+      matmul_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w16.data(), BT, IC, OC, compute);
+    } else {
+      matmul_forward(out.data(), inp.data(), w.data(), b.data(), BT, IC, OC);
+      matmul_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), BT, IC, OC);
+    }
     benchmark::ClobberMemory();
   }
   state.SetLabel(gemm_path(compute));

@@ -1,13 +1,23 @@
 // matmul.hpp — Hugging Face Conv1D linear layer: out[N,OC] = inp[N,IC] · weight[IC,OC] + bias.
-// The weight is input-major (GPT-2's Conv1D layout), so both products are plain row-major sgemm.
+// The weight is input-major (GPT-2's Conv1D layout), so both products are plain row-major
+// matrix products. Weights and biases are stored as P (float, bf16 or fp16); the products go
+// through gemm() in the `compute` dtype (gemm.hpp: sgemm, or bf16 through oneDNN).
 #pragma once
 
-#include <cblas.h>
-
 #include "common.hpp"
+#include "gemm.hpp"
 #include "half.hpp"
 
 namespace zero3d::kernels {
+
+template <typename P>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<float>() { return DType::F32; }
+template <>
+constexpr DType dtype_of<bf16>() { return DType::BF16; }
+template <>
+constexpr DType dtype_of<fp16>() { return DType::F16; }
 
 // Adds bias[OC] (stored as P) to every row of out[N,OC].
 template <typename P>
@@ -31,20 +41,21 @@ inline void accumulate_column_sums(float* dbias, const float* dout, Index N, Ind
 }
 
 // accumulate=true adds into out (used to fold the residual add into the projection).
-inline void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, Index N, Index IC,
-                           Index OC, bool accumulate = false) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, OC, IC, 1.0f, inp, IC, weight, OC,
-              accumulate ? 1.0f : 0.0f, out, OC);
+template <typename P>
+inline void matmul_forward(float* out, const float* inp, const P* weight, const P* bias, Index N, Index IC, Index OC,
+                           bool accumulate = false, DType compute = DType::F32) {
+  gemm(N, OC, IC, {inp, DType::F32, false, IC}, {weight, dtype_of<P>(), false, OC}, out, OC, accumulate, compute);
   if (bias) add_bias_rows(out, bias, N, OC);
 }
 
-// dinp = dout · weightᵀ (written; accumulated when accumulate_dinp); dweight += inpᵀ · dout; dbias += Σ rows.
+// dinp = dout · weightᵀ (written, skipped when null); dweight += inpᵀ · dout; dbias += Σ rows
+// (skipped when null). dout feeds two products and is converted to `compute` once.
+template <typename P>
 inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                            const float* weight, Index N, Index IC, Index OC, bool accumulate_dinp = false) {
-  if (dinp)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, IC, OC, 1.0f, dout, OC, weight, OC,
-                accumulate_dinp ? 1.0f : 0.0f, dinp, IC);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, IC, OC, N, 1.0f, inp, IC, dout, OC, 1.0f, dweight, OC);
+                            const P* weight, Index N, Index IC, Index OC, DType compute = DType::F32) {
+  const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute);
+  if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
+  gemm(IC, OC, N, {inp, DType::F32, true, IC}, d, dweight, OC, true, compute);
   if (dbias) accumulate_column_sums(dbias, dout, N, OC);
 }
 

@@ -11,6 +11,7 @@
 #include "attention.hpp"
 #include "h5.hpp"
 #include "model.hpp"
+#include "zero.hpp"
 
 namespace zero3d {
 
@@ -170,7 +171,7 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
   // within ±5 MB of nothing: kRuntimeBytes covers them.)
   if (pc.param == DType::BF16) b.workspace += 2 * std::max(4 * BT * C, BT * V) + 2 * 4 * BT * C;
   if (pc.param == DType::F16) b.workspace += 4 * std::max(V * C, 4 * C * C);
-  if (mixed && (b.stage == 1 || b.stage == 2)) b.workspace += 4 * std::min(psi, (int64_t(1) << 22) + largest_tensor);
+  if (mixed && (b.stage == 1 || b.stage == 2)) b.workspace += 4 * std::min(psi, ZeroOptimizer::kInitFillElems + largest_tensor);
   if (!m.init_from.empty()) b.workspace += 4 * psi;
   struct stat st {};
   if (cfg.data.source == DataSource::Text && ::stat(cfg.data.path.c_str(), &st) == 0) b.workspace += 5 * st.st_size;

@@ -25,13 +25,14 @@ using kernels::bf16;
 using kernels::fp16;
 
 struct Workspace {
-  std::vector<uint16_t> a16, b16;
+  std::vector<uint16_t> a16, b16, shared16;
   std::vector<float> a32, b32;
   int64_t peak_bytes = 0;
   template <typename T>
   T* take(std::vector<T>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-    const int64_t bytes = static_cast<int64_t>((a16.size() + b16.size()) * 2 + (a32.size() + b32.size()) * 4);
+    const int64_t bytes =
+        static_cast<int64_t>((a16.size() + b16.size() + shared16.size()) * 2 + (a32.size() + b32.size()) * 4);
     if (bytes > peak_bytes) peak_bytes = bytes;
     return v.data();
   }
@@ -41,12 +42,8 @@ Workspace& workspace() {
   return w;
 }
 
-// Elements a stored operand spans: rows of `ld` (the last row may be shorter, but the model's
-// operands are dense, so rows*ld is exact).
-int64_t stored_elems(int64_t rows, int64_t cols, const GemmOperand& x) {
-  (void)cols;
-  return rows * x.ld;
-}
+// Elements a stored operand of `rows` rows spans (the model's operands are dense).
+int64_t stored_elems(int64_t rows, const GemmOperand& x) { return rows * x.ld; }
 
 const float* as_f32(const GemmOperand& x, int64_t n, std::vector<float>& scratch) {
   if (x.type == DType::F32) return static_cast<const float*>(x.data);
@@ -109,8 +106,8 @@ void gemm_onednn(int64_t M, int64_t N, int64_t K, const bf16* a, bool ta, int64_
 void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
           DType compute) {
   Workspace& w = workspace();
-  const int64_t na = A.trans ? stored_elems(K, M, A) : stored_elems(M, K, A);
-  const int64_t nb = B.trans ? stored_elems(N, K, B) : stored_elems(K, N, B);
+  const int64_t na = stored_elems(A.trans ? K : M, A);
+  const int64_t nb = stored_elems(B.trans ? N : K, B);
   if (compute == DType::BF16) {
     const bf16* a = as_bf16(A, na, w.a16);
     const bf16* b = as_bf16(B, nb, w.b16);
@@ -130,6 +127,13 @@ void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* 
   const float* b = as_f32(B, nb, w.b32);
   cblas_sgemm(CblasRowMajor, A.trans ? CblasTrans : CblasNoTrans, B.trans ? CblasTrans : CblasNoTrans, M, N, K, 1.0f,
               a, A.ld, b, B.ld, accumulate ? 1.0f : 0.0f, C, ldc);
+}
+
+GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute) {
+  if (compute != DType::BF16 || x.type == DType::BF16) return x;
+  x.data = as_bf16(x, elems, workspace().shared16);
+  x.type = DType::BF16;
+  return x;
 }
 
 std::string gemm_path(DType compute) {

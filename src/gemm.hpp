@@ -25,6 +25,11 @@ struct GemmOperand {
 void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
           DType compute);
 
+// x as the products in `compute` read it (bf16 operands for BF16; x itself for F32),
+// converted once into a workspace slot of its own: an operand that feeds two products (dout
+// in a linear layer's backward) is converted once. Valid until the next gemm_operand call.
+GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute);
+
 // "oneDNN bf16 (AVX512-BF16)" or "sgemm on bf16-rounded operands" / "OpenBLAS sgemm".
 std::string gemm_path(DType compute);
 // Bytes of conversion scratch the products have needed so far (the model's gemm workspace).

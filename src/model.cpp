@@ -1,15 +1,12 @@
 // model.cpp — GPT-2 forward and backward: the layer loop, read top-down then bottom-up.
 #include "model.hpp"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 
 #include "attention.hpp"
 #include "crossentropy.hpp"
 #include "encoder.hpp"
-#include "gemm.hpp"
 #include "gelu.hpp"
 #include "layernorm.hpp"
 #include "matmul.hpp"
@@ -28,31 +25,6 @@ void copy(float* dst, const float* src, int64_t n) {
   Kokkos::parallel_for("copy", range(n), KOKKOS_LAMBDA(Index i) { dst[i] = src[i]; });
 }
 
-template <typename P>
-constexpr DType dtype_of();
-template <>
-constexpr DType dtype_of<float>() { return DType::F32; }
-template <>
-constexpr DType dtype_of<bf16>() { return DType::BF16; }
-template <>
-constexpr DType dtype_of<fp16>() { return DType::F16; }
-
-// Conv1D: out[N,OC] (+)= inp[N,IC] · w[IC,OC] + b, w and b in the parameter type P.
-template <typename P>
-void linear_forward(float* out, const float* inp, const P* w, const P* b, Index N, Index IC, Index OC, DType compute,
-                    bool accumulate = false) {
-  gemm(N, OC, IC, {inp, DType::F32, false, IC}, {w, dtype_of<P>(), false, OC}, out, OC, accumulate, compute);
-  if (b) add_bias_rows(out, b, N, OC);
-}
-
-// dinp = dout · wᵀ; dw += inpᵀ · dout; db += Σ rows of dout (gradients fp32).
-template <typename P>
-void linear_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp, const P* w, Index N,
-                     Index IC, Index OC, DType compute) {
-  gemm(N, IC, OC, {dout, DType::F32, false, OC}, {w, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  gemm(IC, OC, N, {inp, DType::F32, true, IC}, {dout, DType::F32, false, OC}, dw, OC, true, compute);
-  accumulate_column_sums(db, dout, N, OC);
-}
 }  // namespace
 
 ParamLayout gpt_layout(const GPTShape& s) {
@@ -116,8 +88,7 @@ void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& s
 }
 
 GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type)
-    : shape_(shape), param_type_(param_type), compute_type_(param_type == DType::BF16 ? DType::BF16 : DType::F32),
-      B_(B), T_(T), layout_(gpt_layout(shape)), units_(gpt_units(layout_, shape.n_layer)) {
+    : shape_(shape), param_type_(param_type), B_(B), T_(T), layout_(gpt_layout(shape)), units_(gpt_units(layout_, shape.n_layer)) {
   const int64_t L = shape.n_layer, C = shape.n_embd, V = shape.vocab_size, H = shape.n_head, BT = B * T;
 
   // Activations: one allocation, carved into named arrays in forward order.
@@ -208,7 +179,7 @@ float GPT::forward_impl(const int32_t* tokens, const int32_t* targets, ParamStor
   tokens_ = tokens;
   targets_ = targets;
 
-  const DType cmp = compute_type_;
+  const DType cmp = compute_type();
   const P* E = static_cast<const P*>(store.fetch(kEmbed));  // wte [V,C] then wpe [T,C]
   encoder_forward(encoded_, tokens, E, E + V * C, B, T, C);
   store.release(kEmbed);
@@ -218,16 +189,16 @@ float GPT::forward_impl(const int32_t* tokens, const int32_t* targets, ParamStor
     const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
     // x + attn(ln_1(x))
     layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, BT, C);
-    linear_forward(a.qkv, a.ln_1, w.c_attn_w, w.c_attn_b, BT, C, 3 * C, cmp);
+    matmul_forward(a.qkv, a.ln_1, w.c_attn_w, w.c_attn_b, BT, C, 3 * C, /*accumulate=*/false, cmp);
     attention_forward(a.atty, a.att, a.qkv, B, T, C, H);
     copy(a.res_2, residual, BT * C);
-    linear_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, cmp, /*accumulate=*/true);
+    matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
     // x + mlp(ln_2(x))
     layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, BT, C);
-    linear_forward(a.fch, a.ln_2, w.c_fc_w, w.c_fc_b, BT, C, 4 * C, cmp);
+    matmul_forward(a.fch, a.ln_2, w.c_fc_w, w.c_fc_b, BT, C, 4 * C, /*accumulate=*/false, cmp);
     gelu_forward(a.fch_gelu, a.fch, BT * 4 * C);
     copy(a.res_3, a.res_2, BT * C);
-    linear_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, cmp, /*accumulate=*/true);
+    matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
     store.release(static_cast<int>(l) + 1);
   }
   const P* F = static_cast<const P*>(store.fetch(ln_f));  // weight [C] then bias [C]
@@ -253,11 +224,12 @@ void GPT::backward_impl(float grad_scale, ParamStore& store) {
   crossentropy_backward(logits_, lse_, targets_, grad_scale / static_cast<float>(BT), BT, V);
   float* dlogits = logits_;
   // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f (dE stays open until the encoder)
-  const DType cmp = compute_type_;
+  const DType cmp = compute_type();
   const P* E = static_cast<const P*>(store.fetch(kEmbed));
   float* dE = store.grad_target(kEmbed);
-  gemm(BT, C, V, {dlogits, DType::F32, false, V}, {E, dtype_of<P>(), false, C}, dln_, C, false, cmp);
-  gemm(V, C, BT, {dlogits, DType::F32, true, V}, {ln_f_, DType::F32, false, C}, dE, C, true, cmp);
+  const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);  // converted once for both
+  gemm(BT, C, V, d, {E, dtype_of<P>(), false, C}, dln_, C, false, cmp);
+  gemm(V, C, BT, {d.data, d.type, true, V}, {ln_f_, DType::F32, false, C}, dE, C, true, cmp);
   store.release(kEmbed);
   Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres_, BT * C), 0.0f);
   const P* F = static_cast<const P*>(store.fetch(ln_f));
@@ -273,18 +245,18 @@ void GPT::backward_impl(float grad_scale, ParamStore& store) {
     const BlockActivations& a = blocks_[l];
     const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
     // MLP half: dres holds d(res_3)
-    linear_backward(dfch_, dw.mlp_proj_w, dw.mlp_proj_b, dres_, a.fch_gelu, w.mlp_proj_w, BT, 4 * C, C, cmp);
+    matmul_backward(dfch_, dw.mlp_proj_w, dw.mlp_proj_b, dres_, a.fch_gelu, w.mlp_proj_w, BT, 4 * C, C, cmp);
     store.progress();
     gelu_backward(dfch_, a.fch, dfch_, BT * 4 * C);
-    linear_backward(dln_, dw.c_fc_w, dw.c_fc_b, dfch_, a.ln_2, w.c_fc_w, BT, C, 4 * C, cmp);
+    matmul_backward(dln_, dw.c_fc_w, dw.c_fc_b, dfch_, a.ln_2, w.c_fc_w, BT, C, 4 * C, cmp);
     store.progress();
     layernorm_backward(dres_, dw.ln_2_w, dw.ln_2_b, dln_, a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, BT, C);
     // attention half: dres now holds d(res_2)
-    linear_backward(datty_, dw.attn_proj_w, dw.attn_proj_b, dres_, a.atty, w.attn_proj_w, BT, C, C, cmp);
+    matmul_backward(datty_, dw.attn_proj_w, dw.attn_proj_b, dres_, a.atty, w.attn_proj_w, BT, C, C, cmp);
     store.progress();
     attention_backward(dqkv_, datt_scratch_, datty_, a.qkv, a.att, B, T, C, H);
     store.progress();
-    linear_backward(dln_, dw.c_attn_w, dw.c_attn_b, dqkv_, a.ln_1, w.c_attn_w, BT, C, 3 * C, cmp);
+    matmul_backward(dln_, dw.c_attn_w, dw.c_attn_b, dqkv_, a.ln_1, w.c_attn_w, BT, C, 3 * C, cmp);
     layernorm_backward(dres_, dw.ln_1_w, dw.ln_1_b, dln_, residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, BT, C);
     store.release(u);
     store.grads_done(u);

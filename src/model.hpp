@@ -102,7 +102,7 @@ class GPT {
   const std::vector<ParamUnit>& units() const { return units_; }
   int64_t num_params() const { return layout_.total(); }
   DType param_type() const { return param_type_; }
-  DType compute_type() const { return compute_type_; }
+  DType compute_type() const { return param_type_ == DType::BF16 ? DType::BF16 : DType::F32; }
 
   // tokens/targets: device arrays of B*T ids. Returns the mean cross-entropy.
   float forward(const int32_t* tokens, const int32_t* targets, ParamStore& store);
@@ -130,7 +130,7 @@ class GPT {
   void backward_impl(float grad_scale, ParamStore& store);
 
   GPTShape shape_;
-  DType param_type_ = DType::F32, compute_type_ = DType::F32;
+  DType param_type_ = DType::F32;
   int64_t B_, T_;
   ParamLayout layout_;
   std::vector<ParamUnit> units_;

@@ -99,7 +99,7 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
     int64_t a = 0;
     for (const TensorSpec& t : layout_.tensors()) {
       const int64_t b = t.offset + t.numel;
-      if (b - a < (int64_t(1) << 22) && b < total) continue;
+      if (b - a < kInitFillElems && b < total) continue;
       chunk.resize(static_cast<size_t>(b - a));
       fill(chunk.data(), a, b);
       convert_any(params_.at(a), types_.param, chunk.data(), DType::F32, b - a);
@@ -281,9 +281,8 @@ void ZeroOptimizer::gather_updated_params() {
 }
 
 GradStats ZeroOptimizer::grad_stats() {
-  const void* g = stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data();
   const int64_t n = stage_ == 0 ? layout_.total() : part_.part;
-  double sq = sum_of_squares_any(g, types_.grad, n);
+  double sq = sum_of_squares_any(grad_partition(), types_.grad, n);
   // Stage 0 gradients are already identical on every rank; partitions need the sum over the
   // group. inf/NaN survive the sum, so the result is also the group's agreed overflow flag.
   if (stage_ > 0) dp_.all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);
@@ -292,19 +291,20 @@ GradStats ZeroOptimizer::grad_stats() {
 
 void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double>> betas, double clip,
                                double loss_scale, const GradStats& stats) {
-  const void* g = stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data();
   const float mul = static_cast<float>(unscale_clip_multiplier(stats.norm_scaled, loss_scale, clip));
   float* p = mixed_ ? master_.data()
                     : stage_ == 1 || stage_ == 2 ? params_.as<float>() + part_.begin(rank_) : params_.as<float>();
-  optimizer_->step(p, g, types_.grad, mul, lr, betas);
+  optimizer_->step(p, grad_partition(), types_.grad, mul, lr, betas);
   if (mixed_) cast_master_to_params();
   if (stage_ == 1 || stage_ == 2) gather_updated_params();
-  skip_step();
+  drop_gathered_params();
 }
 
-// Nothing to update; at stage 3 the gathered copies are dropped either way (after an update
-// they are stale) and the next micro-batch replays the trace from its start.
-void ZeroOptimizer::skip_step() {
+void ZeroOptimizer::skip_step() { drop_gathered_params(); }
+
+// At stage 3 the gathered copies go either way at the end of a step (after an update they are
+// stale) and the next micro-batch replays the trace from its start.
+void ZeroOptimizer::drop_gathered_params() {
   if (stage_ == 3) {
     while (!gathered_.empty()) free_gathered(gathered_.begin()->first);
     trace_pos_ = 0;

@@ -68,6 +68,10 @@ class ZeroOptimizer : public ParamStore {
   ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types, const ParamLayout& layout,
                 std::vector<ParamUnit> units, Communicator& dp);
 
+  // Mixed precision at stages 1-2 fills the 16-bit copy at start-up in tensor groups of at
+  // least this many elements (plus at most one tensor): the transient fp32 staging.
+  static constexpr int64_t kInitFillElems = int64_t(1) << 22;
+
   // Sets the parameters from a function that writes elements [begin, end) of the full flat
   // buffer in fp32 (every rank produces identical values); each rank keeps what its stage
   // needs. No collectives.
@@ -123,11 +127,14 @@ class ZeroOptimizer : public ParamStore {
   void gather_updated_params();
   void all_gather_replicated(void* full, DType type);  // every rank's owned(r, 0, Ψ) range of a full buffer
   void cast_master_to_params();  // this rank's owned range, rounded to the parameter type
+  void drop_gathered_params();   // stage 3, end of a step: gathered copies are stale or unneeded
+  // This rank's averaged gradients: the partition (stages 1-3) or the whole buffer (stage 0).
+  const void* grad_partition() const { return stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data(); }
 
   ZeroConfig cfg_;
   StateTypes types_;
-  bool mixed_;         // 16-bit parameters with an fp32 master copy
-  bool use_windows_;   // backward writes fp32 unit windows instead of the gradient buffer
+  const bool mixed_;        // 16-bit parameters with an fp32 master copy
+  const bool use_windows_;  // backward writes fp32 unit windows instead of the gradient buffer
   const ParamLayout& layout_;
   std::vector<ParamUnit> units_;
   Communicator& dp_;

@@ -75,4 +75,26 @@ inline size_t count(const std::string& haystack, const std::string& needle) {
   return n;
 }
 
+// Parameters of the ZeRO tests' model (test_cli.cpp zero_config: V=61, T=16, L=2, C=32):
+// 61·32 + 16·32 + 2·12,704 + 64. Vocab 61 keeps it from dividing evenly once padded per rank.
+inline constexpr int64_t kZeroPsi = 27936;
+
+// ZeRO's split of psi elements over np ranks: padded to a multiple of 2·np, np equal parts.
+struct ZeroSplit {
+  int64_t padded, part;
+};
+inline ZeroSplit zero_split(int64_t psi, int np) {
+  const int64_t padded = (psi + 2 * np - 1) / (2 * np) * (2 * np);
+  return {padded, padded / np};
+}
+
+// Trains `config` on np ranks into `dir` with extra arguments (`--set ...`) and returns the
+// last step's metrics record (null, with a test failure, when the run fails).
+inline json last_metrics(const std::string& config, int np, const std::string& dir, const std::string& args) {
+  const Result r = run("train " + config + " --output " + dir + " " + args, np);
+  EXPECT_EQ(r.code, 0) << r.err;
+  const std::vector<json> rows = read_metrics(dir);
+  return r.code == 0 && !rows.empty() ? rows.back() : json();
+}
+
 }  // namespace cli

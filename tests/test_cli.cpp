@@ -280,7 +280,6 @@ json zero_config(int np) {
   j["training"]["steps"] = 20;
   return j;
 }
-constexpr int64_t kZeroPsi = 27936;
 
 struct StageRun {
   int np, stage;
@@ -323,7 +322,7 @@ class ZeroBytes : public ::testing::TestWithParam<int> {};
 // padded to a multiple of 2N for the partitioned stages.
 TEST_P(ZeroBytes, ModelStateCountersEqualTheZeroFormulas) {
   const int np = GetParam();
-  const int64_t padded = (kZeroPsi + 2 * np - 1) / (2 * np) * (2 * np), part = padded / np;
+  const auto [padded, part] = zero_split(kZeroPsi, np);
   const struct {
     int stage;
     int64_t params, grads, states;
@@ -336,10 +335,7 @@ TEST_P(ZeroBytes, ModelStateCountersEqualTheZeroFormulas) {
   const std::string path = write_config("bytes.json", j);
   for (const auto& e : expected) {
     const std::string dir = temp_path("bytes_np" + std::to_string(np) + "_s" + std::to_string(e.stage));
-    ASSERT_EQ(run("train " + path + " --output " + dir + " --set zero_optimization.stage=" + std::to_string(e.stage),
-                  np).code,
-              0);
-    const json m = read_metrics(dir).back()["memory"];
+    const json m = last_metrics(path, np, dir, "--set zero_optimization.stage=" + std::to_string(e.stage))["memory"];
     EXPECT_EQ(m["params"], e.params) << "stage " << e.stage;
     EXPECT_EQ(m["grads"], e.grads) << "stage " << e.stage;
     EXPECT_EQ(m["optimizer_states"], e.states) << "stage " << e.stage;

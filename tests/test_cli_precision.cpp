@@ -10,9 +10,6 @@ using namespace cli;
 
 namespace {
 
-// Vocab 61 keeps Ψ = 27,936 from dividing evenly once padded per rank.
-constexpr int64_t kPsi = 27936;
-
 json fp16_config() {
   json j = tiny_config();
   j["model"]["vocab_size"] = 61;
@@ -156,8 +153,8 @@ TEST(Bf16, CommunicationDataTypeSetsTheBytesOfTheGradientReduction) {
   // Stage 0 all-reduces Ψ gradients: 2(W-1)/W·Ψ elements of 2 or 4 bytes (+ 8-byte scalars).
   const double bytes16 = read_metrics(b16).back()["comm_bytes"].get<double>();
   const double bytes32 = read_metrics(f32).back()["comm_bytes"].get<double>();
-  EXPECT_NEAR(bytes16, 2.0 * kPsi, 64);
-  EXPECT_NEAR(bytes32, 4.0 * kPsi, 64);
+  EXPECT_NEAR(bytes16, 2.0 * kZeroPsi, 64);
+  EXPECT_NEAR(bytes32, 4.0 * kZeroPsi, 64);
 }
 
 // The quick-start model for 100 steps in each precision at each stage (np 2).
@@ -200,11 +197,11 @@ class MixedBytes : public ::testing::TestWithParam<int> {};
 // fp32 master next to the moments: stage 3 = (2 + 2 + 12)Ψ/N (ZeRO paper), up to padding.
 TEST_P(MixedBytes, CountersHalveParamsAndGradsAndAddAnFp32Master) {
   const int np = GetParam();
-  const int64_t padded = (kPsi + 2 * np - 1) / (2 * np) * (2 * np), part = padded / np;
+  const auto [padded, part] = zero_split(kZeroPsi, np);
   const struct {
     int stage;
     int64_t params, grads, master, states;
-  } expected[] = {{0, 2 * kPsi, 2 * kPsi, 4 * kPsi, 8 * kPsi},
+  } expected[] = {{0, 2 * kZeroPsi, 2 * kZeroPsi, 4 * kZeroPsi, 8 * kZeroPsi},
                   {1, 2 * padded, 2 * padded, 4 * part, 8 * part},
                   {2, 2 * padded, 2 * part, 4 * part, 8 * part},
                   {3, 2 * part, 2 * part, 4 * part, 8 * part}};
@@ -215,10 +212,7 @@ TEST_P(MixedBytes, CountersHalveParamsAndGradsAndAddAnFp32Master) {
   const std::string path = write_config("mixed_bytes.json", j);
   for (const auto& e : expected) {
     const std::string dir = temp_path("mixed_bytes_s" + std::to_string(e.stage));
-    ASSERT_EQ(run("train " + path + " --output " + dir + " --set zero_optimization.stage=" + std::to_string(e.stage),
-                  np).code,
-              0);
-    const json m = read_metrics(dir).back()["memory"];
+    const json m = last_metrics(path, np, dir, "--set zero_optimization.stage=" + std::to_string(e.stage))["memory"];
     EXPECT_EQ(m["params"], e.params) << "stage " << e.stage;
     EXPECT_EQ(m["grads"], e.grads) << "stage " << e.stage;
     EXPECT_EQ(m["master"], e.master) << "stage " << e.stage;
@@ -230,12 +224,9 @@ TEST_P(MixedBytes, CountersHalveParamsAndGradsAndAddAnFp32Master) {
     }
   }
   // An fp32 gradient accumulation buffer is 4 bytes per element again.
-  const std::string dir = temp_path("mixed_bytes_fp32_accum");
-  ASSERT_EQ(run("train " + path + " --output " + dir +
-                    " --set zero_optimization.stage=3 --set data_types.grad_accum_dtype=fp32",
-                np).code,
-            0);
-  EXPECT_EQ(read_metrics(dir).back()["memory"]["grads"], 4 * part);
+  const json accum32 = last_metrics(path, np, temp_path("mixed_bytes_fp32_accum"),
+                                    "--set zero_optimization.stage=3 --set data_types.grad_accum_dtype=fp32");
+  EXPECT_EQ(accum32["memory"]["grads"], 4 * part);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, MixedBytes, ::testing::Values(2, 4));
