@@ -31,10 +31,12 @@ inline void layernorm_forward(float* out, float* mean, float* rstd, const float*
 }
 
 // dinp += (accumulates: the residual stream's gradient flows through), dweight += , dbias += .
+// A null dinp skips the input part, a null dweight the parameter part: zero-bubble schedules
+// run them at different times (Qi et al. 2023, "B" and "W"), with the same arithmetic.
 template <typename P>
 inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                const P* weight, const float* mean, const float* rstd, Index N, Index C) {
-  Kokkos::parallel_for("layernorm_backward_input", range(N), KOKKOS_LAMBDA(Index i) {
+  if (dinp) Kokkos::parallel_for("layernorm_backward_input", range(N), KOKKOS_LAMBDA(Index i) {
     const float* x = inp + i * C;
     const float* dy = dout + i * C;
     const float m = mean[i], s = rstd[i];
@@ -53,7 +55,7 @@ inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const 
     }
   });
   constexpr Index kBlock = 16;
-  Kokkos::parallel_for("layernorm_backward_params", range((C + kBlock - 1) / kBlock), KOKKOS_LAMBDA(Index blk) {
+  if (dweight) Kokkos::parallel_for("layernorm_backward_params", range((C + kBlock - 1) / kBlock), KOKKOS_LAMBDA(Index blk) {
     const Index c0 = blk * kBlock, c1 = c0 + kBlock < C ? c0 + kBlock : C;
     float dw[kBlock] = {}, db[kBlock] = {};
     for (Index i = 0; i < N; ++i) {

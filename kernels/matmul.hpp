@@ -48,14 +48,15 @@ inline void matmul_forward(float* out, const float* inp, const P* weight, const 
   if (bias) add_bias_rows(out, bias, N, OC);
 }
 
-// dinp = dout · weightᵀ (written, skipped when null); dweight += inpᵀ · dout; dbias += Σ rows
-// (skipped when null). dout feeds two products and is converted to `compute` once.
+// dinp = dout · weightᵀ (written, skipped when null); dweight += inpᵀ · dout (skipped when null:
+// the input-gradient pass of a zero-bubble schedule); dbias += Σ rows (skipped when null).
+// dout feeds two products and is converted to `compute` once.
 template <typename P>
 inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                             const P* weight, Index N, Index IC, Index OC, DType compute = DType::F32) {
   const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute);
   if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  gemm(IC, OC, N, {inp, DType::F32, true, IC}, d, dweight, OC, true, compute);
+  if (dweight) gemm(IC, OC, N, {inp, DType::F32, true, IC}, d, dweight, OC, true, compute);
   if (dbias) accumulate_column_sums(dbias, dout, N, OC);
 }
 

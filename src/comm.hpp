@@ -54,6 +54,10 @@ class Communicator {
   virtual void broadcast(void* buf, int64_t count, DType type, int root) = 0;
   virtual void send(const void* buf, int64_t count, DType type, int peer, int tag) = 0;
   virtual void recv(void* buf, int64_t count, DType type, int peer, int tag) = 0;
+  // Nonblocking point-to-point (pipeline activations and gradients): messages between a pair
+  // with the same tag arrive in the order they were posted; buf stays untouched until wait().
+  virtual std::unique_ptr<CommRequest> isend(const void* buf, int64_t count, DType type, int peer, int tag) = 0;
+  virtual std::unique_ptr<CommRequest> irecv(void* buf, int64_t count, DType type, int peer, int tag) = 0;
   virtual void barrier() = 0;
 
   // Bytes this rank moved, counted as nccl-tests' bus bytes: all_reduce 2(W-1)/W·n,
@@ -90,6 +94,8 @@ class MpiCommunicator : public Communicator {
   void broadcast(void* buf, int64_t count, DType type, int root) override;
   void send(const void* buf, int64_t count, DType type, int peer, int tag) override;
   void recv(void* buf, int64_t count, DType type, int peer, int tag) override;
+  std::unique_ptr<CommRequest> isend(const void* buf, int64_t count, DType type, int peer, int tag) override;
+  std::unique_ptr<CommRequest> irecv(void* buf, int64_t count, DType type, int peer, int tag) override;
   void barrier() override;
 
  private:

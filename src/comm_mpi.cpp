@@ -61,7 +61,7 @@ void check(int rc, const char* what) {
 
 class MpiRequest : public CommRequest {
  public:
-  MpiRequest(MPI_Request r, Watchdog* w) : req_(r), watchdog_(w) {}
+  MpiRequest(MPI_Request r, Watchdog* w, const char* what = "all_reduce(wait)") : req_(r), watchdog_(w), what_(what) {}
   ~MpiRequest() override {
     if (req_ != MPI_REQUEST_NULL) MPI_Wait(&req_, MPI_STATUS_IGNORE);
   }
@@ -71,13 +71,14 @@ class MpiRequest : public CommRequest {
     return done != 0;
   }
   void wait() override {
-    Watchdog::Scope watch(watchdog_, "all_reduce(wait)");
+    Watchdog::Scope watch(watchdog_, what_);
     check(MPI_Wait(&req_, MPI_STATUS_IGNORE), "Wait");
   }
 
  private:
   MPI_Request req_;
   Watchdog* watchdog_;
+  const char* what_;
 };
 }  // namespace
 
@@ -143,6 +144,19 @@ void MpiCommunicator::broadcast(void* buf, int64_t count, DType type, int root) 
   count_bus_bytes(1.0, count, type);
   Watchdog::Scope watch(watchdog_, "broadcast");
   check(MPI_Bcast_c(buf, count, mpi_type(type), root, comm_), "Bcast");
+}
+
+std::unique_ptr<CommRequest> MpiCommunicator::isend(const void* buf, int64_t count, DType type, int peer, int tag) {
+  count_bus_bytes(1.0, count, type);
+  MPI_Request req;
+  check(MPI_Isend_c(buf, count, mpi_type(type), peer, tag, comm_, &req), "Isend");
+  return std::make_unique<MpiRequest>(req, watchdog_, "send(wait)");
+}
+
+std::unique_ptr<CommRequest> MpiCommunicator::irecv(void* buf, int64_t count, DType type, int peer, int tag) {
+  MPI_Request req;
+  check(MPI_Irecv_c(buf, count, mpi_type(type), peer, tag, comm_, &req), "Irecv");
+  return std::make_unique<MpiRequest>(req, watchdog_, "recv(wait)");
 }
 
 void MpiCommunicator::send(const void* buf, int64_t count, DType type, int peer, int tag) {

@@ -150,6 +150,16 @@ class NcclCommunicator : public Communicator {
     check_nccl(ncclRecv(buf, static_cast<size_t>(count), nccl_type(type), peer, comm_, stream_), "ncclRecv");
     sync("recv");
   }
+  // Enqueued on the communicator's stream: a pipeline's sends and receives must be posted in
+  // an order both peers agree on (the schedule's), as NCCL matches them in issue order.
+  std::unique_ptr<CommRequest> isend(const void* buf, int64_t count, DType type, int peer, int) override {
+    check_nccl(ncclSend(buf, static_cast<size_t>(count), nccl_type(type), peer, comm_, stream_), "ncclSend");
+    return std::make_unique<NcclRequest>(stream_, watchdog_);
+  }
+  std::unique_ptr<CommRequest> irecv(void* buf, int64_t count, DType type, int peer, int) override {
+    check_nccl(ncclRecv(buf, static_cast<size_t>(count), nccl_type(type), peer, comm_, stream_), "ncclRecv");
+    return std::make_unique<NcclRequest>(stream_, watchdog_);
+  }
   void barrier() override {
     Watchdog::Scope watch(watchdog_, "barrier");
     MPI_Barrier(mpi_);

@@ -13,6 +13,8 @@
 
 #include "base.hpp"
 #include "config_section.hpp"
+#include "input_file.hpp"
+#include "pipe_schedule.hpp"
 
 namespace zero3d {
 
@@ -22,9 +24,23 @@ namespace {
 using namespace config_detail;
 
 constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+// Config files are kilobytes; a bound keeps a wrong path (a log, an image) from filling memory.
+constexpr int64_t kMaxConfigBytes = int64_t(64) << 20;
+// JSON nesting deeper than any config needs is refused before the recursive dump/compare code sees it.
+constexpr int kMaxJsonDepth = 64;
+// Default training.comms_timeout in seconds: NCCL's and DeepSpeed's default of 30 minutes.
+constexpr double kDefaultCommsTimeout = 1800.0;
+
+// a * b, or nullopt when the product leaves int64 (the batch triad multiplies user values).
+std::optional<int64_t> checked_mul(int64_t a, int64_t b) {
+  int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) return std::nullopt;
+  return out;
+}
 
 // --- batch triad (DEEPSPEED-FACTS §1.2: config.py _set_batch_related_parameters) -----------
 BatchConfig derive_batch(Section& top, int64_t world_size) {
+  if (world_size < 1) top.fail("train_batch_size", "world size " + std::to_string(world_size) + " is not positive");
   // "auto" (Hugging Face style) means: derive this one from the others.
   auto read = [&](const char* key) -> std::optional<int64_t> {
     if (top.is_auto(key)) {
@@ -34,6 +50,11 @@ BatchConfig derive_batch(Section& top, int64_t world_size) {
     const json* v = top.raw(key);
     if (!v) return std::nullopt;
     if (!v->is_number_integer()) top.fail_key(key, "expected an integer, got " + show(*v));
+    // Bounded so that micro * gas * world and every buffer sized from them stay in int64.
+    if (v->is_number_unsigned() ? v->get<uint64_t>() > uint64_t(kMaxInt) : v->get<int64_t>() > kMaxInt)
+      top.fail_key(key, "value " + show(*v) + " is out of range (at most " + std::to_string(kMaxInt) + ")");
+    // Checked before the derivation divides by it.
+    if (v->get<int64_t>() <= 0) top.fail_key(key, "must be greater than 0, got " + show(*v));
     return v->get<int64_t>();
   };
   std::optional<int64_t> T = read("train_batch_size");
@@ -50,7 +71,13 @@ BatchConfig derive_batch(Section& top, int64_t world_size) {
     M = (*T / W) / *G;
     how << "train_micro_batch_size_per_gpu = (" << *T << " // " << W << ") // " << *G << " = " << *M;
   } else if (M && G) {
-    T = *M * *G * W;
+    const auto mg = checked_mul(*M, *G);
+    const auto mgw = mg ? checked_mul(*mg, W) : std::nullopt;
+    if (!mgw || *mgw > kMaxInt)
+      top.fail("train_batch_size", "train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size = " +
+                                       std::to_string(*M) + " * " + std::to_string(*G) + " * " + std::to_string(W) +
+                                       " exceeds " + std::to_string(kMaxInt));
+    T = *mgw;
     how << "train_batch_size = " << *M << " * " << *G << " * " << W << " = " << *T;
   } else if (T) {
     G = 1;
@@ -58,7 +85,11 @@ BatchConfig derive_batch(Section& top, int64_t world_size) {
     how << "gradient_accumulation_steps = 1, train_micro_batch_size_per_gpu = " << *T << " // " << W << " = " << *M;
   } else if (M) {
     G = 1;
-    T = *M * W;
+    const auto mw = checked_mul(*M, W);
+    if (!mw || *mw > kMaxInt)
+      top.fail("train_batch_size", "train_micro_batch_size_per_gpu * world size = " + std::to_string(*M) + " * " +
+                                       std::to_string(W) + " exceeds " + std::to_string(kMaxInt));
+    T = *mw;
     how << "gradient_accumulation_steps = 1, train_batch_size = " << *M << " * " << W << " = " << *T;
   } else {
     top.fail("train_batch_size", "either train_batch_size or train_micro_batch_size_per_gpu needs to be provided");
@@ -71,7 +102,9 @@ BatchConfig derive_batch(Section& top, int64_t world_size) {
   positive("train_batch_size", *T);
   positive("train_micro_batch_size_per_gpu", *M);
   positive("gradient_accumulation_steps", *G);
-  if (*T != *M * *G * W)
+  const auto mg = checked_mul(*M, *G);
+  const auto product = mg ? checked_mul(*mg, W) : std::nullopt;
+  if (!product || *T != *product)
     top.fail("train_batch_size",
              "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size: " +
                  std::to_string(*T) + " != " + std::to_string(*M) + " * " + std::to_string(*G) + " * " +
@@ -106,11 +139,11 @@ OptimizerConfig read_optimizer(Section& top) {
                  deepspeed_unsupported.end() ||
              type == "Adagrad" || type == "RMSprop" || type == "Adadelta" || type == "Adamax" ||
              type == "NAdam" || type == "RAdam" || type == "ASGD" || type == "Rprop" || type == "LBFGS") {
-    sec.fail_key("type", "DeepSpeed optimizer \"" + type + "\" is not supported by zero3d (supported: Adam, AdamW, "
-                         "Lamb, SGD)");
+    sec.fail_key("type", "DeepSpeed optimizer " + show(json(type)) + " is not supported by zero3d (supported: Adam, "
+                         "AdamW, Lamb, SGD)");
   } else {
     std::string hint = nearest(type, {"Adam", "AdamW", "Lamb", "SGD"});
-    sec.fail_key("type", "\"" + type + "\" is not a supported optimizer (Adam, AdamW, Lamb, SGD)" +
+    sec.fail_key("type", show(json(type)) + " is not a supported optimizer (Adam, AdamW, Lamb, SGD)" +
                              (hint.empty() ? "" : "; did you mean \"" + hint + "\"?"));
   }
   o.type_name = type;
@@ -182,7 +215,7 @@ SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t
   auto it = std::find(names.begin(), names.end(), type);
   if (it == names.end()) {
     std::string hint = nearest(type, names);
-    sec.fail_key("type", "\"" + type + "\" is not a zero3d scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, "
+    sec.fail_key("type", show(json(type)) + " is not a zero3d scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, "
                          "OneCycle, LRRangeTest)" + (hint.empty() ? "" : "; did you mean \"" + hint + "\"?"));
   }
   s.type_name = type;
@@ -258,7 +291,7 @@ ModelConfig read_model(Section& top) {
   if (m.n_embd % m.n_head != 0)
     sec.fail_key("n_embd", "value " + std::to_string(m.n_embd) + " is not divisible by n_head (" +
                                std::to_string(m.n_head) + ")");
-  m.init_from = sec.string("init_from", "");
+  m.init_from = sec.path("init_from", "");
   sec.finish({"n_ctx", "activation_function", "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon",
               "n_inner", "scale_attn_weights", "use_cache"});
   return m;
@@ -269,7 +302,7 @@ DataConfig read_data(Section& top, const ModelConfig& model) {
   Section sec = top.child("data");
   std::string src = sec.choice("source", "synthetic", {"synthetic", "text", "tokens"});
   d.source = src == "text" ? DataSource::Text : src == "tokens" ? DataSource::Tokens : DataSource::Synthetic;
-  d.path = sec.string("path", "");
+  d.path = sec.path("path", "");
   d.shuffle = sec.boolean("shuffle", false);
   if (d.source != DataSource::Synthetic && d.path.empty())
     sec.fail_key("path", "is required when data.source is \"" + src + "\"");
@@ -284,13 +317,13 @@ TrainingConfig read_training(Section& top) {
   Section sec = top.child("training");
   t.steps = sec.integer("steps", 100, 0, kMaxInt * 1000LL);
   t.seed = static_cast<uint64_t>(sec.integer("seed", 1234, 0, std::numeric_limits<int64_t>::max()));
-  t.output_dir = sec.string("output_dir", "");
+  t.output_dir = sec.path("output_dir", "");
   t.peak_gflops = sec.number("peak_gflops", 0.0, 0.0, 1e12);
-  t.comms_timeout = sec.number("comms_timeout", 0.0, 0.0, 1e9);
+  t.comms_timeout = sec.number("comms_timeout", kDefaultCommsTimeout, 0.0, 1e9);
   t.save_interval = sec.integer("save_interval", 0, 0, kMaxInt * 1000LL);
-  t.save_dir = sec.string("save_dir", "");
+  t.save_dir = sec.path("save_dir", "");
   t.keep_last = sec.integer("keep_last", 0, 0, kMaxInt);
-  t.resume = sec.string("resume", "");
+  t.resume = sec.path("resume", "");
   sec.finish();
   return t;
 }
@@ -311,6 +344,50 @@ const std::vector<std::pair<const char*, nlohmann::json>> kZeroDefaultOnlyKeys =
     {"pipeline_loading_checkpoint", false}, {"override_module_apply", true}, {"log_trace_cache_warnings", false},
     {"enable_sanity_checks", false}, {"save_muon_momentum_buffer_in_memory", false}, {"zenflow", nullptr},
     {"leaf_module", nullptr}};
+
+// The `pipeline` section (DEEPSPEED-FACTS-2 §2.1): DeepSpeed's keys with its defaults, plus
+// zero3d's schedule and virtual_stages.
+PipelineConfig read_pipeline(Section& top) {
+  Section sec = top.child("pipeline");
+  PipelineConfig p;
+  p.stages = static_cast<int>(sec.integer_or_auto("stages", 1, 1, 1, 1 << 16));
+  const std::string part = sec.string("partition", "parameters");
+  const std::string low = lower(part);
+  if (low == "parameters" || low == "best") {
+    p.partition = PartitionMethod::Parameters;
+    p.partition_name = "parameters";
+  } else if (low == "uniform") {
+    p.partition = PartitionMethod::Uniform;
+    p.partition_name = "uniform";
+  } else if (low.rfind("type:", 0) == 0) {
+    p.partition = PartitionMethod::Type;
+    p.type_regex = part.substr(5);
+    p.partition_name = part;
+  } else {
+    sec.fail_key("partition", "value " + show(json(part)) +
+                                  " is not one of: parameters (\"best\"), uniform, type:<regex> (\"profile\" is "
+                                  "not implemented by DeepSpeed either)");
+  }
+  sec.record("partition", p.partition_name);
+  const std::string sched = sec.choice("schedule", "1f1b", {"1f1b", "interleaved", "zb-h1"});
+  p.schedule_name = sched;
+  p.schedule = sched == "1f1b" ? pipe::ScheduleKind::OneFOneB
+               : sched == "interleaved" ? pipe::ScheduleKind::Interleaved : pipe::ScheduleKind::ZeroBubbleH1;
+  p.virtual_stages = static_cast<int>(sec.integer("virtual_stages", 1, 1, 1 << 16));
+  if (p.virtual_stages > 1 && p.schedule != pipe::ScheduleKind::Interleaved)
+    sec.fail_key("virtual_stages", "virtual_stages " + std::to_string(p.virtual_stages) +
+                                       " needs \"schedule\": \"interleaved\" (the schedule is " + sched + ")");
+  // seed_layers: parameters are drawn from (seed, tensor name) whatever the layout, which is
+  // what seed_layers buys in DeepSpeed; both values give the same model here.
+  sec.boolean("seed_layers", false);
+  // Partitioned p2p activations/gradients only differ from whole ones with tensor parallelism.
+  sec.boolean("pipe_partitioned", true);
+  sec.boolean("grad_partitioned", true);
+  sec.accept_default_only("activation_checkpoint_interval", 0);
+  sec.accept_default_only("use_reentrant", true);
+  sec.finish();
+  return p;
+}
 
 void read_zero(Section& top, Config& c) {
   if (top.has("zero_optimization") && top.raw("zero_optimization")->is_boolean()) {
@@ -396,9 +473,23 @@ void read_unsupported_top_level(Section& top) {
 
 const std::vector<std::string> kDeepSpeedOnlyTopLevel = {
     "seq_parallel_communication_data_type", "activation_checkpointing",
-    "checkpoint", "pipeline", "tensor_parallel", "aio", "compression_training", "quantize_training",
+    "checkpoint", "tensor_parallel", "aio", "compression_training", "quantize_training",
     "zenflow", "moe", "train_data", "data_sampling"};
 
+}  // namespace
+
+namespace {
+// The nlohmann message without its "[json.exception.xxx.nnn] " prefix, escaped and capped.
+std::string json_detail(const json::exception& e) {
+  std::string what = e.what();
+  const auto cut = what.find("] ");
+  if (what.rfind("[json.exception.", 0) == 0 && cut != std::string::npos) what = what.substr(cut + 2);
+  return echo(what, 160);
+}
+
+[[noreturn]] void too_deep(const std::string& file) {
+  throw InputError(file + ": JSON nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+}
 }  // namespace
 
 json parse_json_text(const std::string& text, const std::string& file) {
@@ -408,7 +499,11 @@ json parse_json_text(const std::string& text, const std::string& file) {
   std::string pending_key;
   auto callback = [&](int depth, json::parse_event_t event, json& parsed) {
     switch (event) {
+      case json::parse_event_t::array_start:
+        if (depth >= kMaxJsonDepth) too_deep(file);
+        break;
       case json::parse_event_t::object_start:
+        if (depth >= kMaxJsonDepth) too_deep(file);
         open_objects.emplace_back();
         if (depth > 0 || !pending_key.empty()) path.push_back(pending_key);
         pending_key.clear();
@@ -422,7 +517,7 @@ json parse_json_text(const std::string& text, const std::string& file) {
         if (!open_objects.back().insert(key).second) {
           std::string where;
           for (const auto& p : path) where += (p.empty() ? "" : p + ".");
-          throw InputError(file + ": duplicate key `" + where + key + "`");
+          throw InputError(file + ": duplicate key `" + echo(where + key) + "`");
         }
         pending_key = key;
         break;
@@ -444,36 +539,47 @@ json parse_json_text(const std::string& text, const std::string& file) {
     std::string what = e.what();
     auto cut = what.find("syntax error while parsing ");
     std::string detail = cut == std::string::npos ? what : what.substr(cut + 20);
-    throw InputError(file + ":" + std::to_string(line) + ":" + std::to_string(col) + ": JSON syntax error: " + detail);
+    throw InputError(file + ":" + std::to_string(line) + ":" + std::to_string(col) +
+                     ": JSON syntax error: " + echo(detail, 160));
+  } catch (const json::exception& e) {
+    // e.g. out_of_range.406: a number beyond the range of a double (1e400)
+    throw InputError(file + ": " + json_detail(e));
   }
 }
 
 json load_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(path + ": cannot open config file");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse_json_text(ss.str(), path);
+  return parse_json_text(read_regular_file(path, "config file", kMaxConfigBytes), path);
 }
 
 void apply_override(json& root, const std::string& assignment) {
+  // JSON strings are UTF-8: a raw byte such as 0xff could not even be printed back (dump throws).
+  if (!is_valid_utf8(assignment)) throw InputError("--set " + echo(assignment) + ": not valid UTF-8");
   auto eq = assignment.find('=');
   if (eq == std::string::npos || eq == 0)
-    throw InputError("--set " + assignment + ": expected key.path=value");
+    throw InputError("--set " + echo(assignment) + ": expected key.path=value");
   std::string path = assignment.substr(0, eq), value_text = assignment.substr(eq + 1);
+  const std::string where = "--set " + echo(assignment);
   json value;
   try {
-    value = json::parse(value_text);
+    value = json::parse(value_text, [&](int depth, json::parse_event_t event, json&) {
+      if ((event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) &&
+          depth >= kMaxJsonDepth)
+        too_deep(where);
+      return true;
+    });
   } catch (const json::parse_error&) {
     value = value_text;  // bare words are strings: --set scheduler.type=WarmupLR
+  } catch (const json::exception& e) {
+    throw InputError(where + ": " + json_detail(e));
   }
   json* node = &root;
   size_t start = 0;
   while (true) {
     size_t dot = path.find('.', start);
     std::string key = path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
-    if (key.empty()) throw InputError("--set " + assignment + ": empty key in `" + path + "`");
-    if (!node->is_object()) throw InputError("--set " + assignment + ": `" + path.substr(0, start - 1) + "` is not an object");
+    if (key.empty()) throw InputError(where + ": empty key in `" + echo(path) + "`");
+    if (!node->is_object())
+      throw InputError(where + ": `" + echo(path.substr(0, start - 1)) + "` is not an object");
     if (dot == std::string::npos) {
       (*node)[key] = value;
       return;
@@ -484,7 +590,8 @@ void apply_override(json& root, const std::string& assignment) {
   }
 }
 
-Config read_config(const json& root, const std::string& file, int64_t world_size) {
+namespace {
+Config read_config_unguarded(const json& root, const std::string& file, int64_t world_size) {
   Config c;
   c.file = file;
   c.resolved = json::object();
@@ -492,7 +599,24 @@ Config read_config(const json& root, const std::string& file, int64_t world_size
   c.model = read_model(top);
   c.data = read_data(top, c.model);
   c.training = read_training(top);
-  c.batch = derive_batch(top, world_size);
+  c.pipeline = read_pipeline(top);
+  if (world_size % c.pipeline.stages != 0)
+    top.fail("pipeline.stages", "pipeline.stages (" + std::to_string(c.pipeline.stages) +
+                                    ") does not divide the number of ranks (" + std::to_string(world_size) + ")");
+  try {
+    c.pipe_bounds = partition_pipe_layers(
+        gpt_pipe_layers(c.model.vocab_size, c.model.n_positions, c.model.n_layer, c.model.n_embd), c.pipeline);
+  } catch (const std::invalid_argument& e) {
+    throw InputError(file + ": " + e.what());
+  }
+  c.batch = derive_batch(top, world_size / c.pipeline.stages);
+  {
+    pipe::ScheduleSpec spec{c.pipeline.schedule, c.pipeline.stages,
+                            static_cast<int>(std::min<int64_t>(c.batch.gradient_accumulation_steps, kMaxInt)),
+                            c.pipeline.virtual_stages};
+    const std::string why = pipe::check_schedule_spec(spec);
+    if (!why.empty()) throw InputError(file + ": `pipeline.schedule`: " + why);
+  }
   c.resolved["train_batch_size"] = c.batch.train_batch_size;
   c.resolved["train_micro_batch_size_per_gpu"] = c.batch.micro_batch;
   c.resolved["gradient_accumulation_steps"] = c.batch.gradient_accumulation_steps;
@@ -508,6 +632,16 @@ Config read_config(const json& root, const std::string& file, int64_t world_size
   read_unsupported_top_level(top);
   top.finish(kDeepSpeedOnlyTopLevel);
   return c;
+}
+}  // namespace
+
+Config read_config(const json& root, const std::string& file, int64_t world_size) {
+  try {
+    return read_config_unguarded(root, file, world_size);
+  } catch (const json::exception& e) {
+    // A value of a type a reader did not expect: bad input, never an internal error.
+    throw InputError(file + ": " + json_detail(e));
+  }
 }
 
 json quickstart_json() {

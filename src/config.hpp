@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dtype.hpp"
+#include "pipe_plan.hpp"
 
 namespace zero3d {
 
@@ -38,7 +39,7 @@ struct TrainingConfig {
   uint64_t seed = 1234;
   std::string output_dir;    // where metrics.jsonl and config.json go
   double peak_gflops = 0.0;  // per-rank peak used for MFU; 0 = measure a short sgemm at start-up
-  double comms_timeout = 0.0;  // seconds a communication may wait before the job is aborted; 0 = off
+  double comms_timeout = 1800.0;  // seconds a collective may wait before the job is aborted (NCCL's 30 min); 0 = off
   int64_t save_interval = 0;   // save a checkpoint every N steps (and at the end); 0 = never
   std::string save_dir;        // default <output_dir>/checkpoints
   int64_t keep_last = 0;       // keep the newest N checkpoints; 0 = all
@@ -121,7 +122,7 @@ struct BatchConfig {
   int64_t train_batch_size = 0;
   int64_t micro_batch = 0;  // train_micro_batch_size_per_gpu
   int64_t gradient_accumulation_steps = 0;
-  int64_t world_size = 1;   // data-parallel size used for the derivation
+  int64_t world_size = 1;   // data-parallel size used for the derivation (ranks ÷ pipeline stages)
   std::string derivation;   // human-readable account printed at start-up
 };
 
@@ -138,6 +139,8 @@ struct Config {
   bool wall_clock_breakdown = false;
   ZeroConfig zero;
   PrecisionConfig precision;
+  PipelineConfig pipeline;
+  std::vector<int> pipe_bounds;  // p·v + 1 boundaries into gpt_pipe_layers() (pipe_plan.hpp)
   bool zero_allow_untested_optimizer = false;
   nlohmann::json resolved;  // every key with its value after defaults and derivation
 };
@@ -151,7 +154,8 @@ nlohmann::json load_json_file(const std::string& path);
 // Applies one `--set key.path=value` override; value is parsed as JSON, else taken as a string.
 void apply_override(nlohmann::json& root, const std::string& assignment);
 
-// Validates and resolves a whole config for a data-parallel world of `world_size` ranks.
+// Validates and resolves a whole config for a job of `world_size` ranks (pipeline stages ×
+// data-parallel ranks; the batch triad is derived over the data-parallel size).
 // Throws InputError with one message naming the file, key and value.
 Config read_config(const nlohmann::json& root, const std::string& file, int64_t world_size);
 

@@ -58,14 +58,22 @@ std::string node_summary(MPI_Comm world, int* local_rank_out) {
 Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string output_dir, Watchdog* watchdog)
     : cfg_(cfg), groups_(groups), output_dir_(std::move(output_dir)) {
   dp_comm_ = std::make_unique<MpiCommunicator>(groups.data_parallel(), watchdog);
+  pipe_comm_ = std::make_unique<MpiCommunicator>(groups.axis("pipe"), watchdog);
+  mp_comm_ = std::make_unique<MpiCommunicator>(groups.axis("model_parallel"), watchdog);
+  if (groups.axis("embedding") != MPI_COMM_NULL)
+    emb_comm_ = std::make_unique<MpiCommunicator>(groups.axis("embedding"), watchdog);
   rank_ = dp_comm_->rank();
   world_ = dp_comm_->size();
+  stage_ = pipe_comm_->rank();
+  stages_ = pipe_comm_->size();
   run_collectively(groups.world(), [this] { setup_local(); });
   if (!cfg_.training.resume.empty()) resume_from_checkpoint();
-  flops_per_token_ = gpt_flops_per_token(model_->shape(), model_->num_params());
+  // MFU counts the whole model's FLOPs (6N + attention) against every rank's peak.
+  flops_per_token_ = gpt_flops_per_token(model_->shape(), gpt_layout(model_->shape()).total());
   double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_gemm_peak_gflops(model_->compute_type());
   peak_gflops_total_ = peak;
   dp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
+  pipe_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
   node_summary_ = node_summary(groups.world(), &local_rank_);
   print_startup();
 }
@@ -73,9 +81,39 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
 void Engine::setup_local() {
   const int64_t B = cfg_.batch.micro_batch, T = cfg_.model.n_positions;
   const PrecisionConfig& pc = cfg_.precision;
-  model_ = std::make_unique<GPT>(shape_of(cfg_.model), B, T, pc.param);
+  const GPTShape shape = shape_of(cfg_.model);
+  model_ = std::make_unique<GPT>(shape, B, T, pc.param, gpt_model_part(shape, cfg_.pipe_bounds, stages_, stage_));
+  // Every stage partitions the same element count (the largest stage's), so the tied wte at
+  // local offset 0 of the first and last stage is cut identically over the data group.
+  int64_t partition_numel = model_->num_params();
+  for (int s = 0; s < stages_ && stages_ > 1; ++s)
+    partition_numel = std::max(partition_numel, gpt_model_part(shape, cfg_.pipe_bounds, stages_, s).layout.total());
+  if (stages_ > 1 && (stage_ == 0 || stage_ == stages_ - 1)) tied_numel_ = shape.vocab_size * shape.n_embd;
   zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, StateTypes{pc.param, pc.grad_accum, pc.comm},
-                                          model_->layout(), model_->units(), *dp_comm_);
+                                          model_->layout(), model_->units(), *dp_comm_, partition_numel,
+                                          /*ordered_backward=*/model_->num_chunks() == 1);
+  // The schedule is fixed for the run (micro-batches = gradient_accumulation_steps).
+  const pipe::ScheduleSpec spec{cfg_.pipeline.schedule, stages_, static_cast<int>(cfg_.batch.gradient_accumulation_steps),
+                                cfg_.pipeline.virtual_stages};
+  schedule_steps_ = pipe::make_schedule(spec, stage_);
+  bool split = false;
+  std::vector<int> trace;
+  last_backward_.assign(model_->num_chunks(), -1);
+  int index = 0;
+  for (const auto& step : schedule_steps_.steps)
+    for (const pipe::Instruction& in : step) {
+      if (in.op == pipe::Op::Forward) {
+        for (int u : model_->fetch_order(in.chunk, true)) trace.push_back(u);
+      } else if (in.op == pipe::Op::Backward || in.op == pipe::Op::BackwardInput) {
+        for (int u : model_->fetch_order(in.chunk, false)) trace.push_back(u);
+      }
+      if (in.op == pipe::Op::Backward || in.op == pipe::Op::BackwardWeight) last_backward_[in.chunk] = index;
+      split = split || in.op == pipe::Op::BackwardInput;
+      ++index;
+    }
+  zero_->set_fetch_trace(std::move(trace));
+  for (int b = 0; b < schedule_steps_.num_buffers; ++b) buffers_.push_back(model_->make_buffer(split));
+  pending_.resize(static_cast<size_t>(schedule_steps_.num_buffers));
   // DeepSpeed: fp16 scales the loss (dynamic when loss_scale is 0); bf16 and fp32 use 1.
   LossScalerConfig ls;
   ls.dynamic = pc.param == DType::F16 && pc.loss_scale == 0.0;
@@ -88,6 +126,8 @@ void Engine::setup_local() {
   ls.zero_path = cfg_.zero.stage > 0;  // stage 0 behaves as DeepSpeed's non-ZeRO FP16_Optimizer
   scaler_ = std::make_unique<LossScaler>(ls);
   check_overflow_ = pc.param == DType::F16 || (pc.param == DType::BF16 && pc.check_grad_overflow);
+  // Drawn from (seed, tensor name) over the local layout: every stage's tensors, the tied copy
+  // included, get the values the whole model would (rng.hpp), whatever the pipeline size.
   if (cfg_.model.init_from.empty()) {
     zero_->init_params([&](float* out, int64_t begin, int64_t end) {
       init_gpt_params_range(out, model_->layout(), model_->shape(), cfg_.training.seed, begin, end);
@@ -101,8 +141,6 @@ void Engine::setup_local() {
   }
   data_ = std::make_unique<DataLoader>(cfg_.data, cfg_.model.vocab_size, B, T, cfg_.training.seed);
   schedule_ = std::make_unique<LRSchedule>(cfg_.scheduler, cfg_.optimizer.lr);
-  inputs_ = Kokkos::View<int32_t*>("inputs", B * T);
-  targets_ = Kokkos::View<int32_t*>("targets", B * T);
   if (groups_.rank() == 0 && !output_dir_.empty()) {
     make_directories(output_dir_);
     std::ofstream out(output_dir_ + "/config.json");
@@ -135,13 +173,22 @@ void Engine::resume_from_checkpoint() {
   std::unique_ptr<CheckpointReader> reader;
   run_collectively(groups_.world(), [&] {
     reader = std::make_unique<CheckpointReader>(CheckpointReader::open(cfg_.training.resume, cfg_.training.save_dir));
-    reader->check_layout(model_->layout());
+    reader->check_layout(gpt_layout(model_->shape()));
+    reader->check_model(cfg_.resolved.value("model", nlohmann::json::object()));
     const CheckpointMeta& m = reader->meta();
     const std::string type = cfg_.optimizer.type == OptimizerType::SGD ? "SGD"
                              : cfg_.optimizer.type == OptimizerType::Lamb ? "Lamb" : "Adam";
     if (m.optimizer_type != type)
       throw InputError(reader->dir() + ": saved with optimizer " + m.optimizer_type + ", the config uses " + type);
-    zero_->read_checkpoint(*reader);
+    // This rank's local range, read through the global offsets its elements have.
+    const ModelPart& part = model_->part();
+    zero_->read_checkpoint(
+        [&](const std::string& state, int64_t b, int64_t e, float* out) {
+          for (const LayoutSegment& run : part.global_runs(b, e, /*with_tied=*/true))
+            reader->read_range(state, run.global_begin, run.global_begin + (run.local_end - run.local_begin),
+                               out + (run.local_begin - b));
+        },
+        reader->meta().optimizer_step);
   });
   zero_->finish_checkpoint_load();
   const CheckpointMeta& m = reader->meta();
@@ -157,7 +204,7 @@ void Engine::resume_from_checkpoint() {
     st.cur_hysteresis = m.loss_scaler.at("cur_hysteresis");
     scaler_->set_state(st);
   }
-  if (rank_ == 0) {
+  if (groups_.rank() == 0) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double mb = 4.0 * m.states.size() * m.total_params / 1e6;
     std::printf("resume  %s: step %lld, saved by %lld rank%s at ZeRO stage %lld; loaded %.1f MB in %.2f s (%.0f MB/s)\n",
@@ -192,17 +239,28 @@ void Engine::save(bool final_step) {
   const LossScalerState& ls = scaler_->state();
   m.loss_scaler = {{"dynamic", scaler_->dynamic()}, {"cur_scale", ls.cur_scale}, {"cur_iter", ls.cur_iter},
                    {"last_overflow_iter", ls.last_overflow_iter}, {"cur_hysteresis", ls.cur_hysteresis}};
-  m.total_params = model_->num_params();
-  for (const TensorSpec& t : model_->layout().tensors())
+  // One logical model whatever the layout: the global tensors, and each rank's range mapped
+  // to global offsets (the tied wte copy is the first stage's to save).
+  const ParamLayout global = gpt_layout(model_->shape());
+  m.total_params = global.total();
+  for (const TensorSpec& t : global.tensors())
     m.tensors.push_back({{"name", t.name}, {"shape", t.shape}, {"offset", t.offset}});
-  for (int r = 0; r < world_; ++r) m.ranges.push_back(zero_->partition().owned(r, 0, model_->num_params()));
   m.states = zero_->checkpoint_states();
+  const auto [b, e] = zero_->checkpoint_range();
+  const auto arrays = zero_->checkpoint_arrays();
+  ShardSlice slice;
+  for (const LayoutSegment& run : model_->part().global_runs(b, e, /*with_tied=*/false)) {
+    ShardSegment seg;
+    seg.begin = run.global_begin;
+    seg.end = run.global_begin + (run.local_end - run.local_begin);
+    for (const auto& [name, first] : arrays) seg.arrays.emplace_back(name, first + (run.local_begin - b));
+    slice.segments.push_back(std::move(seg));
+  }
   const std::string tag = "global_step" + std::to_string(step_);
-  save_checkpoint(cfg_.training.save_dir, tag, m, zero_->checkpoint_slice(), model_->layout(), groups_.world(),
-                  cfg_.training.keep_last);
-  if (rank_ == 0) {
+  save_checkpoint(cfg_.training.save_dir, tag, m, slice, global, groups_.world(), cfg_.training.keep_last);
+  if (groups_.rank() == 0) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double mb = 4.0 * m.states.size() * model_->num_params() / 1e6;
+    const double mb = 4.0 * m.states.size() * m.total_params / 1e6;
     std::printf("checkpoint %s/%s: %.1f MB in %.2f s (%.0f MB/s)\n", cfg_.training.save_dir.c_str(), tag.c_str(), mb, s,
                 mb / s);
     std::fflush(stdout);
@@ -210,18 +268,43 @@ void Engine::save(bool final_step) {
 }
 
 void Engine::print_startup() const {
-  if (rank_ != 0) return;
+  if (groups_.rank() != 0) return;
   const GPTShape& s = model_->shape();
   const ProcessTopology& topo = groups_.topology();
   std::printf("zero3d %s | world size %d | topology pipe=%d data=%d model=%d | Kokkos %s | %s\n", ZERO3D_VERSION,
               topo.world_size(), topo.get_dim("pipe"), topo.get_dim("data"), topo.get_dim("model"),
               Kokkos::DefaultExecutionSpace::name(), node_summary_.c_str());
+  const int64_t total_params = gpt_layout(s).total();
   std::printf("model   GPT-2 V=%lld T=%lld L=%lld H=%lld C=%lld: %lld parameters (%.2f MB fp32), %s\n",
               (long long)s.vocab_size, (long long)s.n_positions, (long long)s.n_layer, (long long)s.n_head,
-              (long long)s.n_embd, (long long)model_->num_params(), model_->num_params() * 4.0 / 1e6,
+              (long long)s.n_embd, (long long)total_params, total_params * 4.0 / 1e6,
               cfg_.model.init_from.empty() ? ("initialised from seed " + std::to_string(cfg_.training.seed)).c_str()
                                            : ("loaded from " + cfg_.model.init_from).c_str());
   std::printf("batch   %s\n", cfg_.batch.derivation.c_str());
+  if (stages_ > 1) {
+    const PipelineConfig& pc = cfg_.pipeline;
+    const pipe::ScheduleSpec spec{pc.schedule, stages_, static_cast<int>(cfg_.batch.gradient_accumulation_steps),
+                                  pc.virtual_stages};
+    std::printf("pipeline %d stages%s, schedule %s, partition %s, %lld micro-batches, %d activation buffers on "
+                "stage 0; bubble formula %.3f\n",
+                stages_, pc.virtual_stages > 1 ? (" x " + std::to_string(pc.virtual_stages) + " virtual").c_str() : "",
+                pc.schedule_name.c_str(), pc.partition_name.c_str(), (long long)cfg_.batch.gradient_accumulation_steps,
+                schedule_steps_.num_buffers, pipe::bubble_fraction(spec));
+    const std::vector<PipeLayer> layers = gpt_pipe_layers(s.vocab_size, s.n_positions, s.n_layer, s.n_embd);
+    for (int st = 0; st < stages_; ++st) {
+      const ModelPart part = gpt_model_part(s, cfg_.pipe_bounds, stages_, st);
+      std::string what;
+      for (int k = st; k + 1 < static_cast<int>(cfg_.pipe_bounds.size()); k += stages_) {
+        const int a = cfg_.pipe_bounds[k], b = cfg_.pipe_bounds[k + 1];
+        auto name = [&](int i) {
+          return layers[i].kind == "block" ? "h." + std::to_string(layers[i].block) : layers[i].kind;
+        };
+        what += (what.empty() ? "" : " + ") + name(a) + (b - a > 1 ? ".." + name(b - 1) : "");
+      }
+      std::printf("  stage %d: %s | %lld parameters%s\n", st, what.c_str(), (long long)part.layout.total(),
+                  part.tied_unit >= 0 ? " (incl. the tied wte copy)" : "");
+    }
+  }
   std::printf("data    %s\n", data_->describe().c_str());
   std::printf("optim   %s lr %.3g%s | clip %.3g | %lld steps | MFU peak %.1f GFLOP/s (%s)\n",
               cfg_.optimizer.type_name.c_str(), cfg_.optimizer.lr,
@@ -256,6 +339,137 @@ void Engine::print_startup() const {
   std::fflush(stdout);
 }
 
+int Engine::peer_stage(int chunk, int delta) const {
+  const int v = chunk * stages_ + stage_ + delta;  // virtual stage of the peer (Megatron's round robin)
+  return ((v % stages_) + stages_) % stages_;
+}
+
+// Tags name the receiving virtual stage and the kind (0 activation, 1 gradient): messages of
+// one (pair, tag) are matched in posting order, which both sides take from the schedule.
+int Engine::tag(int chunk, int delta, int kind) const { return 2 * (chunk * stages_ + stage_ + delta) + kind; }
+
+void Engine::wait_sends(int b) {
+  Pending& p = pending_[b];
+  if (p.act_send) p.act_send->wait(), p.act_send.reset();
+  if (p.grad_send) p.grad_send->wait(), p.grad_send.reset();
+}
+
+void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_loss) {
+  using pipe::Op;
+  const int64_t gas = cfg_.batch.gradient_accumulation_steps, BTC = cfg_.batch.micro_batch * cfg_.model.n_positions *
+                                                                         cfg_.model.n_embd;
+  const auto waited = [this](std::unique_ptr<CommRequest>& req) {  // time blocked on a peer stage: the bubble
+    if (!req) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    req->wait();
+    req.reset();
+    idle_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  switch (in.op) {
+    case Op::LoadMicroBatch: {
+      ActivationBuffer& buf = buffers_[in.buffer];
+      wait_sends(in.buffer);
+      // This rank's samples of the global batch (data.hpp): independent of how it is split.
+      const int64_t first =
+          step_ * cfg_.batch.train_batch_size + (in.micro_batch * world_ + rank_) * cfg_.batch.micro_batch;
+      auto host_in = Kokkos::create_mirror_view(buf.token_ids);
+      auto host_tgt = Kokkos::create_mirror_view(buf.target_ids);
+      data_->micro_batch(first, host_in.data(), host_tgt.data());
+      Kokkos::deep_copy(buf.token_ids, host_in);
+      Kokkos::deep_copy(buf.target_ids, host_tgt);
+      break;
+    }
+    case Op::RecvActivation:
+      wait_sends(in.buffer);
+      pending_[in.buffer].act_recv = pipe_comm_->irecv(buffers_[in.buffer].input, BTC, DType::F32,
+                                                      peer_stage(in.chunk, -1), tag(in.chunk, 0, 0));
+      break;
+    case Op::SendActivation:
+      pending_[in.buffer].act_send = pipe_comm_->isend(model_->output(in.chunk, buffers_[in.buffer]), BTC, DType::F32,
+                                                      peer_stage(in.chunk, +1), tag(in.chunk, +1, 0));
+      break;
+    case Op::RecvGrad:
+      pending_[in.buffer].grad_recv = pipe_comm_->irecv(buffers_[in.buffer].d_output, BTC, DType::F32,
+                                                       peer_stage(in.chunk, +1), tag(in.chunk, 0, 1));
+      break;
+    case Op::SendGrad:
+      pending_[in.buffer].grad_send = pipe_comm_->isend(buffers_[in.buffer].d_input, BTC, DType::F32,
+                                                       peer_stage(in.chunk, -1), tag(in.chunk, -1, 1));
+      break;
+    case Op::Forward: {
+      waited(pending_[in.buffer].act_recv);
+      wait_sends(in.buffer);
+      auto t = timers_.time("forward");
+      const float loss = model_->forward(in.chunk, buffers_[in.buffer], *zero_);
+      if (model_->chunk(in.chunk).final) local_loss += loss;
+      break;
+    }
+    case Op::Backward:
+    case Op::BackwardInput:
+    case Op::BackwardWeight: {
+      waited(pending_[in.buffer].grad_recv);
+      if (in.op != Op::BackwardWeight) waited(pending_[in.buffer].grad_send);  // d_input is rewritten
+      const BackwardPart part = in.op == Op::Backward ? BackwardPart::Full
+                                : in.op == Op::BackwardInput ? BackwardPart::Input : BackwardPart::Weight;
+      // Gradients of the chunk's units are final with its last weight-gradient pass of the step.
+      if (part != BackwardPart::Input) zero_->begin_micro_step(instr_index_ == last_backward_[in.chunk]);
+      auto t = timers_.time("backward_inner");
+      // DeepSpeed scales the loss by 1/GAS so that accumulated gradients are a mean; fp16
+      // multiplies by the loss scale as well (FACTS §2.4). Only the head's chunk uses it.
+      model_->backward(in.chunk, buffers_[in.buffer], static_cast<float>(scaler_->scale()) / static_cast<float>(gas),
+                       *zero_, part);
+      break;
+    }
+    case Op::ReduceTiedGrads:
+    case Op::ReduceGrads:
+      finalize_grads();
+      break;
+    case Op::OptimizerStep:
+      optimizer_step(r);
+      break;
+  }
+}
+
+void Engine::finalize_grads() {
+  if (finalized_) return;
+  finalized_ = true;
+  {
+    auto t = timers_.time("backward_allreduce");
+    zero_->finish_reduction();
+    // The tied wte (DeepSpeed ReduceTiedGrads, FACTS-2 §2.5): both copies hold the summed gradient.
+    if (tied_numel_ > 0 && emb_comm_) zero_->sum_grad_range(0, tied_numel_, *emb_comm_);
+  }
+  // The norm counts the tied copy once: on the first stage, not on the last.
+  const bool replica = tied_numel_ > 0 && stage_ == stages_ - 1;
+  stats_ = zero_->grad_stats(stages_ > 1 ? pipe_comm_.get() : nullptr, 0, replica ? tied_numel_ : 0);
+}
+
+void Engine::optimizer_step(StepResult& r) {
+  auto t = timers_.time("step");
+  // DeepSpeed's order: overflow check, scaler update, then unscale+clip with the new scale.
+  const GradStats& stats = stats_;
+  const bool overflow = check_overflow_ && !stats.finite;
+  std::string scaler_log;
+  try {
+    scaler_log = scaler_->update(overflow, r.step);
+  } catch (const SystemError& e) {  // every rank saw the same overflow: agreed, one report
+    throw AgreedFailure(e.what(), kExitSystem, 0, groups_.rank() == 0);
+  }
+  if (!scaler_log.empty() && groups_.rank() == 0) std::printf("[zero3d] %s\n", scaler_log.c_str());
+  r.loss_scale = scaler_->scale();
+  if (overflow) {  // no update, scheduler not advanced; the global step still counts
+    zero_->skip_step();
+    r.skipped = true;
+    r.grad_norm = -1.0;
+    ++skipped_steps_;
+  } else {
+    r.grad_norm = stats.norm_scaled / scaler_->scale();
+    zero_->apply_step(r.lr, schedule_->betas(), cfg_.gradient_clipping, scaler_->scale(), stats);
+    schedule_->step();
+  }
+  r.skipped_steps = skipped_steps_;
+}
+
 StepResult Engine::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   timers_.reset();
@@ -266,62 +480,32 @@ StepResult Engine::train_step() {
   r.lr = schedule_->lr();
 
   dp_comm_->reset_bus_bytes();
+  pipe_comm_->reset_bus_bytes();
+  if (emb_comm_) emb_comm_->reset_bus_bytes();
   zero_->zero_grad();
-  auto host_in = Kokkos::create_mirror_view(inputs_);
-  auto host_tgt = Kokkos::create_mirror_view(targets_);
+  finalized_ = false;
+  idle_ms_ = 0.0;
+  instr_index_ = 0;
   double local_loss = 0.0;
-  for (int64_t micro = 0; micro < gas; ++micro) {
-    // This rank's samples of the global batch (data.hpp): independent of how it is split.
-    const int64_t first = step_ * cfg_.batch.train_batch_size + (micro * world_ + rank_) * cfg_.batch.micro_batch;
-    data_->micro_batch(first, host_in.data(), host_tgt.data());
-    Kokkos::deep_copy(inputs_, host_in);
-    Kokkos::deep_copy(targets_, host_tgt);
-    // Gradients accumulate locally; the last micro-batch's backward completes them.
-    zero_->begin_micro_step(micro == gas - 1);
-    {
-      auto t = timers_.time("forward");
-      local_loss += model_->forward(inputs_.data(), targets_.data(), *zero_);
+  // The schedule (pipe_schedule.hpp), instruction by instruction.
+  for (const auto& step : schedule_steps_.steps)
+    for (const pipe::Instruction& in : step) {
+      execute(in, r, local_loss);
+      ++instr_index_;
     }
-    {
-      auto t = timers_.time("backward_inner");
-      // DeepSpeed scales the loss by 1/GAS so that accumulated gradients are a mean.
-      // fp16: the loss is multiplied by the loss scale as well (FACTS §2.4).
-      model_->backward(static_cast<float>(scaler_->scale()) / static_cast<float>(gas), *zero_);
-    }
-  }
-  {
-    auto t = timers_.time("backward_allreduce");
-    zero_->finish_reduction();
-  }
-  {
-    auto t = timers_.time("step");
-    // DeepSpeed's order: overflow check, scaler update, then unscale+clip with the new scale.
-    const GradStats stats = zero_->grad_stats();
-    const bool overflow = check_overflow_ && !stats.finite;
-    std::string scaler_log;
-    try {
-      scaler_log = scaler_->update(overflow, r.step);
-    } catch (const SystemError& e) {  // every rank saw the same overflow: agreed, one report
-      throw AgreedFailure(e.what(), kExitSystem, 0, rank_ == 0);
-    }
-    if (!scaler_log.empty() && rank_ == 0) std::printf("[zero3d] %s\n", scaler_log.c_str());
-    r.loss_scale = scaler_->scale();
-    if (overflow) {  // no update, scheduler not advanced; the global step still counts
-      zero_->skip_step();
-      r.skipped = true;
-      r.grad_norm = -1.0;
-      ++skipped_steps_;
-    } else {
-      r.grad_norm = stats.norm_scaled / scaler_->scale();
-      zero_->apply_step(r.lr, schedule_->betas(), cfg_.gradient_clipping, scaler_->scale(), stats);
-      schedule_->step();
-    }
-    r.skipped_steps = skipped_steps_;
-  }
-  r.comm_bytes = dp_comm_->bus_bytes();
+  for (int b = 0; b < schedule_steps_.num_buffers; ++b) wait_sends(b);
+  const double schedule_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  r.comm_bytes = dp_comm_->bus_bytes() + pipe_comm_->bus_bytes() + (emb_comm_ ? emb_comm_->bus_bytes() : 0);
+  // The loss lives on the last stage: averaged over micro-batches and the data group
+  // (DeepSpeed _aggregate_total_loss), then broadcast over the pipe group to rank 0.
   double mean_loss = local_loss / static_cast<double>(gas);
   dp_comm_->all_reduce(&mean_loss, 1, DType::F64, ReduceOp::Sum);
+  if (stages_ > 1) pipe_comm_->broadcast(&mean_loss, 1, DType::F64, stages_ - 1);
   r.loss = mean_loss / world_;
+  r.idle_fraction = schedule_ms > 0 ? idle_ms_ / schedule_ms : 0.0;
+  r.stage_idle.assign(static_cast<size_t>(stages_), 0.0);
+  if (stages_ > 1) pipe_comm_->all_gather(&r.idle_fraction, r.stage_idle.data(), 1, DType::F64);
+  else r.stage_idle[0] = r.idle_fraction;
   ++step_;
 
   r.elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -339,7 +523,7 @@ std::vector<StepResult> Engine::train() {
     save(s + 1 == cfg_.training.steps);
     results.push_back(r);
     if (results.size() > 1 || cfg_.training.steps == 1) total_ms += r.elapsed_ms;  // the first step warms caches
-    if (rank_ != 0) continue;
+    if (groups_.rank() != 0) continue;
     const auto& ms = timers_.ms();
     if (metrics_) {
       nlohmann::json rec = {{"step", r.step},
@@ -355,6 +539,12 @@ std::vector<StepResult> Engine::train() {
                             {"loss_scale", r.loss_scale},
                             {"skipped", r.skipped},
                             {"skipped_steps", r.skipped_steps}};
+      const pipe::ScheduleSpec spec{cfg_.pipeline.schedule, stages_,
+                                    static_cast<int>(cfg_.batch.gradient_accumulation_steps), cfg_.pipeline.virtual_stages};
+      rec["pipeline"] = {{"stages", stages_},
+                         {"schedule", cfg_.pipeline.schedule_name},
+                         {"virtual_stages", cfg_.pipeline.virtual_stages},
+                         {"bubble_fraction", {{"formula", pipe::bubble_fraction(spec)}, {"measured", r.stage_idle}}}};
       const MemoryBytes m = zero_->memory();
       rec["memory"] = {{"params", m.params},           {"grads", m.grads},
                        {"master", m.master},           {"optimizer_states", m.optimizer_states},
@@ -393,7 +583,7 @@ std::vector<StepResult> Engine::train() {
       std::fflush(stdout);
     }
   }
-  if (rank_ == 0 && !results.empty()) {
+  if (groups_.rank() == 0 && !results.empty()) {
     const int64_t timed = std::max<int64_t>(1, static_cast<int64_t>(results.size()) - 1);
     const double tokens = static_cast<double>(timed) * cfg_.batch.train_batch_size * cfg_.model.n_positions;
     const double tps = tokens / (total_ms / 1e3);

@@ -18,6 +18,7 @@
 #include "model.hpp"
 #include "monitor.hpp"
 #include "optimizer.hpp"
+#include "pipe_schedule.hpp"
 #include "topology.hpp"
 #include "watchdog.hpp"
 
@@ -35,6 +36,8 @@ struct StepResult {
   double tokens_per_s = 0.0;
   double mfu = 0.0;
   int64_t comm_bytes = 0;  // bus bytes this rank moved in the step
+  double idle_fraction = 0.0;  // share of this rank's schedule spent waiting for a peer stage
+  std::vector<double> stage_idle;  // idle_fraction of every pipeline stage (same on all ranks)
 };
 
 class Engine {
@@ -54,12 +57,36 @@ class Engine {
   void resume_from_checkpoint();
   void save(bool final_step);
   void inject_fault(int64_t step) const;
+  // The executor: one schedule instruction mapped to its call (DeepSpeed pipe/engine.py's
+  // _INSTRUCTION_MAP).
+  void execute(const pipe::Instruction& in, StepResult& r, double& local_loss);
+  // Everything between backward and the step, once (Megatron finalize_model_grads): drain the
+  // data-parallel reduction, sum the tied wte over the embedding group, norm and overflow over
+  // the whole model.
+  void finalize_grads();
+  void optimizer_step(StepResult& r);
+  void wait_sends(int buffer);
+  int peer_stage(int chunk, int delta) const;  // pipe rank of the virtual stage chunk·p + stage + delta
+  int tag(int chunk, int delta, int kind) const;
 
   Config cfg_;
   const ProcessGroups& groups_;
-  std::unique_ptr<MpiCommunicator> dp_comm_;
+  std::unique_ptr<MpiCommunicator> dp_comm_, pipe_comm_, mp_comm_, emb_comm_;
   std::unique_ptr<ZeroOptimizer> zero_;
   int rank_ = 0, world_ = 1;  // in the data-parallel group
+  int stage_ = 0, stages_ = 1;  // pipeline
+  pipe::StageSchedule schedule_steps_;
+  std::vector<int> last_backward_;  // per chunk: index (in flat instruction order) of its last weight-gradient pass
+  std::vector<ActivationBuffer> buffers_;
+  struct Pending {
+    std::unique_ptr<CommRequest> act_recv, grad_recv, act_send, grad_send;
+  };
+  std::vector<Pending> pending_;
+  int64_t tied_numel_ = 0;  // wte elements at local offset 0 on the first and last stage (p > 1)
+  bool finalized_ = false;
+  GradStats stats_;
+  double idle_ms_ = 0.0;
+  int instr_index_ = 0;
   int local_rank_ = 0;        // on this node (MPI_COMM_TYPE_SHARED): the GPU a CUDA build would use
   std::string node_summary_;
   std::string output_dir_;
@@ -71,7 +98,6 @@ class Engine {
   int64_t skipped_steps_ = 0;
   std::unique_ptr<MetricsWriter> metrics_;
   PhaseTimers timers_;
-  Kokkos::View<int32_t*> inputs_, targets_;
   double flops_per_token_ = 0.0, peak_gflops_total_ = 0.0;
   int64_t step_ = 0;
 };

@@ -49,8 +49,85 @@ std::vector<ParamUnit> gpt_units(const ParamLayout& layout, int64_t n_layer) {
   starts.push_back(layout.find("ln_f.weight")->offset);
   starts.push_back(layout.total());
   std::vector<ParamUnit> units;
-  for (size_t u = 0; u + 1 < starts.size(); ++u) units.push_back({starts[u], starts[u + 1] - starts[u]});
+  for (size_t u = 0; u + 1 < starts.size(); ++u) {
+    const UnitKind kind = u == 0 ? UnitKind::Embedding : u + 2 == starts.size() ? UnitKind::FinalNorm : UnitKind::Block;
+    units.push_back({starts[u], starts[u + 1] - starts[u], kind, kind == UnitKind::Block ? static_cast<int>(u) - 1 : -1});
+  }
   return units;
+}
+
+std::vector<LayoutSegment> ModelPart::global_runs(int64_t begin, int64_t end, bool with_tied) const {
+  std::vector<LayoutSegment> all = segments;
+  if (with_tied && tied_unit >= 0)  // wte sits at global offset 0
+    all.push_back({units[tied_unit].offset, units[tied_unit].offset + units[tied_unit].numel, 0});
+  std::sort(all.begin(), all.end(), [](const LayoutSegment& a, const LayoutSegment& b) { return a.local_begin < b.local_begin; });
+  std::vector<LayoutSegment> runs;
+  for (const LayoutSegment& s : all) {
+    const int64_t lo = std::max(begin, s.local_begin), hi = std::min(end, s.local_end);
+    if (lo < hi) runs.push_back({lo, hi, s.global_begin + (lo - s.local_begin)});
+  }
+  return runs;
+}
+
+ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int stages, int stage) {
+  const int64_t C = s.n_embd;
+  const ParamLayout global = gpt_layout(s);
+  const int parts = static_cast<int>(bounds.size()) - 1;
+  const int layers = static_cast<int>(s.n_layer) + 2;  // embedding, blocks, final
+  ModelPart part;
+  ParamLayout& layout = part.layout;
+  auto add_unit = [&](UnitKind kind, int block, int64_t begin) {
+    part.units.push_back({begin, layout.total() - begin, kind, block});
+    return static_cast<int>(part.units.size()) - 1;
+  };
+  auto add_global = [&](const std::string& name) {
+    const TensorSpec* g = global.find(name);
+    const int64_t local = layout.total();
+    layout.add(name, g->shape);
+    if (!part.segments.empty() && part.segments.back().local_end == local &&
+        part.segments.back().global_begin + (local - part.segments.back().local_begin) == g->offset)
+      part.segments.back().local_end = local + g->numel;
+    else
+      part.segments.push_back({local, local + g->numel, g->offset});
+  };
+  const bool holds_embedding = stage == 0, holds_final = stage == (parts - 1) % stages;
+  if (holds_final && !holds_embedding) {  // the LM head's wte: DeepSpeed's TiedLayerSpec on the last stage
+    layout.add("wte.weight", {s.vocab_size, C});
+    part.tied_unit = add_unit(UnitKind::TiedHead, -1, 0);
+  }
+  for (int k = stage; k < parts; k += stages) {
+    ModelChunk c;
+    for (int layer = bounds[k]; layer < bounds[k + 1]; ++layer) {
+      const int64_t begin = layout.total();
+      if (layer == 0) {
+        add_global("wte.weight");
+        add_global("wpe.weight");
+        c.embedding = true;
+        c.embed_unit = add_unit(UnitKind::Embedding, -1, begin);
+      } else if (layer == layers - 1) {
+        add_global("ln_f.weight");
+        add_global("ln_f.bias");
+        c.final = true;
+        c.final_unit = add_unit(UnitKind::FinalNorm, -1, begin);
+      } else {
+        const int l = layer - 1;
+        const std::string p = "h." + std::to_string(l) + ".";
+        for (const char* t : kBlockTensorNames) add_global(p + t);
+        if (c.num_blocks == 0) {
+          c.first_block = l;
+          c.first_block_unit = static_cast<int>(part.units.size());
+        }
+        ++c.num_blocks;
+        add_unit(UnitKind::Block, l, begin);
+      }
+    }
+    if (c.final) c.head_unit = c.embedding || part.tied_unit < 0 ? 0 : part.tied_unit;
+    part.chunks.push_back(c);
+  }
+  // the head of a one-stage model reads the embedding unit's wte
+  for (ModelChunk& c : part.chunks)
+    if (c.final && part.tied_unit < 0) c.head_unit = part.chunks.front().embed_unit;
+  return part;
 }
 
 double gpt_flops_per_token(const GPTShape& s, int64_t num_params) {
@@ -88,21 +165,55 @@ void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& s
 }
 
 GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type)
-    : shape_(shape), param_type_(param_type), B_(B), T_(T), layout_(gpt_layout(shape)), units_(gpt_units(layout_, shape.n_layer)) {
-  const int64_t L = shape.n_layer, C = shape.n_embd, V = shape.vocab_size, H = shape.n_head, BT = B * T;
+    : GPT(shape, B, T, param_type, gpt_model_part(shape, {0, static_cast<int>(shape.n_layer) + 2}, 1, 0)) {}
 
-  // Activations: one allocation, carved into named arrays in forward order.
-  const int64_t per_block = 16 * BT * C + 4 * BT + B * H * T * T;
-  const int64_t total = BT * C + L * per_block + BT * C + 2 * BT + BT * V + 2 * BT;
-  acts_ = make_scratch_buffer("activations", total);
-  float* p = acts_.data();
+GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part)
+    : shape_(shape), param_type_(param_type), B_(B), T_(T), part_(std::move(part)) {
+  const int64_t C = shape.n_embd, BT = B * T;
+  for (const ModelChunk& c : part_.chunks) {
+    max_blocks_ = std::max(max_blocks_, c.num_blocks);
+    any_final_ = any_final_ || c.final;
+  }
+  // Backward scratch, shared by all blocks and micro-batches.
+  scratch_ = make_scratch_buffer("backward_scratch", BT * C + BT * C + 3 * BT * C + 4 * BT * C + kRowBlock * T);
+  float* p = scratch_.data();
   auto take = [&p](int64_t n) {
     float* out = p;
     p += n;
     return out;
   };
-  encoded_ = take(BT * C);
-  for (int64_t l = 0; l < L; ++l) {
+  dln_ = take(BT * C);
+  datty_ = take(BT * C);
+  dqkv_ = take(3 * BT * C);
+  dfch_ = take(4 * BT * C);
+  datt_scratch_ = take(kRowBlock * T);
+}
+
+ActivationBuffer GPT::make_buffer(bool split_backward) const {
+  const int64_t C = shape_.n_embd, V = shape_.vocab_size, H = shape_.n_head, B = B_, T = T_, BT = B * T;
+  const int64_t per_block = 16 * BT * C + 4 * BT + B * H * T * T;
+  const int64_t per_block_operands = split_backward ? 11 * BT * C : 0;
+  const int64_t head = any_final_ ? BT * C + 2 * BT + BT * V + 2 * BT + (split_backward ? BT * C : 0) : 0;
+  const bool receives_grad = [&] {
+    for (const ModelChunk& c : part_.chunks)
+      if (!c.final) return true;
+    return false;
+  }();
+  const int64_t total = BT * C + (receives_grad ? BT * C : 0) + BT * C + max_blocks_ * (per_block + per_block_operands) + head;
+  ActivationBuffer buf;
+  buf.storage = make_scratch_buffer("activations", total);
+  buf.token_ids = Kokkos::View<int32_t*>("tokens", BT);
+  buf.target_ids = Kokkos::View<int32_t*>("targets", BT);
+  buf.tokens = buf.token_ids.data();
+  buf.targets = buf.target_ids.data();
+  float* p = buf.storage.data();
+  auto take = [&p](int64_t n) {
+    float* out = p;
+    p += n;
+    return out;
+  };
+  buf.input = take(BT * C);
+  for (int l = 0; l < max_blocks_; ++l) {
     BlockActivations a;
     a.ln_1 = take(BT * C);
     a.ln_1_mean = take(BT);
@@ -117,24 +228,59 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type)
     a.fch = take(4 * BT * C);
     a.fch_gelu = take(4 * BT * C);
     a.res_3 = take(BT * C);
-    blocks_.push_back(a);
+    buf.blocks.push_back(a);
   }
-  ln_f_ = take(BT * C);
-  ln_f_mean_ = take(BT);
-  ln_f_rstd_ = take(BT);
-  logits_ = take(BT * V);
-  losses_ = take(BT);
-  lse_ = take(BT);
+  if (any_final_) {
+    buf.ln_f = take(BT * C);
+    buf.ln_f_mean = take(BT);
+    buf.ln_f_rstd = take(BT);
+    buf.logits = take(BT * V);
+    buf.losses = take(BT);
+    buf.lse = take(BT);
+  }
+  buf.d_input = take(BT * C);
+  if (receives_grad) buf.d_output = take(BT * C);
+  if (split_backward) {
+    for (int l = 0; l < max_blocks_; ++l) {
+      BlockGradOperands g;
+      g.d_res_3 = take(BT * C);
+      g.d_fch = take(4 * BT * C);
+      g.d_ln_2 = take(BT * C);
+      g.d_res_2 = take(BT * C);
+      g.d_qkv = take(3 * BT * C);
+      g.d_ln_1 = take(BT * C);
+      buf.grad_operands.push_back(g);
+    }
+    if (any_final_) buf.d_ln_f = take(BT * C);
+  }
+  return buf;
+}
 
-  // Backward scratch, shared by all blocks.
-  scratch_ = make_scratch_buffer("backward_scratch", BT * C * 3 + 3 * BT * C + 4 * BT * C + kRowBlock * T);
-  p = scratch_.data();
-  dres_ = take(BT * C);
-  dln_ = take(BT * C);
-  datty_ = take(BT * C);
-  dqkv_ = take(3 * BT * C);
-  dfch_ = take(4 * BT * C);
-  datt_scratch_ = take(kRowBlock * T);
+int64_t GPT::activation_bytes() const {
+  const int64_t C = shape_.n_embd, V = shape_.vocab_size, H = shape_.n_head, B = B_, T = T_, BT = B * T;
+  const int64_t per_block = 16 * BT * C + 4 * BT + B * H * T * T;
+  const int64_t head = any_final_ ? BT * C + 2 * BT + BT * V + 2 * BT : 0;
+  return 4 * (2 * BT * C + max_blocks_ * per_block + head) + static_cast<int64_t>(scratch_.extent(0) * 4);
+}
+
+float* GPT::output(int chunk, const ActivationBuffer& buf) const {
+  const ModelChunk& c = part_.chunks[chunk];
+  return c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;
+}
+
+std::vector<int> GPT::fetch_order(int chunk, bool forward, BackwardPart part) const {
+  const ModelChunk& c = part_.chunks[chunk];
+  std::vector<int> order;
+  if (forward) {
+    if (c.embedding) order.push_back(c.embed_unit);
+    for (int l = 0; l < c.num_blocks; ++l) order.push_back(c.first_block_unit + l);
+    if (c.final) order.push_back(c.final_unit), order.push_back(c.head_unit);
+    return order;
+  }
+  if (part == BackwardPart::Weight) return order;  // weight gradients need activations only
+  if (c.final) order.push_back(c.head_unit), order.push_back(c.final_unit);
+  for (int l = c.num_blocks - 1; l >= 0; --l) order.push_back(c.first_block_unit + l);
+  return order;
 }
 
 template <typename T>
@@ -152,41 +298,47 @@ BlockTensors<T> GPT::block(T* unit) const {
   return b;
 }
 
-namespace {
-constexpr int kEmbed = 0;  // unit of wte and wpe
+float GPT::forward(int chunk, ActivationBuffer& buf, ParamStore& store) {
+  const ModelChunk& c = part_.chunks[chunk];
+  switch (param_type_) {
+    case DType::BF16: return forward_impl<bf16>(c, buf, store);
+    case DType::F16: return forward_impl<fp16>(c, buf, store);
+    default: return forward_impl<float>(c, buf, store);
+  }
+}
+
+void GPT::backward(int chunk, ActivationBuffer& buf, float grad_scale, ParamStore& store, BackwardPart part) {
+  const ModelChunk& c = part_.chunks[chunk];
+  switch (param_type_) {
+    case DType::BF16: return backward_impl<bf16>(c, buf, grad_scale, store, part);
+    case DType::F16: return backward_impl<fp16>(c, buf, grad_scale, store, part);
+    default: return backward_impl<float>(c, buf, grad_scale, store, part);
+  }
 }
 
 float GPT::forward(const int32_t* tokens, const int32_t* targets, ParamStore& store) {
-  switch (param_type_) {
-    case DType::BF16: return forward_impl<bf16>(tokens, targets, store);
-    case DType::F16: return forward_impl<fp16>(tokens, targets, store);
-    default: return forward_impl<float>(tokens, targets, store);
-  }
+  if (own_.storage.extent(0) == 0) own_ = make_buffer(false);
+  own_.tokens = tokens;
+  own_.targets = targets;
+  return forward(0, own_, store);
 }
 
-void GPT::backward(float grad_scale, ParamStore& store) {
-  switch (param_type_) {
-    case DType::BF16: return backward_impl<bf16>(grad_scale, store);
-    case DType::F16: return backward_impl<fp16>(grad_scale, store);
-    default: return backward_impl<float>(grad_scale, store);
-  }
-}
+void GPT::backward(float grad_scale, ParamStore& store) { backward(0, own_, grad_scale, store); }
 
 template <typename P>
-float GPT::forward_impl(const int32_t* tokens, const int32_t* targets, ParamStore& store) {
+float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store) {
   const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
-  const int ln_f = static_cast<int>(shape_.n_layer) + 1;
-  tokens_ = tokens;
-  targets_ = targets;
-
   const DType cmp = compute_type();
-  const P* E = static_cast<const P*>(store.fetch(kEmbed));  // wte [V,C] then wpe [T,C]
-  encoder_forward(encoded_, tokens, E, E + V * C, B, T, C);
-  store.release(kEmbed);
-  for (int64_t l = 0; l < shape_.n_layer; ++l) {
-    const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(static_cast<int>(l) + 1)));
-    BlockActivations& a = blocks_[l];
-    const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
+  if (c.embedding) {
+    const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V,C] then wpe [T,C]
+    encoder_forward(buf.input, buf.tokens, E, E + V * C, B, T, C);
+    store.release(c.embed_unit);
+  }
+  for (int l = 0; l < c.num_blocks; ++l) {
+    const int u = c.first_block_unit + l;
+    const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)));
+    BlockActivations& a = buf.blocks[l];
+    const float* residual = l == 0 ? buf.input : buf.blocks[l - 1].res_3;
     // x + attn(ln_1(x))
     layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, BT, C);
     matmul_forward(a.qkv, a.ln_1, w.c_attn_w, w.c_attn_b, BT, C, 3 * C, /*accumulate=*/false, cmp);
@@ -199,70 +351,119 @@ float GPT::forward_impl(const int32_t* tokens, const int32_t* targets, ParamStor
     gelu_forward(a.fch_gelu, a.fch, BT * 4 * C);
     copy(a.res_3, a.res_2, BT * C);
     matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
-    store.release(static_cast<int>(l) + 1);
+    store.release(u);
   }
-  const P* F = static_cast<const P*>(store.fetch(ln_f));  // weight [C] then bias [C]
-  layernorm_forward(ln_f_, ln_f_mean_, ln_f_rstd_, blocks_.back().res_3, F, F + C, BT, C);
-  store.release(ln_f);
+  if (!c.final) return 0.0f;
+  const float* x = c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;
+  const P* F = static_cast<const P*>(store.fetch(c.final_unit));  // weight [C] then bias [C]
+  layernorm_forward(buf.ln_f, buf.ln_f_mean, buf.ln_f_rstd, x, F, F + C, BT, C);
+  store.release(c.final_unit);
   // LM head tied to wte: logits = ln_f · wteᵀ
-  E = static_cast<const P*>(store.fetch(kEmbed));
-  gemm(BT, V, C, {ln_f_, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, logits_, V, false, cmp);
-  store.release(kEmbed);
-  crossentropy_forward(losses_, lse_, logits_, targets, BT, V);
+  const P* E = static_cast<const P*>(store.fetch(c.head_unit));
+  gemm(BT, V, C, {buf.ln_f, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, buf.logits, V, false, cmp);
+  store.release(c.head_unit);
+  crossentropy_forward(buf.losses, buf.lse, buf.logits, buf.targets, BT, V);
   float sum = 0.0f;
-  const float* losses = losses_;
+  const float* losses = buf.losses;
   Kokkos::parallel_reduce("mean_loss", range(BT), KOKKOS_LAMBDA(Index i, float& acc) { acc += losses[i]; }, sum);
   return sum / static_cast<float>(BT);
 }
 
+// One backward over a chunk. Full: today's fused pass, every layer's input and weight
+// gradients together, operands in scratch. Input (zero-bubble B): input gradients only, the
+// output gradients the weight products need kept in buf.grad_operands. Weight (W): the weight
+// products from those operands and the forward saves, with no parameters fetched. Every
+// kernel call is the same in all three, with the skipped part's pointers null, so a split
+// backward computes the same numbers as a fused one.
 template <typename P>
-void GPT::backward_impl(float grad_scale, ParamStore& store) {
+void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_scale, ParamStore& store,
+                        BackwardPart part) {
   const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
-  const int ln_f = static_cast<int>(shape_.n_layer) + 1;
-
-  // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
-  crossentropy_backward(logits_, lse_, targets_, grad_scale / static_cast<float>(BT), BT, V);
-  float* dlogits = logits_;
-  // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f (dE stays open until the encoder)
   const DType cmp = compute_type();
-  const P* E = static_cast<const P*>(store.fetch(kEmbed));
-  float* dE = store.grad_target(kEmbed);
-  const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);  // converted once for both
-  gemm(BT, C, V, d, {E, dtype_of<P>(), false, C}, dln_, C, false, cmp);
-  gemm(V, C, BT, {d.data, d.type, true, V}, {ln_f_, DType::F32, false, C}, dE, C, true, cmp);
-  store.release(kEmbed);
-  Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres_, BT * C), 0.0f);
-  const P* F = static_cast<const P*>(store.fetch(ln_f));
-  float* dF = store.grad_target(ln_f);
-  layernorm_backward(dres_, dF, dF + C, dln_, blocks_.back().res_3, F, ln_f_mean_, ln_f_rstd_, BT, C);
-  store.release(ln_f);
-  store.grads_done(ln_f);
+  const bool input = part != BackwardPart::Weight, weights = part != BackwardPart::Input;
+  const bool keep = part == BackwardPart::Input;  // save operands for the later W pass
+  float* dres = buf.d_input;  // the residual stream's gradient, from the chunk's end down to its input
+  float* dE = nullptr;        // the head's wte gradient stays open until the chunk is done
 
-  for (int64_t l = shape_.n_layer - 1; l >= 0; --l) {
-    const int u = static_cast<int>(l) + 1;
-    const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)));
-    const BlockTensors<float> dw = block(store.grad_target(u));
-    const BlockActivations& a = blocks_[l];
-    const float* residual = l == 0 ? encoded_ : blocks_[l - 1].res_3;
-    // MLP half: dres holds d(res_3)
-    matmul_backward(dfch_, dw.mlp_proj_w, dw.mlp_proj_b, dres_, a.fch_gelu, w.mlp_proj_w, BT, 4 * C, C, cmp);
-    store.progress();
-    gelu_backward(dfch_, a.fch, dfch_, BT * 4 * C);
-    matmul_backward(dln_, dw.c_fc_w, dw.c_fc_b, dfch_, a.ln_2, w.c_fc_w, BT, C, 4 * C, cmp);
-    store.progress();
-    layernorm_backward(dres_, dw.ln_2_w, dw.ln_2_b, dln_, a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, BT, C);
-    // attention half: dres now holds d(res_2)
-    matmul_backward(datty_, dw.attn_proj_w, dw.attn_proj_b, dres_, a.atty, w.attn_proj_w, BT, C, C, cmp);
-    store.progress();
-    attention_backward(dqkv_, datt_scratch_, datty_, a.qkv, a.att, B, T, C, H);
-    store.progress();
-    matmul_backward(dln_, dw.c_attn_w, dw.c_attn_b, dqkv_, a.ln_1, w.c_attn_w, BT, C, 3 * C, cmp);
-    layernorm_backward(dres_, dw.ln_1_w, dw.ln_1_b, dln_, residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, BT, C);
-    store.release(u);
-    store.grads_done(u);
+  if (c.final) {
+    const float* x = c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;
+    float* dlnf = keep || part == BackwardPart::Weight ? buf.d_ln_f : dln_;
+    if (input) {
+      // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
+      crossentropy_backward(buf.logits, buf.lse, buf.targets, grad_scale / static_cast<float>(BT), BT, V);
+    }
+    const float* dlogits = buf.logits;
+    // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f
+    if (weights) dE = store.grad_target(c.head_unit);
+    if (input) {
+      const P* E = static_cast<const P*>(store.fetch(c.head_unit));
+      const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);  // converted once for both
+      gemm(BT, C, V, d, {E, dtype_of<P>(), false, C}, dlnf, C, false, cmp);
+      if (weights) gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);
+      store.release(c.head_unit);
+    } else {
+      const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);
+      gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);
+    }
+    if (input) Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres, BT * C), 0.0f);
+    const P* F = input ? static_cast<const P*>(store.fetch(c.final_unit)) : nullptr;
+    float* dF = weights ? store.grad_target(c.final_unit) : nullptr;
+    layernorm_backward(input ? dres : nullptr, dF, dF ? dF + C : nullptr, dlnf, x, F, buf.ln_f_mean, buf.ln_f_rstd,
+                       BT, C);
+    if (input) store.release(c.final_unit);
+    if (weights) store.grads_done(c.final_unit);
+  } else if (input) {
+    copy(dres, buf.d_output, BT * C);
   }
-  encoder_backward(dE, dE + V * C, dres_, tokens_, B, T, C);  // no parameters needed
-  store.grads_done(kEmbed);
+
+  for (int l = c.num_blocks - 1; l >= 0; --l) {
+    const int u = c.first_block_unit + l;
+    const BlockTensors<const P> w = input ? block(static_cast<const P*>(store.fetch(u))) : BlockTensors<const P>{};
+    const BlockTensors<float> dw = weights ? block(store.grad_target(u)) : BlockTensors<float>{};
+    const BlockActivations& a = buf.blocks[l];
+    const float* residual = l == 0 ? buf.input : buf.blocks[l - 1].res_3;
+    // Where the output gradients of the five products and two LayerNorms live.
+    const bool saved = part != BackwardPart::Full;
+    const BlockGradOperands& g = saved ? buf.grad_operands[l] : BlockGradOperands{};
+    float* d_res_3 = saved ? g.d_res_3 : dres;
+    float* d_fch = saved ? g.d_fch : dfch_;
+    float* d_ln_2 = saved ? g.d_ln_2 : dln_;
+    float* d_res_2 = saved ? g.d_res_2 : dres;
+    float* d_qkv = saved ? g.d_qkv : dqkv_;
+    float* d_ln_1 = saved ? g.d_ln_1 : dln_;
+    // MLP half: dres holds d(res_3)
+    if (keep) copy(d_res_3, dres, BT * C);
+    matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
+                    d_res_3, a.fch_gelu, w.mlp_proj_w, BT, 4 * C, C, cmp);
+    store.progress();
+    if (input) gelu_backward(d_fch, a.fch, d_fch, BT * 4 * C);
+    matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                    a.ln_2, w.c_fc_w, BT, C, 4 * C, cmp);
+    store.progress();
+    layernorm_backward(input ? dres : nullptr, weights ? dw.ln_2_w : nullptr, weights ? dw.ln_2_b : nullptr, d_ln_2,
+                       a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, BT, C);
+    // attention half: dres now holds d(res_2)
+    if (keep) copy(d_res_2, dres, BT * C);
+    matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
+                    d_res_2, a.atty, w.attn_proj_w, BT, C, C, cmp);
+    store.progress();
+    if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, C, H);
+    store.progress();
+    matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr, d_qkv,
+                    a.ln_1, w.c_attn_w, BT, C, 3 * C, cmp);
+    layernorm_backward(input ? dres : nullptr, weights ? dw.ln_1_w : nullptr, weights ? dw.ln_1_b : nullptr, d_ln_1,
+                       residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, BT, C);
+    if (input) store.release(u);
+    if (weights) store.grads_done(u);
+  }
+  if (c.embedding && weights) {
+    // one stage: the head already opened the embedding unit's gradients (asking again would reset them)
+    float* dEmb = dE && c.head_unit == c.embed_unit ? dE : store.grad_target(c.embed_unit);
+    encoder_backward(dEmb, dEmb + V * C, dres, buf.tokens, B, T, C);  // no parameters needed
+    store.grads_done(c.embed_unit);
+  } else if (c.final && weights) {
+    store.grads_done(c.head_unit);  // the tied copy: complete once the chunk is done
+  }
 }
 
 }  // namespace zero3d

@@ -44,13 +44,52 @@ void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& s
 void init_gpt_params_range(float* out, const ParamLayout& layout, const GPTShape& shape, uint64_t seed, int64_t begin,
                            int64_t end);
 
-// A unit is the range of parameters one step of the layer loop needs: the embeddings
-// (wte, wpe: unit 0), each transformer block (units 1..L) and the final LayerNorm (L+1).
-// Units are contiguous and in layout order, so "unit u" is one range of every flat buffer.
+// A unit is the range of parameters one step of the layer loop needs: the embeddings (wte,
+// wpe), each transformer block, the final LayerNorm, and on a last pipeline stage that is not
+// also the first the tied copy of wte its LM head uses. Units are contiguous and in layout
+// order, so "unit u" is one range of every flat buffer.
+enum class UnitKind { Embedding, Block, FinalNorm, TiedHead };
 struct ParamUnit {
   int64_t offset = 0, numel = 0;
+  UnitKind kind = UnitKind::Block;
+  int block = -1;  // global block index for kind Block
 };
+// The units of the whole model: embeddings (0), blocks (1..L), ln_f (L+1).
 std::vector<ParamUnit> gpt_units(const ParamLayout& layout, int64_t n_layer);
+
+// One contiguous run of pipeline layers on this rank: its stage, or one chunk of an
+// interleaved stage. Unit indices are local (into ModelPart::units).
+struct ModelChunk {
+  bool embedding = false, final = false;
+  int first_block = 0, num_blocks = 0;
+  int embed_unit = -1, first_block_unit = -1, final_unit = -1;
+  int head_unit = -1;  // the wte the LM head reads: embed_unit on one stage, the tied copy otherwise
+};
+
+// A local layout element range and the global flat offset it holds.
+struct LayoutSegment {
+  int64_t local_begin = 0, local_end = 0, global_begin = 0;
+};
+
+// What one pipeline rank holds of the model: a rank-local layout whose tensors keep their
+// global names and shapes, its units and chunks, and where its elements sit in the global
+// layout (gpt_layout), which checkpoints and initialisation use. The tied wte copy is not in
+// `segments`: it mirrors the first stage's wte (same init, summed gradients, same update).
+struct ModelPart {
+  ParamLayout layout;
+  std::vector<ParamUnit> units;
+  std::vector<ModelChunk> chunks;
+  std::vector<LayoutSegment> segments;
+  int tied_unit = -1;
+  // The local range [begin, end) as runs {local_begin, local_end, global_begin}, in order;
+  // with_tied: include the tied copy (which reads wte's global range).
+  std::vector<LayoutSegment> global_runs(int64_t begin, int64_t end, bool with_tied) const;
+};
+
+// The part of pipeline rank `stage` of `stages`: bounds are the p·v + 1 boundaries into the
+// layer list [embedding, block × L, final] (pipe_plan.hpp); chunk c is part c·p + stage.
+// The whole model: stages = 1, bounds {0, L + 2}.
+ModelPart gpt_model_part(const GPTShape& shape, const std::vector<int>& bounds, int stages, int stage);
 
 // Where the model finds parameters and puts gradients, one unit at a time. The model knows
 // nothing of ZeRO or MPI: whoever implements this decides whether a unit is gathered,
@@ -63,8 +102,9 @@ class ParamStore {
   virtual void release(int u) = 0;
   // Gradients of unit u accumulate here (+=, always fp32) during backward, until grads_done(u).
   virtual float* grad_target(int u) = 0;
-  // Unit u's gradients are final for this backward pass (units finish in the order
-  // L+1, L, ..., 1, 0: the buffer completes from its end down to 0).
+  // Unit u's gradients are final for this backward pass. Within one chunk's backward units
+  // finish from the chunk's last down to its first; the embedding or tied-head unit (the
+  // layout's unit 0 on the first and last stage) finishes last.
   virtual void grads_done(int u) = 0;
   // Called between kernels: a chance to advance communication already in flight.
   virtual void progress() = 0;
@@ -88,59 +128,101 @@ class FlatParamStore : public ParamStore {
   float* grads_;
 };
 
-// The GPT-2 layer loop over activation buffers it owns; parameters and gradients come from
-// a ParamStore, unit by unit.
+// The saved tensors of one block's forward pass.
+struct BlockActivations {
+  float *ln_1, *ln_1_mean, *ln_1_rstd, *qkv, *att, *atty, *res_2;
+  float *ln_2, *ln_2_mean, *ln_2_rstd, *fch, *fch_gelu, *res_3;
+};
+// The output gradients a block's weight-gradient pass reads (zero-bubble "W"), kept by the
+// input-gradient pass ("B"): d(res_3), d(fch), d(ln_2), d(res_2), d(qkv), d(ln_1).
+struct BlockGradOperands {
+  float *d_res_3, *d_fch, *d_ln_2, *d_res_2, *d_qkv, *d_ln_1;
+};
+
+// One in-flight micro-batch on this rank (DESIGN-3D: activations live with the executor, not
+// the model): token ids, the chunk's input stream, every block's saves, the head's saves and
+// the two boundary gradients. Sized for the rank's largest chunk; any chunk may use it.
+struct ActivationBuffer {
+  FlatBuffer storage;
+  Kokkos::View<int32_t*> token_ids, target_ids;  // device copies the executor loads
+  const int32_t* tokens = nullptr;
+  const int32_t* targets = nullptr;
+  float* input = nullptr;     // [B,T,C] the chunk's input stream (received, or the embedding's output)
+  float* d_output = nullptr;  // [B,T,C] gradient of the chunk's output (received)
+  float* d_input = nullptr;   // [B,T,C] the residual stream's gradient; at the end of backward d(input)
+  std::vector<BlockActivations> blocks;
+  std::vector<BlockGradOperands> grad_operands;  // empty unless built for split backward
+  float *ln_f = nullptr, *ln_f_mean = nullptr, *ln_f_rstd = nullptr, *logits = nullptr, *losses = nullptr,
+        *lse = nullptr, *d_ln_f = nullptr;
+  int64_t bytes() const { return static_cast<int64_t>(storage.extent(0) * 4 + token_ids.extent(0) * 8); }
+};
+
+// Which part of a backward pass to run (Qi et al. 2023: B = input gradients, W = weight gradients).
+enum class BackwardPart { Full, Input, Weight };
+
+// The GPT-2 layer loop over this rank's chunks; parameters and gradients come from a
+// ParamStore unit by unit, activations from the caller's ActivationBuffer.
 class GPT {
  public:
-  // B, T: micro-batch shape the activation buffers are sized for (T <= n_positions).
-  // param_type: how the store holds parameters (F32, BF16 or F16). Matrix products run in
-  // bf16 for bf16 parameters and in fp32 otherwise; everything else computes in fp32.
+  // B, T: micro-batch shape buffers are sized for (T <= n_positions). param_type: how the
+  // store holds parameters (F32, BF16 or F16). Matrix products run in bf16 for bf16
+  // parameters and in fp32 otherwise; everything else computes in fp32.
+  GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part);
+  // The whole model on one rank.
   GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type = DType::F32);
 
   const GPTShape& shape() const { return shape_; }
-  const ParamLayout& layout() const { return layout_; }
-  const std::vector<ParamUnit>& units() const { return units_; }
-  int64_t num_params() const { return layout_.total(); }
+  const ModelPart& part() const { return part_; }
+  const ParamLayout& layout() const { return part_.layout; }
+  const std::vector<ParamUnit>& units() const { return part_.units; }
+  int num_chunks() const { return static_cast<int>(part_.chunks.size()); }
+  const ModelChunk& chunk(int c) const { return part_.chunks[c]; }
+  int64_t num_params() const { return part_.layout.total(); }
   DType param_type() const { return param_type_; }
   DType compute_type() const { return param_type_ == DType::BF16 ? DType::BF16 : DType::F32; }
-
-  // tokens/targets: device arrays of B*T ids. Returns the mean cross-entropy.
-  float forward(const int32_t* tokens, const int32_t* targets, ParamStore& store);
-  // Accumulates d(grad_scale · mean loss)/dθ into the store's gradient targets; call after
-  // forward() on the same batch.
-  void backward(float grad_scale, ParamStore& store);
-
-  // Logits [B,T,V] of the last forward (overwritten by backward()).
-  const float* logits() const { return logits_; }
   int64_t batch() const { return B_; }
   int64_t seq_len() const { return T_; }
-  int64_t activation_bytes() const { return static_cast<int64_t>((acts_.extent(0) + scratch_.extent(0)) * 4); }
+
+  // split_backward: also keep the weight-gradient operands (BackwardPart::Input/Weight).
+  ActivationBuffer make_buffer(bool split_backward) const;
+  // The chunk's output stream (what goes to the next stage).
+  float* output(int chunk, const ActivationBuffer& buf) const;
+  // Units one pass fetches, in order (ZeRO stage 3 prefetches along this trace).
+  std::vector<int> fetch_order(int chunk, bool forward, BackwardPart part = BackwardPart::Full) const;
+
+  // Forward of one chunk over buf; returns the micro-batch's mean cross-entropy when the
+  // chunk ends with the head, else 0.
+  float forward(int chunk, ActivationBuffer& buf, ParamStore& store);
+  // Backward of one chunk: d(grad_scale · mean loss) when the chunk ends with the head, else
+  // from buf.d_output; leaves d(input) in buf.d_input and accumulates weight gradients
+  // into the store (Full, Weight).
+  void backward(int chunk, ActivationBuffer& buf, float grad_scale, ParamStore& store,
+                BackwardPart part = BackwardPart::Full);
+
+  // One-stage convenience (tests, tools): device arrays of B*T ids, an internal buffer.
+  float forward(const int32_t* tokens, const int32_t* targets, ParamStore& store);
+  void backward(float grad_scale, ParamStore& store);
+  const float* logits() const { return own_.logits; }  // of the last one-stage forward
+  int64_t activation_bytes() const;  // one buffer plus the backward scratch
 
  private:
-  struct BlockActivations {
-    float *ln_1, *ln_1_mean, *ln_1_rstd, *qkv, *att, *atty, *res_2;
-    float *ln_2, *ln_2_mean, *ln_2_rstd, *fch, *fch_gelu, *res_3;
-  };
-  // Tensor pointers of a block whose unit starts at `unit` (parameters or gradients).
   template <typename T>
   BlockTensors<T> block(T* unit) const;
   template <typename P>
-  float forward_impl(const int32_t* tokens, const int32_t* targets, ParamStore& store);
+  float forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store);
   template <typename P>
-  void backward_impl(float grad_scale, ParamStore& store);
+  void backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_scale, ParamStore& store, BackwardPart part);
 
   GPTShape shape_;
   DType param_type_ = DType::F32;
   int64_t B_, T_;
-  ParamLayout layout_;
-  std::vector<ParamUnit> units_;
-  FlatBuffer acts_, scratch_;
-  std::vector<BlockActivations> blocks_;
-  float *encoded_, *ln_f_, *ln_f_mean_, *ln_f_rstd_, *logits_, *losses_, *lse_;
-  // backward scratch, reused by every block
-  float *dres_, *dln_, *dqkv_, *datty_, *dfch_, *datt_scratch_;
-  const int32_t* tokens_ = nullptr;
-  const int32_t* targets_ = nullptr;
+  ModelPart part_;
+  int max_blocks_ = 0;
+  bool any_final_ = false;
+  FlatBuffer scratch_;
+  // backward scratch, reused by every block (Full and Input passes)
+  float *dln_, *dqkv_, *datty_, *dfch_, *datt_scratch_;
+  ActivationBuffer own_;  // the one-stage convenience API's buffer (allocated on first use)
 };
 
 // Convenience for callers without ZeRO (tests, tools): a model with its own flat buffers.

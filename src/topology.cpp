@@ -1,6 +1,7 @@
 // topology.cpp
 #include "topology.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "base.hpp"
@@ -123,10 +124,22 @@ ProcessGroups::ProcessGroups(const ProcessTopology& topology, MPI_Comm world) : 
     if (MPI_Comm_split(world, color, key, &comm) != MPI_SUCCESS) throw SystemError("MPI_Comm_split failed for " + axis);
     comms_[axis] = comm;
   }
+  const ProcessTopology::Coord me = topology.get_coord(rank_);
+  const int pipes = std::max(1, topology.get_dim("pipe")), tp = std::max(1, topology.get_dim("model"));
+  const int pipe = me.count("pipe") ? me.at("pipe") : 0, data = me.count("data") ? me.at("data") : 0,
+            model = me.count("model") ? me.at("model") : 0;
+  MPI_Comm mp, emb;
+  if (MPI_Comm_split(world, data, rank_, &mp) != MPI_SUCCESS) throw SystemError("MPI_Comm_split failed for model_parallel");
+  comms_["model_parallel"] = mp;
+  const bool ends = pipe == 0 || pipe == pipes - 1;
+  if (MPI_Comm_split(world, ends ? data * tp + model : MPI_UNDEFINED, pipe, &emb) != MPI_SUCCESS)
+    throw SystemError("MPI_Comm_split failed for embedding");
+  comms_["embedding"] = emb;
 }
 
 ProcessGroups::~ProcessGroups() {
-  for (auto& [axis, comm] : comms_) MPI_Comm_free(&comm);
+  for (auto& [axis, comm] : comms_)
+    if (comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
 }
 
 MPI_Comm ProcessGroups::axis(const std::string& name) const {

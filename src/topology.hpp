@@ -47,8 +47,11 @@ class ProcessTopology {
   int world_size_ = 1;
 };
 
-// One MPI communicator per topology axis, for the calling rank (built with MPI_Comm_split).
-// Owned here and passed to whoever needs a group; nothing is global.
+// One MPI communicator per topology axis, for the calling rank (built with MPI_Comm_split),
+// and the derived groups Megatron's ProcessGroupCollection names: "model_parallel" (every
+// rank with this rank's data index: pipe × model; grad norm and overflow) and "embedding"
+// (the first and last pipeline stage at this rank's data and model index: the tied wte;
+// MPI_COMM_NULL on the stages between). Owned here and handed out by name; nothing is global.
 class ProcessGroups {
  public:
   ProcessGroups(const ProcessTopology& topology, MPI_Comm world);
@@ -58,7 +61,7 @@ class ProcessGroups {
 
   const ProcessTopology& topology() const { return topology_; }
   MPI_Comm world() const { return world_; }
-  MPI_Comm axis(const std::string& name) const;  // "data", "model", "pipe"
+  MPI_Comm axis(const std::string& name) const;  // "data", "model", "pipe", "model_parallel", "embedding"
   MPI_Comm data_parallel() const { return axis("data"); }
   int rank() const { return rank_; }
   ProcessTopology::Coord coord() const { return topology_.get_coord(rank_); }

@@ -29,10 +29,13 @@ double unscale_clip_multiplier(double norm_scaled, double loss_scale, double cli
 }
 
 ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types,
-                             const ParamLayout& layout, std::vector<ParamUnit> units, Communicator& dp)
+                             const ParamLayout& layout, std::vector<ParamUnit> units, Communicator& dp,
+                             int64_t partition_numel, bool ordered_backward)
     : cfg_(zero), types_(types), mixed_(types.param != DType::F32),
       use_windows_(zero.stage >= 2 || types.grad != DType::F32), layout_(layout), units_(std::move(units)), dp_(dp),
-      rank_(dp.rank()), world_(dp.size()), stage_(zero.stage), part_(layout.total(), dp.size()) {
+      rank_(dp.rank()), world_(dp.size()), stage_(zero.stage),
+      part_(partition_numel < 0 ? layout.total() : partition_numel, dp.size()) {
+  ordered_backward_ = ordered_backward;
   const int64_t full = stage_ == 0 ? layout.total() : part_.padded;
   params_ = TypedBuffer("params", types_.param, stage_ == 3 ? part_.part : full);
   grads_ = TypedBuffer("grads", types_.grad, stage_ >= 2 ? part_.part : full);
@@ -69,14 +72,19 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
       if (u <= last && (u != 2 || cfg_.overlap_comm)) window_for(u);
   }
   if (stage_ == 3) {
-    // The order in which one micro-batch fetches units: forward (embeddings, blocks, ln_f,
-    // tied head) then backward (tied head, ln_f, blocks in reverse).
+    // The order in which one micro-batch of a one-stage model fetches units: forward
+    // (embeddings, blocks, ln_f, tied head) then backward (tied head, ln_f, blocks in reverse).
     const int last = static_cast<int>(units_.size()) - 1;
     for (int u = 0; u <= last; ++u) trace_.push_back(u);
     trace_.push_back(0);
     trace_.push_back(0);
     for (int u = last; u >= 1; --u) trace_.push_back(u);
   }
+}
+
+void ZeroOptimizer::set_fetch_trace(std::vector<int> trace) {
+  trace_ = std::move(trace);
+  trace_pos_ = 0;
 }
 
 // --- parameters ----------------------------------------------------------------------------
@@ -229,7 +237,7 @@ void ZeroOptimizer::grads_done(int u) {
     if (use_windows_)  // round the unit's fp32 gradients into the accumulation buffer
       convert_any(grads_.at(units_[u].offset), types_.grad, windows_.at(window_key(u)).data(), DType::F32,
                   units_[u].numel, 1.0f, /*accumulate=*/true);
-    if (boundary_ && world_ > 1) reducer_->grads_ready(units_[u].offset);
+    if (boundary_ && world_ > 1 && ordered_backward_) reducer_->grads_ready(units_[u].offset);
     return;
   }
   const int key = window_key(u);
@@ -239,24 +247,27 @@ void ZeroOptimizer::grads_done(int u) {
 }
 
 void ZeroOptimizer::progress() {
-  if (stage_ >= 2 || (boundary_ && world_ > 1)) reducer_->progress();
+  if (stage_ >= 2 || (reduction_begun_ && world_ > 1)) reducer_->progress();
   for (auto& [u, g] : gathered_)
     if (g.pending) g.pending->test();
 }
 
 void ZeroOptimizer::begin_micro_step(bool boundary) {
   boundary_ = boundary;
-  trace_pos_ = 0;  // each micro-batch replays the same fetch order
-  if (stage_ < 2 && boundary && world_ > 1) reducer_->begin(grads_.data());
+  if (stage_ < 2 && boundary && world_ > 1 && ordered_backward_ && !reduction_begun_) {
+    reducer_->begin(grads_.data());
+    reduction_begun_ = true;
+  }
 }
 
 void ZeroOptimizer::finish_reduction() {
   if (stage_ < 2) {
     // Stage 1 reduce-scatters even on one rank: its optimizer reads the partition written here.
     if (world_ > 1 || stage_ == 1) {
-      if (world_ == 1) reducer_->begin(grads_.data());
+      if (!reduction_begun_) reducer_->begin(grads_.data());
       reducer_->finish();
     }
+    reduction_begun_ = false;
   } else {
     reducer_->wait_all();
   }
@@ -280,13 +291,31 @@ void ZeroOptimizer::gather_updated_params() {
   for (auto& r : inflight) r->wait();
 }
 
-GradStats ZeroOptimizer::grad_stats() {
-  const int64_t n = stage_ == 0 ? layout_.total() : part_.part;
-  double sq = sum_of_squares_any(grad_partition(), types_.grad, n);
+GradStats ZeroOptimizer::grad_stats(Communicator* sq_group, int64_t skip_begin, int64_t skip_end) {
+  // The held gradients cover local [first, first + n): the whole buffer (stage 0) or the partition.
+  const int64_t first = stage_ == 0 ? 0 : part_.begin(rank_);
+  const int64_t n = stage_ == 0 ? layout_.total() : std::max<int64_t>(0, std::min(part_.part, layout_.total() - first));
+  const char* g = static_cast<const char*>(grad_partition());
+  const size_t es = dtype_size(types_.grad);
+  const int64_t lo = std::clamp(skip_begin - first, int64_t(0), n), hi = std::clamp(skip_end - first, lo, n);
+  double sq = sum_of_squares_any(g, types_.grad, lo) + sum_of_squares_any(g + hi * es, types_.grad, n - hi);
   // Stage 0 gradients are already identical on every rank; partitions need the sum over the
   // group. inf/NaN survive the sum, so the result is also the group's agreed overflow flag.
   if (stage_ > 0) dp_.all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);
+  if (sq_group && sq_group->size() > 1) sq_group->all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);
   return GradStats{std::sqrt(sq), std::isfinite(sq)};
+}
+
+void ZeroOptimizer::sum_grad_range(int64_t begin, int64_t end, Communicator& group) {
+  if (group.size() <= 1) return;
+  if (stage_ == 0) {
+    group.all_reduce(grads_.at(begin), end - begin, types_.grad, ReduceOp::Sum);
+    return;
+  }
+  const auto [lo, hi] = part_.owned(rank_, begin, end);
+  if (hi <= lo) return;
+  // stage 1 keeps the full buffer (its partition region holds the reduced values); 2-3 the partition
+  group.all_reduce(grads_.at(stage_ == 1 ? lo : lo - part_.begin(rank_)), hi - lo, types_.grad, ReduceOp::Sum);
 }
 
 void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double>> betas, double clip,
@@ -311,7 +340,10 @@ void ZeroOptimizer::drop_gathered_params() {
   }
 }
 
-void ZeroOptimizer::zero_grad() { zero_any(grads_.data(), grads_.type(), grads_.size()); }
+void ZeroOptimizer::zero_grad() {
+  zero_any(grads_.data(), grads_.type(), grads_.size());
+  trace_pos_ = 0;  // a step replays the fetch trace from its start
+}
 
 std::vector<float> ZeroOptimizer::gather_full_params() {
   std::vector<float> full(static_cast<size_t>(part_.padded), 0.0f);
@@ -337,32 +369,31 @@ std::vector<std::string> ZeroOptimizer::checkpoint_states() const {
 
 // Stage 0 holds full moments (index = flat offset); stages 1-3 hold partitions (index 0 =
 // part.begin(rank)). Parameters are full except at stage 3.
-ShardSlice ZeroOptimizer::checkpoint_slice() {
-  const auto [b, e] = part_.owned(rank_, 0, layout_.total());
-  ShardSlice s;
-  s.begin = b;
-  s.end = e;
+std::pair<int64_t, int64_t> ZeroOptimizer::checkpoint_range() const { return part_.owned(rank_, 0, layout_.total()); }
+
+std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arrays() {
+  const auto [b, e] = checkpoint_range();
   const int64_t pb = part_.begin(rank_);
+  std::vector<std::pair<std::string, const float*>> arrays;
   // Checkpoints hold fp32 parameters: the master copy when mixed (loadable at any precision).
-  if (mixed_) s.arrays.emplace_back("params", master_.data() + (stage_ == 0 ? b : b - pb));
-  else s.arrays.emplace_back("params", params_.as<float>() + (stage_ == 3 ? b - pb : b));
+  if (mixed_) arrays.emplace_back("params", master_.data() + (stage_ == 0 ? b : b - pb));
+  else arrays.emplace_back("params", params_.as<float>() + (stage_ == 3 ? b - pb : b));
   const auto names = optimizer_->state_names();
   const auto buffers = optimizer_->state_buffers();
   for (size_t k = 0; k < names.size(); ++k)
-    s.arrays.emplace_back(names[k], buffers[k]->data() + (stage_ == 0 ? b : b - pb));
-  return s;
+    arrays.emplace_back(names[k], buffers[k]->data() + (stage_ == 0 ? b : b - pb));
+  return arrays;
 }
 
-void ZeroOptimizer::read_checkpoint(const CheckpointReader& reader) {
-  const auto [b, e] = part_.owned(rank_, 0, layout_.total());
+void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_step) {
+  const auto [b, e] = checkpoint_range();
   const int64_t pb = part_.begin(rank_);
-  if (mixed_) reader.read_range("params", b, e, master_.data() + (stage_ == 0 ? b : b - pb));
-  else reader.read_range("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
+  if (mixed_) read("params", b, e, master_.data() + (stage_ == 0 ? b : b - pb));
+  else read("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
   const auto names = optimizer_->state_names();
   const auto buffers = optimizer_->state_buffers();
-  for (size_t k = 0; k < names.size(); ++k)
-    reader.read_range(names[k], b, e, buffers[k]->data() + (stage_ == 0 ? b : b - pb));
-  optimizer_->set_step_count(reader.meta().optimizer_step);
+  for (size_t k = 0; k < names.size(); ++k) read(names[k], b, e, buffers[k]->data() + (stage_ == 0 ? b : b - pb));
+  optimizer_->set_step_count(optimizer_step);
 }
 
 void ZeroOptimizer::all_gather_replicated(void* full, DType type) {

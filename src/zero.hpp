@@ -65,8 +65,15 @@ double unscale_clip_multiplier(double norm_scaled, double loss_scale, double cli
 
 class ZeroOptimizer : public ParamStore {
  public:
+  // partition_numel: the element count Partition splits (default: the layout's). Pipeline
+  // stages pass their common maximum so that the tied wte, at local offset 0 on the first and
+  // the last stage, is split identically there and its gradient can be summed slice by slice.
+  // ordered_backward: in each accumulation-boundary backward, units complete from the layout's
+  // end down to 0 (one chunk per rank), so stages 0-1 can launch buckets during backward;
+  // otherwise (interleaved chunks) the reduction starts at finish_reduction().
   ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types, const ParamLayout& layout,
-                std::vector<ParamUnit> units, Communicator& dp);
+                std::vector<ParamUnit> units, Communicator& dp, int64_t partition_numel = -1,
+                bool ordered_backward = true);
 
   // Mixed precision at stages 1-2 fills the 16-bit copy at start-up in tensor groups of at
   // least this many elements (plus at most one tensor): the transient fp32 staging.
@@ -77,13 +84,22 @@ class ZeroOptimizer : public ParamStore {
   // needs. No collectives.
   void init_params(const std::function<void(float*, int64_t, int64_t)>& fill);
 
-  // Before each micro-batch's backward; `boundary`: this one completes the accumulation.
+  // The order in which one optimizer step fetches units (stage 3 prefetches along it); the
+  // default is one micro-batch's forward and backward of a one-stage model, repeated.
+  void set_fetch_trace(std::vector<int> trace);
+  // Before each backward pass; `boundary`: the last backward of this step that touches the
+  // units it completes (their accumulation ends with it).
   void begin_micro_step(bool boundary);
   // Waits for the gradient reduction still in flight (the exposed communication).
   void finish_reduction();
   // The step in DeepSpeed's order: grad_stats() (collective), then the caller updates its
   // loss scale, then apply_step() with the new scale, or skip_step() on overflow.
-  GradStats grad_stats();
+  // sq_group: also sums the squares over this group (the pipeline stages: the model group);
+  // [skip_begin, skip_end): a local range left out of the norm (a replica counted elsewhere).
+  GradStats grad_stats(Communicator* sq_group = nullptr, int64_t skip_begin = 0, int64_t skip_end = 0);
+  // Sums the reduced gradients of local elements [begin, end) over `group` (the tied wte over
+  // the embedding group); only this rank's owned part where gradients are partitioned.
+  void sum_grad_range(int64_t begin, int64_t end, Communicator& group);
   void apply_step(double lr, std::optional<std::pair<double, double>> betas, double clip, double loss_scale,
                   const GradStats& stats);
   void skip_step();
@@ -97,11 +113,16 @@ class ZeroOptimizer : public ParamStore {
 
   // --- checkpoints: every stage saves and loads the same thing, the flat buffers cut by
   // partition() (each rank its own range), so any stage and world size can load any save.
-  ShardSlice checkpoint_slice();
+  // This rank's local range [begin, end) and, per state ("params" then the optimizer's), a
+  // pointer to its element `begin`.
+  std::pair<int64_t, int64_t> checkpoint_range() const;
+  std::vector<std::pair<std::string, const float*>> checkpoint_arrays();
   std::vector<std::string> checkpoint_states() const;  // "params" then the optimizer's
   int64_t optimizer_step() const { return optimizer_->step_count(); }
-  // Local part of a load: reads this rank's ranges (no collectives; may throw InputError).
-  void read_checkpoint(const CheckpointReader& reader);
+  // Local part of a load: fills this rank's range of each state through
+  // read(state, local_begin, local_end, out) (no collectives; may throw InputError).
+  using RangeReader = std::function<void(const std::string&, int64_t, int64_t, float*)>;
+  void read_checkpoint(const RangeReader& read, int64_t optimizer_step);
   // Collective part: rebuilds replicated buffers from the ranks' ranges.
   void finish_checkpoint_load();
   int stage() const { return stage_; }
@@ -148,6 +169,8 @@ class ZeroOptimizer : public ParamStore {
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<GradientReducer> reducer_;
   bool boundary_ = false;
+  bool ordered_backward_ = true;
+  bool reduction_begun_ = false;  // stages 0-1: the boundary reduction has its frontier set
 
   // gradient windows (unit 0, the last unit, and two alternating block windows)
   std::map<int, FlatBuffer> windows_;
