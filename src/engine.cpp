@@ -348,6 +348,13 @@ int Engine::peer_stage(int chunk, int delta) const {
 // one (pair, tag) are matched in posting order, which both sides take from the schedule.
 int Engine::tag(int chunk, int delta, int kind) const { return 2 * (chunk * stages_ + stage_ + delta) + kind; }
 
+void Engine::Store::progress() {
+  e_.zero_->progress();
+  for (Pending& p : e_.pending_)
+    for (auto* r : {&p.act_recv, &p.grad_recv, &p.act_send, &p.grad_send})
+      if (*r) (*r)->test();
+}
+
 void Engine::wait_sends(int b) {
   Pending& p = pending_[b];
   if (p.act_send) p.act_send->wait(), p.act_send.reset();
@@ -358,12 +365,19 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
   using pipe::Op;
   const int64_t gas = cfg_.batch.gradient_accumulation_steps, BTC = cfg_.batch.micro_batch * cfg_.model.n_positions *
                                                                          cfg_.model.n_embd;
-  const auto waited = [this](std::unique_ptr<CommRequest>& req) {  // time blocked on a peer stage: the bubble
+  const auto waited = [](std::unique_ptr<CommRequest>& req) {
     if (!req) return;
-    const auto t0 = std::chrono::steady_clock::now();
     req->wait();
     req.reset();
-    idle_ms_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  // Compute time and the end of the last pass: what the measured bubble is made of.
+  struct Busy {
+    Engine& e;
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    ~Busy() {
+      e.compute_end_ = std::chrono::steady_clock::now();
+      e.busy_ms_ += std::chrono::duration<double, std::milli>(e.compute_end_ - t0).count();
+    }
   };
   switch (in.op) {
     case Op::LoadMicroBatch: {
@@ -400,7 +414,8 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
       waited(pending_[in.buffer].act_recv);
       wait_sends(in.buffer);
       auto t = timers_.time("forward");
-      const float loss = model_->forward(in.chunk, buffers_[in.buffer], *zero_);
+      Busy busy{*this};
+      const float loss = model_->forward(in.chunk, buffers_[in.buffer], store_);
       if (model_->chunk(in.chunk).final) local_loss += loss;
       break;
     }
@@ -414,10 +429,11 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
       // Gradients of the chunk's units are final with its last weight-gradient pass of the step.
       if (part != BackwardPart::Input) zero_->begin_micro_step(instr_index_ == last_backward_[in.chunk]);
       auto t = timers_.time("backward_inner");
+      Busy busy{*this};
       // DeepSpeed scales the loss by 1/GAS so that accumulated gradients are a mean; fp16
       // multiplies by the loss scale as well (FACTS §2.4). Only the head's chunk uses it.
       model_->backward(in.chunk, buffers_[in.buffer], static_cast<float>(scaler_->scale()) / static_cast<float>(gas),
-                       *zero_, part);
+                       store_, part);
       break;
     }
     case Op::ReduceTiedGrads:
@@ -484,7 +500,8 @@ StepResult Engine::train_step() {
   if (emb_comm_) emb_comm_->reset_bus_bytes();
   zero_->zero_grad();
   finalized_ = false;
-  idle_ms_ = 0.0;
+  busy_ms_ = 0.0;
+  step_start_ = compute_end_ = t0;
   instr_index_ = 0;
   double local_loss = 0.0;
   // The schedule (pipe_schedule.hpp), instruction by instruction.
@@ -494,7 +511,8 @@ StepResult Engine::train_step() {
       ++instr_index_;
     }
   for (int b = 0; b < schedule_steps_.num_buffers; ++b) wait_sends(b);
-  const double schedule_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  double span_ms = std::chrono::duration<double, std::milli>(compute_end_ - step_start_).count();
+  if (stages_ > 1) pipe_comm_->all_reduce(&span_ms, 1, DType::F64, ReduceOp::Max);
   r.comm_bytes = dp_comm_->bus_bytes() + pipe_comm_->bus_bytes() + (emb_comm_ ? emb_comm_->bus_bytes() : 0);
   // The loss lives on the last stage: averaged over micro-batches and the data group
   // (DeepSpeed _aggregate_total_loss), then broadcast over the pipe group to rank 0.
@@ -502,7 +520,7 @@ StepResult Engine::train_step() {
   dp_comm_->all_reduce(&mean_loss, 1, DType::F64, ReduceOp::Sum);
   if (stages_ > 1) pipe_comm_->broadcast(&mean_loss, 1, DType::F64, stages_ - 1);
   r.loss = mean_loss / world_;
-  r.idle_fraction = schedule_ms > 0 ? idle_ms_ / schedule_ms : 0.0;
+  r.idle_fraction = span_ms > 0 ? std::max(0.0, 1.0 - busy_ms_ / span_ms) : 0.0;
   r.stage_idle.assign(static_cast<size_t>(stages_), 0.0);
   if (stages_ > 1) pipe_comm_->all_gather(&r.idle_fraction, r.stage_idle.data(), 1, DType::F64);
   else r.stage_idle[0] = r.idle_fraction;

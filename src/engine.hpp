@@ -5,6 +5,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,7 +37,9 @@ struct StepResult {
   double tokens_per_s = 0.0;
   double mfu = 0.0;
   int64_t comm_bytes = 0;  // bus bytes this rank moved in the step
-  double idle_fraction = 0.0;  // share of this rank's schedule spent waiting for a peer stage
+  // 1 − (this stage's forward and backward time) ÷ (the longest stage's span from the step's
+  // start to its last pass): the pipeline bubble as the schedule formulas count it.
+  double idle_fraction = 0.0;
   std::vector<double> stage_idle;  // idle_fraction of every pipeline stage (same on all ranks)
 };
 
@@ -82,10 +85,26 @@ class Engine {
     std::unique_ptr<CommRequest> act_recv, grad_recv, act_send, grad_send;
   };
   std::vector<Pending> pending_;
+  // What the model calls: ZeRO's store, whose progress() also advances the pipeline's
+  // transfers (MPICH moves nonblocking messages only inside MPI calls).
+  class Store : public ParamStore {
+   public:
+    explicit Store(Engine& e) : e_(e) {}
+    const void* fetch(int u) override { return e_.zero_->fetch(u); }
+    void release(int u) override { e_.zero_->release(u); }
+    float* grad_target(int u) override { return e_.zero_->grad_target(u); }
+    void grads_done(int u) override { e_.zero_->grads_done(u); }
+    void progress() override;
+
+   private:
+    Engine& e_;
+  };
+  Store store_{*this};
   int64_t tied_numel_ = 0;  // wte elements at local offset 0 on the first and last stage (p > 1)
   bool finalized_ = false;
   GradStats stats_;
-  double idle_ms_ = 0.0;
+  double busy_ms_ = 0.0;  // in forward and backward passes this step
+  std::chrono::steady_clock::time_point step_start_, compute_end_;
   int instr_index_ = 0;
   int local_rank_ = 0;        // on this node (MPI_COMM_TYPE_SHARED): the GPU a CUDA build would use
   std::string node_summary_;

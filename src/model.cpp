@@ -352,6 +352,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
     copy(a.res_3, a.res_2, BT * C);
     matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
     store.release(u);
+    store.progress();
   }
   if (!c.final) return 0.0f;
   const float* x = c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;
