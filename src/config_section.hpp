@@ -13,6 +13,7 @@
 
 #include "base.hpp"
 #include "config.hpp"
+#include "input_file.hpp"
 
 namespace zero3d::config_detail {
 
@@ -39,6 +40,7 @@ inline size_t edit_distance(const std::string& a, const std::string& b) {
 }
 
 inline std::string nearest(const std::string& key, const std::vector<std::string>& candidates) {
+  if (key.size() > 64) return "";  // no key is that long; and edit distance is quadratic
   std::string best;
   size_t best_d = std::numeric_limits<size_t>::max();
   for (const auto& c : candidates) {
@@ -50,9 +52,9 @@ inline std::string nearest(const std::string& key, const std::vector<std::string
   return best;
 }
 
+// A JSON value for a message: escaped, and capped at 60 bytes with its full length.
 inline std::string show(const json& v) {
-  std::string s = v.dump();
-  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
+  return echo(v.dump(-1, ' ', false, json::error_handler_t::replace), 60);
 }
 
 // Reads one JSON object, remembering which keys were consumed, and writes every value
@@ -139,6 +141,18 @@ class Section {
     return out;
   }
 
+  // A file or directory name: a control byte (a NUL above all) would name another path than
+  // the one validated, or none at all.
+  std::string path(const std::string& key, const std::string& def) {
+    std::string out = string(key, def);
+    if (out.size() > 4096) fail_key(key, "path " + show(json(out)) + " is longer than PATH_MAX (4096 bytes)");
+    const size_t bad = find_control_byte(out);
+    if (bad != std::string::npos)
+      fail_key(key, "path " + show(json(out)) + " contains a control byte (" + echo(out.substr(bad, 1)) +
+                        " at offset " + std::to_string(bad) + ")");
+    return out;
+  }
+
   // A string from a fixed set, matched case-insensitively; returns the canonical spelling.
   std::string choice(const std::string& key, const std::string& def, const std::vector<std::string>& options) {
     std::string s = string(key, def);
@@ -149,7 +163,7 @@ class Section {
       }
     std::string list;
     for (const auto& o : options) list += (list.empty() ? "" : ", ") + o;
-    fail_key(key, "value \"" + s + "\" is not one of: " + list);
+    fail_key(key, "value " + show(json(s)) + " is not one of: " + list);
   }
 
   // A pair of numbers such as Adam's betas, each in [0, 1).
@@ -238,12 +252,15 @@ class Section {
       if (std::find(deepspeed_only.begin(), deepspeed_only.end(), key) != deepspeed_only.end())
         fail_key(key, "DeepSpeed feature `" + key_path(key) + "` is not supported by zero3d");
       std::string hint = nearest(key, known_);
-      fail_key(key, "unknown key" + (hint.empty() ? std::string() : " (did you mean `" + key_path(hint) + "`?)"));
+      fail_key(echo(key, 60), "unknown key" + (hint.empty() ? std::string() : " (did you mean `" + key_path(hint) + "`?)"));
     }
   }
 
  private:
   int64_t as_integer(const std::string& key, const json& v) const {
+    // An unsigned beyond int64 would wrap to a negative value and be reported as that.
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))
+      fail_key(key, "value " + show(v) + " is too large");
     if (v.is_number_integer()) return v.get<int64_t>();
     // DeepSpeed configs often write sizes as 5e8: accept a float with an integral value.
     if (v.is_number_float()) {

@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "base.hpp"
+#include "input_file.hpp"
 #include "rng.hpp"
 
 namespace zero3d {
@@ -16,6 +17,10 @@ namespace {
 constexpr int32_t kShardMagic = 20240520;
 constexpr int32_t kShardVersion = 1;
 constexpr double kSyntheticNoise = 0.1;  // probability that the next token is random
+// Data files are held in memory (4 bytes per token or text byte): a bound keeps a wrong path
+// (a disk image) from exhausting it; the start-up memory check covers what is below.
+constexpr int64_t kMaxDataFileBytes = int64_t(1) << 36;
+constexpr int64_t kShardHeaderBytes = 256 * sizeof(int32_t);
 
 std::vector<std::string> expand_glob(const std::string& pattern) {
   glob_t g{};
@@ -29,20 +34,29 @@ std::vector<std::string> expand_glob(const std::string& pattern) {
 }  // namespace
 
 std::vector<int32_t> read_token_shard(const std::string& path) {
+  const std::string name = echo(path, 200);
+  const int64_t size = regular_file_size(path, "token shard (data.path)", kMaxDataFileBytes);
+  if (size < kShardHeaderBytes)
+    throw InputError(name + ": too short for an llm.c token shard header (1024 bytes)");
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(path + ": cannot open token shard");
+  if (!in) throw InputError(name + ": cannot open token shard");
   int32_t header[256];
   if (!in.read(reinterpret_cast<char*>(header), sizeof(header)))
-    throw InputError(path + ": too short for an llm.c token shard header (1024 bytes)");
+    throw InputError(name + ": too short for an llm.c token shard header (1024 bytes)");
   if (header[0] != kShardMagic)
-    throw InputError(path + ": not an llm.c token shard (magic " + std::to_string(header[0]) + ", expected " +
+    throw InputError(name + ": not an llm.c token shard (magic " + std::to_string(header[0]) + ", expected " +
                      std::to_string(kShardMagic) + ")");
   if (header[1] != kShardVersion)
-    throw InputError(path + ": unsupported token shard version " + std::to_string(header[1]) + " (expected 1)");
+    throw InputError(name + ": unsupported token shard version " + std::to_string(header[1]) + " (expected 1)");
   const int64_t n = header[2];
+  if (n < 0) throw InputError(name + ": header says " + std::to_string(n) + " tokens (a count cannot be negative)");
+  // Checked against the file before allocating: a header may promise gigabytes.
+  if (2 * n > size - kShardHeaderBytes)
+    throw InputError(name + ": header promises " + std::to_string(n) + " tokens (" + std::to_string(2 * n) +
+                     " bytes) but the file holds " + std::to_string(size - kShardHeaderBytes) + " bytes after it");
   std::vector<uint16_t> raw(static_cast<size_t>(n));
-  if (n < 0 || !in.read(reinterpret_cast<char*>(raw.data()), n * 2))
-    throw InputError(path + ": header promises " + std::to_string(n) + " tokens but the file is shorter");
+  if (!in.read(reinterpret_cast<char*>(raw.data()), n * 2))
+    throw InputError(name + ": header promises " + std::to_string(n) + " tokens but the file is shorter");
   return std::vector<int32_t>(raw.begin(), raw.end());
 }
 
@@ -63,26 +77,24 @@ DataLoader::DataLoader(const DataConfig& cfg, int64_t vocab_size, int64_t B, int
     files = {cfg.path};
   } else {
     files = expand_glob(cfg.path);
-    if (files.empty()) throw InputError("data.path: no token shard matches \"" + cfg.path + "\"");
+    if (files.empty()) throw InputError("data.path: no token shard matches \"" + echo(cfg.path) + "\"");
   }
   for (const std::string& f : files) {
     std::vector<int32_t> toks;
     if (cfg.source == DataSource::Text) {
-      std::ifstream in(f, std::ios::binary);
-      if (!in) throw InputError(f + ": cannot open text file (data.path)");
-      std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const std::string bytes = read_regular_file(f, "text file (data.path)", kMaxDataFileBytes);
       toks.reserve(bytes.size());
       for (unsigned char c : bytes) toks.push_back(c);
     } else {
       toks = read_token_shard(f);
       for (size_t i = 0; i < toks.size(); ++i)
         if (toks[i] >= V_)
-          throw InputError(f + ": token " + std::to_string(toks[i]) + " at position " + std::to_string(i) +
+          throw InputError(echo(f, 200) + ": token " + std::to_string(toks[i]) + " at position " + std::to_string(i) +
                            " is outside model.vocab_size " + std::to_string(V_));
     }
     const int64_t n = static_cast<int64_t>(toks.size());
     if (n < window + 1)
-      throw InputError(f + ": has " + std::to_string(n) + " tokens; one micro-batch needs B*T+1 = " +
+      throw InputError(echo(f, 200) + ": has " + std::to_string(n) + " tokens; one micro-batch needs B*T+1 = " +
                        std::to_string(window + 1));
     // llm.c moves on to the next shard when a window of B*T+1 would run past the end.
     const int64_t base = static_cast<int64_t>(tokens_.size());

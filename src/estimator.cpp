@@ -4,12 +4,15 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <map>
 
 #include "base.hpp"
 #include "attention.hpp"
 #include "h5.hpp"
+#include "input_file.hpp"
 #include "model.hpp"
 #include "zero.hpp"
 
@@ -21,6 +24,11 @@ constexpr double kGiB = 1073741824.0;  // DeepSpeed prints GB = bytes / 2^30
 // buffers and the executable, measured as the peak RSS of a 28k-parameter run (np 2).
 constexpr int64_t kRuntimeBytes = 30 * 1000 * 1000;
 
+// Products of user-sized dimensions (B·T·V, B·H·T²) can leave int64: such terms are computed
+// in double and capped here, far above any machine and low enough that sums stay in int64.
+constexpr double kBytesCap = 1152921504606846976.0;  // 2^60
+int64_t capped(double bytes) { return static_cast<int64_t>(std::min(bytes, kBytesCap)); }
+
 std::string plural(int n, const char* word) { return std::to_string(n) + " " + word + (n > 1 ? "s" : ""); }
 }  // namespace
 
@@ -28,9 +36,9 @@ std::vector<DeepSpeedEstimateRow> deepspeed_zero2_rows(double P, int g, int n, d
   const double total_gpus = double(g) * n;
   std::vector<DeepSpeedEstimateRow> rows;
   // offload_optimizer=cpu: gpu = 2P, cpu = P·max(4·total_gpus, 16)·f (DeepSpeed uses total_gpus)
-  rows.push_back({double(int64_t(P * std::max(4.0 * total_gpus, 16.0) * f)), double(int64_t(2 * P)), "offload_optimizer=cpu "});
+  rows.push_back({std::trunc(P * std::max(4.0 * total_gpus, 16.0) * f), std::trunc(2 * P), "offload_optimizer=cpu "});
   // none: gpu = 2P + int(18P/total_gpus) (DeepSpeed since Jun-2024; its docs print the older 4P + 16P/N)
-  rows.push_back({double(int64_t(P * 4 * g * f)), double(int64_t(2 * P + int64_t(18 * P / total_gpus))),
+  rows.push_back({std::trunc(P * 4 * g * f), std::trunc(2 * P + std::trunc(18 * P / total_gpus)),
                   "offload_optimizer=none"});
   return rows;
 }
@@ -41,14 +49,14 @@ std::vector<DeepSpeedEstimateRow> deepspeed_zero3_rows(double P, double L, int g
     return std::string("offload_param=") + (param ? "cpu " : "none") + ", offload_optimizer=" + (opt ? "cpu " : "none") +
            ", zero_init=" + (zero_init ? "1" : "0");
   };
-  auto i64 = [](double x) { return double(int64_t(x)); };
+  auto i64 = [](double x) { return std::trunc(x); };  // DeepSpeed's int(): truncation
   std::vector<DeepSpeedEstimateRow> rows;
   rows.push_back({i64(P * 18 * gf * f), i64(llm), opts(true, true, true)});
   rows.push_back({i64(P * std::max(4.0 * g, 18 * gf) * f), i64(llm), opts(true, true, false)});
-  const double gpu_opt = llm + int64_t(2 * P / total_gpus);
+  const double gpu_opt = llm + std::trunc(2 * P / total_gpus);
   rows.push_back({i64(P * 16 * gf * f), i64(gpu_opt), opts(true, false, true)});
   rows.push_back({i64(P * std::max(4.0 * g, 16 * gf) * f), i64(gpu_opt), opts(true, false, false)});
-  const double gpu_none = llm + int64_t(18 * P / total_gpus);
+  const double gpu_none = llm + std::trunc(18 * P / total_gpus);
   rows.push_back({i64(L * 4 * g * f), i64(gpu_none), opts(false, false, true)});
   rows.push_back({i64(P * 4 * g * f), i64(gpu_none), opts(false, false, false)});
   return rows;
@@ -155,22 +163,23 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
     b.comm_prefetch = 0;  // prefetched units are inside live_params
   }
   // Activations: the GPT's buffers for one micro-batch (model.cpp allocates exactly these).
-  const int64_t B = cfg.batch.micro_batch, T = m.n_positions, C = m.n_embd, L = m.n_layer, V = m.vocab_size,
-                H = m.n_head, BT = B * T;
-  const int64_t per_block = 16 * BT * C + 4 * BT + B * H * T * T;
-  const int64_t head = BT * C + 2 * BT + BT * V + 2 * BT;
-  const int64_t scratch = 10 * BT * C + kernels::kRowBlock * T;
-  b.activations = 4 * (BT * C + L * per_block + head + scratch);
+  const double B = double(cfg.batch.micro_batch), T = double(m.n_positions), C = double(m.n_embd),
+               L = double(m.n_layer), V = double(m.vocab_size), H = double(m.n_head), BT = B * T;
+  const double per_block = 16 * BT * C + 4 * BT + B * H * T * T;
+  const double head = BT * C + 2 * BT + BT * V + 2 * BT;
+  const double scratch = 10 * BT * C + double(kernels::kRowBlock) * T;
+  b.activations = capped(4 * (BT * C + L * per_block + head + scratch));
   // With every block checkpointed: block inputs kept, one block's internals recomputed at a time.
-  b.activations_checkpointed = 4 * (BT * C + L * BT * C + per_block + head + scratch);
+  b.activations_checkpointed = capped(4 * (BT * C + L * BT * C + per_block + head + scratch));
   // Workspace: token ids, the start-up product that measures peak GFLOP/s, initial weights
   // read whole by init_from, data held in memory (text bytes and token shards as int32).
-  b.workspace = 2 * 4 * BT + 3 * 512 * 512 * 4;
+  double workspace = 2 * 4 * BT + 3 * 512 * 512 * 4;
   // 16-bit runs: operand conversions of the matrix products (gemm.cpp) and the tensor groups
   // that fill the 16-bit copy at start-up (stages 1-2). (oneDNN's own code and caches measured
   // within ±5 MB of nothing: kRuntimeBytes covers them.)
-  if (pc.param == DType::BF16) b.workspace += 2 * std::max(4 * BT * C, BT * V) + 2 * 4 * BT * C;
-  if (pc.param == DType::F16) b.workspace += 4 * std::max(V * C, 4 * C * C);
+  if (pc.param == DType::BF16) workspace += 2 * std::max(4 * BT * C, BT * V) + 2 * 4 * BT * C;
+  if (pc.param == DType::F16) workspace += 4 * std::max(V * C, 4 * C * C);
+  b.workspace = capped(workspace);
   if (mixed && (b.stage == 1 || b.stage == 2)) b.workspace += 4 * std::min(psi, ZeroOptimizer::kInitFillElems + largest_tensor);
   if (!m.init_from.empty()) b.workspace += 4 * psi;
   struct stat st {};
@@ -198,7 +207,15 @@ int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage,
 
 void write_budget_report(const std::string& path, const Config& cfg, int64_t world,
                          const std::vector<MemoryBudget>& budgets) {
-  h5::File f = h5::File::create(path);
+  // The path is the user's (--report): a file that cannot be created there is bad input.
+  auto create = [&] {
+    try {
+      return h5::File::create(path);
+    } catch (const SystemError& e) {
+      throw InputError("--report " + echo(path) + ": cannot create the report file (" + echo(e.what(), 120) + ")");
+    }
+  };
+  h5::File f = create();
   h5::write_attribute(f.id(), "config", cfg.resolved.dump());
   h5::write_attribute(f.id(), "config_file", cfg.file);
   h5::write_attribute(f.id(), "world_size", world);
@@ -221,6 +238,75 @@ void write_budget_report(const std::string& path, const Config& cfg, int64_t wor
     if (ds.get() < 0 || H5Dwrite(ds.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, ints.data()) < 0)
       throw SystemError(path + ": cannot write " + it.key());
   }
+}
+
+}  // namespace zero3d
+
+namespace zero3d {
+
+namespace {
+// The first number on the line of `file` that starts with `key` (meminfo: kB), or -1.
+int64_t read_number(const std::string& file, const std::string& key) {
+  std::ifstream in(file);
+  for (std::string line; std::getline(in, line);) {
+    if (line.compare(0, key.size(), key) != 0) continue;
+    try {
+      return std::stoll(line.substr(key.size()));
+    } catch (const std::exception&) {
+      return -1;  // "max" (no limit) and anything unreadable
+    }
+  }
+  return -1;
+}
+}  // namespace
+
+AvailableMemory available_memory() {
+  AvailableMemory a;
+  const int64_t kb = read_number("/proc/meminfo", "MemAvailable:");
+  if (kb >= 0) a = {kb * 1024, "MemAvailable"};
+  // cgroup v2, then v1: the limit minus what the group already uses.
+  const std::pair<const char*, const char*> groups[] = {
+      {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"},
+      {"/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"}};
+  for (const auto& [limit_file, usage_file] : groups) {
+    const int64_t limit = read_number(limit_file, ""), usage = read_number(usage_file, "");
+    if (limit <= 0 || usage < 0 || limit >= (int64_t(1) << 60)) continue;
+    const int64_t left = std::max<int64_t>(0, limit - usage);
+    if (a.bytes < 0 || left < a.bytes) a = {left, "cgroup memory limit"};
+  }
+  return a;
+}
+
+MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const AvailableMemory& avail) {
+  const MemoryBudget b = estimate_budget(cfg, cfg.batch.world_size, cfg.zero.stage);
+  if (avail.bytes < 0) return b;
+  const double need = double(b.total()) * std::max(1, ranks_here);
+  if (need <= double(avail.bytes)) return b;
+  // Name the two largest categories with the keys that size them.
+  const ModelConfig& m = cfg.model;
+  const std::string model_keys = "model.vocab_size " + std::to_string(m.vocab_size) + ", model.n_embd " +
+                                 std::to_string(m.n_embd) + ", model.n_layer " + std::to_string(m.n_layer);
+  struct Part {
+    double bytes;
+    std::string text;
+  };
+  std::vector<Part> parts = {
+      {double(b.model_states()), "model states " + human_bytes(double(b.model_states())) + " (" +
+                                     std::to_string(count_model(m).params) + " parameters: " + model_keys +
+                                     "; zero_optimization.stage " + std::to_string(b.stage) + ")"},
+      {double(b.activations), "activations " + human_bytes(double(b.activations)) +
+                                  " (train_micro_batch_size_per_gpu " + std::to_string(cfg.batch.micro_batch) +
+                                  ", model.n_positions " + std::to_string(m.n_positions) + ", " + model_keys +
+                                  ", model.n_head " + std::to_string(m.n_head) + ")"},
+      {double(b.comm_reduce + b.comm_gather + b.comm_prefetch + b.live_params),
+       "communication buffers " + human_bytes(double(b.comm_reduce + b.comm_gather + b.comm_prefetch + b.live_params)) +
+           " (zero_optimization.reduce_bucket_size, max_live_parameters)"},
+      {double(b.workspace), "workspace " + human_bytes(double(b.workspace)) + " (data.path, model.init_from)"}};
+  std::sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) { return x.bytes > y.bytes; });
+  throw InputError(cfg.file + ": the run needs " + human_bytes(double(b.total())) + " per rank" +
+                   (ranks_here > 1 ? " x " + std::to_string(ranks_here) + " ranks on this machine" : "") +
+                   " but " + human_bytes(double(avail.bytes)) + " is available (" + avail.source + "), short by " +
+                   human_bytes(need - double(avail.bytes)) + "; largest: " + parts[0].text + ", " + parts[1].text);
 }
 
 }  // namespace zero3d

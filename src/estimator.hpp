@@ -64,6 +64,19 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world_size, int stage = 
 // Largest micro-batch per stage whose total fits `bytes_per_rank` (0: not even micro-batch 1).
 int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank);
 
+// Memory this process may use: /proc/meminfo's MemAvailable, or the cgroup's remaining
+// limit where that is lower. bytes < 0: unknown (the check is skipped).
+struct AvailableMemory {
+  int64_t bytes = -1;
+  std::string source;  // "MemAvailable" or "cgroup memory limit"
+};
+AvailableMemory available_memory();
+
+// The start-up memory check: the budget of `cfg` at its configured stage, times the ranks
+// sharing this machine, against `avail`. InputError naming the shortfall and the keys that
+// drive the largest categories when it does not fit. Returns the per-rank budget.
+MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const AvailableMemory& avail);
+
 // Writes the budgets (one per stage) to an HDF5 report: inputs as attributes, one dataset per
 // category holding the bytes at stages 0..3.
 void write_budget_report(const std::string& path, const Config& cfg, int64_t world_size,

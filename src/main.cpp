@@ -6,8 +6,11 @@
 
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
+#include <cctype>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,11 +22,16 @@
 #include "estimator.hpp"
 #include "failure.hpp"
 #include "h5.hpp"
+#include "input_file.hpp"
 #include "topology.hpp"
 
 using namespace zero3d;
 
 namespace {
+
+// The most ranks a size given on the command line may describe: far above any job, and low
+// enough that per-rank tables (topology, estimates) stay small and every product fits an int.
+constexpr int64_t kMaxRanks = int64_t(1) << 20;
 
 struct ConfigArgs {
   std::string path;  // empty = the built-in quick-start
@@ -47,12 +55,22 @@ std::string run_name(const std::string& path) {
 int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {
   std::string name;
   Config cfg;
-  run_collectively(world, [&] { cfg = read_config(load_with_overrides(a, name), name, world_size); });
+  MemoryBudget budget;
+  const AvailableMemory avail = available_memory();
+  run_collectively(world, [&] {
+    cfg = read_config(load_with_overrides(a, name), name, world_size);
+    // The same check as train's, for one rank on this machine: a plan that cannot start here is not valid here.
+    budget = check_memory_fits(cfg, 1, avail);
+  });
   int rank = 0;
   MPI_Comm_rank(world, &rank);
   if (rank == 0) {
-    std::printf("%s: valid for data-parallel world size %lld\n", name.c_str(), (long long)world_size);
+    std::printf("%s: valid for data-parallel world size %lld\n", echo(name, 200).c_str(), (long long)world_size);
     std::printf("batch   %s\n", cfg.batch.derivation.c_str());
+    std::printf("memory  %s per rank at ZeRO stage %d; %s\n", human_bytes(double(budget.total())).c_str(), budget.stage,
+                avail.bytes < 0 ? "available memory unknown (not checked)"
+                                : (human_bytes(double(avail.bytes)) + " available on this machine (" + avail.source +
+                                   ")").c_str());
   }
   return kExitOk;
 }
@@ -63,8 +81,19 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
   MPI_Comm_rank(world, &rank);
   std::string name, out;
   Config cfg;
+  // Ranks sharing this machine's memory, for the start-up memory check.
+  MPI_Comm node = MPI_COMM_NULL;
+  int ranks_here = 1;
+  if (MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+    MPI_Comm_size(node, &ranks_here);
+    MPI_Comm_free(&node);
+  }
+  const AvailableMemory avail = available_memory();
   run_collectively(world, [&] {
+    if (find_control_byte(output_override) != std::string::npos)
+      throw InputError("--output " + echo(output_override) + ": the path contains a control byte");
     cfg = read_config(load_with_overrides(a, name), name, size);
+    check_memory_fits(cfg, ranks_here, avail);
     out = !output_override.empty()           ? output_override
           : !cfg.training.output_dir.empty() ? cfg.training.output_dir
                                              : "output/" + run_name(a.path);
@@ -80,35 +109,78 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
   return kExitOk;
 }
 
-// Prints each rank's coordinates and groups for a pipe x data x model job.
-int cmd_topology(int pp, int dp, int tp, bool as_json, int rank) {
-  if (rank != 0) return kExitOk;
-  const ProcessTopology topo = ProcessTopology::pipe_data_model(pp, dp, tp);
-  nlohmann::json doc = {{"axes", topo.get_axis_names()}, {"dims", topo.dims()}, {"ranks", nlohmann::json::array()}};
-  for (int r = 0; r < topo.world_size(); ++r) {
-    nlohmann::json entry = {{"rank", r}, {"coord", nlohmann::json::object()}, {"groups", nlohmann::json::object()}};
-    for (const auto& axis : topo.get_axis_names()) {
-      entry["coord"][axis] = topo.get_coord(r).at(axis);
-      for (const auto& group : topo.get_axis_comm_lists(axis))
-        if (std::find(group.begin(), group.end(), r) != group.end()) entry["groups"][axis] = group;
-    }
-    doc["ranks"].push_back(entry);
+// One process group along an axis: `size` ranks from `first`, `stride` apart (row-major
+// ranks make every group an arithmetic progression, as ProcessTopology::get_axis_comm_lists).
+struct Progression {
+  int64_t first, stride, size;
+};
+
+// "[0,1,2]" in full up to 16 ranks, else "[0,4,...,60] (16 ranks)": O(1) per line, so the
+// whole listing stays linear in the number of ranks.
+std::string group_text(const Progression& g) {
+  std::string s = "[";
+  if (g.size <= 16) {
+    for (int64_t k = 0; k < g.size; ++k) s += (k ? "," : "") + std::to_string(g.first + k * g.stride);
+    return s + "]";
   }
+  return s + std::to_string(g.first) + "," + std::to_string(g.first + g.stride) + ",...," +
+         std::to_string(g.first + (g.size - 1) * g.stride) + "] (" + std::to_string(g.size) + " ranks)";
+}
+
+std::string group_json(const Progression& g) {
+  std::string s = "[";
+  for (int64_t k = 0; k < g.size; ++k) s += (k ? "," : "") + std::to_string(g.first + k * g.stride);
+  return s + "]";
+}
+
+// Prints each rank's coordinates and groups for a pipe x data x model job, computed from the
+// coordinates (rank = (pipe·dp + data)·tp + model) in O(1) per rank.
+int cmd_topology(int64_t pp, int64_t dp, int64_t tp, bool as_json, int rank) {
+  if (rank != 0) return kExitOk;
+  // Each factor is at most kMaxRanks (CLI check), so the product fits int64 before comparing.
+  const int64_t world = pp * dp * tp;
+  if (world > kMaxRanks)
+    throw InputError("topology --pp " + std::to_string(pp) + " --dp " + std::to_string(dp) + " --tp " +
+                     std::to_string(tp) + ": " + std::to_string(world) + " ranks, more than the " +
+                     std::to_string(kMaxRanks) + " zero3d supports");
+  // The JSON lists every group in full: bounded, as its size grows with ranks x group sizes.
+  const int64_t kMaxJsonEntries = int64_t(1) << 24;
+  if (as_json && world * (pp + dp + tp) > kMaxJsonEntries)
+    throw InputError("topology --json: " + std::to_string(world) + " ranks with their groups would list " +
+                     std::to_string(world * (pp + dp + tp)) + " ranks (at most " + std::to_string(kMaxJsonEntries) +
+                     "); the text form abbreviates long groups");
+  const ProcessTopology topo = ProcessTopology::pipe_data_model(int(pp), int(dp), int(tp));
+  auto groups = [&](int64_t p, int64_t d, int64_t m) {
+    struct {
+      Progression data, model, pipe;
+    } g{{p * dp * tp + m, tp, dp}, {(p * dp + d) * tp, 1, tp}, {d * tp + m, dp * tp, pp}};
+    return g;
+  };
   if (as_json) {
-    std::printf("%s\n", doc.dump().c_str());
+    nlohmann::json head = {{"axes", topo.get_axis_names()}, {"dims", topo.dims()}};
+    std::string text = head.dump();
+    text.pop_back();
+    std::fputs((text + ",\"ranks\":[").c_str(), stdout);
+    for (int64_t r = 0; r < world; ++r) {
+      const int64_t p = r / (dp * tp), d = r / tp % dp, m = r % tp;
+      const auto g = groups(p, d, m);
+      std::printf("%s{\"coord\":{\"data\":%lld,\"model\":%lld,\"pipe\":%lld},\"groups\":{\"data\":%s,\"model\":%s,"
+                  "\"pipe\":%s},\"rank\":%lld}",
+                  r ? "," : "", (long long)d, (long long)m, (long long)p, group_json(g.data).c_str(),
+                  group_json(g.model).c_str(), group_json(g.pipe).c_str(), (long long)r);
+    }
+    std::printf("]}\n");
     return kExitOk;
   }
-  std::printf("%d ranks = pipe %d x data %d x model %d (row-major, model fastest)\n", topo.world_size(), pp, dp, tp);
-  auto list = [](const nlohmann::json& g) {
-    std::string s;
-    for (const auto& r : g) s += (s.empty() ? "" : ",") + std::to_string(r.get<int>());
-    return "[" + s + "]";
-  };
-  for (const auto& e : doc["ranks"])
-    std::printf("rank %3d  pipe %d data %d model %d  | data group %s  tensor group %s  pipe group %s\n",
-                e["rank"].get<int>(), e["coord"]["pipe"].get<int>(), e["coord"]["data"].get<int>(),
-                e["coord"]["model"].get<int>(), list(e["groups"]["data"]).c_str(), list(e["groups"]["model"]).c_str(),
-                list(e["groups"]["pipe"]).c_str());
+  std::printf("%lld ranks = pipe %lld x data %lld x model %lld (row-major, model fastest)\n", (long long)world,
+              (long long)pp, (long long)dp, (long long)tp);
+  for (int64_t r = 0; r < world; ++r) {
+    const int64_t p = r / (dp * tp), d = r / tp % dp, m = r % tp;
+    const auto g = groups(p, d, m);
+    std::printf("rank %3lld  pipe %lld data %lld model %lld  | data group %s  tensor group %s  pipe group %s\n",
+                (long long)r, (long long)p, (long long)d, (long long)m, group_text(g.data).c_str(),
+                group_text(g.model).c_str(), group_text(g.pipe).c_str());
+  }
   return kExitOk;
 }
 
@@ -138,10 +210,36 @@ int cmd_inspect(const std::string& dir, const std::string& tag, const std::strin
   return kExitOk;
 }
 
+// A byte size option such as 16GiB: a finite, non-negative number with a known unit, whose
+// value fits int64 (parse_byte_size converts it).
+int64_t size_option(const std::string& option, const std::string& text) {
+  const std::string where = option + " " + echo(text, 40);
+  size_t pos = 0;
+  double value = 0.0;
+  try {
+    value = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    throw InputError(where + ": expected a number with an optional unit (5GB, 500MB, 2GiB)");
+  }
+  if (!std::isfinite(value)) throw InputError(where + ": expected a finite size");
+  if (value < 0 || text.find('-') == 0) throw InputError(where + ": a size cannot be negative");
+  std::string unit = text.substr(pos);
+  for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const std::pair<const char*, double> units[] = {{"", 1},     {"B", 1},          {"KB", 1e3},          {"MB", 1e6},
+                                                  {"GB", 1e9}, {"TB", 1e12},      {"KIB", 1024.0},      {"MIB", 1048576.0},
+                                                  {"GIB", 1073741824.0},          {"TIB", 1099511627776.0}};
+  for (const auto& [name, factor] : units)
+    if (unit == name) {
+      if (value * factor > 9.0e18) throw InputError(where + ": too large (at most 8 EiB)");
+      return parse_byte_size(text);
+    }
+  throw InputError(where + ": unknown unit \"" + echo(text.substr(pos), 20) + "\" (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)");
+}
+
 int cmd_convert(const std::string& dir, const std::string& out, const std::string& tag, const std::string& format,
                 const std::string& dtype, const std::string& max_shard, int rank) {
   if (rank != 0) return kExitOk;
-  const int64_t shard = max_shard.empty() ? 0 : parse_byte_size(max_shard);
+  const int64_t shard = max_shard.empty() ? 0 : size_option("--max-shard-size", max_shard);
   for (const auto& f : convert_checkpoint(dir, tag, out, format, dtype, shard)) std::printf("wrote %s\n", f.c_str());
   return kExitOk;
 }
@@ -154,7 +252,25 @@ struct EstimateArgs {
   ConfigArgs config;
   int64_t world_size = 1;
   bool json = false;
+  bool largest_layer_given = false;
 };
+
+// Options of DeepSpeed's cold estimators: finite, in range, and GPU counts whose product fits.
+void check_estimate_options(const EstimateArgs& a) {
+  auto number = [](const char* option, double v, double lo, double hi) {
+    if (!(std::isfinite(v) && v >= lo && v <= hi)) {
+      char buf[160];
+      std::snprintf(buf, sizeof(buf), "estimate %s %g: expected a finite number in [%g, %g]", option, v, lo, hi);
+      throw InputError(buf);
+    }
+  };
+  if (a.params != 0) number("--params", a.params, 1, 1e15);
+  if (a.largest_layer_given) number("--largest-layer-params", a.largest_layer, 0, 1e15);
+  number("--additional-buffer-factor", a.buffer_factor, 1, 100);
+  if (int64_t(a.gpus_per_node) * a.nodes > kMaxRanks)
+    throw InputError("estimate --gpus-per-node " + std::to_string(a.gpus_per_node) + " --nodes " +
+                     std::to_string(a.nodes) + ": more than " + std::to_string(kMaxRanks) + " GPUs in all");
+}
 
 std::string mib(int64_t bytes) {
   char buf[32];
@@ -164,10 +280,14 @@ std::string mib(int64_t bytes) {
 
 int cmd_estimate(EstimateArgs a, int rank) {
   if (rank != 0) return kExitOk;
+  check_estimate_options(a);
   if (a.kind == "zero2" || a.kind == "zero3") {
-    // Cold (--params) or live (--model CONFIG: counts from the model definition).
+    // Cold (--params) or live (--model CONFIG, with --set applied: counts from the model definition).
+    if (!a.config.overrides.empty() && a.model.empty())
+      throw InputError("estimate " + a.kind + ": --set changes a config; give it with --model CONFIG");
     if (!a.model.empty()) {
-      const Config c = read_config(load_json_file(a.model), a.model, 1);
+      std::string model_name;
+      const Config c = read_config(load_with_overrides({a.model, a.config.overrides}, model_name), model_name, 1);
       const ModelCounts counts = count_model(c.model);
       a.params = double(counts.params);
       a.largest_layer = double(counts.largest_layer);
@@ -198,7 +318,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
   for (const auto& b : budgets) doc["budgets"].push_back(b.to_json());
   int64_t limit = 0;
   if (!a.memory_per_rank.empty()) {
-    limit = parse_byte_size(a.memory_per_rank);
+    limit = size_option("--memory-per-rank", a.memory_per_rank);
     doc["memory_per_rank"] = limit;
     for (int stage = 0; stage <= 3; ++stage)
       doc["largest_micro_batch"].push_back(largest_fitting_micro_batch(cfg, a.world_size, stage, limit));
@@ -243,6 +363,17 @@ int cmd_estimate(EstimateArgs a, int rank) {
   return kExitOk;
 }
 
+// A failure's message for the user: allocation failures (std::bad_alloc, Kokkos's "Allocation
+// of size … failed" over several lines) say so plainly in one line.
+std::string failure_text(const std::string& what) {
+  const bool kokkos = what.find("Allocation of size") != std::string::npos;
+  if (!kokkos && what != std::bad_alloc().what() && what != std::bad_array_new_length().what()) return what;
+  std::string line;
+  for (char c : what) line += (c == '\n' || c == '\t') ? ' ' : c;
+  return "out of memory: an allocation failed (" + echo(line, 240) + "); `zero3d estimate --config` shows what "
+         "the run needs per rank";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -269,14 +400,14 @@ int main(int argc, char** argv) {
   auto* validate = app.add_subcommand("validate", "Check a config without training; exit 0 or 2");
   validate->add_option("config", validate_args.path, "config file")->required();
   validate->add_option("--world-size", world_size, "data-parallel world size to check the batch triad against")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(int64_t(1), kMaxRanks));
   validate->add_option("--set", validate_args.overrides, "override a key")->take_all();
-  int pp = 1, dp = 1, tp = 1;
+  int64_t pp = 1, dp = 1, tp = 1;
   bool as_json = false;
   auto* topology = app.add_subcommand("topology", "Print each rank's coordinates and process groups");
-  topology->add_option("--pp", pp, "pipeline-parallel size")->check(CLI::PositiveNumber);
-  topology->add_option("--dp", dp, "data-parallel size")->check(CLI::PositiveNumber);
-  topology->add_option("--tp", tp, "tensor-parallel size")->check(CLI::PositiveNumber);
+  topology->add_option("--pp", pp, "pipeline-parallel size")->check(CLI::Range(int64_t(1), kMaxRanks));
+  topology->add_option("--dp", dp, "data-parallel size")->check(CLI::Range(int64_t(1), kMaxRanks));
+  topology->add_option("--tp", tp, "tensor-parallel size")->check(CLI::Range(int64_t(1), kMaxRanks));
   topology->add_flag("--json", as_json, "machine-readable output");
 
   std::string ck_dir, ck_tag, ck_tensor, ck_out, ck_format = "hdf5", ck_dtype = "fp32", ck_shard;
@@ -300,13 +431,13 @@ int main(int argc, char** argv) {
   estimate->add_option("kind", est.kind, "zero2 or zero3 for DeepSpeed's model-state tables");
   estimate->add_option("--params", est.params, "total parameters (cold estimate)");
   estimate->add_option("--largest-layer-params", est.largest_layer, "parameters of the largest layer (zero3)");
-  estimate->add_option("--gpus-per-node", est.gpus_per_node, "GPUs per node")->check(CLI::PositiveNumber);
-  estimate->add_option("--nodes", est.nodes, "nodes")->check(CLI::PositiveNumber);
+  estimate->add_option("--gpus-per-node", est.gpus_per_node, "GPUs per node")->check(CLI::Range(1, int(kMaxRanks)));
+  estimate->add_option("--nodes", est.nodes, "nodes")->check(CLI::Range(1, int(kMaxRanks)));
   estimate->add_option("--additional-buffer-factor", est.buffer_factor, "DeepSpeed's buffer factor (1.5)");
   estimate->add_option("--model", est.model, "take the counts from this config's model (live estimate)");
   estimate->add_option("--config", est.config.path, "the full per-rank budget of this configuration");
-  estimate->add_option("--set", est.config.overrides, "override a key of --config")->take_all();
-  estimate->add_option("--world-size", est.world_size, "data-parallel ranks")->check(CLI::PositiveNumber);
+  estimate->add_option("--set", est.config.overrides, "override a key of --config (or of --model)")->take_all();
+  estimate->add_option("--world-size", est.world_size, "data-parallel ranks")->check(CLI::Range(int64_t(1), kMaxRanks));
   estimate->add_option("--memory-per-rank", est.memory_per_rank, "find the largest micro-batch that fits (e.g. 16GiB)");
   estimate->add_option("--report", est.report, "write the budget to this HDF5 file");
   estimate->add_flag("--json", est.json, "machine-readable output");
@@ -314,6 +445,7 @@ int main(int argc, char** argv) {
   int code = kExitOk;
   try {
     app.parse(argc, argv);
+    est.largest_layer_given = estimate->count("--largest-layer-params") > 0;
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
     else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
     else if (topology->parsed()) code = cmd_topology(pp, dp, tp, as_json, rank);
@@ -323,21 +455,26 @@ int main(int argc, char** argv) {
       code = cmd_convert(ck_dir, ck_out, ck_tag, ck_format, ck_dtype, ck_shard, rank);
   } catch (const CLI::ParseError& e) {
     // --help and --version are "errors" with exit code 0 in CLI11.
-    if (rank == 0) app.exit(e);
+    if (rank == 0) {
+      // CLI11 echoes the offending argument raw: escape and cap it like every other message.
+      if (e.get_exit_code() == 0) app.exit(e);
+      else std::fprintf(stderr, "zero3d: error: %s (see --help)\n", echo(e.what(), 300).c_str());
+    }
     code = e.get_exit_code() == 0 ? kExitOk : kExitBadInput;
   } catch (const AgreedFailure& e) {
     // Every rank knows; one reports. (Bad config: all ranks fail alike and rank 0 reports.)
     if (e.report()) {
       const char* kind = e.code() == kExitBadInput ? "error" : "fatal";
-      if (e.failed_rank() == 0) std::fprintf(stderr, "zero3d: %s: %s\n", kind, e.what());
-      else std::fprintf(stderr, "zero3d: rank %d: %s: %s\n", e.failed_rank(), kind, e.what());
+      const std::string what = failure_text(e.what());
+      if (e.failed_rank() == 0) std::fprintf(stderr, "zero3d: %s: %s\n", kind, what.c_str());
+      else std::fprintf(stderr, "zero3d: rank %d: %s: %s\n", e.failed_rank(), kind, what.c_str());
     }
     code = e.code();
   } catch (const std::exception& e) {
     // Not agreed: the other ranks may be waiting for this one, so take the job down.
     const bool bad_input = dynamic_cast<const InputError*>(&e) != nullptr;
     code = bad_input ? kExitBadInput : kExitSystem;
-    std::fprintf(stderr, "zero3d: rank %d: %s: %s\n", rank, bad_input ? "error" : "fatal", e.what());
+    std::fprintf(stderr, "zero3d: rank %d: %s: %s\n", rank, bad_input ? "error" : "fatal", failure_text(e.what()).c_str());
     std::fflush(stderr);
     if (world > 1) {
       // Give the launcher a moment to forward the message before it tears the job down.

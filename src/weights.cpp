@@ -1,6 +1,7 @@
 // weights.cpp — HDF5 and safetensors readers for initial weights.
 #include "weights.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -8,6 +9,7 @@
 
 #include "base.hpp"
 #include "h5.hpp"
+#include "input_file.hpp"
 
 namespace zero3d {
 
@@ -50,7 +52,27 @@ float half_to_float(uint16_t h) {
 
 using Tensors = std::vector<const TensorSpec*>;
 
+// Weight files of any real model fit; the bound only stops a device or a runaway file.
+constexpr int64_t kMaxWeightFileBytes = int64_t(1) << 42;
+constexpr int64_t kMaxIndexBytes = int64_t(64) << 20;
+
+// The non-negative integer list at `field` of a safetensors entry, or InputError naming it.
+std::vector<int64_t> header_ints(const std::string& path, const std::string& tensor, const nlohmann::json& entry,
+                                 const char* field) {
+  auto it = entry.find(field);
+  if (it == entry.end()) throw InputError(path + ": tensor `" + tensor + "`: field `" + field + "` is missing");
+  const bool ok = it->is_array() && it->size() <= 8 &&
+                  std::all_of(it->begin(), it->end(), [](const nlohmann::json& x) {
+                    return x.is_number_unsigned() && x.get<uint64_t>() <= uint64_t(1) << 62;
+                  });
+  if (!ok)
+    throw InputError(path + ": tensor `" + tensor + "`: field `" + field + "` must be a list of non-negative integers, got " +
+                     echo(it->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), 60));
+  return it->get<std::vector<int64_t>>();
+}
+
 void load_hdf5(const std::string& path, const Tensors& tensors, float* params) {
+  regular_file_size(path, "weights file (model.init_from)", kMaxWeightFileBytes);
   h5::File f = h5::File::open_read(path);
   for (const TensorSpec* tp : tensors) {
     const TensorSpec& t = *tp;
@@ -66,10 +88,13 @@ void load_hdf5(const std::string& path, const Tensors& tensors, float* params) {
 }
 
 void load_safetensors(const std::string& path, const Tensors& tensors, float* params) {
+  const int64_t file_size = regular_file_size(path, "weights file (model.init_from)", kMaxWeightFileBytes);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(path + ": file not found (model.init_from)");
   uint64_t header_len = 0;
-  if (!in.read(reinterpret_cast<char*>(&header_len), 8) || header_len > (1ull << 30))
+  // Checked against the file before allocating the header.
+  if (!in.read(reinterpret_cast<char*>(&header_len), 8) || header_len > (1ull << 30) ||
+      header_len > uint64_t(file_size - 8))
     throw InputError(path + ": not a safetensors file (bad header length)");
   std::string header(header_len, '\0');
   if (!in.read(header.data(), static_cast<std::streamsize>(header_len)))
@@ -77,26 +102,37 @@ void load_safetensors(const std::string& path, const Tensors& tensors, float* pa
   nlohmann::json meta;
   try {
     meta = nlohmann::json::parse(header);
-  } catch (const nlohmann::json::parse_error&) {
+  } catch (const nlohmann::json::exception&) {
     throw InputError(path + ": safetensors header is not valid JSON");
   }
+  if (!meta.is_object()) throw InputError(path + ": safetensors header is not a JSON object");
   const std::streamoff data_start = 8 + static_cast<std::streamoff>(header_len);
+  const int64_t data_bytes = file_size - static_cast<int64_t>(data_start);
   for (const TensorSpec* tp : tensors) {
     const TensorSpec& t = *tp;
     std::string name = t.name;
     if (!meta.contains(name) && meta.contains("transformer." + name)) name = "transformer." + name;
     if (!meta.contains(name)) throw InputError(path + ": tensor `" + t.name + "` is missing (model.init_from)");
     const auto& e = meta[name];
-    const std::string dtype = e.value("dtype", "");
-    const std::vector<int64_t> shape = e.value("shape", std::vector<int64_t>{});
+    if (!e.is_object())
+      throw InputError(path + ": tensor `" + t.name + "`: header entry must be an object with dtype, shape and "
+                       "data_offsets, got " + echo(e.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), 60));
+    auto dt = e.find("dtype");
+    if (dt == e.end() || !dt->is_string())
+      throw InputError(path + ": tensor `" + t.name + "`: field `dtype` must be a string such as \"F32\"");
+    const std::string dtype = dt->get<std::string>();
+    const std::vector<int64_t> shape = header_ints(path, t.name, e, "shape");
     if (shape != t.shape)
       throw InputError(path + ": tensor `" + t.name + "` has shape " + shape_str(shape) + ", the model needs " +
                        shape_str(t.shape));
-    const auto offsets = e.value("data_offsets", std::vector<int64_t>{0, 0});
+    const std::vector<int64_t> offsets = header_ints(path, t.name, e, "data_offsets");
     const int64_t width = dtype == "F32" ? 4 : (dtype == "F16" || dtype == "BF16") ? 2 : 0;
-    if (width == 0) throw InputError(path + ": tensor `" + t.name + "` has dtype " + dtype + " (need F32, F16 or BF16)");
-    if (offsets.size() != 2 || offsets[1] - offsets[0] != width * t.numel)
+    if (width == 0)
+      throw InputError(path + ": tensor `" + t.name + "` has dtype " + echo(dtype, 20) + " (need F32, F16 or BF16)");
+    if (offsets.size() != 2 || offsets[1] < offsets[0] || offsets[1] - offsets[0] != width * t.numel)
       throw InputError(path + ": tensor `" + t.name + "` has inconsistent data_offsets");
+    if (offsets[1] > data_bytes)
+      throw InputError(path + ": tensor `" + t.name + "` runs past the end of the file");
     std::vector<char> raw(static_cast<size_t>(width * t.numel));
     in.seekg(data_start + offsets[0]);
     if (!in.read(raw.data(), static_cast<std::streamsize>(raw.size())))
@@ -130,12 +166,11 @@ void load_file(const std::string& path, const Tensors& tensors, float* params) {
 
 // Hugging Face's sharded layout: {"weight_map": {tensor name: file next to the index}}.
 void load_sharded(const std::string& index, const ParamLayout& layout, float* params) {
-  std::ifstream in(index);
-  if (!in) throw InputError(index + ": file not found (model.init_from)");
+  const std::string text = read_regular_file(index, "weights index (model.init_from)", kMaxIndexBytes);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error&) {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception&) {
     throw InputError(index + ": not valid JSON");
   }
   if (!j.contains("weight_map") || !j["weight_map"].is_object()) throw InputError(index + ": no \"weight_map\"");
@@ -145,6 +180,7 @@ void load_sharded(const std::string& index, const ParamLayout& layout, float* pa
     auto it = j["weight_map"].find(t.name);
     if (it == j["weight_map"].end()) it = j["weight_map"].find("transformer." + t.name);
     if (it == j["weight_map"].end()) throw InputError(index + ": tensor `" + t.name + "` is missing from weight_map");
+    if (!it->is_string()) throw InputError(index + ": weight_map entry `" + t.name + "` must be a file name (a string)");
     by_file[dir + it->get<std::string>()].push_back(&t);
   }
   for (const auto& [file, tensors] : by_file) load_file(file, tensors, params);
