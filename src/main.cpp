@@ -65,7 +65,8 @@ int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {
   int rank = 0;
   MPI_Comm_rank(world, &rank);
   if (rank == 0) {
-    std::printf("%s: valid for data-parallel world size %lld\n", echo(name, 200).c_str(), (long long)world_size);
+    std::printf("%s: valid for %lld ranks (%d pipeline stages x %lld data-parallel)\n", echo(name, 200).c_str(),
+                (long long)world_size, cfg.pipeline.stages, (long long)cfg.batch.world_size);
     std::printf("batch   %s\n", cfg.batch.derivation.c_str());
     std::printf("memory  %s per rank at ZeRO stage %d; %s\n", human_bytes(double(budget.total())).c_str(), budget.stage,
                 avail.bytes < 0 ? "available memory unknown (not checked)"
