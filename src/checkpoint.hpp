@@ -1,25 +1,40 @@
 // checkpoint.hpp — sharded HDF5 checkpoints (DESIGN.md §1 "Checkpoint").
 //
 // <save_dir>/latest                  text: the newest complete tag
+// <save_dir>/zero3d.family           text: this save directory's run-family id (first save makes it)
 // <save_dir>/global_step<N>/
-//     rank_00000.h5 ...              one shard per rank: its slice [begin, end) of each flat
-//                                    state buffer ("params" = fp32 master, "exp_avg", ...),
-//                                    chunked, Fletcher32-checksummed, metadata as attributes
-//     index.h5                       metadata + one HDF5 virtual dataset per tensor, named as in
-//                                    Hugging Face GPT-2 ("/h.0.attn.c_attn.weight"), stitched
-//                                    from the shards; optimizer moments under /exp_avg/, ...
+//     zero3d.tag                     JSON marker: a zero3d tag of run family F, tag id I. Cleanup
+//                                    and rotation only ever touch directories that carry the
+//                                    marker of their own family: nothing else in save_dir.
+//     rank_00000.h5 ...              one shard per rank: its segments (global ranges [b, e) of the
+//                                    flat state buffers, any number, possibly none) of each flat
+//                                    buffer ("params" = fp32 master, "exp_avg", ...), concatenated
+//                                    in one 1-D dataset per buffer; chunked, Fletcher32-checksummed
+//     index.h5                       metadata JSON + one HDF5 virtual dataset per tensor, named as in
+//                                    Hugging Face GPT-2 ("/h.0.attn.c_attn.weight"), stitched from
+//                                    every segment covering it; optimizer moments under /exp_avg/, ...
+//     manifest.json                  binds the tag's files together: tag id, run family, size and
+//                                    XXH64 digest of every file, digest of the metadata JSON, and
+//                                    its own digest. Written last: a tag without it is incomplete.
 //
-// Saving writes into <tag>.tmp/, closes and fsyncs every file, then rank 0 renames the
-// directory and replaces `latest` by write-then-rename: a save that dies at any moment leaves
-// the previous checkpoint and `latest` as they were (a stale .tmp is removed by the next save).
-// Loading reads, on each rank, only the byte ranges of the flat buffers that rank needs, so a
-// checkpoint loads at any data-parallel size and ZeRO stage.
+// Format 2 (segments, manifest) loads format 1 too (one range per shard, no manifest).
+//
+// Saving writes into <tag>.tmp/, checks every write and close, fsyncs every file, then rank 0
+// publishes: an existing <tag> is renamed to <tag>.old.tmp, <tag>.tmp to <tag>, `latest` is
+// replaced by write-fsync-rename, and only then is <tag>.old.tmp removed and `keep_last`
+// applied. A save killed at any moment leaves `latest` naming a loadable tag: a reader whose
+// tag is missing falls back to a complete <tag>.old.tmp, and the next save restores it.
+// Loading verifies the manifest (and, lazily, the digest of every file a rank reads) and reads,
+// on each rank, only the ranges it needs, so a checkpoint loads at any data-parallel size and
+// ZeRO stage.
 #pragma once
 
 #include <mpi.h>
 
 #include <cstdint>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -27,7 +42,9 @@
 
 namespace zero3d {
 
-constexpr int kCheckpointFormatVersion = 1;
+constexpr int kCheckpointFormatVersion = 2;
+
+using SegmentList = std::vector<std::pair<int64_t, int64_t>>;  // global [begin, end) ranges
 
 struct CheckpointMeta {
   int64_t step = 0;            // optimizer steps taken
@@ -47,45 +64,70 @@ struct CheckpointMeta {
   nlohmann::json config;       // the resolved configuration of the run that saved
   nlohmann::json tensors;      // [{"name", "shape", "offset"}] of the layout
   int64_t total_params = 0;
-  std::vector<std::pair<int64_t, int64_t>> ranges;  // per shard: [begin, end) of the flat buffers
-  std::vector<std::string> states;                  // flat buffers saved: "params", "exp_avg", ...
+  // Per shard: its segments. save_checkpoint gathers them from the ranks' ShardSlices itself.
+  std::vector<SegmentList> ranges;
+  std::vector<std::string> states;  // flat buffers saved: "params", "exp_avg", ...
+  std::string tag_id;               // random per save (format 2); filled by save and load
 };
 
-// One rank's part of a save: the slice [begin, end) of each named flat buffer.
-struct ShardSlice {
+// One global range [begin, end) of the flat buffers and where this rank holds it.
+struct ShardSegment {
   int64_t begin = 0, end = 0;
-  std::vector<std::pair<std::string, const float*>> arrays;  // name -> first element of the slice
+  std::vector<std::pair<std::string, const float*>> arrays;  // name -> first element of [begin, end)
+};
+
+// One rank's part of a save: any number of segments (none is allowed). Every segment names the
+// same buffers (meta.states); the segments of all ranks must tile [0, total_params).
+struct ShardSlice {
+  std::vector<ShardSegment> segments;
 };
 
 // Collective over `world`. Writes <save_dir>/<tag> atomically, then rotates to `keep_last`
-// complete tags (0 keeps all). Errors are agreed on all ranks and leave the old checkpoint.
+// complete tags of this run family (0 keeps all). Errors are agreed on all ranks (exit 1, one
+// message naming the file) and leave the old checkpoint and `latest` as they were.
 void save_checkpoint(const std::string& save_dir, const std::string& tag, const CheckpointMeta& meta,
                      const ShardSlice& mine, const ParamLayout& layout, MPI_Comm world, int64_t keep_last);
 
-// An opened, validated checkpoint tag.
+// An opened, verified checkpoint tag. open() runs the one verification shared by resume and
+// `inspect`: manifest and its digest, index.h5's digest and structure (one virtual dataset of
+// the right shape per tensor and state, mapped from the shards), the metadata's digest and
+// consistency (segments tile the buffers, optimizer type and states agree, tensor offsets),
+// every shard present with its recorded size. Shard contents are verified against their
+// digests when first read (read_range) or all at once (verify_files). InputError naming the file.
 class CheckpointReader {
  public:
   // spec: "latest" (the tag named by <save_dir>/latest), a tag in save_dir, or a path to a tag
-  // directory or to a save directory holding `latest`. InputError naming what is wrong.
+  // directory or to a save directory holding `latest`.
   static CheckpointReader open(const std::string& spec, const std::string& save_dir);
 
   const CheckpointMeta& meta() const { return meta_; }
   const std::string& dir() const { return dir_; }
-  // Elements [begin, end) of flat buffer `state`, from the shards that hold them only.
+  // Elements [begin, end) of flat buffer `state`, from the shards whose segments cover them.
   void read_range(const std::string& state, int64_t begin, int64_t end, float* out) const;
   // InputError unless the checkpoint's tensors are exactly `layout`'s (names, shapes, order).
   void check_layout(const ParamLayout& layout) const;
+  // InputError unless the saved model section agrees with `model_section` (n_head, ... — what
+  // tensor shapes do not show); init_from is not compared.
+  void check_model(const nlohmann::json& model_section) const;
+  // Digest of every file the manifest lists (format 2); InputError naming the first that differs.
+  void verify_files() const;
+  bool has_manifest() const { return !manifest_.is_null(); }
 
  private:
+  void verify_file(const std::string& name) const;
   std::string dir_;
   CheckpointMeta meta_;
+  nlohmann::json manifest_;                          // null for format 1
+  std::vector<std::vector<int64_t>> local_offsets_;  // per shard, per segment: offset in its datasets
+  mutable std::set<std::string> verified_;           // files whose digest was checked
 };
 
 // Names of complete tags in save_dir, oldest first (by step).
 std::vector<std::string> list_checkpoint_tags(const std::string& save_dir);
 
-// `zero3d inspect`: a report of tags, metadata and per-tensor statistics; verifies that every
-// shard is present and every checksum holds. Returns the report; InputError on any defect.
+// `zero3d inspect`: a report of tags, metadata and per-tensor statistics; verifies the tag as
+// resume does, every file's digest, every shard checksum, and that index.h5's virtual datasets
+// return what the shards hold. Returns the report; InputError on any defect.
 nlohmann::json inspect_checkpoint(const std::string& path, const std::string& tag, const std::string& tensor);
 
 // `zero3d convert`: consolidated weights with Hugging Face names, streamed one tensor at a time.
@@ -97,5 +139,22 @@ std::vector<std::string> convert_checkpoint(const std::string& path, const std::
 
 // "5GB" = 5e9, "500MB", "2GiB" = 2·2^30, "1000" bytes. InputError on anything else.
 int64_t parse_byte_size(const std::string& text);
+
+// XXH64 (Yann Collet's xxHash, 64-bit; spec: github.com/Cyan4973/xxHash doc/xxhash_spec.md),
+// streaming: the content digest of checkpoint files. Not cryptographic — it catches damage and
+// mix-ups, not an adversary.
+class Xxh64 {
+ public:
+  explicit Xxh64(uint64_t seed = 0);
+  void update(const void* data, size_t n);
+  uint64_t digest() const;
+
+ private:
+  void stripe(const unsigned char* p);
+  uint64_t seed_, v_[4], total_ = 0;
+  unsigned char buf_[32];
+  size_t buf_len_ = 0;
+};
+uint64_t xxh64(const void* data, size_t n, uint64_t seed = 0);
 
 }  // namespace zero3d

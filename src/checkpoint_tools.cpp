@@ -75,25 +75,47 @@ nlohmann::json inspect_checkpoint(const std::string& path, const std::string& ta
                            {"states", m.states},
                            {"shards", m.ranges.size()}};
   const fs::path parent = fs::path(reader.dir()).parent_path();
-  if (fs::exists(parent / "latest")) {
+  std::error_code ec;
+  if (fs::is_regular_file(parent / "latest", ec) && fs::file_size(parent / "latest", ec) <= 4096) {
     report["tags"] = list_checkpoint_tags(parent.string());
     std::ifstream latest(parent / "latest");
     std::string name;
     std::getline(latest, name);
     report["latest"] = name;
   }
-  // Completeness and checksums: read every element of every shard, chunk by chunk.
+  // The verification resume runs happened in open(); on top: every file's digest, every shard
+  // checksum (read every element of every segment, chunk by chunk), and every tensor read
+  // through index.h5's virtual datasets equal to what the shards hold.
+  reader.verify_files();
   constexpr int64_t kChunk = int64_t(1) << 22;
-  std::vector<float> buf;
+  std::vector<float> buf, via_index;
   for (const std::string& state : m.states)
-    for (const auto& [b, e] : m.ranges)
-      for (int64_t lo = b; lo < e; lo += kChunk) {
-        const int64_t hi = std::min(e, lo + kChunk);
-        buf.resize(static_cast<size_t>(hi - lo));
-        reader.read_range(state, lo, hi, buf.data());
-      }
-  report["verified"] = true;
+    for (const SegmentList& segs : m.ranges)
+      for (const auto& [b, e] : segs)
+        for (int64_t lo = b; lo < e; lo += kChunk) {
+          const int64_t hi = std::min(e, lo + kChunk);
+          buf.resize(static_cast<size_t>(hi - lo));
+          reader.read_range(state, lo, hi, buf.data());
+        }
   const ParamLayout layout = layout_of(m);
+  const std::string index_path = (fs::path(reader.dir()) / "index.h5").string();
+  h5::File index = h5::File::open_read(index_path);
+  for (const std::string& state : m.states)
+    for (const TensorSpec& t : layout.tensors()) {
+      const std::string name = (state == "params" ? "/" : "/" + state + "/") + t.name;
+      buf.resize(static_cast<size_t>(t.numel));
+      reader.read_range(state, t.offset, t.offset + t.numel, buf.data());
+      try {
+        via_index = index.read_floats(name);
+      } catch (const InputError&) {
+        throw InputError(index_path + ": virtual dataset " + name + " cannot be read (index.h5 damaged)");
+      }
+      if (via_index.size() != buf.size() || std::memcmp(via_index.data(), buf.data(), buf.size() * sizeof(float)) != 0)
+        throw InputError(index_path + ": virtual dataset " + name + " differs from the shards (index.h5 from another save?)");
+    }
+  report["verified"] = true;
+  report["tag_id"] = m.tag_id;
+  report["digests"] = reader.has_manifest() ? "xxh64 manifest" : "none (format 1)";
   nlohmann::json tensors = nlohmann::json::array();
   for (const TensorSpec& t : layout.tensors()) {
     if (!tensor.empty() && t.name != tensor) continue;
@@ -157,7 +179,7 @@ void write_hdf5(const OutputFile& out, const CheckpointReader& reader, bool bf16
   h5::File f = h5::File::create(out.path);
   h5::write_attribute(f.id(), "source", "zero3d convert");
   h5::write_attribute(f.id(), "step", reader.meta().step);
-  h5::Handle bf16_t(bf16 ? h5::bf16_type() : -1, H5Tclose);
+  h5::Handle bf16_t = bf16 ? h5::bf16_type() : h5::Handle();
   std::vector<float> buf;
   std::vector<uint16_t> half;
   for (const TensorSpec* t : out.tensors) {
@@ -167,16 +189,17 @@ void write_hdf5(const OutputFile& out, const CheckpointReader& reader, bool bf16
     h5::Handle space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
     const hid_t type = bf16 ? bf16_t.get() : H5T_IEEE_F32LE;
     h5::Handle ds(H5Dcreate2(f.id(), t->name.c_str(), type, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
-    herr_t rc;
-    if (bf16) {  // round-to-nearest-even ourselves; the bits go out as they are
+    herr_t rc = -1;
+    if (ds.valid() && bf16) {  // round-to-nearest-even ourselves; the bits go out as they are
       half.resize(buf.size());
       std::transform(buf.begin(), buf.end(), half.begin(), to_bf16);
       rc = H5Dwrite(ds.get(), type, H5S_ALL, H5S_ALL, H5P_DEFAULT, half.data());
-    } else {
+    } else if (ds.valid()) {
       rc = H5Dwrite(ds.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data());
     }
-    if (ds.get() < 0 || rc < 0) throw SystemError(out.path + ": cannot write " + t->name);
+    if (ds.get() < 0 || rc < 0 || !ds.close()) throw SystemError(out.path + ": cannot write " + t->name);
   }
+  f.close();
 }
 
 }  // namespace

@@ -1,4 +1,9 @@
 // h5.hpp — small RAII layer over the HDF5 C API: every call checked, errors name the file.
+//
+// No HDF5 handle outlives the function that opened it: every hid_t lives in a Handle (or a
+// File), so an exception closes it while the stack unwinds, long before MPI_Finalize (where
+// hdf5-mpich would otherwise flush a leaked file and crash). Writers close explicitly with
+// close(), whose result is checked: chunked data reaches the file only when it closes.
 #pragma once
 
 #include <hdf5.h>
@@ -27,10 +32,16 @@ class Handle {
   }
   ~Handle() { reset(); }
   hid_t get() const { return id_; }
-  void reset() {
-    if (id_ >= 0 && close_) close_(id_);
+  bool valid() const { return id_ >= 0; }
+  // Closes now and reports whether the close succeeded (a dataset's or file's last writes
+  // happen here). The handle is released either way.
+  bool close() {
+    if (id_ < 0 || !close_) return true;
+    const herr_t rc = close_(id_);
     id_ = -1;
+    return rc >= 0;
   }
+  void reset() { close(); }
 
  private:
   hid_t id_ = -1;
@@ -40,9 +51,21 @@ class Handle {
 class File {
  public:
   static File open_read(const std::string& path);   // InputError if missing or not HDF5
-  static File create(const std::string& path);      // truncates; SystemError on failure
+  // Truncates; SystemError on failure. reserve_bytes > 0 allocates that much disk space for the
+  // file up front (fallocate, keeping its size): a full disk then fails here, cleanly, instead
+  // of in HDF5's final flush, after which HDF5 1.10 can never close the file.
+  static File create(const std::string& path, int64_t reserve_bytes = 0);
+  // A file built in memory (core driver): nothing reaches the disk until close_to_image().
+  static File create_in_memory(const std::string& path);
+  // For create_in_memory files: closes and returns the file's bytes for the caller to write.
+  std::vector<char> close_to_image();
   hid_t id() const { return handle_.get(); }
   const std::string& path() const { return path_; }
+  // Flushes and closes; SystemError naming the file when HDF5 could not write it out.
+  void close();
+  File(File&&) = default;
+  File& operator=(File&&) = delete;
+  ~File();
 
   bool has(const std::string& name) const;
   std::vector<int64_t> shape(const std::string& name) const;
@@ -52,22 +75,33 @@ class File {
   void write_floats(const std::string& name, const float* data, const std::vector<int64_t>& shape);
 
  private:
-  File(hid_t id, std::string path) : handle_(id, H5Fclose), path_(std::move(path)) {}
+  File(hid_t id, std::string path, bool writable) : handle_(id, H5Fclose), path_(std::move(path)), writable_(writable) {}
+  // Releases a file whose writes failed (see h5.cpp); never throws.
+  void release_after_failure() noexcept;
   Handle handle_;
+  bool writable_ = false;
+  int64_t reserved_ = 0;
   std::string path_;
 };
 
 // Silences HDF5's own error-stack printing: zero3d reports errors itself, once.
 void quiet_errors();
 
-// Attributes on any object (file, group, dataset). Readers return false when absent.
+// The name of the file an HDF5 object lives in ("?" when unknown), for error messages.
+std::string file_name(hid_t obj);
+
+// SystemError "<file of obj>: <what>" unless rc >= 0: for the many HDF5 calls on a write path.
+void check(herr_t rc, hid_t obj, const std::string& what);
+
+// Attributes on any object (file, group, dataset). Writers throw SystemError naming the file;
+// readers return false when absent or unreadable.
 void write_attribute(hid_t obj, const std::string& name, int64_t value);
 void write_attribute(hid_t obj, const std::string& name, const std::string& value);
 bool read_attribute(hid_t obj, const std::string& name, int64_t& value);
 bool read_attribute(hid_t obj, const std::string& name, std::string& value);
 
 // A 16-bit brain-float type (8-bit exponent, 7-bit mantissa) that HDF5 converts to and from
-// native float itself, so h5py/h5dump read bf16 datasets as numbers. Caller closes it.
-hid_t bf16_type();
+// native float itself, so h5py/h5dump read bf16 datasets as numbers.
+Handle bf16_type();
 
 }  // namespace zero3d::h5
