@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 
 #include "base.hpp"
 
@@ -96,7 +97,9 @@ void File::close() {
 }
 
 File::~File() {
-  if (handle_.valid() && writable_) release_after_failure();  // only error paths get here open
+  // Unwinding: the file is being discarded after an error. Otherwise Handle closes it as usual
+  // (writers that must know the outcome call close()).
+  if (handle_.valid() && writable_ && std::uncaught_exceptions() > 0) release_after_failure();
 }
 
 // HDF5 keeps a file open when its final flush fails (H5Fclose returns before releasing the id),
