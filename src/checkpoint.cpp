@@ -136,16 +136,18 @@ std::string random_id() {
 }
 
 // ---- fault injection ---------------------------------------------------------------------------
-// ZERO3D_IO_FAULT=<op>:<n>[:<how>] (tests only): the n-th I/O point (1-based, counted in this
-// process over all its saves) of kind <op> — write | fsync | rename | close, or `any` for every
-// kind — fails as if the system returned ENOSPC (how = enospc, the default) or EIO (how = eio),
-// or the process dies there without any cleanup (how = kill, exit 137). The points are: each
+// ZERO3D_IO_FAULT=<op>:<n>[:<how>[:<rank>]] (tests only): the n-th I/O point (1-based, counted
+// in this process over all its saves) of kind <op> — write | fsync | rename | close, or `any`
+// for every kind — fails as if the system returned ENOSPC (how = enospc, the default) or EIO
+// (how = eio), or the process dies there without any cleanup (how = kill, exit 137); on every
+// rank, or only on MPI_COMM_WORLD rank <rank>. The points are: each
 // dataset write of a shard, each small-file write (marker, manifest, latest), each fsync (files
 // and directories), each rename, and each file close. index.h5 is built in memory and written
 // as a small file. The checkpoint fault suite walks n over every point of a save.
 struct IoFault {
   std::string op, how;
   long long n = 0, seen = 0;
+  int rank = -1;  // -1: every rank
 };
 
 IoFault& io_fault() {
@@ -155,11 +157,13 @@ IoFault& io_fault() {
     if (!spec) return r;
     char op[16] = {0}, how[16] = {0};
     long long n = 0;
-    const int got = std::sscanf(spec, "%15[a-z]:%lld:%15[a-z]", op, &n, how);
+    int rank = -1;
+    const int got = std::sscanf(spec, "%15[a-z]:%lld:%15[a-z]:%d", op, &n, how, &rank);
     if (got >= 2 && n > 0) {
       r.op = op;
       r.n = n;
-      r.how = got == 3 ? how : "enospc";
+      r.how = got >= 3 ? how : "enospc";
+      r.rank = got == 4 ? rank : -1;
     }
     return r;
   }();
@@ -169,7 +173,13 @@ IoFault& io_fault() {
 // 0, or the errno this I/O point is to fail with.
 int io_point(const char* op) {
   IoFault& f = io_fault();
-  if (f.n <= 0 || (f.op != "any" && f.op != op) || ++f.seen != f.n) return 0;
+  if (f.n <= 0 || (f.op != "any" && f.op != op)) return 0;
+  if (f.rank >= 0) {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank != f.rank) return 0;
+  }
+  if (++f.seen != f.n) return 0;
   if (f.how == "kill") std::_Exit(137);
   return f.how == "eio" ? EIO : ENOSPC;
 }

@@ -209,6 +209,30 @@ TEST(CheckpointFaults, ReSavingAnExistingTagKilledAtEveryPointKeepsLatestLoadabl
   EXPECT_GE(walk_faults(base, args, "rename", "kill"), 4);
 }
 
+// Item 1 across ranks: one rank's failed or killed write fails the whole save; the failure is
+// agreed (exit 1, one message naming that rank's shard) and `latest` still loads.
+TEST(CheckpointFaults, OneRanksFailedShardFailsTheSaveOnEveryRank) {
+  const std::string base = fresh("ckfault_np2");
+  ASSERT_EQ(train(base, "", 2).code, 0);
+  for (const char* fault : {"close:1:eio:1", "fsync:1:enospc:1", "write:2:kill:1"}) {
+    SCOPED_TRACE(fault);
+    const std::string work = fresh("ckfault_np2_walk"), ck = work + "/checkpoints";
+    sh("cp -a " + base + " " + work);
+    const std::string args = "--set training.steps=3 --set training.resume=latest";
+    const Result r = train(work, args, 2, std::string("ZERO3D_IO_FAULT=") + fault);
+    EXPECT_NE(r.code, 0);
+    if (std::string(fault).find("kill") == std::string::npos) {
+      EXPECT_EQ(r.code, 1) << r.err;
+      EXPECT_EQ(count(r.err, "rank_00001.h5"), 1u) << r.err;
+      EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+    }
+    EXPECT_EQ(trim(slurp(ck + "/latest")), "global_step2");
+    const Result next = train(work, args, 2);
+    EXPECT_EQ(next.code, 0) << next.err;
+    EXPECT_EQ(trim(slurp(ck + "/latest")), "global_step3");
+  }
+}
+
 // Items 1 and 6 with a real full disk: the disk fills while writing a shard or index.h5 of the
 // first or the second save (tmpfs sizes around one and two saves of the model at np 2;
 // HDF5 1.10 crashed in MPI_Finalize when its final flush of a file failed). Needs root to
