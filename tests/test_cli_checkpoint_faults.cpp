@@ -399,3 +399,21 @@ TEST(CheckpointFormat, Version1CheckpointStillResumesAndInspects) {
   sh("cp " + reference().other_ck + "/global_step2/rank_00001.h5 " + tag + "/");
   EXPECT_EQ(run("inspect " + tag).code, 2);
 }
+
+// Segments: an interleaved pipeline gives each rank two chunks of the model, so each shard holds
+// two global ranges; inspect finds index.h5's virtual datasets equal to the shards.
+TEST(CheckpointFormat, InterleavedPipelineShardsHoldSeveralSegmentsAndInspect) {
+  const std::string out = fresh("ckc_segments");
+  const Result r = train(out, "--set pipeline.stages=2 --set pipeline.schedule=interleaved --set pipeline.virtual_stages=2 "
+                              "--set train_micro_batch_size_per_gpu=2", 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string tag = out + "/checkpoints/global_step2";
+  hid_t f = H5Fopen((tag + "/rank_00000.h5").c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  std::string text;
+  EXPECT_TRUE(zero3d::h5::read_attribute(f, "segments", text));
+  H5Fclose(f);
+  EXPECT_EQ(json::parse(text).size(), 2u) << text;
+  const Result i = run("inspect " + tag);
+  EXPECT_EQ(i.code, 0) << i.err;
+}
