@@ -5,13 +5,18 @@
 // rank failed, and all of them throw AgreedFailure with the same exit code; only the lowest
 // failing rank reports its message. Failures that are not agreed (inside training) are
 // reported by the failing rank, which aborts the job (main.cpp).
+//
+// A rank that dies without a word (SIGKILL, the OOM killer, a segfault) is named by its
+// supervisor; see supervise_rank() below for why the survivors cannot do it under MPICH.
 #pragma once
 
 #include <mpi.h>
 
+#include <cstdint>
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace zero3d {
 
@@ -43,5 +48,72 @@ void run_collectively(MPI_Comm comm, Step&& step) {
   }
   agree_on_failure(comm, error);
 }
+
+// ---- ranks that die ----------------------------------------------------------------------
+//
+// What MPICH's hydra launcher (Debian mpich 4.0, ch4:ucx) does when a rank dies — measured
+// with strace on hydra_pmi_proxy while `kill -9` hit one rank of a 2-rank job:
+//   1. the proxy reaps the dead rank (wait4: WTERMSIG 9) and within 1 ms sends SIGKILL to the
+//      process group of every other rank of the job ("forced cleanup");
+//   2. mpiexec exits with the dead rank's signal, 9 ("YOUR APPLICATION TERMINATED WITH THE
+//      EXIT STRING: Killed (signal 9)"). A process the cleanup kills counts too whenever the
+//      proxy reaps it while still reading its output (a race): even a clean exit 1 of some
+//      rank gives mpiexec exit 9 about half of the time. Only a PMI abort (what MPI_Abort
+//      sends: "cmd=abort exitcode=N") makes mpiexec exit N whatever the statuses.
+// So a survivor cannot notice the death and print anything (no heartbeat, no kill(pid, 0)
+// watchdog, no MPI error handler gets the time), and nothing a survivor does can change the
+// exit code. The only process that reliably outlives a killed rank is one the launcher does
+// not count as that rank: its parent.
+//
+// supervise_rank() therefore runs first in main(), before MPI_Init: under an MPI launcher with
+// more than one rank (PMI_SIZE > 1) it forks. The child (the "worker") returns and is zero3d;
+// the launched process stays behind as a supervisor that only waits for the worker:
+//   - worker exits with code c      -> supervisor exits c (the launcher sees what it saw before);
+//   - worker killed by signal s that the supervisor did not itself receive (kill -9 of the
+//     worker, the OOM killer, SIGSEGV) -> supervisor prints
+//       zero3d: rank 1 (pid 4242, host node7) ended without a message (killed by signal 9,
+//       Killed) during step 3, in all_reduce #57
+//     then aborts the job over the PMI connection it shares with the worker (PMI_FD) and
+//     exits 1; the launcher cleans up the survivors as in 1., and mpiexec exits 1;
+//   - SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 sent to the supervisor are forwarded to the
+//     worker; if the worker dies of such a signal, the supervisor dies of it too, silently.
+// The worker dies with its supervisor (PR_SET_PDEATHSIG), and both are in the process group the
+// launcher signals. The phase in the message comes from a page shared by the two (mmap before
+// fork): note_phase(), note_step() and the communication operation marked by Watchdog::Scope.
+// Without a supervisor the same calls write to a process-local record.
+// Before forking it sets UCX_HANDLE_ERRORS=none (unless set) and re-execs itself, so that a
+// survivor UCX kills for reading a dead peer's memory prints one line, not a backtrace.
+// ZERO3D_SUPERVISE=0 turns all of this off.
+//
+// A stopped rank (SIGSTOP, a debugger) does not die: the watchdog (training.comms_timeout) of
+// a rank that waits for it ends the job, naming stopped or vanished ranks on its own host from
+// the pid/host table exchanged at start-up (exchange_rank_identities).
+void supervise_rank(char** argv);  // argv: main's, for a re-exec that sets UCX_HANDLE_ERRORS
+
+// What the worker is doing, for the supervisor's message (texts are copied, up to 47 bytes).
+// Cheap enough for every step and every communication (a few relaxed atomic stores).
+void note_phase(const char* phase);    // "start-up" until set; then "set-up" (agreement.cpp), "training" (main.cpp)
+void note_step(int64_t step);          // the training step in progress (1-based)
+void note_comm_begin(const char* op);  // a blocking communication starts (Watchdog::Scope)
+void note_comm_end();
+
+// Every rank's pid and host, gathered once at start-up (collective over `world`).
+struct RankIdentity {
+  int pid = 0;
+  std::string host;
+};
+void exchange_rank_identities(MPI_Comm world);
+const std::vector<RankIdentity>& rank_identities();  // empty before the exchange
+std::string describe_rank(int rank);                 // "rank 1 (pid 4242, host node7)"
+
+// Ranks on this host that are stopped (state T/t) or have vanished, as "rank 1 (pid 4242,
+// host node7) is stopped" phrases joined by "; " — empty if none is known to be.
+std::string local_peer_trouble(int self);
+
+// MPI errors (a peer's connection lost) become one zero3d line and exit 1 instead of MPI's
+// abort with a backtrace: an error handler on `comm` (communicators split or duplicated from
+// it inherit it). The handler first waits a moment so that a dead rank's supervisor, whose
+// message names that rank, speaks first and the launcher ends this rank quietly.
+void install_mpi_error_handler(MPI_Comm comm);
 
 }  // namespace zero3d

@@ -5,8 +5,10 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "base.hpp"
+#include "failure.hpp"
 
 namespace zero3d {
 
@@ -32,6 +34,7 @@ Watchdog::~Watchdog() {
 }
 
 Watchdog::Scope::Scope(Watchdog* w, const char* op) : w_(w && w->enabled() ? w : nullptr) {
+  note_comm_begin(op);  // for the supervisor's message if this rank is killed (failure.hpp)
   if (!w_) return;
   w_->started_ns_.store(now_ns());
   w_->seq_.fetch_add(1);
@@ -39,6 +42,7 @@ Watchdog::Scope::Scope(Watchdog* w, const char* op) : w_(w && w->enabled() ? w :
 }
 
 Watchdog::Scope::~Scope() {
+  note_comm_end();
   if (w_) w_->op_.store(nullptr);
 }
 
@@ -50,10 +54,11 @@ void Watchdog::run() {
     if (!op) continue;
     const double waited = static_cast<double>(now_ns() - started_ns_.load()) / 1e9;
     if (waited < timeout_s_) continue;
-    std::fprintf(stderr,
-                 "zero3d: rank %d waits in %s #%lld for %.1f s (training.comms_timeout %.1f s): a peer rank is stuck "
-                 "or dead; aborting the job\n",
-                 rank_, op, static_cast<long long>(seq_.load()), waited, timeout_s_);
+    // Which peer? Only ranks on this host can be looked at (stopped or vanished processes).
+    const std::string trouble = local_peer_trouble(rank_);
+    std::fprintf(stderr, "zero3d: rank %d waits in %s #%lld for %.1f s (training.comms_timeout %.1f s): %s; aborting the job\n",
+                 rank_, op, static_cast<long long>(seq_.load()), waited, timeout_s_,
+                 trouble.empty() ? "a peer rank is stuck or dead" : trouble.c_str());
     std::fflush(stderr);
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let the launcher forward it
     int level = MPI_THREAD_SINGLE;

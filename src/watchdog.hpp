@@ -2,7 +2,9 @@
 // communication operation has waited longer than `training.comms_timeout` seconds.
 //
 // Communicators mark each blocking operation with a Watchdog::Scope; the message says which
-// rank waits in which operation ("rank 1 waits in all_reduce #42 for 30.0 s").
+// rank waits in which operation ("rank 1 waits in all_reduce #42 for 30.0 s"), and which peers
+// on the same host are stopped or gone (failure.hpp: local_peer_trouble). Each Scope also
+// records the operation for a supervisor's message should this rank be killed (failure.hpp).
 #pragma once
 
 #include <atomic>
@@ -15,7 +17,7 @@ namespace zero3d {
 
 class Watchdog {
  public:
-  // timeout_s <= 0: disabled (Scope costs two atomic stores).
+  // timeout_s <= 0: disabled (Scope costs a few relaxed atomic stores).
   Watchdog(double timeout_s, int world_rank);
   ~Watchdog();
   Watchdog(const Watchdog&) = delete;
