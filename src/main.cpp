@@ -20,6 +20,7 @@
 #include "config.hpp"
 #include "engine.hpp"
 #include "estimator.hpp"
+#include "agreement.hpp"
 #include "failure.hpp"
 #include "h5.hpp"
 #include "input_file.hpp"
@@ -102,10 +103,12 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
     if (cfg.training.save_dir.empty()) cfg.training.save_dir = out + "/checkpoints";
     cfg.resolved["training"]["save_dir"] = cfg.training.save_dir;
   });
+  agree_on_configuration(world, cfg);  // agreement.hpp: exit 2 naming the first key on which ranks differ
   // Pure data parallelism for now: every rank is one data-parallel replica.
   ProcessGroups groups(ProcessTopology::pipe_data_model(1, size, 1), world);
   Watchdog watchdog(cfg.training.comms_timeout, rank);
   Engine engine(cfg, groups, out, &watchdog);
+  note_phase("training");  // failure.hpp: for the message if this rank is killed
   engine.train();
   return kExitOk;
 }
@@ -378,12 +381,14 @@ std::string failure_text(const std::string& what) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  supervise_rank(argv);  // failure.hpp: names this rank if it is killed; before MPI_Init
   // The watchdog thread may call MPI_Abort while the main thread waits in a collective.
   int thread_level = MPI_THREAD_SINGLE;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &thread_level);
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
+  install_mpi_error_handler(MPI_COMM_WORLD);  // failure.hpp: an MPI error is one line, exit 1
   Kokkos::initialize(argc, argv);
   h5::quiet_errors();
 
