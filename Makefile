@@ -53,13 +53,18 @@ test: build
 #                      so undefined behaviour fails its test.
 #   exitcode=86        a sanitizer report is not mistaken for zero3d's own exit 1 or 2 (the CLI
 #                      tests check exit codes through mpiexec).
+# (The same defaults are linked into the binaries: src/sanitize/defaults.cpp.) TEST_TMPDIR
+# gives the tests their own scratch directory, so that a `make test` running at the same time
+# does not overwrite their files under /tmp.
 SANITIZE_DIR ?= build-sanitize
 SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=0:exitcode=86 \
-                UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:exitcode=86
+                UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:exitcode=86 \
+                TEST_TMPDIR=$(CURDIR)/$(SANITIZE_DIR)/tmp/
 
 sanitize: deps
 	cmake -S . -B $(SANITIZE_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DZERO3D_SANITIZE=ON -DZERO3D_BUILD_BENCHMARKS=OFF
 	cmake --build $(SANITIZE_DIR) -j $(JOBS)
+	mkdir -p $(SANITIZE_DIR)/tmp
 	cd $(SANITIZE_DIR) && $(SANITIZE_ENV) ctest --output-on-failure -j 1
 
 bench: build

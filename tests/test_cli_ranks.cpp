@@ -27,7 +27,7 @@ using Clock = std::chrono::steady_clock;
 
 // `mpiexec -np 1 zero3d ARGS_A : -np 1 zero3d ARGS_B` (one config per rank).
 Result run_mpmd(const std::string& args_a, const std::string& args_b) {
-  const std::string out = temp_path("stdout.txt"), err = temp_path("stderr.txt");
+  const std::string out = temp_path("ranks_mpmd_stdout.txt"), err = temp_path("ranks_mpmd_stderr.txt");
   const std::string cmd = "timeout 120 " + kMpiexec + " -np 1 " + kExe + " " + args_a + " : -np 1 " + kExe + " " + args_b;
   const int status = std::system((cmd + " >" + out + " 2>" + err).c_str());
   return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
