@@ -42,7 +42,7 @@ struct ConfigArgs {
 // Loads the JSON (file or built-in quick-start) and applies --set overrides in order.
 nlohmann::json load_with_overrides(const ConfigArgs& a, std::string& name) {
   nlohmann::json root = a.path.empty() ? quickstart_json() : load_json_file(a.path);
-  name = a.path.empty() ? "<built-in quickstart>" : a.path;
+  name = a.path.empty() ? "<built-in quickstart>" : echo(a.path, 200);  // names the file in every message
   for (const auto& o : a.overrides) apply_override(root, o);
   return root;
 }

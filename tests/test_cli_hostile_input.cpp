@@ -152,6 +152,15 @@ TEST(HostileInput, HugeOrControlKeyIsEchoedCappedAndEscaped) {
   EXPECT_NE(r.err.find("\\x1b[31mred\\x07"), std::string::npos) << r.err;
 }
 
+TEST(HostileInput, ConfigPathWithControlBytesIsEchoedEscaped) {
+  json j = tiny_config();
+  j["gradient_clipin"] = 1.0;
+  write_config("hostile_\x01\x1b[2Jname.json", j);
+  Result r = run("validate '" + temp_path("hostile_\x01\x1b[2Jname.json") + "'");
+  expect_one_short_message(r, "control bytes in the config path");
+  EXPECT_NE(r.err.find("hostile_\\x01\\x1b[2Jname.json"), std::string::npos) << r.err;
+}
+
 // --- item 15: memory check at start-up; allocation failures said as such -----------------------
 
 TEST(HostileInput, PlanBeyondAvailableMemoryExitsTwoNamingTheShortfallAndKeys) {
