@@ -389,6 +389,43 @@ PipelineConfig read_pipeline(Section& top) {
   return p;
 }
 
+// The `tensor_parallel` section: DeepSpeed's AutoTP keys (FACTS-2 §1.11) with Megatron's GPT-2
+// split (column-parallel c_attn/c_fc, row-parallel c_proj, vocab-parallel wte).
+TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
+  Section sec = top.child("tensor_parallel");
+  TensorParallelConfig t;
+  const int64_t size = sec.integer("autotp_size", 0, 0, 1 << 16);
+  t.size = size <= 1 ? 1 : static_cast<int>(size);
+  t.overlap_comm = sec.boolean("tp_overlap_comm", false);
+  t.sequence_parallel = sec.boolean("sequence_parallel", false);
+  if (t.sequence_parallel)
+    sec.fail_key("sequence_parallel", "Megatron sequence parallelism is not available in this build of zero3d; "
+                                      "set it to false (tensor parallelism itself is)");
+  {  // DeepSpeed's nested form: tensor_parallel.tp.tp_size must agree with autotp_size
+    Section tp = sec.child("tp");
+    const int64_t tp_size = tp.integer("tp_size", 1, 1, 1 << 16);
+    if (tp_size != 1 && tp_size != t.size)
+      tp.fail_key("tp_size", "value " + std::to_string(tp_size) + " differs from tensor_parallel.autotp_size (" +
+                                 std::to_string(t.size) + ")");
+    tp.accept_default_only("tp_grain_size", 1);
+    tp.finish();
+  }
+  sec.accept_default_only("preset_model", nullptr);
+  sec.accept_default_only("partition_config", nullptr);
+  sec.accept_default_only("keep_module_on_host", false);
+  sec.accept_default_only("replace_with_kernel_inject", false);
+  sec.finish();
+  if (t.size > 1) {
+    if (m.n_head % t.size != 0)
+      sec.fail_key("autotp_size", "autotp_size " + std::to_string(t.size) + " does not divide model.n_head (" +
+                                      std::to_string(m.n_head) + "): each rank must hold whole heads");
+    if (m.n_embd % t.size != 0)
+      sec.fail_key("autotp_size", "autotp_size " + std::to_string(t.size) + " does not divide model.n_embd (" +
+                                      std::to_string(m.n_embd) + ")");
+  }
+  return t;
+}
+
 void read_zero(Section& top, Config& c) {
   if (top.has("zero_optimization") && top.raw("zero_optimization")->is_boolean()) {
     c.zero.stage = top.raw("zero_optimization")->get<bool>() ? 1 : 0;  // deprecated bool form: true = stage 1
@@ -473,7 +510,7 @@ void read_unsupported_top_level(Section& top) {
 
 const std::vector<std::string> kDeepSpeedOnlyTopLevel = {
     "seq_parallel_communication_data_type", "activation_checkpointing",
-    "checkpoint", "tensor_parallel", "aio", "compression_training", "quantize_training",
+    "checkpoint", "aio", "compression_training", "quantize_training",
     "zenflow", "moe", "train_data", "data_sampling"};
 
 }  // namespace
@@ -600,16 +637,21 @@ Config read_config_unguarded(const json& root, const std::string& file, int64_t 
   c.data = read_data(top, c.model);
   c.training = read_training(top);
   c.pipeline = read_pipeline(top);
-  if (world_size % c.pipeline.stages != 0)
-    top.fail("pipeline.stages", "pipeline.stages (" + std::to_string(c.pipeline.stages) +
-                                    ") does not divide the number of ranks (" + std::to_string(world_size) + ")");
+  c.tensor = read_tensor_parallel(top, c.model);
+  const int64_t model_ranks = static_cast<int64_t>(c.pipeline.stages) * c.tensor.size;
+  if (world_size % model_ranks != 0)
+    top.fail(c.tensor.size > 1 ? "tensor_parallel.autotp_size" : "pipeline.stages",
+             (c.tensor.size > 1 ? "pipeline.stages (" + std::to_string(c.pipeline.stages) + ") x tensor_parallel.autotp_size (" +
+                                      std::to_string(c.tensor.size) + ") = " + std::to_string(model_ranks)
+                                : "pipeline.stages (" + std::to_string(c.pipeline.stages) + ")") +
+                 " does not divide the number of ranks (" + std::to_string(world_size) + ")");
   try {
     c.pipe_bounds = partition_pipe_layers(
         gpt_pipe_layers(c.model.vocab_size, c.model.n_positions, c.model.n_layer, c.model.n_embd), c.pipeline);
   } catch (const std::invalid_argument& e) {
     throw InputError(file + ": " + e.what());
   }
-  c.batch = derive_batch(top, world_size / c.pipeline.stages);
+  c.batch = derive_batch(top, world_size / model_ranks);
   {
     pipe::ScheduleSpec spec{c.pipeline.schedule, c.pipeline.stages,
                             static_cast<int>(std::min<int64_t>(c.batch.gradient_accumulation_steps, kMaxInt)),

@@ -117,6 +117,13 @@ struct PrecisionConfig {
   bool check_grad_overflow = true;
 };
 
+// tensor_parallel (DeepSpeed's AutoTP keys, DEEPSPEED-FACTS-2 §1.11; Megatron's layer splits).
+struct TensorParallelConfig {
+  int size = 1;                    // autotp_size; 0 and 1 mean off
+  bool overlap_comm = false;       // tp_overlap_comm: the input-gradient all-reduce runs under the weight product
+  bool sequence_parallel = false;  // zero3d's key (Megatron sequence parallelism)
+};
+
 // The batch triad after derivation: train_batch_size == micro_batch * gas * world_size.
 struct BatchConfig {
   int64_t train_batch_size = 0;
@@ -140,6 +147,7 @@ struct Config {
   ZeroConfig zero;
   PrecisionConfig precision;
   PipelineConfig pipeline;
+  TensorParallelConfig tensor;
   std::vector<int> pipe_bounds;  // p·v + 1 boundaries into gpt_pipe_layers() (pipe_plan.hpp)
   bool zero_allow_untested_optimizer = false;
   nlohmann::json resolved;  // every key with its value after defaults and derivation
@@ -155,7 +163,7 @@ nlohmann::json load_json_file(const std::string& path);
 void apply_override(nlohmann::json& root, const std::string& assignment);
 
 // Validates and resolves a whole config for a job of `world_size` ranks (pipeline stages ×
-// data-parallel ranks; the batch triad is derived over the data-parallel size).
+// data-parallel ranks × tensor ranks; the batch triad is derived over the data-parallel size).
 // Throws InputError with one message naming the file, key and value.
 Config read_config(const nlohmann::json& root, const std::string& file, int64_t world_size);
 

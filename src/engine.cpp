@@ -59,6 +59,8 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
     : cfg_(cfg), groups_(groups), output_dir_(std::move(output_dir)) {
   dp_comm_ = std::make_unique<MpiCommunicator>(groups.data_parallel(), watchdog);
   pipe_comm_ = std::make_unique<MpiCommunicator>(groups.axis("pipe"), watchdog);
+  tp_comm_ = std::make_unique<MpiCommunicator>(groups.axis("model"), watchdog);
+  world_comm_ = std::make_unique<MpiCommunicator>(groups.world(), watchdog);
   mp_comm_ = std::make_unique<MpiCommunicator>(groups.axis("model_parallel"), watchdog);
   if (groups.axis("embedding") != MPI_COMM_NULL)
     emb_comm_ = std::make_unique<MpiCommunicator>(groups.axis("embedding"), watchdog);
@@ -73,7 +75,7 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_gemm_peak_gflops(model_->compute_type());
   peak_gflops_total_ = peak;
   dp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
-  pipe_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
+  mp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
   node_summary_ = node_summary(groups.world(), &local_rank_);
   print_startup();
 }
@@ -82,13 +84,16 @@ void Engine::setup_local() {
   const int64_t B = cfg_.batch.micro_batch, T = cfg_.model.n_positions;
   const PrecisionConfig& pc = cfg_.precision;
   const GPTShape shape = shape_of(cfg_.model);
-  model_ = std::make_unique<GPT>(shape, B, T, pc.param, gpt_model_part(shape, cfg_.pipe_bounds, stages_, stage_));
+  const int t = tp_comm_->size(), tp_rank = tp_comm_->rank();
+  model_ = std::make_unique<GPT>(shape, B, T, pc.param, gpt_model_part(shape, cfg_.pipe_bounds, stages_, stage_, t, tp_rank),
+                                 TensorGroup{tp_comm_.get(), t, tp_rank, cfg_.tensor.overlap_comm});
   // Every stage partitions the same element count (the largest stage's), so the tied wte at
   // local offset 0 of the first and last stage is cut identically over the data group.
   int64_t partition_numel = model_->num_params();
   for (int s = 0; s < stages_ && stages_ > 1; ++s)
-    partition_numel = std::max(partition_numel, gpt_model_part(shape, cfg_.pipe_bounds, stages_, s).layout.total());
-  if (stages_ > 1 && (stage_ == 0 || stage_ == stages_ - 1)) tied_numel_ = shape.vocab_size * shape.n_embd;
+    partition_numel =
+        std::max(partition_numel, gpt_model_part(shape, cfg_.pipe_bounds, stages_, s, t, tp_rank).layout.total());
+  if (stages_ > 1 && (stage_ == 0 || stage_ == stages_ - 1)) tied_numel_ = model_->part().vocab_local * shape.n_embd;
   zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, StateTypes{pc.param, pc.grad_accum, pc.comm},
                                           model_->layout(), model_->units(), *dp_comm_, partition_numel,
                                           /*ordered_backward=*/model_->num_chunks() == 1);
@@ -126,19 +131,38 @@ void Engine::setup_local() {
   ls.zero_path = cfg_.zero.stage > 0;  // stage 0 behaves as DeepSpeed's non-ZeRO FP16_Optimizer
   scaler_ = std::make_unique<LossScaler>(ls);
   check_overflow_ = pc.param == DType::F16 || (pc.param == DType::BF16 && pc.check_grad_overflow);
-  // Drawn from (seed, tensor name) over the local layout: every stage's tensors, the tied copy
-  // included, get the values the whole model would (rng.hpp), whatever the pipeline size.
-  if (cfg_.model.init_from.empty()) {
-    zero_->init_params([&](float* out, int64_t begin, int64_t end) {
-      init_gpt_params_range(out, model_->layout(), model_->shape(), cfg_.training.seed, begin, end);
-    });
-  } else {
-    std::vector<float> full(static_cast<size_t>(model_->num_params()));
-    load_weights(cfg_.model.init_from, model_->layout(), full.data());
-    zero_->init_params([&](float* out, int64_t begin, int64_t end) {
-      std::copy(full.begin() + begin, full.begin() + end, out);
-    });
+  // Every layout starts from the weights of the whole model: drawn from (seed, tensor name),
+  // or read from init_from, then cut to this rank's slices through the part's runs (Megatron's
+  // CPU initialisation: shards are exact slices of the t = 1 tensor). Vocabulary padding is 0.
+  const ModelPart& part = model_->part();
+  const ParamLayout global = gpt_layout(shape);
+  std::vector<float> full, tensor_values;
+  std::string tensor_name;
+  if (!cfg_.model.init_from.empty()) {
+    full.resize(static_cast<size_t>(global.total()));
+    load_weights(cfg_.model.init_from, global, full.data());
   }
+  const auto fill_global = [&](float* out, int64_t gb, int64_t ge) {
+    if (!full.empty()) return (void)std::copy(full.begin() + gb, full.begin() + ge, out);
+    if (t == 1) return init_gpt_params_range(out, global, shape, cfg_.training.seed, gb, ge);
+    // Tensor slices are many short runs: draw each whole tensor once and copy from it.
+    for (const TensorSpec& ts : global.tensors()) {
+      const int64_t lo = std::max(gb, ts.offset), hi = std::min(ge, ts.offset + ts.numel);
+      if (lo >= hi) continue;
+      if (tensor_name != ts.name) {
+        tensor_values.resize(static_cast<size_t>(ts.numel));
+        init_gpt_params_range(tensor_values.data(), global, shape, cfg_.training.seed, ts.offset, ts.offset + ts.numel);
+        tensor_name = ts.name;
+      }
+      std::copy(tensor_values.begin() + (lo - ts.offset), tensor_values.begin() + (hi - ts.offset), out + (lo - gb));
+    }
+  };
+  zero_->init_params([&](float* out, int64_t begin, int64_t end) {
+    if (t > 1) std::fill(out, out + (end - begin), 0.0f);
+    for (const LayoutSegment& run : part.global_runs(begin, end, /*saving=*/false))
+      fill_global(out + (run.local_begin - begin), run.global_begin,
+                  run.global_begin + (run.local_end - run.local_begin));
+  });
   data_ = std::make_unique<DataLoader>(cfg_.data, cfg_.model.vocab_size, B, T, cfg_.training.seed);
   schedule_ = std::make_unique<LRSchedule>(cfg_.scheduler, cfg_.optimizer.lr);
   if (groups_.rank() == 0 && !output_dir_.empty()) {
@@ -152,7 +176,8 @@ void Engine::setup_local() {
 }
 
 // Fault injection for the failure tests: ZERO3D_FAULT="KIND:RANK[:STEP]" with KIND one of
-// input (bad input at setup), throw (a system error at STEP), stall (hang at STEP).
+// input (bad input at setup), throw (a system error at STEP), stall (hang at STEP), replica
+// (perturb one tensor-replicated parameter before STEP).
 void Engine::inject_fault(int64_t step) const {
   const char* spec = std::getenv("ZERO3D_FAULT");
   if (!spec) return;
@@ -164,6 +189,15 @@ void Engine::inject_fault(int64_t step) const {
   if (k == "input") throw InputError("injected bad input (ZERO3D_FAULT=" + std::string(spec) + ")");
   if (k == "throw") throw SystemError("injected failure at step " + std::to_string(step));
   if (k == "stall") std::this_thread::sleep_for(std::chrono::hours(1));
+  if (k == "replica") {  // nudge this rank's copy of the first tensor-replicated parameter it holds
+    const auto [b, e] = zero_->checkpoint_range();
+    float* params = const_cast<float*>(zero_->checkpoint_arrays().front().second);
+    for (const auto& [lo, hi] : model_->part().replicated_ranges())
+      if (std::max(lo, b) < std::min(hi, e)) {
+        params[std::max(lo, b) - b] += 1e-3f;
+        break;
+      }
+  }
 }
 
 // Re-partitions on load: each rank reads its own range of the flat buffers, whatever the
@@ -184,7 +218,7 @@ void Engine::resume_from_checkpoint() {
     const ModelPart& part = model_->part();
     zero_->read_checkpoint(
         [&](const std::string& state, int64_t b, int64_t e, float* out) {
-          for (const LayoutSegment& run : part.global_runs(b, e, /*with_tied=*/true))
+          for (const LayoutSegment& run : part.global_runs(b, e, /*saving=*/false))
             reader->read_range(state, run.global_begin, run.global_begin + (run.local_end - run.local_begin),
                                out + (run.local_begin - b));
         },
@@ -249,7 +283,7 @@ void Engine::save(bool final_step) {
   const auto [b, e] = zero_->checkpoint_range();
   const auto arrays = zero_->checkpoint_arrays();
   ShardSlice slice;
-  for (const LayoutSegment& run : model_->part().global_runs(b, e, /*with_tied=*/false)) {
+  for (const LayoutSegment& run : model_->part().global_runs(b, e, /*saving=*/true)) {
     ShardSegment seg;
     seg.begin = run.global_begin;
     seg.end = run.global_begin + (run.local_end - run.local_begin);
@@ -455,9 +489,39 @@ void Engine::finalize_grads() {
     // The tied wte (DeepSpeed ReduceTiedGrads, FACTS-2 §2.5): both copies hold the summed gradient.
     if (tied_numel_ > 0 && emb_comm_) zero_->sum_grad_range(0, tied_numel_, *emb_comm_);
   }
-  // The norm counts the tied copy once: on the first stage, not on the last.
-  const bool replica = tied_numel_ > 0 && stage_ == stages_ - 1;
-  stats_ = zero_->grad_stats(stages_ > 1 ? pipe_comm_.get() : nullptr, 0, replica ? tied_numel_ : 0);
+  // The norm counts every parameter once (Megatron _filter_grads_for_norm): the tied copy on the
+  // first stage only, tensor-replicated ones (LayerNorms, row-parallel biases, wpe) on tensor rank 0.
+  std::vector<std::pair<int64_t, int64_t>> skip;
+  if (tied_numel_ > 0 && stage_ == stages_ - 1) skip.emplace_back(0, tied_numel_);
+  if (tp_comm_->rank() > 0)
+    for (const auto& r : model_->part().replicated_ranges()) skip.push_back(r);
+  std::sort(skip.begin(), skip.end());
+  stats_ = zero_->grad_stats(mp_comm_->size() > 1 ? mp_comm_.get() : nullptr, skip);
+}
+
+// Tensor-replicated parameters (LayerNorms, row-parallel biases, wpe, ln_f) see identical
+// inputs and gradients on every tensor rank, so they must stay bit-identical: each step the
+// ranks compare a digest (FNV-1a over the bytes) of their copies and stop on any difference.
+void Engine::check_tensor_replicas() {
+  if (tp_comm_->size() == 1) return;
+  const auto [b, e] = zero_->checkpoint_range();
+  const float* params = zero_->checkpoint_arrays().front().second;  // "params": element b
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& [lo, hi] : model_->part().replicated_ranges()) {
+    const int64_t a = std::max(lo, b), z = std::min(hi, e);
+    const auto* bytes = reinterpret_cast<const unsigned char*>(params + (a - b));
+    for (int64_t i = 0; a < z && i < (z - a) * 4; ++i) h = (h ^ bytes[i]) * 1099511628211ull;
+  }
+  int64_t lo = static_cast<int64_t>(h >> 1), hi = lo;
+  tp_comm_->all_reduce(&lo, 1, DType::I64, ReduceOp::Min);
+  tp_comm_->all_reduce(&hi, 1, DType::I64, ReduceOp::Max);
+  int64_t diverged = lo != hi ? 1 : 0;  // agreed by every rank, reported once
+  world_comm_->all_reduce(&diverged, 1, DType::I64, ReduceOp::Max);
+  if (diverged)
+    throw AgreedFailure("tensor-parallel replicas diverged at step " + std::to_string(step_ + 1) +
+                            ": the replicated parameters (LayerNorms, row-parallel biases, wpe) differ between tensor "
+                            "ranks",
+                        kExitSystem, 0, groups_.rank() == 0);
 }
 
 void Engine::optimizer_step(StepResult& r) {
@@ -497,6 +561,7 @@ StepResult Engine::train_step() {
 
   dp_comm_->reset_bus_bytes();
   pipe_comm_->reset_bus_bytes();
+  tp_comm_->reset_bus_bytes();
   if (emb_comm_) emb_comm_->reset_bus_bytes();
   zero_->zero_grad();
   finalized_ = false;
@@ -513,13 +578,16 @@ StepResult Engine::train_step() {
   for (int b = 0; b < schedule_steps_.num_buffers; ++b) wait_sends(b);
   double span_ms = std::chrono::duration<double, std::milli>(compute_end_ - step_start_).count();
   if (stages_ > 1) pipe_comm_->all_reduce(&span_ms, 1, DType::F64, ReduceOp::Max);
-  r.comm_bytes = dp_comm_->bus_bytes() + pipe_comm_->bus_bytes() + (emb_comm_ ? emb_comm_->bus_bytes() : 0);
+  r.comm_by_axis = {dp_comm_->bus_bytes() + (emb_comm_ ? emb_comm_->bus_bytes() : 0), tp_comm_->bus_bytes(),
+                    pipe_comm_->bus_bytes()};
+  r.comm_bytes = r.comm_by_axis[0] + r.comm_by_axis[1] + r.comm_by_axis[2];
   // The loss lives on the last stage: averaged over micro-batches and the data group
   // (DeepSpeed _aggregate_total_loss), then broadcast over the pipe group to rank 0.
   double mean_loss = local_loss / static_cast<double>(gas);
   dp_comm_->all_reduce(&mean_loss, 1, DType::F64, ReduceOp::Sum);
   if (stages_ > 1) pipe_comm_->broadcast(&mean_loss, 1, DType::F64, stages_ - 1);
   r.loss = mean_loss / world_;
+  check_tensor_replicas();
   r.idle_fraction = span_ms > 0 ? std::max(0.0, 1.0 - busy_ms_ / span_ms) : 0.0;
   r.stage_idle.assign(static_cast<size_t>(stages_), 0.0);
   if (stages_ > 1) pipe_comm_->all_gather(&r.idle_fraction, r.stage_idle.data(), 1, DType::F64);
@@ -553,6 +621,8 @@ std::vector<StepResult> Engine::train() {
                             {"elapsed_ms", r.elapsed_ms},
                             {"samples", r.step * cfg_.batch.train_batch_size},
                             {"comm_bytes", r.comm_bytes},
+                            {"comm_bytes_by_axis",
+                             {{"data", r.comm_by_axis[0]}, {"tensor", r.comm_by_axis[1]}, {"pipe", r.comm_by_axis[2]}}},
                             {"peak_rss_bytes", peak_rss_bytes()},
                             {"loss_scale", r.loss_scale},
                             {"skipped", r.skipped},

@@ -5,6 +5,7 @@
 
 #include <mpi.h>
 
+#include <array>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -37,6 +38,7 @@ struct StepResult {
   double tokens_per_s = 0.0;
   double mfu = 0.0;
   int64_t comm_bytes = 0;  // bus bytes this rank moved in the step
+  std::array<int64_t, 3> comm_by_axis{};  // of them: data (with the tied embedding group), tensor, pipe
   // 1 − (this stage's forward and backward time) ÷ (the longest stage's span from the step's
   // start to its last pass): the pipeline bubble as the schedule formulas count it.
   double idle_fraction = 0.0;
@@ -68,13 +70,14 @@ class Engine {
   // the whole model.
   void finalize_grads();
   void optimizer_step(StepResult& r);
+  void check_tensor_replicas();
   void wait_sends(int buffer);
   int peer_stage(int chunk, int delta) const;  // pipe rank of the virtual stage chunk·p + stage + delta
   int tag(int chunk, int delta, int kind) const;
 
   Config cfg_;
   const ProcessGroups& groups_;
-  std::unique_ptr<MpiCommunicator> dp_comm_, pipe_comm_, mp_comm_, emb_comm_;
+  std::unique_ptr<MpiCommunicator> dp_comm_, pipe_comm_, tp_comm_, mp_comm_, emb_comm_, world_comm_;
   std::unique_ptr<ZeroOptimizer> zero_;
   int rank_ = 0, world_ = 1;  // in the data-parallel group
   int stage_ = 0, stages_ = 1;  // pipeline

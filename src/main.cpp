@@ -104,8 +104,9 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
     cfg.resolved["training"]["save_dir"] = cfg.training.save_dir;
   });
   agree_on_configuration(world, cfg);  // agreement.hpp: exit 2 naming the first key on which ranks differ
-  // Pure data parallelism for now: every rank is one data-parallel replica.
-  ProcessGroups groups(ProcessTopology::pipe_data_model(1, size, 1), world);
+  // DeepSpeed's PipeModelDataParallelTopology: ranks are placed exactly as `zero3d topology` prints.
+  const int pp = cfg.pipeline.stages, tp = cfg.tensor.size;
+  ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world);
   Watchdog watchdog(cfg.training.comms_timeout, rank);
   Engine engine(cfg, groups, out, &watchdog);
   note_phase("training");  // failure.hpp: for the message if this rank is killed

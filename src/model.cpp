@@ -10,6 +10,8 @@
 #include "gelu.hpp"
 #include "layernorm.hpp"
 #include "matmul.hpp"
+#include "vocab_parallel.hpp"
+#include "comm.hpp"
 #include "rng.hpp"
 
 namespace zero3d {
@@ -56,43 +58,92 @@ std::vector<ParamUnit> gpt_units(const ParamLayout& layout, int64_t n_layer) {
   return units;
 }
 
-std::vector<LayoutSegment> ModelPart::global_runs(int64_t begin, int64_t end, bool with_tied) const {
-  std::vector<LayoutSegment> all = segments;
-  if (with_tied && tied_unit >= 0)  // wte sits at global offset 0
-    all.push_back({units[tied_unit].offset, units[tied_unit].offset + units[tied_unit].numel, 0});
-  std::sort(all.begin(), all.end(), [](const LayoutSegment& a, const LayoutSegment& b) { return a.local_begin < b.local_begin; });
-  std::vector<LayoutSegment> runs;
-  for (const LayoutSegment& s : all) {
-    const int64_t lo = std::max(begin, s.local_begin), hi = std::min(end, s.local_end);
-    if (lo < hi) runs.push_back({lo, hi, s.global_begin + (lo - s.local_begin)});
+std::vector<LayoutSegment> ModelPart::global_runs(int64_t begin, int64_t end, bool saving) const {
+  std::vector<LayoutSegment> out;
+  auto it = std::lower_bound(runs.begin(), runs.end(), begin,
+                             [](const LayoutSegment& r, int64_t x) { return r.local_end <= x; });
+  for (; it != runs.end() && it->local_begin < end; ++it) {
+    if (saving && !it->saved) continue;
+    const int64_t lo = std::max(begin, it->local_begin), hi = std::min(end, it->local_end);
+    if (lo < hi) out.push_back({lo, hi, it->global_begin + (lo - it->local_begin), it->saved});
   }
-  return runs;
+  return out;
 }
 
-ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int stages, int stage) {
-  const int64_t C = s.n_embd;
+std::vector<std::pair<int64_t, int64_t>> ModelPart::replicated_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (tp_size == 1) return out;
+  for (size_t k = 0; k < splits.size(); ++k)
+    if (splits[k].replicated()) {
+      const TensorSpec& t = layout.tensors()[k];
+      if (!out.empty() && out.back().second == t.offset) out.back().second += t.numel;
+      else out.emplace_back(t.offset, t.offset + t.numel);
+    }
+  return out;
+}
+
+ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int stages, int stage, int tp_size,
+                         int tp_rank) {
+  const int64_t t = tp_size;
   const ParamLayout global = gpt_layout(s);
   const int parts = static_cast<int>(bounds.size()) - 1;
   const int layers = static_cast<int>(s.n_layer) + 2;  // embedding, blocks, final
   ModelPart part;
+  part.tp_size = tp_size;
+  part.tp_rank = tp_rank;
+  // Megatron pads the vocabulary to a multiple of the tensor size; padded rows hold zeros,
+  // are never looked up, and their logits are masked, so they change no loss.
+  part.vocab_padded = (s.vocab_size + t - 1) / t * t;
+  part.vocab_local = part.vocab_padded / t;
+  part.vocab_begin = tp_rank * part.vocab_local;
+  part.vocab_real = std::max<int64_t>(0, std::min(part.vocab_local, s.vocab_size - part.vocab_begin));
   ParamLayout& layout = part.layout;
   auto add_unit = [&](UnitKind kind, int block, int64_t begin) {
     part.units.push_back({begin, layout.total() - begin, kind, block});
     return static_cast<int>(part.units.size()) - 1;
   };
-  auto add_global = [&](const std::string& name) {
+  // Adds `name` cut by `split` and the runs of its local elements in the global layout.
+  auto add = [&](const std::string& name, TensorSplit split, bool saved) {
     const TensorSpec* g = global.find(name);
+    std::vector<int64_t> shape = g->shape;
+    const bool vocab = name == "wte.weight";
+    if (vocab) shape[0] = part.vocab_padded;
+    const int64_t full = shape[split.dim];
+    shape[split.dim] = full / split.parts;
     const int64_t local = layout.total();
-    layout.add(name, g->shape);
-    if (!part.segments.empty() && part.segments.back().local_end == local &&
-        part.segments.back().global_begin + (local - part.segments.back().local_begin) == g->offset)
-      part.segments.back().local_end = local + g->numel;
-    else
-      part.segments.push_back({local, local + g->numel, g->offset});
+    layout.add(name, shape);
+    part.global_shapes.push_back(g->shape);
+    part.splits.push_back(split);
+    saved = saved && (!split.replicated() || tp_rank == 0);
+    auto run = [&](int64_t lb, int64_t n, int64_t gb) {
+      LayoutSegment& last = part.runs.empty() ? part.runs.emplace_back(LayoutSegment{lb, lb, gb, saved}) : part.runs.back();
+      if (last.local_end == lb && last.saved == saved && last.global_begin + (lb - last.local_begin) == gb)
+        last.local_end += n;
+      else
+        part.runs.push_back({lb, lb + n, gb, saved});
+    };
+    if (split.replicated()) {
+      run(local, g->numel, g->offset);
+    } else if (split.dim == 0) {  // whole rows: one run per stride chunk (vocab rows past V are padding)
+      const int64_t row = g->numel / g->shape[0], chunk = full / (split.stride * split.parts);
+      for (int j = 0; j < split.stride; ++j) {
+        const int64_t first = j * (full / split.stride) + split.index * chunk;
+        const int64_t rows = std::max<int64_t>(0, std::min(chunk, g->shape[0] - first));
+        if (rows > 0) run(local + j * chunk * row, rows * row, g->offset + first * row);
+      }
+    } else {  // columns of a [rows, cols] matrix: stride runs per row
+      const int64_t rows = g->shape[0], cols = g->shape[1], chunk = cols / (split.stride * split.parts);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int j = 0; j < split.stride; ++j)
+          run(local + i * (cols / split.parts) + j * chunk, chunk,
+              g->offset + i * cols + j * (cols / split.stride) + split.index * chunk);
+    }
   };
+  const TensorSplit replicated{}, rows{0, 1, tp_size, tp_rank}, cols{1, 1, tp_size, tp_rank},
+      qkv_cols{1, 3, tp_size, tp_rank}, qkv_bias{0, 3, tp_size, tp_rank};
   const bool holds_embedding = stage == 0, holds_final = stage == (parts - 1) % stages;
   if (holds_final && !holds_embedding) {  // the LM head's wte: DeepSpeed's TiedLayerSpec on the last stage
-    layout.add("wte.weight", {s.vocab_size, C});
+    add("wte.weight", rows, /*saved=*/false);
     part.tied_unit = add_unit(UnitKind::TiedHead, -1, 0);
   }
   for (int k = stage; k < parts; k += stages) {
@@ -100,19 +151,23 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
     for (int layer = bounds[k]; layer < bounds[k + 1]; ++layer) {
       const int64_t begin = layout.total();
       if (layer == 0) {
-        add_global("wte.weight");
-        add_global("wpe.weight");
+        add("wte.weight", rows, true);  // vocab-parallel (Megatron VocabParallelEmbedding)
+        add("wpe.weight", replicated, true);
         c.embedding = true;
         c.embed_unit = add_unit(UnitKind::Embedding, -1, begin);
       } else if (layer == layers - 1) {
-        add_global("ln_f.weight");
-        add_global("ln_f.bias");
+        add("ln_f.weight", replicated, true);
+        add("ln_f.bias", replicated, true);
         c.final = true;
         c.final_unit = add_unit(UnitKind::FinalNorm, -1, begin);
       } else {
         const int l = layer - 1;
         const std::string p = "h." + std::to_string(l) + ".";
-        for (const char* t : kBlockTensorNames) add_global(p + t);
+        // Megatron's block: c_attn and c_fc column-parallel, the two c_proj row-parallel with
+        // their biases replicated (added once, after the all-reduce); LayerNorms replicated.
+        const TensorSplit how[] = {replicated, replicated, qkv_cols, qkv_bias, rows, replicated,
+                                   replicated, replicated, cols,     rows,     rows, replicated};
+        for (int j = 0; j < 12; ++j) add(p + kBlockTensorNames[j], how[j], true);
         if (c.num_blocks == 0) {
           c.first_block = l;
           c.first_block_unit = static_cast<int>(part.units.size());
@@ -167,15 +222,19 @@ void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& s
 GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type)
     : GPT(shape, B, T, param_type, gpt_model_part(shape, {0, static_cast<int>(shape.n_layer) + 2}, 1, 0)) {}
 
-GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part)
-    : shape_(shape), param_type_(param_type), B_(B), T_(T), part_(std::move(part)) {
-  const int64_t C = shape.n_embd, BT = B * T;
+GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part, TensorGroup tensor)
+    : shape_(shape), param_type_(param_type), B_(B), T_(T), part_(std::move(part)), tp_(tensor) {
+  const int64_t C = shape.n_embd, BT = B * T, t = part_.tp_size;
+  Cl_ = C / t;
+  Hl_ = shape.n_head / t;
+  Vl_ = part_.vocab_local;
   for (const ModelChunk& c : part_.chunks) {
     max_blocks_ = std::max(max_blocks_, c.num_blocks);
     any_final_ = any_final_ || c.final;
   }
   // Backward scratch, shared by all blocks and micro-batches.
-  scratch_ = make_scratch_buffer("backward_scratch", BT * C + BT * C + 3 * BT * C + 4 * BT * C + kRowBlock * T);
+  const int64_t tp_extra = t > 1 ? BT * C + 3 * BT : 0;
+  scratch_ = make_scratch_buffer("backward_scratch", BT * C + 8 * BT * Cl_ + kRowBlock * T + tp_extra);
   float* p = scratch_.data();
   auto take = [&p](int64_t n) {
     float* out = p;
@@ -183,16 +242,23 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
     return out;
   };
   dln_ = take(BT * C);
-  datty_ = take(BT * C);
-  dqkv_ = take(3 * BT * C);
-  dfch_ = take(4 * BT * C);
+  datty_ = take(BT * Cl_);
+  dqkv_ = take(3 * BT * Cl_);
+  dfch_ = take(4 * BT * Cl_);
   datt_scratch_ = take(kRowBlock * T);
+  if (t > 1) {
+    row_out_ = take(BT * C);
+    ce_max_ = take(BT);
+    ce_sum_ = take(BT);
+    ce_target_ = take(BT);
+  }
 }
 
 ActivationBuffer GPT::make_buffer(bool split_backward) const {
-  const int64_t C = shape_.n_embd, V = shape_.vocab_size, H = shape_.n_head, B = B_, T = T_, BT = B * T;
-  const int64_t per_block = 16 * BT * C + 4 * BT + B * H * T * T;
-  const int64_t per_block_operands = split_backward ? 11 * BT * C : 0;
+  const int64_t C = shape_.n_embd, Cl = Cl_, V = Vl_, H = Hl_, B = B_, T = T_, BT = B * T;
+  // full-width ln_1, res_2, ln_2, res_3; this rank's qkv, attention output, fc and its GELU
+  const int64_t per_block = 4 * BT * C + 12 * BT * Cl + 4 * BT + B * H * T * T;
+  const int64_t per_block_operands = split_backward ? 4 * BT * C + 7 * BT * Cl : 0;
   const int64_t head = any_final_ ? BT * C + 2 * BT + BT * V + 2 * BT + (split_backward ? BT * C : 0) : 0;
   const bool receives_grad = [&] {
     for (const ModelChunk& c : part_.chunks)
@@ -218,15 +284,15 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
     a.ln_1 = take(BT * C);
     a.ln_1_mean = take(BT);
     a.ln_1_rstd = take(BT);
-    a.qkv = take(3 * BT * C);
+    a.qkv = take(3 * BT * Cl);
     a.att = take(B * H * T * T);
-    a.atty = take(BT * C);
+    a.atty = take(BT * Cl);
     a.res_2 = take(BT * C);
     a.ln_2 = take(BT * C);
     a.ln_2_mean = take(BT);
     a.ln_2_rstd = take(BT);
-    a.fch = take(4 * BT * C);
-    a.fch_gelu = take(4 * BT * C);
+    a.fch = take(4 * BT * Cl);
+    a.fch_gelu = take(4 * BT * Cl);
     a.res_3 = take(BT * C);
     buf.blocks.push_back(a);
   }
@@ -244,10 +310,10 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
     for (int l = 0; l < max_blocks_; ++l) {
       BlockGradOperands g;
       g.d_res_3 = take(BT * C);
-      g.d_fch = take(4 * BT * C);
+      g.d_fch = take(4 * BT * Cl);
       g.d_ln_2 = take(BT * C);
       g.d_res_2 = take(BT * C);
-      g.d_qkv = take(3 * BT * C);
+      g.d_qkv = take(3 * BT * Cl);
       g.d_ln_1 = take(BT * C);
       buf.grad_operands.push_back(g);
     }
@@ -257,8 +323,8 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
 }
 
 int64_t GPT::activation_bytes() const {
-  const int64_t C = shape_.n_embd, V = shape_.vocab_size, H = shape_.n_head, B = B_, T = T_, BT = B * T;
-  const int64_t per_block = 16 * BT * C + 4 * BT + B * H * T * T;
+  const int64_t C = shape_.n_embd, Cl = Cl_, V = Vl_, H = Hl_, B = B_, T = T_, BT = B * T;
+  const int64_t per_block = 4 * BT * C + 12 * BT * Cl + 4 * BT + B * H * T * T;
   const int64_t head = any_final_ ? BT * C + 2 * BT + BT * V + 2 * BT : 0;
   return 4 * (2 * BT * C + max_blocks_ * per_block + head) + static_cast<int64_t>(scratch_.extent(0) * 4);
 }
@@ -285,12 +351,13 @@ std::vector<int> GPT::fetch_order(int chunk, bool forward, BackwardPart part) co
 
 template <typename T>
 BlockTensors<T> GPT::block(T* unit) const {
-  const int64_t C = shape_.n_embd;
+  const int64_t C = shape_.n_embd, Cl = Cl_;
   T* p = unit;
   BlockTensors<T> b;
   T** fields[] = {&b.ln_1_w, &b.ln_1_b, &b.c_attn_w, &b.c_attn_b, &b.attn_proj_w, &b.attn_proj_b,
                       &b.ln_2_w, &b.ln_2_b, &b.c_fc_w,   &b.c_fc_b,   &b.mlp_proj_w,  &b.mlp_proj_b};
-  const int64_t sizes[] = {C, C, 3 * C * C, 3 * C, C * C, C, C, C, 4 * C * C, 4 * C, 4 * C * C, C};
+  // local shapes (model_part's splits): c_attn [C, 3C/t], attn.c_proj [C/t, C], c_fc [C, 4C/t], mlp.c_proj [4C/t, C]
+  const int64_t sizes[] = {C, C, 3 * C * Cl, 3 * Cl, Cl * C, C, C, C, 4 * C * Cl, 4 * Cl, 4 * Cl * C, C};
   for (int k = 0; k < 12; ++k) {
     *fields[k] = p;
     p += sizes[k];
@@ -325,13 +392,31 @@ float GPT::forward(const int32_t* tokens, const int32_t* targets, ParamStore& st
 
 void GPT::backward(float grad_scale, ParamStore& store) { backward(0, own_, grad_scale, store); }
 
+namespace {
+// res = residual + partial + bias: a row-parallel layer's output once its partial products are
+// summed over the tensor group (Megatron RowParallelLinear adds the bias after the all-reduce).
+template <typename P>
+void add_residual_and_bias(float* res, const float* residual, const float* partial, const P* bias, Index N, Index C) {
+  Kokkos::parallel_for("residual_bias", range(N), KOKKOS_LAMBDA(Index i) {
+    for (Index c = 0; c < C; ++c) res[i * C + c] = residual[i * C + c] + partial[i * C + c] + to_float(bias[c]);
+  });
+}
+}  // namespace
+
 template <typename P>
 float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store) {
-  const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
+  const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, V = Vl_, BT = B * T;
+  const bool tp = part_.tp_size > 1;
   const DType cmp = compute_type();
   if (c.embedding) {
-    const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V,C] then wpe [T,C]
-    encoder_forward(buf.input, buf.tokens, E, E + V * C, B, T, C);
+    const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V(/t),C] then wpe [T,C]
+    if (!tp) {
+      encoder_forward(buf.input, buf.tokens, E, E + V * C, B, T, C);
+    } else {  // vocab-parallel: each rank looks up the ids it owns, the group sums, then + wpe
+      vocab_embedding_forward(buf.input, buf.tokens, E, part_.vocab_begin, V, BT, C);
+      reduce_from_tp_region_forward(tp_, buf.input, BT * C);
+      add_position_embedding(buf.input, E + V * C, B, T, C);
+    }
     store.release(c.embed_unit);
   }
   for (int l = 0; l < c.num_blocks; ++l) {
@@ -339,18 +424,32 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
     const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)));
     BlockActivations& a = buf.blocks[l];
     const float* residual = l == 0 ? buf.input : buf.blocks[l - 1].res_3;
-    // x + attn(ln_1(x))
+    // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
     layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, BT, C);
-    matmul_forward(a.qkv, a.ln_1, w.c_attn_w, w.c_attn_b, BT, C, 3 * C, /*accumulate=*/false, cmp);
-    attention_forward(a.atty, a.att, a.qkv, B, T, C, H);
-    copy(a.res_2, residual, BT * C);
-    matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
-    // x + mlp(ln_2(x))
+    copy_to_tp_region_forward(tp_, a.ln_1, BT * C);
+    matmul_forward(a.qkv, a.ln_1, w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+    attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H);
+    if (!tp) {
+      copy(a.res_2, residual, BT * C);
+      matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
+    } else {
+      matmul_forward(row_out_, a.atty, w.attn_proj_w, static_cast<const P*>(nullptr), BT, Cl, C, false, cmp);
+      reduce_from_tp_region_forward(tp_, row_out_, BT * C);
+      add_residual_and_bias(a.res_2, residual, row_out_, w.attn_proj_b, BT, C);
+    }
+    // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
     layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, BT, C);
-    matmul_forward(a.fch, a.ln_2, w.c_fc_w, w.c_fc_b, BT, C, 4 * C, /*accumulate=*/false, cmp);
-    gelu_forward(a.fch_gelu, a.fch, BT * 4 * C);
-    copy(a.res_3, a.res_2, BT * C);
-    matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
+    copy_to_tp_region_forward(tp_, a.ln_2, BT * C);
+    matmul_forward(a.fch, a.ln_2, w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
+    gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
+    if (!tp) {
+      copy(a.res_3, a.res_2, BT * C);
+      matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
+    } else {
+      matmul_forward(row_out_, a.fch_gelu, w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false, cmp);
+      reduce_from_tp_region_forward(tp_, row_out_, BT * C);
+      add_residual_and_bias(a.res_3, a.res_2, row_out_, w.mlp_proj_b, BT, C);
+    }
     store.release(u);
     store.progress();
   }
@@ -359,11 +458,21 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   const P* F = static_cast<const P*>(store.fetch(c.final_unit));  // weight [C] then bias [C]
   layernorm_forward(buf.ln_f, buf.ln_f_mean, buf.ln_f_rstd, x, F, F + C, BT, C);
   store.release(c.final_unit);
-  // LM head tied to wte: logits = ln_f · wteᵀ
+  // LM head tied to wte: logits = ln_f · wteᵀ (this rank's vocabulary rows with tensor parallelism)
+  copy_to_tp_region_forward(tp_, buf.ln_f, BT * C);
   const P* E = static_cast<const P*>(store.fetch(c.head_unit));
   gemm(BT, V, C, {buf.ln_f, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, buf.logits, V, false, cmp);
   store.release(c.head_unit);
-  crossentropy_forward(buf.losses, buf.lse, buf.logits, buf.targets, BT, V);
+  if (!tp) {
+    crossentropy_forward(buf.losses, buf.lse, buf.logits, buf.targets, BT, V);
+  } else {  // vocab-parallel cross-entropy: max, then sum-exp and target logit, over the group
+    const int64_t real = part_.vocab_real, v0 = part_.vocab_begin;
+    vocab_ce_local_max(ce_max_, buf.logits, BT, V, real);
+    tp_.all_reduce_max(ce_max_, BT);
+    vocab_ce_local_sums(ce_sum_, ce_target_, buf.logits, ce_max_, buf.targets, v0, BT, V, real);
+    tp_.all_reduce_sum(ce_sum_, 2 * BT);  // ce_sum_ and ce_target_ are adjacent
+    vocab_ce_finish(buf.losses, buf.lse, ce_max_, ce_sum_, ce_target_, BT);
+  }
   float sum = 0.0f;
   const float* losses = buf.losses;
   Kokkos::parallel_reduce("mean_loss", range(BT), KOKKOS_LAMBDA(Index i, float& acc) { acc += losses[i]; }, sum);
@@ -375,23 +484,43 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
 // output gradients the weight products need kept in buf.grad_operands. Weight (W): the weight
 // products from those operands and the forward saves, with no parameters fetched. Every
 // kernel call is the same in all three, with the skipped part's pointers null, so a split
-// backward computes the same numbers as a fused one.
+// backward computes the same numbers as a fused one. Tensor-parallel regions sit on the lines
+// mirroring the forward's.
 template <typename P>
 void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_scale, ParamStore& store,
                         BackwardPart part) {
-  const int64_t B = B_, T = T_, C = shape_.n_embd, H = shape_.n_head, V = shape_.vocab_size, BT = B * T;
+  const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, V = Vl_, BT = B * T;
+  const bool tp = part_.tp_size > 1;
   const DType cmp = compute_type();
   const bool input = part != BackwardPart::Weight, weights = part != BackwardPart::Input;
   const bool keep = part == BackwardPart::Input;  // save operands for the later W pass
   float* dres = buf.d_input;  // the residual stream's gradient, from the chunk's end down to its input
   float* dE = nullptr;        // the head's wte gradient stays open until the chunk is done
+  // A column-parallel layer's backward with "f"'s all-reduce of the input gradient; with
+  // tp_overlap_comm it runs under the weight product (Megatron's async dgrad all-reduce).
+  const auto column_backward = [&](float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                   const P* weight, int64_t N, int64_t IC, int64_t OC) {
+    if (tp && tp_.overlap && dinp && dweight) {
+      matmul_backward(dinp, static_cast<float*>(nullptr), static_cast<float*>(nullptr), dout, inp, weight, N, IC, OC,
+                      cmp);
+      const std::unique_ptr<CommRequest> pending = tp_.all_reduce_sum_async(dinp, N * IC);
+      matmul_backward(static_cast<float*>(nullptr), dweight, dbias, dout, inp, weight, N, IC, OC, cmp);
+      store.progress();
+      pending->wait();
+      return;
+    }
+    matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, IC, OC, cmp);
+    if (dinp) copy_to_tp_region_backward(tp_, dinp, N * IC);
+  };
 
   if (c.final) {
     const float* x = c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;
     float* dlnf = keep || part == BackwardPart::Weight ? buf.d_ln_f : dln_;
     if (input) {
       // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
-      crossentropy_backward(buf.logits, buf.lse, buf.targets, grad_scale / static_cast<float>(BT), BT, V);
+      const float dloss = grad_scale / static_cast<float>(BT);
+      if (!tp) crossentropy_backward(buf.logits, buf.lse, buf.targets, dloss, BT, V);
+      else vocab_ce_backward(buf.logits, buf.lse, buf.targets, dloss, part_.vocab_begin, BT, V, part_.vocab_real);
     }
     const float* dlogits = buf.logits;
     // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f
@@ -402,6 +531,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       gemm(BT, C, V, d, {E, dtype_of<P>(), false, C}, dlnf, C, false, cmp);
       if (weights) gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);
       store.release(c.head_unit);
+      copy_to_tp_region_backward(tp_, dlnf, BT * C);
     } else {
       const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);
       gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);
@@ -434,24 +564,26 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     float* d_ln_1 = saved ? g.d_ln_1 : dln_;
     // MLP half: dres holds d(res_3)
     if (keep) copy(d_res_3, dres, BT * C);
+    reduce_from_tp_region_backward(tp_, d_res_3, BT * C);
     matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
-                    d_res_3, a.fch_gelu, w.mlp_proj_w, BT, 4 * C, C, cmp);
+                    d_res_3, a.fch_gelu, w.mlp_proj_w, BT, 4 * Cl, C, cmp);
     store.progress();
-    if (input) gelu_backward(d_fch, a.fch, d_fch, BT * 4 * C);
-    matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
-                    a.ln_2, w.c_fc_w, BT, C, 4 * C, cmp);
+    if (input) gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
+    column_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                    a.ln_2, w.c_fc_w, BT, C, 4 * Cl);
     store.progress();
     layernorm_backward(input ? dres : nullptr, weights ? dw.ln_2_w : nullptr, weights ? dw.ln_2_b : nullptr, d_ln_2,
                        a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, BT, C);
     // attention half: dres now holds d(res_2)
     if (keep) copy(d_res_2, dres, BT * C);
+    reduce_from_tp_region_backward(tp_, d_res_2, BT * C);
     matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
-                    d_res_2, a.atty, w.attn_proj_w, BT, C, C, cmp);
+                    d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp);
     store.progress();
-    if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, C, H);
+    if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H);
     store.progress();
-    matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr, d_qkv,
-                    a.ln_1, w.c_attn_w, BT, C, 3 * C, cmp);
+    column_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr, d_qkv,
+                    a.ln_1, w.c_attn_w, BT, C, 3 * Cl);
     layernorm_backward(input ? dres : nullptr, weights ? dw.ln_1_w : nullptr, weights ? dw.ln_1_b : nullptr, d_ln_1,
                        residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, BT, C);
     if (input) store.release(u);
@@ -460,7 +592,9 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
   if (c.embedding && weights) {
     // one stage: the head already opened the embedding unit's gradients (asking again would reset them)
     float* dEmb = dE && c.head_unit == c.embed_unit ? dE : store.grad_target(c.embed_unit);
-    encoder_backward(dEmb, dEmb + V * C, dres, buf.tokens, B, T, C);  // no parameters needed
+    reduce_from_tp_region_backward(tp_, dres, BT * C);
+    if (!tp) encoder_backward(dEmb, dEmb + V * C, dres, buf.tokens, B, T, C);  // no parameters needed
+    else vocab_embedding_backward(dEmb, dEmb + V * C, dres, buf.tokens, part_.vocab_begin, V, B, T, C);
     store.grads_done(c.embed_unit);
   } else if (c.final && weights) {
     store.grads_done(c.head_unit);  // the tied copy: complete once the chunk is done

@@ -11,6 +11,7 @@
 
 #include "buffer.hpp"
 #include "dtype.hpp"
+#include "tensor_parallel.hpp"
 
 namespace zero3d {
 
@@ -66,30 +67,52 @@ struct ModelChunk {
   int head_unit = -1;  // the wte the LM head reads: embed_unit on one stage, the tied copy otherwise
 };
 
-// A local layout element range and the global flat offset it holds.
+// A run of local layout elements and the global flat offsets they hold. `saved`: this rank
+// writes the run to checkpoints (each global element is saved by exactly one rank: tensor-
+// replicated ones by tensor rank 0, the tied wte copy by the first stage); loads read every run.
 struct LayoutSegment {
   int64_t local_begin = 0, local_end = 0, global_begin = 0;
+  bool saved = true;
 };
 
-// What one pipeline rank holds of the model: a rank-local layout whose tensors keep their
-// global names and shapes, its units and chunks, and where its elements sit in the global
-// layout (gpt_layout), which checkpoints and initialisation use. The tied wte copy is not in
-// `segments`: it mirrors the first stage's wte (same init, summed gradients, same update).
+// How a local tensor is cut from its global tensor over the tensor-parallel group (Megatron's
+// set_tensor_model_parallel_attributes): split along `dim` into parts × stride chunks, this
+// rank keeping chunks index, index + parts, ... (stride 3 cuts q, k and v of c_attn separately,
+// so each rank holds whole heads). parts = 1: replicated on every tensor rank.
+struct TensorSplit {
+  int dim = 0, stride = 1, parts = 1, index = 0;
+  bool replicated() const { return parts == 1; }
+};
+
+// What one (pipeline, tensor) rank holds of the model: a rank-local layout whose tensors keep
+// their global names and local shapes (global shapes in `global_shapes`), its units and chunks,
+// and the runs mapping its elements to the global layout (gpt_layout), which checkpoints and
+// initialisation use. The tied wte copy of a last stage mirrors the first stage's wte (same
+// init, summed gradients, same update): its runs are loaded, never saved.
 struct ModelPart {
   ParamLayout layout;
+  std::vector<std::vector<int64_t>> global_shapes;  // per local tensor
+  std::vector<TensorSplit> splits;                  // per local tensor
   std::vector<ParamUnit> units;
   std::vector<ModelChunk> chunks;
-  std::vector<LayoutSegment> segments;
+  std::vector<LayoutSegment> runs;  // sorted by local_begin
   int tied_unit = -1;
-  // The local range [begin, end) as runs {local_begin, local_end, global_begin}, in order;
-  // with_tied: include the tied copy (which reads wte's global range).
-  std::vector<LayoutSegment> global_runs(int64_t begin, int64_t end, bool with_tied) const;
+  int tp_size = 1, tp_rank = 0;
+  int64_t vocab_padded = 0;  // V rounded up to a multiple of tp_size
+  int64_t vocab_local = 0;   // wte rows this rank holds: vocab_padded / tp_size
+  int64_t vocab_begin = 0;   // first global id of them
+  int64_t vocab_real = 0;    // of them, ids < V (the rest is padding, never looked up)
+  // The runs inside [begin, end), cut to it; saving: only the runs this rank saves.
+  std::vector<LayoutSegment> global_runs(int64_t begin, int64_t end, bool saving) const;
+  // Local ranges of tensors replicated over the tensor group (counted once in the norm).
+  std::vector<std::pair<int64_t, int64_t>> replicated_ranges() const;
 };
 
-// The part of pipeline rank `stage` of `stages`: bounds are the p·v + 1 boundaries into the
-// layer list [embedding, block × L, final] (pipe_plan.hpp); chunk c is part c·p + stage.
-// The whole model: stages = 1, bounds {0, L + 2}.
-ModelPart gpt_model_part(const GPTShape& shape, const std::vector<int>& bounds, int stages, int stage);
+// The part of pipeline rank `stage` of `stages` and tensor rank `tp_rank` of `tp_size`:
+// bounds are the p·v + 1 boundaries into the layer list [embedding, block × L, final]
+// (pipe_plan.hpp); chunk c is part c·p + stage. The whole model: stages = 1, bounds {0, L + 2}.
+ModelPart gpt_model_part(const GPTShape& shape, const std::vector<int>& bounds, int stages, int stage,
+                         int tp_size = 1, int tp_rank = 0);
 
 // Where the model finds parameters and puts gradients, one unit at a time. The model knows
 // nothing of ZeRO or MPI: whoever implements this decides whether a unit is gathered,
@@ -167,7 +190,8 @@ class GPT {
   // B, T: micro-batch shape buffers are sized for (T <= n_positions). param_type: how the
   // store holds parameters (F32, BF16 or F16). Matrix products run in bf16 for bf16
   // parameters and in fp32 otherwise; everything else computes in fp32.
-  GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part);
+  // tensor: the tensor-parallel group when part.tp_size > 1.
+  GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part, TensorGroup tensor = {});
   // The whole model on one rank.
   GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type = DType::F32);
 
@@ -217,11 +241,16 @@ class GPT {
   DType param_type_ = DType::F32;
   int64_t B_, T_;
   ModelPart part_;
+  TensorGroup tp_;
+  // This rank's widths: attention features C/t (heads H/t), MLP 4C/t, vocabulary rows Vp/t.
+  int64_t Cl_, Hl_, Vl_;
   int max_blocks_ = 0;
   bool any_final_ = false;
   FlatBuffer scratch_;
-  // backward scratch, reused by every block (Full and Input passes)
+  // backward scratch, reused by every block (Full and Input passes); with tensor parallelism
+  // also the row-parallel partial product and the vocab-parallel cross-entropy's row sums
   float *dln_, *dqkv_, *datty_, *dfch_, *datt_scratch_;
+  float *row_out_ = nullptr, *ce_max_ = nullptr, *ce_sum_ = nullptr, *ce_target_ = nullptr;
   ActivationBuffer own_;  // the one-stage convenience API's buffer (allocated on first use)
 };
 

@@ -299,6 +299,55 @@ StageSchedule make_schedule(const ScheduleSpec& spec, int stage) {
   throw std::invalid_argument("unknown pipeline schedule kind");
 }
 
+StageSchedule make_inference_schedule(const ScheduleSpec& spec, int stage) {
+  const std::string why = check_schedule_spec(spec);
+  if (!why.empty()) throw std::invalid_argument(why);
+  const int p = spec.stages, M = spec.micro_batches, v = spec.virtual_stages;
+  StageSchedule out;
+  out.stage = stage;
+  out.num_buffers = p == 1 ? 1 : 2;
+  if (p == 1) {
+    for (int m = 0; m < M; ++m) out.steps.push_back({{Op::LoadMicroBatch, m, 0, 0}, {Op::Forward, m, 0, 0}});
+    return out;
+  }
+  const bool first = stage == 0, last = stage == p - 1;
+  if (v == 1) {
+    const auto valid = [M](int m) { return 0 <= m && m < M; };
+    for (int t = 0; t < M + p - 1; ++t) {
+      const int m = t - stage;
+      // Even stages receive into t % 2 and send from the other buffer; odd stages the reverse.
+      const int recv_buf = stage % 2 == 0 ? t % 2 : (t + 1) % 2, send_buf = 1 - recv_buf;
+      std::vector<Instruction> step;
+      if (first || last)
+        if (valid(m)) step.push_back({Op::LoadMicroBatch, m, 0, recv_buf});
+      const Instruction send{Op::SendActivation, m - 1, 0, send_buf}, recv{Op::RecvActivation, m, 0, recv_buf};
+      const bool do_send = !last && valid(m - 1), do_recv = !first && valid(m);
+      if (stage % 2 == 0) {
+        if (do_send) step.push_back(send);
+        if (do_recv) step.push_back(recv);
+      } else {
+        if (do_recv) step.push_back(recv);
+        if (do_send) step.push_back(send);
+      }
+      if (valid(m)) step.push_back({Op::Forward, m, 0, recv_buf});
+      out.steps.push_back(std::move(step));
+    }
+    return out;
+  }
+  int k = 0;
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < v; ++c, ++k) {
+      const int vs = c * p + stage, b = k % 2;
+      std::vector<Instruction> step;
+      if (vs == 0 || vs == p * v - 1) step.push_back({Op::LoadMicroBatch, m, c, b});
+      if (vs > 0) step.push_back({Op::RecvActivation, m, c, b});
+      step.push_back({Op::Forward, m, c, b});
+      if (vs < p * v - 1) step.push_back({Op::SendActivation, m, c, b});
+      out.steps.push_back(std::move(step));
+    }
+  return out;
+}
+
 double bubble_fraction(const ScheduleSpec& spec) {
   const double p = spec.stages, m = spec.micro_batches, v = spec.virtual_stages;
   if (spec.stages <= 1) return 0.0;

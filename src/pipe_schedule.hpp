@@ -94,6 +94,13 @@ std::string check_schedule_spec(const ScheduleSpec& spec);
 // DataParallelSchedule (Load, Forward, Backward per micro-batch on buffer 0; one buffer).
 StageSchedule make_schedule(const ScheduleSpec& spec, int stage);
 
+// Forward only (evaluation): DeepSpeed's InferenceSchedule for one chunk per stage (m + p − 1
+// steps, two buffers, even stages send before they receive, odd stages after; FACTS §8.2).
+// With interleaved chunks each rank runs its (micro-batch, chunk) pairs in that order over two
+// alternating buffers: every pair waits only on pairs earlier in the same order, so no cycle.
+// No step-level instructions: nothing is reduced or updated.
+StageSchedule make_inference_schedule(const ScheduleSpec& spec, int stage);
+
 // The schedule's idle share of a step with equal forward, input-grad and weight-grad times:
 // 1F1B (p−1)/(m+p−1); interleaved (p−1)/(v·m+p−1); zb-h1 (p−1)/(3m+p−1), a third of 1F1B's
 // idle time, once m >= p (below that the last backward chain sets the end: 1 − 3m/(2m+2p−1)).

@@ -291,14 +291,20 @@ void ZeroOptimizer::gather_updated_params() {
   for (auto& r : inflight) r->wait();
 }
 
-GradStats ZeroOptimizer::grad_stats(Communicator* sq_group, int64_t skip_begin, int64_t skip_end) {
+GradStats ZeroOptimizer::grad_stats(Communicator* sq_group, const std::vector<std::pair<int64_t, int64_t>>& skip) {
   // The held gradients cover local [first, first + n): the whole buffer (stage 0) or the partition.
   const int64_t first = stage_ == 0 ? 0 : part_.begin(rank_);
   const int64_t n = stage_ == 0 ? layout_.total() : std::max<int64_t>(0, std::min(part_.part, layout_.total() - first));
   const char* g = static_cast<const char*>(grad_partition());
   const size_t es = dtype_size(types_.grad);
-  const int64_t lo = std::clamp(skip_begin - first, int64_t(0), n), hi = std::clamp(skip_end - first, lo, n);
-  double sq = sum_of_squares_any(g, types_.grad, lo) + sum_of_squares_any(g + hi * es, types_.grad, n - hi);
+  double sq = 0.0;
+  int64_t at = 0;  // sum the pieces between the skipped ranges
+  for (const auto& [b, e] : skip) {
+    const int64_t lo = std::clamp(b - first, at, n), hi = std::clamp(e - first, lo, n);
+    sq += sum_of_squares_any(g + at * es, types_.grad, lo - at);
+    at = hi;
+  }
+  sq += sum_of_squares_any(g + at * es, types_.grad, n - at);
   // Stage 0 gradients are already identical on every rank; partitions need the sum over the
   // group. inf/NaN survive the sum, so the result is also the group's agreed overflow flag.
   if (stage_ > 0) dp_.all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);

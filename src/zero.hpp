@@ -94,9 +94,9 @@ class ZeroOptimizer : public ParamStore {
   void finish_reduction();
   // The step in DeepSpeed's order: grad_stats() (collective), then the caller updates its
   // loss scale, then apply_step() with the new scale, or skip_step() on overflow.
-  // sq_group: also sums the squares over this group (the pipeline stages: the model group);
-  // [skip_begin, skip_end): a local range left out of the norm (a replica counted elsewhere).
-  GradStats grad_stats(Communicator* sq_group = nullptr, int64_t skip_begin = 0, int64_t skip_end = 0);
+  // sq_group: also sums the squares over this group (pipeline × tensor: the model group);
+  // skip: sorted local ranges left out of the norm (replicas counted on another rank).
+  GradStats grad_stats(Communicator* sq_group = nullptr, const std::vector<std::pair<int64_t, int64_t>>& skip = {});
   // Sums the reduced gradients of local elements [begin, end) over `group` (the tied wte over
   // the embedding group); only this rank's owned part where gradients are partitioned.
   void sum_grad_range(int64_t begin, int64_t end, Communicator& group);

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -32,10 +33,16 @@ inline std::string slurp(const std::string& path) {
   return ss.str();
 }
 
+// One directory per test process (ctest runs each test in its own), so test binaries of two
+// build trees, or a developer's run beside CI, never share files; removed when the process ends.
 inline std::string temp_path(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "zero3d_cli";
-  std::system(("mkdir -p " + dir).c_str());
-  return dir + "/" + name;
+  struct Dir {
+    std::string path = ::testing::TempDir() + "zero3d_cli_" + std::to_string(::getpid());
+    Dir() { std::system(("mkdir -p " + path).c_str()); }
+    ~Dir() { std::system(("rm -rf " + path).c_str()); }
+  };
+  static const Dir dir;
+  return dir.path + "/" + name;
 }
 
 // Runs `zero3d ARGS` on `np` ranks (np 0: without mpiexec). `prefix` goes before the launch:

@@ -67,9 +67,10 @@ std::string name(const ScheduleSpec& s) {
          std::to_string(s.micro_batches) + " v=" + std::to_string(s.virtual_stages);
 }
 
-std::vector<StageSchedule> all_stages(const ScheduleSpec& spec) {
+std::vector<StageSchedule> all_stages(const ScheduleSpec& spec, bool inference = false) {
   std::vector<StageSchedule> out;
-  for (int s = 0; s < spec.stages; ++s) out.push_back(make_schedule(spec, s));
+  for (int s = 0; s < spec.stages; ++s)
+    out.push_back(inference ? make_inference_schedule(spec, s) : make_schedule(spec, s));
   return out;
 }
 
@@ -90,9 +91,9 @@ struct Simulation {
   std::map<std::tuple<Op, int, int>, std::pair<double, double>> span;  // (op, mb, virtual stage) -> start, end
 };
 
-Simulation simulate(const ScheduleSpec& spec, Costs cost = {}) {
+Simulation simulate(const ScheduleSpec& spec, Costs cost = {}, bool inference = false) {
   const int p = spec.stages, V = p * spec.virtual_stages;
-  const std::vector<StageSchedule> stages = all_stages(spec);
+  const std::vector<StageSchedule> stages = all_stages(spec, inference);
   std::vector<std::vector<Instruction>> prog;
   for (const StageSchedule& s : stages) prog.push_back(flatten(s));
 
@@ -349,6 +350,37 @@ TEST(PipeSchedule, EveryKindRunsWithoutDeadlockAndPairsEverySendWithItsReceive) 
     const Simulation sim = simulate(spec);
     EXPECT_EQ(sim.error, "") << name(spec);
   }
+}
+
+TEST(PipeSchedule, InferenceRunsEveryForwardOnceInOrderWithoutDeadlock) {
+  for (const ScheduleSpec& spec : grid()) {
+    const Simulation sim = simulate(spec, {}, /*inference=*/true);
+    ASSERT_EQ(sim.error, "") << name(spec);
+    const int V = spec.stages * spec.virtual_stages;
+    EXPECT_EQ(sim.span.size(), static_cast<size_t>(spec.micro_batches * V)) << name(spec);
+    for (int m = 0; m < spec.micro_batches; ++m)
+      for (int vs = 1; vs < V; ++vs)  // each virtual stage after the one before it
+        EXPECT_GE(sim.span.at({Op::Forward, m, vs}).first, sim.span.at({Op::Forward, m, vs - 1}).second) << name(spec);
+    for (int s = 0; s < spec.stages; ++s) {
+      const StageSchedule sched = make_inference_schedule(spec, s);
+      EXPECT_EQ(sched.num_buffers, spec.stages == 1 ? 1 : 2) << name(spec);
+      for (const Instruction& in : flatten(sched)) EXPECT_LT(in.buffer, sched.num_buffers) << name(spec);
+      // DeepSpeed's InferenceSchedule: m + p - 1 steps with one chunk per stage
+      if (spec.virtual_stages == 1 && spec.stages > 1)
+        EXPECT_EQ(sched.steps.size(), static_cast<size_t>(spec.micro_batches + spec.stages - 1)) << name(spec);
+    }
+  }
+}
+
+TEST(PipeSchedule, InferenceEvenStagesSendBeforeTheyReceiveOddStagesAfter) {
+  const ScheduleSpec spec{ScheduleKind::OneFOneB, 3, 4, 1};
+  // stage 1 (odd) at step 2 runs micro-batch 1: receive into buffer 0... (t+1)%2 = 1, send m=0 from 0
+  const StageSchedule odd = make_inference_schedule(spec, 1);
+  EXPECT_EQ(odd.steps[2], (Step{RecvAct(1, 1), SendAct(0, 0), Fwd(1, 1)})) << show(odd.steps);
+  const StageSchedule even = make_inference_schedule(spec, 0);
+  EXPECT_EQ(even.steps[2], (Step{Load(2, 0), SendAct(1, 1), Fwd(2, 0)})) << show(even.steps);
+  const StageSchedule last = make_inference_schedule(spec, 2);
+  EXPECT_EQ(last.steps[2], (Step{Load(0, 0), RecvAct(0, 0), Fwd(0, 0)})) << show(last.steps);
 }
 
 TEST(PipeSchedule, EveryPassRunsOnceAfterWhatItDependsOn) {

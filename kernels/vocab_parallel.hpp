@@ -1,0 +1,108 @@
+// vocab_parallel.hpp — the embedding and the cross-entropy with the vocabulary split over the
+// tensor-parallel group (Megatron VocabParallelEmbedding and vocab_parallel_cross_entropy;
+// DEEPSPEED-FACTS-2 §1.5–1.6). Each rank holds rows [v0, v0 + Vl) of wte; vocabulary padding
+// (ids >= V) is never looked up and its logits are masked out, so it changes no loss.
+// The kernels are the local parts; the caller all-reduces between them.
+#pragma once
+
+#include <cmath>
+
+#include "common.hpp"
+#include "fastmath.hpp"
+#include "half.hpp"
+
+namespace zero3d::kernels {
+
+// out[bt,:] = wte_local[token - v0,:] for tokens this rank owns, else 0 (summed over the group next).
+template <typename P>
+inline void vocab_embedding_forward(float* out, const int32_t* tokens, const P* wte_local, Index v0, Index Vl, Index N,
+                                    Index C) {
+  Kokkos::parallel_for("vocab_embedding_forward", range(N), KOKKOS_LAMBDA(Index bt) {
+    const Index id = static_cast<Index>(tokens[bt]) - v0;
+    float* o = out + bt * C;
+    if (id < 0 || id >= Vl) {
+      for (Index c = 0; c < C; ++c) o[c] = 0.0f;
+    } else {
+      const P* w = wte_local + id * C;
+      for (Index c = 0; c < C; ++c) o[c] = to_float(w[c]);
+    }
+  });
+}
+
+// out[b,t,:] += wpe[t,:] (the position embedding, replicated, added after the sum).
+template <typename P>
+inline void add_position_embedding(float* out, const P* wpe, Index B, Index T, Index C) {
+  Kokkos::parallel_for("add_position_embedding", range(B * T), KOKKOS_LAMBDA(Index bt) {
+    const P* p = wpe + (bt % T) * C;
+    float* o = out + bt * C;
+    for (Index c = 0; c < C; ++c) o[c] += to_float(p[c]);
+  });
+}
+
+// dwte_local[token - v0] += dout for owned tokens; dwpe[t] += dout (channel blocks: no atomics).
+inline void vocab_embedding_backward(float* dwte_local, float* dwpe, const float* dout, const int32_t* tokens, Index v0,
+                                     Index Vl, Index B, Index T, Index C) {
+  constexpr Index kBlock = 16;
+  Kokkos::parallel_for("vocab_embedding_backward", range((C + kBlock - 1) / kBlock), KOKKOS_LAMBDA(Index blk) {
+    const Index c0 = blk * kBlock, c1 = c0 + kBlock < C ? c0 + kBlock : C;
+    for (Index bt = 0; bt < B * T; ++bt) {
+      const Index id = static_cast<Index>(tokens[bt]) - v0;
+      const float* d = dout + bt * C;
+      float* p = dwpe + (bt % T) * C;
+      for (Index c = c0; c < c1; ++c) p[c] += d[c];
+      if (id < 0 || id >= Vl) continue;
+      float* w = dwte_local + id * C;
+      for (Index c = c0; c < c1; ++c) w[c] += d[c];
+    }
+  });
+}
+
+// Step 1: row max over this rank's real columns (global ids < V); all-reduce MAX next.
+inline void vocab_ce_local_max(float* row_max, const float* logits, Index N, Index Vl, Index real_cols) {
+  Kokkos::parallel_for("vocab_ce_local_max", range(N), KOKKOS_LAMBDA(Index i) {
+    const float* z = logits + i * Vl;
+    float mx = -INFINITY;
+    for (Index v = 0; v < real_cols; ++v) mx = z[v] > mx ? z[v] : mx;
+    row_max[i] = mx;
+  });
+}
+
+// Step 2: sum of exp(z - max) over real columns, and the target's logit where this rank owns
+// it (0 elsewhere); all-reduce SUM of both next.
+inline void vocab_ce_local_sums(float* sum_exp, float* target_logit, const float* logits, const float* row_max,
+                                const int32_t* targets, Index v0, Index N, Index Vl, Index real_cols) {
+  Kokkos::parallel_for("vocab_ce_local_sums", range(N), KOKKOS_LAMBDA(Index i) {
+    const float* z = logits + i * Vl;
+    const float mx = row_max[i];
+    float sum = 0.0f;
+    for (Index v = 0; v < real_cols; ++v) sum += fast_exp(z[v] - mx);
+    sum_exp[i] = sum;
+    const Index t = static_cast<Index>(targets[i]) - v0;
+    target_logit[i] = t >= 0 && t < real_cols ? z[t] : 0.0f;
+  });
+}
+
+// Step 3: losses[i] = lse - target logit, lse = max + log(sum_exp) saved for the backward.
+inline void vocab_ce_finish(float* losses, float* lse, const float* row_max, const float* sum_exp,
+                            const float* target_logit, Index N) {
+  Kokkos::parallel_for("vocab_ce_finish", range(N), KOKKOS_LAMBDA(Index i) {
+    lse[i] = row_max[i] + std::log(sum_exp[i]);
+    losses[i] = lse[i] - target_logit[i];
+  });
+}
+
+// logits <- dloss · (softmax − onehot) on this rank's columns, padding columns 0 (no
+// communication: the group sum happens in the head's input-gradient all-reduce).
+inline void vocab_ce_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index v0, Index N,
+                              Index Vl, Index real_cols) {
+  Kokkos::parallel_for("vocab_ce_backward", range(N), KOKKOS_LAMBDA(Index i) {
+    float* z = logits + i * Vl;
+    const float l = lse[i];
+    for (Index v = 0; v < real_cols; ++v) z[v] = fast_exp(z[v] - l) * dloss;
+    for (Index v = real_cols; v < Vl; ++v) z[v] = 0.0f;
+    const Index t = static_cast<Index>(targets[i]) - v0;
+    if (t >= 0 && t < real_cols) z[t] -= dloss;
+  });
+}
+
+}  // namespace zero3d::kernels

@@ -1,0 +1,20 @@
+// tensor_parallel.cpp — see tensor_parallel.hpp.
+#include "tensor_parallel.hpp"
+
+#include "comm.hpp"
+
+namespace zero3d {
+
+void TensorGroup::all_reduce_sum(float* x, int64_t n) const {
+  if (comm && size > 1) comm->all_reduce(x, n, DType::F32, ReduceOp::Sum);
+}
+
+void TensorGroup::all_reduce_max(float* x, int64_t n) const {
+  if (comm && size > 1) comm->all_reduce(x, n, DType::F32, ReduceOp::Max);
+}
+
+std::unique_ptr<CommRequest> TensorGroup::all_reduce_sum_async(float* x, int64_t n) const {
+  return comm->all_reduce_async(x, n, DType::F32, ReduceOp::Sum);
+}
+
+}  // namespace zero3d

@@ -1,0 +1,34 @@
+// tensor_parallel.hpp — Megatron's tensor-parallel communication regions (core/tensor_parallel/
+// mappings.py; DEEPSPEED-FACTS-2 §1.1), each a forward/backward pair that the model calls on
+// mirrored lines of its forward and backward passes. With one tensor rank every region is the
+// identity and no call reaches the communicator.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+namespace zero3d {
+
+class Communicator;
+class CommRequest;
+
+struct TensorGroup {
+  Communicator* comm = nullptr;  // null when the tensor-parallel size is 1
+  int size = 1, rank = 0;
+  bool overlap = false;  // tp_overlap_comm: input-gradient all-reduces run under the weight products
+  void all_reduce_sum(float* x, int64_t n) const;
+  void all_reduce_max(float* x, int64_t n) const;
+  std::unique_ptr<CommRequest> all_reduce_sum_async(float* x, int64_t n) const;
+};
+
+// "f": enters a column-parallel layer. Forward: identity; backward: the input gradient, partial
+// on each rank, is summed over the group.
+inline void copy_to_tp_region_forward(const TensorGroup&, const float*, int64_t) {}
+inline void copy_to_tp_region_backward(const TensorGroup& g, float* grad, int64_t n) { g.all_reduce_sum(grad, n); }
+
+// "g": leaves a row-parallel layer (or the vocab-parallel embedding). Forward: the partial
+// products are summed over the group; backward: identity.
+inline void reduce_from_tp_region_forward(const TensorGroup& g, float* x, int64_t n) { g.all_reduce_sum(x, n); }
+inline void reduce_from_tp_region_backward(const TensorGroup&, const float*, int64_t) {}
+
+}  // namespace zero3d
