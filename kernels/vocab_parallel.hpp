@@ -29,12 +29,13 @@ inline void vocab_embedding_forward(float* out, const int32_t* tokens, const P* 
   });
 }
 
-// out[b,t,:] += wpe[t,:] (the position embedding, replicated, added after the sum).
+// out[i,:] += wpe[(first + i) mod T,:] for N tokens starting at token `first` of the micro-batch
+// (the position embedding, replicated, added after the sum; a token shard with sequence parallelism).
 template <typename P>
-inline void add_position_embedding(float* out, const P* wpe, Index B, Index T, Index C) {
-  Kokkos::parallel_for("add_position_embedding", range(B * T), KOKKOS_LAMBDA(Index bt) {
-    const P* p = wpe + (bt % T) * C;
-    float* o = out + bt * C;
+inline void add_position_embedding(float* out, const P* wpe, Index first, Index N, Index T, Index C) {
+  Kokkos::parallel_for("add_position_embedding", range(N), KOKKOS_LAMBDA(Index i) {
+    const P* p = wpe + ((first + i) % T) * C;
+    float* o = out + i * C;
     for (Index c = 0; c < C; ++c) o[c] += to_float(p[c]);
   });
 }

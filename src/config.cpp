@@ -398,9 +398,6 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
   t.size = size <= 1 ? 1 : static_cast<int>(size);
   t.overlap_comm = sec.boolean("tp_overlap_comm", false);
   t.sequence_parallel = sec.boolean("sequence_parallel", false);
-  if (t.sequence_parallel)
-    sec.fail_key("sequence_parallel", "Megatron sequence parallelism is not available in this build of zero3d; "
-                                      "set it to false (tensor parallelism itself is)");
   {  // DeepSpeed's nested form: tensor_parallel.tp.tp_size must agree with autotp_size
     Section tp = sec.child("tp");
     const int64_t tp_size = tp.integer("tp_size", 1, 1, 1 << 16);
@@ -423,6 +420,11 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
       sec.fail_key("autotp_size", "autotp_size " + std::to_string(t.size) + " does not divide model.n_embd (" +
                                       std::to_string(m.n_embd) + ")");
   }
+  // Megatron disables sequence parallelism without tensor parallelism (with a warning); a
+  // silently ignored key is what zero3d never does, so it is an error here.
+  if (t.sequence_parallel && t.size == 1)
+    sec.fail_key("sequence_parallel", "sequence parallelism splits tokens over the tensor-parallel group: it needs "
+                                      "tensor_parallel.autotp_size > 1");
   return t;
 }
 
@@ -652,6 +654,11 @@ Config read_config_unguarded(const json& root, const std::string& file, int64_t 
     throw InputError(file + ": " + e.what());
   }
   c.batch = derive_batch(top, world_size / model_ranks);
+  if (c.tensor.sequence_parallel && (c.batch.micro_batch * c.model.n_positions) % c.tensor.size != 0)
+    top.fail("tensor_parallel.sequence_parallel",
+             "the micro-batch's tokens (" + std::to_string(c.batch.micro_batch) + " x " +
+                 std::to_string(c.model.n_positions) + ") do not split evenly over tensor_parallel.autotp_size (" +
+                 std::to_string(c.tensor.size) + ")");
   {
     pipe::ScheduleSpec spec{c.pipeline.schedule, c.pipeline.stages,
                             static_cast<int>(std::min<int64_t>(c.batch.gradient_accumulation_steps, kMaxInt)),

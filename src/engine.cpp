@@ -86,7 +86,8 @@ void Engine::setup_local() {
   const GPTShape shape = shape_of(cfg_.model);
   const int t = tp_comm_->size(), tp_rank = tp_comm_->rank();
   model_ = std::make_unique<GPT>(shape, B, T, pc.param, gpt_model_part(shape, cfg_.pipe_bounds, stages_, stage_, t, tp_rank),
-                                 TensorGroup{tp_comm_.get(), t, tp_rank, cfg_.tensor.overlap_comm});
+                                 TensorGroup{tp_comm_.get(), t, tp_rank, cfg_.tensor.overlap_comm,
+                                             cfg_.tensor.sequence_parallel});
   // Every stage partitions the same element count (the largest stage's), so the tied wte at
   // local offset 0 of the first and last stage is cut identically over the data group.
   int64_t partition_numel = model_->num_params();
@@ -368,7 +369,7 @@ void Engine::print_startup() const {
               "comm_buffers %lld | model states %.1f MB (stage 0 would hold %.1f MB) | activations %.1f MB\n",
               (long long)m.params, (long long)m.grads, (long long)m.master, (long long)m.optimizer_states,
               (long long)m.comm_buffers, m.model_states() / 1e6, 16.0 * model_->num_params() / 1e6,
-              model_->activation_bytes() / 1e6);
+              activation_bytes() / 1e6);
   if (!output_dir_.empty()) std::printf("output  %s/{config.json,metrics.jsonl}\n", output_dir_.c_str());
   std::fflush(stdout);
 }
@@ -389,6 +390,13 @@ void Engine::Store::progress() {
       if (*r) (*r)->test();
 }
 
+// Every in-flight micro-batch's buffer plus the model's backward scratch.
+int64_t Engine::activation_bytes() const {
+  int64_t bytes = model_->scratch_bytes();
+  for (const ActivationBuffer& b : buffers_) bytes += b.bytes();
+  return bytes;
+}
+
 void Engine::wait_sends(int b) {
   Pending& p = pending_[b];
   if (p.act_send) p.act_send->wait(), p.act_send.reset();
@@ -397,8 +405,8 @@ void Engine::wait_sends(int b) {
 
 void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_loss) {
   using pipe::Op;
-  const int64_t gas = cfg_.batch.gradient_accumulation_steps, BTC = cfg_.batch.micro_batch * cfg_.model.n_positions *
-                                                                         cfg_.model.n_embd;
+  // What crosses a stage boundary: the residual stream of this rank's tokens.
+  const int64_t gas = cfg_.batch.gradient_accumulation_steps, BTC = model_->stream_elements();
   const auto waited = [](std::unique_ptr<CommRequest>& req) {
     if (!req) return;
     req->wait();
@@ -488,6 +496,12 @@ void Engine::finalize_grads() {
     zero_->finish_reduction();
     // The tied wte (DeepSpeed ReduceTiedGrads, FACTS-2 §2.5): both copies hold the summed gradient.
     if (tied_numel_ > 0 && emb_comm_) zero_->sum_grad_range(0, tied_numel_, *emb_comm_);
+    // Sequence parallelism: each tensor rank's LayerNorms saw only its token shard, so their
+    // gradients are summed over the tensor group (Megatron _allreduce_non_tensor_model_parallel_grads).
+    if (cfg_.tensor.sequence_parallel)
+      for (const TensorSpec& ts : model_->layout().tensors())
+        if (ts.name.rfind("ln_f.", 0) == 0 || ts.name.find(".ln_") != std::string::npos)
+          zero_->sum_grad_range(ts.offset, ts.offset + ts.numel, *tp_comm_);
   }
   // The norm counts every parameter once (Megatron _filter_grads_for_norm): the tied copy on the
   // first stage only, tensor-replicated ones (LayerNorms, row-parallel biases, wpe) on tensor rank 0.
@@ -636,7 +650,8 @@ std::vector<StepResult> Engine::train() {
       const MemoryBytes m = zero_->memory();
       rec["memory"] = {{"params", m.params},           {"grads", m.grads},
                        {"master", m.master},           {"optimizer_states", m.optimizer_states},
-                       {"comm_buffers", m.comm_buffers}, {"live_params_peak", m.live_params_peak}};
+                       {"comm_buffers", m.comm_buffers}, {"live_params_peak", m.live_params_peak},
+                       {"activations", activation_bytes()}};
       if (cfg_.wall_clock_breakdown) {
         const double fwd = ms.count("forward") ? ms.at("forward") : 0.0;
         const double inner = ms.count("backward_inner") ? ms.at("backward_inner") : 0.0;

@@ -71,6 +71,7 @@ class Engine {
   void finalize_grads();
   void optimizer_step(StepResult& r);
   void check_tensor_replicas();
+  int64_t activation_bytes() const;
   void wait_sends(int buffer);
   int peer_stage(int chunk, int delta) const;  // pipe rank of the virtual stage chunk·p + stage + delta
   int tag(int chunk, int delta, int kind) const;

@@ -232,8 +232,10 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
     max_blocks_ = std::max(max_blocks_, c.num_blocks);
     any_final_ = any_final_ || c.final;
   }
+  // Tokens this rank carries outside the tensor-parallel regions (a shard with sequence parallelism).
+  Ns_ = tp_.sequence_parallel ? BT / t : BT;
   // Backward scratch, shared by all blocks and micro-batches.
-  const int64_t tp_extra = t > 1 ? BT * C + 3 * BT : 0;
+  const int64_t tp_extra = t > 1 ? BT * C + 3 * BT + (tp_.sequence_parallel ? BT * C + Ns_ * C : 0) : 0;
   scratch_ = make_scratch_buffer("backward_scratch", BT * C + 8 * BT * Cl_ + kRowBlock * T + tp_extra);
   float* p = scratch_.data();
   auto take = [&p](int64_t n) {
@@ -251,21 +253,26 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
     ce_max_ = take(BT);
     ce_sum_ = take(BT);
     ce_target_ = take(BT);
+    if (tp_.sequence_parallel) {
+      gathered_ = take(BT * C);
+      shard_ = take(Ns_ * C);
+    }
   }
 }
 
 ActivationBuffer GPT::make_buffer(bool split_backward) const {
-  const int64_t C = shape_.n_embd, Cl = Cl_, V = Vl_, H = Hl_, B = B_, T = T_, BT = B * T;
-  // full-width ln_1, res_2, ln_2, res_3; this rank's qkv, attention output, fc and its GELU
-  const int64_t per_block = 4 * BT * C + 12 * BT * Cl + 4 * BT + B * H * T * T;
-  const int64_t per_block_operands = split_backward ? 4 * BT * C + 7 * BT * Cl : 0;
-  const int64_t head = any_final_ ? BT * C + 2 * BT + BT * V + 2 * BT + (split_backward ? BT * C : 0) : 0;
+  const int64_t C = shape_.n_embd, Cl = Cl_, V = Vl_, H = Hl_, B = B_, T = T_, BT = B * T, Ns = Ns_;
+  // ln_1, res_2, ln_2, res_3 over this rank's tokens (Ns: all, or a shard with sequence
+  // parallelism); this rank's qkv, attention output, fc and its GELU over all tokens
+  const int64_t per_block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + B * H * T * T;
+  const int64_t per_block_operands = split_backward ? 2 * BT * C + 2 * Ns * C + 7 * BT * Cl : 0;
+  const int64_t head = any_final_ ? BT * C + 2 * Ns + BT * V + 2 * BT + (split_backward ? Ns * C : 0) : 0;
   const bool receives_grad = [&] {
     for (const ModelChunk& c : part_.chunks)
       if (!c.final) return true;
     return false;
   }();
-  const int64_t total = BT * C + (receives_grad ? BT * C : 0) + BT * C + max_blocks_ * (per_block + per_block_operands) + head;
+  const int64_t total = Ns * C + (receives_grad ? Ns * C : 0) + Ns * C + max_blocks_ * (per_block + per_block_operands) + head;
   ActivationBuffer buf;
   buf.storage = make_scratch_buffer("activations", total);
   buf.token_ids = Kokkos::View<int32_t*>("tokens", BT);
@@ -278,55 +285,55 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
     p += n;
     return out;
   };
-  buf.input = take(BT * C);
+  buf.input = take(Ns * C);
   for (int l = 0; l < max_blocks_; ++l) {
     BlockActivations a;
-    a.ln_1 = take(BT * C);
-    a.ln_1_mean = take(BT);
-    a.ln_1_rstd = take(BT);
+    a.ln_1 = take(Ns * C);
+    a.ln_1_mean = take(Ns);
+    a.ln_1_rstd = take(Ns);
     a.qkv = take(3 * BT * Cl);
     a.att = take(B * H * T * T);
     a.atty = take(BT * Cl);
-    a.res_2 = take(BT * C);
-    a.ln_2 = take(BT * C);
-    a.ln_2_mean = take(BT);
-    a.ln_2_rstd = take(BT);
+    a.res_2 = take(Ns * C);
+    a.ln_2 = take(Ns * C);
+    a.ln_2_mean = take(Ns);
+    a.ln_2_rstd = take(Ns);
     a.fch = take(4 * BT * Cl);
     a.fch_gelu = take(4 * BT * Cl);
-    a.res_3 = take(BT * C);
+    a.res_3 = take(Ns * C);
     buf.blocks.push_back(a);
   }
   if (any_final_) {
-    buf.ln_f = take(BT * C);
-    buf.ln_f_mean = take(BT);
-    buf.ln_f_rstd = take(BT);
+    buf.ln_f = take(BT * C);  // all tokens: the head's input (gathered with sequence parallelism)
+    buf.ln_f_mean = take(Ns);
+    buf.ln_f_rstd = take(Ns);
     buf.logits = take(BT * V);
     buf.losses = take(BT);
     buf.lse = take(BT);
   }
-  buf.d_input = take(BT * C);
-  if (receives_grad) buf.d_output = take(BT * C);
+  buf.d_input = take(Ns * C);
+  if (receives_grad) buf.d_output = take(Ns * C);
   if (split_backward) {
     for (int l = 0; l < max_blocks_; ++l) {
       BlockGradOperands g;
-      g.d_res_3 = take(BT * C);
+      g.d_res_3 = take(BT * C);  // all tokens: a row-parallel product's output gradient
       g.d_fch = take(4 * BT * Cl);
-      g.d_ln_2 = take(BT * C);
+      g.d_ln_2 = take(Ns * C);
       g.d_res_2 = take(BT * C);
       g.d_qkv = take(3 * BT * Cl);
-      g.d_ln_1 = take(BT * C);
+      g.d_ln_1 = take(Ns * C);
       buf.grad_operands.push_back(g);
     }
-    if (any_final_) buf.d_ln_f = take(BT * C);
+    if (any_final_) buf.d_ln_f = take(Ns * C);
   }
   return buf;
 }
 
 int64_t GPT::activation_bytes() const {
-  const int64_t C = shape_.n_embd, Cl = Cl_, V = Vl_, H = Hl_, B = B_, T = T_, BT = B * T;
-  const int64_t per_block = 4 * BT * C + 12 * BT * Cl + 4 * BT + B * H * T * T;
-  const int64_t head = any_final_ ? BT * C + 2 * BT + BT * V + 2 * BT : 0;
-  return 4 * (2 * BT * C + max_blocks_ * per_block + head) + static_cast<int64_t>(scratch_.extent(0) * 4);
+  const int64_t C = shape_.n_embd, Cl = Cl_, V = Vl_, H = Hl_, B = B_, T = T_, BT = B * T, Ns = Ns_;
+  const int64_t per_block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + B * H * T * T;
+  const int64_t head = any_final_ ? BT * C + 2 * Ns + BT * V + 2 * BT : 0;
+  return 4 * (2 * Ns * C + max_blocks_ * per_block + head) + static_cast<int64_t>(scratch_.extent(0) * 4);
 }
 
 float* GPT::output(int chunk, const ActivationBuffer& buf) const {
@@ -405,17 +412,39 @@ void add_residual_and_bias(float* res, const float* residual, const float* parti
 
 template <typename P>
 float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store) {
-  const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, V = Vl_, BT = B * T;
-  const bool tp = part_.tp_size > 1;
+  const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, V = Vl_, BT = B * T, Ns = Ns_;
+  const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
+  // The input of a column-parallel product: this rank's tokens, or all of them gathered.
+  const auto column_input = [&](const float* x) -> const float* {
+    if (!sp) {
+      copy_to_tp_region_forward(tp_, x, BT * C);
+      return x;
+    }
+    gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns * C);
+    return gathered_;
+  };
+  // A row-parallel product's partial sums (row_out_, all tokens) summed over the group into
+  // this rank's tokens, then the bias once and the residual: res = residual + Σ partial + bias.
+  const auto row_output = [&](float* res, const float* residual, const P* bias) {
+    if (!sp) {
+      reduce_from_tp_region_forward(tp_, row_out_, BT * C);
+      add_residual_and_bias(res, residual, row_out_, bias, BT, C);
+    } else {
+      reduce_scatter_to_sequence_parallel_region_forward(tp_, row_out_, shard_, Ns * C);
+      add_residual_and_bias(res, residual, shard_, bias, Ns, C);
+    }
+  };
   if (c.embedding) {
     const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V(/t),C] then wpe [T,C]
     if (!tp) {
       encoder_forward(buf.input, buf.tokens, E, E + V * C, B, T, C);
     } else {  // vocab-parallel: each rank looks up the ids it owns, the group sums, then + wpe
-      vocab_embedding_forward(buf.input, buf.tokens, E, part_.vocab_begin, V, BT, C);
-      reduce_from_tp_region_forward(tp_, buf.input, BT * C);
-      add_position_embedding(buf.input, E + V * C, B, T, C);
+      float* lookup = sp ? row_out_ : buf.input;
+      vocab_embedding_forward(lookup, buf.tokens, E, part_.vocab_begin, V, BT, C);
+      if (!sp) reduce_from_tp_region_forward(tp_, buf.input, BT * C);
+      else reduce_scatter_to_sequence_parallel_region_forward(tp_, row_out_, buf.input, Ns * C);
+      add_position_embedding(buf.input, E + V * C, sp ? tp_.rank * Ns : 0, Ns, T, C);
     }
     store.release(c.embed_unit);
   }
@@ -425,30 +454,26 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
     BlockActivations& a = buf.blocks[l];
     const float* residual = l == 0 ? buf.input : buf.blocks[l - 1].res_3;
     // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
-    layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, BT, C);
-    copy_to_tp_region_forward(tp_, a.ln_1, BT * C);
-    matmul_forward(a.qkv, a.ln_1, w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+    layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
+    matmul_forward(a.qkv, column_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
     attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H);
     if (!tp) {
       copy(a.res_2, residual, BT * C);
       matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
     } else {
       matmul_forward(row_out_, a.atty, w.attn_proj_w, static_cast<const P*>(nullptr), BT, Cl, C, false, cmp);
-      reduce_from_tp_region_forward(tp_, row_out_, BT * C);
-      add_residual_and_bias(a.res_2, residual, row_out_, w.attn_proj_b, BT, C);
+      row_output(a.res_2, residual, w.attn_proj_b);
     }
     // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
-    layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, BT, C);
-    copy_to_tp_region_forward(tp_, a.ln_2, BT * C);
-    matmul_forward(a.fch, a.ln_2, w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
+    layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
+    matmul_forward(a.fch, column_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
     gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
     if (!tp) {
       copy(a.res_3, a.res_2, BT * C);
       matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
     } else {
       matmul_forward(row_out_, a.fch_gelu, w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false, cmp);
-      reduce_from_tp_region_forward(tp_, row_out_, BT * C);
-      add_residual_and_bias(a.res_3, a.res_2, row_out_, w.mlp_proj_b, BT, C);
+      row_output(a.res_3, a.res_2, w.mlp_proj_b);
     }
     store.release(u);
     store.progress();
@@ -456,10 +481,12 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   if (!c.final) return 0.0f;
   const float* x = c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;
   const P* F = static_cast<const P*>(store.fetch(c.final_unit));  // weight [C] then bias [C]
-  layernorm_forward(buf.ln_f, buf.ln_f_mean, buf.ln_f_rstd, x, F, F + C, BT, C);
+  // ln_f over this rank's tokens; the head reads all tokens (gathered with sequence parallelism)
+  layernorm_forward(sp ? shard_ : buf.ln_f, buf.ln_f_mean, buf.ln_f_rstd, x, F, F + C, Ns, C);
   store.release(c.final_unit);
+  if (sp) gather_from_sequence_parallel_region_forward(tp_, shard_, buf.ln_f, Ns * C);
+  else copy_to_tp_region_forward(tp_, buf.ln_f, BT * C);
   // LM head tied to wte: logits = ln_f · wteᵀ (this rank's vocabulary rows with tensor parallelism)
-  copy_to_tp_region_forward(tp_, buf.ln_f, BT * C);
   const P* E = static_cast<const P*>(store.fetch(c.head_unit));
   gemm(BT, V, C, {buf.ln_f, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, buf.logits, V, false, cmp);
   store.release(c.head_unit);
@@ -489,33 +516,53 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
 template <typename P>
 void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_scale, ParamStore& store,
                         BackwardPart part) {
-  const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, V = Vl_, BT = B * T;
-  const bool tp = part_.tp_size > 1;
+  const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, V = Vl_, BT = B * T, Ns = Ns_;
+  const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
   const bool input = part != BackwardPart::Weight, weights = part != BackwardPart::Input;
   const bool keep = part == BackwardPart::Input;  // save operands for the later W pass
-  float* dres = buf.d_input;  // the residual stream's gradient, from the chunk's end down to its input
+  float* dres = buf.d_input;  // the residual stream's gradient (this rank's tokens), from the chunk's end down
   float* dE = nullptr;        // the head's wte gradient stays open until the chunk is done
-  // A column-parallel layer's backward with "f"'s all-reduce of the input gradient; with
-  // tp_overlap_comm it runs under the weight product (Megatron's async dgrad all-reduce).
-  const auto column_backward = [&](float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                                   const P* weight, int64_t N, int64_t IC, int64_t OC) {
-    if (tp && tp_.overlap && dinp && dweight) {
-      matmul_backward(dinp, static_cast<float*>(nullptr), static_cast<float*>(nullptr), dout, inp, weight, N, IC, OC,
+  // A column-parallel layer's backward: dinp (all tokens, partial over the group) is summed —
+  // all-reduced ("f"), or reduce-scattered into dinp_shard with sequence parallelism. The
+  // weight product reads the layer input over all tokens (re-gathered from x's shard). With
+  // tp_overlap_comm the all-reduce runs under the weight product (Megatron's async dgrad).
+  const auto column_backward = [&](float* dinp_shard, float* dweight, float* dbias, const float* dout, const float* x,
+                                   const P* weight, int64_t IC, int64_t OC) {
+    const float* inp = x;
+    if (sp && dweight) {
+      gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns * IC);
+      inp = gathered_;
+    }
+    float* dinp = sp && dinp_shard ? row_out_ : dinp_shard;
+    if (tp && tp_.overlap && !sp && dinp && dweight) {
+      matmul_backward(dinp, static_cast<float*>(nullptr), static_cast<float*>(nullptr), dout, inp, weight, BT, IC, OC,
                       cmp);
-      const std::unique_ptr<CommRequest> pending = tp_.all_reduce_sum_async(dinp, N * IC);
-      matmul_backward(static_cast<float*>(nullptr), dweight, dbias, dout, inp, weight, N, IC, OC, cmp);
+      const std::unique_ptr<CommRequest> pending = tp_.all_reduce_sum_async(dinp, BT * IC);
+      matmul_backward(static_cast<float*>(nullptr), dweight, dbias, dout, inp, weight, BT, IC, OC, cmp);
       store.progress();
       pending->wait();
       return;
     }
-    matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, IC, OC, cmp);
-    if (dinp) copy_to_tp_region_backward(tp_, dinp, N * IC);
+    matmul_backward(dinp, dweight, dbias, dout, inp, weight, BT, IC, OC, cmp);
+    if (!dinp) return;
+    if (sp) gather_from_sequence_parallel_region_backward(tp_, dinp, dinp_shard, Ns * IC);
+    else copy_to_tp_region_backward(tp_, dinp, BT * IC);
+  };
+  // A row-parallel layer's output gradient over all tokens: this rank's tokens' gradient
+  // all-gathered with sequence parallelism (into `full`), else the same array.
+  const auto row_output_grad = [&](const float* d_shard, float* full) -> const float* {
+    if (!sp) {
+      reduce_from_tp_region_backward(tp_, d_shard, BT * C);
+      return d_shard;
+    }
+    reduce_scatter_to_sequence_parallel_region_backward(tp_, d_shard, full, Ns * C);
+    return full;
   };
 
   if (c.final) {
     const float* x = c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;
-    float* dlnf = keep || part == BackwardPart::Weight ? buf.d_ln_f : dln_;
+    float* dlnf = keep || part == BackwardPart::Weight ? buf.d_ln_f : dln_;  // this rank's tokens
     if (input) {
       // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
       const float dloss = grad_scale / static_cast<float>(BT);
@@ -528,23 +575,25 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     if (input) {
       const P* E = static_cast<const P*>(store.fetch(c.head_unit));
       const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);  // converted once for both
-      gemm(BT, C, V, d, {E, dtype_of<P>(), false, C}, dlnf, C, false, cmp);
+      float* dlnf_all = sp ? row_out_ : dlnf;
+      gemm(BT, C, V, d, {E, dtype_of<P>(), false, C}, dlnf_all, C, false, cmp);
       if (weights) gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);
       store.release(c.head_unit);
-      copy_to_tp_region_backward(tp_, dlnf, BT * C);
+      if (sp) gather_from_sequence_parallel_region_backward(tp_, dlnf_all, dlnf, Ns * C);
+      else copy_to_tp_region_backward(tp_, dlnf, BT * C);
     } else {
       const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);
       gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);
     }
-    if (input) Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres, BT * C), 0.0f);
+    if (input) Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres, Ns * C), 0.0f);
     const P* F = input ? static_cast<const P*>(store.fetch(c.final_unit)) : nullptr;
     float* dF = weights ? store.grad_target(c.final_unit) : nullptr;
     layernorm_backward(input ? dres : nullptr, dF, dF ? dF + C : nullptr, dlnf, x, F, buf.ln_f_mean, buf.ln_f_rstd,
-                       BT, C);
+                       Ns, C);
     if (input) store.release(c.final_unit);
     if (weights) store.grads_done(c.final_unit);
   } else if (input) {
-    copy(dres, buf.d_output, BT * C);
+    copy(dres, buf.d_output, Ns * C);
   }
 
   for (int l = c.num_blocks - 1; l >= 0; --l) {
@@ -556,49 +605,88 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     // Where the output gradients of the five products and two LayerNorms live.
     const bool saved = part != BackwardPart::Full;
     const BlockGradOperands& g = saved ? buf.grad_operands[l] : BlockGradOperands{};
-    float* d_res_3 = saved ? g.d_res_3 : dres;
     float* d_fch = saved ? g.d_fch : dfch_;
     float* d_ln_2 = saved ? g.d_ln_2 : dln_;
-    float* d_res_2 = saved ? g.d_res_2 : dres;
     float* d_qkv = saved ? g.d_qkv : dqkv_;
     float* d_ln_1 = saved ? g.d_ln_1 : dln_;
-    // MLP half: dres holds d(res_3)
-    if (keep) copy(d_res_3, dres, BT * C);
-    reduce_from_tp_region_backward(tp_, d_res_3, BT * C);
+    // MLP half: dres holds d(res_3); the row-parallel product's output gradient covers all tokens
+    const float* d_res_3 = part == BackwardPart::Weight ? g.d_res_3 : row_output_grad(dres, saved ? g.d_res_3 : gathered_);
+    if (keep && !sp) copy(g.d_res_3, dres, BT * C);
     matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
                     d_res_3, a.fch_gelu, w.mlp_proj_w, BT, 4 * Cl, C, cmp);
     store.progress();
     if (input) gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
-    column_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
-                    a.ln_2, w.c_fc_w, BT, C, 4 * Cl);
+    if (!tp) {
+      matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                      a.ln_2, w.c_fc_w, BT, C, 4 * Cl, cmp);
+    } else {
+      column_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                      a.ln_2, w.c_fc_w, C, 4 * Cl);
+    }
     store.progress();
     layernorm_backward(input ? dres : nullptr, weights ? dw.ln_2_w : nullptr, weights ? dw.ln_2_b : nullptr, d_ln_2,
-                       a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, BT, C);
+                       a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, Ns, C);
     // attention half: dres now holds d(res_2)
-    if (keep) copy(d_res_2, dres, BT * C);
-    reduce_from_tp_region_backward(tp_, d_res_2, BT * C);
+    const float* d_res_2 = part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(dres, saved ? g.d_res_2 : gathered_);
+    if (keep && !sp) copy(g.d_res_2, dres, BT * C);
     matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
                     d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp);
     store.progress();
     if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H);
     store.progress();
-    column_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr, d_qkv,
-                    a.ln_1, w.c_attn_w, BT, C, 3 * Cl);
+    if (!tp) {
+      matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
+                      d_qkv, a.ln_1, w.c_attn_w, BT, C, 3 * Cl, cmp);
+    } else {
+      column_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
+                      d_qkv, a.ln_1, w.c_attn_w, C, 3 * Cl);
+    }
     layernorm_backward(input ? dres : nullptr, weights ? dw.ln_1_w : nullptr, weights ? dw.ln_1_b : nullptr, d_ln_1,
-                       residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, BT, C);
+                       residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, Ns, C);
     if (input) store.release(u);
     if (weights) store.grads_done(u);
   }
   if (c.embedding && weights) {
     // one stage: the head already opened the embedding unit's gradients (asking again would reset them)
     float* dEmb = dE && c.head_unit == c.embed_unit ? dE : store.grad_target(c.embed_unit);
-    reduce_from_tp_region_backward(tp_, dres, BT * C);
-    if (!tp) encoder_backward(dEmb, dEmb + V * C, dres, buf.tokens, B, T, C);  // no parameters needed
-    else vocab_embedding_backward(dEmb, dEmb + V * C, dres, buf.tokens, part_.vocab_begin, V, B, T, C);
+    // the embedding's output gradient over all tokens (gathered from the shards with sequence parallelism)
+    const float* d_embedded = dres;
+    if (sp) {
+      reduce_scatter_to_sequence_parallel_region_backward(tp_, dres, gathered_, Ns * C);
+      d_embedded = gathered_;
+    } else {
+      reduce_from_tp_region_backward(tp_, dres, BT * C);
+    }
+    if (!tp) encoder_backward(dEmb, dEmb + V * C, d_embedded, buf.tokens, B, T, C);  // no parameters needed
+    else vocab_embedding_backward(dEmb, dEmb + V * C, d_embedded, buf.tokens, part_.vocab_begin, V, B, T, C);
     store.grads_done(c.embed_unit);
   } else if (c.final && weights) {
     store.grads_done(c.head_unit);  // the tied copy: complete once the chunk is done
   }
+}
+
+// The element counts of GPT's constructor (scratch_) and GPT::make_buffer, kept in step with them.
+GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
+                                        bool sequence_parallel, bool split_backward) {
+  const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, H = shape.n_head / t, V = part.vocab_local,
+                BT = B * T, Ns = sequence_parallel ? BT / t : BT;
+  int64_t max_blocks = 0;
+  bool any_final = false, receives_grad = false;
+  for (const ModelChunk& c : part.chunks) {
+    max_blocks = std::max<int64_t>(max_blocks, c.num_blocks);
+    any_final = any_final || c.final;
+    receives_grad = receives_grad || !c.final;
+  }
+  const int64_t per_block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + B * H * T * T;
+  const int64_t per_block_operands = split_backward ? 2 * BT * C + 2 * Ns * C + 7 * BT * Cl : 0;
+  const int64_t head = any_final ? BT * C + 2 * Ns + BT * V + 2 * BT + (split_backward ? Ns * C : 0) : 0;
+  const int64_t total =
+      Ns * C + (receives_grad ? Ns * C : 0) + Ns * C + max_blocks * (per_block + per_block_operands) + head;
+  const int64_t tp_extra = t > 1 ? BT * C + 3 * BT + (sequence_parallel ? BT * C + Ns * C : 0) : 0;
+  GPTActivationBytes out;
+  out.buffer = 4 * total + 8 * BT;  // ActivationBuffer::bytes(): storage, and token plus target ids
+  out.scratch = 4 * (BT * C + 8 * BT * Cl + kRowBlock * T + tp_extra);
+  return out;
 }
 
 }  // namespace zero3d

@@ -205,6 +205,7 @@ class GPT {
   DType param_type() const { return param_type_; }
   DType compute_type() const { return param_type_ == DType::BF16 ? DType::BF16 : DType::F32; }
   int64_t batch() const { return B_; }
+  int64_t stream_elements() const { return Ns_ * shape_.n_embd; }  // what one pipeline message carries
   int64_t seq_len() const { return T_; }
 
   // split_backward: also keep the weight-gradient operands (BackwardPart::Input/Weight).
@@ -228,6 +229,7 @@ class GPT {
   void backward(float grad_scale, ParamStore& store);
   const float* logits() const { return own_.logits; }  // of the last one-stage forward
   int64_t activation_bytes() const;  // one buffer plus the backward scratch
+  int64_t scratch_bytes() const { return static_cast<int64_t>(scratch_.extent(0) * 4); }
 
  private:
   template <typename T>
@@ -244,6 +246,7 @@ class GPT {
   TensorGroup tp_;
   // This rank's widths: attention features C/t (heads H/t), MLP 4C/t, vocabulary rows Vp/t.
   int64_t Cl_, Hl_, Vl_;
+  int64_t Ns_;  // tokens per micro-batch outside tensor-parallel regions: B·T, or B·T/t with sequence parallelism
   int max_blocks_ = 0;
   bool any_final_ = false;
   FlatBuffer scratch_;
@@ -251,6 +254,7 @@ class GPT {
   // also the row-parallel partial product and the vocab-parallel cross-entropy's row sums
   float *dln_, *dqkv_, *datty_, *dfch_, *datt_scratch_;
   float *row_out_ = nullptr, *ce_max_ = nullptr, *ce_sum_ = nullptr, *ce_target_ = nullptr;
+  float *gathered_ = nullptr, *shard_ = nullptr;  // sequence parallelism: all tokens [B·T, C], one shard [Ns, C]
   ActivationBuffer own_;  // the one-stage convenience API's buffer (allocated on first use)
 };
 
@@ -268,5 +272,14 @@ struct FlatModel {
   void backward(float grad_scale) { model.backward(grad_scale, store); }
   void zero_grad() { Kokkos::deep_copy(grads, 0.0f); }
 };
+
+// What GPT(shape, B, T, …, part, TensorGroup{…, sequence_parallel}) allocates for activations,
+// computed without allocating (the memory estimator's figure): `buffer` = one
+// make_buffer(split_backward).bytes(), `scratch` = scratch_bytes().
+struct GPTActivationBytes {
+  int64_t buffer = 0, scratch = 0;
+};
+GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
+                                        bool sequence_parallel, bool split_backward);
 
 }  // namespace zero3d

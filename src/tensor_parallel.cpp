@@ -17,4 +17,12 @@ std::unique_ptr<CommRequest> TensorGroup::all_reduce_sum_async(float* x, int64_t
   return comm->all_reduce_async(x, n, DType::F32, ReduceOp::Sum);
 }
 
+void TensorGroup::all_gather_tokens(const float* shard, float* full, int64_t n) const {
+  comm->all_gather(shard, full, n, DType::F32);
+}
+
+void TensorGroup::reduce_scatter_tokens(const float* full, float* shard, int64_t n) const {
+  comm->reduce_scatter(full, shard, n, DType::F32, ReduceOp::Sum);
+}
+
 }  // namespace zero3d

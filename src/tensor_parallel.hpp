@@ -16,9 +16,15 @@ struct TensorGroup {
   Communicator* comm = nullptr;  // null when the tensor-parallel size is 1
   int size = 1, rank = 0;
   bool overlap = false;  // tp_overlap_comm: input-gradient all-reduces run under the weight products
+  // Megatron sequence parallelism: outside the tensor-parallel regions each rank holds a
+  // contiguous 1/size of the micro-batch's B·T tokens.
+  bool sequence_parallel = false;
   void all_reduce_sum(float* x, int64_t n) const;
   void all_reduce_max(float* x, int64_t n) const;
   std::unique_ptr<CommRequest> all_reduce_sum_async(float* x, int64_t n) const;
+  // Token shards in rank order: shard (n elements) -> full (size·n), and its adjoint.
+  void all_gather_tokens(const float* shard, float* full, int64_t n) const;
+  void reduce_scatter_tokens(const float* full, float* shard, int64_t n) const;
 };
 
 // "f": enters a column-parallel layer. Forward: identity; backward: the input gradient, partial
@@ -30,5 +36,26 @@ inline void copy_to_tp_region_backward(const TensorGroup& g, float* grad, int64_
 // products are summed over the group; backward: identity.
 inline void reduce_from_tp_region_forward(const TensorGroup& g, float* x, int64_t n) { g.all_reduce_sum(x, n); }
 inline void reduce_from_tp_region_backward(const TensorGroup&, const float*, int64_t) {}
+
+// Sequence parallelism replaces "f" and "g" (FACTS-2 §1.8). Entering a column-parallel layer:
+// forward all-gathers the token shards, backward reduce-scatters the input gradient.
+inline void gather_from_sequence_parallel_region_forward(const TensorGroup& g, const float* shard, float* full,
+                                                         int64_t n) {
+  g.all_gather_tokens(shard, full, n);
+}
+inline void gather_from_sequence_parallel_region_backward(const TensorGroup& g, const float* full_grad,
+                                                          float* shard_grad, int64_t n) {
+  g.reduce_scatter_tokens(full_grad, shard_grad, n);
+}
+// Leaving a row-parallel layer: forward reduce-scatters the partial products into token
+// shards, backward all-gathers the shards' gradient.
+inline void reduce_scatter_to_sequence_parallel_region_forward(const TensorGroup& g, const float* full, float* shard,
+                                                               int64_t n) {
+  g.reduce_scatter_tokens(full, shard, n);
+}
+inline void reduce_scatter_to_sequence_parallel_region_backward(const TensorGroup& g, const float* shard_grad,
+                                                                float* full_grad, int64_t n) {
+  g.all_gather_tokens(shard_grad, full_grad, n);
+}
 
 }  // namespace zero3d

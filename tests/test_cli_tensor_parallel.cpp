@@ -88,7 +88,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{4, 1, 2, 3, "", "d2_t2_z3"},                          // 1x2x2
                       Layout{8, 2, 2, 1, "--set pipeline.schedule=zb-h1", "p2_d2_t2_zbh1_z1"},  // 2x2x2
                       Layout{4, 2, 2, 0, "--set pipeline.schedule=interleaved --set pipeline.virtual_stages=2",
-                             "p2_t2_interleaved_z0"}),
+                             "p2_t2_interleaved_z0"},
+                      // Megatron sequence parallelism: LayerNorms and residuals on token shards
+                      Layout{2, 1, 2, 0, "--set tensor_parallel.sequence_parallel=true", "t2_sp_z0"},
+                      Layout{4, 1, 4, 3, "--set tensor_parallel.sequence_parallel=true", "t4_sp_z3"},
+                      Layout{4, 2, 2, 2, "--set tensor_parallel.sequence_parallel=true --set pipeline.schedule=zb-h1",
+                             "p2_t2_sp_zbh1_z2"},
+                      Layout{8, 2, 2, 1, "--set tensor_parallel.sequence_parallel=true", "p2_d2_t2_sp_z1"}),
     [](const ::testing::TestParamInfo<Layout>& info) { return info.param.name; });
 
 // bf16 matrix products round their operands to 8 bits; a row-parallel product summed from
@@ -119,6 +125,29 @@ TEST(TensorParallel, TensorAxisMovesMegatronsAllReduceVolume) {
   const int64_t expected = elements * 4;  // 2(t-1)/t = 1 at t = 2
   EXPECT_EQ(r.rows.back().at("comm_bytes_by_axis").at("tensor").get<int64_t>(), expected);
   EXPECT_EQ(r.rows.back().at("comm_bytes_by_axis").at("pipe").get<int64_t>(), 0);
+}
+
+TEST(TensorParallel, SequenceParallelismMovesAllGathersAndReduceScattersAndHoldsFewerActivations) {
+  const TrainRun plain = train(2, "plain", "--set tensor_parallel.autotp_size=2 --set training.steps=2");
+  const TrainRun sp = train(2, "sp", "--set tensor_parallel.autotp_size=2 --set training.steps=2 "
+                                     "--set tensor_parallel.sequence_parallel=true");
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  ASSERT_EQ(sp.code, 0) << sp.err;
+  // Each all-gather or reduce-scatter of B·T·C moves (t−1)/t of it: per block 2 in forward
+  // (entering c_attn, c_fc) + 2 (leaving the c_projs), in backward the 2 mirrors of each plus
+  // the 2 re-gathers of the LayerNorm outputs for the weight products; the embedding, the head
+  // and ln_f one each way. The cross-entropy's all-reduces stay, and once per step the
+  // LayerNorm gradients (each rank saw only its tokens) are summed over the group.
+  const int64_t BT = 2 * 16, C = 32, L = 6, micro = 8;
+  const int64_t half = BT * C * 4 / 2;  // (t−1)/t · B·T·C · 4 bytes at t = 2
+  const int64_t expected = micro * ((10 * L + 4) * half + 3 * BT * 4) + (4 * L + 2) * C * 4;
+  EXPECT_EQ(sp.rows.back().at("comm_bytes_by_axis").at("tensor").get<int64_t>(), expected);
+  // ln_1, ln_2, res_2, res_3 per block, the stream and its gradient: B·T/t tokens instead of B·T
+  const int64_t saved = 4 * (L * (4 * BT * C / 2 + 4 * BT / 2) + 2 * BT * C / 2 + 2 * BT / 2);
+  const int64_t sp_scratch = 4 * (BT * C + BT * C / 2);  // the gathered tokens and one shard
+  EXPECT_EQ(plain.rows.back().at("memory").at("activations").get<int64_t>() -
+                sp.rows.back().at("memory").at("activations").get<int64_t>(),
+            saved - sp_scratch);
 }
 
 TEST(TensorParallel, ResumesAcrossPipeDataTensorLayoutsWithinOneInAMillion) {
@@ -171,7 +200,9 @@ INSTANTIATE_TEST_SUITE_P(
                   "--world-size 6 --set tensor_parallel.autotp_size=2 --set pipeline.stages=2",
                   "pipeline.stages (2) x tensor_parallel.autotp_size (2) = 4 does not divide the number of ranks (6)"},
         Misconfig{"NestedTpSizeDisagreeing", "--world-size 2 --set tensor_parallel.autotp_size=2 --set tensor_parallel.tp.tp_size=4",
-                  "differs from tensor_parallel.autotp_size (2)"}),
+                  "differs from tensor_parallel.autotp_size (2)"},
+        Misconfig{"SequenceParallelWithoutTensorParallel", "--world-size 1 --set tensor_parallel.sequence_parallel=true",
+                  "it needs tensor_parallel.autotp_size > 1"}),
     [](const ::testing::TestParamInfo<Misconfig>& info) { return info.param.name; });
 
 }  // namespace
