@@ -232,7 +232,9 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
     max_blocks_ = std::max(max_blocks_, c.num_blocks);
     any_final_ = any_final_ || c.final;
   }
-  // Tokens this rank carries outside the tensor-parallel regions (a shard with sequence parallelism).
+  // Tokens this rank carries outside the tensor-parallel regions (a shard with sequence
+  // parallelism, which only exists with more than one tensor rank).
+  tp_.sequence_parallel = tp_.sequence_parallel && t > 1;
   Ns_ = tp_.sequence_parallel ? BT / t : BT;
   // Backward scratch, shared by all blocks and micro-batches.
   const int64_t tp_extra = t > 1 ? BT * C + 3 * BT + (tp_.sequence_parallel ? BT * C + Ns_ * C : 0) : 0;
