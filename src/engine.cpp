@@ -87,7 +87,7 @@ void Engine::setup_local() {
   const int t = tp_comm_->size(), tp_rank = tp_comm_->rank();
   model_ = std::make_unique<GPT>(shape, B, T, pc.param, gpt_model_part(shape, cfg_.pipe_bounds, stages_, stage_, t, tp_rank),
                                  TensorGroup{tp_comm_.get(), t, tp_rank, cfg_.tensor.overlap_comm,
-                                             cfg_.tensor.sequence_parallel});
+                                             cfg_.tensor.sequence_parallel, &tensor_comm_ms_});
   // Every stage partitions the same element count (the largest stage's), so the tied wte at
   // local offset 0 of the first and last stage is cut identically over the data group.
   int64_t partition_numel = model_->num_params();
@@ -316,6 +316,15 @@ void Engine::print_startup() const {
               cfg_.model.init_from.empty() ? ("initialised from seed " + std::to_string(cfg_.training.seed)).c_str()
                                            : ("loaded from " + cfg_.model.init_from).c_str());
   std::printf("batch   %s\n", cfg_.batch.derivation.c_str());
+  if (tp_comm_->size() > 1) {
+    const ModelPart& part = model_->part();
+    std::printf("tensor  %d ranks (Megatron): c_attn and c_fc column-parallel, c_proj row-parallel, wte vocab-parallel "
+                "(%lld rows each, vocabulary padded %lld -> %lld)%s%s; %lld parameters on tensor rank 0 of stage 0\n",
+                tp_comm_->size(), (long long)part.vocab_local, (long long)s.vocab_size, (long long)part.vocab_padded,
+                cfg_.tensor.sequence_parallel ? ", sequence parallel" : "",
+                cfg_.tensor.overlap_comm ? ", input-gradient all-reduces overlapped" : "",
+                (long long)model_->num_params());
+  }
   if (stages_ > 1) {
     const PipelineConfig& pc = cfg_.pipeline;
     const pipe::ScheduleSpec spec{pc.schedule, stages_, static_cast<int>(cfg_.batch.gradient_accumulation_steps),
@@ -580,6 +589,7 @@ StepResult Engine::train_step() {
   zero_->zero_grad();
   finalized_ = false;
   busy_ms_ = 0.0;
+  tensor_comm_ms_ = 0.0;
   step_start_ = compute_end_ = t0;
   instr_index_ = 0;
   double local_loss = 0.0;
@@ -601,6 +611,7 @@ StepResult Engine::train_step() {
   dp_comm_->all_reduce(&mean_loss, 1, DType::F64, ReduceOp::Sum);
   if (stages_ > 1) pipe_comm_->broadcast(&mean_loss, 1, DType::F64, stages_ - 1);
   r.loss = mean_loss / world_;
+  r.tensor_comm_ms = tensor_comm_ms_;
   check_tensor_replicas();
   r.idle_fraction = span_ms > 0 ? std::max(0.0, 1.0 - busy_ms_ / span_ms) : 0.0;
   r.stage_idle.assign(static_cast<size_t>(stages_), 0.0);
@@ -658,7 +669,7 @@ std::vector<StepResult> Engine::train() {
         const double ar = ms.count("backward_allreduce") ? ms.at("backward_allreduce") : 0.0;
         const double st = ms.count("step") ? ms.at("step") : 0.0;
         rec["time_ms"] = {{"forward", fwd}, {"backward", inner + ar}, {"backward_inner", inner},
-                          {"backward_allreduce", ar}, {"step", st}};
+                          {"backward_allreduce", ar}, {"step", st}, {"tensor_comm", r.tensor_comm_ms}};
       }
       metrics_->write(rec);
     }

@@ -38,7 +38,8 @@ struct StepResult {
   double tokens_per_s = 0.0;
   double mfu = 0.0;
   int64_t comm_bytes = 0;  // bus bytes this rank moved in the step
-  std::array<int64_t, 3> comm_by_axis{};  // of them: data (with the tied embedding group), tensor, pipe
+  std::array<int64_t, 3> comm_by_axis{};
+  double tensor_comm_ms = 0.0;  // blocked in tensor-parallel collectives  // of them: data (with the tied embedding group), tensor, pipe
   // 1 − (this stage's forward and backward time) ÷ (the longest stage's span from the step's
   // start to its last pass): the pipeline bubble as the schedule formulas count it.
   double idle_fraction = 0.0;
@@ -108,6 +109,7 @@ class Engine {
   bool finalized_ = false;
   GradStats stats_;
   double busy_ms_ = 0.0;  // in forward and backward passes this step
+  double tensor_comm_ms_ = 0.0;  // in the tensor group's collectives this step (blocking part)
   std::chrono::steady_clock::time_point step_start_, compute_end_;
   int instr_index_ = 0;
   int local_rank_ = 0;        // on this node (MPI_COMM_TYPE_SHARED): the GPU a CUDA build would use

@@ -19,6 +19,7 @@ struct TensorGroup {
   // Megatron sequence parallelism: outside the tensor-parallel regions each rank holds a
   // contiguous 1/size of the micro-batch's B·T tokens.
   bool sequence_parallel = false;
+  double* comm_ms = nullptr;  // when set, time spent in the group's collectives accumulates here
   void all_reduce_sum(float* x, int64_t n) const;
   void all_reduce_max(float* x, int64_t n) const;
   std::unique_ptr<CommRequest> all_reduce_sum_async(float* x, int64_t n) const;
