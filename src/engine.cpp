@@ -373,7 +373,7 @@ void Engine::print_startup() const {
   std::printf("zero    stage %d over %d data-parallel ranks (%s), reduce buckets of %lld elements, overlap_comm %s%s\n",
               zero_->stage(), world_, dp_comm_->backend().c_str(), (long long)cfg_.zero.reduce_bucket_size,
               cfg_.zero.overlap_comm ? "on" : "off",
-              cfg_.training.comms_timeout > 0 ? (", comms_timeout " + std::to_string(cfg_.training.comms_timeout) + " s").c_str() : "");
+              cfg_.training.comms_timeout > 0 ? (", comms_timeout " + format_number(cfg_.training.comms_timeout) + " s").c_str() : "");
   std::printf("memory  bytes per rank: params %lld | grads %lld | master %lld | optimizer_states %lld | "
               "comm_buffers %lld | model states %.1f MB (stage 0 would hold %.1f MB) | activations %.1f MB\n",
               (long long)m.params, (long long)m.grads, (long long)m.master, (long long)m.optimizer_states,

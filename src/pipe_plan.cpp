@@ -4,6 +4,7 @@
 #include <regex>
 #include <stdexcept>
 
+#include "input_file.hpp"
 #include "pipe_schedule.hpp"
 
 namespace zero3d {
@@ -39,8 +40,8 @@ std::vector<int> partition_pipe_layers(const std::vector<PipeLayer>& layers, con
       try {
         re = std::regex(pc.type_regex, std::regex::icase | std::regex::ECMAScript);
       } catch (const std::regex_error& e) {
-        throw std::invalid_argument("pipeline.partition \"type:" + pc.type_regex + "\": invalid regular expression (" +
-                                    e.what() + ")");
+        throw std::invalid_argument("pipeline.partition \"type:" + echo(pc.type_regex) +
+                                    "\": invalid regular expression (" + e.what() + ")");
       }
       int matched = 0;
       for (const PipeLayer& l : layers) {
@@ -49,14 +50,14 @@ std::vector<int> partition_pipe_layers(const std::vector<PipeLayer>& layers, con
         w.push_back(m ? 1.0 : 0.0);
       }
       if (matched == 0)
-        throw std::invalid_argument("pipeline.partition \"type:" + pc.type_regex +
+        throw std::invalid_argument("pipeline.partition \"type:" + echo(pc.type_regex) +
                                     "\" matches no layer kind (embedding, block, final)");
     }
     bounds = pipe::partition_balanced(w, parts);
   }
   for (int k = 0; k < parts; ++k)
     if (bounds[k + 1] <= bounds[k])
-      throw std::invalid_argument("pipeline.partition \"" + pc.partition_name + "\" leaves part " + std::to_string(k) +
+      throw std::invalid_argument("pipeline.partition \"" + echo(pc.partition_name) + "\" leaves part " + std::to_string(k) +
                                   " of " + std::to_string(parts) + " empty over " + std::to_string(n) + " layers");
   return bounds;
 }
