@@ -15,10 +15,11 @@ using namespace cli;
 namespace {
 
 // V=61 (padded to 62 at t=2, 64 at t=4: the padding must change nothing), H=4 so t=4 holds
-// one head per rank, L=6, clipping active, 16 samples of 2 per step.
+// one head per rank, L=6, clipping active, 16 samples in micro-batches of 8 per step (few
+// micro-batches: every one costs tensor collectives, slow on oversubscribed ranks).
 json tp_config() {
   return json{{"train_batch_size", 16},
-              {"train_micro_batch_size_per_gpu", 2},
+              {"train_micro_batch_size_per_gpu", 8},
               {"gradient_clipping", 0.05},
               {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"weight_decay", 0.01}}}}},
               {"model", {{"vocab_size", 61}, {"n_positions", 16}, {"n_layer", 6}, {"n_head", 4}, {"n_embd", 32}}},
@@ -120,7 +121,7 @@ TEST(TensorParallel, TensorAxisMovesMegatronsAllReduceVolume) {
   // Per micro-batch: 2 all-reduces of B·T·C per block forward and 2 backward (Megatron), the
   // vocab-parallel embedding's sum and the head's input gradient (B·T·C each), and the
   // cross-entropy's max, sum-exp and target logit (B·T each); bus bytes 2(t−1)/t · 4 per element.
-  const int64_t BT = 2 * 16, C = 32, L = 6, micro = 8;
+  const int64_t BT = 8 * 16, C = 32, L = 6, micro = 2;
   const int64_t elements = micro * ((4 * L + 2) * BT * C + 3 * BT);
   const int64_t expected = elements * 4;  // 2(t-1)/t = 1 at t = 2
   EXPECT_EQ(r.rows.back().at("comm_bytes_by_axis").at("tensor").get<int64_t>(), expected);
@@ -138,7 +139,7 @@ TEST(TensorParallel, SequenceParallelismMovesAllGathersAndReduceScattersAndHolds
   // the 2 re-gathers of the LayerNorm outputs for the weight products; the embedding, the head
   // and ln_f one each way. The cross-entropy's all-reduces stay, and once per step the
   // LayerNorm gradients (each rank saw only its tokens) are summed over the group.
-  const int64_t BT = 2 * 16, C = 32, L = 6, micro = 8;
+  const int64_t BT = 8 * 16, C = 32, L = 6, micro = 2;
   const int64_t half = BT * C * 4 / 2;  // (t−1)/t · B·T·C · 4 bytes at t = 2
   const int64_t expected = micro * ((10 * L + 4) * half + 3 * BT * 4) + (4 * L + 2) * C * 4;
   EXPECT_EQ(sp.rows.back().at("comm_bytes_by_axis").at("tensor").get<int64_t>(), expected);
@@ -159,7 +160,7 @@ TEST(TensorParallel, ResumesAcrossPipeDataTensorLayoutsWithinOneInAMillion) {
   const std::vector<double> tail(whole.begin() + 5, whole.end());
   const std::string tag = temp_path("tp_saved") + "/checkpoints/global_step5";
   for (const auto& [np, args] : std::vector<std::pair<int, std::string>>{
-           {4, "--set zero_optimization.stage=3"},                                         // 1x4x1
+           {4, "--set zero_optimization.stage=3 --set train_micro_batch_size_per_gpu=4"},  // 1x4x1
            {1, ""},                                                                         // 1x1x1
            {4, "--set tensor_parallel.autotp_size=4 --set zero_optimization.stage=2"}}) {  // 1x1x4
     const TrainRun r = train(np, "resumed", "--set training.resume=" + tag + " " + args);
