@@ -14,6 +14,7 @@
 #include "h5.hpp"
 #include "input_file.hpp"
 #include "model.hpp"
+#include "pipe_schedule.hpp"
 #include "zero.hpp"
 
 namespace zero3d {
@@ -94,6 +95,8 @@ ModelCounts count_model(const ModelConfig& m) {
 
 nlohmann::json MemoryBudget::to_json() const {
   return {{"stage", stage},
+          {"pipe_stage", pipe_stage},
+          {"tensor_rank", tensor_rank},
           {"micro_batch", micro_batch},
           {"params", params},
           {"grads", grads},
@@ -111,15 +114,66 @@ nlohmann::json MemoryBudget::to_json() const {
           {"total", total()}};
 }
 
-MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
+RankLayout rank_layout(const Config& cfg, int64_t world) {
+  RankLayout r;
+  r.stages = std::max(1, cfg.pipeline.stages);
+  r.tensor = std::max(1, cfg.tensor.size);
+  r.data = std::max<int64_t>(1, world / (int64_t(r.stages) * r.tensor));
+  return r;
+}
+
+namespace {
+// What the engine builds on one (pipeline stage, tensor rank): Engine::setup_local.
+struct RankPlan {
+  int pipe_stage = 0, tensor_rank = 0;
+  ModelPart part;
+  int64_t partition_numel = 0;  // every stage partitions the largest stage's element count
+  int num_buffers = 1;          // activation buffers the schedule keeps in flight
+  bool split = false;           // zb-h1: buffers keep the weight-gradient operands
+};
+
+// Tensor ranks hold equal element counts (every split is even, the vocabulary padded to a
+// multiple of t), so tensor rank 0 stands for its stage's whole tensor group.
+std::vector<RankPlan> plan_ranks(const Config& cfg) {
   const ModelConfig& m = cfg.model;
   const GPTShape shape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
-  const ParamLayout layout = gpt_layout(shape);
-  const std::vector<ParamUnit> units = gpt_units(layout, m.n_layer);
-  const int64_t psi = layout.total();
-  const Partition part(psi, static_cast<int>(world));
+  const int stages = std::max(1, cfg.pipeline.stages), t = std::max(1, cfg.tensor.size);
+  const std::vector<int> bounds =
+      cfg.pipe_bounds.size() >= 2 ? cfg.pipe_bounds : std::vector<int>{0, static_cast<int>(m.n_layer) + 2};
+  std::vector<RankPlan> plans(static_cast<size_t>(stages));
+  int64_t largest = 0;
+  for (int s = 0; s < stages; ++s) {
+    RankPlan& p = plans[s];
+    p.pipe_stage = s;
+    p.part = gpt_model_part(shape, bounds, stages, s, t, 0);
+    largest = std::max(largest, p.part.layout.total());
+    // Buffers in flight stop growing once m reaches the warm-up (at most (v+1)·p forwards), so
+    // a long accumulation is planned with (2v+2)·p micro-batches (a multiple of p, as
+    // interleaving needs): same num_buffers and split, without materialising a huge schedule.
+    const int64_t v = std::max(1, cfg.pipeline.virtual_stages), saturated = (2 * v + 2) * stages;
+    const int64_t micro = std::max<int64_t>(1, cfg.batch.gradient_accumulation_steps);
+    const pipe::ScheduleSpec spec{cfg.pipeline.schedule, stages, static_cast<int>(std::min(micro, saturated)),
+                                  cfg.pipeline.virtual_stages};
+    const pipe::StageSchedule schedule = pipe::make_schedule(spec, s);
+    p.num_buffers = schedule.num_buffers;
+    for (const auto& step : schedule.steps)
+      for (const pipe::Instruction& in : step) p.split = p.split || in.op == pipe::Op::BackwardInput;
+  }
+  for (RankPlan& p : plans) p.partition_numel = stages > 1 ? largest : p.part.layout.total();
+  return plans;
+}
+
+MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, int stage) {
+  const ModelConfig& m = cfg.model;
+  const GPTShape shape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
+  const ParamLayout& layout = plan.part.layout;
+  const std::vector<ParamUnit>& units = plan.part.units;
+  const int64_t psi = layout.total();  // what this rank's model holds (tied wte copy, vocab padding included)
+  const Partition part(plan.partition_numel, static_cast<int>(dp));
   MemoryBudget b;
   b.stage = stage < 0 ? static_cast<int>(cfg.zero.stage) : stage;
+  b.pipe_stage = plan.pipe_stage;
+  b.tensor_rank = plan.tensor_rank;
   b.micro_batch = cfg.batch.micro_batch;
   // Model states: what ZeroOptimizer allocates (zero.hpp's table) in the configured dtypes.
   const PrecisionConfig& pc = cfg.precision;
@@ -135,19 +189,20 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
   b.optimizer_states = 4 * moments * state_elems;
   // Communication: reduce-scatter staging (rank 0's part of the buckets in flight, in the
   // communication dtype), send buffers for buckets converted to that dtype, and the fp32
-  // gradient windows (embeddings, ln_f, one block; two with overlap_comm) that stages 2-3 and
-  // 16-bit gradients use. Parameter all-gathers are in place (stages 1-2) or land in the
-  // gathered units (stage 3).
-  int64_t largest_block = 0, largest_unit = 0, largest_tensor = 0;
-  for (size_t u = 0; u < units.size(); ++u) {
-    largest_unit = std::max(largest_unit, units[u].numel);
-    if (u > 0 && u + 1 < units.size()) largest_block = std::max(largest_block, units[u].numel);
+  // gradient windows (the units that are not blocks: embeddings, ln_f, the tied wte copy;
+  // one block, two with overlap_comm) that stages 2-3 and 16-bit gradients use. Parameter
+  // all-gathers are in place (stages 1-2) or land in the gathered units (stage 3).
+  int64_t largest_block = 0, largest_unit = 0, largest_tensor = 0, non_block = 0;
+  for (const ParamUnit& u : units) {
+    largest_unit = std::max(largest_unit, u.numel);
+    if (u.kind == UnitKind::Block) largest_block = std::max(largest_block, u.numel);
+    else non_block += u.numel;
   }
   for (const TensorSpec& t : layout.tensors()) largest_tensor = std::max(largest_tensor, t.numel);
   const bool overlap = cfg.zero.overlap_comm;
   if (b.stage >= 1) b.comm_reduce = cs * (overlap ? part.part : std::min(cfg.zero.reduce_bucket_size, part.part));
   const bool windows = b.stage >= 2 || pc.grad_accum != DType::F32;
-  if (windows) b.comm_reduce += 4 * (units.front().numel + units.back().numel + largest_block * (overlap ? 2 : 1));
+  if (windows) b.comm_reduce += 4 * (non_block + largest_block * (overlap ? 2 : 1));
   const DType source = b.stage >= 2 ? DType::F32 : pc.grad_accum;  // what the buckets are cut from
   if (source != pc.comm) {
     const int64_t one_call = b.stage >= 2 ? largest_unit : psi;  // what one reduction covers
@@ -162,17 +217,40 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
     b.live_params = ps * (keep_all ? psi : std::min(psi, cfg.zero.max_live_parameters + largest_unit));
     b.comm_prefetch = 0;  // prefetched units are inside live_params
   }
-  // Activations: the GPT's buffers for one micro-batch (model.cpp allocates exactly these).
-  const double B = double(cfg.batch.micro_batch), T = double(m.n_positions), C = double(m.n_embd),
-               L = double(m.n_layer), V = double(m.vocab_size), H = double(m.n_head), BT = B * T;
-  const double per_block = 16 * BT * C + 4 * BT + B * H * T * T;
-  const double head = BT * C + 2 * BT + BT * V + 2 * BT;
-  const double scratch = 10 * BT * C + double(kernels::kRowBlock) * T;
-  b.activations = capped(4 * (BT * C + L * per_block + head + scratch));
-  // With every block checkpointed: block inputs kept, one block's internals recomputed at a time.
-  b.activations_checkpointed = capped(4 * (BT * C + L * BT * C + per_block + head + scratch));
+  // Activations: exactly what the engine allocates (Engine::activation_bytes): the schedule's
+  // in-flight buffers, each GPT::make_buffer's size, plus the model's backward scratch. Local
+  // widths C/t, H/t, Vp/t; tokens outside tensor-parallel regions B·T, or B·T/t with sequence
+  // parallelism.
+  const int64_t Bm = cfg.batch.micro_batch, Tm = m.n_positions;
+  // (gpt_activation_bytes multiplies in int64: user-sized products past 2^55, bounded here in
+  // double with the whole widths, are capped instead.)
+  {
+    const double B = double(Bm), T = double(Tm), C = double(m.n_embd), BT = B * T, L = double(m.n_layer),
+                 bound = 4 * (double(plan.num_buffers) * (5 * BT * C + L * (27 * BT * C + 4 * BT + B * double(m.n_head) * T * T) +
+                                                          BT * double(plan.part.vocab_padded) + 6 * BT) +
+                              11 * BT * C + double(kernels::kRowBlock) * T + 3 * BT);
+    if (bound < 36028797018963968.0) {  // 2^55
+      const GPTActivationBytes act =
+          gpt_activation_bytes(shape, plan.part, Bm, Tm, cfg.tensor.sequence_parallel, plan.split);
+      b.activations = plan.num_buffers * act.buffer + act.scratch;
+    } else {
+      b.activations = capped(bound);
+    }
+  }
+  // With every block checkpointed: of each buffer's blocks only the inputs kept, one block's
+  // internals recomputed at a time.
+  const int t = std::max(1, plan.part.tp_size);
+  const double B = double(Bm), T = double(Tm), C = double(m.n_embd), H = double(m.n_head) / t,
+               Cl = C / t, BT = B * T, Ns = cfg.tensor.sequence_parallel ? BT / t : BT;
+  int64_t max_blocks = 0;
+  for (const ModelChunk& c : plan.part.chunks) max_blocks = std::max<int64_t>(max_blocks, c.num_blocks);
+  const double per_block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + B * H * T * T;
+  const double saved = double(max_blocks) * (per_block - Ns * C);
+  b.activations_checkpointed =
+      capped(std::max(0.0, double(b.activations) - 4 * double(plan.num_buffers) * saved + (max_blocks > 0 ? 4 * per_block : 0.0)));
   // Workspace: token ids, the start-up product that measures peak GFLOP/s, initial weights
   // read whole by init_from, data held in memory (text bytes and token shards as int32).
+  const double V = double(plan.part.vocab_local);
   double workspace = 2 * 4 * BT + 3 * 512 * 512 * 4;
   // 16-bit runs: operand conversions of the matrix products (gemm.cpp) and the tensor groups
   // that fill the 16-bit copy at start-up (stages 1-2). (oneDNN's own code and caches measured
@@ -189,11 +267,34 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
   return b;
 }
 
+MemoryBudget largest_of(const std::vector<MemoryBudget>& budgets) {
+  const MemoryBudget* best = &budgets.front();
+  for (const MemoryBudget& b : budgets)
+    if (b.total() > best->total()) best = &b;  // ties: the lowest stage
+  return *best;
+}
+}  // namespace
+
+std::vector<MemoryBudget> estimate_rank_budgets(const Config& cfg, int64_t world, int stage) {
+  const int64_t dp = rank_layout(cfg, world).data;
+  std::vector<MemoryBudget> out;
+  for (const RankPlan& p : plan_ranks(cfg)) out.push_back(rank_budget(cfg, p, dp, stage));
+  return out;
+}
+
+MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
+  return largest_of(estimate_rank_budgets(cfg, world, stage));
+}
+
 int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank) {
   Config c = cfg;
+  const std::vector<RankPlan> plans = plan_ranks(cfg);  // independent of the micro-batch
+  const int64_t dp = rank_layout(cfg, world).data;
   auto fits = [&](int64_t micro) {
     c.batch.micro_batch = micro;
-    return estimate_budget(c, world, stage).total() <= bytes_per_rank;
+    for (const RankPlan& p : plans)
+      if (rank_budget(c, p, dp, stage).total() > bytes_per_rank) return false;
+    return true;
   };
   if (!fits(1)) return 0;
   int64_t lo = 1, hi = 2;
@@ -219,6 +320,10 @@ void write_budget_report(const std::string& path, const Config& cfg, int64_t wor
   h5::write_attribute(f.id(), "config", cfg.resolved.dump());
   h5::write_attribute(f.id(), "config_file", cfg.file);
   h5::write_attribute(f.id(), "world_size", world);
+  const RankLayout layout = rank_layout(cfg, world);
+  h5::write_attribute(f.id(), "pipeline_stages", int64_t(layout.stages));
+  h5::write_attribute(f.id(), "tensor_parallel_size", int64_t(layout.tensor));
+  h5::write_attribute(f.id(), "data_parallel_size", layout.data);
   h5::write_attribute(f.id(), "micro_batch", cfg.batch.micro_batch);
   h5::write_attribute(f.id(), "param_dtype", dtype_name(cfg.precision.param));
   h5::write_attribute(f.id(), "grad_accum_dtype", dtype_name(cfg.precision.grad_accum));
@@ -278,7 +383,8 @@ AvailableMemory available_memory() {
 }
 
 MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const AvailableMemory& avail) {
-  const MemoryBudget b = estimate_budget(cfg, cfg.batch.world_size, cfg.zero.stage);
+  const int64_t ranks = cfg.batch.world_size * std::max(1, cfg.pipeline.stages) * std::max(1, cfg.tensor.size);
+  const MemoryBudget b = estimate_budget(cfg, ranks, cfg.zero.stage);
   if (avail.bytes < 0) return b;
   const double need = double(b.total()) * std::max(1, ranks_here);
   if (need <= double(avail.bytes)) return b;

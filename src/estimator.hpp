@@ -43,6 +43,7 @@ ModelCounts count_model(const ModelConfig& model);
 // --- the complete budget -------------------------------------------------------------------------
 struct MemoryBudget {
   int stage = 0;
+  int pipe_stage = 0, tensor_rank = 0;  // the rank this budget is for (pipeline stage, tensor rank)
   int64_t micro_batch = 0;
   // bytes per rank
   int64_t params = 0, grads = 0, master = 0, optimizer_states = 0;
@@ -58,10 +59,25 @@ struct MemoryBudget {
   nlohmann::json to_json() const;
 };
 
-// The budget of `cfg` on `world_size` data-parallel ranks at ZeRO `stage` (cfg's own if < 0).
+// How `world_size` ranks in all factor: pipeline stages × data-parallel ranks × tensor ranks.
+struct RankLayout {
+  int stages = 1, tensor = 1;
+  int64_t data = 1;
+};
+RankLayout rank_layout(const Config& cfg, int64_t world_size);
+
+// The budget of every pipeline stage of `cfg` on `world_size` ranks in all (the data-parallel
+// size is world ÷ (pipeline.stages × tensor_parallel.autotp_size)) at ZeRO `stage` (cfg's own
+// if < 0), in stage order. Model states are what that rank's ZeroOptimizer allocates (its
+// local layout: tensor slices, vocabulary padding, the tied wte copy of a last stage; the
+// partition the largest stage's), activations what its schedule's buffers and the backward
+// scratch take. Tensor ranks of one stage hold equal sizes: each entry is tensor rank 0's.
+std::vector<MemoryBudget> estimate_rank_budgets(const Config& cfg, int64_t world_size, int stage = -1);
+// The largest of them (by total; ties: the lowest stage): the budget per rank.
 MemoryBudget estimate_budget(const Config& cfg, int64_t world_size, int stage = -1);
 
-// Largest micro-batch per stage whose total fits `bytes_per_rank` (0: not even micro-batch 1).
+// Largest micro-batch per stage whose total fits `bytes_per_rank` on every rank (0: not even
+// micro-batch 1). world_size: ranks in all, as for estimate_budget.
 int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank);
 
 // Memory this process may use: /proc/meminfo's MemAvailable, or the cgroup's remaining

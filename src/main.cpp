@@ -321,6 +321,20 @@ int cmd_estimate(EstimateArgs a, int rank) {
                                     {"communication", dtype_name(cfg.precision.comm)}}},
                         {"budgets", nlohmann::json::array()}};
   for (const auto& b : budgets) doc["budgets"].push_back(b.to_json());
+  const RankLayout layout = rank_layout(cfg, a.world_size);
+  doc["pipeline_stages"] = layout.stages;
+  doc["tensor_parallel_size"] = layout.tensor;
+  doc["data_parallel_size"] = layout.data;
+  doc["ranks"] = nlohmann::json::array();  // every pipeline stage's budgets (tensor rank 0 stands for its group)
+  for (int stage = 0; stage <= 3; ++stage) {
+    const std::vector<MemoryBudget> per_rank = estimate_rank_budgets(cfg, a.world_size, stage);
+    for (size_t s = 0; s < per_rank.size(); ++s) {
+      if (stage == 0) doc["ranks"].push_back({{"pipe_stage", per_rank[s].pipe_stage},
+                                              {"tensor_rank", per_rank[s].tensor_rank},
+                                              {"budgets", nlohmann::json::array()}});
+      doc["ranks"][s]["budgets"].push_back(per_rank[s].to_json());
+    }
+  }
   int64_t limit = 0;
   if (!a.memory_per_rank.empty()) {
     limit = size_option("--memory-per-rank", a.memory_per_rank);
@@ -332,11 +346,15 @@ int cmd_estimate(EstimateArgs a, int rank) {
     std::printf("%s\n", doc.dump(2).c_str());
     return kExitOk;
   }
-  std::printf("%s: %lld parameters, micro-batch %lld, %lld data-parallel ranks (configured stage %lld), %s "
-              "parameters, %s gradients, %s communication\n",
+  std::printf("%s: %lld parameters, micro-batch %lld, %lld ranks = %d pipeline stages x %lld data-parallel x %d "
+              "tensor-parallel (configured stage %lld), %s parameters, %s gradients, %s communication\n",
               name.c_str(), (long long)doc["parameters"].get<int64_t>(), (long long)cfg.batch.micro_batch,
-              (long long)a.world_size, (long long)cfg.zero.stage, dtype_name(cfg.precision.param).c_str(),
-              dtype_name(cfg.precision.grad_accum).c_str(), dtype_name(cfg.precision.comm).c_str());
+              (long long)a.world_size, layout.stages, (long long)layout.data, layout.tensor, (long long)cfg.zero.stage,
+              dtype_name(cfg.precision.param).c_str(), dtype_name(cfg.precision.grad_accum).c_str(),
+              dtype_name(cfg.precision.comm).c_str());
+  std::printf("bytes per rank (the largest: pipeline stage, tensor rank)");
+  for (const auto& b : budgets) std::printf("  stage %d: (%d, %d)", b.stage, b.pipe_stage, b.tensor_rank);
+  std::printf("\n");
   std::printf("bytes per rank            %14s %14s %14s %14s\n", "stage 0", "stage 1", "stage 2", "stage 3");
   const char* rows[] = {"params", "grads", "master", "optimizer_states", "comm_reduce", "comm_gather", "comm_prefetch",
                         "live_params", "activations", "workspace", "runtime", "total"};
@@ -444,7 +462,8 @@ int main(int argc, char** argv) {
   estimate->add_option("--model", est.model, "take the counts from this config's model (live estimate)");
   estimate->add_option("--config", est.config.path, "the full per-rank budget of this configuration");
   estimate->add_option("--set", est.config.overrides, "override a key of --config (or of --model)")->take_all();
-  estimate->add_option("--world-size", est.world_size, "data-parallel ranks")->check(CLI::Range(int64_t(1), kMaxRanks));
+  estimate->add_option("--world-size", est.world_size, "ranks in all (pipeline stages x data-parallel x tensor-parallel)")
+      ->check(CLI::Range(int64_t(1), kMaxRanks));
   estimate->add_option("--memory-per-rank", est.memory_per_rank, "find the largest micro-batch that fits (e.g. 16GiB)");
   estimate->add_option("--report", est.report, "write the budget to this HDF5 file");
   estimate->add_flag("--json", est.json, "machine-readable output");
