@@ -424,7 +424,7 @@ int main(int argc, char** argv) {
   train->add_option("--output", output_dir, "output directory (default: training.output_dir or output/<config name>)");
   auto* validate = app.add_subcommand("validate", "Check a config without training; exit 0 or 2");
   validate->add_option("config", validate_args.path, "config file")->required();
-  validate->add_option("--world-size", world_size, "data-parallel world size to check the batch triad against")
+  validate->add_option("--world-size", world_size, "ranks in all (pipeline stages x data-parallel x tensor-parallel) to check the config against")
       ->check(CLI::Range(int64_t(1), kMaxRanks));
   validate->add_option("--set", validate_args.overrides, "override a key")->take_all();
   int64_t pp = 1, dp = 1, tp = 1;
