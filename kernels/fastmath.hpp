@@ -28,7 +28,10 @@ KOKKOS_INLINE_FUNCTION float fast_exp(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  // NaN skips the clamps; converting it to an integer is undefined (UBSan), so use 0 there:
+  // p is NaN already and so is the result, which the overflow check needs to see.
+  const float n_finite = n == n ? n : 0.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n_finite) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;

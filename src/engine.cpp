@@ -576,6 +576,7 @@ void Engine::optimizer_step(StepResult& r) {
 StepResult Engine::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   timers_.reset();
+  note_step(step_ + 1);  // failure.hpp: names the step if this rank dies in it
   inject_fault(step_ + 1);
   const int64_t gas = cfg_.batch.gradient_accumulation_steps;
   StepResult r;

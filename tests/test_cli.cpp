@@ -699,6 +699,9 @@ class EstimateVsMeasured : public ::testing::TestWithParam<MeasuredRun> {};
 
 // A 57M-parameter model, so that what the estimate models dominates the process.
 TEST_P(EstimateVsMeasured, TotalIsWithinTenPercentOfPeakResidentMemory) {
+#ifdef ZERO3D_SANITIZE_BUILD
+  GTEST_SKIP() << "AddressSanitizer's shadow memory inflates the resident size this test measures";
+#endif
   const MeasuredRun p = GetParam();
   json j = tiny_config();
   j["model"] = {{"vocab_size", 256}, {"n_positions", 16}, {"n_layer", 8}, {"n_head", 4}, {"n_embd", 768}};
