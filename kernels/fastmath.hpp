@@ -28,10 +28,9 @@ KOKKOS_INLINE_FUNCTION float fast_exp(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  // NaN skips the clamps; converting it to an integer is undefined (UBSan), so use 0 there:
-  // p is NaN already and so is the result, which the overflow check needs to see.
-  const float n_finite = n == n ? n : 0.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n_finite) + 127) << 23;
+  // Shifted as unsigned: a NaN x skips the clamps and converts to INT_MIN on x86, whose signed
+  // shift UBSan reports; p is NaN then and so is the result, which the overflow check must see.
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
