@@ -138,7 +138,8 @@ std::vector<std::string> convert_checkpoint(const std::string& path, const std::
                                             int64_t max_shard_bytes);
 
 // "5GB" = 5e9, "500MB", "2GiB" = 2·2^30, "1000" bytes. InputError on anything else.
-int64_t parse_byte_size(const std::string& text);
+// option: the command-line option named in messages (default: `size "TEXT"`).
+int64_t parse_byte_size(const std::string& text, const std::string& option = "");
 
 // XXH64 (Yann Collet's xxHash, 64-bit; spec: github.com/Cyan4973/xxHash doc/xxhash_spec.md),
 // streaming: the content digest of checkpoint files. Not cryptographic — it catches damage and

@@ -9,6 +9,7 @@
 
 #include "base.hpp"
 #include "checkpoint.hpp"
+#include "input_file.hpp"
 #include "h5.hpp"
 
 namespace fs = std::filesystem;
@@ -43,22 +44,30 @@ ParamLayout layout_of(const CheckpointMeta& m) {
 
 }  // namespace
 
-int64_t parse_byte_size(const std::string& text) {
+// One parser for every size option: a finite, non-negative number with a known unit whose
+// value fits int64 (larger values would be undefined when converted).
+int64_t parse_byte_size(const std::string& text, const std::string& option) {
+  const std::string where = option.empty() ? "size \"" + echo(text, 40) + "\"" : option + " " + echo(text, 40);
   size_t pos = 0;
   double value = 0.0;
   try {
     value = std::stod(text, &pos);
   } catch (...) {
-    throw InputError("size \"" + text + "\": expected a number with an optional unit (5GB, 500MB, 2GiB)");
+    throw InputError(where + ": expected a number with an optional unit (5GB, 500MB, 2GiB)");
   }
+  if (!std::isfinite(value)) throw InputError(where + ": expected a finite size");
+  if (value < 0 || text.find('-') == 0) throw InputError(where + ": a size cannot be negative");
   std::string unit = text.substr(pos);
   for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   const std::pair<const char*, double> units[] = {{"", 1},       {"B", 1},         {"KB", 1e3},     {"MB", 1e6},
                                                   {"GB", 1e9},   {"TB", 1e12},     {"KIB", 1024.0}, {"MIB", 1048576.0},
                                                   {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
   for (const auto& [name, factor] : units)
-    if (unit == name && value >= 0) return static_cast<int64_t>(value * factor);
-  throw InputError("size \"" + text + "\": unknown unit \"" + text.substr(pos) + "\" (B, KB, MB, GB, KiB, MiB, GiB)");
+    if (unit == name) {
+      if (value * factor > 9.0e18) throw InputError(where + ": too large (at most 8 EiB)");
+      return static_cast<int64_t>(value * factor);
+    }
+  throw InputError(where + ": unknown unit \"" + echo(text.substr(pos), 20) + "\" (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)");
 }
 
 nlohmann::json inspect_checkpoint(const std::string& path, const std::string& tag, const std::string& tensor) {

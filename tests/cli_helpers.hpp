@@ -104,4 +104,26 @@ inline json last_metrics(const std::string& config, int np, const std::string& d
   return r.code == 0 && !rows.empty() ? rows.back() : json();
 }
 
+// The loss of every metrics record, in order.
+inline std::vector<double> losses_of(const std::vector<json>& rows) {
+  std::vector<double> out;
+  for (const json& row : rows) out.push_back(row.at("loss").get<double>());
+  return out;
+}
+
+// Step by step, |got − want| ≤ rel·|want|.
+inline void expect_losses_close(const std::vector<double>& got, const std::vector<double>& want, double rel,
+                                const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_LE(std::fabs(got[i] - want[i]), rel * std::fabs(want[i])) << what << " step " << i + 1;
+}
+
+// Bad input: exit 2, one line, holding `message`.
+inline void expect_one_line_rejection(const Result& r, const std::string& message) {
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+  EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+}
+
 }  // namespace cli

@@ -27,11 +27,7 @@ json pipe_config() {
               {"steps_per_print", 100}};
 }
 
-std::vector<double> losses_of(const std::string& dir) {
-  std::vector<double> out;
-  for (const json& row : read_metrics(dir)) out.push_back(row.at("loss").get<double>());
-  return out;
-}
+std::vector<double> losses_of(const std::string& dir) { return cli::losses_of(read_metrics(dir)); }
 
 std::vector<double> train_losses(int np, const std::string& name, const std::string& args) {
   const std::string config = write_config("pipe.json", pipe_config());
@@ -40,12 +36,6 @@ std::vector<double> train_losses(int np, const std::string& name, const std::str
   const Result r = run("train " + config + " --output " + dir + " " + args, np);
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   return losses_of(dir);
-}
-
-void expect_close(const std::vector<double>& got, const std::vector<double>& want, double rel, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < want.size(); ++i)
-    EXPECT_LE(std::fabs(got[i] - want[i]), rel * std::fabs(want[i])) << what << " step " << i + 1;
 }
 
 // One reference per precision setting, trained once on one rank.
@@ -72,7 +62,7 @@ TEST_P(PipelineLayout, GivesTheLossesOfOneRankOverTenSteps) {
                            " --set zero_optimization.stage=" + std::to_string(l.zero_stage) +
                            " --set zero_optimization.reduce_bucket_size=700 --set zero_optimization.overlap_comm=true";
   const std::vector<double>& want = reference("--set zero_optimization.stage=0");
-  expect_close(train_losses(l.np, l.name, args), want, 1e-5, l.name);
+  expect_losses_close(train_losses(l.np, l.name, args), want, 1e-5, l.name);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -95,18 +85,18 @@ INSTANTIATE_TEST_SUITE_P(
 // once: over ten steps that moves the loss by ~1e-4 relative (bf16 keeps 8 bits), bounded at 5e-4.
 TEST(PipelineBf16, Fp32AccumulationGivesTheLossesOfOneRank) {
   const std::string bf16 = "--set bf16.enabled=true --set data_types.grad_accum_dtype=fp32";
-  expect_close(train_losses(2, "bf16_p2_z0", bf16 + " --set pipeline.stages=2"), reference(bf16), 1e-5, "np2 p2 z0");
+  expect_losses_close(train_losses(2, "bf16_p2_z0", bf16 + " --set pipeline.stages=2"), reference(bf16), 1e-5, "np2 p2 z0");
   // stages 1-3 reduce in the communication dtype (bf16 by default) even on one data-parallel
   // rank, which would round each half of the tied gradient again
   const std::string z1 = bf16 + " --set zero_optimization.stage=1 --set communication_data_type=fp32";
-  expect_close(train_losses(4, "bf16_p4_zb_z1", z1 + " --set pipeline.stages=4 --set pipeline.schedule=zb-h1"),
+  expect_losses_close(train_losses(4, "bf16_p4_zb_z1", z1 + " --set pipeline.stages=4 --set pipeline.schedule=zb-h1"),
                reference(z1), 1e-5, "np4 p4 zb-h1 z1");
 }
 
 TEST(PipelineBf16, SixteenBitGradientsStayWithinTheTiedRoundingOfOneRank) {
   const std::string bf16 = "--set bf16.enabled=true";
   for (int z : {0, 2, 3})
-    expect_close(train_losses(2, "bf16_16_z" + std::to_string(z),
+    expect_losses_close(train_losses(2, "bf16_16_z" + std::to_string(z),
                               bf16 + " --set pipeline.stages=2 --set zero_optimization.stage=" + std::to_string(z)),
                  reference(bf16 + " --set zero_optimization.stage=" + std::to_string(z)), 5e-4,
                  "bf16 stage " + std::to_string(z));
@@ -132,7 +122,7 @@ TEST(Pipeline, ResumesAtAnotherPipelineAndDataParallelSizeWithinOneInAMillion) {
     std::system(("rm -rf " + dir).c_str());
     r = run("train " + config + " --output " + dir + " --set training.resume=" + tag + " " + args, np);
     ASSERT_EQ(r.code, 0) << r.err;
-    expect_close(losses_of(dir), tail, 1e-6, "resumed at np " + std::to_string(np) + " " + args);
+    expect_losses_close(losses_of(dir), tail, 1e-6, "resumed at np " + std::to_string(np) + " " + args);
   }
   // One logical model: inspect sees the tied wte once, whole.
   r = run("inspect " + saved + "/checkpoints --tag global_step10 --tensor wte.weight --json");
@@ -180,10 +170,7 @@ class PipelineMisconfig : public ::testing::TestWithParam<Misconfig> {};
 
 TEST_P(PipelineMisconfig, ExitsTwoWithOneMessageHoldingTheNumbers) {
   const std::string config = write_config("pipe.json", pipe_config());
-  const Result r = run("validate " + config + " " + GetParam().args);
-  EXPECT_EQ(r.code, 2) << r.out << r.err;
-  EXPECT_NE(r.err.find(GetParam().message), std::string::npos) << r.err;
-  EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  expect_one_line_rejection(run("validate " + config + " " + GetParam().args), GetParam().message);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -41,25 +41,13 @@ TrainRun train(int np, const std::string& name, const std::string& args, const s
   return {r.code, r.out + r.err, read_metrics(dir)};
 }
 
-std::vector<double> losses(const std::vector<json>& rows) {
-  std::vector<double> out;
-  for (const json& row : rows) out.push_back(row.at("loss").get<double>());
-  return out;
-}
-
-void expect_close(const std::vector<double>& got, const std::vector<double>& want, double rel, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < want.size(); ++i)
-    EXPECT_LE(std::fabs(got[i] - want[i]), rel * std::fabs(want[i])) << what << " step " << i + 1;
-}
-
 const std::vector<double>& reference(const std::string& args) {
   static std::map<std::string, std::vector<double>> cache;
   auto it = cache.find(args);
   if (it == cache.end()) {
     const TrainRun r = train(1, "ref", args);
     EXPECT_EQ(r.code, 0) << r.err;
-    it = cache.emplace(args, losses(r.rows)).first;
+    it = cache.emplace(args, losses_of(r.rows)).first;
   }
   return it->second;
 }
@@ -77,7 +65,7 @@ TEST_P(TensorLayout, GivesTheLossesOfOneRankOverTenSteps) {
                           std::to_string(l.pipe) + " --set zero_optimization.stage=" + std::to_string(l.zero) + " " +
                           l.extra);
   ASSERT_EQ(r.code, 0) << r.err;
-  expect_close(losses(r.rows), reference(""), 1e-5, l.name);
+  expect_losses_close(losses_of(r.rows), reference(""), 1e-5, l.name);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -104,7 +92,7 @@ TEST(TensorParallelBf16, StaysWithinBf16RoundingOfOneRank) {
   const std::string bf16 = "--set bf16.enabled=true --set data_types.grad_accum_dtype=fp32";
   const TrainRun r = train(2, "bf16", bf16 + " --set tensor_parallel.autotp_size=2 --set zero_optimization.stage=1");
   ASSERT_EQ(r.code, 0) << r.err;
-  expect_close(losses(r.rows), reference(bf16 + " --set zero_optimization.stage=1"), 5e-4, "bf16 t2");
+  expect_losses_close(losses_of(r.rows), reference(bf16 + " --set zero_optimization.stage=1"), 5e-4, "bf16 t2");
 }
 
 TEST(TensorParallel, ReplicatedParametersThatDivergeStopTheRunNamingTheStep) {
@@ -155,7 +143,7 @@ TEST(TensorParallel, ResumesAcrossPipeDataTensorLayoutsWithinOneInAMillion) {
   const TrainRun saved = train(4, "saved", "--set pipeline.stages=2 --set tensor_parallel.autotp_size=2 "
                                       "--set zero_optimization.stage=1 --set training.save_interval=5");
   ASSERT_EQ(saved.code, 0) << saved.err;
-  const std::vector<double> whole = losses(saved.rows);
+  const std::vector<double> whole = losses_of(saved.rows);
   ASSERT_EQ(whole.size(), 10u);
   const std::vector<double> tail(whole.begin() + 5, whole.end());
   const std::string tag = temp_path("tp_saved") + "/checkpoints/global_step5";
@@ -165,7 +153,7 @@ TEST(TensorParallel, ResumesAcrossPipeDataTensorLayoutsWithinOneInAMillion) {
            {4, "--set tensor_parallel.autotp_size=4 --set zero_optimization.stage=2"}}) {  // 1x1x4
     const TrainRun r = train(np, "resumed", "--set training.resume=" + tag + " " + args);
     ASSERT_EQ(r.code, 0) << r.err;
-    expect_close(losses(r.rows), tail, 1e-6, "resumed at np " + std::to_string(np) + " " + args);
+    expect_losses_close(losses_of(r.rows), tail, 1e-6, "resumed at np " + std::to_string(np) + " " + args);
   }
   // The index shows whole Hugging Face tensors stitched from the slices.
   const Result inspect = run("inspect " + temp_path("tp_saved") + "/checkpoints --tag global_step10 --json");
@@ -186,10 +174,7 @@ class TensorMisconfig : public ::testing::TestWithParam<Misconfig> {};
 
 TEST_P(TensorMisconfig, ExitsTwoWithOneMessageHoldingTheNumbers) {
   const std::string config = write_config("tp.json", tp_config());
-  const Result r = run("validate " + config + " " + GetParam().args);
-  EXPECT_EQ(r.code, 2) << r.out << r.err;
-  EXPECT_NE(r.err.find(GetParam().message), std::string::npos) << r.err;
-  EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  expect_one_line_rejection(run("validate " + config + " " + GetParam().args), GetParam().message);
 }
 
 INSTANTIATE_TEST_SUITE_P(
