@@ -1,6 +1,8 @@
 // agreement.cpp — see agreement.hpp.
 #include "agreement.hpp"
 
+#include "xxh64.hpp"
+
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -36,12 +38,6 @@ std::string show(const json& v) {
   return s.substr(0, kMaxShownValue) + "... (" + std::to_string(s.size()) + " characters)";
 }
 
-std::string hex64(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
 bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
@@ -57,13 +53,13 @@ bool hash_file(const std::string& path, uint64_t& state, std::string& why) {
   size_t n = 0;
   uint64_t total = 0;
   while ((n = std::fread(buf.data(), 1, buf.size(), f)) > 0) {
-    state = digest64(buf.data(), n, state);
+    state = xxh64(buf.data(), n, state);
     total += n;
   }
   const bool ok = !std::ferror(f);
   if (!ok) why = std::strerror(errno);
   std::fclose(f);
-  state = digest64(&total, sizeof(total), state);
+  state = xxh64(&total, sizeof(total), state);
   return ok;
 }
 
@@ -93,29 +89,6 @@ void diff(const json& a, const json& b, const std::string& path, bool& found, st
 }
 
 }  // namespace
-
-uint64_t digest64(const void* data, size_t size, uint64_t seed) {
-  // 8 bytes at a time, each word mixed with a multiply-xorshift (murmur3's finaliser constants).
-  const auto* p = static_cast<const unsigned char*>(data);
-  uint64_t h = seed ^ (0x9e3779b97f4a7c15ULL + size);
-  auto mix = [](uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
-  };
-  size_t i = 0;
-  for (; i + 8 <= size; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, p + i, 8);
-    h = mix(h ^ w) + 0x9e3779b97f4a7c15ULL;
-  }
-  uint64_t tail = 0;
-  std::memcpy(&tail, p + i, size - i);
-  return mix(h ^ tail ^ (uint64_t(size - i) << 56));
-}
 
 std::string file_digest(const std::string& path) {
   uint64_t h = 0;
@@ -163,7 +136,7 @@ void agree_on_configuration(MPI_Comm comm, const Config& cfg) {
   exchange_rank_identities(comm);  // pids and hosts, for failure messages (failure.hpp)
   if (size == 1) return;
   const std::string text = agreement_document(cfg).dump(-1, ' ', false, json::error_handler_t::replace);
-  const uint64_t digest = digest64(text.data(), text.size());
+  const uint64_t digest = xxh64(text.data(), text.size());
 
   // {min, ~max} in one allreduce(MIN)
   uint64_t range[2] = {digest, ~digest};

@@ -42,9 +42,6 @@ namespace zero3d {
 // file: its digest reads "unreadable (<reason>)" and the engine reports the error later.
 nlohmann::json agreement_document(const Config& cfg);
 
-// 64-bit digest of bytes (not cryptographic: detects accidental differences).
-uint64_t digest64(const void* data, size_t size, uint64_t seed = 0);
-
 // Digest of a file's bytes as 16 hex digits, or "unreadable (<reason>)".
 std::string file_digest(const std::string& path);
 

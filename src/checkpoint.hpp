@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "buffer.hpp"
+#include "xxh64.hpp"
 
 namespace zero3d {
 
@@ -141,21 +142,5 @@ std::vector<std::string> convert_checkpoint(const std::string& path, const std::
 // option: the command-line option named in messages (default: `size "TEXT"`).
 int64_t parse_byte_size(const std::string& text, const std::string& option = "");
 
-// XXH64 (Yann Collet's xxHash, 64-bit; spec: github.com/Cyan4973/xxHash doc/xxhash_spec.md),
-// streaming: the content digest of checkpoint files. Not cryptographic — it catches damage and
-// mix-ups, not an adversary.
-class Xxh64 {
- public:
-  explicit Xxh64(uint64_t seed = 0);
-  void update(const void* data, size_t n);
-  uint64_t digest() const;
-
- private:
-  void stripe(const unsigned char* p);
-  uint64_t seed_, v_[4], total_ = 0;
-  unsigned char buf_[32];
-  size_t buf_len_ = 0;
-};
-uint64_t xxh64(const void* data, size_t n, uint64_t seed = 0);
 
 }  // namespace zero3d

@@ -524,17 +524,17 @@ void Engine::finalize_grads() {
 
 // Tensor-replicated parameters (LayerNorms, row-parallel biases, wpe, ln_f) see identical
 // inputs and gradients on every tensor rank, so they must stay bit-identical: each step the
-// ranks compare a digest (FNV-1a over the bytes) of their copies and stop on any difference.
+// ranks compare a digest (XXH64) of their copies and stop on any difference.
 void Engine::check_tensor_replicas() {
   if (tp_comm_->size() == 1) return;
   const auto [b, e] = zero_->checkpoint_range();
   const float* params = zero_->checkpoint_arrays().front().second;  // "params": element b
-  uint64_t h = 1469598103934665603ull;
+  Xxh64 digest;
   for (const auto& [lo, hi] : model_->part().replicated_ranges()) {
     const int64_t a = std::max(lo, b), z = std::min(hi, e);
-    const auto* bytes = reinterpret_cast<const unsigned char*>(params + (a - b));
-    for (int64_t i = 0; a < z && i < (z - a) * 4; ++i) h = (h ^ bytes[i]) * 1099511628211ull;
+    if (a < z) digest.update(params + (a - b), static_cast<size_t>(z - a) * sizeof(float));
   }
+  const uint64_t h = digest.digest();
   int64_t lo = static_cast<int64_t>(h >> 1), hi = lo;
   tp_comm_->all_reduce(&lo, 1, DType::I64, ReduceOp::Min);
   tp_comm_->all_reduce(&hi, 1, DType::I64, ReduceOp::Max);

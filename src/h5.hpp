@@ -75,7 +75,7 @@ class File {
   void write_floats(const std::string& name, const float* data, const std::vector<int64_t>& shape);
 
  private:
-  File(hid_t id, std::string path, bool writable) : handle_(id, H5Fclose), path_(std::move(path)), writable_(writable) {}
+  File(hid_t id, std::string path, bool writable) : handle_(id, H5Fclose), writable_(writable), path_(std::move(path)) {}
   // Releases a file whose writes failed (see h5.cpp); never throws.
   void release_after_failure() noexcept;
   Handle handle_;

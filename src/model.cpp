@@ -331,13 +331,6 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
   return buf;
 }
 
-int64_t GPT::activation_bytes() const {
-  const int64_t C = shape_.n_embd, Cl = Cl_, V = Vl_, H = Hl_, B = B_, T = T_, BT = B * T, Ns = Ns_;
-  const int64_t per_block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + B * H * T * T;
-  const int64_t head = any_final_ ? BT * C + 2 * Ns + BT * V + 2 * BT : 0;
-  return 4 * (2 * Ns * C + max_blocks_ * per_block + head) + static_cast<int64_t>(scratch_.extent(0) * 4);
-}
-
 float* GPT::output(int chunk, const ActivationBuffer& buf) const {
   const ModelChunk& c = part_.chunks[chunk];
   return c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;

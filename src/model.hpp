@@ -228,7 +228,6 @@ class GPT {
   float forward(const int32_t* tokens, const int32_t* targets, ParamStore& store);
   void backward(float grad_scale, ParamStore& store);
   const float* logits() const { return own_.logits; }  // of the last one-stage forward
-  int64_t activation_bytes() const;  // one buffer plus the backward scratch
   int64_t scratch_bytes() const { return static_cast<int64_t>(scratch_.extent(0) * 4); }
 
  private:
