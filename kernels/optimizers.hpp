@@ -62,6 +62,43 @@ inline void adam_update(float* params, const float* grads, float* m, float* v, I
   }
 }
 
+// DeepSpeedCPUAdam's update (FACTS-2 §3.5) for state held in host memory: the step counter is
+// advanced before the call, bias corrections come from make_adam_step. It runs on the host
+// execution space whatever the build's device, as one SIMD loop with a scalar tail. Per element
+// it computes exactly adam_update's expression (DeepSpeed's CPU kernel applies the decoupled
+// decay as a separate multiply-add, a rounding difference only), so an offloaded run's losses
+// equal the run without offload bit for bit.
+inline void cpu_adam_update(float* __restrict params, const float* __restrict grads, float* __restrict m,
+                            float* __restrict v, Index n, const AdamStep& s) {
+  const float b1 = s.beta1, b2 = s.beta2, omb1 = 1.0f - s.beta1, omb2 = 1.0f - s.beta2;
+  const float inv_bc1 = 1.0f / s.bias_correction1, inv_sqrt_bc2 = 1.0f / std::sqrt(s.bias_correction2);
+  const float lr = s.lr, eps = s.eps, wd = s.weight_decay;
+  if (s.adam_w_mode) {
+#pragma omp simd
+    for (Index i = 0; i < n; ++i) {
+      const float g = grads[i], p = params[i];
+      const float mi = b1 * m[i] + omb1 * g;
+      const float vi = b2 * v[i] + omb2 * g * g;
+      m[i] = mi;
+      v[i] = vi;
+      const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
+      params[i] = p - lr * (mi * inv_bc1 / denom + wd * p);
+    }
+  } else {
+#pragma omp simd
+    for (Index i = 0; i < n; ++i) {
+      const float p = params[i];
+      const float g = grads[i] + wd * p;
+      const float mi = b1 * m[i] + omb1 * g;
+      const float vi = b2 * v[i] + omb2 * g * g;
+      m[i] = mi;
+      v[i] = vi;
+      const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
+      params[i] = p - lr * (mi * inv_bc1 / denom);
+    }
+  }
+}
+
 struct LambStep {
   float lr, beta1, beta2, eps, weight_decay, max_coeff, min_coeff;
   float step_size;  // lr·sqrt(1-beta2^t)/(1-beta1^t) with bias correction, else lr

@@ -9,9 +9,11 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "checkpointing.hpp"
 #include "dtype.hpp"
 #include "pipe_plan.hpp"
 
@@ -28,10 +30,20 @@ struct ModelConfig {
 
 enum class DataSource { Synthetic, Text, Tokens };
 
-struct DataConfig {
+// Validation samples (synthetic ones, shuffled offsets) come from a random stream of their own:
+// the same task as training, other samples. Messages name the role's key (data, data.validation).
+enum class DataRole { Training, Validation };
+
+// One source of samples: the training data, or the validation data.
+struct DataSourceConfig {
   DataSource source = DataSource::Synthetic;
   std::string path;      // text file, or llm.c token shard(s) (a glob pattern is allowed)
   bool shuffle = false;  // false: llm.c's sequential windows; true: windows at seeded random offsets
+  DataRole role = DataRole::Training;
+};
+
+struct DataConfig : DataSourceConfig {
+  std::optional<DataSourceConfig> validation;  // data.validation; absent: nothing to evaluate
 };
 
 struct TrainingConfig {
@@ -44,6 +56,8 @@ struct TrainingConfig {
   std::string save_dir;        // default <output_dir>/checkpoints
   int64_t keep_last = 0;       // keep the newest N checkpoints; 0 = all
   std::string resume;          // "latest", a tag, or a path; empty = start fresh
+  int64_t eval_interval = 0;   // evaluate every N optimizer steps and after the last; 0 = never in training
+  int64_t eval_steps = 10;     // evaluation rounds of train_batch_size validation samples (Megatron's eval-iters)
 };
 
 enum class OptimizerType { Adam, Lamb, SGD };
@@ -87,6 +101,41 @@ struct SchedulerConfig {
   bool lr_range_test_staircase = false;
 };
 
+// Where ZeRO-Offload / ZeRO-Infinity keep state (DEEPSPEED-FACTS-2 §3.1): in the device's
+// memory (none), in host memory (cpu) or in files under nvme_path (nvme).
+enum class OffloadDevice { None, Cpu, Nvme };
+
+// zero_optimization.offload_optimizer: the optimizer partition (fp32 master and moments).
+struct OffloadOptimizerConfig {
+  OffloadDevice device = OffloadDevice::None;
+  std::string nvme_path;
+  int64_t buffer_count = 4;     // swap buffers, each one state of one sub-group
+  bool pin_memory = true;       // page-locked host memory: no effect without a GPU
+  bool pipeline_read = false;   // read sub-group k+1 while k is updated
+  bool pipeline_write = false;  // write sub-group k back while k+1 is updated
+  bool fast_init = false;       // DeepSpeed's shortcut when building swap files: results identical
+  double ratio = 1.0;           // share of the sub-groups offloaded; the first (1-ratio) stay resident
+};
+
+// zero_optimization.offload_param (stage 3): this rank's parameter partition.
+struct OffloadParamConfig {
+  OffloadDevice device = OffloadDevice::None;
+  std::string nvme_path;
+  int64_t buffer_count = 5;          // swap buffers for units being read
+  int64_t buffer_size = 100000000;   // elements per buffer: one unit's partition must fit
+  int64_t max_in_cpu = 1000000000;   // parameter elements kept cached in memory
+  bool pin_memory = true;
+};
+
+// The `aio` section: how swap files are read and written (asynchronous direct I/O).
+struct AioConfig {
+  int64_t block_size = 1048576;   // bytes per I/O request
+  int64_t queue_depth = 8;        // requests in flight per I/O thread
+  int intra_op_parallelism = 1;   // I/O threads a transfer is split over (old name thread_count)
+  bool single_submit = false;     // submit requests one by one instead of in batches
+  bool overlap_events = true;     // refill the queue as requests complete instead of batch by batch
+};
+
 // zero_optimization (DEEPSPEED-FACTS §5.1), what the ZeRO optimizer reads.
 struct ZeroConfig {
   int stage = 0;
@@ -99,6 +148,11 @@ struct ZeroConfig {
   int64_t model_persistence_threshold = INT64_MAX;
   int64_t max_live_parameters = 1000000000;
   int64_t max_reuse_distance = 1000000000;
+  // offload
+  OffloadOptimizerConfig offload_optimizer;
+  OffloadParamConfig offload_param;
+  int64_t sub_group_size = 1000000000;  // optimizer elements updated (and swapped) together
+  AioConfig aio;
 };
 
 // fp16 / bf16 / communication_data_type / data_types (DEEPSPEED-FACTS §1.4, §2).
@@ -148,6 +202,7 @@ struct Config {
   PrecisionConfig precision;
   PipelineConfig pipeline;
   TensorParallelConfig tensor;
+  ActivationCheckpointing activation_checkpointing;  // `activation_checkpointing` + pipeline.activation_checkpoint_interval
   std::vector<int> pipe_bounds;  // p·v + 1 boundaries into gpt_pipe_layers() (pipe_plan.hpp)
   bool zero_allow_untested_optimizer = false;
   nlohmann::json resolved;  // every key with its value after defaults and derivation

@@ -30,7 +30,7 @@ double unscale_clip_multiplier(double norm_scaled, double loss_scale, double cli
 
 ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types,
                              const ParamLayout& layout, std::vector<ParamUnit> units, Communicator& dp,
-                             int64_t partition_numel, bool ordered_backward)
+                             int64_t partition_numel, bool ordered_backward, int global_rank)
     : cfg_(zero), types_(types), mixed_(types.param != DType::F32),
       use_windows_(zero.stage >= 2 || types.grad != DType::F32), layout_(layout), units_(std::move(units)), dp_(dp),
       rank_(dp.rank()), world_(dp.size()), stage_(zero.stage),
@@ -39,14 +39,24 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   const int64_t full = stage_ == 0 ? layout.total() : part_.padded;
   params_ = TypedBuffer("params", types_.param, stage_ == 3 ? part_.part : full);
   grads_ = TypedBuffer("grads", types_.grad, stage_ >= 2 ? part_.part : full);
-  if (mixed_) master_ = make_flat_buffer("master_params", stage_ == 0 ? layout.total() : part_.part);
+  const bool offload = zero.offload_optimizer.device != OffloadDevice::None && stage_ >= 1;
+  if (mixed_ && !offload) master_ = make_flat_buffer("master_params", stage_ == 0 ? layout.total() : part_.part);
   if (stage_ == 0) {
     optimizer_ = std::make_unique<Optimizer>(opt, layout_);
     reducer_ = std::make_unique<GradientReducer>(dp_, grads_.data(), types_.grad, layout.total(),
                                                  cfg_.reduce_bucket_size, cfg_.overlap_comm, types_.comm);
   } else {
     state_layout_ = partition_layout(part_.part);
-    optimizer_ = std::make_unique<Optimizer>(opt, state_layout_);
+    if (offload) {
+      // DeepSpeed's folder for this rank's optimizer swap files (FACTS-2 §3.3)
+      const std::string dir = zero.offload_optimizer.device != OffloadDevice::Nvme ? std::string()
+                              : zero.offload_optimizer.nvme_path + "/zero_stage_" + std::to_string(stage_) +
+                                    "/optimizer/rank" + std::to_string(global_rank < 0 ? rank_ : global_rank);
+      offloaded_ = std::make_unique<offload::OffloadedAdam>(zero.offload_optimizer, zero.aio, opt, part_.part,
+                                                            zero.sub_group_size, mixed_, dir);
+    } else {
+      optimizer_ = std::make_unique<Optimizer>(opt, state_layout_);
+    }
     // Stage 1 writes the averaged partition into the full gradient buffer; 2-3 accumulate
     // every micro-batch into the partition buffer.
     void* dest = stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data();
@@ -83,6 +93,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
 }
 
 void ZeroOptimizer::set_fetch_trace(std::vector<int> trace) {
+  drop_gathered_params();
   trace_ = std::move(trace);
   trace_pos_ = 0;
 }
@@ -97,9 +108,21 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
     else if (hi > lo) fill(params_.as<float>(), lo, hi);  // the partition buffer starts at part.begin(rank)
     return;
   }
-  if (stage_ == 0) fill(master_.data(), 0, total);
-  else if (hi > lo) fill(master_.data() + (lo - pb), lo, hi);
-  cast_master_to_params();
+  if (offloaded_) {
+    // The master copy goes straight to its tier, a bounded chunk at a time.
+    std::vector<float> chunk;
+    for (int64_t a = lo; a < hi; a += kInitFillElems) {
+      const int64_t b = std::min(hi, a + kInitFillElems);
+      chunk.resize(static_cast<size_t>(b - a));
+      fill(chunk.data(), a, b);
+      offloaded_->write("master", a - pb, b - a, chunk.data());
+      cast_range_to_params(a - pb, b - a, chunk.data());
+    }
+  } else {
+    if (stage_ == 0) fill(master_.data(), 0, total);
+    else if (hi > lo) fill(master_.data() + (lo - pb), lo, hi);
+    cast_master_to_params();
+  }
   if (stage_ == 1 || stage_ == 2) {
     // The other ranks' ranges of the 16-bit copy, filled tensor group by tensor group so that
     // no full fp32 copy ever exists (and no collective is needed at start-up).
@@ -116,7 +139,26 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
   }
 }
 
+void ZeroOptimizer::cast_range_to_params(int64_t begin, int64_t n, const float* values) {
+  const int64_t pb = part_.begin(rank_);
+  const auto [lo, hi] = part_.owned(rank_, pb + begin, pb + begin + n);
+  if (hi > lo)
+    convert_any(params_.at(stage_ == 3 ? lo - pb : lo), types_.param, values + (lo - pb - begin), DType::F32, hi - lo);
+}
+
 void ZeroOptimizer::cast_master_to_params() {
+  if (offloaded_) {
+    const int64_t pb = part_.begin(rank_);
+    const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
+    std::vector<float> chunk;
+    for (int64_t a = lo; a < hi; a += kInitFillElems) {
+      const int64_t b = std::min(hi, a + kInitFillElems);
+      chunk.resize(static_cast<size_t>(b - a));
+      offloaded_->read("master", a - pb, b - a, chunk.data());
+      cast_range_to_params(a - pb, b - a, chunk.data());
+    }
+    return;
+  }
   if (stage_ == 0) {
     convert_any(params_.data(), types_.param, master_.data(), DType::F32, layout_.total());
     return;
@@ -327,6 +369,19 @@ void ZeroOptimizer::sum_grad_range(int64_t begin, int64_t end, Communicator& gro
 void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double>> betas, double clip,
                                double loss_scale, const GradStats& stats) {
   const float mul = static_cast<float>(unscale_clip_multiplier(stats.norm_scaled, loss_scale, clip));
+  ckpt_staging_.clear();
+  if (offloaded_) {
+    offload::ParamAccess params;
+    float* fp32 = mixed_ ? nullptr : params_.as<float>() + (stage_ == 3 ? 0 : part_.begin(rank_));
+    params.acquire = [fp32](int64_t begin, int64_t) { return fp32 ? fp32 + begin : nullptr; };
+    params.release = [this](int64_t begin, int64_t n, const float* updated) {
+      if (mixed_) cast_range_to_params(begin, n, updated);
+    };
+    offloaded_->step(params, grad_partition(), types_.grad, mul, lr, betas);
+    if (stage_ == 1 || stage_ == 2) gather_updated_params();
+    drop_gathered_params();
+    return;
+  }
   float* p = mixed_ ? master_.data()
                     : stage_ == 1 || stage_ == 2 ? params_.as<float>() + part_.begin(rank_) : params_.as<float>();
   optimizer_->step(p, grad_partition(), types_.grad, mul, lr, betas);
@@ -358,7 +413,8 @@ std::vector<float> ZeroOptimizer::gather_full_params() {
   if (local_is_full) {
     std::copy_n(src, layout_.total(), full.begin());
   } else {
-    std::copy_n(src, part_.part, full.begin() + part_.begin(rank_));
+    if (mixed_ && offloaded_) offloaded_->read("master", 0, part_.part, full.data() + part_.begin(rank_));
+    else std::copy_n(src, part_.part, full.begin() + part_.begin(rank_));
     std::vector<int64_t> counts(world_, part_.part), displs(world_);
     for (int r = 0; r < world_; ++r) displs[r] = part_.begin(r);
     dp_.all_gather_v_async(full.data(), counts, displs, DType::F32)->wait();
@@ -369,6 +425,7 @@ std::vector<float> ZeroOptimizer::gather_full_params() {
 
 std::vector<std::string> ZeroOptimizer::checkpoint_states() const {
   std::vector<std::string> names = {"params"};
+  if (offloaded_) return {"params", "exp_avg", "exp_avg_sq"};
   for (const auto& n : optimizer_->state_names()) names.push_back(n);
   return names;
 }
@@ -381,6 +438,19 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
   const auto [b, e] = checkpoint_range();
   const int64_t pb = part_.begin(rank_);
   std::vector<std::pair<std::string, const float*>> arrays;
+  if (offloaded_) {
+    // Offloaded state is read back from its tier into staging kept until the next step.
+    ckpt_staging_.clear();
+    ckpt_staging_.reserve(3);
+    auto staged = [&](const std::string& state) {
+      ckpt_staging_.emplace_back(static_cast<size_t>(e - b));
+      offloaded_->read(state, b - pb, e - b, ckpt_staging_.back().data());
+      return static_cast<const float*>(ckpt_staging_.back().data());
+    };
+    arrays.emplace_back("params", mixed_ ? staged("master") : params_.as<float>() + (stage_ == 3 ? b - pb : b));
+    for (const char* state : {"exp_avg", "exp_avg_sq"}) arrays.emplace_back(state, staged(state));
+    return arrays;
+  }
   // Checkpoints hold fp32 parameters: the master copy when mixed (loadable at any precision).
   if (mixed_) arrays.emplace_back("params", master_.data() + (stage_ == 0 ? b : b - pb));
   else arrays.emplace_back("params", params_.as<float>() + (stage_ == 3 ? b - pb : b));
@@ -394,6 +464,22 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
 void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_step) {
   const auto [b, e] = checkpoint_range();
   const int64_t pb = part_.begin(rank_);
+  if (offloaded_) {
+    // Through a staging range into the tier (the master too when mixed).
+    std::vector<float> staging(static_cast<size_t>(e - b));
+    if (mixed_) {
+      read("params", b, e, staging.data());
+      offloaded_->write("master", b - pb, e - b, staging.data());
+    } else {
+      read("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
+    }
+    for (const char* state : {"exp_avg", "exp_avg_sq"}) {
+      read(state, b, e, staging.data());
+      offloaded_->write(state, b - pb, e - b, staging.data());
+    }
+    offloaded_->set_step_count(optimizer_step);
+    return;
+  }
   if (mixed_) read("params", b, e, master_.data() + (stage_ == 0 ? b : b - pb));
   else read("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
   const auto names = optimizer_->state_names();
@@ -422,7 +508,7 @@ void ZeroOptimizer::finish_checkpoint_load() {
     cast_master_to_params();
     if (stage_ < 3) all_gather_replicated(params_.data(), types_.param);
   }
-  if (stage_ == 0)
+  if (stage_ == 0 && optimizer_)
     for (FlatBuffer* m : optimizer_->state_buffers()) all_gather_replicated(m->data(), DType::F32);
   dp_.reset_bus_bytes();
 }
@@ -432,11 +518,45 @@ MemoryBytes ZeroOptimizer::memory() const {
   m.params = params_.bytes();
   m.grads = grads_.bytes();
   m.master = static_cast<int64_t>(master_.extent(0) * sizeof(float));  // 0 in fp32: the parameters are the master
-  m.optimizer_states = optimizer_->state_bytes();
+  if (offloaded_) {
+    const offload::TierBytes t = offloaded_->bytes();
+    const int64_t per_state = (t.device + t.host) / (mixed_ ? 3 : 2);  // bytes of one state in memory
+    m.master = mixed_ ? per_state : 0;
+    m.optimizer_states = 2 * per_state;
+    m.host = t.host;
+    m.nvme = t.nvme;
+    m.swap_buffers = t.swap_buffers;
+  } else {
+    m.optimizer_states = optimizer_->state_bytes();
+  }
   m.comm_buffers = reducer_->staging_peak_bytes();
   for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
   m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(dtype_size(types_.param));
   return m;
 }
+
+std::string ZeroOptimizer::offload_summary() const {
+  if (!offloaded_) return "";
+  const ZeroConfig& z = cfg_;
+  const bool nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
+  const offload::TierBytes t = offloaded_->bytes();
+  std::string s = "optimizer state (" + std::string(mixed_ ? "fp32 master, " : "") + "exp_avg, exp_avg_sq) on " +
+                  (nvme ? "nvme" : "cpu") + ": " + std::to_string(offloaded_->sub_groups()) + " sub-group" +
+                  (offloaded_->sub_groups() == 1 ? "" : "s") + " of <= " + std::to_string(z.sub_group_size) +
+                  " elements, " + std::to_string(offloaded_->resident_sub_groups()) + " kept in device memory (ratio " +
+                  std::to_string(z.offload_optimizer.ratio).substr(0, 4) + "); bytes per rank: device " +
+                  std::to_string(t.device) + ", host " + std::to_string(t.host) + ", nvme " + std::to_string(t.nvme);
+  if (nvme)
+    s += ", swap buffers " + std::to_string(t.swap_buffers) + " (" + std::to_string(offloaded_->sub_groups_in_flight()) +
+         " sub-group" + (offloaded_->sub_groups_in_flight() == 1 ? "" : "s") + " in flight); " +
+         (offloaded_->direct_io() ? "O_DIRECT io_uring"
+                                  : "io_uring through the page cache (the file system refuses O_DIRECT)") +
+         ", block " + std::to_string(z.aio.block_size) + " B, queue depth " + std::to_string(z.aio.queue_depth) + " x " +
+         std::to_string(z.aio.intra_op_parallelism) + " thread" + (z.aio.intra_op_parallelism == 1 ? "" : "s");
+  s += "; CPU-only build: host and device memory are the same memory";
+  return s;
+}
+
+offload::IoStats ZeroOptimizer::take_swap_stats() { return offloaded_ ? offloaded_->take_io_stats() : offload::IoStats{}; }
 
 }  // namespace zero3d

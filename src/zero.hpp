@@ -35,14 +35,19 @@
 #include "config.hpp"
 #include "grad_reducer.hpp"
 #include "model.hpp"
+#include "offload/offload_optimizer.hpp"
 #include "optimizer.hpp"
 #include "typed.hpp"
 
 namespace zero3d {
 
 // Bytes held by this rank, by category (what metrics.jsonl reports as "memory").
+// params..optimizer_states are bytes in memory; with offload, `host` says how many of them the
+// engine placed in host memory (on a CPU-only build the same memory as the device's) and
+// `nvme` counts what lies in swap files instead, moved through `swap_buffers`.
 struct MemoryBytes {
   int64_t params = 0, grads = 0, master = 0, optimizer_states = 0, comm_buffers = 0, live_params_peak = 0;
+  int64_t host = 0, nvme = 0, swap_buffers = 0;
   int64_t model_states() const { return params + grads + master + optimizer_states; }
 };
 
@@ -71,9 +76,11 @@ class ZeroOptimizer : public ParamStore {
   // ordered_backward: in each accumulation-boundary backward, units complete from the layout's
   // end down to 0 (one chunk per rank), so stages 0-1 can launch buckets during backward;
   // otherwise (interleaved chunks) the reduction starts at finish_reduction().
+  // global_rank names this rank's swap folder (rank<global_rank>, as DeepSpeed); default: the
+  // data-parallel rank.
   ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types, const ParamLayout& layout,
                 std::vector<ParamUnit> units, Communicator& dp, int64_t partition_numel = -1,
-                bool ordered_backward = true);
+                bool ordered_backward = true, int global_rank = -1);
 
   // Mixed precision at stages 1-2 fills the 16-bit copy at start-up in tensor groups of at
   // least this many elements (plus at most one tensor): the transient fp32 staging.
@@ -85,8 +92,10 @@ class ZeroOptimizer : public ParamStore {
   void init_params(const std::function<void(float*, int64_t, int64_t)>& fill);
 
   // The order in which one optimizer step fetches units (stage 3 prefetches along it); the
-  // default is one micro-batch's forward and backward of a one-stage model, repeated.
+  // default is one micro-batch's forward and backward of a one-stage model, repeated. Units
+  // gathered for the previous trace are released (an evaluation's, say: a new pass starts clean).
   void set_fetch_trace(std::vector<int> trace);
+  const std::vector<int>& fetch_trace() const { return trace_; }
   // Before each backward pass; `boundary`: the last backward of this step that touches the
   // units it completes (their accumulation ends with it).
   void begin_micro_step(bool boundary);
@@ -110,6 +119,9 @@ class ZeroOptimizer : public ParamStore {
   std::vector<float> gather_full_params();
 
   MemoryBytes memory() const;
+  // Offload: the start-up line (empty without offload) and the swap traffic since the last call.
+  std::string offload_summary() const;
+  offload::IoStats take_swap_stats();
 
   // --- checkpoints: every stage saves and loads the same thing, the flat buffers cut by
   // partition() (each rank its own range), so any stage and world size can load any save.
@@ -118,7 +130,7 @@ class ZeroOptimizer : public ParamStore {
   std::pair<int64_t, int64_t> checkpoint_range() const;
   std::vector<std::pair<std::string, const float*>> checkpoint_arrays();
   std::vector<std::string> checkpoint_states() const;  // "params" then the optimizer's
-  int64_t optimizer_step() const { return optimizer_->step_count(); }
+  int64_t optimizer_step() const { return offloaded_ ? offloaded_->step_count() : optimizer_->step_count(); }
   // Local part of a load: fills this rank's range of each state through
   // read(state, local_begin, local_end, out) (no collectives; may throw InputError).
   using RangeReader = std::function<void(const std::string&, int64_t, int64_t, float*)>;
@@ -148,6 +160,8 @@ class ZeroOptimizer : public ParamStore {
   void gather_updated_params();
   void all_gather_replicated(void* full, DType type);  // every rank's owned(r, 0, Ψ) range of a full buffer
   void cast_master_to_params();  // this rank's owned range, rounded to the parameter type
+  // Rounds fp32 values of partition-local [begin, begin + n) into the parameters (owned part only).
+  void cast_range_to_params(int64_t begin, int64_t n, const float* values);
   void drop_gathered_params();   // stage 3, end of a step: gathered copies are stale or unneeded
   // This rank's averaged gradients: the partition (stages 1-3) or the whole buffer (stage 0).
   const void* grad_partition() const { return stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data(); }
@@ -166,7 +180,9 @@ class ZeroOptimizer : public ParamStore {
   TypedBuffer grads_;       // full (stages 0-1) or this rank's partition (stages 2-3)
   FlatBuffer master_;       // mixed only: fp32 params, full (stage 0) or this rank's partition
   ParamLayout state_layout_;  // stages 1-3: the optimizer sees one tensor, the partition
-  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;          // state in device memory, or:
+  std::unique_ptr<offload::OffloadedAdam> offloaded_;  // offload_optimizer cpu / nvme
+  std::vector<std::vector<float>> ckpt_staging_;  // offloaded state read back for a save
   std::unique_ptr<GradientReducer> reducer_;
   bool boundary_ = false;
   bool ordered_backward_ = true;

@@ -1,0 +1,121 @@
+// aio.hpp — the file tier's I/O: aligned buffers and asynchronous direct I/O through io_uring.
+//
+// DeepSpeed's aio handle (csrc/aio) splits each transfer over `intra_op_parallelism` threads,
+// each keeping up to `queue_depth` requests of `block_size` bytes in flight. Here each of those
+// threads owns one io_uring: a transfer is cut into that many contiguous parts, each part into
+// blocks; `overlap_events` refills the ring as blocks complete (else batch by batch) and
+// `single_submit` enters the kernel once per block (else once per batch). Files are opened with
+// O_DIRECT; a file system that refuses it is used through the page cache instead, and says so.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "config.hpp"
+
+namespace zero3d::offload {
+
+// Direct I/O moves whole pages from page-aligned memory at page-aligned file offsets.
+constexpr int64_t kIoAlign = 4096;
+inline int64_t align_up(int64_t bytes) { return (bytes + kIoAlign - 1) / kIoAlign * kIoAlign; }
+
+// Page-aligned host memory, its size rounded up to whole pages.
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(int64_t bytes);
+  void* data() const { return ptr_.get(); }
+  float* floats() const { return static_cast<float*>(ptr_.get()); }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  struct Free {
+    void operator()(void* p) const;
+  };
+  std::unique_ptr<void, Free> ptr_;
+  int64_t bytes_ = 0;
+};
+
+// Bytes moved and the time with at least one transfer of that direction in flight.
+struct IoStats {
+  int64_t read_bytes = 0, write_bytes = 0;
+  double read_s = 0.0, write_s = 0.0;
+};
+
+class AioEngine;
+
+// One transfer in flight; AioEngine::wait() completes it.
+class Transfer {
+ public:
+  bool done() const;
+
+ private:
+  friend class AioEngine;
+  AioEngine* engine_ = nullptr;
+  bool write_ = false;
+  int64_t bytes_ = 0;
+  int parts_left_ = 0;     // guarded by the engine's mutex
+  int error_ = 0;          // first errno seen
+  std::string what_;       // the file, for messages
+};
+using Ticket = std::shared_ptr<Transfer>;
+
+class AioEngine {
+ public:
+  explicit AioEngine(const AioConfig& cfg);
+  ~AioEngine();
+  AioEngine(const AioEngine&) = delete;
+  AioEngine& operator=(const AioEngine&) = delete;
+
+  // Starts moving `bytes` (a multiple of kIoAlign) between `buf` (page-aligned) and `fd` at
+  // `offset` (page-aligned). `what` names the file in error messages.
+  Ticket read(int fd, void* buf, int64_t bytes, int64_t offset, const std::string& what);
+  Ticket write(int fd, const void* buf, int64_t bytes, int64_t offset, const std::string& what);
+  // Blocks until the transfer is complete; an I/O error throws SystemError naming the file
+  // (ENOSPC: the drive is full).
+  void wait(const Ticket& t);
+  // Totals since the last call, then reset.
+  IoStats take_stats();
+  const AioConfig& config() const { return cfg_; }
+
+ private:
+  struct Part {
+    Ticket transfer;
+    int fd;
+    char* buf;
+    int64_t bytes, offset;
+  };
+  struct Worker;
+  Ticket submit(bool write, int fd, void* buf, int64_t bytes, int64_t offset, const std::string& what);
+  void run(Worker& w);
+  void part_done(const Ticket& t, int error);
+
+  AioConfig cfg_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::mutex mu_;
+  std::condition_variable done_cv_;
+  // busy-time accounting per direction (guarded by mu_)
+  int inflight_[2] = {0, 0};
+  double busy_since_[2] = {0.0, 0.0};
+  IoStats stats_;
+  friend class Transfer;
+};
+
+// Opens (creating) a swap file for direct I/O when the file system allows it; `direct` says
+// which it got. Errors are InputError naming the path and key.
+int open_swap_file(const std::string& path, bool& direct, const std::string& key);
+
+// Whether `dir` accepts O_DIRECT writes of one aligned page (probed with a scratch file).
+bool directory_supports_direct_io(const std::string& dir);
+
+// Creates `dir` (and parents), empties it of earlier swap files, and checks that it is writable
+// and has `bytes` free. Errors are InputError naming `key`, the path and the numbers.
+void prepare_swap_dir(const std::string& dir, int64_t bytes, const std::string& key);
+
+}  // namespace zero3d::offload

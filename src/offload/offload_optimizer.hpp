@@ -1,0 +1,118 @@
+// offload_optimizer.hpp — ZeRO-Offload / ZeRO-Infinity for the optimizer partition
+// (DEEPSPEED-FACTS-2 §3.1-3.5).
+//
+// The partition's Adam state (the fp32 master copy under mixed precision, exp_avg, exp_avg_sq)
+// is cut into sub-groups of sub_group_size elements. The first int((1-ratio)·G) sub-groups stay
+// in device memory and use the device Adam kernel; the rest live on the offload tier — host
+// memory (device cpu) or one swap file per state and sub-group under nvme_path (device nvme) —
+// and are updated by the CPU Adam. NVMe sub-groups move through buffer_count page-aligned
+// buffers, one state of one sub-group each: with pipeline_read sub-group k+1 is read while k
+// is updated, with pipeline_write k−1 is still being written meanwhile.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <Kokkos_Core.hpp>
+
+#include "buffer.hpp"
+#include "config.hpp"
+#include "dtype.hpp"
+#include "offload/aio.hpp"
+
+namespace zero3d::offload {
+
+// Bytes of state by where it lies. On a CPU-only build device and host memory are the same
+// memory; `device` and `host` still say which space the engine placed them in.
+struct TierBytes {
+  int64_t device = 0, host = 0, nvme = 0, swap_buffers = 0;
+};
+
+// How the optimizer reaches the parameters of a sub-group [begin, begin + n) of the partition.
+struct ParamAccess {
+  // fp32 parameters to update in place; nullptr when the master copy is held by the optimizer
+  std::function<float*(int64_t begin, int64_t n)> acquire;
+  // the updated fp32 values (the master copy, or the parameters acquire() gave)
+  std::function<void(int64_t begin, int64_t n, const float* updated)> release;
+};
+
+class OffloadedAdam {
+ public:
+  // numel: the partition's elements; hold_master: keep an fp32 master copy (mixed precision);
+  // swap_dir: this rank's folder for device nvme (created and emptied here).
+  OffloadedAdam(const OffloadOptimizerConfig& off, const AioConfig& aio, const OptimizerConfig& opt, int64_t numel,
+                int64_t sub_group_size, bool hold_master, const std::string& swap_dir);
+  ~OffloadedAdam();
+  OffloadedAdam(const OffloadedAdam&) = delete;
+  OffloadedAdam& operator=(const OffloadedAdam&) = delete;
+
+  // One Adam/AdamW step over every sub-group in order; gradients as in Optimizer::step.
+  void step(const ParamAccess& params, const void* grads, DType grad_type, float grad_mul, double lr,
+            std::optional<std::pair<double, double>> betas);
+  int64_t step_count() const { return step_count_; }
+  void set_step_count(int64_t n) { step_count_ = n; }
+
+  // "master" (when held), then "exp_avg", "exp_avg_sq"; read/write any range of one state.
+  std::vector<std::string> state_names() const;
+  void read(const std::string& state, int64_t begin, int64_t n, float* out);
+  void write(const std::string& state, int64_t begin, int64_t n, const float* in);
+
+  TierBytes bytes() const;
+  IoStats take_io_stats() { return aio_ ? aio_->take_stats() : IoStats{}; }
+  bool direct_io() const { return direct_; }
+  int64_t sub_groups() const { return static_cast<int64_t>(groups_.size()); }
+  int64_t resident_sub_groups() const { return cut_; }
+  int64_t sub_groups_in_flight() const { return static_cast<int64_t>(slots_.size()); }
+  const std::vector<std::string>& swap_files() const { return paths_; }
+
+ private:
+  using HostBuffer = Kokkos::View<float*, Kokkos::HostSpace>;
+  struct Group {
+    int64_t begin, n;
+  };
+  struct Slot {
+    std::vector<AlignedBuffer> state;  // one buffer per state
+    int64_t group = -1;
+    std::vector<Ticket> reads, writes;  // per state
+  };
+  int states() const { return static_cast<int>(names_.size()); }
+  int state_at(const std::string& name) const;
+  float* resident(int s, int64_t begin);  // device tier (k < cut) or host tier (device cpu)
+  void update(int64_t k, float* const* state, const ParamAccess& params, const void* grads, DType grad_type,
+              float grad_mul, bool on_host);
+  void start_read(Slot& slot, int64_t k);
+  void wait_reads(Slot& slot);
+  void start_write(Slot& slot);
+  void wait_writes(Slot& slot);
+  const std::string& path(int s, int64_t k) const { return paths_[static_cast<size_t>(s * (sub_groups() - cut_) + (k - cut_))]; }
+  // Reads one offloaded sub-group's state s into slot 0's buffer, lets `use` see (and change)
+  // it, and writes it back when asked: checkpoint access outside the step.
+  void file_access(int s, int64_t k, const std::function<void(float*)>& use, bool write_back);
+
+  OffloadOptimizerConfig off_;
+  OptimizerConfig opt_;
+  int64_t numel_;
+  std::vector<std::string> names_;
+  std::vector<Group> groups_;
+  int64_t cut_ = 0, cut_elems_ = 0;  // sub-groups (elements) kept in device memory
+  std::vector<FlatBuffer> device_;   // per state, the resident sub-groups
+  std::vector<HostBuffer> host_;     // per state, the offloaded sub-groups (device cpu)
+  // device nvme
+  std::string dir_;
+  std::unique_ptr<AioEngine> aio_;
+  bool direct_ = true;
+  std::vector<std::vector<int>> fds_;  // [state][group - cut]
+  std::vector<std::string> paths_;
+  std::vector<Slot> slots_;
+  // Adam
+  int64_t step_count_ = 0;
+  double lr_ = 0.0;
+  std::optional<std::pair<double, double>> betas_;
+  std::vector<float> widened_;
+};
+
+}  // namespace zero3d::offload
