@@ -428,6 +428,165 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
   return t;
 }
 
+OffloadDevice offload_device(Section& sec) {
+  const std::string d = sec.choice("device", "none", {"none", "cpu", "nvme"});
+  return d == "cpu" ? OffloadDevice::Cpu : d == "nvme" ? OffloadDevice::Nvme : OffloadDevice::None;
+}
+
+// nvme_path: required with device nvme, meaningless (and so rejected) with any other device.
+std::string offload_nvme_path(Section& sec, OffloadDevice device) {
+  const std::string path = sec.path("nvme_path", "");
+  if (device == OffloadDevice::Nvme && path.empty())
+    sec.fail_key("nvme_path", "device \"nvme\" needs an nvme_path (a directory on the drive that holds the swap files)");
+  if (device != OffloadDevice::Nvme && !path.empty())
+    sec.fail_key("nvme_path", "is only used with \"device\": \"nvme\" (device is " +
+                                  std::string(device == OffloadDevice::Cpu ? "cpu" : "none") + ")");
+  return path;
+}
+
+// zero_optimization.offload_optimizer / offload_param, their deprecated boolean forms,
+// sub_group_size and the top-level `aio` section (DEEPSPEED-FACTS-2 §3.1).
+void read_offload(Section& top, Section& sec, ZeroConfig& z) {
+  const int64_t kMax = std::numeric_limits<int64_t>::max();
+  // Deprecated: cpu_offload -> offload_optimizer.device cpu, cpu_offload_param -> offload_param,
+  // cpu_offload_use_pin_memory -> pin_memory of both.
+  const bool old_opt = sec.boolean("cpu_offload", false), old_param = sec.boolean("cpu_offload_param", false);
+  const bool old_pin = sec.boolean("cpu_offload_use_pin_memory", false);
+  for (const auto& [old, key] : {std::pair<const char*, const char*>{"cpu_offload", "offload_optimizer"},
+                                 {"cpu_offload_param", "offload_param"}})
+    if (sec.has(old) && sec.has(key))
+      sec.fail_key(old, "cannot be given together with `zero_optimization." + std::string(key) + "` (deprecated alias)");
+  {
+    Section off = sec.child("offload_optimizer");
+    OffloadOptimizerConfig& o = z.offload_optimizer;
+    o.device = old_opt ? OffloadDevice::Cpu : offload_device(off);
+    o.nvme_path = offload_nvme_path(off, o.device);
+    o.buffer_count = off.integer("buffer_count", 4, 1, 1 << 20);
+    o.pin_memory = off.boolean("pin_memory", old_opt ? old_pin : true);
+    o.pipeline_read = off.boolean("pipeline_read", false);
+    o.pipeline_write = off.boolean("pipeline_write", false);
+    o.fast_init = off.boolean("fast_init", false);
+    o.ratio = off.number("ratio", 1.0, 0.0, 1.0);
+    off.accept_default_only("super_offload", false);
+    off.number("cpuadam_cores_perc", 0.8, 0.0, 1.0, /*lo_open=*/true);  // one Adam thread per rank here
+    off.finish();
+    if (old_opt) off.record("device", "cpu");
+  }
+  {
+    Section off = sec.child("offload_param");
+    OffloadParamConfig& p = z.offload_param;
+    p.device = old_param ? OffloadDevice::Cpu : offload_device(off);
+    p.nvme_path = offload_nvme_path(off, p.device);
+    p.buffer_count = off.integer("buffer_count", 5, 1, 1 << 20);
+    p.buffer_size = off.integer("buffer_size", 100000000, 1, kMax);
+    p.max_in_cpu = off.integer("max_in_cpu", 1000000000, 0, kMax);
+    p.pin_memory = off.boolean("pin_memory", old_param ? old_pin : true);
+    off.finish();
+    if (old_param) off.record("device", "cpu");
+  }
+  z.sub_group_size = sec.integer("sub_group_size", 1000000000, 1, kMax);
+  if (z.offload_optimizer.device != OffloadDevice::None && z.stage == 0)
+    sec.fail_key("offload_optimizer", "offloads the optimizer partition, which needs zero_optimization.stage 1, 2 or 3 "
+                                      "(stage is 0)");
+  if (z.offload_param.device != OffloadDevice::None && z.stage != 3)
+    sec.fail_key("offload_param", "offloads the parameter partition, which only stage 3 has (stage is " +
+                                      std::to_string(z.stage) + ")");
+  if (z.offload_param.device == OffloadDevice::Nvme && z.offload_optimizer.device != OffloadDevice::Nvme)
+    sec.fail_key("offload_param", "device \"nvme\" needs offload_optimizer.device \"nvme\" too: the optimizer "
+                                  "updates the parameter partition where it lies");
+  Section aio = top.child("aio");
+  AioConfig& a = z.aio;
+  a.block_size = aio.integer("block_size", 1048576, 4096, int64_t(1) << 30);
+  if (a.block_size % 4096 != 0)
+    aio.fail_key("block_size", "value " + std::to_string(a.block_size) +
+                                   " is not a multiple of 4096 (direct I/O moves whole 4 KiB pages)");
+  a.queue_depth = aio.integer("queue_depth", 8, 1, 4096);
+  if (aio.has("intra_op_parallelism") && aio.has("thread_count"))
+    aio.fail_key("thread_count", "cannot be given together with `aio.intra_op_parallelism` (its new name)");
+  a.intra_op_parallelism = static_cast<int>(aio.has("thread_count") ? aio.integer("thread_count", 1, 1, 64)
+                                                                      : aio.integer("intra_op_parallelism", 1, 1, 64));
+  a.single_submit = aio.boolean("single_submit", false);
+  a.overlap_events = aio.boolean("overlap_events", true);
+  if (aio.boolean("use_gds", false))
+    aio.fail_key("use_gds", "GPUDirect Storage (NVMe to GPU memory through cuFile) needs CUDA and libcufile; this "
+                            "build reads swap files into host memory");
+  aio.finish();
+}
+
+// The `activation_checkpointing` section (DEEPSPEED-FACTS §9.1, FACTS-2 §6.1) with DeepSpeed's
+// keys, plus zero3d's recompute_granularity; `interval` is pipeline.activation_checkpoint_interval.
+// DeepSpeed's asserts (contiguous needs partitioning and number_checkpoints) are kept; keys that
+// would have nothing to act on are rejected instead of ignored.
+ActivationCheckpointing read_activation_checkpointing(Section& top, const Config& c, int interval) {
+  Section sec = top.child("activation_checkpointing");
+  ActivationCheckpointing a;
+  a.interval = interval;
+  const std::string granularity = sec.choice("recompute_granularity", "full", {"full", "selective"});
+  a.granularity = granularity == "full" ? RecomputeGranularity::Full : RecomputeGranularity::Selective;
+  a.partition_activations = sec.boolean("partition_activations", false);
+  a.cpu_checkpointing = sec.boolean("cpu_checkpointing", false);
+  a.contiguous_memory_optimization = sec.boolean("contiguous_memory_optimization", false);
+  if (sec.has("number_checkpoints") && sec.raw("number_checkpoints")->is_null()) sec.record("number_checkpoints", nullptr);
+  else if (sec.has("number_checkpoints")) a.number_checkpoints = sec.integer("number_checkpoints", 0, 1, 1 << 20);
+  else sec.record("number_checkpoints", nullptr);
+  a.synchronize_checkpoint_boundary = sec.boolean("synchronize_checkpoint_boundary", false);
+  a.profile = sec.boolean("profile", false);
+  sec.finish();
+  const char* const interval_key = "pipeline.activation_checkpoint_interval";
+  const std::pair<const char*, bool> options[] = {
+      {"recompute_granularity", a.granularity != RecomputeGranularity::Full},
+      {"partition_activations", a.partition_activations},
+      {"cpu_checkpointing", a.cpu_checkpointing},
+      {"contiguous_memory_optimization", a.contiguous_memory_optimization},
+      {"number_checkpoints", a.number_checkpoints > 0},
+      {"synchronize_checkpoint_boundary", a.synchronize_checkpoint_boundary},
+      {"profile", a.profile}};
+  if (!a.enabled()) {
+    for (const auto& [key, set] : options)
+      if (set)
+        sec.fail_key(key, std::string("no block is checkpointed: set `") + interval_key +
+                              "` (blocks per checkpoint) to 1 or more");
+    return a;
+  }
+  const char* input_option = a.partition_activations ? "partition_activations"
+                             : a.cpu_checkpointing   ? "cpu_checkpointing"
+                             : a.contiguous_memory_optimization ? "contiguous_memory_optimization" : nullptr;
+  if (a.selective() && input_option)
+    sec.fail_key(input_option, "selective recompute saves no checkpoint inputs (each block keeps its activations but "
+                               "the attention probabilities); use recompute_granularity \"full\"");
+  if (a.contiguous_memory_optimization && !a.partition_activations)
+    sec.fail_key("contiguous_memory_optimization",
+                 "the contiguous buffer holds partitioned inputs: it needs partition_activations true (as in DeepSpeed)");
+  if (a.contiguous_memory_optimization && a.number_checkpoints == 0)
+    sec.fail_key("number_checkpoints", "contiguous_memory_optimization needs number_checkpoints (the buffer's slots)");
+  if (a.number_checkpoints > 0 && !a.contiguous_memory_optimization)
+    sec.fail_key("number_checkpoints", "sizes the contiguous buffer: it needs contiguous_memory_optimization true");
+  if (a.partition_activations && c.tensor.sequence_parallel)
+    sec.fail_key("partition_activations", "with tensor_parallel.sequence_parallel every tensor rank already holds "
+                                          "only its own tokens of a checkpoint input: there is no replica to split");
+  if (a.full() && c.pipeline.schedule == pipe::ScheduleKind::ZeroBubbleH1)
+    top.fail(interval_key, "full recompute cannot serve the zb-h1 schedule: its weight-gradient pass reads each "
+                           "block's activations after the input-gradient pass has released them; use "
+                           "activation_checkpointing.recompute_granularity \"selective\" or schedule 1f1b");
+  if (a.contiguous_memory_optimization) {
+    // Checkpoints one micro-batch's forward takes on a rank: ceil(blocks / interval) per chunk.
+    int64_t most = 0;
+    const int64_t layers = c.model.n_layer + 2;
+    for (size_t k = 0; k + 1 < c.pipe_bounds.size(); ++k) {
+      const int64_t first = std::max<int64_t>(c.pipe_bounds[k], 1), last = std::min<int64_t>(c.pipe_bounds[k + 1], layers - 1);
+      const int64_t blocks = std::max<int64_t>(0, last - first);
+      most = std::max(most, (blocks + a.interval - 1) / a.interval);
+    }
+    if (a.number_checkpoints < most)
+      sec.fail_key("number_checkpoints", "value " + std::to_string(a.number_checkpoints) + " is less than the " +
+                                             std::to_string(most) + " checkpoints one micro-batch's forward takes (" +
+                                             std::to_string(c.model.n_layer) + " blocks" +
+                                             (c.pipe_bounds.size() > 2 ? " over the pipeline's chunks" : "") +
+                                             ", interval " + std::to_string(a.interval) + ")");
+  }
+  return a;
+}
+
 void read_zero(Section& top, Config& c) {
   if (top.has("zero_optimization") && top.raw("zero_optimization")->is_boolean()) {
     c.zero.stage = top.raw("zero_optimization")->get<bool>() ? 1 : 0;  // deprecated bool form: true = stage 1
@@ -454,25 +613,9 @@ void read_zero(Section& top, Config& c) {
   c.zero.model_persistence_threshold = aliased("model_persistence_threshold", kMax, 0);
   c.zero.max_live_parameters = aliased("max_live_parameters", 1000000000, 0);
   c.zero.max_reuse_distance = aliased("max_reuse_distance", 1000000000, 0);
-  // Offload belongs to a later release: reject anything but "none", naming the key.
-  for (const char* key : {"offload_optimizer", "offload_param"}) {
-    Section off = sec.child(key);
-    const std::string device = off.choice("device", "none", {"none", "cpu", "nvme"});
-    if (device != "none")
-      off.fail_key("device", "DeepSpeed feature `zero_optimization." + std::string(key) + ".device=" + device +
-                                 "` is not supported by zero3d yet (offload)");
-    off.finish({"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory", "pipeline_read",
-                "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc"});
-  }
-  for (const char* key : {"cpu_offload", "cpu_offload_param"})
-    if (sec.boolean(key, false))
-      sec.fail_key(key, "DeepSpeed feature `zero_optimization." + std::string(key) +
-                            "` (offload to CPU) is not supported by zero3d yet");
+  read_offload(top, sec, c.zero);
   if (sec.boolean("legacy_stage1", false))
     sec.fail_key("legacy_stage1", "legacy_stage1 was removed from DeepSpeed; remove the key");
-  // Pure tuning knobs with no effect on results or zero3d's memory: any valid value.
-  sec.integer("sub_group_size", 1000000000, 1, kMax);
-  sec.boolean("cpu_offload_use_pin_memory", false);
   for (const auto& [key, deepspeed_default] : kZeroDefaultOnlyKeys) sec.accept_default_only(key, deepspeed_default);
   sec.finish();
 }
@@ -488,6 +631,28 @@ void check_zero_optimizer(Section& top, const Config& c) {
     top.fail("optimizer.type", "SGD is not a ZeRO-tested optimizer in DeepSpeed; set "
                                "\"zero_allow_untested_optimizer\": true to use it with ZeRO stage " +
                                std::to_string(c.zero.stage));
+}
+
+// Offload runs DeepSpeedCPUAdam (Adam/AdamW only, as DeepSpeed without
+// zero_force_ds_cpu_optimizer: false), and NVMe sub-groups need one buffer per state in flight.
+void check_offload(Section& top, const Config& c) {
+  const OffloadOptimizerConfig& o = c.zero.offload_optimizer;
+  if (o.device == OffloadDevice::None) return;
+  if (c.optimizer.type != OptimizerType::Adam)
+    top.fail("zero_optimization.offload_optimizer.device",
+             "offloaded optimizer state is updated by DeepSpeedCPUAdam, which needs optimizer Adam or AdamW (got " +
+                 c.optimizer.type_name + ")");
+  if (o.device != OffloadDevice::Nvme) return;
+  const int64_t states = c.precision.param == DType::F32 ? 2 : 3;
+  const int64_t groups = 1 + (o.pipeline_read ? 1 : 0) + (o.pipeline_write ? 1 : 0);
+  if (o.buffer_count < states * groups)
+    top.fail("zero_optimization.offload_optimizer.buffer_count",
+             "value " + std::to_string(o.buffer_count) + " is too small: each sub-group in flight needs " +
+                 std::to_string(states) + " buffers (" +
+                 (states == 3 ? "fp32 master, exp_avg, exp_avg_sq" : "exp_avg, exp_avg_sq") + ") and " +
+                 std::to_string(groups) + " sub-group" + (groups > 1 ? "s are" : " is") +
+                 " in flight (pipeline_read " + (o.pipeline_read ? "on" : "off") + ", pipeline_write " +
+                 (o.pipeline_write ? "on" : "off") + "): at least " + std::to_string(states * groups));
 }
 
 // DeepSpeed top-level keys zero3d does not implement: accepted at their defaults only.
@@ -512,7 +677,7 @@ void read_unsupported_top_level(Section& top) {
 
 const std::vector<std::string> kDeepSpeedOnlyTopLevel = {
     "seq_parallel_communication_data_type", "activation_checkpointing",
-    "checkpoint", "aio", "compression_training", "quantize_training",
+    "checkpoint", "compression_training", "quantize_training",
     "zenflow", "moe", "train_data", "data_sampling"};
 
 }  // namespace
@@ -678,6 +843,7 @@ Config read_config_unguarded(const json& root, const std::string& file, int64_t 
   c.zero_allow_untested_optimizer = top.boolean("zero_allow_untested_optimizer", false);
   check_zero_optimizer(top, c);
   c.precision = read_precision(top, c);
+  check_offload(top, c);
   read_unsupported_top_level(top);
   top.finish(kDeepSpeedOnlyTopLevel);
   return c;

@@ -97,7 +97,7 @@ void Engine::setup_local() {
   if (stages_ > 1 && (stage_ == 0 || stage_ == stages_ - 1)) tied_numel_ = model_->part().vocab_local * shape.n_embd;
   zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, StateTypes{pc.param, pc.grad_accum, pc.comm},
                                           model_->layout(), model_->units(), *dp_comm_, partition_numel,
-                                          /*ordered_backward=*/model_->num_chunks() == 1);
+                                          /*ordered_backward=*/model_->num_chunks() == 1, groups_.rank());
   // The schedule is fixed for the run (micro-batches = gradient_accumulation_steps).
   const pipe::ScheduleSpec spec{cfg_.pipeline.schedule, stages_, static_cast<int>(cfg_.batch.gradient_accumulation_steps),
                                 cfg_.pipeline.virtual_stages};
@@ -379,6 +379,7 @@ void Engine::print_startup() const {
               (long long)m.params, (long long)m.grads, (long long)m.master, (long long)m.optimizer_states,
               (long long)m.comm_buffers, m.model_states() / 1e6, 16.0 * model_->num_params() / 1e6,
               activation_bytes() / 1e6);
+  if (const std::string off = zero_->offload_summary(); !off.empty()) std::printf("offload %s\n", off.c_str());
   if (!output_dir_.empty()) std::printf("output  %s/{config.json,metrics.jsonl}\n", output_dir_.c_str());
   std::fflush(stdout);
 }
@@ -664,6 +665,15 @@ std::vector<StepResult> Engine::train() {
                        {"master", m.master},           {"optimizer_states", m.optimizer_states},
                        {"comm_buffers", m.comm_buffers}, {"live_params_peak", m.live_params_peak},
                        {"activations", activation_bytes()}};
+      if (cfg_.zero.offload_optimizer.device != OffloadDevice::None) {  // tiers, and this step's swap traffic
+        const offload::IoStats io = zero_->take_swap_stats();
+        rec["memory"].update({{"host", m.host}, {"nvme", m.nvme}, {"swap_buffers", m.swap_buffers},
+                              {"host_is_device", true}});
+        rec["swap"] = {{"read_bytes", io.read_bytes}, {"read_ms", 1e3 * io.read_s},
+                       {"read_gbps", io.read_s > 0 ? io.read_bytes / io.read_s / 1e9 : 0.0},
+                       {"write_bytes", io.write_bytes}, {"write_ms", 1e3 * io.write_s},
+                       {"write_gbps", io.write_s > 0 ? io.write_bytes / io.write_s / 1e9 : 0.0}};
+      }
       if (cfg_.wall_clock_breakdown) {
         const double fwd = ms.count("forward") ? ms.at("forward") : 0.0;
         const double inner = ms.count("backward_inner") ? ms.at("backward_inner") : 0.0;
