@@ -14,6 +14,7 @@
 
 #include "base.hpp"
 #include "checkpoint.hpp"
+#include "estimator.hpp"
 #include "failure.hpp"
 #include "gemm.hpp"
 #include "reduce.hpp"
@@ -24,6 +25,20 @@ namespace zero3d {
 namespace {
 GPTShape shape_of(const ModelConfig& m) {
   return GPTShape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
+}
+
+// activation_checkpointing.profile: this rank's checkpoints in block order, named by their blocks.
+nlohmann::json checkpoint_profile(const StepResult& r) {
+  std::vector<GPT::CheckpointTime> times = r.checkpoint_times;
+  std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.first_block < b.first_block; });
+  nlohmann::json out = nlohmann::json::array();
+  for (const GPT::CheckpointTime& t : times) {
+    const int last = t.first_block + t.num_blocks - 1;
+    out.push_back({{"blocks", "h." + std::to_string(t.first_block) + (last > t.first_block ? "-" + std::to_string(last) : "")},
+                   {"forward_ms", t.forward_ms},
+                   {"recompute_ms", t.recompute_ms}});
+  }
+  return out;
 }
 
 std::string format_number(double x) {
@@ -77,6 +92,7 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   dp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
   mp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
   node_summary_ = node_summary(groups.world(), &local_rank_);
+  predicted_peak_ = estimate_budget(cfg_, world_comm_->size(), cfg_.zero.stage).total();
   print_startup();
 }
 
@@ -87,7 +103,8 @@ void Engine::setup_local() {
   const int t = tp_comm_->size(), tp_rank = tp_comm_->rank();
   model_ = std::make_unique<GPT>(shape, B, T, pc.param, gpt_model_part(shape, cfg_.pipe_bounds, stages_, stage_, t, tp_rank),
                                  TensorGroup{tp_comm_.get(), t, tp_rank, cfg_.tensor.overlap_comm,
-                                             cfg_.tensor.sequence_parallel, &tensor_comm_ms_});
+                                             cfg_.tensor.sequence_parallel, &tensor_comm_ms_},
+                                 cfg_.activation_checkpointing);
   // Every stage partitions the same element count (the largest stage's), so the tied wte at
   // local offset 0 of the first and last stage is cut identically over the data group.
   int64_t partition_numel = model_->num_params();
@@ -379,6 +396,29 @@ void Engine::print_startup() const {
               (long long)m.params, (long long)m.grads, (long long)m.master, (long long)m.optimizer_states,
               (long long)m.comm_buffers, m.model_states() / 1e6, 16.0 * model_->num_params() / 1e6,
               activation_bytes() / 1e6);
+  const ActivationCheckpointing& ac = cfg_.activation_checkpointing;
+  if (ac.enabled()) {
+    std::string how = ac.full() ? "full: " + std::to_string(ac.interval) + " block(s) per checkpoint keep only their "
+                                  "input, recomputed in backward"
+                                : "selective: every block recomputes its attention probabilities in backward";
+    if (ac.partition_activations) how += "; inputs partitioned over " + std::to_string(tp_comm_->size()) + " tensor rank(s)";
+    if (ac.cpu_checkpointing) how += "; inputs in host memory (on this CPU build host and device memory are the same)";
+    if (ac.contiguous_memory_optimization)
+      how += "; one contiguous buffer of " + std::to_string(ac.number_checkpoints) + " slots per micro-batch";
+    if (ac.synchronize_checkpoint_boundary) how += "; fenced boundaries";
+    if (ac.profile) how += "; profiled";
+    std::printf("checkpointing %s (pipeline.activation_checkpoint_interval %d)\n", how.c_str(), ac.interval);
+  }
+  {
+    const MemoryBudget b = estimate_budget(cfg_, world_comm_->size(), cfg_.zero.stage);
+    std::printf("plan    per rank (largest: pipeline stage %d): model states %.1f MB | communication %.1f MB | gathered "
+                "parameters %.1f MB | activations %.1f MB (%d micro-batch(es) in flight%s) | workspace %.1f MB | runtime "
+                "%.1f MB | predicted peak %.1f MB, checked at the end\n",
+                b.pipe_stage, b.model_states() / 1e6, (b.comm_reduce + b.comm_gather + b.comm_prefetch) / 1e6,
+                b.live_params / 1e6, b.activations / 1e6, schedule_steps_.num_buffers,
+                b.activations_host > 0 ? ", checkpoints in host memory included" : "", b.workspace / 1e6,
+                b.runtime / 1e6, b.total() / 1e6);
+  }
   if (const std::string off = zero_->offload_summary(); !off.empty()) std::printf("offload %s\n", off.c_str());
   if (!output_dir_.empty()) std::printf("output  %s/{config.json,metrics.jsonl}\n", output_dir_.c_str());
   std::fflush(stdout);
@@ -577,6 +617,7 @@ void Engine::optimizer_step(StepResult& r) {
 StepResult Engine::train_step() {
   const auto t0 = std::chrono::steady_clock::now();
   timers_.reset();
+  model_->reset_checkpoint_times();
   note_step(step_ + 1);  // failure.hpp: names the step if this rank dies in it
   inject_fault(step_ + 1);
   const int64_t gas = cfg_.batch.gradient_accumulation_steps;
@@ -633,7 +674,14 @@ std::vector<StepResult> Engine::train() {
   double total_ms = 0.0;
   for (int64_t s = step_; s < cfg_.training.steps; ++s) {
     StepResult r = train_step();
+    r.checkpoint_times = model_->checkpoint_times();
     save(s + 1 == cfg_.training.steps);
+    // The plan's check (collective): the peak resident memory of the largest rank so far.
+    const bool last_step = s + 1 == cfg_.training.steps;
+    if (last_step) {
+      measured_peak_ = peak_rss_bytes();
+      world_comm_->all_reduce(&measured_peak_, 1, DType::I64, ReduceOp::Max);
+    }
     results.push_back(r);
     if (results.size() > 1 || cfg_.training.steps == 1) total_ms += r.elapsed_ms;  // the first step warms caches
     if (groups_.rank() != 0) continue;
@@ -682,6 +730,11 @@ std::vector<StepResult> Engine::train() {
         rec["time_ms"] = {{"forward", fwd}, {"backward", inner + ar}, {"backward_inner", inner},
                           {"backward_allreduce", ar}, {"step", st}, {"tensor_comm", r.tensor_comm_ms}};
       }
+      if (cfg_.activation_checkpointing.profile) rec["activation_checkpointing"] = {{"profile", checkpoint_profile(r)}};
+      if (last_step)
+        rec["memory_plan"] = {{"predicted_peak_bytes", predicted_peak_},
+                              {"measured_peak_bytes", measured_peak_},
+                              {"ratio", double(predicted_peak_) / double(std::max<int64_t>(1, measured_peak_))}};
       metrics_->write(rec);
     }
     if (r.step % cfg_.steps_per_print == 0 || r.step == 1 || r.step == cfg_.training.steps) {
@@ -705,6 +758,16 @@ std::vector<StepResult> Engine::train() {
                     ms.count("backward_allreduce") ? ms.at("backward_allreduce") : 0.0,
                     ms.count("step") ? ms.at("step") : 0.0);
       }
+      if (cfg_.activation_checkpointing.profile) {
+        std::string line = "checkpoints (ms)";
+        for (const auto& t : checkpoint_profile(r)) {
+          char buf[128];
+          std::snprintf(buf, sizeof buf, " | %s: forward %.2f recompute %.2f", t["blocks"].get<std::string>().c_str(),
+                        t["forward_ms"].get<double>(), t["recompute_ms"].get<double>());
+          line += buf;
+        }
+        std::printf("%s\n", line.c_str());
+      }
       std::fflush(stdout);
     }
   }
@@ -717,6 +780,10 @@ std::vector<StepResult> Engine::train() {
                 (long long)results.size(), results.back().loss, results.front().loss, tps,
                 100.0 * flops_per_token_ * tps / (peak_gflops_total_ * 1e9), peak_gflops_total_,
                 (total_ms + results.front().elapsed_ms) / 1e3);
+    if (measured_peak_ > 0)
+      std::printf("memory plan: predicted peak %.1f MB per rank, measured %.1f MB (max over %d ranks), ratio %.3f\n",
+                  predicted_peak_ / 1e6, measured_peak_ / 1e6, world_comm_->size(),
+                  double(predicted_peak_) / double(measured_peak_));
     std::fflush(stdout);
   }
   return results;

@@ -44,6 +44,7 @@ struct StepResult {
   // start to its last pass): the pipeline bubble as the schedule formulas count it.
   double idle_fraction = 0.0;
   std::vector<double> stage_idle;  // idle_fraction of every pipeline stage (same on all ranks)
+  std::vector<GPT::CheckpointTime> checkpoint_times;  // activation_checkpointing.profile: this rank's checkpoints
 };
 
 class Engine {
@@ -125,6 +126,9 @@ class Engine {
   PhaseTimers timers_;
   double flops_per_token_ = 0.0, peak_gflops_total_ = 0.0;
   int64_t step_ = 0;
+  // The memory plan (estimator.hpp) the run is checked against at its end: predicted peak per
+  // rank (the largest rank's budget) and the measured peak resident memory (max over ranks).
+  int64_t predicted_peak_ = 0, measured_peak_ = 0;
 };
 
 }  // namespace zero3d

@@ -107,6 +107,9 @@ nlohmann::json MemoryBudget::to_json() const {
           {"comm_prefetch", comm_prefetch},
           {"live_params", live_params},
           {"activations", activations},
+          {"activations_host", activations_host},
+          {"activations_none", activations_none},
+          {"activations_selective", activations_selective},
           {"activations_checkpointed", activations_checkpointed},
           {"workspace", workspace},
           {"runtime", runtime},
@@ -212,42 +215,43 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   }
   if (b.stage == 3) {
     // Gathered units: everything, when units are kept for reuse within the step (DeepSpeed's
-    // defaults), else at most max_live_parameters plus the unit being fetched.
+    // defaults), else at most max_live_parameters plus the unit being fetched. Split by
+    // purpose: the unit in use (the largest), the prefetch bucket along the trace, the rest
+    // kept for reuse.
     const bool keep_all = cfg.zero.max_reuse_distance >= 2 * psi && cfg.zero.max_live_parameters >= psi;
-    b.live_params = ps * (keep_all ? psi : std::min(psi, cfg.zero.max_live_parameters + largest_unit));
-    b.comm_prefetch = 0;  // prefetched units are inside live_params
+    const int64_t gathered = keep_all ? psi : std::min(psi, cfg.zero.max_live_parameters + largest_unit);
+    const int64_t prefetch = std::min(cfg.zero.prefetch_bucket_size, gathered - largest_unit);
+    b.comm_gather = ps * largest_unit;
+    b.comm_prefetch = ps * prefetch;
+    b.live_params = ps * (gathered - largest_unit - prefetch);
   }
-  // Activations: exactly what the engine allocates (Engine::activation_bytes): the schedule's
-  // in-flight buffers, each GPT::make_buffer's size, plus the model's backward scratch. Local
-  // widths C/t, H/t, Vp/t; tokens outside tensor-parallel regions B·T, or B·T/t with sequence
-  // parallelism.
+  // Activations: exactly what the engine allocates (Engine::activation_bytes), from the
+  // function GPT carves its buffers with (gpt_activation_plan): the schedule's in-flight
+  // buffers plus the shared backward scratch and recompute workspace. Local widths C/t, H/t,
+  // Vp/t; tokens outside tensor-parallel regions B·T, or B·T/t with sequence parallelism.
   const int64_t Bm = cfg.batch.micro_batch, Tm = m.n_positions;
-  // (gpt_activation_bytes multiplies in int64: user-sized products past 2^55, bounded here in
-  // double with the whole widths, are capped instead.)
-  {
-    const double B = double(Bm), T = double(Tm), C = double(m.n_embd), BT = B * T, L = double(m.n_layer),
-                 bound = 4 * (double(plan.num_buffers) * (5 * BT * C + L * (27 * BT * C + 4 * BT + B * double(m.n_head) * T * T) +
-                                                          BT * double(plan.part.vocab_padded) + 6 * BT) +
-                              11 * BT * C + double(kernels::kRowBlock) * T + 3 * BT);
-    if (bound < 36028797018963968.0) {  // 2^55
-      const GPTActivationBytes act =
-          gpt_activation_bytes(shape, plan.part, Bm, Tm, cfg.tensor.sequence_parallel, plan.split);
-      b.activations = plan.num_buffers * act.buffer + act.scratch;
-    } else {
-      b.activations = capped(bound);
-    }
-  }
-  // With every block checkpointed: of each buffer's blocks only the inputs kept, one block's
-  // internals recomputed at a time.
-  const int t = std::max(1, plan.part.tp_size);
-  const double B = double(Bm), T = double(Tm), C = double(m.n_embd), H = double(m.n_head) / t,
-               Cl = C / t, BT = B * T, Ns = cfg.tensor.sequence_parallel ? BT / t : BT;
-  int64_t max_blocks = 0;
-  for (const ModelChunk& c : plan.part.chunks) max_blocks = std::max<int64_t>(max_blocks, c.num_blocks);
-  const double per_block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + B * H * T * T;
-  const double saved = double(max_blocks) * (per_block - Ns * C);
-  b.activations_checkpointed =
-      capped(std::max(0.0, double(b.activations) - 4 * double(plan.num_buffers) * saved + (max_blocks > 0 ? 4 * per_block : 0.0)));
+  // (the plan multiplies in int64: user-sized products past 2^55, bounded here in double with
+  // the whole widths, are capped instead.)
+  const double B = double(Bm), T = double(Tm), C = double(m.n_embd), BT = B * T, L = double(m.n_layer);
+  const double bound =
+      4 * (double(plan.num_buffers) * (6 * BT * C + L * (27 * BT * C + 4 * BT + B * double(m.n_head) * T * T) +
+                                       BT * double(plan.part.vocab_padded) + 6 * BT +
+                                       double(cfg.activation_checkpointing.number_checkpoints) * BT * C) +
+           12 * BT * C + double(kernels::kRowBlock) * T + 3 * BT + L * (27 * BT * C + 4 * BT + B * double(m.n_head) * T * T));
+  const auto activations = [&](const ActivationCheckpointing& ac, int64_t* host) -> int64_t {
+    if (bound >= 36028797018963968.0) return capped(bound);  // 2^55
+    const GPTActivationBytes act =
+        gpt_activation_bytes(shape, plan.part, Bm, Tm, cfg.tensor.sequence_parallel, plan.split, ac);
+    if (host) *host = plan.num_buffers * act.host;
+    return plan.num_buffers * act.buffer + act.scratch;
+  };
+  ActivationCheckpointing selective, every_block;
+  selective.interval = every_block.interval = 1;
+  selective.granularity = RecomputeGranularity::Selective;
+  b.activations = activations(cfg.activation_checkpointing, &b.activations_host);
+  b.activations_none = activations(ActivationCheckpointing{}, nullptr);
+  b.activations_selective = activations(selective, nullptr);
+  b.activations_checkpointed = activations(every_block, nullptr);
   // Workspace: token ids, the start-up product that measures peak GFLOP/s, initial weights
   // read whole by init_from, data held in memory (text bytes and token shards as int32).
   const double V = double(plan.part.vocab_local);
@@ -287,7 +291,13 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
 }
 
 int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank) {
+  return largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, cfg.activation_checkpointing);
+}
+
+int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank,
+                                    const ActivationCheckpointing& checkpointing) {
   Config c = cfg;
+  c.activation_checkpointing = checkpointing;
   const std::vector<RankPlan> plans = plan_ranks(cfg);  // independent of the micro-batch
   const int64_t dp = rank_layout(cfg, world).data;
   auto fits = [&](int64_t micro) {
@@ -306,8 +316,34 @@ int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage,
   return lo;
 }
 
+nlohmann::json FitAnswer::to_json() const {
+  return {{"stage", stage},
+          {"largest_micro_batch", configured},
+          {"without_checkpointing", none},
+          {"with_selective_recompute", selective},
+          {"with_full_recompute", full},
+          {"configured_micro_batch_fits", configured_fits},
+          {"needs_checkpointing", needs_checkpointing}};
+}
+
+FitAnswer what_fits(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank) {
+  ActivationCheckpointing selective, full;
+  selective.interval = full.interval = 1;
+  selective.granularity = RecomputeGranularity::Selective;
+  FitAnswer a;
+  a.stage = stage;
+  a.configured = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank);
+  a.none = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, ActivationCheckpointing{});
+  a.selective = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, selective);
+  a.full = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, full);
+  a.configured_fits = cfg.batch.micro_batch <= a.configured;
+  a.needs_checkpointing = cfg.batch.micro_batch > a.none && cfg.batch.micro_batch <= std::max(a.selective, a.full);
+  return a;
+}
+
 void write_budget_report(const std::string& path, const Config& cfg, int64_t world,
-                         const std::vector<MemoryBudget>& budgets) {
+                         const std::vector<MemoryBudget>& budgets, const std::vector<FitAnswer>& fits,
+                         int64_t bytes_per_rank) {
   // The path is the user's (--report): a file that cannot be created there is bad input.
   auto create = [&] {
     try {
@@ -340,6 +376,24 @@ void write_budget_report(const std::string& path, const Config& cfg, int64_t wor
     h5::Handle ds(H5Dcreate2(f.id(), it.key().c_str(), H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
                   H5Dclose);
     std::vector<int64_t> ints(values.begin(), values.end());
+    if (ds.get() < 0 || H5Dwrite(ds.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, ints.data()) < 0)
+      throw SystemError(path + ": cannot write " + it.key());
+  }
+  if (fits.empty()) return;
+  // --memory-per-rank: one dataset per answer, element k for ZeRO stage k (booleans as 0/1)
+  h5::write_attribute(f.id(), "memory_per_rank", bytes_per_rank);
+  const nlohmann::json names = fits.front().to_json();
+  for (auto it = names.begin(); it != names.end(); ++it) {
+    if (it.key() == "stage") continue;
+    std::vector<int64_t> ints;
+    for (const FitAnswer& a : fits) {
+      const nlohmann::json v = a.to_json()[it.key()];
+      ints.push_back(v.is_boolean() ? int64_t(v.get<bool>()) : v.get<int64_t>());
+    }
+    const hsize_t n = ints.size();
+    h5::Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+    h5::Handle ds(H5Dcreate2(f.id(), it.key().c_str(), H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                  H5Dclose);
     if (ds.get() < 0 || H5Dwrite(ds.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, ints.data()) < 0)
       throw SystemError(path + ": cannot write " + it.key());
   }

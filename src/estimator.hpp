@@ -47,9 +47,16 @@ struct MemoryBudget {
   int64_t micro_batch = 0;
   // bytes per rank
   int64_t params = 0, grads = 0, master = 0, optimizer_states = 0;
-  int64_t comm_reduce = 0, comm_gather = 0, comm_prefetch = 0;  // buckets and staging by purpose
-  int64_t live_params = 0;                                      // stage 3: gathered units at once
-  int64_t activations = 0, activations_checkpointed = 0;        // one micro-batch, as allocated / if every block were checkpointed
+  int64_t comm_reduce = 0;    // gradient buckets, reduce-scatter staging and fp32 gradient windows
+  int64_t comm_gather = 0;    // stage 3: the unit being gathered for use (the largest)
+  int64_t comm_prefetch = 0;  // stage 3: units gathered ahead along the fetch trace (prefetch_bucket_size)
+  int64_t live_params = 0;    // stage 3: further gathered units kept for reuse (max_live_parameters)
+  // Activations under the configured checkpointing (every in-flight buffer and the shared
+  // workspaces, gpt_activation_plan), of them in host memory (cpu_checkpointing; on a CPU
+  // build the same memory, so counted in the total); and the same with no checkpointing,
+  // selective recompute, and full recompute of every block (interval 1), for comparison.
+  int64_t activations = 0, activations_host = 0;
+  int64_t activations_none = 0, activations_selective = 0, activations_checkpointed = 0;
   int64_t workspace = 0;                                        // startup sgemm, token buffers, init staging
   int64_t runtime = 0;                                          // MPI, Kokkos, BLAS, libraries: measured constant
   int64_t model_states() const { return params + grads + master + optimizer_states; }
@@ -77,8 +84,22 @@ std::vector<MemoryBudget> estimate_rank_budgets(const Config& cfg, int64_t world
 MemoryBudget estimate_budget(const Config& cfg, int64_t world_size, int stage = -1);
 
 // Largest micro-batch per stage whose total fits `bytes_per_rank` on every rank (0: not even
-// micro-batch 1). world_size: ranks in all, as for estimate_budget.
+// micro-batch 1). world_size: ranks in all, as for estimate_budget. checkpointing: plan with
+// this activation checkpointing instead of cfg's.
 int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank);
+int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank,
+                                    const ActivationCheckpointing& checkpointing);
+
+// "What fits" in bytes_per_rank at one ZeRO stage: the largest micro-batch under the configured
+// checkpointing, without any, with selective and with full recompute (interval 1), and whether
+// the configured micro-batch needs checkpointing (fits with it, not without).
+struct FitAnswer {
+  int stage = 0;
+  int64_t configured = 0, none = 0, selective = 0, full = 0;
+  bool configured_fits = false, needs_checkpointing = false;
+  nlohmann::json to_json() const;
+};
+FitAnswer what_fits(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank);
 
 // Memory this process may use: /proc/meminfo's MemAvailable, or the cgroup's remaining
 // limit where that is lower. bytes < 0: unknown (the check is skipped).
@@ -95,7 +116,10 @@ MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const Availabl
 
 // Writes the budgets (one per stage) to an HDF5 report: inputs as attributes, one dataset per
 // category holding the bytes at stages 0..3.
+// fits (optional, one per stage): the --memory-per-rank answers, written as largest_micro_batch
+// and its companions.
 void write_budget_report(const std::string& path, const Config& cfg, int64_t world_size,
-                         const std::vector<MemoryBudget>& budgets);
+                         const std::vector<MemoryBudget>& budgets, const std::vector<FitAnswer>& fits = {},
+                         int64_t bytes_per_rank = 0);
 
 }  // namespace zero3d

@@ -235,6 +235,7 @@ struct EstimateArgs {
   int64_t world_size = 1;
   bool json = false;
   bool largest_layer_given = false;
+  bool world_size_given = false;  // without --world-size the budget is for one rank, and says so
 };
 
 // Options of DeepSpeed's cold estimators: finite, in range, and GPU counts whose product fits.
@@ -290,8 +291,15 @@ int cmd_estimate(EstimateArgs a, int rank) {
   const Config cfg = read_config(load_with_overrides(a.config, name), name, a.world_size);
   std::vector<MemoryBudget> budgets;
   for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage));
-  if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets);
-  nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"configured_stage", cfg.zero.stage},
+  int64_t limit = 0;
+  std::vector<FitAnswer> fits;  // --memory-per-rank: what fits at each ZeRO stage
+  if (!a.memory_per_rank.empty()) {
+    limit = size_option("--memory-per-rank", a.memory_per_rank);
+    for (int stage = 0; stage <= 3; ++stage) fits.push_back(what_fits(cfg, a.world_size, stage, limit));
+  }
+  if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets, fits, limit);
+  nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"world_size_given", a.world_size_given},
+                        {"configured_stage", cfg.zero.stage},
                         {"parameters", count_model(cfg.model).params},
                         {"dtypes", {{"params", dtype_name(cfg.precision.param)},
                                     {"grad_accum", dtype_name(cfg.precision.grad_accum)},
@@ -312,12 +320,12 @@ int cmd_estimate(EstimateArgs a, int rank) {
       doc["ranks"][s]["budgets"].push_back(per_rank[s].to_json());
     }
   }
-  int64_t limit = 0;
-  if (!a.memory_per_rank.empty()) {
-    limit = size_option("--memory-per-rank", a.memory_per_rank);
+  if (limit > 0) {
     doc["memory_per_rank"] = limit;
-    for (int stage = 0; stage <= 3; ++stage)
-      doc["largest_micro_batch"].push_back(largest_fitting_micro_batch(cfg, a.world_size, stage, limit));
+    for (const FitAnswer& f : fits) {
+      doc["largest_micro_batch"].push_back(f.configured);
+      doc["fits"].push_back(f.to_json());
+    }
   }
   if (a.json) {
     std::printf("%s\n", doc.dump(2).c_str());
@@ -329,6 +337,9 @@ int cmd_estimate(EstimateArgs a, int rank) {
               (long long)a.world_size, layout.stages, (long long)layout.data, layout.tensor, (long long)cfg.zero.stage,
               dtype_name(cfg.precision.param).c_str(), dtype_name(cfg.precision.grad_accum).c_str(),
               dtype_name(cfg.precision.comm).c_str());
+  if (!a.world_size_given)
+    std::printf("(--world-size not given: the budget is for %lld rank(s); give --world-size N for N ranks in all)\n",
+                (long long)a.world_size);
   std::printf("bytes per rank (the largest: pipeline stage, tensor rank)");
   for (const auto& b : budgets) std::printf("  stage %d: (%d, %d)", b.stage, b.pipe_stage, b.tensor_rank);
   std::printf("\n");
@@ -340,9 +351,16 @@ int cmd_estimate(EstimateArgs a, int rank) {
     for (const auto& b : budgets) std::printf(" %s", mib(b.to_json()[row].get<int64_t>()).c_str());
     std::printf("\n");
   }
-  std::printf("%-25s", "(activations, checkpointed)");
-  for (const auto& b : budgets) std::printf(" %s", mib(b.activations_checkpointed).c_str());
-  std::printf("\n");
+  const std::pair<const char*, int64_t MemoryBudget::*> alternatives[] = {
+      {"(activations in host mem)", &MemoryBudget::activations_host},
+      {"(activations, none)", &MemoryBudget::activations_none},
+      {"(activations, selective)", &MemoryBudget::activations_selective},
+      {"(activations, full)", &MemoryBudget::activations_checkpointed}};
+  for (const auto& [label, field] : alternatives) {
+    std::printf("%-25s", label);
+    for (const auto& b : budgets) std::printf(" %s", mib(b.*field).c_str());
+    std::printf("\n");
+  }
   if (limit > 0) {
     std::printf("largest micro-batch within %s per rank:", a.memory_per_rank.c_str());
     for (int stage = 0; stage <= 3; ++stage) {
@@ -358,6 +376,16 @@ int cmd_estimate(EstimateArgs a, int rank) {
       }
     }
     std::printf("\n");
+    const long long mb = cfg.batch.micro_batch;
+    for (const FitAnswer& f : fits) {
+      const char* verdict = mb <= f.none        ? "fits without checkpointing"
+                            : mb <= f.selective ? "needs checkpointing: selective recompute is enough"
+                            : mb <= f.full      ? "needs checkpointing: full recompute"
+                                                : "does not fit even with full recompute";
+      std::printf("  stage %d: largest micro-batch without checkpointing %lld, selective %lld, full (interval 1) %lld; "
+                  "micro-batch %lld %s\n",
+                  f.stage, (long long)f.none, (long long)f.selective, (long long)f.full, mb, verdict);
+    }
   }
   if (!a.report.empty()) std::printf("report  %s\n", a.report.c_str());
   return kExitOk;
@@ -449,6 +477,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     est.largest_layer_given = estimate->count("--largest-layer-params") > 0;
+    est.world_size_given = estimate->count("--world-size") > 0;
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
     else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
     else if (topology->parsed()) code = cmd_topology(pp, dp, tp, as_json, rank);

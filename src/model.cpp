@@ -2,7 +2,9 @@
 #include "model.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <stdexcept>
 
 #include "attention.hpp"
 #include "crossentropy.hpp"
@@ -26,6 +28,63 @@ const char* kBlockTensorNames[] = {"ln_1.weight",       "ln_1.bias",       "attn
 void copy(float* dst, const float* src, int64_t n) {
   Kokkos::parallel_for("copy", range(n), KOKKOS_LAMBDA(Index i) { dst[i] = src[i]; });
 }
+
+// dst <- src (n floats), each in host memory (cpu_checkpointing) or in the device's. On a CPU
+// build both are the same memory and this is a plain copy.
+void copy_spaces(float* dst, bool dst_host, const float* src, bool src_host, int64_t n) {
+  using Host = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>;
+  using Device = Kokkos::View<float*, Kokkos::MemoryUnmanaged>;
+  float* from = const_cast<float*>(src);
+  if (dst_host && src_host) Kokkos::deep_copy(Host(dst, n), Host(from, n));
+  else if (dst_host) Kokkos::deep_copy(Host(dst, n), Device(from, n));
+  else if (src_host) Kokkos::deep_copy(Device(dst, n), Host(from, n));
+  else Kokkos::deep_copy(Device(dst, n), Device(from, n));
+}
+
+// One block's saves carved in a fixed order (what gpt_activation_plan counts as a block); a
+// non-null shared_att points the attention probabilities at the model's shared workspace.
+template <typename Take>
+BlockActivations carve_block(Take& take, int64_t Ns, int64_t BT, int64_t C, int64_t Cl, int64_t att, float* shared_att) {
+  BlockActivations a;
+  a.ln_1 = take(Ns * C);
+  a.ln_1_mean = take(Ns);
+  a.ln_1_rstd = take(Ns);
+  a.qkv = take(3 * BT * Cl);
+  a.att = shared_att ? shared_att : take(att);
+  a.atty = take(BT * Cl);
+  a.res_2 = take(Ns * C);
+  a.ln_2 = take(Ns * C);
+  a.ln_2_mean = take(Ns);
+  a.ln_2_rstd = take(Ns);
+  a.fch = take(4 * BT * Cl);
+  a.fch_gelu = take(4 * BT * Cl);
+  a.res_3 = take(Ns * C);
+  return a;
+}
+
+// Milliseconds of a region, fenced so device work is counted (profile only; free otherwise).
+struct Stopwatch {
+  bool on;
+  std::chrono::steady_clock::time_point t0;
+  explicit Stopwatch(bool on_) : on(on_) {
+    if (on) Kokkos::fence(), t0 = std::chrono::steady_clock::now();
+  }
+  double ms() const {
+    if (!on) return 0.0;
+    Kokkos::fence();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+// A bump allocator over one flat allocation.
+struct Carver {
+  float* p;
+  float* operator()(int64_t n) {
+    float* out = p;
+    p += n;
+    return out;
+  }
+};
 
 }  // namespace
 
@@ -222,8 +281,9 @@ void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& s
 GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type)
     : GPT(shape, B, T, param_type, gpt_model_part(shape, {0, static_cast<int>(shape.n_layer) + 2}, 1, 0)) {}
 
-GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part, TensorGroup tensor)
-    : shape_(shape), param_type_(param_type), B_(B), T_(T), part_(std::move(part)), tp_(tensor) {
+GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part, TensorGroup tensor,
+         ActivationCheckpointing checkpointing)
+    : shape_(shape), param_type_(param_type), B_(B), T_(T), part_(std::move(part)), tp_(tensor), ac_(checkpointing) {
   const int64_t C = shape.n_embd, BT = B * T, t = part_.tp_size;
   Cl_ = C / t;
   Hl_ = shape.n_head / t;
@@ -236,9 +296,21 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
   // parallelism, which only exists with more than one tensor rank).
   tp_.sequence_parallel = tp_.sequence_parallel && t > 1;
   Ns_ = tp_.sequence_parallel ? BT / t : BT;
-  // Backward scratch, shared by all blocks and micro-batches.
-  const int64_t tp_extra = t > 1 ? BT * C + 3 * BT + (tp_.sequence_parallel ? BT * C + Ns_ * C : 0) : 0;
-  scratch_ = make_scratch_buffer("backward_scratch", BT * C + 8 * BT * Cl_ + kRowBlock * T + tp_extra);
+  // Backward scratch and the recompute workspace, shared by all blocks and micro-batches.
+  const ActivationPlan plan = gpt_activation_plan(shape, part_, B, T, tp_.sequence_parallel, false, ac_);
+  scratch_ = make_scratch_buffer("backward_scratch", plan.scratch);
+  recompute_ = make_scratch_buffer("recompute_workspace", plan.recompute);
+  ckpt_slot_ = plan.checkpoint_slot;
+  Carver ws{recompute_.data()};
+  if (ac_.full() && max_blocks_ > 0) {
+    ckpt_input_ = ws(Ns_ * C);
+    if (ac_.cpu_checkpointing && ac_.partition_activations && t > 1) ckpt_staging_ = ws(ckpt_slot_);
+    for (int i = 0; i < std::min(ac_.interval, max_blocks_); ++i)
+      recompute_blocks_.push_back(carve_block(ws, Ns_, BT, C, Cl_, B * Hl_ * T * T, nullptr));
+  } else if (ac_.selective() && max_blocks_ > 0) {
+    shared_att_ = ws(B * Hl_ * T * T);
+  }
+  if (ws.p != recompute_.data() + plan.recompute) throw std::logic_error("recompute workspace differs from its plan");
   float* p = scratch_.data();
   auto take = [&p](int64_t n) {
     float* out = p;
@@ -263,53 +335,33 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
 }
 
 ActivationBuffer GPT::make_buffer(bool split_backward) const {
-  const int64_t C = shape_.n_embd, Cl = Cl_, V = Vl_, H = Hl_, B = B_, T = T_, BT = B * T, Ns = Ns_;
-  // ln_1, res_2, ln_2, res_3 over this rank's tokens (Ns: all, or a shard with sequence
-  // parallelism); this rank's qkv, attention output, fc and its GELU over all tokens
-  const int64_t per_block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + B * H * T * T;
-  const int64_t per_block_operands = split_backward ? 2 * BT * C + 2 * Ns * C + 7 * BT * Cl : 0;
-  const int64_t head = any_final_ ? BT * C + 2 * Ns + BT * V + 2 * BT + (split_backward ? Ns * C : 0) : 0;
+  if (split_backward && ac_.full())
+    throw std::invalid_argument("full recompute cannot keep a block's activations for a later weight-gradient pass");
+  const int64_t C = shape_.n_embd, Cl = Cl_, H = Hl_, B = B_, T = T_, BT = B * T, Ns = Ns_;
+  const ActivationPlan plan = gpt_activation_plan(shape_, part_, B, T, tp_.sequence_parallel, split_backward, ac_);
   const bool receives_grad = [&] {
     for (const ModelChunk& c : part_.chunks)
       if (!c.final) return true;
     return false;
   }();
-  const int64_t total = Ns * C + (receives_grad ? Ns * C : 0) + Ns * C + max_blocks_ * (per_block + per_block_operands) + head;
   ActivationBuffer buf;
-  buf.storage = make_scratch_buffer("activations", total);
+  buf.storage = make_scratch_buffer("activations", plan.storage());
   buf.token_ids = Kokkos::View<int32_t*>("tokens", BT);
   buf.target_ids = Kokkos::View<int32_t*>("targets", BT);
   buf.tokens = buf.token_ids.data();
   buf.targets = buf.target_ids.data();
-  float* p = buf.storage.data();
-  auto take = [&p](int64_t n) {
-    float* out = p;
-    p += n;
-    return out;
-  };
+  Carver take{buf.storage.data()};
   buf.input = take(Ns * C);
-  for (int l = 0; l < max_blocks_; ++l) {
-    BlockActivations a;
-    a.ln_1 = take(Ns * C);
-    a.ln_1_mean = take(Ns);
-    a.ln_1_rstd = take(Ns);
-    a.qkv = take(3 * BT * Cl);
-    a.att = take(B * H * T * T);
-    a.atty = take(BT * Cl);
-    a.res_2 = take(Ns * C);
-    a.ln_2 = take(Ns * C);
-    a.ln_2_mean = take(Ns);
-    a.ln_2_rstd = take(Ns);
-    a.fch = take(4 * BT * Cl);
-    a.fch_gelu = take(4 * BT * Cl);
-    a.res_3 = take(Ns * C);
-    buf.blocks.push_back(a);
-  }
+  // ln_1, res_2, ln_2, res_3 over this rank's tokens (Ns: all, or a shard with sequence
+  // parallelism); this rank's qkv, attention output, fc and its GELU over all tokens
+  for (int l = 0; l < plan.blocks; ++l)
+    buf.blocks.push_back(carve_block(take, Ns, BT, C, Cl, B * H * T * T, ac_.selective() ? shared_att_ : nullptr));
+  if (ac_.full() && max_blocks_ > 0) buf.output = take(Ns * C);
   if (any_final_) {
     buf.ln_f = take(BT * C);  // all tokens: the head's input (gathered with sequence parallelism)
     buf.ln_f_mean = take(Ns);
     buf.ln_f_rstd = take(Ns);
-    buf.logits = take(BT * V);
+    buf.logits = take(BT * Vl_);
     buf.losses = take(BT);
     buf.lse = take(BT);
   }
@@ -328,13 +380,31 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
     }
     if (any_final_) buf.d_ln_f = take(Ns * C);
   }
+  if (take.p != buf.storage.data() + plan.storage()) throw std::logic_error("activation buffer differs from its plan");
+  // Saved checkpoint inputs: one allocation per slot, or one contiguous buffer of all slots
+  // (contiguous_memory_optimization), in host memory with cpu_checkpointing.
+  const int64_t per_allocation = plan.checkpoint_allocations > 0 ? plan.checkpoint_slots / plan.checkpoint_allocations : 0;
+  for (int64_t k = 0; k < plan.checkpoint_allocations; ++k) {
+    const int64_t n = per_allocation * plan.checkpoint_slot;
+    float* base = nullptr;
+    if (plan.checkpoints_on_host) {
+      buf.checkpoint_host.emplace_back(Kokkos::view_alloc(Kokkos::WithoutInitializing, "checkpoints_host"), n);
+      base = buf.checkpoint_host.back().data();
+    } else {
+      buf.checkpoint_storage.push_back(make_scratch_buffer("checkpoints", n));
+      base = buf.checkpoint_storage.back().data();
+    }
+    for (int64_t j = 0; j < per_allocation; ++j) buf.checkpoints.push_back(base + j * plan.checkpoint_slot);
+  }
   return buf;
 }
 
-float* GPT::output(int chunk, const ActivationBuffer& buf) const {
-  const ModelChunk& c = part_.chunks[chunk];
-  return c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;
+float* GPT::chunk_output(const ModelChunk& c, const ActivationBuffer& buf) const {
+  if (c.num_blocks == 0) return buf.input;
+  return ac_.full() ? buf.output : buf.blocks[c.num_blocks - 1].res_3;
 }
+
+float* GPT::output(int chunk, const ActivationBuffer& buf) const { return chunk_output(part_.chunks[chunk], buf); }
 
 std::vector<int> GPT::fetch_order(int chunk, bool forward, BackwardPart part) const {
   const ModelChunk& c = part_.chunks[chunk];
@@ -347,7 +417,17 @@ std::vector<int> GPT::fetch_order(int chunk, bool forward, BackwardPart part) co
   }
   if (part == BackwardPart::Weight) return order;  // weight gradients need activations only
   if (c.final) order.push_back(c.head_unit), order.push_back(c.final_unit);
-  for (int l = c.num_blocks - 1; l >= 0; --l) order.push_back(c.first_block_unit + l);
+  if (!ac_.full()) {
+    for (int l = c.num_blocks - 1; l >= 0; --l) order.push_back(c.first_block_unit + l);
+    return order;
+  }
+  // full recompute: each checkpoint, last first, runs its blocks forward again, then backward
+  const int N = ac_.interval;
+  for (int g0 = (c.num_blocks - 1) / N * N; g0 >= 0; g0 -= N) {
+    const int n = std::min(N, c.num_blocks - g0);
+    for (int i = 0; i < n; ++i) order.push_back(c.first_block_unit + g0 + i);
+    for (int i = n - 1; i >= 0; --i) order.push_back(c.first_block_unit + g0 + i);
+  }
   return order;
 }
 
@@ -406,8 +486,9 @@ void add_residual_and_bias(float* res, const float* residual, const float* parti
 }  // namespace
 
 template <typename P>
-float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store) {
-  const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, V = Vl_, BT = B * T, Ns = Ns_;
+void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
+                        double* attention_ms) {
+  const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, BT = B * T, Ns = Ns_;
   const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
   // The input of a column-parallel product: this rank's tokens, or all of them gathered.
@@ -421,15 +502,52 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   };
   // A row-parallel product's partial sums (row_out_, all tokens) summed over the group into
   // this rank's tokens, then the bias once and the residual: res = residual + Σ partial + bias.
-  const auto row_output = [&](float* res, const float* residual, const P* bias) {
+  const auto row_output = [&](float* res, const float* res_in, const P* bias) {
     if (!sp) {
       reduce_from_tp_region_forward(tp_, row_out_, BT * C);
-      add_residual_and_bias(res, residual, row_out_, bias, BT, C);
+      add_residual_and_bias(res, res_in, row_out_, bias, BT, C);
     } else {
       reduce_scatter_to_sequence_parallel_region_forward(tp_, row_out_, shard_, Ns * C);
-      add_residual_and_bias(res, residual, shard_, bias, Ns, C);
+      add_residual_and_bias(res, res_in, shard_, bias, Ns, C);
     }
   };
+  const int u = c.first_block_unit + l;
+  const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)));
+  // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
+  layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
+  matmul_forward(a.qkv, column_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+  {
+    const Stopwatch sw(attention_ms != nullptr);
+    attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H);
+    if (attention_ms) *attention_ms += sw.ms();
+  }
+  if (!tp) {
+    copy(a.res_2, residual, BT * C);
+    matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
+  } else {
+    matmul_forward(row_out_, a.atty, w.attn_proj_w, static_cast<const P*>(nullptr), BT, Cl, C, false, cmp);
+    row_output(a.res_2, residual, w.attn_proj_b);
+  }
+  // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
+  layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
+  matmul_forward(a.fch, column_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
+  gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
+  if (!tp) {
+    copy(a.res_3, a.res_2, BT * C);
+    matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
+  } else {
+    matmul_forward(row_out_, a.fch_gelu, w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false, cmp);
+    row_output(a.res_3, a.res_2, w.mlp_proj_b);
+  }
+  store.release(u);
+  store.progress();
+}
+
+template <typename P>
+float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store) {
+  const int64_t B = B_, T = T_, C = shape_.n_embd, V = Vl_, BT = B * T, Ns = Ns_;
+  const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
+  const DType cmp = compute_type();
   if (c.embedding) {
     const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V(/t),C] then wpe [T,C]
     if (!tp) {
@@ -443,38 +561,34 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
     }
     store.release(c.embed_unit);
   }
-  for (int l = 0; l < c.num_blocks; ++l) {
-    const int u = c.first_block_unit + l;
-    const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)));
-    BlockActivations& a = buf.blocks[l];
-    const float* residual = l == 0 ? buf.input : buf.blocks[l - 1].res_3;
-    // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
-    layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
-    matmul_forward(a.qkv, column_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
-    attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H);
-    if (!tp) {
-      copy(a.res_2, residual, BT * C);
-      matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
-    } else {
-      matmul_forward(row_out_, a.atty, w.attn_proj_w, static_cast<const P*>(nullptr), BT, Cl, C, false, cmp);
-      row_output(a.res_2, residual, w.attn_proj_b);
+  if (ac_.full()) {
+    // Checkpoints of `interval` blocks: each saves its input, runs its blocks in the shared
+    // recompute workspace and keeps only its output (the next checkpoint's input).
+    const int N = ac_.interval;
+    for (int g = 0, g0 = 0; g0 < c.num_blocks; ++g, g0 += N) {
+      const int n = std::min(N, c.num_blocks - g0);
+      const float* in = g == 0 ? buf.input : ckpt_input_;
+      checkpoint_boundary();
+      const Stopwatch sw(ac_.profile);
+      save_checkpoint(buf, g, in);
+      for (int i = 0; i < n; ++i)
+        block_forward<P>(c, g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3, store, nullptr);
+      copy(g0 + n == c.num_blocks ? buf.output : ckpt_input_, recompute_blocks_[n - 1].res_3, Ns * C);
+      if (ac_.profile) time_of(c.first_block + g0, n).forward_ms += sw.ms();
+      checkpoint_boundary();
     }
-    // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
-    layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
-    matmul_forward(a.fch, column_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
-    gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
-    if (!tp) {
-      copy(a.res_3, a.res_2, BT * C);
-      matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
-    } else {
-      matmul_forward(row_out_, a.fch_gelu, w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false, cmp);
-      row_output(a.res_3, a.res_2, w.mlp_proj_b);
+  } else {
+    const bool timed = ac_.selective() && ac_.profile;
+    for (int l = 0; l < c.num_blocks; ++l) {
+      if (ac_.selective()) checkpoint_boundary();
+      double attention_ms = 0.0;
+      block_forward<P>(c, l, buf.blocks[l], l == 0 ? buf.input : buf.blocks[l - 1].res_3, store,
+                       timed ? &attention_ms : nullptr);
+      if (timed) time_of(c.first_block + l, 1).forward_ms += attention_ms;
     }
-    store.release(u);
-    store.progress();
   }
   if (!c.final) return 0.0f;
-  const float* x = c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;
+  const float* x = chunk_output(c, buf);
   const P* F = static_cast<const P*>(store.fetch(c.final_unit));  // weight [C] then bias [C]
   // ln_f over this rank's tokens; the head reads all tokens (gathered with sequence parallelism)
   layernorm_forward(sp ? shard_ : buf.ln_f, buf.ln_f_mean, buf.ln_f_rstd, x, F, F + C, Ns, C);
@@ -556,7 +670,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
   };
 
   if (c.final) {
-    const float* x = c.num_blocks > 0 ? buf.blocks[c.num_blocks - 1].res_3 : buf.input;
+    const float* x = chunk_output(c, buf);
     float* dlnf = keep || part == BackwardPart::Weight ? buf.d_ln_f : dln_;  // this rank's tokens
     if (input) {
       // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
@@ -591,12 +705,12 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     copy(dres, buf.d_output, Ns * C);
   }
 
-  for (int l = c.num_blocks - 1; l >= 0; --l) {
+  // One block's backward from its saves `a` and its input `residual`; dres holds d(res_3) on entry
+  // and d(residual) on exit.
+  const auto block_backward = [&](int l, const BlockActivations& a, const float* residual) {
     const int u = c.first_block_unit + l;
     const BlockTensors<const P> w = input ? block(static_cast<const P*>(store.fetch(u))) : BlockTensors<const P>{};
     const BlockTensors<float> dw = weights ? block(store.grad_target(u)) : BlockTensors<float>{};
-    const BlockActivations& a = buf.blocks[l];
-    const float* residual = l == 0 ? buf.input : buf.blocks[l - 1].res_3;
     // Where the output gradients of the five products and two LayerNorms live.
     const bool saved = part != BackwardPart::Full;
     const BlockGradOperands& g = saved ? buf.grad_operands[l] : BlockGradOperands{};
@@ -624,6 +738,13 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     // attention half: dres now holds d(res_2)
     const float* d_res_2 = part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(dres, saved ? g.d_res_2 : gathered_);
     if (keep && !sp) copy(g.d_res_2, dres, BT * C);
+    if (input && ac_.selective()) {  // the attention probabilities were not kept: recompute them
+      checkpoint_boundary();
+      const Stopwatch sw(ac_.profile);
+      attention_forward(datty_, a.att, a.qkv, B, T, Cl, H);  // datty_ is free until the product below
+      if (ac_.profile) time_of(c.first_block + l, 1).recompute_ms += sw.ms();
+      checkpoint_boundary();
+    }
     matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
                     d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp);
     store.progress();
@@ -640,6 +761,26 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
                        residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, Ns, C);
     if (input) store.release(u);
     if (weights) store.grads_done(u);
+  };
+  if (!ac_.full()) {
+    for (int l = c.num_blocks - 1; l >= 0; --l)
+      block_backward(l, buf.blocks[l], l == 0 ? buf.input : buf.blocks[l - 1].res_3);
+  } else {
+    // Each checkpoint, last first: restore its input, recompute its blocks with the forward's
+    // code into the workspace, then run their backward (DeepSpeed CheckpointFunction.backward).
+    const int N = ac_.interval;
+    for (int g = (c.num_blocks - 1) / N, g0 = g * N; g0 >= 0 && c.num_blocks > 0; --g, g0 -= N) {
+      const int n = std::min(N, c.num_blocks - g0);
+      checkpoint_boundary();
+      const Stopwatch sw(ac_.profile);
+      const float* in = restore_checkpoint(buf, g);
+      for (int i = 0; i < n; ++i)
+        block_forward<P>(c, g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3, store, nullptr);
+      if (ac_.profile) time_of(c.first_block + g0, n).recompute_ms += sw.ms();
+      checkpoint_boundary();
+      for (int i = n - 1; i >= 0; --i)
+        block_backward(g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3);
+    }
   }
   if (c.embedding && weights) {
     // one stage: the head already opened the embedding unit's gradients (asking again would reset them)
@@ -660,27 +801,99 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
   }
 }
 
-// The element counts of GPT's constructor (scratch_) and GPT::make_buffer, kept in step with them.
-GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
-                                        bool sequence_parallel, bool split_backward) {
+// Checkpoint g's input into its slot: this rank's contiguous 1/t of the flattened tensor when
+// partitioned (DeepSpeed's partition: start = numel/t · rank, FACTS-2 §6.2), else all of it.
+void GPT::save_checkpoint(ActivationBuffer& buf, int g, const float* input) const {
+  const bool split = ac_.partition_activations && part_.tp_size > 1;
+  copy_spaces(buf.checkpoints[g], ac_.cpu_checkpointing, split ? input + part_.tp_rank * ckpt_slot_ : input, false,
+              ckpt_slot_);
+}
+
+// Checkpoint g's whole input on the device: the slot itself, or rebuilt in the workspace
+// (brought from host memory; partitions all-gathered over the tensor group, FACTS-2 §6.3).
+const float* GPT::restore_checkpoint(ActivationBuffer& buf, int g) {
+  const bool split = ac_.partition_activations && part_.tp_size > 1, host = ac_.cpu_checkpointing;
+  const float* saved = buf.checkpoints[g];
+  if (!split && !host) return saved;
+  if (!split) {
+    copy_spaces(ckpt_input_, false, saved, true, ckpt_slot_);
+    return ckpt_input_;
+  }
+  if (host) {
+    copy_spaces(ckpt_staging_, false, saved, true, ckpt_slot_);
+    saved = ckpt_staging_;
+  }
+  tp_.all_gather_tokens(saved, ckpt_input_, ckpt_slot_);
+  return ckpt_input_;
+}
+
+// synchronize_checkpoint_boundary: DeepSpeed synchronises the device at each boundary; here
+// also the tensor group, the ranks that run the same checkpoints in step.
+void GPT::checkpoint_boundary() const {
+  if (!ac_.synchronize_checkpoint_boundary) return;
+  Kokkos::fence();
+  if (tp_.comm && tp_.size > 1) tp_.comm->barrier();
+}
+
+GPT::CheckpointTime& GPT::time_of(int first_block, int num_blocks) {
+  for (CheckpointTime& t : times_)
+    if (t.first_block == first_block) return t;
+  times_.push_back({first_block, num_blocks, 0.0, 0.0});
+  return times_.back();
+}
+
+void GPT::reset_checkpoint_times() {
+  for (CheckpointTime& t : times_) t.forward_ms = t.recompute_ms = 0.0;
+}
+
+ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
+                                   bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac) {
   const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, H = shape.n_head / t, V = part.vocab_local,
-                BT = B * T, Ns = sequence_parallel ? BT / t : BT;
-  int64_t max_blocks = 0;
+                BT = B * T, Ns = sequence_parallel && t > 1 ? BT / t : BT;
+  const bool sp = sequence_parallel && t > 1;
+  int64_t max_blocks = 0, max_checkpoints = 0;
   bool any_final = false, receives_grad = false;
   for (const ModelChunk& c : part.chunks) {
     max_blocks = std::max<int64_t>(max_blocks, c.num_blocks);
+    if (ac.full()) max_checkpoints = std::max<int64_t>(max_checkpoints, (c.num_blocks + ac.interval - 1) / ac.interval);
     any_final = any_final || c.final;
     receives_grad = receives_grad || !c.final;
   }
-  const int64_t per_block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + B * H * T * T;
-  const int64_t per_block_operands = split_backward ? 2 * BT * C + 2 * Ns * C + 7 * BT * Cl : 0;
-  const int64_t head = any_final ? BT * C + 2 * Ns + BT * V + 2 * BT + (split_backward ? Ns * C : 0) : 0;
-  const int64_t total =
-      Ns * C + (receives_grad ? Ns * C : 0) + Ns * C + max_blocks * (per_block + per_block_operands) + head;
-  const int64_t tp_extra = t > 1 ? BT * C + 3 * BT + (sequence_parallel ? BT * C + Ns * C : 0) : 0;
+  const int64_t att = B * H * T * T;  // one block's attention probabilities
+  // ln_1, res_2, ln_2, res_3 and the LayerNorm statistics over this rank's tokens; qkv, the
+  // attention output, fc and its GELU over all tokens at this rank's width; the probabilities
+  const int64_t block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + att;
+  const bool full = ac.full() && max_blocks > 0;
+  ActivationPlan p;
+  p.tokens = BT;
+  p.stream = Ns * C + (full ? Ns * C : 0) + Ns * C + (receives_grad ? Ns * C : 0);
+  p.per_block = ac.selective() ? block - att : block;
+  p.blocks = ac.full() ? 0 : max_blocks;
+  p.head = any_final ? BT * C + 2 * Ns + BT * V + 2 * BT + (split_backward ? Ns * C : 0) : 0;
+  p.grad_operands = split_backward ? max_blocks * (2 * BT * C + 2 * Ns * C + 7 * BT * Cl) : 0;
+  if (full) {
+    const bool split = ac.partition_activations && t > 1;
+    p.checkpoint_slot = split ? Ns * C / t : Ns * C;
+    p.checkpoint_slots = ac.contiguous_memory_optimization ? ac.number_checkpoints : max_checkpoints;
+    p.checkpoint_allocations = ac.contiguous_memory_optimization ? 1 : p.checkpoint_slots;
+    p.checkpoints_on_host = ac.cpu_checkpointing;
+    p.recompute = Ns * C + (split && ac.cpu_checkpointing ? p.checkpoint_slot : 0) +
+                  std::min<int64_t>(ac.interval, max_blocks) * block;
+  } else if (ac.selective() && max_blocks > 0) {
+    p.recompute = att;
+  }
+  const int64_t tp_extra = t > 1 ? BT * C + 3 * BT + (sp ? BT * C + Ns * C : 0) : 0;
+  p.scratch = BT * C + 8 * BT * Cl + kRowBlock * T + tp_extra;
+  return p;
+}
+
+GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
+                                        bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac) {
+  const ActivationPlan p = gpt_activation_plan(shape, part, B, T, sequence_parallel, split_backward, ac);
   GPTActivationBytes out;
-  out.buffer = 4 * total + 8 * BT;  // ActivationBuffer::bytes(): storage, and token plus target ids
-  out.scratch = 4 * (BT * C + 8 * BT * Cl + kRowBlock * T + tp_extra);
+  out.buffer = p.buffer_bytes();  // ActivationBuffer::bytes()
+  out.scratch = p.shared_bytes();
+  out.host = p.checkpoints_on_host ? p.checkpoint_bytes() : 0;
   return out;
 }
 

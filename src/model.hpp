@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "buffer.hpp"
+#include "checkpointing.hpp"
 #include "dtype.hpp"
 #include "tensor_parallel.hpp"
 
@@ -165,8 +166,17 @@ struct BlockGradOperands {
 // One in-flight micro-batch on this rank (DESIGN-3D: activations live with the executor, not
 // the model): token ids, the chunk's input stream, every block's saves, the head's saves and
 // the two boundary gradients. Sized for the rank's largest chunk; any chunk may use it.
+// Under full recompute `blocks` is empty: the buffer keeps each checkpoint's input (in
+// `checkpoints`, one slot per checkpoint) and the chunk's output; under selective recompute every
+// block's `att` points into the model's shared workspace.
 struct ActivationBuffer {
   FlatBuffer storage;
+  // Saved checkpoint inputs: one allocation per slot, or one for all (contiguous), on the
+  // device or in host memory (cpu_checkpointing); `checkpoints[g]` is checkpoint g's slot.
+  std::vector<FlatBuffer> checkpoint_storage;
+  std::vector<Kokkos::View<float*, Kokkos::HostSpace>> checkpoint_host;
+  std::vector<float*> checkpoints;
+  float* output = nullptr;  // [B,T,C] the chunk's output under full recompute (else the last block's res_3)
   Kokkos::View<int32_t*> token_ids, target_ids;  // device copies the executor loads
   const int32_t* tokens = nullptr;
   const int32_t* targets = nullptr;
@@ -177,7 +187,18 @@ struct ActivationBuffer {
   std::vector<BlockGradOperands> grad_operands;  // empty unless built for split backward
   float *ln_f = nullptr, *ln_f_mean = nullptr, *ln_f_rstd = nullptr, *logits = nullptr, *losses = nullptr,
         *lse = nullptr, *d_ln_f = nullptr;
-  int64_t bytes() const { return static_cast<int64_t>(storage.extent(0) * 4 + token_ids.extent(0) * 8); }
+  // Everything the buffer holds, host-resident checkpoints included.
+  int64_t bytes() const {
+    int64_t n = static_cast<int64_t>(storage.extent(0) * 4 + token_ids.extent(0) * 8);
+    for (const FlatBuffer& v : checkpoint_storage) n += static_cast<int64_t>(v.extent(0) * 4);
+    return n + host_bytes();
+  }
+  // Of them, in the host memory space (cpu_checkpointing).
+  int64_t host_bytes() const {
+    int64_t n = 0;
+    for (const auto& v : checkpoint_host) n += static_cast<int64_t>(v.extent(0) * 4);
+    return n;
+  }
 };
 
 // Which part of a backward pass to run (Qi et al. 2023: B = input gradients, W = weight gradients).
@@ -191,7 +212,9 @@ class GPT {
   // store holds parameters (F32, BF16 or F16). Matrix products run in bf16 for bf16
   // parameters and in fp32 otherwise; everything else computes in fp32.
   // tensor: the tensor-parallel group when part.tp_size > 1.
-  GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part, TensorGroup tensor = {});
+  // checkpointing: which blocks keep their activations and which recompute them in backward.
+  GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part, TensorGroup tensor = {},
+      ActivationCheckpointing checkpointing = {});
   // The whole model on one rank.
   GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type = DType::F32);
 
@@ -228,7 +251,18 @@ class GPT {
   float forward(const int32_t* tokens, const int32_t* targets, ParamStore& store);
   void backward(float grad_scale, ParamStore& store);
   const float* logits() const { return own_.logits; }  // of the last one-stage forward
-  int64_t scratch_bytes() const { return static_cast<int64_t>(scratch_.extent(0) * 4); }
+  // The workspaces every buffer shares: backward scratch and the recompute workspace.
+  int64_t scratch_bytes() const { return static_cast<int64_t>((scratch_.extent(0) + recompute_.extent(0)) * 4); }
+  const ActivationCheckpointing& checkpointing() const { return ac_; }
+
+  // profile: time per checkpoint (full: per group of `interval` blocks; selective: per block's
+  // attention), summed over the micro-batches since the last reset. Synchronised when timing.
+  struct CheckpointTime {
+    int first_block = 0, num_blocks = 0;  // global block indices first_block .. first_block + num_blocks - 1
+    double forward_ms = 0.0, recompute_ms = 0.0;
+  };
+  const std::vector<CheckpointTime>& checkpoint_times() const { return times_; }
+  void reset_checkpoint_times();
 
  private:
   template <typename T>
@@ -237,6 +271,16 @@ class GPT {
   float forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store);
   template <typename P>
   void backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_scale, ParamStore& store, BackwardPart part);
+  // One block's forward (local block l of chunk c) from `residual` into the saves `a`: the
+  // forward pass and full recompute run this same code, so recomputed saves are bit-identical.
+  template <typename P>
+  void block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
+                     double* attention_ms);
+  void save_checkpoint(ActivationBuffer& buf, int g, const float* input) const;
+  const float* restore_checkpoint(ActivationBuffer& buf, int g);
+  void checkpoint_boundary() const;
+  CheckpointTime& time_of(int first_block, int num_blocks);
+  float* chunk_output(const ModelChunk& c, const ActivationBuffer& buf) const;
 
   GPTShape shape_;
   DType param_type_ = DType::F32;
@@ -254,6 +298,15 @@ class GPT {
   float *dln_, *dqkv_, *datty_, *dfch_, *datt_scratch_;
   float *row_out_ = nullptr, *ce_max_ = nullptr, *ce_sum_ = nullptr, *ce_target_ = nullptr;
   float *gathered_ = nullptr, *shard_ = nullptr;  // sequence parallelism: all tokens [B·T, C], one shard [Ns, C]
+  ActivationCheckpointing ac_;
+  // Recompute workspace, shared by every buffer: full: a checkpoint's restored input, a staging
+  // slot for host-resident partitions, and the saves of `interval` blocks; selective: one
+  // block's attention probabilities.
+  FlatBuffer recompute_;
+  float *ckpt_input_ = nullptr, *ckpt_staging_ = nullptr, *shared_att_ = nullptr;
+  std::vector<BlockActivations> recompute_blocks_;
+  int64_t ckpt_slot_ = 0;  // elements of one saved input: Ns·C, or Ns·C/t partitioned
+  std::vector<CheckpointTime> times_;
   ActivationBuffer own_;  // the one-stage convenience API's buffer (allocated on first use)
 };
 
@@ -272,13 +325,37 @@ struct FlatModel {
   void zero_grad() { Kokkos::deep_copy(grads, 0.0f); }
 };
 
-// What GPT(shape, B, T, …, part, TensorGroup{…, sequence_parallel}) allocates for activations,
-// computed without allocating (the memory estimator's figure): `buffer` = one
-// make_buffer(split_backward).bytes(), `scratch` = scratch_bytes().
+// The element counts GPT carves its activations from: GPT::make_buffer and the constructor
+// allocate exactly these (and check it), and the memory planner sums them, so the plan cannot
+// drift from the allocation. Per buffer unless marked shared.
+struct ActivationPlan {
+  int64_t stream = 0;         // the chunk's input, output (full recompute), d_input and d_output
+  int64_t per_block = 0;      // one block's saves as a buffer keeps them (selective: no att)
+  int64_t blocks = 0;         // blocks whose saves a buffer keeps (0 under full recompute)
+  int64_t head = 0;           // ln_f, logits, losses (+ d_ln_f for a split backward)
+  int64_t grad_operands = 0;  // zero-bubble W-pass operands
+  int64_t checkpoint_slot = 0, checkpoint_slots = 0;  // saved inputs: elements per slot, slots per buffer
+  int64_t checkpoint_allocations = 0;                 // 1 when contiguous, else one per slot
+  bool checkpoints_on_host = false;
+  int64_t tokens = 0;         // token and target ids: B·T each
+  int64_t scratch = 0;        // shared: backward scratch
+  int64_t recompute = 0;      // shared: recompute workspace
+  int64_t storage() const { return stream + blocks * per_block + head + grad_operands; }
+  int64_t checkpoint_bytes() const { return 4 * checkpoint_slot * checkpoint_slots; }
+  int64_t buffer_bytes() const { return 4 * storage() + checkpoint_bytes() + 8 * tokens; }
+  int64_t shared_bytes() const { return 4 * (scratch + recompute); }
+};
+ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
+                                   bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac = {});
+
+// What GPT(shape, B, T, …, part, TensorGroup{…, sequence_parallel}, ac) allocates for
+// activations, from gpt_activation_plan without allocating: `buffer` = one
+// make_buffer(split_backward).bytes(), of which `host` in host memory; `scratch` = scratch_bytes().
 struct GPTActivationBytes {
-  int64_t buffer = 0, scratch = 0;
+  int64_t buffer = 0, scratch = 0, host = 0;
 };
 GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
-                                        bool sequence_parallel, bool split_backward);
+                                        bool sequence_parallel, bool split_backward,
+                                        const ActivationCheckpointing& ac = {});
 
 }  // namespace zero3d
