@@ -147,7 +147,7 @@ TEST(OffloadConfig, InvalidCombinationsAreRejectedWithTheirReason) {
        "", "Lamb"},
       {with_zero({{"stage", 2},
                   {"offload_optimizer",
-                   {{"device", "nvme"}, {"nvme_path", "/x"}, {"buffer_count", 4}, {"pipeline_read", true}}}}),
+                   {{"device", "nvme"}, {"nvme_path", "/x"}, {"buffer_count", 3}, {"pipeline_read", true}}}}),
        "`zero_optimization.offload_optimizer.buffer_count`", "at least 4"},
       {with_zero({{"stage", 2}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}, {"buffer_count", 2}}}},
                  {{"bf16", {{"enabled", true}}}}),
