@@ -297,22 +297,37 @@ ModelConfig read_model(Section& top) {
   return m;
 }
 
-DataConfig read_data(Section& top, const ModelConfig& model) {
-  DataConfig d;
-  Section sec = top.child("data");
-  std::string src = sec.choice("source", "synthetic", {"synthetic", "text", "tokens"});
+// The keys of one data source (data, data.validation); `source_default` when none is given.
+DataSourceConfig read_data_source(Section& top, Section& sec, const ModelConfig& model, const std::string& source_default) {
+  DataSourceConfig d;
+  std::string src = sec.choice("source", source_default, {"synthetic", "text", "tokens"});
   d.source = src == "text" ? DataSource::Text : src == "tokens" ? DataSource::Tokens : DataSource::Synthetic;
   d.path = sec.path("path", "");
   d.shuffle = sec.boolean("shuffle", false);
   if (d.source != DataSource::Synthetic && d.path.empty())
-    sec.fail_key("path", "is required when data.source is \"" + src + "\"");
+    sec.fail_key("path", "is required when " + sec.key_path("source") + " is \"" + src + "\"");
   if (d.source == DataSource::Text && model.vocab_size < 256)
     top.fail("model.vocab_size", "byte-level text needs vocab_size >= 256, got " + std::to_string(model.vocab_size));
+  return d;
+}
+
+DataConfig read_data(Section& top, const ModelConfig& model) {
+  DataConfig d;
+  Section sec = top.child("data");
+  static_cast<DataSourceConfig&>(d) = read_data_source(top, sec, model, "synthetic");
+  // data.validation: the same kinds of source, of the training data's kind unless it says otherwise.
+  if (sec.has("validation")) {
+    Section val = sec.child("validation");
+    const std::string kind = d.source == DataSource::Text ? "text" : d.source == DataSource::Tokens ? "tokens" : "synthetic";
+    d.validation = read_data_source(top, val, model, kind);
+    d.validation->role = DataRole::Validation;
+    val.finish();
+  }
   sec.finish();
   return d;
 }
 
-TrainingConfig read_training(Section& top) {
+TrainingConfig read_training(Section& top, const DataConfig& data) {
   TrainingConfig t;
   Section sec = top.child("training");
   t.steps = sec.integer("steps", 100, 0, kMaxInt * 1000LL);
@@ -324,6 +339,11 @@ TrainingConfig read_training(Section& top) {
   t.save_dir = sec.path("save_dir", "");
   t.keep_last = sec.integer("keep_last", 0, 0, kMaxInt);
   t.resume = sec.path("resume", "");
+  t.eval_interval = sec.integer("eval_interval", 0, 0, kMaxInt * 1000LL);
+  t.eval_steps = sec.integer("eval_steps", 10, 1, kMaxInt);
+  if (t.eval_interval > 0 && !data.validation)
+    sec.fail_key("eval_interval", "value " + std::to_string(t.eval_interval) +
+                                      " evaluates on validation data, but `data.validation` is not given");
   sec.finish();
   return t;
 }
@@ -802,7 +822,7 @@ Config read_config_unguarded(const json& root, const std::string& file, int64_t 
   Section top(&root, "", file, &c.resolved);
   c.model = read_model(top);
   c.data = read_data(top, c.model);
-  c.training = read_training(top);
+  c.training = read_training(top, c.data);
   c.pipeline = read_pipeline(top);
   c.tensor = read_tensor_parallel(top, c.model);
   const int64_t model_ranks = static_cast<int64_t>(c.pipeline.stages) * c.tensor.size;

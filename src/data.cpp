@@ -33,9 +33,9 @@ std::vector<std::string> expand_glob(const std::string& pattern) {
 }
 }  // namespace
 
-std::vector<int32_t> read_token_shard(const std::string& path) {
+std::vector<int32_t> read_token_shard(const std::string& path, const std::string& key) {
   const std::string name = echo(path, 200);
-  const int64_t size = regular_file_size(path, "token shard (data.path)", kMaxDataFileBytes);
+  const int64_t size = regular_file_size(path, "token shard (" + key + ")", kMaxDataFileBytes);
   if (size < kShardHeaderBytes)
     throw InputError(name + ": too short for an llm.c token shard header (1024 bytes)");
   std::ifstream in(path, std::ios::binary);
@@ -60,9 +60,12 @@ std::vector<int32_t> read_token_shard(const std::string& path) {
   return std::vector<int32_t>(raw.begin(), raw.end());
 }
 
-DataLoader::DataLoader(const DataConfig& cfg, int64_t vocab_size, int64_t B, int64_t T, uint64_t seed)
+DataLoader::DataLoader(const DataSourceConfig& cfg, int64_t vocab_size, int64_t B, int64_t T, uint64_t seed)
     : cfg_(cfg), V_(vocab_size), B_(B), T_(T), seed_(seed) {
   const int64_t window = B * T;
+  // Validation samples: the same successor permutation (the same task), a stream of their own.
+  if (cfg.role == DataRole::Validation) stream_ = hash_name("data.validation");
+  const std::string path_key = std::string(key()) + ".path";
   if (cfg.source == DataSource::Synthetic) {
     // A random permutation: token x is followed by successor[x] with probability 1 - noise.
     successor_.resize(static_cast<size_t>(V_));
@@ -77,16 +80,16 @@ DataLoader::DataLoader(const DataConfig& cfg, int64_t vocab_size, int64_t B, int
     files = {cfg.path};
   } else {
     files = expand_glob(cfg.path);
-    if (files.empty()) throw InputError("data.path: no token shard matches \"" + echo(cfg.path) + "\"");
+    if (files.empty()) throw InputError(path_key + ": no token shard matches \"" + echo(cfg.path) + "\"");
   }
   for (const std::string& f : files) {
     std::vector<int32_t> toks;
     if (cfg.source == DataSource::Text) {
-      const std::string bytes = read_regular_file(f, "text file (data.path)", kMaxDataFileBytes);
+      const std::string bytes = read_regular_file(f, "text file (" + path_key + ")", kMaxDataFileBytes);
       toks.reserve(bytes.size());
       for (unsigned char c : bytes) toks.push_back(c);
     } else {
-      toks = read_token_shard(f);
+      toks = read_token_shard(f, path_key);
       for (size_t i = 0; i < toks.size(); ++i)
         if (toks[i] >= V_)
           throw InputError(echo(f, 200) + ": token " + std::to_string(toks[i]) + " at position " + std::to_string(i) +
@@ -110,8 +113,13 @@ DataLoader::DataLoader(const DataConfig& cfg, int64_t vocab_size, int64_t B, int
 
 std::string DataLoader::describe() const { return description_; }
 
+int64_t DataLoader::samples_per_epoch() const {
+  if (cfg_.source == DataSource::Synthetic || cfg_.shuffle) return 0;
+  return static_cast<int64_t>(window_starts_.size()) * B_;
+}
+
 void DataLoader::synthetic_sample(int64_t s, int32_t* inputs, int32_t* targets) const {
-  Rng rng(seed_, static_cast<uint64_t>(s) ^ 0xD5A7A5EEDull);
+  Rng rng(seed_, static_cast<uint64_t>(s) ^ 0xD5A7A5EEDull ^ stream_);
   int32_t x = static_cast<int32_t>(rng.below(static_cast<uint64_t>(V_)));
   for (int64_t t = 0; t <= T_; ++t) {
     if (t < T_) inputs[t] = x;
@@ -133,7 +141,7 @@ void DataLoader::micro_batch(int64_t first_sample, int32_t* inputs, int32_t* tar
     }
     int64_t start;
     if (cfg_.shuffle) {  // a seeded random offset per sample
-      Rng rng(seed_, static_cast<uint64_t>(s) ^ 0x5EFF1Eull);
+      Rng rng(seed_, static_cast<uint64_t>(s) ^ 0x5EFF1Eull ^ stream_);
       start = static_cast<int64_t>(rng.below(static_cast<uint64_t>(n - T_)));
     } else {  // row b of llm.c's window: window s / B, wrapping after the last full window
       const int64_t e = s % samples_per_epoch;

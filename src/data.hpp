@@ -19,20 +19,26 @@ namespace zero3d {
 
 class DataLoader {
  public:
-  DataLoader(const DataConfig& cfg, int64_t vocab_size, int64_t B, int64_t T, uint64_t seed);
+  DataLoader(const DataSourceConfig& cfg, int64_t vocab_size, int64_t B, int64_t T, uint64_t seed);
 
   // Writes B*T input ids and B*T target ids (host memory): samples first_sample .. +B-1.
   void micro_batch(int64_t first_sample, int32_t* inputs, int32_t* targets) const;
 
   std::string describe() const;
   int64_t num_tokens() const { return static_cast<int64_t>(tokens_.size()); }
+  // Distinct samples before the order repeats (sequential windows); 0 when unbounded
+  // (synthetic, or shuffled offsets).
+  int64_t samples_per_epoch() const;
+  // Where the source comes from in the config: "data" or "data.validation".
+  const char* key() const { return cfg_.role == DataRole::Validation ? "data.validation" : "data"; }
 
  private:
   void synthetic_sample(int64_t s, int32_t* inputs, int32_t* targets) const;
 
-  DataConfig cfg_;
+  DataSourceConfig cfg_;
   int64_t V_, B_, T_;
   uint64_t seed_;
+  uint64_t stream_ = 0;                // xor-ed into every sample's random stream: 0 for training data
   std::vector<int32_t> tokens_;        // text bytes or shard tokens, concatenated
   std::vector<int64_t> window_starts_; // sequential windows (llm.c order), across shards
   std::vector<int32_t> successor_;     // synthetic task: the likely next token of each token
@@ -40,6 +46,7 @@ class DataLoader {
 };
 
 // Reads one llm.c token shard (header: 256 int32, magic 20240520, version 1, count; then uint16).
-std::vector<int32_t> read_token_shard(const std::string& path);
+// key: the config key named in messages.
+std::vector<int32_t> read_token_shard(const std::string& path, const std::string& key = "data.path");
 
 }  // namespace zero3d

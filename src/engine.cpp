@@ -182,6 +182,7 @@ void Engine::setup_local() {
                   run.global_begin + (run.local_end - run.local_begin));
   });
   data_ = std::make_unique<DataLoader>(cfg_.data, cfg_.model.vocab_size, B, T, cfg_.training.seed);
+  setup_evaluation();
   schedule_ = std::make_unique<LRSchedule>(cfg_.scheduler, cfg_.optimizer.lr);
   if (groups_.rank() == 0 && !output_dir_.empty()) {
     make_directories(output_dir_);
@@ -367,6 +368,7 @@ void Engine::print_startup() const {
     }
   }
   std::printf("data    %s\n", data_->describe().c_str());
+  if (validation_) std::printf("eval    %s\n", eval_description().c_str());
   std::printf("optim   %s lr %.3g%s | clip %.3g | %lld steps | MFU peak %.1f GFLOP/s (%s)\n",
               cfg_.optimizer.type_name.c_str(), cfg_.optimizer.lr,
               cfg_.scheduler.type == SchedulerType::None ? "" : (" | scheduler " + cfg_.scheduler.type_name).c_str(),
@@ -476,11 +478,13 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
       ActivationBuffer& buf = buffers_[in.buffer];
       wait_sends(in.buffer);
       // This rank's samples of the global batch (data.hpp): independent of how it is split.
-      const int64_t first =
-          step_ * cfg_.batch.train_batch_size + (in.micro_batch * world_ + rank_) * cfg_.batch.micro_batch;
+      // An evaluation reads its round of the validation data instead.
+      const DataLoader& source = eval_ ? *validation_ : *data_;
+      const int64_t first = (eval_ ? eval_->first_sample : step_ * cfg_.batch.train_batch_size) +
+                            (in.micro_batch * world_ + rank_) * cfg_.batch.micro_batch;
       auto host_in = Kokkos::create_mirror_view(buf.token_ids);
       auto host_tgt = Kokkos::create_mirror_view(buf.target_ids);
-      data_->micro_batch(first, host_in.data(), host_tgt.data());
+      source.micro_batch(first, host_in.data(), host_tgt.data());
       Kokkos::deep_copy(buf.token_ids, host_in);
       Kokkos::deep_copy(buf.target_ids, host_tgt);
       break;
@@ -508,7 +512,10 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
       auto t = timers_.time("forward");
       Busy busy{*this};
       const float loss = model_->forward(in.chunk, buffers_[in.buffer], store_);
-      if (model_->chunk(in.chunk).final) local_loss += loss;
+      if (model_->chunk(in.chunk).final) {
+        if (eval_) record_eval_losses(in.micro_batch, buffers_[in.buffer]);
+        else local_loss += loss;
+      }
       break;
     }
     case Op::Backward:
@@ -676,6 +683,7 @@ std::vector<StepResult> Engine::train() {
     StepResult r = train_step();
     r.checkpoint_times = model_->checkpoint_times();
     save(s + 1 == cfg_.training.steps);
+    evaluate_if_due(r);
     // The plan's check (collective): the peak resident memory of the largest rank so far.
     const bool last_step = s + 1 == cfg_.training.steps;
     if (last_step) {
@@ -735,19 +743,29 @@ std::vector<StepResult> Engine::train() {
         rec["memory_plan"] = {{"predicted_peak_bytes", predicted_peak_},
                               {"measured_peak_bytes", measured_peak_},
                               {"ratio", double(predicted_peak_) / double(std::max<int64_t>(1, measured_peak_))}};
+      if (r.eval) {
+        rec["eval_loss"] = r.eval->loss;
+        rec["eval_ppl"] = r.eval->ppl;
+        rec["eval_ms"] = r.eval->elapsed_ms;
+      }
       metrics_->write(rec);
     }
-    if (r.step % cfg_.steps_per_print == 0 || r.step == 1 || r.step == cfg_.training.steps) {
-      std::string scale;
+    if (r.step % cfg_.steps_per_print == 0 || r.step == 1 || r.step == cfg_.training.steps || r.eval) {
+      std::string scale, eval;
+      if (r.eval) {
+        char buf[80];
+        std::snprintf(buf, sizeof buf, " | eval_loss %.4f | eval_ppl %.4g", r.eval->loss, r.eval->ppl);
+        eval = buf;
+      }
       if (cfg_.precision.param != DType::F32) {
         char buf[96];
         std::snprintf(buf, sizeof buf, " | loss_scale %g | skipped %lld%s", r.loss_scale, (long long)r.skipped_steps,
                       r.skipped ? " (this step)" : "");
         scale = buf;
       }
-      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad_norm %.4f | %8.0f tok/s | MFU %5.1f%% | %7.1f ms%s\n",
+      std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad_norm %.4f | %8.0f tok/s | MFU %5.1f%% | %7.1f ms%s%s\n",
                   (long long)r.step, (long long)cfg_.training.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s,
-                  100.0 * r.mfu, r.elapsed_ms, scale.c_str());
+                  100.0 * r.mfu, r.elapsed_ms, scale.c_str(), eval.c_str());
       if (cfg_.wall_clock_breakdown) {
         std::printf("time (ms) | forward: %.2f | backward: %.2f | backward_inner: %.2f | backward_allreduce: %.2f | "
                     "step: %.2f\n",

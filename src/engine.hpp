@@ -8,6 +8,7 @@
 #include <array>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,14 @@
 #include "watchdog.hpp"
 
 namespace zero3d {
+
+// Evaluation: the mean token cross-entropy of the model over the validation data.
+struct EvalResult {
+  double loss = 0.0;  // mean over every token of training.eval_steps × train_batch_size samples
+  double ppl = 0.0;   // perplexity, exp(loss)
+  int64_t samples = 0, tokens = 0;
+  double elapsed_ms = 0.0;
+};
 
 struct StepResult {
   int64_t step = 0;  // 1-based optimizer step
@@ -44,8 +53,14 @@ struct StepResult {
   // start to its last pass): the pipeline bubble as the schedule formulas count it.
   double idle_fraction = 0.0;
   std::vector<double> stage_idle;  // idle_fraction of every pipeline stage (same on all ranks)
+  std::optional<EvalResult> eval;  // the step ran an evaluation (training.eval_interval)
   std::vector<GPT::CheckpointTime> checkpoint_times;  // activation_checkpointing.profile: this rank's checkpoints
 };
+
+// The validation data (data.validation) as a run reads it, or null when not given. InputError
+// when training.eval_steps rounds need more samples than its sequential windows hold (they
+// would repeat). What start-up and `validate` check.
+std::unique_ptr<DataLoader> open_validation_data(const Config& cfg);
 
 class Engine {
  public:
@@ -57,6 +72,14 @@ class Engine {
   std::vector<StepResult> train();
   StepResult train_step();
 
+  // Evaluation (evaluate.cpp). Forward passes only, over training.eval_steps global batches of
+  // data.validation (pipelines run DeepSpeed's InferenceSchedule): no gradients, no update, no
+  // change to any state training reads. Collective; every rank returns the same result.
+  EvalResult evaluate();
+  // zero3d eval: the parameters of a checkpoint saved by any layout (`tag` empty: the one
+  // `latest` names, or `path` itself when it is a tag directory). Collective; returns its step.
+  int64_t load_checkpoint_params(const std::string& path, const std::string& tag);
+
 
  private:
   void setup_local();  // everything that may fail on one rank alone: weights, data, files
@@ -64,6 +87,16 @@ class Engine {
   void resume_from_checkpoint();
   void save(bool final_step);
   void inject_fault(int64_t step) const;
+  void setup_evaluation();               // the validation data, checked at start-up (evaluate.cpp)
+  void evaluate_if_due(StepResult& r);   // after step r: every eval_interval steps and after the last
+  std::string eval_description() const;  // the start-up line
+  // A forward-only pass in progress: LoadMicroBatch reads this round of the validation data and
+  // each Forward ending with the head records its samples' summed token losses.
+  struct EvalPass {
+    int64_t first_sample = 0;         // round · train_batch_size
+    std::vector<double> sample_loss;  // per sample of the round, in sample order
+  };
+  void record_eval_losses(int micro_batch, const ActivationBuffer& buf);
   // The executor: one schedule instruction mapped to its call (DeepSpeed pipe/engine.py's
   // _INSTRUCTION_MAP).
   void execute(const pipe::Instruction& in, StepResult& r, double& local_loss);
@@ -118,6 +151,8 @@ class Engine {
   std::string output_dir_;
   std::unique_ptr<GPT> model_;
   std::unique_ptr<DataLoader> data_;
+  std::unique_ptr<DataLoader> validation_;  // data.validation, when given
+  std::optional<EvalPass> eval_;            // set while evaluate() runs
   std::unique_ptr<LRSchedule> schedule_;
   std::unique_ptr<LossScaler> scaler_;
   bool check_overflow_ = false;  // fp16 always; bf16 when bf16.check_grad_overflow

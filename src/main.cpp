@@ -215,6 +215,60 @@ int cmd_inspect(const std::string& dir, const std::string& tag, const std::strin
   return kExitOk;
 }
 
+// zero3d eval: the validation loss of a checkpoint's parameters, or of the weights the config
+// starts from (model.init_from, else the seed) when no checkpoint is given. Any layout the ranks
+// and the config describe; nothing is trained or written.
+int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::string& tag, bool as_json, MPI_Comm world) {
+  int size = 1, rank = 0;
+  MPI_Comm_size(world, &size);
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm node = MPI_COMM_NULL;
+  int ranks_here = 1;
+  if (MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+    MPI_Comm_size(node, &ranks_here);
+    MPI_Comm_free(&node);
+  }
+  const AvailableMemory avail = available_memory();
+  std::string name;
+  Config cfg;
+  run_collectively(world, [&] {
+    if (!tag.empty() && checkpoint.empty()) throw InputError("eval --tag " + echo(tag, 100) + ": needs --checkpoint");
+    cfg = read_config(load_with_overrides(a, name), name, size);
+    if (!cfg.data.validation)
+      throw InputError(name + ": `data.validation` is not given: zero3d eval evaluates on the validation data");
+    check_memory_fits(cfg, ranks_here, avail);
+    // The parameters come from --checkpoint: no resume, no saves.
+    cfg.training.resume.clear();
+    cfg.training.save_interval = 0;
+    cfg.resolved["training"]["resume"] = "";
+    cfg.resolved["training"]["save_interval"] = 0;
+  });
+  agree_on_configuration(world, cfg);
+  const int pp = cfg.pipeline.stages, tp = cfg.tensor.size;
+  ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world);
+  Watchdog watchdog(cfg.training.comms_timeout, rank);
+  Engine engine(cfg, groups, "", &watchdog);
+  const int64_t step = checkpoint.empty() ? 0 : engine.load_checkpoint_params(checkpoint, tag);
+  note_phase("evaluation");
+  const EvalResult e = engine.evaluate();
+  if (rank != 0) return kExitOk;
+  if (as_json) {
+    const nlohmann::json doc = {{"checkpoint", checkpoint.empty() ? nlohmann::json() : nlohmann::json(checkpoint)},
+                                {"step", step},
+                                {"eval_loss", e.loss},
+                                {"eval_ppl", e.ppl},
+                                {"samples", e.samples},
+                                {"tokens", e.tokens},
+                                {"elapsed_ms", e.elapsed_ms}};
+    std::printf("%s\n", doc.dump().c_str());
+    return kExitOk;
+  }
+  std::printf("eval    %s | eval_loss %.6f | eval_ppl %.6g | %lld samples, %lld tokens | %.2f s\n",
+              checkpoint.empty() ? "initial weights" : ("step " + std::to_string(step)).c_str(), e.loss, e.ppl,
+              (long long)e.samples, (long long)e.tokens, e.elapsed_ms / 1e3);
+  return kExitOk;
+}
+
 // A byte size option such as 16GiB (parse_byte_size says what is wrong; the option is named).
 int64_t size_option(const std::string& option, const std::string& text) { return parse_byte_size(text, option); }
 
@@ -447,6 +501,16 @@ int main(int argc, char** argv) {
   inspect->add_option("--tag", ck_tag, "tag to inspect (default: latest)");
   inspect->add_option("--tensor", ck_tensor, "only this tensor (Hugging Face name)");
   inspect->add_flag("--json", ck_json, "machine-readable output");
+  ConfigArgs eval_args;
+  std::string eval_checkpoint, eval_tag;
+  bool eval_json = false;
+  auto* eval = app.add_subcommand("eval", "Validation loss and perplexity of a checkpoint (data.validation)");
+  eval->add_option("config", eval_args.path, "config file (its data.validation is evaluated)")->required();
+  eval->add_option("--checkpoint", eval_checkpoint, "save directory (its latest tag) or tag directory; default: "
+                                                    "the config's initial weights");
+  eval->add_option("--tag", eval_tag, "tag in --checkpoint (default: latest)");
+  eval->add_option("--set", eval_args.overrides, "override a key")->take_all();
+  eval->add_flag("--json", eval_json, "end with one JSON line: step, eval_loss, eval_ppl, samples, tokens");
   auto* convert = app.add_subcommand("convert", "Consolidate a checkpoint into Hugging Face-named weights");
   convert->add_option("dir", ck_dir, "checkpoint directory (save_dir or one tag)")->required();
   convert->add_option("out", ck_out, "output file, e.g. out/model.safetensors")->required();
@@ -483,6 +547,7 @@ int main(int argc, char** argv) {
     else if (topology->parsed()) code = cmd_topology(pp, dp, tp, as_json, rank);
     else if (estimate->parsed()) code = cmd_estimate(est, rank);
     else if (inspect->parsed()) code = cmd_inspect(ck_dir, ck_tag, ck_tensor, ck_json, rank);
+    else if (eval->parsed()) code = cmd_eval(eval_args, eval_checkpoint, eval_tag, eval_json, MPI_COMM_WORLD);
     else if (convert->parsed())
       code = cmd_convert(ck_dir, ck_out, ck_tag, ck_format, ck_dtype, ck_shard, rank);
   } catch (const CLI::ParseError& e) {

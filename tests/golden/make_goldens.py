@@ -10,6 +10,9 @@ computed in float64 and stored as float32. Each file holds
   /golden/adamw_losses [10]     loss before each of 10 AdamW steps on the same batch
   /golden/hparams               [lr, beta1, beta2, eps, weight_decay, gradient_clipping]
   attributes vocab_size, n_positions, n_layer, n_head, n_embd, batch
+gpt_eval.h5 and gpt_eval_val.bin (evaluation, tests/test_cli_eval.cpp): weights as above, the
+validation tokens as an llm.c token shard (S·T + 1 tokens: S samples of T, targets shifted by
+one), and /golden/eval_loss, the mean cross-entropy over all S·T tokens (forward only, no_grad);
 and half_conversions.h5: /fp32 values (ties, subnormals, overflow, inf, NaN, random) with the
 bit patterns torch gives them as /bf16_bits and /fp16_bits (.to(dtype), round to nearest even).
 
@@ -135,6 +138,30 @@ def write(path, name, cfg, seed):
     print(f"{path}: loss {losses[0]:.6f} -> {losses[-1]:.6f} after 10 AdamW steps")
 
 
+def write_eval(h5_path, shard_path, seed, V=64, T=16, L=2, H=2, C=32, samples=32):
+    """Forward-only reference: the loss `zero3d eval` and in-training evaluation must report."""
+    gen = torch.Generator().manual_seed(seed)
+    params = make_params(V, T, L, C, gen)
+    stream = torch.randint(0, V, (samples * T + 1,), generator=gen)
+    with torch.no_grad():
+        for t in params.values():  # the float32 weights zero3d loads
+            t.copy_(t.float().double())
+        logits = gpt_forward(params, stream[:-1].view(samples, T), L, H)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, V), stream[1:].reshape(-1))
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = [20240520, 1, stream.numel()]  # llm.c: magic, version, token count; then uint16 tokens
+    with open(shard_path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(stream.numpy().astype(np.uint16).tobytes())
+    with h5py.File(h5_path, "w") as f:
+        for key, val in dict(vocab_size=V, n_positions=T, n_layer=L, n_head=H, n_embd=C, samples=samples).items():
+            f.attrs[key] = val
+        for pname, t in params.items():
+            f.create_dataset(pname, data=t.detach().numpy().astype(np.float32))
+        f.create_dataset("golden/eval_loss", data=np.float64(loss.item()))
+    print(f"{h5_path}: eval loss {loss.item():.9f} over {samples} samples of {T} tokens ({shard_path})")
+
+
 def write_half_conversions(path):
     f32 = np.float32
     special = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"),
@@ -159,6 +186,7 @@ def main():
     for i, (name, cfg) in enumerate(CONFIGS.items()):
         write(os.path.join(out, name + ".h5"), name, cfg, seed=1000 + i)
     write_half_conversions(os.path.join(out, "half_conversions.h5"))
+    write_eval(os.path.join(out, "gpt_eval.h5"), os.path.join(out, "gpt_eval_val.bin"), seed=1100)
 
 
 if __name__ == "__main__":
