@@ -1,7 +1,8 @@
 // base.hpp — the error type every module throws, and the exit-code contract.
 //
 // Exit codes (DESIGN.md §1): 0 success, 2 bad input (config, arguments, data, checkpoint),
-// 1 internal or system failure. Library code throws; only main() turns errors into exit codes.
+// 1 internal or system failure, 75 preempted after a save (requeue). Library code throws;
+// only main() turns errors into exit codes.
 #pragma once
 
 #include <stdexcept>
@@ -24,5 +25,9 @@ class SystemError : public std::runtime_error {
 constexpr int kExitOk = 0;
 constexpr int kExitSystem = 1;
 constexpr int kExitBadInput = 2;
+// The run stopped early on the scheduler's warning signal (SIGTERM, SIGUSR1) after saving a
+// checkpoint at the step it reached: the job script should requeue it (sysexits.h EX_TEMPFAIL,
+// "a temporary failure; the user is invited to retry").
+constexpr int kExitRequeue = 75;
 
 }  // namespace zero3d

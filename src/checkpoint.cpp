@@ -211,6 +211,8 @@ nlohmann::json meta_to_json(const CheckpointMeta& m) {
           {"dp_world_size", m.dp_world_size},
           {"topology", {{"pipe", 1}, {"data", m.dp_world_size}, {"model", 1}}},
           {"optimizer_type", m.optimizer_type},
+          {"optimizer_update_rule", m.update_rule},
+          {"optimizer_name", m.optimizer_name},
           {"optimizer_step", m.optimizer_step},
           {"lr_scheduler", {{"last_batch_iteration", m.lr_last_batch_iteration}}},
           {"loss_scaler", m.loss_scaler},
@@ -262,6 +264,8 @@ CheckpointMeta meta_from_json(const nlohmann::json& j, const std::string& where)
     m.zero_stage = j.at("zero_stage");
     m.dp_world_size = j.at("dp_world_size");
     m.optimizer_type = j.at("optimizer_type");
+    m.update_rule = j.value("optimizer_update_rule", std::string());
+    m.optimizer_name = j.value("optimizer_name", std::string());
     m.optimizer_step = j.at("optimizer_step");
     m.lr_last_batch_iteration = j.at("lr_scheduler").at("last_batch_iteration");
     m.data_position = j.at("data").at("position");
@@ -691,6 +695,11 @@ std::string manifest_digest(nlohmann::json man) {
 }
 
 }  // namespace
+
+bool checkpoint_exists(const std::string& save_dir) {
+  std::error_code ec;
+  return fs::exists(fs::path(save_dir) / "latest", ec);
+}
 
 std::vector<std::string> list_checkpoint_tags(const std::string& save_dir) {
   std::vector<std::pair<int64_t, std::string>> tags;

@@ -57,7 +57,11 @@ struct CheckpointMeta {
   int64_t micro_batch = 0, gradient_accumulation_steps = 0;
   int64_t data_position = 0;   // samples consumed (the next sample number)
   uint64_t seed = 0;
-  std::string optimizer_type;  // "Adam", "Lamb", "SGD"
+  std::string optimizer_type;  // the state family: "Adam" (Adam and AdamW), "Lamb", "SGD"
+  // The update rule: "AdamW" (decoupled weight decay) or "Adam" (L2 decay in the gradient) for
+  // the Adam family, else the family; empty in checkpoints written before it was recorded.
+  std::string update_rule;
+  std::string optimizer_name;  // optimizer.type as the config wrote it
   std::string dtype = "fp32";        // of the saved parameters (the master copy): always fp32
   std::string model_dtype = "fp32";  // what the run trained in: fp32, bf16 or fp16
   int64_t skipped_steps = 0;         // overflow-skipped optimizer steps so far
@@ -126,17 +130,29 @@ class CheckpointReader {
 // Names of complete tags in save_dir, oldest first (by step).
 std::vector<std::string> list_checkpoint_tags(const std::string& save_dir);
 
+// Whether save_dir holds a `latest` (what training.resume "auto" resumes from).
+bool checkpoint_exists(const std::string& save_dir);
+
 // `zero3d inspect`: a report of tags, metadata and per-tensor statistics; verifies the tag as
 // resume does, every file's digest, every shard checksum, and that index.h5's virtual datasets
 // return what the shards hold. Returns the report; InputError on any defect.
 nlohmann::json inspect_checkpoint(const std::string& path, const std::string& tag, const std::string& tensor);
 
-// `zero3d convert`: consolidated weights with Hugging Face names, streamed one tensor at a time.
-// format "hdf5" | "safetensors"; dtype "fp32" | "bf16"; max_shard_bytes 0 = one file. Returns
-// the files written (the index JSON last when sharded).
-std::vector<std::string> convert_checkpoint(const std::string& path, const std::string& tag, const std::string& out,
-                                            const std::string& format, const std::string& dtype,
-                                            int64_t max_shard_bytes);
+// `zero3d convert`: consolidated weights with Hugging Face names, streamed one tensor at a time,
+// and a Hugging Face config.json (GPT2Config) beside them; every weights file records the model
+// shape (safetensors __metadata__, HDF5 attributes). format "hdf5" | "safetensors" | "" (from
+// the extension of `out`: .safetensors, .h5, .hdf5); dtype "fp32" | "bf16" | "fp16";
+// max_shard_bytes 0 = one file, else shards named as Hugging Face names them
+// (model-00001-of-00003.safetensors + model.safetensors.index.json). Files are written under a
+// temporary name and renamed when all are complete; then files of an earlier convert to the
+// same name that this one did not write (shards of another count, the index or the single file)
+// are removed. A config.json that is not a Hugging Face config is never overwritten (InputError).
+struct ConvertResult {
+  std::vector<std::string> written;  // weights, then the index (when sharded), then config.json
+  std::vector<std::string> removed;  // stale outputs of an earlier convert
+};
+ConvertResult convert_checkpoint(const std::string& path, const std::string& tag, const std::string& out,
+                                 const std::string& format, const std::string& dtype, int64_t max_shard_bytes);
 
 // "5GB" = 5e9, "500MB", "2GiB" = 2·2^30, "1000" bytes. InputError on anything else.
 // option: the command-line option named in messages (default: `size "TEXT"`).

@@ -338,7 +338,15 @@ TrainingConfig read_training(Section& top, const DataConfig& data) {
   t.save_interval = sec.integer("save_interval", 0, 0, kMaxInt * 1000LL);
   t.save_dir = sec.path("save_dir", "");
   t.keep_last = sec.integer("keep_last", 0, 0, kMaxInt);
-  t.resume = sec.path("resume", "");
+  // "auto": the save_dir's latest checkpoint when there is one, else a fresh start (a requeued
+  // batch job runs the same command every time).
+  if (sec.is_auto("resume")) {
+    sec.mark_known("resume");
+    sec.record("resume", "auto");
+    t.resume = "auto";
+  } else {
+    t.resume = sec.path("resume", "");
+  }
   t.eval_interval = sec.integer("eval_interval", 0, 0, kMaxInt * 1000LL);
   t.eval_steps = sec.integer("eval_steps", 10, 1, kMaxInt);
   if (t.eval_interval > 0 && !data.validation)
@@ -367,7 +375,7 @@ const std::vector<std::pair<const char*, nlohmann::json>> kZeroDefaultOnlyKeys =
 
 // The `pipeline` section (DEEPSPEED-FACTS-2 §2.1): DeepSpeed's keys with its defaults, plus
 // zero3d's schedule and virtual_stages.
-PipelineConfig read_pipeline(Section& top) {
+PipelineConfig read_pipeline(Section& top, int& checkpoint_interval) {
   Section sec = top.child("pipeline");
   PipelineConfig p;
   p.stages = static_cast<int>(sec.integer_or_auto("stages", 1, 1, 1, 1 << 16));
@@ -403,7 +411,9 @@ PipelineConfig read_pipeline(Section& top) {
   // Partitioned p2p activations/gradients only differ from whole ones with tensor parallelism.
   sec.boolean("pipe_partitioned", true);
   sec.boolean("grad_partitioned", true);
-  sec.accept_default_only("activation_checkpoint_interval", 0);
+  // DeepSpeed's meaning (FACTS §9.1): blocks per checkpoint, 0 = off; zero3d applies it with or
+  // without pipelines (read with the activation_checkpointing section).
+  checkpoint_interval = static_cast<int>(sec.integer("activation_checkpoint_interval", 0, 0, 1 << 20));
   sec.accept_default_only("use_reentrant", true);
   sec.finish();
   return p;
@@ -696,7 +706,7 @@ void read_unsupported_top_level(Section& top) {
 }
 
 const std::vector<std::string> kDeepSpeedOnlyTopLevel = {
-    "seq_parallel_communication_data_type", "activation_checkpointing",
+    "seq_parallel_communication_data_type",
     "checkpoint", "compression_training", "quantize_training",
     "zenflow", "moe", "train_data", "data_sampling"};
 
@@ -823,7 +833,8 @@ Config read_config_unguarded(const json& root, const std::string& file, int64_t 
   c.model = read_model(top);
   c.data = read_data(top, c.model);
   c.training = read_training(top, c.data);
-  c.pipeline = read_pipeline(top);
+  int checkpoint_interval = 0;
+  c.pipeline = read_pipeline(top, checkpoint_interval);
   c.tensor = read_tensor_parallel(top, c.model);
   const int64_t model_ranks = static_cast<int64_t>(c.pipeline.stages) * c.tensor.size;
   if (world_size % model_ranks != 0)
@@ -851,6 +862,7 @@ Config read_config_unguarded(const json& root, const std::string& file, int64_t 
     const std::string why = pipe::check_schedule_spec(spec);
     if (!why.empty()) throw InputError(file + ": `pipeline.schedule`: " + why);
   }
+  c.activation_checkpointing = read_activation_checkpointing(top, c, checkpoint_interval);
   c.resolved["train_batch_size"] = c.batch.train_batch_size;
   c.resolved["train_micro_batch_size_per_gpu"] = c.batch.micro_batch;
   c.resolved["gradient_accumulation_steps"] = c.batch.gradient_accumulation_steps;

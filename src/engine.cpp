@@ -17,6 +17,7 @@
 #include "estimator.hpp"
 #include "failure.hpp"
 #include "gemm.hpp"
+#include "job_control.hpp"
 #include "reduce.hpp"
 #include "weights.hpp"
 
@@ -25,6 +26,20 @@ namespace zero3d {
 namespace {
 GPTShape shape_of(const ModelConfig& m) {
   return GPTShape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
+}
+
+// The checkpoint's optimizer-state family, and the update rule within it.
+std::string optimizer_family(const OptimizerConfig& o) {
+  return o.type == OptimizerType::SGD ? "SGD" : o.type == OptimizerType::Lamb ? "Lamb" : "Adam";
+}
+std::string update_rule(const OptimizerConfig& o) {
+  if (o.type != OptimizerType::Adam) return optimizer_family(o);
+  return o.adam_w_mode ? "AdamW" : "Adam";
+}
+std::string rule_text(const std::string& rule) {
+  if (rule == "AdamW") return "decoupled weight decay, adam_w_mode true";
+  if (rule == "Adam") return "L2 weight decay added to the gradient, adam_w_mode false";
+  return rule;
 }
 
 // activation_checkpointing.profile: this rank's checkpoints in block order, named by their blocks.
@@ -85,6 +100,7 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   stages_ = pipe_comm_->size();
   run_collectively(groups.world(), [this] { setup_local(); });
   if (!cfg_.training.resume.empty()) resume_from_checkpoint();
+  if (groups_.rank() == 0 && !output_dir_.empty()) open_metrics();
   // MFU counts the whole model's FLOPs (6N + attention) against every rank's peak.
   flops_per_token_ = gpt_flops_per_token(model_->shape(), gpt_layout(model_->shape()).total());
   double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_gemm_peak_gflops(model_->compute_type());
@@ -189,7 +205,6 @@ void Engine::setup_local() {
     std::ofstream out(output_dir_ + "/config.json");
     out << cfg_.resolved.dump(2) << '\n';
     if (!out) throw SystemError(output_dir_ + "/config.json: write failed");
-    metrics_ = std::make_unique<MetricsWriter>(output_dir_ + "/metrics.jsonl", !cfg_.training.resume.empty());
   }
   inject_fault(-1);
 }
@@ -223,16 +238,31 @@ void Engine::inject_fault(int64_t step) const {
 // world size and stage of the run that saved.
 void Engine::resume_from_checkpoint() {
   const auto t0 = std::chrono::steady_clock::now();
+  // "auto" (the requeued batch job's setting): the save_dir's latest tag when there is one, else
+  // a fresh start. A `latest` that names a damaged tag is an error, never a silent restart.
+  const bool automatic = cfg_.training.resume == "auto";
+  if (automatic && !checkpoint_exists(cfg_.training.save_dir)) {
+    if (groups_.rank() == 0)
+      std::printf("resume  auto: no checkpoint in %s yet; starting fresh\n", cfg_.training.save_dir.c_str());
+    return;
+  }
   std::unique_ptr<CheckpointReader> reader;
   run_collectively(groups_.world(), [&] {
-    reader = std::make_unique<CheckpointReader>(CheckpointReader::open(cfg_.training.resume, cfg_.training.save_dir));
+    reader = std::make_unique<CheckpointReader>(
+        CheckpointReader::open(automatic ? "latest" : cfg_.training.resume, cfg_.training.save_dir));
     reader->check_layout(gpt_layout(model_->shape()));
     reader->check_model(cfg_.resolved.value("model", nlohmann::json::object()));
     const CheckpointMeta& m = reader->meta();
-    const std::string type = cfg_.optimizer.type == OptimizerType::SGD ? "SGD"
-                             : cfg_.optimizer.type == OptimizerType::Lamb ? "Lamb" : "Adam";
-    if (m.optimizer_type != type)
-      throw InputError(reader->dir() + ": saved with optimizer " + m.optimizer_type + ", the config uses " + type);
+    const std::string family = optimizer_family(cfg_.optimizer), rule = update_rule(cfg_.optimizer);
+    if (m.optimizer_type != family)
+      throw InputError(reader->dir() + ": saved with optimizer " + m.optimizer_type + ", the config uses " +
+                       cfg_.optimizer.type_name + ": their states differ");
+    // Adam and AdamW keep the same states but update differently (DEEPSPEED-FACTS: FusedAdam's
+    // adam_w_mode): continuing under the other rule would silently change the training.
+    if (!m.update_rule.empty() && m.update_rule != rule)
+      throw InputError(reader->dir() + ": saved with the " + m.update_rule + " update rule (" + rule_text(m.update_rule) +
+                       "), the config gives " + rule + " (" + rule_text(rule) + "); set optimizer.params.adam_w_mode to " +
+                       (m.update_rule == "AdamW" ? "true" : "false") + " to continue this run");
     // This rank's local range, read through the global offsets its elements have.
     const ModelPart& part = model_->part();
     zero_->read_checkpoint(
@@ -246,6 +276,8 @@ void Engine::resume_from_checkpoint() {
   zero_->finish_checkpoint_load();
   const CheckpointMeta& m = reader->meta();
   step_ = m.step;
+  samples_ = m.global_samples;
+  resumed_ = true;
   schedule_->set_last_batch_iteration(m.lr_last_batch_iteration);
   skipped_steps_ = m.skipped_steps;
   // A dynamic scale continues where the saved run left it (when that run scaled dynamically too).
@@ -265,27 +297,31 @@ void Engine::resume_from_checkpoint() {
                 (long long)m.zero_stage, mb, s, mb / s);
     if (m.global_samples != step_ * cfg_.batch.train_batch_size)
       std::printf("resume  note: train_batch_size differs from the saved run's (%lld samples in %lld steps); the data "
-                  "continues at sample %lld\n", (long long)m.global_samples, (long long)m.step,
-                  (long long)(step_ * cfg_.batch.train_batch_size));
+                  "continues at sample %lld, where that run stopped\n", (long long)m.global_samples, (long long)m.step,
+                  (long long)samples_);
   }
 }
 
-void Engine::save(bool final_step) {
+void Engine::save(bool final_step, bool forced) {
   const int64_t every = cfg_.training.save_interval;
-  if (every <= 0 || (step_ % every != 0 && !final_step)) return;
+  if (!forced && (every <= 0 || (step_ % every != 0 && !final_step))) return;
+  if (forced && saved_this_step_) return;
+  saved_this_step_ = true;
   const auto t0 = std::chrono::steady_clock::now();
   CheckpointMeta m;
   m.step = step_;
-  m.global_samples = step_ * cfg_.batch.train_batch_size;
+  m.global_samples = samples_;
   m.zero_stage = zero_->stage();
   m.dp_world_size = world_;
   m.optimizer_step = zero_->optimizer_step();
   m.lr_last_batch_iteration = schedule_->last_batch_iteration();
   m.micro_batch = cfg_.batch.micro_batch;
   m.gradient_accumulation_steps = cfg_.batch.gradient_accumulation_steps;
-  m.data_position = step_ * cfg_.batch.train_batch_size;  // samples consumed
+  m.data_position = samples_;  // samples consumed
   m.seed = cfg_.training.seed;
-  m.optimizer_type = cfg_.optimizer.type == OptimizerType::SGD ? "SGD" : cfg_.optimizer.type == OptimizerType::Lamb ? "Lamb" : "Adam";
+  m.optimizer_type = optimizer_family(cfg_.optimizer);
+  m.update_rule = update_rule(cfg_.optimizer);
+  m.optimizer_name = cfg_.optimizer.type_name;
   m.config = cfg_.resolved;
   m.model_dtype = dtype_name(cfg_.precision.param);
   m.skipped_steps = skipped_steps_;
@@ -318,6 +354,30 @@ void Engine::save(bool final_step) {
                 mb / s);
     std::fflush(stdout);
   }
+}
+
+void Engine::stop_for_preemption(int signal, bool stepped) {
+  stopped_by_signal_ = signal;
+  // Nothing trained since the start (or the resume): the state is already on disk, or nowhere to save.
+  if (stepped) save(false, /*forced=*/true);
+  if (groups_.rank() != 0) return;
+  const std::string tag = cfg_.training.save_dir + "/global_step" + std::to_string(step_);
+  std::printf("preempted: %s received; %s at step %lld of %lld; exit %d so that the job is requeued (training.resume "
+              "\"auto\" continues from it)\n",
+              signal_name(signal).c_str(), stepped ? ("saved " + tag).c_str() : "no step taken since start-up, nothing new to save",
+              (long long)step_, (long long)cfg_.training.steps, kExitRequeue);
+  std::fflush(stdout);
+}
+
+void Engine::open_metrics() {
+  const std::string path = output_dir_ + "/metrics.jsonl";
+  // A resumed run continues the history from its step: records past it (steps a killed run took
+  // after its last save) are dropped so that no step appears twice.
+  const int64_t dropped = resumed_ ? drop_metrics_after(path, step_) : 0;
+  if (dropped > 0)
+    std::printf("resume  %s: dropped %lld record%s past step %lld (taken after the last save)\n", path.c_str(),
+                (long long)dropped, dropped == 1 ? "" : "s", (long long)step_);
+  metrics_ = std::make_unique<MetricsWriter>(path, resumed_);
 }
 
 void Engine::print_startup() const {
@@ -480,8 +540,8 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
       // This rank's samples of the global batch (data.hpp): independent of how it is split.
       // An evaluation reads its round of the validation data instead.
       const DataLoader& source = eval_ ? *validation_ : *data_;
-      const int64_t first = (eval_ ? eval_->first_sample : step_ * cfg_.batch.train_batch_size) +
-                            (in.micro_batch * world_ + rank_) * cfg_.batch.micro_batch;
+      const int64_t first =
+          (eval_ ? eval_->first_sample : samples_) + (in.micro_batch * world_ + rank_) * cfg_.batch.micro_batch;
       auto host_in = Kokkos::create_mirror_view(buf.token_ids);
       auto host_tgt = Kokkos::create_mirror_view(buf.target_ids);
       source.micro_batch(first, host_in.data(), host_tgt.data());
@@ -668,10 +728,11 @@ StepResult Engine::train_step() {
   if (stages_ > 1) pipe_comm_->all_gather(&r.idle_fraction, r.stage_idle.data(), 1, DType::F64);
   else r.stage_idle[0] = r.idle_fraction;
   ++step_;
+  samples_ += cfg_.batch.train_batch_size;
 
   r.elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const double tokens = static_cast<double>(cfg_.batch.train_batch_size * cfg_.model.n_positions);
-  r.tokens_per_s = tokens / (r.elapsed_ms / 1e3);
+  r.tokens_per_s = r.elapsed_ms > 0 ? tokens / (r.elapsed_ms / 1e3) : 0.0;
   r.mfu = flops_per_token_ * r.tokens_per_s / (peak_gflops_total_ * 1e9);
   return r;
 }
@@ -680,6 +741,15 @@ std::vector<StepResult> Engine::train() {
   std::vector<StepResult> results;
   double total_ms = 0.0;
   for (int64_t s = step_; s < cfg_.training.steps; ++s) {
+    // At every step boundary all ranks agree whether any of them got the scheduler's warning
+    // signal, so that all stop at the same step (Slurm may signal one task before another).
+    int signal = preemption_signal();
+    world_comm_->all_reduce(&signal, 1, DType::I32, ReduceOp::Max);
+    if (signal != 0) {
+      stop_for_preemption(signal, !results.empty());
+      break;
+    }
+    saved_this_step_ = false;
     StepResult r = train_step();
     r.checkpoint_times = model_->checkpoint_times();
     save(s + 1 == cfg_.training.steps);
@@ -702,7 +772,7 @@ std::vector<StepResult> Engine::train() {
                             {"tokens_per_s", r.tokens_per_s},
                             {"mfu", r.mfu},
                             {"elapsed_ms", r.elapsed_ms},
-                            {"samples", r.step * cfg_.batch.train_batch_size},
+                            {"samples", samples_},
                             {"comm_bytes", r.comm_bytes},
                             {"comm_bytes_by_axis",
                              {{"data", r.comm_by_axis[0]}, {"tensor", r.comm_by_axis[1]}, {"pipe", r.comm_by_axis[2]}}},
@@ -790,9 +860,11 @@ std::vector<StepResult> Engine::train() {
     }
   }
   if (groups_.rank() == 0 && !results.empty()) {
+    // The first step warms caches and is left out, unless it is the only one.
+    if (total_ms <= 0.0) total_ms = results.front().elapsed_ms;
     const int64_t timed = std::max<int64_t>(1, static_cast<int64_t>(results.size()) - 1);
     const double tokens = static_cast<double>(timed) * cfg_.batch.train_batch_size * cfg_.model.n_positions;
-    const double tps = tokens / (total_ms / 1e3);
+    const double tps = total_ms > 0.0 ? tokens / (total_ms / 1e3) : 0.0;
     std::printf("done: %lld steps | final loss %.4f (first %.4f) | %.0f tokens/s | MFU %.1f%% of %.1f GFLOP/s | "
                 "%.1f s\n",
                 (long long)results.size(), results.back().loss, results.front().loss, tps,

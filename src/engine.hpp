@@ -80,12 +80,19 @@ class Engine {
   // `latest` names, or `path` itself when it is a tag directory). Collective; returns its step.
   int64_t load_checkpoint_params(const std::string& path, const std::string& tag);
 
+  int64_t step() const { return step_; }  // optimizer steps taken (after a resume: the saved step)
+  // The preemption signal that ended train() early (after a save at the step reached); 0 when
+  // it ran to training.steps.
+  int stopped_by_signal() const { return stopped_by_signal_; }
+
 
  private:
   void setup_local();  // everything that may fail on one rank alone: weights, data, files
   void print_startup() const;
   void resume_from_checkpoint();
-  void save(bool final_step);
+  void save(bool final_step, bool forced = false);  // forced: preemption, whatever save_interval says
+  void open_metrics();
+  void stop_for_preemption(int signal, bool stepped);  // save at the step reached, say so  // after a resume: records past the resumed step are dropped first
   void inject_fault(int64_t step) const;
   void setup_evaluation();               // the validation data, checked at start-up (evaluate.cpp)
   void evaluate_if_due(StepResult& r);   // after step r: every eval_interval steps and after the last
@@ -164,6 +171,10 @@ class Engine {
   // The memory plan (estimator.hpp) the run is checked against at its end: predicted peak per
   // rank (the largest rank's budget) and the measured peak resident memory (max over ranks).
   int64_t predicted_peak_ = 0, measured_peak_ = 0;
+  int64_t samples_ = 0;  // global samples consumed: the next step's data starts here (a resume keeps it)
+  bool resumed_ = false;
+  int stopped_by_signal_ = 0;
+  bool saved_this_step_ = false;
 };
 
 }  // namespace zero3d

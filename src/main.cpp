@@ -24,6 +24,11 @@
 #include "failure.hpp"
 #include "h5.hpp"
 #include "input_file.hpp"
+#include "job_control.hpp"
+#include "data.hpp"
+#include "monitor.hpp"
+#include "weights.hpp"
+#include "model.hpp"
 #include "topology.hpp"
 
 using namespace zero3d;
@@ -53,8 +58,42 @@ std::string run_name(const std::string& path) {
   return base.substr(0, base.find_last_of('.'));
 }
 
+// Where a run writes: --output, else training.output_dir, else output/<config name>; save_dir
+// defaults to <output>/checkpoints. Recorded in the resolved config that the run writes.
+std::string resolve_run_paths(Config& cfg, const std::string& config_path, const std::string& output_override) {
+  if (find_control_byte(output_override) != std::string::npos)
+    throw InputError("--output " + echo(output_override) + ": the path contains a control byte");
+  const std::string out = !output_override.empty()           ? output_override
+                          : !cfg.training.output_dir.empty() ? cfg.training.output_dir
+                                                             : "output/" + run_name(config_path);
+  cfg.resolved["training"]["output_dir"] = out;
+  if (cfg.training.save_dir.empty()) cfg.training.save_dir = out + "/checkpoints";
+  cfg.resolved["training"]["save_dir"] = cfg.training.save_dir;
+  return out;
+}
+
+// What `train` would open or create, checked without training: the data, init_from, the
+// checkpoint to resume from (verified as resume verifies it), and that the output directory and
+// save_dir can be written. InputError naming the key and path.
+std::string check_run_files(const Config& cfg, const std::string& out) {
+  const ModelConfig& mc = cfg.model;
+  DataLoader(cfg.data, mc.vocab_size, cfg.batch.micro_batch, mc.n_positions, cfg.training.seed);  // reads it as train does
+  open_validation_data(cfg);
+  if (!mc.init_from.empty())
+    check_weights(mc.init_from, gpt_layout(GPTShape{mc.vocab_size, mc.n_positions, mc.n_layer, mc.n_head, mc.n_embd}));
+  check_writable_directory(out, "output directory");
+  check_writable_directory(cfg.training.save_dir, "training.save_dir");
+  const std::string& resume = cfg.training.resume;
+  if (resume.empty()) return "";
+  if (resume == "auto" && !checkpoint_exists(cfg.training.save_dir))
+    return "resume  auto: no checkpoint in " + cfg.training.save_dir + " yet; train would start fresh";
+  const CheckpointReader reader = CheckpointReader::open(resume == "auto" ? "latest" : resume, cfg.training.save_dir);
+  reader.verify_files();
+  return "resume  " + reader.dir() + ": step " + std::to_string(reader.meta().step) + " (verified)";
+}
+
 int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {
-  std::string name;
+  std::string name, resume_note;
   Config cfg;
   MemoryBudget budget;
   const AvailableMemory avail = available_memory();
@@ -62,6 +101,7 @@ int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {
     cfg = read_config(load_with_overrides(a, name), name, world_size);
     // The same check as train's, for one rank on this machine: a plan that cannot start here is not valid here.
     budget = check_memory_fits(cfg, 1, avail);
+    resume_note = check_run_files(cfg, resolve_run_paths(cfg, a.path, ""));
   });
   int rank = 0;
   MPI_Comm_rank(world, &rank);
@@ -73,6 +113,7 @@ int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {
                 avail.bytes < 0 ? "available memory unknown (not checked)"
                                 : (human_bytes(double(avail.bytes)) + " available on this machine (" + avail.source +
                                    ")").c_str());
+    if (!resume_note.empty()) std::printf("%s\n", resume_note.c_str());
   }
   return kExitOk;
 }
@@ -91,27 +132,44 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
     MPI_Comm_free(&node);
   }
   const AvailableMemory avail = available_memory();
+  std::unique_ptr<OutputDirLock> lock;
   run_collectively(world, [&] {
-    if (find_control_byte(output_override) != std::string::npos)
-      throw InputError("--output " + echo(output_override) + ": the path contains a control byte");
+    check_launch(size);  // job_control.hpp: N scheduler tasks seen by MPI as N one-rank jobs
     cfg = read_config(load_with_overrides(a, name), name, size);
     check_memory_fits(cfg, ranks_here, avail);
-    out = !output_override.empty()           ? output_override
-          : !cfg.training.output_dir.empty() ? cfg.training.output_dir
-                                             : "output/" + run_name(a.path);
-    cfg.resolved["training"]["output_dir"] = out;
-    if (cfg.training.save_dir.empty()) cfg.training.save_dir = out + "/checkpoints";
-    cfg.resolved["training"]["save_dir"] = cfg.training.save_dir;
+    out = resolve_run_paths(cfg, a.path, output_override);
+    // Found now, not at the first save: every rank writes its shard into save_dir.
+    check_writable_directory(cfg.training.save_dir, "training.save_dir");
+    if (rank == 0) {
+      check_writable_directory(out, "output directory");
+      make_directories(out);
+      lock = std::make_unique<OutputDirLock>(out);  // a second job into `out` stops here, naming this one
+    }
   });
   agree_on_configuration(world, cfg);  // agreement.hpp: exit 2 naming the first key on which ranks differ
+  if (rank == 0) {
+    if (lock && !lock->note().empty()) std::printf("note    %s\n", lock->note().c_str());
+    const int threads = blas_threads_per_rank(), cores = static_cast<int>(std::thread::hardware_concurrency());
+    if (cores > 0 && threads * ranks_here > cores)
+      std::printf("note    BLAS uses %d threads per rank x %d ranks on this node = %d > %d cores: oversubscribed, "
+                  "which slows every matrix product; set OPENBLAS_NUM_THREADS=%d\n",
+                  threads, ranks_here, threads * ranks_here, cores, std::max(1, cores / ranks_here));
+  }
+  install_preemption_handlers();  // SIGTERM/SIGUSR1: finish the step, save, exit kExitRequeue
   // DeepSpeed's PipeModelDataParallelTopology: ranks are placed exactly as `zero3d topology` prints.
   const int pp = cfg.pipeline.stages, tp = cfg.tensor.size;
   ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world);
   Watchdog watchdog(cfg.training.comms_timeout, rank);
   Engine engine(cfg, groups, out, &watchdog);
+  if (engine.step() >= cfg.training.steps) {
+    if (rank == 0)
+      std::printf("nothing to do: the checkpoint is at step %lld and training.steps is %lld\n",
+                  (long long)engine.step(), (long long)cfg.training.steps);
+    return kExitOk;
+  }
   note_phase("training");  // failure.hpp: for the message if this rank is killed
   engine.train();
-  return kExitOk;
+  return engine.stopped_by_signal() != 0 ? kExitRequeue : kExitOk;
 }
 
 // One process group along an axis: `size` ranks from `first`, `stride` apart (row-major
@@ -232,6 +290,7 @@ int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::stri
   std::string name;
   Config cfg;
   run_collectively(world, [&] {
+    check_launch(size);
     if (!tag.empty() && checkpoint.empty()) throw InputError("eval --tag " + echo(tag, 100) + ": needs --checkpoint");
     cfg = read_config(load_with_overrides(a, name), name, size);
     if (!cfg.data.validation)
@@ -276,7 +335,9 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
                 const std::string& dtype, const std::string& max_shard, int rank) {
   if (rank != 0) return kExitOk;
   const int64_t shard = max_shard.empty() ? 0 : size_option("--max-shard-size", max_shard);
-  for (const auto& f : convert_checkpoint(dir, tag, out, format, dtype, shard)) std::printf("wrote %s\n", f.c_str());
+  const ConvertResult r = convert_checkpoint(dir, tag, out, format, dtype, shard);
+  for (const auto& f : r.written) std::printf("wrote %s\n", f.c_str());
+  for (const auto& f : r.removed) std::printf("removed %s (a stale output of an earlier convert to this name)\n", f.c_str());
   return kExitOk;
 }
 
@@ -467,7 +528,10 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   install_mpi_error_handler(MPI_COMM_WORLD);  // failure.hpp: an MPI error is one line, exit 1
-  Kokkos::initialize(argc, argv);
+  // Kokkos takes its settings from its environment variables only: given the command line it
+  // would answer `--help` with its own 40-line banner before ours.
+  int kokkos_argc = 1;
+  Kokkos::initialize(kokkos_argc, argv);
   h5::quiet_errors();
 
   CLI::App app{"zero3d — DeepSpeed-style ZeRO training of GPT models, without Python", "zero3d"};
@@ -494,7 +558,7 @@ int main(int argc, char** argv) {
   topology->add_option("--tp", tp, "tensor-parallel size")->check(CLI::Range(int64_t(1), kMaxRanks));
   topology->add_flag("--json", as_json, "machine-readable output");
 
-  std::string ck_dir, ck_tag, ck_tensor, ck_out, ck_format = "hdf5", ck_dtype = "fp32", ck_shard;
+  std::string ck_dir, ck_tag, ck_tensor, ck_out, ck_format, ck_dtype = "fp32", ck_shard;
   bool ck_json = false;
   auto* inspect = app.add_subcommand("inspect", "Show a checkpoint's tags, metadata and tensors; verify checksums");
   inspect->add_option("dir", ck_dir, "checkpoint directory (save_dir or one tag)")->required();
@@ -513,10 +577,11 @@ int main(int argc, char** argv) {
   eval->add_flag("--json", eval_json, "end with one JSON line: step, eval_loss, eval_ppl, samples, tokens");
   auto* convert = app.add_subcommand("convert", "Consolidate a checkpoint into Hugging Face-named weights");
   convert->add_option("dir", ck_dir, "checkpoint directory (save_dir or one tag)")->required();
-  convert->add_option("out", ck_out, "output file, e.g. out/model.safetensors")->required();
+  convert->add_option("out", ck_out, "output file: .safetensors, .h5 or .hdf5 (config.json goes beside it)")->required();
   convert->add_option("--tag", ck_tag, "tag to convert (default: latest)");
-  convert->add_option("--format", ck_format, "hdf5 or safetensors")->check(CLI::IsMember({"hdf5", "safetensors"}));
-  convert->add_option("--dtype", ck_dtype, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  convert->add_option("--format", ck_format, "hdf5 or safetensors (default: from the output file's extension)")
+      ->check(CLI::IsMember({"hdf5", "safetensors"}));
+  convert->add_option("--dtype", ck_dtype, "fp32, bf16 or fp16")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   convert->add_option("--max-shard-size", ck_shard, "split into files of at most this size (e.g. 5GB)");
 
   EstimateArgs est;
@@ -544,7 +609,17 @@ int main(int argc, char** argv) {
     est.world_size_given = estimate->count("--world-size") > 0;
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
     else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
-    else if (topology->parsed()) code = cmd_topology(pp, dp, tp, as_json, rank);
+    else if (topology->parsed()) {
+      // Under `mpirun -np N` the data-parallel size defaults to what the job's ranks leave.
+      if (topology->count("--dp") == 0 && world > 1)
+        run_collectively(MPI_COMM_WORLD, [&] {  // one message, from rank 0
+          if (world % (pp * tp) != 0)
+            throw InputError("topology: " + std::to_string(world) + " ranks do not divide into --pp " +
+                             std::to_string(pp) + " x --tp " + std::to_string(tp));
+          dp = world / (pp * tp);
+        });
+      code = cmd_topology(pp, dp, tp, as_json, rank);
+    }
     else if (estimate->parsed()) code = cmd_estimate(est, rank);
     else if (inspect->parsed()) code = cmd_inspect(ck_dir, ck_tag, ck_tensor, ck_json, rank);
     else if (eval->parsed()) code = cmd_eval(eval_args, eval_checkpoint, eval_tag, eval_json, MPI_COMM_WORLD);

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -38,6 +39,32 @@ void MetricsWriter::write(const nlohmann::json& record) {
   out_ << record.dump() << '\n';
   out_.flush();
   if (!out_) throw SystemError(path_ + ": write failed");
+}
+
+int64_t drop_metrics_after(const std::string& path, int64_t last_step) {
+  std::ifstream in(path);
+  if (!in) return 0;
+  std::vector<std::string> kept;
+  int64_t dropped = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json rec = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const bool keep = rec.is_object() && rec.contains("step") && rec["step"].is_number_integer() &&
+                      rec["step"].get<int64_t>() <= last_step;
+    if (keep) kept.push_back(line);
+    else ++dropped;
+  }
+  if (dropped == 0) return 0;
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    for (const std::string& line : kept) out << line << '\n';
+    out.flush();
+    if (!out) throw SystemError(tmp + ": write failed");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    throw SystemError(path + ": cannot replace it with " + tmp + ": " + std::strerror(errno));
+  return dropped;
 }
 
 void make_directories(const std::string& path) {

@@ -53,6 +53,11 @@ class MetricsWriter {
   std::string path_;
 };
 
+// Rewrites a metrics.jsonl (atomically: temporary file, then rename) keeping the records of
+// steps up to `last_step`; a torn last line of a killed run goes too. Returns how many records
+// were dropped; a missing file is left missing.
+int64_t drop_metrics_after(const std::string& path, int64_t last_step);
+
 // mkdir -p; SystemError naming the path on failure.
 void make_directories(const std::string& path);
 
