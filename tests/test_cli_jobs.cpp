@@ -306,3 +306,50 @@ TEST(Optimizer, ACheckpointResumesOnlyUnderItsUpdateRule) {
 }
 
 }  // namespace
+
+// ---- the job scripts (jobs/), against stand-ins for the scheduler's commands -----------------
+
+// A directory of fake mpiexec/srun/scontrol/qrerun that log their arguments to LOG and exit
+// with $FAKE_RC (the launchers) or 0; runs `script` with it first on PATH. Returns the log.
+std::string run_job_script(const std::string& name, const std::string& script, const std::string& env, int* rc) {
+  const std::string bin = temp_path(name + "_bin"), log = temp_path(name + ".log");
+  std::system(("mkdir -p " + bin + " && rm -f " + log).c_str());
+  for (const char* tool : {"mpiexec", "srun", "scontrol", "qrerun"}) {
+    const bool launcher = std::string(tool) == "mpiexec" || std::string(tool) == "srun";
+    std::ofstream(bin + "/" + tool) << "#!/bin/sh\necho \"" << tool << " $*\" >> " << log << "\n"
+                                    << (launcher ? "exit ${FAKE_RC:-0}\n" : "exit 0\n");
+    std::system(("chmod +x " + bin + "/" + tool).c_str());
+  }
+  const int status = std::system(("cd " + kSource + " && env -u PBS_NODEFILE -u NP -u PBS_JOBID -u SLURM_JOB_ID " + env +
+                                  " PATH=" + bin + ":$PATH bash " + script + " >/dev/null 2>&1")
+                                     .c_str());
+  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return read_file(log);
+}
+
+TEST(JobScripts, PbsOutsidePbsRunsOneRankNotZero) {
+  int rc = 0;
+  const std::string log = run_job_script("pbs_local", "jobs/pbs.sh", "", &rc);
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(log.rfind("mpiexec -np 1 build/zero3d train input/quickstart.json --output output/zero3d "
+                      "--set training.resume=auto",
+                      0),
+            0u)
+      << log;
+}
+
+TEST(JobScripts, PreemptedJobsAreRequeuedAndResumeAutomatically) {
+  int rc = 0;
+  std::string log = run_job_script("slurm_requeue", "jobs/slurm.sbatch", "FAKE_RC=75 SLURM_JOB_ID=42 SLURM_JOB_NAME=gpt", &rc);
+  EXPECT_EQ(rc, 0);
+  EXPECT_NE(log.find("srun build/zero3d train input/quickstart.json --output output/gpt --set training.resume=auto"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("scontrol requeue 42"), std::string::npos) << log;
+  log = run_job_script("slurm_fail", "jobs/slurm.sbatch", "FAKE_RC=2 SLURM_JOB_ID=42", &rc);
+  EXPECT_EQ(rc, 2);  // bad input is not requeued
+  EXPECT_EQ(log.find("scontrol"), std::string::npos) << log;
+  log = run_job_script("pbs_rerun", "jobs/pbs.sh", "FAKE_RC=75 PBS_JOBID=7.server", &rc);
+  EXPECT_EQ(rc, 0);
+  EXPECT_NE(log.find("qrerun 7.server"), std::string::npos) << log;
+}
