@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "base.hpp"
 #include "reduce.hpp"
@@ -37,7 +38,21 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
       part_(partition_numel < 0 ? layout.total() : partition_numel, dp.size()) {
   ordered_backward_ = ordered_backward;
   const int64_t full = stage_ == 0 ? layout.total() : part_.padded;
-  params_ = TypedBuffer("params", types_.param, stage_ == 3 ? part_.part : full);
+  const bool params_on_nvme = stage_ == 3 && zero.offload_param.device == OffloadDevice::Nvme;
+  params_ = TypedBuffer("params", types_.param, params_on_nvme ? 0 : stage_ == 3 ? part_.part : full);
+  if (params_on_nvme) {
+    std::vector<std::pair<int64_t, int64_t>> slices;
+    const int64_t pb = part_.begin(rank_);
+    for (const ParamUnit& u : units_) {
+      const auto [lo, hi] = part_.owned(rank_, u.offset, u.offset + u.numel);
+      slices.emplace_back(std::max<int64_t>(lo - pb, 0), std::max<int64_t>(hi - pb, 0));
+    }
+    const std::string dtype = types_.param == DType::F32 ? "float32" : types_.param == DType::BF16 ? "bfloat16" : "float16";
+    param_swap_ = std::make_unique<offload::ParamSwapper>(
+        zero.offload_param, zero.aio, types_.param, std::move(slices),
+        zero.offload_param.nvme_path + "/zero_stage_3/" + dtype + "params/rank" +
+            std::to_string(global_rank < 0 ? rank_ : global_rank));
+  }
   grads_ = TypedBuffer("grads", types_.grad, stage_ >= 2 ? part_.part : full);
   const bool offload = zero.offload_optimizer.device != OffloadDevice::None && stage_ >= 1;
   if (mixed_ && !offload) master_ = make_flat_buffer("master_params", stage_ == 0 ? layout.total() : part_.part);
@@ -104,8 +119,19 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
   const int64_t total = layout_.total(), pb = part_.begin(rank_);
   const auto [lo, hi] = part_.owned(rank_, 0, total);
   if (!mixed_) {
-    if (stage_ < 3) fill(params_.as<float>(), 0, total);
-    else if (hi > lo) fill(params_.as<float>(), lo, hi);  // the partition buffer starts at part.begin(rank)
+    if (stage_ < 3) {
+      fill(params_.as<float>(), 0, total);
+    } else if (param_swap_) {
+      std::vector<float> chunk;
+      for (int64_t a = lo; a < hi; a += kInitFillElems) {
+        const int64_t b = std::min(hi, a + kInitFillElems);
+        chunk.resize(static_cast<size_t>(b - a));
+        fill(chunk.data(), a, b);
+        write_params(a - pb, b - a, chunk.data());
+      }
+    } else if (hi > lo) {
+      fill(params_.as<float>(), lo, hi);  // the partition buffer starts at part.begin(rank)
+    }
     return;
   }
   if (offloaded_) {
@@ -142,8 +168,24 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
 void ZeroOptimizer::cast_range_to_params(int64_t begin, int64_t n, const float* values) {
   const int64_t pb = part_.begin(rank_);
   const auto [lo, hi] = part_.owned(rank_, pb + begin, pb + begin + n);
-  if (hi > lo)
-    convert_any(params_.at(stage_ == 3 ? lo - pb : lo), types_.param, values + (lo - pb - begin), DType::F32, hi - lo);
+  if (hi <= lo) return;
+  if (param_swap_) {
+    std::vector<char> rounded(static_cast<size_t>(hi - lo) * dtype_size(types_.param));
+    convert_any(rounded.data(), types_.param, values + (lo - pb - begin), DType::F32, hi - lo);
+    write_params(lo - pb, hi - lo, rounded.data());
+    return;
+  }
+  convert_any(params_.at(stage_ == 3 ? lo - pb : lo), types_.param, values + (lo - pb - begin), DType::F32, hi - lo);
+}
+
+void ZeroOptimizer::read_params(int64_t begin, int64_t n, void* out) {
+  if (param_swap_) param_swap_->read(begin, n, out);
+  else std::memcpy(out, params_.at(stage_ == 3 ? begin : part_.begin(rank_) + begin), n * dtype_size(types_.param));
+}
+
+void ZeroOptimizer::write_params(int64_t begin, int64_t n, const void* in) {
+  if (param_swap_) param_swap_->write(begin, n, in);
+  else std::memcpy(params_.at(stage_ == 3 ? begin : part_.begin(rank_) + begin), in, n * dtype_size(types_.param));
 }
 
 void ZeroOptimizer::cast_master_to_params() {
@@ -180,7 +222,8 @@ void ZeroOptimizer::start_gather(int u) {
     displs[r] = lo - unit.offset;
   }
   const auto [lo, hi] = part_.owned(rank_, unit.offset, unit.offset + unit.numel);
-  convert_any(g.buffer.at(lo - unit.offset), types_.param, params_.at(lo - part_.begin(rank_)), types_.param, hi - lo);
+  const void* own = param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_));
+  convert_any(g.buffer.at(lo - unit.offset), types_.param, own, types_.param, hi - lo);
   g.pending = dp_.all_gather_v_async(g.buffer.data(), counts, displs, types_.param);
   live_elems_ += unit.numel;
   live_peak_elems_ = std::max(live_peak_elems_, live_elems_);
@@ -215,12 +258,17 @@ const void* ZeroOptimizer::fetch(int u) {
     g.pending->wait();
     g.pending.reset();
   }
+  // NVMe parameters: the reads of the units the trace needs next run ahead of compute.
+  if (param_swap_)
+    for (size_t k = trace_pos_ + 1; k < trace_.size(); ++k)
+      if (!gathered_.count(trace_[k]) && !param_swap_->prefetch(trace_[k])) break;
   // Prefetch what the trace needs next, within min(free live budget, prefetch_bucket_size).
   int64_t budget = std::min(cfg_.max_live_parameters - live_elems_, cfg_.prefetch_bucket_size);
   for (size_t k = trace_pos_ + 1; k < trace_.size() && budget > 0; ++k) {
     const int next = trace_[k];
     if (gathered_.count(next)) continue;
     if (units_[next].numel > budget) break;
+    if (param_swap_ && !param_swap_->ready(next)) break;  // still on its way from the drive
     start_gather(next);
     budget -= units_[next].numel;
   }
@@ -372,10 +420,18 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
   ckpt_staging_.clear();
   if (offloaded_) {
     offload::ParamAccess params;
-    float* fp32 = mixed_ ? nullptr : params_.as<float>() + (stage_ == 3 ? 0 : part_.begin(rank_));
-    params.acquire = [fp32](int64_t begin, int64_t) { return fp32 ? fp32 + begin : nullptr; };
-    params.release = [this](int64_t begin, int64_t n, const float* updated) {
+    float* fp32 = mixed_ || param_swap_ ? nullptr : params_.as<float>() + (stage_ == 3 ? 0 : part_.begin(rank_));
+    std::vector<float> staging;  // fp32 parameters of one sub-group read from their swap files
+    params.acquire = [&](int64_t begin, int64_t n) -> float* {
+      if (mixed_) return nullptr;
+      if (!param_swap_) return fp32 + begin;
+      staging.resize(static_cast<size_t>(n));
+      read_params(begin, n, staging.data());
+      return staging.data();
+    };
+    params.release = [&](int64_t begin, int64_t n, const float* updated) {
       if (mixed_) cast_range_to_params(begin, n, updated);
+      else if (param_swap_) write_params(begin, n, updated);
     };
     offloaded_->step(params, grad_partition(), types_.grad, mul, lr, betas);
     if (stage_ == 1 || stage_ == 2) gather_updated_params();
@@ -414,6 +470,7 @@ std::vector<float> ZeroOptimizer::gather_full_params() {
     std::copy_n(src, layout_.total(), full.begin());
   } else {
     if (mixed_ && offloaded_) offloaded_->read("master", 0, part_.part, full.data() + part_.begin(rank_));
+    else if (param_swap_) read_params(0, part_.part, full.data() + part_.begin(rank_));
     else std::copy_n(src, part_.part, full.begin() + part_.begin(rank_));
     std::vector<int64_t> counts(world_, part_.part), displs(world_);
     for (int r = 0; r < world_; ++r) displs[r] = part_.begin(r);
@@ -447,7 +504,13 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
       offloaded_->read(state, b - pb, e - b, ckpt_staging_.back().data());
       return static_cast<const float*>(ckpt_staging_.back().data());
     };
-    arrays.emplace_back("params", mixed_ ? staged("master") : params_.as<float>() + (stage_ == 3 ? b - pb : b));
+    if (param_swap_ && !mixed_) {
+      ckpt_staging_.emplace_back(static_cast<size_t>(e - b));
+      read_params(b - pb, e - b, ckpt_staging_.back().data());
+      arrays.emplace_back("params", ckpt_staging_.back().data());
+    } else {
+      arrays.emplace_back("params", mixed_ ? staged("master") : params_.as<float>() + (stage_ == 3 ? b - pb : b));
+    }
     for (const char* state : {"exp_avg", "exp_avg_sq"}) arrays.emplace_back(state, staged(state));
     return arrays;
   }
@@ -470,6 +533,9 @@ void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_s
     if (mixed_) {
       read("params", b, e, staging.data());
       offloaded_->write("master", b - pb, e - b, staging.data());
+    } else if (param_swap_) {
+      read("params", b, e, staging.data());
+      write_params(b - pb, e - b, staging.data());
     } else {
       read("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
     }
@@ -526,6 +592,11 @@ MemoryBytes ZeroOptimizer::memory() const {
     m.host = t.host;
     m.nvme = t.nvme;
     m.swap_buffers = t.swap_buffers;
+    if (cfg_.offload_param.device == OffloadDevice::Cpu) m.host += m.params;
+    if (param_swap_) {
+      m.nvme += param_swap_->nvme_bytes();
+      m.swap_buffers += param_swap_->cached_peak_bytes();
+    }
   } else {
     m.optimizer_states = optimizer_->state_bytes();
   }
@@ -553,10 +624,25 @@ std::string ZeroOptimizer::offload_summary() const {
                                   : "io_uring through the page cache (the file system refuses O_DIRECT)") +
          ", block " + std::to_string(z.aio.block_size) + " B, queue depth " + std::to_string(z.aio.queue_depth) + " x " +
          std::to_string(z.aio.intra_op_parallelism) + " thread" + (z.aio.intra_op_parallelism == 1 ? "" : "s");
+  if (z.offload_param.device == OffloadDevice::Cpu) s += "; parameter partition in host memory";
+  if (param_swap_)
+    s += "; parameter partition on nvme: " + std::to_string(param_swap_->nvme_bytes()) + " bytes, " +
+         std::to_string(z.offload_param.buffer_count) + " reads ahead, at most " +
+         std::to_string(z.offload_param.max_in_cpu) + " elements cached";
   s += "; CPU-only build: host and device memory are the same memory";
   return s;
 }
 
-offload::IoStats ZeroOptimizer::take_swap_stats() { return offloaded_ ? offloaded_->take_io_stats() : offload::IoStats{}; }
+offload::IoStats ZeroOptimizer::take_swap_stats() {
+  offload::IoStats s = offloaded_ ? offloaded_->take_io_stats() : offload::IoStats{};
+  if (param_swap_) {
+    const offload::IoStats p = param_swap_->take_io_stats();
+    s.read_bytes += p.read_bytes;
+    s.write_bytes += p.write_bytes;
+    s.read_s += p.read_s;
+    s.write_s += p.write_s;
+  }
+  return s;
+}
 
 }  // namespace zero3d

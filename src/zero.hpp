@@ -36,6 +36,7 @@
 #include "grad_reducer.hpp"
 #include "model.hpp"
 #include "offload/offload_optimizer.hpp"
+#include "offload/param_swapper.hpp"
 #include "optimizer.hpp"
 #include "typed.hpp"
 
@@ -183,6 +184,10 @@ class ZeroOptimizer : public ParamStore {
   std::unique_ptr<Optimizer> optimizer_;          // state in device memory, or:
   std::unique_ptr<offload::OffloadedAdam> offloaded_;  // offload_optimizer cpu / nvme
   std::vector<std::vector<float>> ckpt_staging_;  // offloaded state read back for a save
+  std::unique_ptr<offload::ParamSwapper> param_swap_;  // stage 3, offload_param nvme: params_ is empty
+  // Partition-local parameters [begin, begin + n) in the parameter type, wherever they lie.
+  void read_params(int64_t begin, int64_t n, void* out);
+  void write_params(int64_t begin, int64_t n, const void* in);
   std::unique_ptr<GradientReducer> reducer_;
   bool boundary_ = false;
   bool ordered_backward_ = true;

@@ -63,6 +63,10 @@ void expect_placement_does_not_change_losses(int np) {
         const std::vector<double> got = losses(config, np, temp_path(device + tag), offload_args(device, swap));
         EXPECT_EQ(got, want) << device << " at np " << np << ", stage " << stage << (bf16 ? ", bf16" : ", fp32");
         EXPECT_EQ(swap_files_under(swap), 0u) << "swap files left after a normal exit";
+        if (stage != 3) continue;
+        const std::vector<double> with_params =
+            losses(config, np, temp_path(device + tag + "p"), offload_args(device, swap, /*params=*/true));
+        EXPECT_EQ(with_params, want) << device << " parameters too at np " << np << (bf16 ? ", bf16" : ", fp32");
       }
     }
 }
@@ -149,4 +153,26 @@ TEST(Offload, ValidateRejectsUseGdsByName) {
   const std::string config = write_config("gds.json", offload_config(2, false));
   const Result r = run("validate " + config + " --set aio.use_gds=true");
   expect_one_line_rejection(r, "`aio.use_gds`");
+}
+
+TEST(Offload, MaxInCpuSmallerThanOneUnitStillTrainsTheSameModel) {
+  const std::string config = write_config("maxincpu.json", offload_config(3, true));
+  const std::vector<double> want = losses(config, 2, temp_path("maxin_none"), "");
+  const std::string swap = temp_path("swap_maxin");
+  const std::string args = offload_args("nvme", swap, /*params=*/true) +
+                           " --set zero_optimization.offload_param.max_in_cpu=100"
+                           " --set zero_optimization.offload_param.buffer_count=1";
+  EXPECT_EQ(losses(config, 2, temp_path("maxin"), args), want);
+  const json last = read_metrics(temp_path("maxin")).back();
+  EXPECT_EQ(last["memory"]["params"], 0);  // the partition is on the drive
+  EXPECT_GT(last["swap"]["read_bytes"].get<int64_t>(), 0);
+}
+
+TEST(Offload, AParameterBufferSmallerThanOneUnitSliceIsRejectedWithTheNumbers) {
+  const std::string config = write_config("bufsize.json", offload_config(3, false));
+  const Result r = run("train " + config + " --output " + temp_path("bufsize") +
+                           offload_args("nvme", temp_path("swap_bufsize"), /*params=*/true) +
+                           " --set zero_optimization.offload_param.buffer_size=10",
+                       2);
+  expect_one_line_rejection(r, "`zero_optimization.offload_param.buffer_size`: value 10 is smaller than unit");
 }

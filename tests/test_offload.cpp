@@ -14,6 +14,7 @@
 #include "config.hpp"
 #include "offload/aio.hpp"
 #include "offload/offload_optimizer.hpp"
+#include "offload/param_swapper.hpp"
 #include "optimizer.hpp"
 #include "optimizers.hpp"
 
@@ -455,4 +456,51 @@ TEST(OffloadedAdam, RangesAcrossSubGroupsReadAndWriteLikeOneBuffer) {
   EXPECT_EQ(got[15], values[705]);
   a.read("exp_avg_sq", 4000, 10, got.data());  // never written: zeros
   EXPECT_EQ(got[0], 0.0f);
+}
+
+// ---- the parameter tier ----------------------------------------------------------------
+
+TEST(ParamSwapper, UnitsReadBackWhatWasWrittenAndTheCacheStaysWithinMaxInCpu) {
+  TempDir dir("params");
+  OffloadParamConfig cfg;
+  cfg.device = OffloadDevice::Nvme;
+  cfg.max_in_cpu = 1500;  // one slice and a half
+  cfg.buffer_count = 2;
+  // three unit slices and padding beyond the last one
+  ParamSwapper sw(cfg, AioConfig{}, DType::BF16, {{0, 1000}, {1000, 1000}, {1000, 2500}}, dir.path + "/r");
+  EXPECT_EQ(sw.swap_files().size(), 3u);
+  EXPECT_EQ(swap_files_in(dir.path), 2u);  // the empty slice has no file
+  std::vector<uint16_t> values(2600);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<uint16_t>(i * 7 + 1);
+  sw.write(0, 2600, values.data());
+  std::vector<uint16_t> got(2600, 0xFFFF);
+  sw.read(0, 2600, got.data());
+  EXPECT_EQ(std::memcmp(got.data(), values.data(), 2500 * 2), 0);
+  EXPECT_EQ(got[2550], 0);  // padding reads as zeros
+  EXPECT_TRUE(sw.prefetch(0));
+  EXPECT_FALSE(sw.prefetch(2));  // 1000 + 1500 elements would exceed max_in_cpu
+  const auto* u2 = static_cast<const uint16_t*>(sw.acquire(2));
+  EXPECT_EQ(u2[0], values[1000]);
+  EXPECT_LE(sw.cached_elems(), 1500);  // unit 0 was evicted for it
+  const auto* u0 = static_cast<const uint16_t*>(sw.acquire(0));
+  EXPECT_EQ(u0[999], values[999]);
+  EXPECT_LE(sw.cached_elems(), 1500);
+  // A write keeps a cached slice current.
+  const uint16_t patch = 4242;
+  sw.write(999, 1, &patch);
+  EXPECT_EQ(static_cast<const uint16_t*>(sw.acquire(0))[999], 4242);
+}
+
+TEST(ParamSwapper, ASliceLargerThanBufferSizeIsRejectedNamingTheKey) {
+  TempDir dir("bufsize");
+  OffloadParamConfig cfg;
+  cfg.buffer_size = 100;
+  try {
+    ParamSwapper sw(cfg, AioConfig{}, DType::F32, {{0, 50}, {50, 250}}, dir.path + "/r");
+    FAIL() << "a 200-element slice fit a 100-element buffer";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("`zero_optimization.offload_param.buffer_size`: value 100"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("200 elements"), std::string::npos) << e.what();
+  }
 }
