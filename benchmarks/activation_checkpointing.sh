@@ -5,13 +5,15 @@
 # recompute overhead of full against the formula (one more forward: 6N + 12LTC -> 8N + 16LTC
 # per token, +33% of model FLOPs); then the largest micro-batch the planner fits in MEM per rank
 # with and without checkpointing, each confirmed by a run at that micro-batch.
-# Usage: benchmarks/activation_checkpointing.sh [T] [MEM] [WORKDIR]   (defaults 1024, 8GiB)
+# Usage: [ZERO3D=build/zero3d] [STEPS=4] benchmarks/activation_checkpointing.sh [T] [MEM] [WORKDIR]
+#        (defaults T=1024, MEM=8GiB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T=${1:-1024}
 MEM=${2:-8GiB}
 DIR=${3:-output/activation_checkpointing}
 STEPS=${STEPS:-4}
+ZERO3D=${ZERO3D:-build/zero3d}  # the executable (another build tree: ZERO3D=build-x/zero3d)
 mkdir -p "$DIR"
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 common=(--set model.n_positions="$T" --set training.steps="$STEPS" --set training.peak_gflops=100
@@ -28,7 +30,7 @@ for mode in none selective full; do
   esac
   run="$DIR/$mode"
   rm -rf "$run"
-  mpirun -np 2 build/zero3d train input/gpt-small-cpu.json "${common[@]}" "${args[@]}" --output "$run" > "$run.log"
+  mpirun -np 2 "$ZERO3D" train input/gpt-small-cpu.json "${common[@]}" "${args[@]}" --output "$run" > "$run.log"
   line=$(python3 - "$run" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl")]
@@ -55,7 +57,7 @@ print(f"full recompute: {100 * (none / full - 1):.1f}% more time per token; form
 PY
 echo
 echo "largest micro-batch in $MEM per rank at np 2, ZeRO stage 0 (planner; then confirmed by running it):"
-build/zero3d estimate --config input/gpt-small-cpu.json --set model.n_positions="$T" --world-size 2 \
+"$ZERO3D" estimate --config input/gpt-small-cpu.json --set model.n_positions="$T" --world-size 2 \
   --memory-per-rank "$MEM" --json > "$DIR/fit.json"
 read -r none full < <(python3 -c "
 import json; f = json.load(open('$DIR/fit.json'))['fits'][0]
@@ -66,7 +68,7 @@ for pair in "none $none" "full $full"; do
   [ "$1" = full ] && args=(--set pipeline.activation_checkpoint_interval=1)
   run="$DIR/fit_$1"
   rm -rf "$run"
-  mpirun -np 2 build/zero3d train input/gpt-small-cpu.json --set model.n_positions="$T" --set training.steps=2 \
+  mpirun -np 2 "$ZERO3D" train input/gpt-small-cpu.json --set model.n_positions="$T" --set training.steps=2 \
     --set training.peak_gflops=100 --set train_micro_batch_size_per_gpu="$2" "${args[@]}" --output "$run" > "$run.log"
   python3 - "$run" "$1" "$2" "$MEM" <<'PY'
 import json, re, sys

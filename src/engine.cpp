@@ -477,7 +477,7 @@ void Engine::print_startup() const {
                 "parameters %.1f MB | activations %.1f MB (%d micro-batch(es) in flight%s) | workspace %.1f MB | runtime "
                 "%.1f MB | predicted peak %.1f MB, checked at the end\n",
                 b.pipe_stage, b.model_states() / 1e6, (b.comm_reduce + b.comm_gather + b.comm_prefetch) / 1e6,
-                b.live_params / 1e6, b.activations / 1e6, schedule_steps_.num_buffers,
+                b.live_params / 1e6, b.activations / 1e6, b.in_flight,
                 b.activations_host > 0 ? ", checkpoints in host memory included" : "", b.workspace / 1e6,
                 b.runtime / 1e6, b.total() / 1e6);
   }
@@ -809,6 +809,11 @@ std::vector<StepResult> Engine::train() {
                           {"backward_allreduce", ar}, {"step", st}, {"tensor_comm", r.tensor_comm_ms}};
       }
       if (cfg_.activation_checkpointing.profile) rec["activation_checkpointing"] = {{"profile", checkpoint_profile(r)}};
+      if (cfg_.activation_checkpointing.cpu_checkpointing) {  // of memory.activations, in host memory (here the same memory)
+        int64_t host = 0;
+        for (const ActivationBuffer& b : buffers_) host += b.host_bytes();
+        rec["memory"]["activations_host"] = host;
+      }
       if (last_step)
         rec["memory_plan"] = {{"predicted_peak_bytes", predicted_peak_},
                               {"measured_peak_bytes", measured_peak_},

@@ -125,19 +125,23 @@ TEST(CheckpointingCounter, MetricsReportTheFormulaForEachGranularity) {
                 scratch = BT * C + 8 * BT * C + 64 * T;
   struct Case {
     std::string name, args;
-    int64_t bytes;
+    int64_t bytes, host = -1;  // host: memory.activations_host (absent without cpu_checkpointing)
   };
   const Case cases[] = {
       {"none", "", 4 * (2 * BT * C + L * block + head + scratch) + 8 * BT},
       {"selective", kSelective + kInterval + "1",
        4 * (2 * BT * C + L * (block - B * H * T * T) + head + scratch + B * H * T * T) + 8 * BT},
       {"full1", kInterval + "1", 4 * (3 * BT * C + head + 4 * BT * C + scratch + BT * C + block) + 8 * BT},
-      {"full3", kInterval + "3", 4 * (3 * BT * C + head + 2 * BT * C + scratch + BT * C + 3 * block) + 8 * BT}};
+      {"full3", kInterval + "3", 4 * (3 * BT * C + head + 2 * BT * C + scratch + BT * C + 3 * block) + 8 * BT},
+      {"full2_cpu", kCpu + kInterval + "2", 4 * (3 * BT * C + head + 2 * BT * C + scratch + BT * C + 2 * block) + 8 * BT,
+       4 * 2 * BT * C}};
   for (const Case& c : cases) {
     const std::string dir = temp_path("counter_" + c.name);
     const json last = last_metrics(write_config("ckpt.json", ckpt_config()), 1, dir,
                                    "--set training.steps=1 " + c.args);
     EXPECT_EQ(last["memory"]["activations"].get<int64_t>(), c.bytes) << c.name;
+    if (c.host >= 0) EXPECT_EQ(last["memory"]["activations_host"].get<int64_t>(), c.host) << c.name;
+    else EXPECT_FALSE(last["memory"].contains("activations_host")) << c.name;
   }
 }
 
