@@ -105,6 +105,8 @@ nlohmann::json MemoryBudget::to_json() const {
           {"optimizer_states", optimizer_states},
           {"host", offload_host},
           {"nvme", offload_nvme},
+          {"host", offload_host},
+          {"nvme", offload_nvme},
           {"comm_reduce", comm_reduce},
           {"comm_gather", comm_gather},
           {"comm_prefetch", comm_prefetch},
@@ -194,6 +196,34 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   b.master = mixed ? 4 * state_elems : 0;  // fp32 parameters are their own master copy
   const int moments = cfg.optimizer.type == OptimizerType::SGD ? (cfg.optimizer.momentum != 0.0 ? 1 : 0) : 2;
   b.optimizer_states = 4 * moments * state_elems;
+  // Offload tiers as ZeroOptimizer places them: sub-groups from int((1 - ratio)·G) on leave
+  // device memory; NVMe ones go to swap files through buffer slots (workspace), as do stage-3
+  // parameters with offload_param nvme (at most max_in_cpu elements cached).
+  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
+  if (oo.device != OffloadDevice::None && b.stage >= 1 && state_elems > 0) {
+    const int64_t sg = std::max<int64_t>(1, cfg.zero.sub_group_size), groups = (state_elems + sg - 1) / sg;
+    const int64_t cut = std::min(groups, static_cast<int64_t>((1.0 - oo.ratio) * static_cast<double>(groups)));
+    const int64_t offloaded = state_elems - std::min(state_elems, cut * sg), states = mixed ? 3 : 2;
+    const int64_t moved = 4 * states * offloaded;
+    if (oo.device == OffloadDevice::Cpu) {
+      b.offload_host = moved;
+    } else if (offloaded > 0) {
+      b.offload_nvme = moved;
+      b.master -= mixed ? 4 * offloaded : 0;
+      b.optimizer_states -= 8 * offloaded;
+      const int64_t slots = std::max<int64_t>(1, std::min({oo.buffer_count / states,
+                                                           int64_t(1 + oo.pipeline_read + oo.pipeline_write),
+                                                           groups - cut}));
+      b.workspace += slots * states * ((std::min(sg, offloaded) * 4 + 4095) / 4096 * 4096);
+    }
+    const OffloadParamConfig& op = cfg.zero.offload_param;
+    if (b.stage == 3 && op.device == OffloadDevice::Cpu) b.offload_host += b.params;
+    if (b.stage == 3 && op.device == OffloadDevice::Nvme) {
+      b.offload_nvme += b.params;
+      b.workspace += ps * std::min(op.max_in_cpu, part.part);
+      b.params = 0;
+    }
+  }
   // Offload tiers as ZeroOptimizer places them: sub-groups from int((1 - ratio)·G) on leave
   // device memory; NVMe ones go to swap files through buffer slots (workspace), as do stage-3
   // parameters with offload_param nvme (at most max_in_cpu elements cached).

@@ -12,6 +12,7 @@
 
 #include "base.hpp"
 #include "config.hpp"
+#include "estimator.hpp"
 #include "offload/aio.hpp"
 #include "offload/offload_optimizer.hpp"
 #include "offload/param_swapper.hpp"
@@ -503,4 +504,23 @@ TEST(ParamSwapper, ASliceLargerThanBufferSizeIsRejectedNamingTheKey) {
         << e.what();
     EXPECT_NE(std::string(e.what()).find("200 elements"), std::string::npos) << e.what();
   }
+}
+
+// ---- the estimator's tiers ---------------------------------------------------------------
+
+TEST(OffloadEstimate, NvmeMovesTheOffloadedStatesOutOfTheTotalAndCpuOnlyRelabelsThem) {
+  json j = with_zero({{"stage", 3}}, {{"bf16", {{"enabled", true}}}});
+  const MemoryBudget none = estimate_budget(read_config(j, "cfg.json", 2), 2);
+  j["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+  j["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
+  const MemoryBudget cpu = estimate_budget(read_config(j, "cfg.json", 2), 2);
+  EXPECT_EQ(cpu.total(), none.total());  // host memory is this build's device memory
+  EXPECT_EQ(cpu.offload_host, none.master + none.optimizer_states + none.params);
+  j["zero_optimization"]["offload_optimizer"] = {{"device", "nvme"}, {"nvme_path", "/x"}};
+  j["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", "/x"}};
+  const MemoryBudget nvme = estimate_budget(read_config(j, "cfg.json", 2), 2);
+  EXPECT_EQ(nvme.offload_nvme, none.master + none.optimizer_states + none.params);
+  EXPECT_EQ(nvme.master + nvme.optimizer_states + nvme.params, 0);
+  EXPECT_LT(nvme.model_states(), none.model_states());
+  EXPECT_EQ(nvme.to_json()["nvme"], nvme.offload_nvme);
 }

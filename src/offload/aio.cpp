@@ -258,6 +258,15 @@ void AioEngine::run(Worker& w) {
   }
 }
 
+void file_span(AioEngine& aio, int fd, const std::string& what, char* buf, int64_t begin, int64_t end,
+               int64_t used_end, const std::function<void(char*)>& change, bool write_back) {
+  const int64_t first = begin / kIoAlign * kIoAlign, last = align_up(end);
+  const bool whole = begin == first && (end == last || end >= used_end);
+  if (!(write_back && whole)) aio.wait(aio.read(fd, buf, last - first, first, what));
+  change(buf + (begin - first));
+  if (write_back) aio.wait(aio.write(fd, buf, last - first, first, what));
+}
+
 int open_swap_file(const std::string& path, bool& direct, const std::string& key) {
   int fd = direct ? ::open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600) : -1;
   if (fd < 0 && direct && errno == EINVAL) direct = false;

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -106,6 +107,13 @@ class AioEngine {
   IoStats stats_;
   friend class Transfer;
 };
+
+// Bytes [begin, end) of a swap file whose data ends at `used_end`, moved through `buf` (page-
+// aligned, large enough for the page span): only the pages the range touches are read, none when
+// a write covers them whole; `change` sees the range at its start, then it is written back when
+// asked. Checkpoint and start-up access outside the pipelined step.
+void file_span(AioEngine& aio, int fd, const std::string& what, char* buf, int64_t begin, int64_t end,
+               int64_t used_end, const std::function<void(char*)>& change, bool write_back);
 
 // Opens (creating) a swap file for direct I/O when the file system allows it; `direct` says
 // which it got. Errors are InputError naming the path and key.

@@ -195,15 +195,15 @@ void OffloadedAdam::step(const ParamAccess& params, const void* grads, DType gra
   }
 }
 
-void OffloadedAdam::file_access(int s, int64_t k, const std::function<void(float*)>& use, bool write_back) {
+void OffloadedAdam::file_access(int s, int64_t k, int64_t a, int64_t b, const std::function<void(float*)>& use,
+                                bool write_back) {
   Slot& slot = slots_.front();
-  const int64_t bytes = align_up(groups_[static_cast<size_t>(k)].n * 4);
   wait_writes(slot);
   wait_reads(slot);
   slot.group = -1;  // the step reads its sub-groups afresh
-  aio_->wait(aio_->read(fds_[s][k - cut_], slot.state[s].data(), bytes, 0, path(s, k)));
-  use(slot.state[s].floats());
-  if (write_back) aio_->wait(aio_->write(fds_[s][k - cut_], slot.state[s].data(), bytes, 0, path(s, k)));
+  const Group& gr = groups_[static_cast<size_t>(k)];
+  file_span(*aio_, fds_[s][k - cut_], path(s, k), static_cast<char*>(slot.state[s].data()), (a - gr.begin) * 4,
+            (b - gr.begin) * 4, gr.n * 4, [&](char* at) { use(reinterpret_cast<float*>(at)); }, write_back);
 }
 
 void OffloadedAdam::read(const std::string& state, int64_t begin, int64_t n, float* out) {
@@ -213,7 +213,7 @@ void OffloadedAdam::read(const std::string& state, int64_t begin, int64_t n, flo
     const int64_t a = std::max(begin, gr.begin), b = std::min(begin + n, gr.begin + gr.n);
     if (a >= b) continue;
     if (off_.device == OffloadDevice::Cpu || k < cut_) std::copy_n(resident(s, a), b - a, out + (a - begin));
-    else file_access(s, k, [&](float* buf) { std::copy_n(buf + (a - gr.begin), b - a, out + (a - begin)); }, false);
+    else file_access(s, k, a, b, [&](float* at) { std::copy_n(at, b - a, out + (a - begin)); }, false);
   }
 }
 
@@ -224,7 +224,7 @@ void OffloadedAdam::write(const std::string& state, int64_t begin, int64_t n, co
     const int64_t a = std::max(begin, gr.begin), b = std::min(begin + n, gr.begin + gr.n);
     if (a >= b) continue;
     if (off_.device == OffloadDevice::Cpu || k < cut_) std::copy_n(in + (a - begin), b - a, resident(s, a));
-    else file_access(s, k, [&](float* buf) { std::copy_n(in + (a - begin), b - a, buf + (a - gr.begin)); }, true);
+    else file_access(s, k, a, b, [&](float* at) { std::copy_n(in + (a - begin), b - a, at); }, true);
   }
 }
 

@@ -89,9 +89,8 @@ class OffloadedAdam {
   void start_write(Slot& slot);
   void wait_writes(Slot& slot);
   const std::string& path(int s, int64_t k) const { return paths_[static_cast<size_t>(s * (sub_groups() - cut_) + (k - cut_))]; }
-  // Reads one offloaded sub-group's state s into slot 0's buffer, lets `use` see (and change)
-  // it, and writes it back when asked: checkpoint access outside the step.
-  void file_access(int s, int64_t k, const std::function<void(float*)>& use, bool write_back);
+  // Elements [a, b) of one offloaded sub-group's state s through slot 0's buffer (file_span).
+  void file_access(int s, int64_t k, int64_t a, int64_t b, const std::function<void(float*)>& use, bool write_back);
 
   OffloadOptimizerConfig off_;
   OptimizerConfig opt_;

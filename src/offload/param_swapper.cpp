@@ -135,20 +135,24 @@ const void* ParamSwapper::acquire(int u) {
   return it->second.buf.data();
 }
 
-// Reads unit u's slice (from the cache when there), lets `change` see it, and writes it back.
-void ParamSwapper::transfer_slice(int u, const std::function<void(char*)>& change, bool write_back) {
-  const int64_t bytes = align_up(slice_elems(u) * static_cast<int64_t>(esize_));
+// Slice elements [a, b) of unit u: in the cached copy (kept current, and written through) or
+// straight from and to the file's pages.
+void ParamSwapper::transfer_slice(int u, int64_t a, int64_t b, const std::function<void(char*)>& change,
+                                  bool write_back) {
+  const auto es = static_cast<int64_t>(esize_);
   auto it = cache_.find(u);
-  char* buf;
   if (it != cache_.end()) {
     finish_read(it->second);
-    buf = static_cast<char*>(it->second.buf.data());
-  } else {
-    buf = static_cast<char*>(scratch_.data());
-    aio_->wait(aio_->read(fds_[u], buf, bytes, 0, paths_[u]));
+    char* buf = static_cast<char*>(it->second.buf.data());
+    change(buf + a * es);
+    if (write_back) {
+      const int64_t first = a * es / kIoAlign * kIoAlign, last = align_up(b * es);
+      aio_->wait(aio_->write(fds_[u], buf + first, last - first, first, paths_[u]));
+    }
+    return;
   }
-  change(buf);
-  if (write_back) aio_->wait(aio_->write(fds_[u], buf, bytes, 0, paths_[u]));
+  file_span(*aio_, fds_[u], paths_[u], static_cast<char*>(scratch_.data()), a * es, b * es, slice_elems(u) * es, change,
+            write_back);
 }
 
 void ParamSwapper::read(int64_t begin, int64_t n, void* out) {
@@ -158,8 +162,8 @@ void ParamSwapper::read(int64_t begin, int64_t n, void* out) {
     const auto [a0, b0] = slices_[u];
     const int64_t a = std::max(begin, a0), b = std::min(begin + n, b0);
     if (a >= b) continue;
-    transfer_slice(static_cast<int>(u), [&](char* buf) {
-      std::memcpy(o + (a - begin) * esize_, buf + (a - a0) * esize_, static_cast<size_t>(b - a) * esize_);
+    transfer_slice(static_cast<int>(u), a - a0, b - a0, [&](char* at) {
+      std::memcpy(o + (a - begin) * esize_, at, static_cast<size_t>(b - a) * esize_);
     }, false);
   }
 }
@@ -170,8 +174,8 @@ void ParamSwapper::write(int64_t begin, int64_t n, const void* in) {
     const auto [a0, b0] = slices_[u];
     const int64_t a = std::max(begin, a0), b = std::min(begin + n, b0);
     if (a >= b) continue;
-    transfer_slice(static_cast<int>(u), [&](char* buf) {
-      std::memcpy(buf + (a - a0) * esize_, src + (a - begin) * esize_, static_cast<size_t>(b - a) * esize_);
+    transfer_slice(static_cast<int>(u), a - a0, b - a0, [&](char* at) {
+      std::memcpy(at, src + (a - begin) * esize_, static_cast<size_t>(b - a) * esize_);
     }, true);
   }
 }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -56,7 +57,7 @@ class ParamSwapper {
   int64_t slice_elems(int u) const { return slices_[u].second - slices_[u].first; }
   void finish_read(Entry& e);
   void evict_for(int64_t elems, int keep, bool include_reads);
-  void transfer_slice(int u, const std::function<void(char*)>& change, bool write_back);
+  void transfer_slice(int u, int64_t a, int64_t b, const std::function<void(char*)>& change, bool write_back);
 
   OffloadParamConfig cfg_;
   DType type_;
