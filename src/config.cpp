@@ -474,6 +474,8 @@ std::string offload_nvme_path(Section& sec, OffloadDevice device) {
   return path;
 }
 
+void read_aio(Section& top, AioConfig& a);
+
 // zero_optimization.offload_optimizer / offload_param, their deprecated boolean forms,
 // sub_group_size and the top-level `aio` section (DEEPSPEED-FACTS-2 §3.1).
 void read_offload(Section& top, Section& sec, ZeroConfig& z) {
@@ -524,8 +526,12 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
   if (z.offload_param.device == OffloadDevice::Nvme && z.offload_optimizer.device != OffloadDevice::Nvme)
     sec.fail_key("offload_param", "device \"nvme\" needs offload_optimizer.device \"nvme\" too: the optimizer "
                                   "updates the parameter partition where it lies");
+  read_aio(top, z.aio);
+}
+
+// The top-level `aio` section: how swap files are read and written.
+void read_aio(Section& top, AioConfig& a) {
   Section aio = top.child("aio");
-  AioConfig& a = z.aio;
   a.block_size = aio.integer("block_size", 1048576, 4096, int64_t(1) << 30);
   if (a.block_size % 4096 != 0)
     aio.fail_key("block_size", "value " + std::to_string(a.block_size) +
@@ -621,6 +627,7 @@ void read_zero(Section& top, Config& c) {
   if (top.has("zero_optimization") && top.raw("zero_optimization")->is_boolean()) {
     c.zero.stage = top.raw("zero_optimization")->get<bool>() ? 1 : 0;  // deprecated bool form: true = stage 1
     c.zero.overlap_comm = false;
+    read_aio(top, c.zero.aio);
     return;
   }
   Section sec = top.child("zero_optimization");

@@ -120,6 +120,13 @@ TEST(OffloadConfig, NvmeKeysAndTheAioSectionAreRead) {
   EXPECT_FALSE(c.zero.aio.overlap_events);
 }
 
+TEST(OffloadConfig, TheAioSectionIsReadWithTheDeprecatedBooleanZeroForm) {
+  json j = minimal();
+  j["zero_optimization"] = true;
+  j["aio"] = {{"queue_depth", 32}};
+  EXPECT_EQ(read_config(j, "cfg.json", 2).zero.aio.queue_depth, 32);
+}
+
 TEST(OffloadConfig, DeprecatedCpuOffloadMeansOffloadOptimizerCpu) {
   const Config c = read_config(with_zero({{"stage", 2}, {"cpu_offload", true}, {"cpu_offload_use_pin_memory", true}}),
                                "cfg.json", 2);
