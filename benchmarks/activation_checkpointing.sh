@@ -64,6 +64,7 @@ import json; f = json.load(open('$DIR/fit.json'))['fits'][0]
 print(f['without_checkpointing'], f['with_full_recompute'])")
 for pair in "none $none" "full $full"; do
   set -- $pair
+  if [ "$2" -eq 0 ]; then echo "  $1: not even micro-batch 1 fits in $MEM"; continue; fi
   args=()
   [ "$1" = full ] && args=(--set pipeline.activation_checkpoint_interval=1)
   run="$DIR/fit_$1"

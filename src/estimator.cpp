@@ -105,8 +105,6 @@ nlohmann::json MemoryBudget::to_json() const {
           {"optimizer_states", optimizer_states},
           {"host", offload_host},
           {"nvme", offload_nvme},
-          {"host", offload_host},
-          {"nvme", offload_nvme},
           {"comm_reduce", comm_reduce},
           {"comm_gather", comm_gather},
           {"comm_prefetch", comm_prefetch},
@@ -224,34 +222,6 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
       b.params = 0;
     }
   }
-  // Offload tiers as ZeroOptimizer places them: sub-groups from int((1 - ratio)·G) on leave
-  // device memory; NVMe ones go to swap files through buffer slots (workspace), as do stage-3
-  // parameters with offload_param nvme (at most max_in_cpu elements cached).
-  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
-  if (oo.device != OffloadDevice::None && b.stage >= 1 && state_elems > 0) {
-    const int64_t sg = std::max<int64_t>(1, cfg.zero.sub_group_size), groups = (state_elems + sg - 1) / sg;
-    const int64_t cut = std::min(groups, static_cast<int64_t>((1.0 - oo.ratio) * static_cast<double>(groups)));
-    const int64_t offloaded = state_elems - std::min(state_elems, cut * sg), states = mixed ? 3 : 2;
-    const int64_t moved = 4 * states * offloaded;
-    if (oo.device == OffloadDevice::Cpu) {
-      b.offload_host = moved;
-    } else if (offloaded > 0) {
-      b.offload_nvme = moved;
-      b.master -= mixed ? 4 * offloaded : 0;
-      b.optimizer_states -= 8 * offloaded;
-      const int64_t slots = std::max<int64_t>(1, std::min({oo.buffer_count / states,
-                                                           int64_t(1 + oo.pipeline_read + oo.pipeline_write),
-                                                           groups - cut}));
-      b.workspace += slots * states * ((std::min(sg, offloaded) * 4 + 4095) / 4096 * 4096);
-    }
-    const OffloadParamConfig& op = cfg.zero.offload_param;
-    if (b.stage == 3 && op.device == OffloadDevice::Cpu) b.offload_host += b.params;
-    if (b.stage == 3 && op.device == OffloadDevice::Nvme) {
-      b.offload_nvme += b.params;
-      b.workspace += ps * std::min(op.max_in_cpu, part.part);
-      b.params = 0;
-    }
-  }
   // Communication: reduce-scatter staging (rank 0's part of the buckets in flight, in the
   // communication dtype), send buffers for buckets converted to that dtype, and the fp32
   // gradient windows (the units that are not blocks: embeddings, ln_f, the tied wte copy;
@@ -275,6 +245,10 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
         overlap ? (b.stage >= 2 ? 2 * largest_unit : psi) : std::min(cfg.zero.reduce_bucket_size, one_call);
     b.comm_reduce += cs * in_flight;
   }
+  // MPI's own temporary for a whole-bucket reduction at stages 0-1: (N-1)/N of the message
+  // (measured on gpt-small-cpu at np 2: the peak grows by half the gradient bytes; the per-unit
+  // reductions of stages 2-3 showed no such growth).
+  if (dp > 1 && b.stage <= 1) b.comm_reduce += cs * std::min(cfg.zero.reduce_bucket_size, psi) * (dp - 1) / dp;
   if (b.stage == 3) {
     // Gathered units: everything, when units are kept for reuse within the step (DeepSpeed's
     // defaults), else at most max_live_parameters plus the unit being fetched. Split by

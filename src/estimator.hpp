@@ -51,9 +51,6 @@ struct MemoryBudget {
   // Offload: of the model states above, the bytes in host memory (device cpu: on a CPU-only build
   // the same memory, so counted in the total), and the bytes in swap files instead (not counted).
   int64_t offload_host = 0, offload_nvme = 0;
-  // Offload: of the model states above, the bytes in host memory (device cpu: on a CPU-only build
-  // the same memory, so counted in the total), and the bytes in swap files instead (not counted).
-  int64_t offload_host = 0, offload_nvme = 0;
   int64_t comm_reduce = 0;    // gradient buckets, reduce-scatter staging and fp32 gradient windows
   int64_t comm_gather = 0;    // stage 3: the unit being gathered for use (the largest)
   int64_t comm_prefetch = 0;  // stage 3: units gathered ahead along the fetch trace (prefetch_bucket_size)
