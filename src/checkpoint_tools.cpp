@@ -436,7 +436,7 @@ ConvertResult convert_checkpoint(const std::string& path, const std::string& tag
     } catch (const nlohmann::json::exception&) {
     }
     if (!existing.is_object() || !existing.contains("model_type"))
-      throw InputError(config_path.string() + ": exists and is not a Hugging Face config (no \"model_type\"); "
+      throw InputError(echo(config_path.string(), 200) + ": exists and is not a Hugging Face config (no \"model_type\"); "
                        "convert writes config.json beside the weights: choose another directory");
   }
   CheckpointReader reader = CheckpointReader::open(resolve_tag_dir(path, tag), "");
@@ -457,8 +457,9 @@ ConvertResult convert_checkpoint(const std::string& path, const std::string& tag
   const std::string ext = out_path.extension().string();
   const std::string stem = filename.substr(0, filename.size() - ext.size());
   const std::string index_name = filename + ".index.json";
+  ec.clear();
   if (!dir.empty()) fs::create_directories(dir, ec);
-  if (ec) throw InputError(dir.string() + ": cannot create the output directory (" + ec.message() + ")");
+  if (ec) throw InputError(echo(dir.string(), 200) + ": cannot create the output directory (" + ec.message() + ")");
   for (size_t k = 0; k < files.size(); ++k) {
     char name[64];
     std::snprintf(name, sizeof(name), "-%05zu-of-%05zu", k + 1, files.size());
