@@ -187,10 +187,10 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   const int64_t ps = static_cast<int64_t>(dtype_size(pc.param)), gs = static_cast<int64_t>(dtype_size(pc.grad_accum)),
                 cs = static_cast<int64_t>(dtype_size(pc.comm));
   const bool mixed = pc.param != DType::F32;
-  const int64_t full = b.stage == 0 ? psi : part.padded;
-  b.params = ps * (b.stage == 3 ? part.part : full);
-  b.grads = gs * (b.stage >= 2 ? part.part : full);
-  const int64_t state_elems = b.stage == 0 ? psi : part.part;
+  const ZeroStateElems elems = zero_state_elems(b.stage, psi, part);  // what ZeroOptimizer allocates
+  b.params = ps * elems.params;
+  b.grads = gs * elems.grads;
+  const int64_t state_elems = elems.state;
   b.master = mixed ? 4 * state_elems : 0;  // fp32 parameters are their own master copy
   const int moments = cfg.optimizer.type == OptimizerType::SGD ? (cfg.optimizer.momentum != 0.0 ? 1 : 0) : 2;
   b.optimizer_states = 4 * moments * state_elems;

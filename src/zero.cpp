@@ -37,9 +37,9 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
       rank_(dp.rank()), world_(dp.size()), stage_(zero.stage),
       part_(partition_numel < 0 ? layout.total() : partition_numel, dp.size()) {
   ordered_backward_ = ordered_backward;
-  const int64_t full = stage_ == 0 ? layout.total() : part_.padded;
+  const ZeroStateElems elems = zero_state_elems(stage_, layout.total(), part_);
   const bool params_on_nvme = stage_ == 3 && zero.offload_param.device == OffloadDevice::Nvme;
-  params_ = TypedBuffer("params", types_.param, params_on_nvme ? 0 : stage_ == 3 ? part_.part : full);
+  params_ = TypedBuffer("params", types_.param, params_on_nvme ? 0 : elems.params);
   if (params_on_nvme) {
     std::vector<std::pair<int64_t, int64_t>> slices;
     const int64_t pb = part_.begin(rank_);
@@ -53,9 +53,9 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
         zero.offload_param.nvme_path + "/zero_stage_3/" + dtype + "params/rank" +
             std::to_string(global_rank < 0 ? rank_ : global_rank));
   }
-  grads_ = TypedBuffer("grads", types_.grad, stage_ >= 2 ? part_.part : full);
+  grads_ = TypedBuffer("grads", types_.grad, elems.grads);
   const bool offload = zero.offload_optimizer.device != OffloadDevice::None && stage_ >= 1;
-  if (mixed_ && !offload) master_ = make_flat_buffer("master_params", stage_ == 0 ? layout.total() : part_.part);
+  if (mixed_ && !offload) master_ = make_flat_buffer("master_params", elems.state);
   if (stage_ == 0) {
     optimizer_ = std::make_unique<Optimizer>(opt, layout_);
     reducer_ = std::make_unique<GradientReducer>(dp_, grads_.data(), types_.grad, layout.total(),

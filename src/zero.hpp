@@ -42,6 +42,18 @@
 
 namespace zero3d {
 
+// Elements of the model-state buffers a ZeRO stage allocates (the table above) for `numel` local
+// parameters split as `part`: ZeroOptimizer's constructor allocates these and the memory planner
+// (estimator.cpp) counts them, so the plan cannot drift from the allocation.
+struct ZeroStateElems {
+  int64_t params = 0, grads = 0;
+  int64_t state = 0;  // the fp32 master copy (mixed precision) and each optimizer moment
+};
+inline ZeroStateElems zero_state_elems(int stage, int64_t numel, const Partition& part) {
+  const int64_t full = stage == 0 ? numel : part.padded;  // stages 1-2 pad the full buffers to 2·W
+  return {stage == 3 ? part.part : full, stage >= 2 ? part.part : full, stage == 0 ? numel : part.part};
+}
+
 // Bytes held by this rank, by category (what metrics.jsonl reports as "memory").
 // params..optimizer_states are bytes in memory; with offload, `host` says how many of them the
 // engine placed in host memory (on a CPU-only build the same memory as the device's) and
