@@ -118,19 +118,25 @@ int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {
   return kExitOk;
 }
 
+// Ranks sharing this machine's memory (MPI_COMM_TYPE_SHARED).
+int ranks_on_this_node(MPI_Comm world) {
+  int rank = 0, ranks_here = 1;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm node = MPI_COMM_NULL;
+  if (MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+    MPI_Comm_size(node, &ranks_here);
+    MPI_Comm_free(&node);
+  }
+  return ranks_here;
+}
+
 int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm world) {
   int size = 1, rank = 0;
   MPI_Comm_size(world, &size);
   MPI_Comm_rank(world, &rank);
   std::string name, out;
   Config cfg;
-  // Ranks sharing this machine's memory, for the start-up memory check.
-  MPI_Comm node = MPI_COMM_NULL;
-  int ranks_here = 1;
-  if (MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
-    MPI_Comm_size(node, &ranks_here);
-    MPI_Comm_free(&node);
-  }
+  const int ranks_here = ranks_on_this_node(world);  // for the start-up memory check
   const AvailableMemory avail = available_memory();
   std::unique_ptr<OutputDirLock> lock;
   run_collectively(world, [&] {
@@ -280,12 +286,7 @@ int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::stri
   int size = 1, rank = 0;
   MPI_Comm_size(world, &size);
   MPI_Comm_rank(world, &rank);
-  MPI_Comm node = MPI_COMM_NULL;
-  int ranks_here = 1;
-  if (MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
-    MPI_Comm_size(node, &ranks_here);
-    MPI_Comm_free(&node);
-  }
+  const int ranks_here = ranks_on_this_node(world);
   const AvailableMemory avail = available_memory();
   std::string name;
   Config cfg;
