@@ -12,6 +12,7 @@
 
 #include "common.hpp"
 #include "fastmath.hpp"
+#include "profiler.hpp"
 
 namespace zero3d::kernels {
 
@@ -38,6 +39,7 @@ inline void causal_softmax_rows(float* s, Index r0, Index r1, Index cols, Index 
 inline void attention_forward(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
   const Index hs = C / H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  obs::add_macs(2.0 * B * T * T * C);  // q·kᵀ and p·v, counted densely as the FLOPs formula does
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h) {
       const float* q = qkv + b * T * C3 + h * hs;
@@ -62,6 +64,7 @@ inline void attention_backward(float* dqkv, float* scratch, const float* dout, c
                                Index B, Index T, Index C, Index H) {
   const Index hs = C / H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  obs::add_macs(4.0 * B * T * T * C);  // dp, dv, dq, dk: twice the forward's products
   // dk and dv accumulate over row blocks: start from zero.
   Kokkos::parallel_for("zero_dkv", range(B * T), KOKKOS_LAMBDA(Index bt) {
     float* d = dqkv + bt * C3 + C;

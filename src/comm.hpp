@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "comms_logger.hpp"
 #include "dtype.hpp"
 #include "watchdog.hpp"
 
@@ -64,13 +65,25 @@ class Communicator {
   // reduce_scatter and all_gather (W-1)/W of the whole buffer, broadcast/send n.
   int64_t bus_bytes() const { return bus_bytes_; }
   void reset_bus_bytes() { bus_bytes_ = 0; }
+  // The same count since construction, never reset (what the comms logger's table must add up to).
+  int64_t total_bus_bytes() const { return total_bus_bytes_; }
+
+  // Per-operation records for the comms logger, the breakdown's blocked time and the trace;
+  // null (nothing measured) until observe() names the group.
+  void observe(const std::string& axis, const std::string& trace_prefix) {
+    if (!log_) log_ = std::make_unique<CommsLog>(axis, trace_prefix, size(), rank(), total_bus_bytes_);
+  }
+  CommsLog* log() const { return log_.get(); }
 
  protected:
   void count_bus_bytes(double factor, int64_t elements, DType type) {
-    bus_bytes_ += static_cast<int64_t>(factor * static_cast<double>(elements) * static_cast<double>(dtype_size(type)));
+    const auto b = static_cast<int64_t>(factor * static_cast<double>(elements) * static_cast<double>(dtype_size(type)));
+    bus_bytes_ += b;
+    total_bus_bytes_ += b;
   }
   double ring_factor() const { return size() > 1 ? double(size() - 1) / size() : 0.0; }
-  int64_t bus_bytes_ = 0;
+  int64_t bus_bytes_ = 0, total_bus_bytes_ = 0;
+  std::unique_ptr<CommsLog> log_;
 };
 
 // MPI over one communicator (MPI-4 large-count calls, so counts beyond 2^31 work).

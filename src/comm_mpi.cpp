@@ -1,9 +1,12 @@
 // comm_mpi.cpp — MpiCommunicator: every call checked, every blocking call watched.
+#include <chrono>
+#include <optional>
 #include <string>
 
 #include "base.hpp"
 #include "comm.hpp"
 #include "half.hpp"
+#include "trace.hpp"
 
 namespace zero3d {
 
@@ -59,26 +62,75 @@ void check(int rc, const char* what) {
   throw SystemError(std::string("MPI ") + what + " failed: " + std::string(msg, len));
 }
 
-class MpiRequest : public CommRequest {
+using Clock = std::chrono::steady_clock;
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// What the comms log learns of one operation: null log = nobody asked, nothing measured.
+struct Observed {
+  CommsLog* log = nullptr;
+  CommOp op = CommOp::AllReduce;
+  int64_t bytes = 0;
+  Clock::time_point posted;
+};
+Observed observe_op(CommsLog* log, CommOp op, int64_t elements, DType type) {
+  if (!log || !log->observed()) return {};
+  return {log, op, elements * static_cast<int64_t>(dtype_size(type)), Clock::now()};
+}
+
+// A blocking call: its whole duration is latency and blocked time; a trace region when traced.
+class BlockingCall {
  public:
-  MpiRequest(MPI_Request r, Watchdog* w, const char* what = "all_reduce(wait)") : req_(r), watchdog_(w), what_(what) {}
-  ~MpiRequest() override {
-    if (req_ != MPI_REQUEST_NULL) MPI_Wait(&req_, MPI_STATUS_IGNORE);
+  BlockingCall(CommsLog* log, CommOp op, int64_t elements, DType type) : o_(observe_op(log, op, elements, type)) {
+    if (o_.log && obs::g_hooks.trace) trace_.emplace(o_.log->trace_prefix() + "/" + comm_op_name(op));
   }
-  bool test() override {
-    int done = 0;
-    check(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), "Test");
-    return done != 0;
-  }
-  void wait() override {
-    Watchdog::Scope watch(watchdog_, what_);
-    check(MPI_Wait(&req_, MPI_STATUS_IGNORE), "Wait");
+  ~BlockingCall() {
+    if (!o_.log) return;
+    const double ms = ms_between(o_.posted, Clock::now());
+    o_.log->record(o_.op, o_.bytes, ms, ms);
   }
 
  private:
+  Observed o_;
+  std::optional<obs::TraceScope> trace_;
+};
+
+class MpiRequest : public CommRequest {
+ public:
+  MpiRequest(MPI_Request r, Watchdog* w, const char* what = "all_reduce(wait)", Observed o = {})
+      : req_(r), watchdog_(w), what_(what), o_(o) {}
+  ~MpiRequest() override {
+    if (req_ != MPI_REQUEST_NULL) MPI_Wait(&req_, MPI_STATUS_IGNORE);
+    done(0.0);
+  }
+  bool test() override {
+    int flag = 0;
+    check(MPI_Test(&req_, &flag, MPI_STATUS_IGNORE), "Test");
+    if (flag) done(0.0);
+    return flag != 0;
+  }
+  void wait() override {
+    Watchdog::Scope watch(watchdog_, what_);
+    if (!o_.log) return check(MPI_Wait(&req_, MPI_STATUS_IGNORE), "Wait");
+    std::optional<obs::TraceScope> trace;
+    if (obs::g_hooks.trace) trace.emplace(o_.log->trace_prefix() + "/" + comm_op_name(o_.op));
+    const Clock::time_point t0 = Clock::now();
+    check(MPI_Wait(&req_, MPI_STATUS_IGNORE), "Wait");
+    done(ms_between(t0, Clock::now()));
+  }
+
+ private:
+  // Completion, seen once: latency from posting, and the time blocked waiting for it.
+  void done(double blocked_ms) {
+    if (!o_.log) return;
+    o_.log->record(o_.op, o_.bytes, ms_between(o_.posted, Clock::now()), blocked_ms);
+    o_.log = nullptr;
+  }
   MPI_Request req_;
   Watchdog* watchdog_;
   const char* what_;
+  Observed o_;
 };
 }  // namespace
 
@@ -89,6 +141,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, Watchdog* watchdog) : comm_(comm
 
 void MpiCommunicator::all_reduce(void* buf, int64_t count, DType type, ReduceOp op) {
   count_bus_bytes(2.0 * ring_factor(), count, type);
+  const BlockingCall observed(log_.get(), CommOp::AllReduce, count, type);
   Watchdog::Scope watch(watchdog_, "all_reduce");
   check(MPI_Allreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op, type), comm_), "Allreduce");
 }
@@ -96,18 +149,21 @@ void MpiCommunicator::all_reduce(void* buf, int64_t count, DType type, ReduceOp 
 std::unique_ptr<CommRequest> MpiCommunicator::all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) {
   count_bus_bytes(2.0 * ring_factor(), count, type);
   MPI_Request req;
+  const Observed o = observe_op(log_.get(), CommOp::AllReduce, count, type);
   check(MPI_Iallreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op, type), comm_, &req), "Iallreduce");
-  return std::make_unique<MpiRequest>(req, watchdog_);
+  return std::make_unique<MpiRequest>(req, watchdog_, "all_reduce(wait)", o);
 }
 
 void MpiCommunicator::reduce_scatter(const void* send, void* recv, int64_t recv_count, DType type, ReduceOp op) {
   count_bus_bytes(ring_factor(), recv_count * size_, type);
+  const BlockingCall observed(log_.get(), CommOp::ReduceScatter, recv_count * size_, type);
   Watchdog::Scope watch(watchdog_, "reduce_scatter");
   check(MPI_Reduce_scatter_block_c(send, recv, recv_count, mpi_type(type), mpi_op(op, type), comm_), "Reduce_scatter_block");
 }
 
 void MpiCommunicator::all_gather(const void* send, void* recv, int64_t send_count, DType type) {
   count_bus_bytes(ring_factor(), send_count * size_, type);
+  const BlockingCall observed(log_.get(), CommOp::AllGather, send_count * size_, type);
   Watchdog::Scope watch(watchdog_, "all_gather");
   check(MPI_Allgather_c(send, send_count, mpi_type(type), recv, send_count, mpi_type(type), comm_), "Allgather");
 }
@@ -121,10 +177,11 @@ std::unique_ptr<CommRequest> MpiCommunicator::reduce_scatter_v_async(const void*
   count_bus_bytes(ring_factor(), total, type);
   static float empty;  // a valid address for an empty block
   MPI_Request req;
+  const Observed o = observe_op(log_.get(), CommOp::ReduceScatter, total, type);
   check(MPI_Ireduce_scatter_c(send, counts[rank_] > 0 ? recv : &empty, c.data(), mpi_type(type), mpi_op(op, type), comm_,
                               &req),
         "Ireduce_scatter");
-  return std::make_unique<MpiRequest>(req, watchdog_);
+  return std::make_unique<MpiRequest>(req, watchdog_, "reduce_scatter(wait)", o);
 }
 
 std::unique_ptr<CommRequest> MpiCommunicator::all_gather_v_async(void* buf, const std::vector<int64_t>& counts,
@@ -135,13 +192,15 @@ std::unique_ptr<CommRequest> MpiCommunicator::all_gather_v_async(void* buf, cons
   for (int64_t n : counts) total += n;
   count_bus_bytes(ring_factor(), total, type);
   MPI_Request req;
+  const Observed o = observe_op(log_.get(), CommOp::AllGather, total, type);
   check(MPI_Iallgatherv_c(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, c.data(), d.data(), mpi_type(type), comm_, &req),
         "Iallgatherv");
-  return std::make_unique<MpiRequest>(req, watchdog_);
+  return std::make_unique<MpiRequest>(req, watchdog_, "all_gather(wait)", o);
 }
 
 void MpiCommunicator::broadcast(void* buf, int64_t count, DType type, int root) {
   count_bus_bytes(1.0, count, type);
+  const BlockingCall observed(log_.get(), CommOp::Broadcast, count, type);
   Watchdog::Scope watch(watchdog_, "broadcast");
   check(MPI_Bcast_c(buf, count, mpi_type(type), root, comm_), "Bcast");
 }
@@ -149,28 +208,33 @@ void MpiCommunicator::broadcast(void* buf, int64_t count, DType type, int root) 
 std::unique_ptr<CommRequest> MpiCommunicator::isend(const void* buf, int64_t count, DType type, int peer, int tag) {
   count_bus_bytes(1.0, count, type);
   MPI_Request req;
+  const Observed o = observe_op(log_.get(), CommOp::Send, count, type);
   check(MPI_Isend_c(buf, count, mpi_type(type), peer, tag, comm_, &req), "Isend");
-  return std::make_unique<MpiRequest>(req, watchdog_, "send(wait)");
+  return std::make_unique<MpiRequest>(req, watchdog_, "send(wait)", o);
 }
 
 std::unique_ptr<CommRequest> MpiCommunicator::irecv(void* buf, int64_t count, DType type, int peer, int tag) {
   MPI_Request req;
+  const Observed o = observe_op(log_.get(), CommOp::Recv, count, type);
   check(MPI_Irecv_c(buf, count, mpi_type(type), peer, tag, comm_, &req), "Irecv");
-  return std::make_unique<MpiRequest>(req, watchdog_, "recv(wait)");
+  return std::make_unique<MpiRequest>(req, watchdog_, "recv(wait)", o);
 }
 
 void MpiCommunicator::send(const void* buf, int64_t count, DType type, int peer, int tag) {
   count_bus_bytes(1.0, count, type);
+  const BlockingCall observed(log_.get(), CommOp::Send, count, type);
   Watchdog::Scope watch(watchdog_, "send");
   check(MPI_Send_c(buf, count, mpi_type(type), peer, tag, comm_), "Send");
 }
 
 void MpiCommunicator::recv(void* buf, int64_t count, DType type, int peer, int tag) {
+  const BlockingCall observed(log_.get(), CommOp::Recv, count, type);
   Watchdog::Scope watch(watchdog_, "recv");
   check(MPI_Recv_c(buf, count, mpi_type(type), peer, tag, comm_, MPI_STATUS_IGNORE), "Recv");
 }
 
 void MpiCommunicator::barrier() {
+  const BlockingCall observed(log_.get(), CommOp::Barrier, 0, DType::U8);
   Watchdog::Scope watch(watchdog_, "barrier");
   check(MPI_Barrier(comm_), "Barrier");
 }

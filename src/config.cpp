@@ -13,6 +13,7 @@
 
 #include "base.hpp"
 #include "config_section.hpp"
+#include "estimator.hpp"
 #include "input_file.hpp"
 #include "pipe_schedule.hpp"
 
@@ -39,12 +40,23 @@ std::optional<int64_t> checked_mul(int64_t a, int64_t b) {
 }
 
 // --- batch triad (DEEPSPEED-FACTS §1.2: config.py _set_batch_related_parameters) -----------
-BatchConfig derive_batch(Section& top, int64_t world_size) {
+// Hugging Face's TrainingArguments defaults, which its DeepSpeed integration writes where a
+// config says "auto" (transformers integrations/deepspeed.py trainer_config_process).
+constexpr int64_t kHfPerDeviceBatch = 8;        // per_device_train_batch_size
+constexpr double kHfLearningRate = 5e-5;        // learning_rate
+constexpr double kHfMaxGradNorm = 1.0;          // max_grad_norm
+constexpr double kHfAdamBeta1 = 0.9, kHfAdamBeta2 = 0.999, kHfAdamEpsilon = 1e-8, kHfWeightDecay = 0.0;
+
+// auto_micro: set when train_micro_batch_size_per_gpu is "auto" and nothing derives it; the
+// micro-batch is then HF's default until resolve_auto_micro_batch asks the memory planner.
+BatchConfig derive_batch(Section& top, int64_t world_size, bool& auto_micro) {
   if (world_size < 1) top.fail("train_batch_size", "world size " + std::to_string(world_size) + " is not positive");
   // "auto" (Hugging Face style) means: derive this one from the others.
+  std::vector<std::string> autos;
   auto read = [&](const char* key) -> std::optional<int64_t> {
     if (top.is_auto(key)) {
       top.mark_known(key);
+      autos.push_back(key);
       return std::nullopt;
     }
     const json* v = top.raw(key);
@@ -61,7 +73,14 @@ BatchConfig derive_batch(Section& top, int64_t world_size) {
   std::optional<int64_t> M = read("train_micro_batch_size_per_gpu");
   std::optional<int64_t> G = read("gradient_accumulation_steps");
   const int64_t W = world_size;
+  const bool m_auto = std::find(autos.begin(), autos.end(), "train_micro_batch_size_per_gpu") != autos.end();
   std::ostringstream how;
+  if (!T && !M && m_auto) {
+    // Nothing fixes the micro-batch: HF would take per_device_train_batch_size (default 8);
+    // zero3d takes at most that, as much as the memory planner says fits (resolved at the end).
+    M = kHfPerDeviceBatch;
+    auto_micro = true;
+  }
   if (T && M && G) {
     how << "all three given";
   } else if (T && M) {
@@ -118,10 +137,62 @@ BatchConfig derive_batch(Section& top, int64_t world_size) {
   out << "train_batch_size " << *T << " = micro_batch " << *M << " x gradient_accumulation_steps " << *G
       << " x data-parallel size " << W << " (" << how.str() << ")";
   b.derivation = out.str();
+  for (const std::string& key : autos) {
+    if (key == "train_micro_batch_size_per_gpu" && auto_micro) continue;  // noted when the planner has spoken
+    const int64_t v = key == "train_batch_size" ? *T : key == "gradient_accumulation_steps" ? *G : *M;
+    top.note("auto    " + key + " = " + std::to_string(v) + " (derived from the other batch keys: " + how.str() + ")");
+  }
   return b;
 }
 
+// "auto" micro-batch with nothing to derive it from: the largest that the memory planner says
+// fits this machine's available memory shared by `world_size` ranks, at most HF's default of 8.
+void resolve_auto_micro_batch(Config& c, int64_t world_size, ReadContext& ctx) {
+  const AvailableMemory avail = available_memory();
+  int64_t micro = kHfPerDeviceBatch;
+  std::string why = "Hugging Face's per_device_train_batch_size default; available memory unknown";
+  if (avail.bytes > 0) {
+    const int64_t per_rank = avail.bytes / std::max<int64_t>(1, world_size);
+    const int64_t fits = largest_fitting_micro_batch(c, world_size, c.zero.stage, per_rank);
+    micro = std::max<int64_t>(1, std::min(kHfPerDeviceBatch, fits));
+    why = "the memory planner fits " + std::to_string(fits) + " per rank in " + human_bytes(double(per_rank)) +
+          " (" + avail.source + " / " + std::to_string(world_size) + " ranks); at most Hugging Face's "
+          "per_device_train_batch_size default of " + std::to_string(kHfPerDeviceBatch);
+  }
+  BatchConfig& b = c.batch;
+  b.micro_batch = micro;
+  b.train_batch_size = micro * b.gradient_accumulation_steps * b.world_size;
+  std::ostringstream out;
+  out << "train_batch_size " << b.train_batch_size << " = micro_batch " << micro << " x gradient_accumulation_steps "
+      << b.gradient_accumulation_steps << " x data-parallel size " << b.world_size << " (micro-batch \"auto\")";
+  b.derivation = out.str();
+  ctx.notes.push_back("auto    train_micro_batch_size_per_gpu = " + std::to_string(micro) + " (" + why + ")");
+}
+
+double read_gradient_clipping(Section& top) {
+  const double v = top.number_or_auto("gradient_clipping", 1.0, kHfMaxGradNorm, 0.0, 1e30);
+  if (top.is_auto("gradient_clipping"))
+    top.note("auto    gradient_clipping = 1 (Hugging Face's max_grad_norm default)");
+  return v;
+}
+
 // --- optimizer (DEEPSPEED-FACTS §1.5) ---------------------------------------------------------
+// "auto" optimizer params as Hugging Face fills them from TrainingArguments (learning_rate,
+// adam_beta1/2, adam_epsilon, weight_decay at their defaults): resolved, recorded and noted;
+// the readers after this see the numbers in the resolved config.
+void read_hf_auto_params(Section& p) {
+  auto take = [&](const char* key, const json& value, const char* hf_name) {
+    if (!p.is_auto(key)) return;
+    p.substitute(key, value);
+    p.note(std::string("auto    ") + p.key_path(key) + " = " + value.dump() + " (Hugging Face's " + hf_name +
+           " default)");
+  };
+  take("lr", kHfLearningRate, "learning_rate");
+  take("betas", json::array({kHfAdamBeta1, kHfAdamBeta2}), "adam_beta1/adam_beta2");
+  take("eps", kHfAdamEpsilon, "adam_epsilon");
+  take("weight_decay", kHfWeightDecay, "weight_decay");
+}
+
 OptimizerConfig read_optimizer(Section& top) {
   OptimizerConfig o;
   Section sec = top.child("optimizer");
@@ -129,9 +200,12 @@ OptimizerConfig read_optimizer(Section& top) {
   const std::string t = lower(type);
   const std::vector<std::string> deepspeed_unsupported = {"onebitadam", "zerooneadam", "onebitlamb", "adagrad",
                                                           "lion", "muadam", "muadamw", "musgd", "muon"};
-  if (t == "adam" || t == "adamw") {
+  // DeepSpeed's implementation names of the same update (ops/adam, ops/lamb): fused CUDA
+  // kernels and the CPU kernel compute what Adam and Lamb compute.
+  const bool adam_alias = t == "fusedadam" || t == "cpuadam" || t == "deepspeedcpuadam";
+  if (t == "adam" || t == "adamw" || adam_alias) {
     o.type = OptimizerType::Adam;
-  } else if (t == "lamb") {
+  } else if (t == "lamb" || t == "fusedlamb") {
     o.type = OptimizerType::Lamb;
   } else if (type == "SGD") {  // a torch.optim name: case-sensitive, as DeepSpeed looks it up
     o.type = OptimizerType::SGD;
@@ -139,8 +213,11 @@ OptimizerConfig read_optimizer(Section& top) {
                  deepspeed_unsupported.end() ||
              type == "Adagrad" || type == "RMSprop" || type == "Adadelta" || type == "Adamax" ||
              type == "NAdam" || type == "RAdam" || type == "ASGD" || type == "Rprop" || type == "LBFGS") {
+    const bool one_bit = t == "onebitadam" || t == "zerooneadam" || t == "onebitlamb";
     sec.fail_key("type", "DeepSpeed optimizer " + show(json(type)) + " is not supported by zero3d (supported: Adam, "
-                         "AdamW, Lamb, SGD)");
+                         "AdamW, Lamb, SGD and their FusedAdam/CPUAdam/FusedLamb names)" +
+                         (one_bit ? "; 1-bit compressed communication comes later: use Adam (or Lamb) meanwhile"
+                                  : ""));
   } else {
     std::string hint = nearest(type, {"Adam", "AdamW", "Lamb", "SGD"});
     sec.fail_key("type", show(json(type)) + " is not a supported optimizer (Adam, AdamW, Lamb, SGD)" +
@@ -149,10 +226,11 @@ OptimizerConfig read_optimizer(Section& top) {
   o.type_name = type;
   Section p = sec.child("params");
   if (p.has("max_grad_norm"))
-    p.fail_key("max_grad_norm", "is not allowed in optimizer params; use the top-level `gradient_clipping`");
+    p.report_key("max_grad_norm", "is not allowed in optimizer params; use the top-level `gradient_clipping`");
   const double inf = std::numeric_limits<double>::infinity();
   switch (o.type) {
     case OptimizerType::Adam: {
+      read_hf_auto_params(p);
       o.lr = p.number("lr", 1e-3, 0.0, inf);
       std::tie(o.beta1, o.beta2) = p.pair("betas", {0.9, 0.999});
       o.eps = p.number("eps", 1e-8, 0.0, inf);
@@ -162,11 +240,12 @@ OptimizerConfig read_optimizer(Section& top) {
       bool mode = p.boolean("adam_w_mode", true);
       o.adam_w_mode = (t == "adamw") || mode;
       p.boolean("torch_adam", false);  // torch's and DeepSpeed's Adam compute the same update
-      if (p.boolean("amsgrad", false)) p.fail_key("amsgrad", "amsgrad is not supported (DeepSpeed FusedAdam rejects it)");
+      if (p.boolean("amsgrad", false)) p.report_key("amsgrad", "amsgrad is not supported (DeepSpeed FusedAdam rejects it)");
       p.finish();
       break;
     }
     case OptimizerType::Lamb: {
+      read_hf_auto_params(p);
       o.lr = p.number("lr", 1e-3, 0.0, inf);
       std::tie(o.beta1, o.beta2) = p.pair("betas", {0.9, 0.999});
       o.eps = p.number("eps", 1e-8, 0.0, inf);
@@ -176,7 +255,7 @@ OptimizerConfig read_optimizer(Section& top) {
       o.max_coeff = p.number("max_coeff", 10.0, 0.0, inf, true);
       o.min_coeff = p.number("min_coeff", 0.01, 0.0, inf);
       if (o.min_coeff > o.max_coeff)
-        p.fail_key("min_coeff", "must not exceed max_coeff (" + std::to_string(o.max_coeff) + ")");
+        p.report_key("min_coeff", "must not exceed max_coeff (" + std::to_string(o.max_coeff) + ")");
       p.finish();
       break;
     }
@@ -187,7 +266,7 @@ OptimizerConfig read_optimizer(Section& top) {
       o.weight_decay = p.number("weight_decay", 0.0, 0.0, inf);
       o.nesterov = p.boolean("nesterov", false);
       if (o.nesterov && (o.momentum <= 0.0 || o.dampening != 0.0))
-        p.fail_key("nesterov", "Nesterov momentum requires a momentum > 0 and zero dampening (as torch.optim.SGD)");
+        p.report_key("nesterov", "Nesterov momentum requires a momentum > 0 and zero dampening (as torch.optim.SGD)");
       p.accept_default_only("maximize", false);
       p.accept_default_only("foreach", nullptr);
       p.accept_default_only("differentiable", false);
@@ -219,17 +298,38 @@ SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t
                          "OneCycle, LRRangeTest)" + (hint.empty() ? "" : "; did you mean \"" + hint + "\"?"));
   }
   s.type_name = type;
+  sec.record("type", type);  // the resolved config must name its scheduler to be a config itself
   s.type = static_cast<SchedulerType>(1 + (it - names.begin()));
   Section p = sec.child("params");
   const double inf = std::numeric_limits<double>::infinity();
+  // "auto" as Hugging Face fills the scheduler (integrations/deepspeed.py): warmup_min_lr 0,
+  // warmup_max_lr the optimizer's lr, warmup_num_steps TrainingArguments.get_warmup_steps (0 at
+  // its defaults; DeepSpeed then warms up over max(2, 0) steps), total_num_steps the run's steps.
+  auto fill = [&](const char* key, const json& value, const std::string& from) {
+    if (!p.is_auto(key)) return;
+    p.substitute(key, value);
+    p.note("auto    " + p.key_path(key) + " = " + value.dump() + " (" + from + ")");
+  };
+  fill("warmup_min_lr", 0.0, "Hugging Face's value");
+  fill("warmup_max_lr", opt.lr, "the optimizer's lr, as Hugging Face fills it");
+  fill("warmup_num_steps", 0, "Hugging Face's warmup_steps/warmup_ratio default 0");
+  fill("total_num_steps", total_steps, "training.steps");
+  fill("cycle_max_lr", opt.lr, "the optimizer's lr");
   auto warmup = [&](double default_max) {
     s.warmup_min_lr = p.number("warmup_min_lr", 0.0, 0.0, inf);
-    s.warmup_max_lr = p.number_or_auto("warmup_max_lr", default_max, opt.lr, 0.0, inf);
-    s.warmup_num_steps = p.integer("warmup_num_steps", 1000, 1, kMaxInt * 1000LL);
+    s.warmup_max_lr = p.number("warmup_max_lr", default_max, 0.0, inf);
+    s.warmup_num_steps = p.integer("warmup_num_steps", 1000, 0, kMaxInt * 1000LL);
     s.warmup_log = p.choice("warmup_type", "log", {"log", "linear"}) == "log";
   };
   auto total = [&]() {
-    s.total_num_steps = p.integer_or_auto("total_num_steps", total_steps, total_steps, 1, kMaxInt * 1000LL);
+    s.total_num_steps = p.integer("total_num_steps", total_steps, 1, kMaxInt * 1000LL);
+  };
+  // DeepSpeed's WarmupDecayLR/WarmupCosineLR only warn when warmup outlasts the schedule.
+  auto warn_long_warmup = [&]() {
+    if (s.total_num_steps < s.warmup_num_steps)
+      p.note("warning " + p.key_path("total_num_steps") + " = " + std::to_string(s.total_num_steps) +
+             " is less than warmup_num_steps = " + std::to_string(s.warmup_num_steps) +
+             ": the schedule ends inside its warm-up (DeepSpeed warns likewise)");
   };
   switch (s.type) {
     case SchedulerType::WarmupLR:
@@ -238,21 +338,21 @@ SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t
     case SchedulerType::WarmupDecayLR:
       warmup(0.001);
       total();
-      if (s.total_num_steps < s.warmup_num_steps)
-        p.fail_key("total_num_steps", "must be at least warmup_num_steps (" + std::to_string(s.warmup_num_steps) + ")");
+      warn_long_warmup();
       break;
     case SchedulerType::WarmupCosineLR:
       total();
       s.warmup_min_ratio = p.number("warmup_min_ratio", 0.0, 0.0, 1.0);
-      s.warmup_num_steps = p.integer("warmup_num_steps", 1000, 1, kMaxInt * 1000LL);
+      s.warmup_num_steps = p.integer("warmup_num_steps", 1000, 0, kMaxInt * 1000LL);
       s.cos_min_ratio = p.number("cos_min_ratio", 1e-4, 0.0, 1.0);
       s.warmup_log = p.choice("warmup_type", "log", {"log", "linear"}) == "log";
+      warn_long_warmup();
       break;
     case SchedulerType::OneCycle: {
       if (!p.has("cycle_min_lr") || !p.has("cycle_max_lr"))
         p.fail_key(p.has("cycle_min_lr") ? "cycle_max_lr" : "cycle_min_lr", "is required by OneCycle");
       s.cycle_min_lr = p.number("cycle_min_lr", 0.0, 0.0, inf);
-      s.cycle_max_lr = p.number_or_auto("cycle_max_lr", opt.lr, opt.lr, 0.0, inf);
+      s.cycle_max_lr = p.number("cycle_max_lr", opt.lr, 0.0, inf);
       s.decay_lr_rate = p.number("decay_lr_rate", 0.0, 0.0, inf);
       s.cycle_first_step_size = p.integer("cycle_first_step_size", 2000, 1, kMaxInt * 1000LL);
       s.cycle_second_step_size = p.integer("cycle_second_step_size", s.cycle_first_step_size, 0, kMaxInt * 1000LL);
@@ -289,7 +389,7 @@ ModelConfig read_model(Section& top) {
   m.n_head = sec.integer("n_head", 2, 1, 4096);
   m.n_embd = sec.integer("n_embd", 64, 1, 1 << 20);
   if (m.n_embd % m.n_head != 0)
-    sec.fail_key("n_embd", "value " + std::to_string(m.n_embd) + " is not divisible by n_head (" +
+    sec.report_key("n_embd", "value " + std::to_string(m.n_embd) + " is not divisible by n_head (" +
                                std::to_string(m.n_head) + ")");
   m.init_from = sec.path("init_from", "");
   sec.finish({"n_ctx", "activation_function", "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon",
@@ -305,9 +405,9 @@ DataSourceConfig read_data_source(Section& top, Section& sec, const ModelConfig&
   d.path = sec.path("path", "");
   d.shuffle = sec.boolean("shuffle", false);
   if (d.source != DataSource::Synthetic && d.path.empty())
-    sec.fail_key("path", "is required when " + sec.key_path("source") + " is \"" + src + "\"");
+    sec.report_key("path", "is required when " + sec.key_path("source") + " is \"" + src + "\"");
   if (d.source == DataSource::Text && model.vocab_size < 256)
-    top.fail("model.vocab_size", "byte-level text needs vocab_size >= 256, got " + std::to_string(model.vocab_size));
+    top.report("model.vocab_size", "byte-level text needs vocab_size >= 256, got " + std::to_string(model.vocab_size));
   return d;
 }
 
@@ -350,7 +450,7 @@ TrainingConfig read_training(Section& top, const DataConfig& data) {
   t.eval_interval = sec.integer("eval_interval", 0, 0, kMaxInt * 1000LL);
   t.eval_steps = sec.integer("eval_steps", 10, 1, kMaxInt);
   if (t.eval_interval > 0 && !data.validation)
-    sec.fail_key("eval_interval", "value " + std::to_string(t.eval_interval) +
+    sec.report_key("eval_interval", "value " + std::to_string(t.eval_interval) +
                                       " evaluates on validation data, but `data.validation` is not given");
   sec.finish();
   return t;
@@ -359,13 +459,12 @@ TrainingConfig read_training(Section& top, const DataConfig& data) {
 // zero_optimization keys of DEEPSPEED-FACTS §5.1 whose features zero3d does not have (or
 // always has, like contiguous buffers): accepted at DeepSpeed's default, rejected otherwise.
 const std::vector<std::pair<const char*, nlohmann::json>> kZeroDefaultOnlyKeys = {
-    {"contiguous_gradients", true}, {"reduce_scatter", true}, {"use_multi_rank_bucket_allreduce", true},
+    {"reduce_scatter", true},
     {"allgather_partitions", true}, {"load_from_fp32_weights", true}, {"elastic_checkpoint", false},
-    {"gather_16bit_weights_on_model_save", false}, {"stage3_gather_16bit_weights_on_model_save", false},
-    {"stage3_gather_fp16_weights_on_model_save", false}, {"module_granularity_threshold", 0},
+    {"module_granularity_threshold", 0},
     {"stage3_module_granularity_threshold", 0}, {"use_all_reduce_for_fetch_params", false},
     {"stage3_use_all_reduce_for_fetch_params", false}, {"allgather_sequential", false},
-    {"stage3_allgather_sequential", false}, {"ignore_unused_parameters", true}, {"round_robin_gradients", false},
+    {"stage3_allgather_sequential", false}, {"ignore_unused_parameters", true},
     {"zero_hpz_partition_size", 1}, {"zero_quantized_weights", false}, {"zero_quantized_nontrainable_weights", false},
     {"zero_quantized_gradients", false}, {"zeropp_loco_param", nullptr}, {"mics_shard_size", -1},
     {"mics_hierarchical_params_gather", false}, {"memory_efficient_linear", true},
@@ -392,7 +491,7 @@ PipelineConfig read_pipeline(Section& top, int& checkpoint_interval) {
     p.type_regex = part.substr(5);
     p.partition_name = part;
   } else {
-    sec.fail_key("partition", "value " + show(json(part)) +
+    sec.report_key("partition", "value " + show(json(part)) +
                                   " is not one of: parameters (\"best\"), uniform, type:<regex> (\"profile\" is "
                                   "not implemented by DeepSpeed either)");
   }
@@ -403,7 +502,7 @@ PipelineConfig read_pipeline(Section& top, int& checkpoint_interval) {
                : sched == "interleaved" ? pipe::ScheduleKind::Interleaved : pipe::ScheduleKind::ZeroBubbleH1;
   p.virtual_stages = static_cast<int>(sec.integer("virtual_stages", 1, 1, 1 << 16));
   if (p.virtual_stages > 1 && p.schedule != pipe::ScheduleKind::Interleaved)
-    sec.fail_key("virtual_stages", "virtual_stages " + std::to_string(p.virtual_stages) +
+    sec.report_key("virtual_stages", "virtual_stages " + std::to_string(p.virtual_stages) +
                                        " needs \"schedule\": \"interleaved\" (the schedule is " + sched + ")");
   // seed_layers: parameters are drawn from (seed, tensor name) whatever the layout, which is
   // what seed_layers buys in DeepSpeed; both values give the same model here.
@@ -432,7 +531,7 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
     Section tp = sec.child("tp");
     const int64_t tp_size = tp.integer("tp_size", 1, 1, 1 << 16);
     if (tp_size != 1 && tp_size != t.size)
-      tp.fail_key("tp_size", "value " + std::to_string(tp_size) + " differs from tensor_parallel.autotp_size (" +
+      tp.report_key("tp_size", "value " + std::to_string(tp_size) + " differs from tensor_parallel.autotp_size (" +
                                  std::to_string(t.size) + ")");
     tp.accept_default_only("tp_grain_size", 1);
     tp.finish();
@@ -444,16 +543,16 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
   sec.finish();
   if (t.size > 1) {
     if (m.n_head % t.size != 0)
-      sec.fail_key("autotp_size", "autotp_size " + std::to_string(t.size) + " does not divide model.n_head (" +
+      sec.report_key("autotp_size", "autotp_size " + std::to_string(t.size) + " does not divide model.n_head (" +
                                       std::to_string(m.n_head) + "): each rank must hold whole heads");
     if (m.n_embd % t.size != 0)
-      sec.fail_key("autotp_size", "autotp_size " + std::to_string(t.size) + " does not divide model.n_embd (" +
+      sec.report_key("autotp_size", "autotp_size " + std::to_string(t.size) + " does not divide model.n_embd (" +
                                       std::to_string(m.n_embd) + ")");
   }
   // Megatron disables sequence parallelism without tensor parallelism (with a warning); a
   // silently ignored key is what zero3d never does, so it is an error here.
   if (t.sequence_parallel && t.size == 1)
-    sec.fail_key("sequence_parallel", "sequence parallelism splits tokens over the tensor-parallel group: it needs "
+    sec.report_key("sequence_parallel", "sequence parallelism splits tokens over the tensor-parallel group: it needs "
                                       "tensor_parallel.autotp_size > 1");
   return t;
 }
@@ -467,14 +566,19 @@ OffloadDevice offload_device(Section& sec) {
 std::string offload_nvme_path(Section& sec, OffloadDevice device) {
   const std::string path = sec.path("nvme_path", "");
   if (device == OffloadDevice::Nvme && path.empty())
-    sec.fail_key("nvme_path", "device \"nvme\" needs an nvme_path (a directory on the drive that holds the swap files)");
+    sec.report_key("nvme_path", "device \"nvme\" needs an nvme_path (a directory on the drive that holds the swap files)");
   if (device != OffloadDevice::Nvme && !path.empty())
-    sec.fail_key("nvme_path", "is only used with \"device\": \"nvme\" (device is " +
+    sec.report_key("nvme_path", "is only used with \"device\": \"nvme\" (device is " +
                                   std::string(device == OffloadDevice::Cpu ? "cpu" : "none") + ")");
   return path;
 }
 
 void read_aio(Section& top, AioConfig& a);
+
+// Page-locked host memory only speeds copies between host and GPU memory.
+const std::string kPinMemoryNote = "no effect on this build: `";
+const std::string kPinMemoryWhy = "` (page-locked host memory speeds host-GPU copies; offloaded state here is used "
+                                  "where it lies, in host memory)";
 
 // zero_optimization.offload_optimizer / offload_param, their deprecated boolean forms,
 // sub_group_size and the top-level `aio` section (DEEPSPEED-FACTS-2 §3.1).
@@ -487,7 +591,7 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
   for (const auto& [old, key] : {std::pair<const char*, const char*>{"cpu_offload", "offload_optimizer"},
                                  {"cpu_offload_param", "offload_param"}})
     if (sec.has(old) && sec.has(key))
-      sec.fail_key(old, "cannot be given together with `zero_optimization." + std::string(key) + "` (deprecated alias)");
+      sec.report_key(old, "cannot be given together with `zero_optimization." + std::string(key) + "` (deprecated alias)");
   {
     Section off = sec.child("offload_optimizer");
     OffloadOptimizerConfig& o = z.offload_optimizer;
@@ -495,6 +599,7 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
     o.nvme_path = offload_nvme_path(off, o.device);
     o.buffer_count = off.integer("buffer_count", 4, 1, 1 << 20);
     o.pin_memory = off.boolean("pin_memory", old_opt ? old_pin : true);
+    if (off.has("pin_memory")) off.note(kPinMemoryNote + off.key_path("pin_memory") + kPinMemoryWhy);
     o.pipeline_read = off.boolean("pipeline_read", false);
     o.pipeline_write = off.boolean("pipeline_write", false);
     o.fast_init = off.boolean("fast_init", false);
@@ -513,18 +618,19 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
     p.buffer_size = off.integer("buffer_size", 100000000, 1, kMax);
     p.max_in_cpu = off.integer("max_in_cpu", 1000000000, 0, kMax);
     p.pin_memory = off.boolean("pin_memory", old_param ? old_pin : true);
+    if (off.has("pin_memory")) off.note(kPinMemoryNote + off.key_path("pin_memory") + kPinMemoryWhy);
     off.finish();
     if (old_param) off.record("device", "cpu");
   }
   z.sub_group_size = sec.integer("sub_group_size", 1000000000, 1, kMax);
   if (z.offload_optimizer.device != OffloadDevice::None && z.stage == 0)
-    sec.fail_key("offload_optimizer", "offloads the optimizer partition, which needs zero_optimization.stage 1, 2 or 3 "
+    sec.report_key("offload_optimizer", "offloads the optimizer partition, which needs zero_optimization.stage 1, 2 or 3 "
                                       "(stage is 0)");
   if (z.offload_param.device != OffloadDevice::None && z.stage != 3)
-    sec.fail_key("offload_param", "offloads the parameter partition, which only stage 3 has (stage is " +
+    sec.report_key("offload_param", "offloads the parameter partition, which only stage 3 has (stage is " +
                                       std::to_string(z.stage) + ")");
   if (z.offload_param.device == OffloadDevice::Nvme && z.offload_optimizer.device != OffloadDevice::Nvme)
-    sec.fail_key("offload_param", "device \"nvme\" needs offload_optimizer.device \"nvme\" too: the optimizer "
+    sec.report_key("offload_param", "device \"nvme\" needs offload_optimizer.device \"nvme\" too: the optimizer "
                                   "updates the parameter partition where it lies");
   read_aio(top, z.aio);
 }
@@ -534,18 +640,17 @@ void read_aio(Section& top, AioConfig& a) {
   Section aio = top.child("aio");
   a.block_size = aio.integer("block_size", 1048576, 4096, int64_t(1) << 30);
   if (a.block_size % 4096 != 0)
-    aio.fail_key("block_size", "value " + std::to_string(a.block_size) +
+    aio.report_key("block_size", "value " + std::to_string(a.block_size) +
                                    " is not a multiple of 4096 (direct I/O moves whole 4 KiB pages)");
   a.queue_depth = aio.integer("queue_depth", 8, 1, 4096);
   if (aio.has("intra_op_parallelism") && aio.has("thread_count"))
-    aio.fail_key("thread_count", "cannot be given together with `aio.intra_op_parallelism` (its new name)");
+    aio.report_key("thread_count", "cannot be given together with `aio.intra_op_parallelism` (its new name)");
   a.intra_op_parallelism = static_cast<int>(aio.has("thread_count") ? aio.integer("thread_count", 1, 1, 64)
                                                                       : aio.integer("intra_op_parallelism", 1, 1, 64));
   a.single_submit = aio.boolean("single_submit", false);
   a.overlap_events = aio.boolean("overlap_events", true);
-  if (aio.boolean("use_gds", false))
-    aio.fail_key("use_gds", "GPUDirect Storage (NVMe to GPU memory through cuFile) needs CUDA and libcufile; this "
-                            "build reads swap files into host memory");
+  aio.hardware_only("use_gds", false, "GPUDirect Storage moves NVMe data straight to GPU memory through cuFile; "
+                                      "this build reads swap files into host memory");
   aio.finish();
 }
 
@@ -580,7 +685,7 @@ ActivationCheckpointing read_activation_checkpointing(Section& top, const Config
   if (!a.enabled()) {
     for (const auto& [key, set] : options)
       if (set)
-        sec.fail_key(key, std::string("no block is checkpointed: set `") + interval_key +
+        sec.report_key(key, std::string("no block is checkpointed: set `") + interval_key +
                               "` (blocks per checkpoint) to 1 or more");
     return a;
   }
@@ -588,20 +693,20 @@ ActivationCheckpointing read_activation_checkpointing(Section& top, const Config
                              : a.cpu_checkpointing   ? "cpu_checkpointing"
                              : a.contiguous_memory_optimization ? "contiguous_memory_optimization" : nullptr;
   if (a.selective() && input_option)
-    sec.fail_key(input_option, "selective recompute saves no checkpoint inputs (each block keeps its activations but "
+    sec.report_key(input_option, "selective recompute saves no checkpoint inputs (each block keeps its activations but "
                                "the attention probabilities); use recompute_granularity \"full\"");
   if (a.contiguous_memory_optimization && !a.partition_activations)
-    sec.fail_key("contiguous_memory_optimization",
+    sec.report_key("contiguous_memory_optimization",
                  "the contiguous buffer holds partitioned inputs: it needs partition_activations true (as in DeepSpeed)");
   if (a.contiguous_memory_optimization && a.number_checkpoints == 0)
-    sec.fail_key("number_checkpoints", "contiguous_memory_optimization needs number_checkpoints (the buffer's slots)");
+    sec.report_key("number_checkpoints", "contiguous_memory_optimization needs number_checkpoints (the buffer's slots)");
   if (a.number_checkpoints > 0 && !a.contiguous_memory_optimization)
-    sec.fail_key("number_checkpoints", "sizes the contiguous buffer: it needs contiguous_memory_optimization true");
+    sec.report_key("number_checkpoints", "sizes the contiguous buffer: it needs contiguous_memory_optimization true");
   if (a.partition_activations && c.tensor.sequence_parallel)
-    sec.fail_key("partition_activations", "with tensor_parallel.sequence_parallel every tensor rank already holds "
+    sec.report_key("partition_activations", "with tensor_parallel.sequence_parallel every tensor rank already holds "
                                           "only its own tokens of a checkpoint input: there is no replica to split");
   if (a.full() && c.pipeline.schedule == pipe::ScheduleKind::ZeroBubbleH1)
-    top.fail(interval_key, "full recompute cannot serve the zb-h1 schedule: its weight-gradient pass reads each "
+    top.report(interval_key, "full recompute cannot serve the zb-h1 schedule: its weight-gradient pass reads each "
                            "block's activations after the input-gradient pass has released them; use "
                            "activation_checkpointing.recompute_granularity \"selective\" or schedule 1f1b");
   if (a.contiguous_memory_optimization) {
@@ -614,7 +719,7 @@ ActivationCheckpointing read_activation_checkpointing(Section& top, const Config
       most = std::max(most, (blocks + a.interval - 1) / a.interval);
     }
     if (a.number_checkpoints < most)
-      sec.fail_key("number_checkpoints", "value " + std::to_string(a.number_checkpoints) + " is less than the " +
+      sec.report_key("number_checkpoints", "value " + std::to_string(a.number_checkpoints) + " is less than the " +
                                              std::to_string(most) + " checkpoints one micro-batch's forward takes (" +
                                              std::to_string(c.model.n_layer) + " blocks" +
                                              (c.pipe_bounds.size() > 2 ? " over the pipeline's chunks" : "") +
@@ -632,17 +737,36 @@ void read_zero(Section& top, Config& c) {
   }
   Section sec = top.child("zero_optimization");
   const int64_t kMax = std::numeric_limits<int64_t>::max();
+  // "auto": the three sizes Hugging Face derives from the hidden size C (integrations/deepspeed.py
+  // trainer_config_finalize); any other key takes DeepSpeed's default, as its pydantic model does.
+  const int64_t C = c.model.n_embd;
+  auto from_hidden = [&](const std::vector<std::string>& keys, int64_t value, const std::string& rule) {
+    for (const std::string& key : keys)
+      if (sec.is_auto(key)) {
+        sec.substitute(key, value);
+        sec.note("auto    " + sec.key_path(key) + " = " + std::to_string(value) + " (" + rule + ", hidden size " +
+                 std::to_string(C) + ")");
+      }
+  };
+  from_hidden({"reduce_bucket_size"}, C * C, "C*C");
+  from_hidden({"stage3_prefetch_bucket_size", "prefetch_bucket_size"}, static_cast<int64_t>(0.9 * C * C), "0.9*C*C");
+  from_hidden({"stage3_param_persistence_threshold", "param_persistence_threshold"}, 10 * C, "10*C");
+  sec.auto_is_default("DeepSpeed's default: its config model drops \"auto\"");
   c.zero.stage = static_cast<int>(sec.integer("stage", 0, 0, 3));
-  c.zero.reduce_bucket_size = sec.integer("reduce_bucket_size", 500000000, 1, kMax);
+  // DeepSpeed allows 0 (ge=0) and flushes a bucket once it would exceed the size: 0 and 1 both
+  // mean one gradient per reduction.
+  c.zero.reduce_bucket_size = std::max<int64_t>(1, sec.integer("reduce_bucket_size", 500000000, 0, kMax));
   c.zero.allgather_bucket_size = sec.integer("allgather_bucket_size", 500000000, 2, kMax);
   if (c.zero.allgather_bucket_size % 2 != 0)
-    sec.fail_key("allgather_bucket_size", "must be a multiple of 2, got " + std::to_string(c.zero.allgather_bucket_size));
+    sec.report_key("allgather_bucket_size", "must be a multiple of 2, got " + std::to_string(c.zero.allgather_bucket_size));
   c.zero.overlap_comm = sec.boolean("overlap_comm", c.zero.stage == 3);  // DeepSpeed: None -> (stage == 3)
   // Stage-3 knobs, each also accepted under its deprecated stage3_ name (not both).
   auto aliased = [&](const std::string& key, int64_t def, int64_t lo) {
     const std::string old = "stage3_" + key;
-    if (sec.has(key) && sec.has(old))
-      sec.fail_key(old, "cannot be given together with `zero_optimization." + key + "` (deprecated alias)");
+    if (sec.has(key) && sec.has(old)) {
+      sec.report_key(old, "cannot be given together with `zero_optimization." + key + "` (deprecated alias)");
+      sec.mark_known(key);
+    }
     return sec.has(old) ? sec.integer(old, def, lo, kMax) : sec.integer(key, def, lo, kMax);
   };
   c.zero.prefetch_bucket_size = aliased("prefetch_bucket_size", 50000000, 0);
@@ -652,7 +776,20 @@ void read_zero(Section& top, Config& c) {
   c.zero.max_reuse_distance = aliased("max_reuse_distance", 1000000000, 0);
   read_offload(top, sec, c.zero);
   if (sec.boolean("legacy_stage1", false))
-    sec.fail_key("legacy_stage1", "legacy_stage1 was removed from DeepSpeed; remove the key");
+    sec.report_key("legacy_stage1", "legacy_stage1 was removed from DeepSpeed; remove the key");
+  // Keys whose only effect is on GPU memory or GPU-to-host copies: results are the same.
+  sec.hardware_only("contiguous_gradients", true,
+                    "copies gradients into a contiguous GPU buffer against allocator fragmentation; zero3d's "
+                    "gradients always live in one flat buffer");
+  sec.hardware_only("round_robin_gradients", false,
+                    "spreads the GPU-to-CPU gradient copies of offload over ranks; this build's gradients are "
+                    "in host memory already");
+  sec.hardware_only("use_multi_rank_bucket_allreduce", true, "an NCCL bucketing choice; same sums");
+  for (const char* key : {"gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+                          "stage3_gather_fp16_weights_on_model_save"})
+    sec.feature_missing(key, false, "consolidated 16-bit weights written at each save",
+                        "run `zero3d convert SAVE_DIR OUT.safetensors --dtype bf16` on a checkpoint to get them "
+                        "(or set it to false)");
   for (const auto& [key, deepspeed_default] : kZeroDefaultOnlyKeys) sec.accept_default_only(key, deepspeed_default);
   sec.finish();
 }
@@ -692,30 +829,87 @@ void check_offload(Section& top, const Config& c) {
                  (o.pipeline_write ? "on" : "off") + "): at least " + std::to_string(states * groups));
 }
 
-// DeepSpeed top-level keys zero3d does not implement: accepted at their defaults only.
+// DeepSpeed's other top-level keys, each of one of three kinds: implemented elsewhere in this
+// reader; meaningful only on hardware this build does not drive (accepted and noted); or a
+// feature zero3d does not have (an error naming it and what to use instead).
 void read_unsupported_top_level(Section& top) {
-  for (const char* sec : {"amp", "torch_autocast", "flops_profiler", "tensorboard",
-                          "csv_monitor", "wandb", "comet", "comms_logger", "elasticity", "autotuning", "compile",
-                          "hybrid_engine", "eigenvalue", "progressive_layer_drop", "sparse_attention",
-                          "curriculum_learning", "data_efficiency", "weight_quantization", "nebula"})
-    top.accept_disabled_section(sec);
-  top.accept_default_only("prescale_gradients", false);
-  top.accept_default_only("gradient_predivide_factor", 1.0);
-  top.accept_default_only("gradient_allreduce_op", "mean");
-  top.accept_default_only("sparse_gradients", false);
-  top.accept_default_only("memory_breakdown", false);
-  top.accept_default_only("dump_state", false);
-  top.accept_default_only("disable_allgather", false);
-  top.accept_default_only("managed_gradient_accumulation", true);
-  top.accept_default_only("zero_force_ds_cpu_optimizer", true);
-  top.accept_default_only("dataloader_drop_last", false);
-  top.accept_default_only("sequence_parallel_size", 1);
+  // Sections enabled by an "enabled" key (DeepSpeed reads each as a dict; FACTS §1.3).
+  const std::vector<std::pair<const char*, const char*>> missing_sections = {
+      {"amp", "NVIDIA Apex AMP: use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}"},
+      {"torch_autocast", "torch.autocast: use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}"},
+      {"elasticity", "elastic batch sizes: give train_batch_size and run on a fixed number of ranks"},
+      {"hybrid_engine", "the RLHF hybrid inference engine"},
+      {"eigenvalue", "eigenvalue computation"},
+      {"progressive_layer_drop", "progressive layer drop: every block is trained at every step"},
+      {"curriculum_learning", "curriculum learning: sequences are n_positions long throughout"},
+      {"data_efficiency", "data efficiency sampling/routing: data.shuffle picks windows at random"},
+      {"weight_quantization", "weight quantization"},
+      {"nebula", "Nebula checkpointing: use training.save_interval (HDF5 checkpoints)"},
+      {"autotuning", "autotuning (issue 16): `zero3d estimate --config --memory-per-rank` finds the micro-batch"},
+  };
+  for (const auto& [key, what] : missing_sections) {
+    top.mark_known(key);
+    if (!top.has(key)) continue;
+    const json& v = *top.raw(key);
+    const bool enabled = v.is_object() ? (v.contains("enabled") && v["enabled"] != false) : v != false && !v.is_null();
+    if (enabled) top.report_key(key, std::string("zero3d does not have ") + what + "; remove the section or set "
+                                     "\"enabled\": false");
+    else top.record(key, v);
+  }
+  // torch.compile compiles PyTorch modules for the GPU; zero3d's kernels are compiled C++.
+  top.no_effect("compile", "torch.compile has no PyTorch graph to compile here; zero3d's kernels are compiled C++");
+  // Sections without an "enabled" key: their presence turns the feature on in DeepSpeed.
+  top.feature_missing("sparse_attention", nullptr, "sparse attention",
+                      "remove the section: zero3d's attention is dense (causal)");
+  top.feature_missing("compression_training", nullptr, "compression training (quantization/pruning while training)",
+                      "remove the section");
+  top.feature_missing("quantize_training", nullptr, "quantization-aware training", "remove the section");
+  top.feature_missing("moe", nullptr, "mixture of experts (issue 15)", "remove the section");
+  top.feature_missing("prescale_gradients", false, "gradient prescaling before the all-reduce",
+                      "set it to false (the averaged gradients are the same up to rounding)");
+  top.feature_missing("gradient_predivide_factor", 1.0, "gradient pre-division before the all-reduce",
+                      "set it to 1.0 (the averaged gradients are the same up to rounding)");
+  top.feature_missing("gradient_allreduce_op", "mean", "a gradient all-reduce other than the mean", "use \"mean\"");
+  top.feature_missing("sparse_gradients", false, "sparse embedding gradients", "set it to false");
+  top.feature_missing("memory_breakdown", false, "memory printouts during training",
+                      "`zero3d estimate --config` prints the budget per rank by category");
+  top.feature_missing("dump_state", false, "engine state dumps", "set it to false");
+  top.feature_missing("disable_allgather", false, "parameter broadcast in place of the all-gather",
+                      "set it to false (the gathered parameters are identical)");
+  top.feature_missing("managed_gradient_accumulation", true, "unmanaged gradient accumulation", "set it to true");
+  top.feature_missing("zero_force_ds_cpu_optimizer", true, "a client optimizer with offload",
+                      "offload runs DeepSpeedCPUAdam: set it to true");
+  top.feature_missing("dataloader_drop_last", false, "DeepSpeed's data loader",
+                      "zero3d's loader (the data section) always yields whole batches");
+  top.feature_missing("sequence_parallel_size", 1, "Ulysses sequence parallelism",
+                      "use tensor_parallel.sequence_parallel with autotp_size > 1");
+  // PyTorch-side keys DeepSpeed itself ignores at top level (FACTS §1.3) but configs carry.
+  top.no_effect("comms_config", "a DeepSpeed-Inference communication block; DeepSpeed's training engine ignores it too");
+  top.no_effect("monitor_config", "an old monitor block that DeepSpeed's training engine ignores too");
+}
+
+// The `checkpoint` section (DeepSpeed runtime/checkpoint_engine; FACTS §8): tag_validation
+// checks that all ranks save under one tag, which zero3d derives from the step on every rank
+// (global_stepN), so every mode passes; the other keys are features zero3d lacks unless off.
+void read_checkpoint_section(Section& top) {
+  Section sec = top.child("checkpoint");
+  sec.choice("tag_validation", "Warn", {"Ignore", "Warn", "Fail"});
+  sec.feature_missing("load_universal", false, "loading DeepSpeed universal checkpoints",
+                      "zero3d's HDF5 checkpoints resume on another layout as they are");
+  sec.feature_missing("use_node_local_storage", false, "node-local checkpoint storage",
+                      "training.save_dir must be one shared directory");
+  {
+    Section pw = sec.child("parallel_write");
+    pw.feature_missing("pipeline_stage", false, "per-pipeline-stage checkpoint writers",
+                       "every rank already writes its own shard");
+    pw.finish();
+  }
+  sec.feature_missing("writer", nullptr, "pluggable checkpoint writers", "remove the key");
+  sec.finish();
 }
 
 const std::vector<std::string> kDeepSpeedOnlyTopLevel = {
-    "seq_parallel_communication_data_type",
-    "checkpoint", "compression_training", "quantize_training",
-    "zenflow", "moe", "train_data", "data_sampling"};
+    "seq_parallel_communication_data_type", "zenflow", "train_data", "data_sampling"};
 
 }  // namespace
 
@@ -831,60 +1025,177 @@ void apply_override(json& root, const std::string& assignment) {
   }
 }
 
+json strategy_preset(const std::string& name) {
+  // Lightning's strategy registry (lightning/pytorch/strategies/deepspeed.py register_strategies)
+  // with DeepSpeedStrategy's defaults as _create_default_config writes them.
+  struct Preset {
+    const char* name;
+    int stage;
+    bool offload_optimizer, offload_parameters;
+    const char* device;
+  };
+  static const Preset presets[] = {
+      {"deepspeed", 2, false, false, "cpu"},          {"deepspeed_stage_1", 1, false, false, "cpu"},
+      {"deepspeed_stage_2", 2, false, false, "cpu"},  {"deepspeed_stage_2_offload", 2, true, false, "cpu"},
+      {"deepspeed_stage_3", 3, false, false, "cpu"},  {"deepspeed_stage_3_offload", 3, true, true, "cpu"},
+      {"deepspeed_stage_3_offload_nvme", 3, true, true, "nvme"}};
+  for (const Preset& p : presets) {
+    if (name != p.name) continue;
+    json zero = {{"stage", p.stage},
+                 {"contiguous_gradients", true},
+                 {"overlap_comm", true},
+                 {"allgather_partitions", true},
+                 {"reduce_scatter", true},
+                 {"allgather_bucket_size", 200000000},
+                 {"reduce_bucket_size", 200000000},
+                 {"sub_group_size", 1000000000000LL}};
+    const bool nvme = std::string(p.device) == "nvme";
+    // Lightning always writes nvme_path ("/local_nvme"); zero3d refuses a path it would not use,
+    // so it comes only with the nvme device.
+    if (p.offload_optimizer) {
+      zero["offload_optimizer"] = {{"device", p.device}, {"buffer_count", 4}, {"pin_memory", false}};
+      if (nvme) zero["offload_optimizer"]["nvme_path"] = "/local_nvme";
+    }
+    if (p.offload_parameters) {
+      zero["offload_param"] = {{"device", p.device},         {"buffer_count", 5},     {"buffer_size", 100000000},
+                               {"max_in_cpu", 1000000000}, {"pin_memory", false}};
+      if (nvme) zero["offload_param"]["nvme_path"] = "/local_nvme";
+    }
+    return json{{"zero_allow_untested_optimizer", true},
+                {"zero_optimization", zero},
+                {"aio", {{"block_size", 1048576}, {"queue_depth", 8}, {"single_submit", false},
+                         {"overlap_events", true}, {"thread_count", 1}}},
+                {"activation_checkpointing", {{"partition_activations", false}, {"cpu_checkpointing", false},
+                                              {"contiguous_memory_optimization", false},
+                                              {"synchronize_checkpoint_boundary", false}}},
+                {"fp16", {{"loss_scale", 0}, {"initial_scale_power", 16}, {"loss_scale_window", 1000},
+                          {"hysteresis", 2}, {"min_loss_scale", 1}}}};
+  }
+  return nullptr;
+}
+
+const std::vector<std::string>& strategy_names() {
+  static const std::vector<std::string> names = {"deepspeed",         "deepspeed_stage_1",
+                                                 "deepspeed_stage_2", "deepspeed_stage_2_offload",
+                                                 "deepspeed_stage_3", "deepspeed_stage_3_offload",
+                                                 "deepspeed_stage_3_offload_nvme"};
+  return names;
+}
+
 namespace {
-Config read_config_unguarded(const json& root, const std::string& file, int64_t world_size) {
+// Keys of `over` replace those of `base`; objects merge key by key.
+void merge_over(json& base, const json& over) {
+  for (auto it = over.begin(); it != over.end(); ++it) {
+    if (it->is_object() && base.contains(it.key()) && base[it.key()].is_object()) merge_over(base[it.key()], *it);
+    else base[it.key()] = *it;
+  }
+}
+
+// The config with its `strategy` preset expanded beneath it (the config's keys win).
+json with_strategy_preset(const json& given, const std::string& file, ReadContext& ctx) {
+  if (!given.is_object() || !given.contains("strategy")) return given;
+  const json& v = given["strategy"];
+  const json preset = v.is_string() ? strategy_preset(v.get<std::string>()) : json();
+  if (preset.is_null()) {
+    std::string list;
+    for (const auto& n : strategy_names()) list += (list.empty() ? "" : ", ") + n;
+    const std::string hint = v.is_string() ? nearest(v.get<std::string>(), strategy_names()) : "";
+    ctx.problem("`strategy`: " + show(v) + " is not a Lightning DeepSpeed strategy (" + list + ")" +
+                (hint.empty() ? "" : "; did you mean \"" + hint + "\"?"));
+    json out = given;
+    out.erase("strategy");
+    return out;
+  }
+  json out = preset;
+  merge_over(out, given);
+  ctx.notes.push_back("strategy " + v.get<std::string>() + ": Lightning DeepSpeedStrategy's defaults under " + file +
+                      "'s own keys");
+  return out;
+}
+}  // namespace
+
+namespace {
+Config read_config_unguarded(const json& given, const std::string& file, int64_t world_size) {
   Config c;
   c.file = file;
   c.resolved = json::object();
-  Section top(&root, "", file, &c.resolved);
-  c.model = read_model(top);
-  c.data = read_data(top, c.model);
-  c.training = read_training(top, c.data);
+  ReadContext ctx;
+  const json root = with_strategy_preset(given, file, ctx);
+  Section top(&root, "", file, &c.resolved, &ctx);
+  auto step = [&](auto&& f) { attempt(ctx, file, f); };
+  step([&] { c.model = read_model(top); });
+  step([&] { c.data = read_data(top, c.model); });
+  step([&] { c.training = read_training(top, c.data); });
   int checkpoint_interval = 0;
-  c.pipeline = read_pipeline(top, checkpoint_interval);
-  c.tensor = read_tensor_parallel(top, c.model);
+  step([&] { c.pipeline = read_pipeline(top, checkpoint_interval); });
+  step([&] { c.tensor = read_tensor_parallel(top, c.model); });
   const int64_t model_ranks = static_cast<int64_t>(c.pipeline.stages) * c.tensor.size;
-  if (world_size % model_ranks != 0)
-    top.fail(c.tensor.size > 1 ? "tensor_parallel.autotp_size" : "pipeline.stages",
+  bool layout_ok = world_size % model_ranks == 0;
+  if (!layout_ok)
+    top.report(c.tensor.size > 1 ? "tensor_parallel.autotp_size" : "pipeline.stages",
              (c.tensor.size > 1 ? "pipeline.stages (" + std::to_string(c.pipeline.stages) + ") x tensor_parallel.autotp_size (" +
                                       std::to_string(c.tensor.size) + ") = " + std::to_string(model_ranks)
                                 : "pipeline.stages (" + std::to_string(c.pipeline.stages) + ")") +
                  " does not divide the number of ranks (" + std::to_string(world_size) + ")");
-  try {
-    c.pipe_bounds = partition_pipe_layers(
-        gpt_pipe_layers(c.model.vocab_size, c.model.n_positions, c.model.n_layer, c.model.n_embd), c.pipeline);
-  } catch (const std::invalid_argument& e) {
-    throw InputError(file + ": " + e.what());
-  }
-  c.batch = derive_batch(top, world_size / model_ranks);
-  if (c.tensor.sequence_parallel && (c.batch.micro_batch * c.model.n_positions) % c.tensor.size != 0)
-    top.fail("tensor_parallel.sequence_parallel",
-             "the micro-batch's tokens (" + std::to_string(c.batch.micro_batch) + " x " +
-                 std::to_string(c.model.n_positions) + ") do not split evenly over tensor_parallel.autotp_size (" +
-                 std::to_string(c.tensor.size) + ")");
-  {
+  step([&] {
+    try {
+      c.pipe_bounds = partition_pipe_layers(
+          gpt_pipe_layers(c.model.vocab_size, c.model.n_positions, c.model.n_layer, c.model.n_embd), c.pipeline);
+    } catch (const std::invalid_argument& e) {
+      throw InputError(file + ": " + e.what());
+    }
+  });
+  const int64_t dp = layout_ok ? world_size / model_ranks : std::max<int64_t>(1, world_size);
+  bool auto_micro = false;
+  bool batch_ok = false;
+  step([&] {
+    c.batch = derive_batch(top, dp, auto_micro);
+    batch_ok = true;
+  });
+  if (!batch_ok) c.batch = BatchConfig{dp, 1, 1, dp, ""};  // a stand-in, so later checks see a plausible batch
+  step([&] {
+    if (c.tensor.sequence_parallel && (c.batch.micro_batch * c.model.n_positions) % c.tensor.size != 0)
+      top.fail("tensor_parallel.sequence_parallel",
+               "the micro-batch's tokens (" + std::to_string(c.batch.micro_batch) + " x " +
+                   std::to_string(c.model.n_positions) + ") do not split evenly over tensor_parallel.autotp_size (" +
+                   std::to_string(c.tensor.size) + ")");
+  });
+  step([&] {
     pipe::ScheduleSpec spec{c.pipeline.schedule, c.pipeline.stages,
                             static_cast<int>(std::min<int64_t>(c.batch.gradient_accumulation_steps, kMaxInt)),
                             c.pipeline.virtual_stages};
     const std::string why = pipe::check_schedule_spec(spec);
-    if (!why.empty()) throw InputError(file + ": `pipeline.schedule`: " + why);
-  }
-  c.activation_checkpointing = read_activation_checkpointing(top, c, checkpoint_interval);
+    if (!why.empty()) top.fail("pipeline.schedule", why);
+  });
+  step([&] { c.activation_checkpointing = read_activation_checkpointing(top, c, checkpoint_interval); });
+  step([&] { c.optimizer = read_optimizer(top); });
+  step([&] { c.scheduler = read_scheduler(top, c.optimizer, c.training.steps); });
+  step([&] { c.gradient_clipping = read_gradient_clipping(top); });
+  c.steps_per_print = top.integer("steps_per_print", 10, 1, kMaxInt);
+  c.wall_clock_breakdown = top.boolean("wall_clock_breakdown", false);
+  step([&] { read_zero(top, c); });
+  c.zero_allow_untested_optimizer = top.boolean("zero_allow_untested_optimizer", false);
+  step([&] { check_zero_optimizer(top, c); });
+  step([&] { c.precision = read_precision(top, c); });
+  step([&] { check_offload(top, c); });
+  step([&] { c.observability = read_observability(top); });
+  step([&] { read_unsupported_top_level(top); });
+  step([&] { read_checkpoint_section(top); });
+  if (root.contains("strategy")) top.record("strategy", root["strategy"]);
+  top.mark_known("strategy");  // expanded above (with_strategy_preset)
+  top.finish(kDeepSpeedOnlyTopLevel);
+  if (ctx.problems.empty() && auto_micro) step([&] { resolve_auto_micro_batch(c, world_size, ctx); });
   c.resolved["train_batch_size"] = c.batch.train_batch_size;
   c.resolved["train_micro_batch_size_per_gpu"] = c.batch.micro_batch;
   c.resolved["gradient_accumulation_steps"] = c.batch.gradient_accumulation_steps;
-  c.optimizer = read_optimizer(top);
-  c.scheduler = read_scheduler(top, c.optimizer, c.training.steps);
-  c.gradient_clipping = top.number_or_auto("gradient_clipping", 1.0, 1.0, 0.0, 1e30);
-  c.steps_per_print = top.integer("steps_per_print", 10, 1, kMaxInt);
-  c.wall_clock_breakdown = top.boolean("wall_clock_breakdown", false);
-  read_zero(top, c);
-  c.zero_allow_untested_optimizer = top.boolean("zero_allow_untested_optimizer", false);
-  check_zero_optimizer(top, c);
-  c.precision = read_precision(top, c);
-  check_offload(top, c);
-  read_unsupported_top_level(top);
-  top.finish(kDeepSpeedOnlyTopLevel);
+  if (ctx.problems.size() == 1) throw InputError(file + ": " + ctx.problems.front());
+  if (!ctx.problems.empty()) {
+    // One pass: every problem with its key, then how many (a single problem stays one line).
+    std::string all = std::to_string(ctx.problems.size()) + " problems in " + file + ":";
+    for (const std::string& p : ctx.problems) all += "\n  " + p;
+    throw InputError(all);
+  }
+  c.notes = std::move(ctx.notes);
   return c;
 }
 }  // namespace

@@ -15,6 +15,7 @@
 
 #include "checkpointing.hpp"
 #include "dtype.hpp"
+#include "observability_config.hpp"
 #include "pipe_plan.hpp"
 
 namespace zero3d {
@@ -205,7 +206,11 @@ struct Config {
   ActivationCheckpointing activation_checkpointing;  // `activation_checkpointing` + pipeline.activation_checkpoint_interval
   std::vector<int> pipe_bounds;  // p·v + 1 boundaries into gpt_pipe_layers() (pipe_plan.hpp)
   bool zero_allow_untested_optimizer = false;
+  ObservabilityConfig observability;  // flops_profiler, csv_monitor, tensorboard, comms_logger, trace
   nlohmann::json resolved;  // every key with its value after defaults and derivation
+  // Start-up lines: each "auto" value with where it came from, keys with no effect on this
+  // build with the reason, warnings DeepSpeed gives too. Printed once by validate and train.
+  std::vector<std::string> notes;
 };
 
 // Parses JSON text; syntax errors name file:line:column. Duplicate keys are rejected.
@@ -219,8 +224,15 @@ void apply_override(nlohmann::json& root, const std::string& assignment);
 
 // Validates and resolves a whole config for a job of `world_size` ranks (pipeline stages ×
 // data-parallel ranks × tensor ranks; the batch triad is derived over the data-parallel size).
-// Throws InputError with one message naming the file, key and value.
+// Reads the whole config in one pass: throws InputError naming the file, key and value of each
+// problem (one line for one problem; "N problems in FILE:" and one line each for several).
 Config read_config(const nlohmann::json& root, const std::string& file, int64_t world_size);
+
+// Lightning's DeepSpeed strategy names (deepspeed, deepspeed_stage_1 … deepspeed_stage_3_offload_nvme)
+// and the config each expands to: DeepSpeedStrategy's defaults. A config's `strategy` key (or
+// --strategy) puts the preset beneath the config's own keys. null for an unknown name.
+nlohmann::json strategy_preset(const std::string& name);
+const std::vector<std::string>& strategy_names();
 
 // The built-in quick-start configuration (also shipped as input/quickstart.json).
 nlohmann::json quickstart_json();

@@ -57,45 +57,93 @@ inline std::string show(const json& v) {
   return echo(v.dump(-1, ' ', false, json::error_handler_t::replace), 60);
 }
 
+// What one read of a config has found so far, shared by all its Sections: every problem (the
+// read goes on with defaults so that one pass reports them all) and the start-up notes.
+struct ReadContext {
+  std::vector<std::string> problems;  // "`key.path`: why", in the order found
+  std::vector<std::string> notes;     // start-up lines: "auto" resolutions, keys with no effect here
+  void problem(const std::string& line) {
+    if (std::find(problems.begin(), problems.end(), line) == problems.end()) problems.push_back(line);
+  }
+};
+
+// Thrown after a problem is recorded: unwinds to the nearest reader that goes on with defaults.
+struct KeyProblem {};
+
 // Reads one JSON object, remembering which keys were consumed, and writes every value
-// (given or default) into the resolved config at the same path.
+// (given or default) into the resolved config at the same path. A bad value is recorded in
+// the ReadContext and the default is used instead, so that the next keys are still checked.
 class Section {
  public:
-  Section(const json* obj, std::string path, std::string file, json* resolved)
-      : obj_(obj), path_(std::move(path)), file_(std::move(file)), resolved_(resolved) {
-    if (obj_ && !obj_->is_object())
-      fail(path_, "expected an object, got " + show(*obj_));
+  Section(const json* obj, std::string path, std::string file, json* resolved, ReadContext* ctx)
+      : obj_(obj), path_(std::move(path)), file_(std::move(file)), resolved_(resolved), ctx_(ctx) {
+    if (obj_ && !obj_->is_object()) {
+      report(path_, "expected an object, got " + show(*obj_));
+      obj_ = nullptr;  // read as absent: its keys take their defaults
+    }
   }
 
   bool has(const std::string& key) const { return obj_ && obj_->contains(key); }
   bool is_auto(const std::string& key) const {
-    return has(key) && (*obj_)[key].is_string() && (*obj_)[key] == "auto";
+    return has(key) && !substitutes_.contains(key) && (*obj_)[key].is_string() && (*obj_)[key] == "auto";
   }
   std::string key_path(const std::string& key) const {
     return path_.empty() ? key : path_ + "." + key;
   }
 
+  // Records a problem and goes on.
+  void report(const std::string& key_path, const std::string& why) const {
+    ctx_->problem("`" + key_path + "`: " + why);
+  }
+  void report_key(const std::string& key, const std::string& why) const { report(key_path(key), why); }
+  // Records a problem and abandons the reading in progress (its keys keep their defaults).
   [[noreturn]] void fail(const std::string& key_path, const std::string& why) const {
-    throw InputError(file_ + ": `" + key_path + "`: " + why);
+    report(key_path, why);
+    throw KeyProblem{};
   }
   [[noreturn]] void fail_key(const std::string& key, const std::string& why) const {
     fail(key_path(key), why);
   }
 
   void mark_known(const std::string& key) { known_.push_back(key); }
+  ReadContext& context() const { return *ctx_; }
+  const std::string& file() const { return file_; }
+  // A start-up line (an "auto" resolution, a key with no effect on this build).
+  void note(const std::string& line) const { ctx_->notes.push_back(line); }
+  // DeepSpeed's pydantic sections drop an "auto" value before validation, so "auto" means the
+  // default there (DEEPSPEED-FACTS §1.3); set for those sections, with `why` naming the rule.
+  void auto_is_default(const std::string& why) { auto_default_ = why; }
   // Writes a value read by hand (after raw()) into the resolved config.
   void record(const std::string& key, const json& value) { (*resolved_)[key] = value; }
 
   // A key zero3d reads: returns its raw JSON (or null when absent) and marks it known.
+  // Reads `value` where the config says "auto" for `key` (a value derived by the caller).
+  void substitute(const std::string& key, const json& value) { substitutes_[key] = value; }
+
   const json* raw(const std::string& key) {
     known_.push_back(key);
+    if (substitutes_.contains(key)) return &substitutes_[key];
     if (!has(key)) return nullptr;
     const json* v = &(*obj_)[key];
-    if (v->is_string() && *v == "auto") fail_key(key, "\"auto\" cannot be derived for this key; give a value");
+    if (v->is_string() && *v == "auto") {
+      if (!auto_default_.empty()) {
+        auto_notes_.push_back(key);
+        return nullptr;  // the reader fills the default, then resolved() shows it
+      }
+      fail_key(key, "\"auto\" cannot be derived for this key; give a value");
+    }
     return v;
   }
 
   bool boolean(const std::string& key, bool def) {
+    try {
+      return boolean_or_throw(key, def);
+    } catch (const KeyProblem&) {
+      (*resolved_)[key] = def;
+      return def;
+    }
+  }
+  bool boolean_or_throw(const std::string& key, bool def) {
     const json* v = raw(key);
     bool out = def;
     if (v) {
@@ -107,6 +155,14 @@ class Section {
   }
 
   int64_t integer(const std::string& key, int64_t def, int64_t lo, int64_t hi) {
+    try {
+      return integer_or_throw(key, def, lo, hi);
+    } catch (const KeyProblem&) {
+      (*resolved_)[key] = def;
+      return def;
+    }
+  }
+  int64_t integer_or_throw(const std::string& key, int64_t def, int64_t lo, int64_t hi) {
     const json* v = raw(key);
     int64_t out = def;
     if (v) out = as_integer(key, *v);
@@ -119,6 +175,14 @@ class Section {
 
   // lo_open: the lower bound itself is not allowed (e.g. lr > 0 vs eps >= 0).
   double number(const std::string& key, double def, double lo, double hi, bool lo_open = false) {
+    try {
+      return number_or_throw(key, def, lo, hi, lo_open);
+    } catch (const KeyProblem&) {
+      (*resolved_)[key] = def;
+      return def;
+    }
+  }
+  double number_or_throw(const std::string& key, double def, double lo, double hi, bool lo_open = false) {
     const json* v = raw(key);
     double out = def;
     if (v) {
@@ -131,6 +195,14 @@ class Section {
   }
 
   std::string string(const std::string& key, const std::string& def) {
+    try {
+      return string_or_throw(key, def);
+    } catch (const KeyProblem&) {
+      (*resolved_)[key] = def;
+      return def;
+    }
+  }
+  std::string string_or_throw(const std::string& key, const std::string& def) {
     const json* v = raw(key);
     std::string out = def;
     if (v) {
@@ -144,7 +216,15 @@ class Section {
   // A file or directory name: a control byte (a NUL above all) would name another path than
   // the one validated, or none at all.
   std::string path(const std::string& key, const std::string& def) {
-    std::string out = string(key, def);
+    try {
+      return path_or_throw(key, def);
+    } catch (const KeyProblem&) {
+      (*resolved_)[key] = def;
+      return def;
+    }
+  }
+  std::string path_or_throw(const std::string& key, const std::string& def) {
+    std::string out = string_or_throw(key, def);
     if (out.size() > 4096) fail_key(key, "path " + show(json(out)) + " is longer than PATH_MAX (4096 bytes)");
     const size_t bad = find_control_byte(out);
     if (bad != std::string::npos)
@@ -155,7 +235,15 @@ class Section {
 
   // A string from a fixed set, matched case-insensitively; returns the canonical spelling.
   std::string choice(const std::string& key, const std::string& def, const std::vector<std::string>& options) {
-    std::string s = string(key, def);
+    try {
+      return choice_or_throw(key, def, options);
+    } catch (const KeyProblem&) {
+      (*resolved_)[key] = def;
+      return def;
+    }
+  }
+  std::string choice_or_throw(const std::string& key, const std::string& def, const std::vector<std::string>& options) {
+    std::string s = string_or_throw(key, def);
     for (const auto& o : options)
       if (lower(o) == lower(s)) {
         (*resolved_)[key] = o;
@@ -168,6 +256,14 @@ class Section {
 
   // A pair of numbers such as Adam's betas, each in [0, 1).
   std::pair<double, double> pair(const std::string& key, std::pair<double, double> def) {
+    try {
+      return pair_or_throw(key, def);
+    } catch (const KeyProblem&) {
+      (*resolved_)[key] = {def.first, def.second};
+      return def;
+    }
+  }
+  std::pair<double, double> pair_or_throw(const std::string& key, std::pair<double, double> def) {
     const json* v = raw(key);
     auto out = def;
     if (v) {
@@ -186,7 +282,12 @@ class Section {
                         bool lo_open = false) {
     if (is_auto(key)) {
       mark_known(key);
-      check_range(key, auto_value, lo, hi, lo_open);
+      try {
+        check_range(key, auto_value, lo, hi, lo_open);
+      } catch (const KeyProblem&) {
+        (*resolved_)[key] = def;
+        return def;
+      }
       (*resolved_)[key] = auto_value;
       return auto_value;
     }
@@ -204,8 +305,44 @@ class Section {
   Section child(const std::string& key) {
     known_.push_back(key);
     const json* v = has(key) ? &(*obj_)[key] : nullptr;
-    if (!resolved_->contains(key)) (*resolved_)[key] = json::object();
-    return Section(v, key_path(key), file_, &(*resolved_)[key]);
+    if (!resolved_->contains(key) || !(*resolved_)[key].is_object()) (*resolved_)[key] = json::object();
+    Section s(v, key_path(key), file_, &(*resolved_)[key], ctx_);
+    s.auto_default_ = auto_default_;
+    return s;
+  }
+
+  // A key whose meaning needs hardware this build does not drive: accepted with any value of
+  // its type, recorded, and listed once at start-up with `why` (never silently ignored).
+  void no_effect(const std::string& key, const std::string& why) {
+    known_.push_back(key);
+    if (!has(key)) return;
+    const json& v = (*obj_)[key];
+    (*resolved_)[key] = v;
+    note("no effect on this build: `" + key_path(key) + "` = " + show(v) + " (" + why + ")");
+  }
+
+  // As no_effect, but only a value other than `implemented` (what zero3d always does) is noted.
+  void hardware_only(const std::string& key, const json& implemented, const std::string& why) {
+    if (has(key) && (*obj_)[key] == implemented) {
+      known_.push_back(key);
+      (*resolved_)[key] = implemented;
+      return;
+    }
+    no_effect(key, why);
+  }
+
+  // A DeepSpeed feature zero3d does not have: any value but `off` is an error naming the
+  // feature and what to use instead.
+  void feature_missing(const std::string& key, const json& off, const std::string& feature,
+                       const std::string& instead) {
+    known_.push_back(key);
+    if (!has(key)) return;
+    const json& v = (*obj_)[key];
+    if (v == off || (v.is_number() && off.is_number() && v.get<double>() == off.get<double>())) {
+      (*resolved_)[key] = v;
+      return;
+    }
+    report_key(key, "value " + show(v) + ": zero3d does not have " + feature + "; " + instead);
   }
 
   // Keys DeepSpeed defines that zero3d accepts only at their DeepSpeed default (the
@@ -219,8 +356,8 @@ class Section {
       (*resolved_)[key] = v;
       return;
     }
-    fail_key(key, "DeepSpeed feature `" + key_path(key) + "` (value " + show(v) +
-                      ") is not supported by zero3d; remove it or set it to " + deepspeed_default.dump());
+    report_key(key, "DeepSpeed feature `" + key_path(key) + "` (value " + show(v) +
+                        ") is not supported by zero3d; remove it or set it to " + deepspeed_default.dump());
   }
 
   // A DeepSpeed section zero3d does not implement: accepted only while it is disabled.
@@ -235,24 +372,32 @@ class Section {
     } else if (v.is_boolean()) {
       enabled = v.get<bool>();
     }
-    if (enabled)
-      fail_key(key, "DeepSpeed feature `" + key_path(key) + "` is not supported by zero3d" +
-                        (v.is_object() ? "; remove the section or set \"enabled\": false" : ""));
+    if (enabled) {
+      report_key(key, "DeepSpeed feature `" + key_path(key) + "` is not supported by zero3d" +
+                          (v.is_object() ? "; remove the section or set \"enabled\": false" : ""));
+      return;
+    }
     (*resolved_)[key] = v;
   }
 
   // Every key not read above is an error: a DeepSpeed key zero3d lacks is named as such,
   // anything else as unknown with the nearest known key. Keys starting with `_` are comments.
   void finish(const std::vector<std::string>& deepspeed_only = {}) {
+    for (const std::string& key : auto_notes_)
+      note("auto    " + key_path(key) + " = " + (resolved_->contains(key) ? (*resolved_)[key].dump() : "null") +
+           " (" + auto_default_ + ")");
+    auto_notes_.clear();
     if (!obj_) return;
     for (auto it = obj_->begin(); it != obj_->end(); ++it) {
       const std::string& key = it.key();
       if (!key.empty() && key[0] == '_') continue;
       if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
-      if (std::find(deepspeed_only.begin(), deepspeed_only.end(), key) != deepspeed_only.end())
-        fail_key(key, "DeepSpeed feature `" + key_path(key) + "` is not supported by zero3d");
+      if (std::find(deepspeed_only.begin(), deepspeed_only.end(), key) != deepspeed_only.end()) {
+        report_key(key, "DeepSpeed feature `" + key_path(key) + "` is not supported by zero3d");
+        continue;
+      }
       std::string hint = nearest(key, known_);
-      fail_key(echo(key, 60), "unknown key" + (hint.empty() ? std::string() : " (did you mean `" + key_path(hint) + "`?)"));
+      report_key(echo(key, 60), "unknown key" + (hint.empty() ? std::string() : " (did you mean `" + key_path(hint) + "`?)"));
     }
   }
 
@@ -281,10 +426,30 @@ class Section {
   const json* obj_;
   std::string path_, file_;
   json* resolved_;
+  ReadContext* ctx_;
   std::vector<std::string> known_;
+  std::string auto_default_;            // non-empty: "auto" means the default, for this reason
+  std::vector<std::string> auto_notes_;  // keys given as "auto" that took their default
+  json substitutes_ = json::object();    // values derived for keys given as "auto"
 };
+
+// Runs one reader; a KeyProblem (already recorded) or an InputError (recorded here) leaves
+// what it was filling at its defaults and the read goes on.
+template <class F>
+void attempt(ReadContext& ctx, const std::string& file, F&& f) {
+  try {
+    f();
+  } catch (const KeyProblem&) {
+  } catch (const InputError& e) {
+    std::string what = e.what();
+    if (what.rfind(file + ": ", 0) == 0) what = what.substr(file.size() + 2);
+    ctx.problem(what);
+  }
+}
 
 // Reads the fp16 / bf16 / communication_data_type / data_types keys (config_precision.cpp).
 PrecisionConfig read_precision(Section& top, const Config& c);
+// Reads flops_profiler, csv_monitor, tensorboard, wandb, comet, comms_logger, trace (config_observability.cpp).
+ObservabilityConfig read_observability(Section& top);
 
 }  // namespace zero3d::config_detail

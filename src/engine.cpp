@@ -109,6 +109,9 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   mp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
   node_summary_ = node_summary(groups.world(), &local_rank_);
   predicted_peak_ = estimate_budget(cfg_, world_comm_->size(), cfg_.zero.stage).total();
+  run_collectively(groups.world(), [&] {
+    observer_ = std::make_unique<Observer>(cfg_, groups_.rank(), ObservedComms{dp_comm_.get(), pipe_comm_.get(), tp_comm_.get(), world_comm_.get(), mp_comm_.get(), emb_comm_.get()}, *model_, output_dir_, peak_gflops_total_);
+  });
   print_startup();
 }
 
@@ -511,16 +514,24 @@ int64_t Engine::activation_bytes() const {
 
 void Engine::wait_sends(int b) {
   Pending& p = pending_[b];
-  if (p.act_send) p.act_send->wait(), p.act_send.reset();
-  if (p.grad_send) p.grad_send->wait(), p.grad_send.reset();
+  if (p.act_send) {
+    auto t = timers_.time("pipe_send_output");
+    p.act_send->wait(), p.act_send.reset();
+  }
+  if (p.grad_send) {
+    auto t = timers_.time("pipe_send_grad");
+    p.grad_send->wait(), p.grad_send.reset();
+  }
 }
 
 void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_loss) {
   using pipe::Op;
   // What crosses a stage boundary: the residual stream of this rank's tokens.
   const int64_t gas = cfg_.batch.gradient_accumulation_steps, BTC = model_->stream_elements();
-  const auto waited = [](std::unique_ptr<CommRequest>& req) {
+  const obs::TraceScope region(instruction_region(in.op));
+  const auto waited = [this](std::unique_ptr<CommRequest>& req, const char* timer) {  // DeepSpeed's pipe timer names
     if (!req) return;
+    auto t = timers_.time(timer);
     req->wait();
     req.reset();
   };
@@ -567,7 +578,7 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
                                                        peer_stage(in.chunk, -1), tag(in.chunk, -1, 1));
       break;
     case Op::Forward: {
-      waited(pending_[in.buffer].act_recv);
+      waited(pending_[in.buffer].act_recv, "pipe_recv_input");
       wait_sends(in.buffer);
       auto t = timers_.time("forward");
       Busy busy{*this};
@@ -581,12 +592,13 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
     case Op::Backward:
     case Op::BackwardInput:
     case Op::BackwardWeight: {
-      waited(pending_[in.buffer].grad_recv);
-      if (in.op != Op::BackwardWeight) waited(pending_[in.buffer].grad_send);  // d_input is rewritten
+      waited(pending_[in.buffer].grad_recv, "pipe_recv_grad");
+      if (in.op != Op::BackwardWeight) waited(pending_[in.buffer].grad_send, "pipe_send_grad");  // d_input is rewritten
       const BackwardPart part = in.op == Op::Backward ? BackwardPart::Full
                                 : in.op == Op::BackwardInput ? BackwardPart::Input : BackwardPart::Weight;
       // Gradients of the chunk's units are final with its last weight-gradient pass of the step.
       if (part != BackwardPart::Input) zero_->begin_micro_step(instr_index_ == last_backward_[in.chunk]);
+      const ReductionWait reductions(*dp_comm_, timers_);  // after t: moves blocked reductions to backward_allreduce
       auto t = timers_.time("backward_inner");
       Busy busy{*this};
       // DeepSpeed scales the loss by 1/GAS so that accumulated gradients are a mean; fp16
@@ -702,6 +714,7 @@ StepResult Engine::train_step() {
   tensor_comm_ms_ = 0.0;
   step_start_ = compute_end_ = t0;
   instr_index_ = 0;
+  observer_->begin_step(r.step);
   double local_loss = 0.0;
   // The schedule (pipe_schedule.hpp), instruction by instruction.
   for (const auto& step : schedule_steps_.steps)
@@ -734,6 +747,7 @@ StepResult Engine::train_step() {
   const double tokens = static_cast<double>(cfg_.batch.train_batch_size * cfg_.model.n_positions);
   r.tokens_per_s = r.elapsed_ms > 0 ? tokens / (r.elapsed_ms / 1e3) : 0.0;
   r.mfu = flops_per_token_ * r.tokens_per_s / (peak_gflops_total_ * 1e9);
+  observer_->end_step();
   return r;
 }
 
@@ -761,6 +775,7 @@ std::vector<StepResult> Engine::train() {
       world_comm_->all_reduce(&measured_peak_, 1, DType::I64, ReduceOp::Max);
     }
     results.push_back(r);
+    observer_->after_step(r, samples_, timers_.ms());  // collective
     if (results.size() > 1 || cfg_.training.steps == 1) total_ms += r.elapsed_ms;  // the first step warms caches
     if (groups_.rank() != 0) continue;
     const auto& ms = timers_.ms();
@@ -808,6 +823,7 @@ std::vector<StepResult> Engine::train() {
         rec["time_ms"] = {{"forward", fwd}, {"backward", inner + ar}, {"backward_inner", inner},
                           {"backward_allreduce", ar}, {"step", st}, {"tensor_comm", r.tensor_comm_ms}};
       }
+      observer_->annotate(rec);
       if (cfg_.activation_checkpointing.profile) rec["activation_checkpointing"] = {{"profile", checkpoint_profile(r)}};
       if (cfg_.activation_checkpointing.cpu_checkpointing) {  // of memory.activations, in host memory (here the same memory)
         int64_t host = 0;
@@ -841,16 +857,7 @@ std::vector<StepResult> Engine::train() {
       std::printf("step %6lld/%lld | loss %.4f | lr %.3e | grad_norm %.4f | %8.0f tok/s | MFU %5.1f%% | %7.1f ms%s%s\n",
                   (long long)r.step, (long long)cfg_.training.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s,
                   100.0 * r.mfu, r.elapsed_ms, scale.c_str(), eval.c_str());
-      if (cfg_.wall_clock_breakdown) {
-        std::printf("time (ms) | forward: %.2f | backward: %.2f | backward_inner: %.2f | backward_allreduce: %.2f | "
-                    "step: %.2f\n",
-                    ms.count("forward") ? ms.at("forward") : 0.0,
-                    (ms.count("backward_inner") ? ms.at("backward_inner") : 0.0) +
-                        (ms.count("backward_allreduce") ? ms.at("backward_allreduce") : 0.0),
-                    ms.count("backward_inner") ? ms.at("backward_inner") : 0.0,
-                    ms.count("backward_allreduce") ? ms.at("backward_allreduce") : 0.0,
-                    ms.count("step") ? ms.at("step") : 0.0);
-      }
+      std::fputs(observer_->breakdown_lines().c_str(), stdout);
       if (cfg_.activation_checkpointing.profile) {
         std::string line = "checkpoints (ms)";
         for (const auto& t : checkpoint_profile(r)) {
@@ -881,6 +888,7 @@ std::vector<StepResult> Engine::train() {
                   double(predicted_peak_) / double(measured_peak_));
     std::fflush(stdout);
   }
+  observer_->finish();  // collective: the comms logger's table, a trace not yet written
   return results;
 }
 

@@ -20,6 +20,7 @@
 #include "lr_schedule.hpp"
 #include "model.hpp"
 #include "monitor.hpp"
+#include "observer.hpp"
 #include "optimizer.hpp"
 #include "pipe_schedule.hpp"
 #include "topology.hpp"
@@ -166,6 +167,7 @@ class Engine {
   int64_t skipped_steps_ = 0;
   std::unique_ptr<MetricsWriter> metrics_;
   PhaseTimers timers_;
+  std::unique_ptr<Observer> observer_;  // flops profiler, monitors, breakdown across ranks, comms logger, trace
   double flops_per_token_ = 0.0, peak_gflops_total_ = 0.0;
   int64_t step_ = 0;
   // The memory plan (estimator.hpp) the run is checked against at its end: predicted peak per

@@ -12,6 +12,7 @@
 
 #include "base.hpp"
 #include "half.hpp"
+#include "profiler.hpp"
 
 #ifdef ZERO3D_HAVE_ONEDNN
 #include <dnnl.hpp>
@@ -105,6 +106,7 @@ void gemm_onednn(int64_t M, int64_t N, int64_t K, const bf16* a, bool ta, int64_
 
 void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
           DType compute) {
+  obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));  // the flops profiler's count
   Workspace& w = workspace();
   const int64_t na = stored_elems(A.trans ? K : M, A);
   const int64_t nb = stored_elems(B.trans ? N : K, B);

@@ -12,6 +12,7 @@
 #include "gelu.hpp"
 #include "layernorm.hpp"
 #include "matmul.hpp"
+#include "profiler.hpp"
 #include "vocab_parallel.hpp"
 #include "comm.hpp"
 #include "rng.hpp"
@@ -448,6 +449,7 @@ BlockTensors<T> GPT::block(T* unit) const {
 }
 
 float GPT::forward(int chunk, ActivationBuffer& buf, ParamStore& store) {
+  const obs::PassScope pass(obs::Pass::Forward);
   const ModelChunk& c = part_.chunks[chunk];
   switch (param_type_) {
     case DType::BF16: return forward_impl<bf16>(c, buf, store);
@@ -457,6 +459,7 @@ float GPT::forward(int chunk, ActivationBuffer& buf, ParamStore& store) {
 }
 
 void GPT::backward(int chunk, ActivationBuffer& buf, float grad_scale, ParamStore& store, BackwardPart part) {
+  const obs::PassScope pass(obs::Pass::Backward);
   const ModelChunk& c = part_.chunks[chunk];
   switch (param_type_) {
     case DType::BF16: return backward_impl<bf16>(c, buf, grad_scale, store, part);
@@ -513,6 +516,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   };
   const int u = c.first_block_unit + l;
   const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)));
+  obs::Region region(obs::attention_module(c.first_block + l));  // the flops profiler's and trace's module
   // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
   layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
   matmul_forward(a.qkv, column_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
@@ -529,6 +533,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     row_output(a.res_2, residual, w.attn_proj_b);
   }
   // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
+  region.next(obs::mlp_module(c.first_block + l));
   layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
   matmul_forward(a.fch, column_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
   gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
@@ -550,6 +555,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   const DType cmp = compute_type();
   if (c.embedding) {
     const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V(/t),C] then wpe [T,C]
+    const obs::Region region(obs::embedding_module());
     if (!tp) {
       encoder_forward(buf.input, buf.tokens, E, E + V * C, B, T, C);
     } else {  // vocab-parallel: each rank looks up the ids it owns, the group sums, then + wpe
@@ -590,6 +596,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   if (!c.final) return 0.0f;
   const float* x = chunk_output(c, buf);
   const P* F = static_cast<const P*>(store.fetch(c.final_unit));  // weight [C] then bias [C]
+  obs::Region head(obs::ln_f_module(static_cast<int>(shape_.n_layer)));
   // ln_f over this rank's tokens; the head reads all tokens (gathered with sequence parallelism)
   layernorm_forward(sp ? shard_ : buf.ln_f, buf.ln_f_mean, buf.ln_f_rstd, x, F, F + C, Ns, C);
   store.release(c.final_unit);
@@ -597,6 +604,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   else copy_to_tp_region_forward(tp_, buf.ln_f, BT * C);
   // LM head tied to wte: logits = ln_f · wteᵀ (this rank's vocabulary rows with tensor parallelism)
   const P* E = static_cast<const P*>(store.fetch(c.head_unit));
+  head.next(obs::lm_head_module(static_cast<int>(shape_.n_layer)));
   gemm(BT, V, C, {buf.ln_f, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, buf.logits, V, false, cmp);
   store.release(c.head_unit);
   if (!tp) {
@@ -670,6 +678,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
   };
 
   if (c.final) {
+    obs::Region head(obs::lm_head_module(static_cast<int>(shape_.n_layer)));
     const float* x = chunk_output(c, buf);
     float* dlnf = keep || part == BackwardPart::Weight ? buf.d_ln_f : dln_;  // this rank's tokens
     if (input) {
@@ -694,6 +703,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);
       gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);
     }
+    head.next(obs::ln_f_module(static_cast<int>(shape_.n_layer)));
     if (input) Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres, Ns * C), 0.0f);
     const P* F = input ? static_cast<const P*>(store.fetch(c.final_unit)) : nullptr;
     float* dF = weights ? store.grad_target(c.final_unit) : nullptr;
@@ -709,6 +719,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
   // and d(residual) on exit.
   const auto block_backward = [&](int l, const BlockActivations& a, const float* residual) {
     const int u = c.first_block_unit + l;
+    obs::Region region(obs::mlp_module(c.first_block + l));
     const BlockTensors<const P> w = input ? block(static_cast<const P*>(store.fetch(u))) : BlockTensors<const P>{};
     const BlockTensors<float> dw = weights ? block(store.grad_target(u)) : BlockTensors<float>{};
     // Where the output gradients of the five products and two LayerNorms live.
@@ -736,9 +747,11 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     layernorm_backward(input ? dres : nullptr, weights ? dw.ln_2_w : nullptr, weights ? dw.ln_2_b : nullptr, d_ln_2,
                        a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, Ns, C);
     // attention half: dres now holds d(res_2)
+    region.next(obs::attention_module(c.first_block + l));
     const float* d_res_2 = part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(dres, saved ? g.d_res_2 : gathered_);
     if (keep && !sp) copy(g.d_res_2, dres, BT * C);
     if (input && ac_.selective()) {  // the attention probabilities were not kept: recompute them
+      const obs::PassScope recompute(obs::Pass::Recompute);
       checkpoint_boundary();
       const Stopwatch sw(ac_.profile);
       attention_forward(datty_, a.att, a.qkv, B, T, Cl, H);  // datty_ is free until the product below
@@ -774,8 +787,10 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       checkpoint_boundary();
       const Stopwatch sw(ac_.profile);
       const float* in = restore_checkpoint(buf, g);
+      obs::PassScope recompute(obs::Pass::Recompute);
       for (int i = 0; i < n; ++i)
         block_forward<P>(c, g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3, store, nullptr);
+      recompute.end();
       if (ac_.profile) time_of(c.first_block + g0, n).recompute_ms += sw.ms();
       checkpoint_boundary();
       for (int i = n - 1; i >= 0; --i)
@@ -783,6 +798,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     }
   }
   if (c.embedding && weights) {
+    const obs::Region region(obs::embedding_module());
     // one stage: the head already opened the embedding unit's gradients (asking again would reset them)
     float* dEmb = dE && c.head_unit == c.embed_unit ? dE : store.grad_target(c.embed_unit);
     // the embedding's output gradient over all tokens (gathered from the shards with sequence parallelism)

@@ -31,6 +31,12 @@ class PhaseTimers {
   Scope time(const char* name) { return Scope(*this, name); }
   const std::map<std::string, double>& ms() const { return ms_; }
   void reset() { ms_.clear(); }
+  // Re-attributes time measured inside one phase to another (blocked communication in backward).
+  void move(const std::string& from, const std::string& to, double ms) {
+    if (ms == 0.0) return;
+    ms_[from] -= ms;
+    ms_[to] += ms;
+  }
 
  private:
   std::map<std::string, double> ms_;
