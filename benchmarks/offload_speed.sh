@@ -7,7 +7,7 @@
 #   benchmarks/offload_speed.sh [BUILD_DIR] [SWAP_DIR]     (defaults: build, output/offload_bench/swap)
 #   NP=2 STEPS=20 BIG=1 benchmarks/offload_speed.sh ...    BIG=1 adds the 2-billion-parameter run
 #
-# BIG=1 trains a 2.05e9-parameter GPT (C=2560, L=26, V=256, T=64) at np 2 in bf16 with ZeRO-3
+# BIG=1 trains a 2.05e9-parameter GPT (C=2560, L=26, V=256, T=32) at np 2 in bf16 with ZeRO-3
 # and NVMe offload of optimizer and parameters for 5 steps: fp32 Adam state of 32.8 GB, more
 # than this machine's memory. It needs ~30 GB free under SWAP_DIR and takes several minutes.
 set -euo pipefail
@@ -67,15 +67,15 @@ if [ "${BIG:-0}" = 1 ]; then
   echo "== 2.05e9 parameters, np $NP, bf16, ZeRO-3, optimizer and parameters on nvme, 5 steps"
   cat > "$OUT/big.json" <<EOF
 {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1,
- "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.0}},
+ "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "weight_decay": 0.0}},
  "bf16": {"enabled": true},
- "model": {"vocab_size": 256, "n_positions": 64, "n_layer": 26, "n_head": 20, "n_embd": 2560},
+ "model": {"vocab_size": 256, "n_positions": 32, "n_layer": 26, "n_head": 20, "n_embd": 2560},
  "data": {"source": "synthetic"},
  "training": {"steps": 5, "seed": 1, "peak_gflops": 100},
  "zero_optimization": {"stage": 3, "reduce_bucket_size": 20000000, "prefetch_bucket_size": 20000000,
-   "max_live_parameters": 200000000, "max_reuse_distance": 0, "sub_group_size": 25000000,
-   "offload_optimizer": {"device": "nvme", "nvme_path": "$SWAP", "buffer_count": 9,
-                         "pipeline_read": true, "pipeline_write": true},
+   "max_live_parameters": 100000000, "max_reuse_distance": 0, "sub_group_size": 20000000,
+   "offload_optimizer": {"device": "nvme", "nvme_path": "$SWAP", "buffer_count": 6,
+                         "pipeline_read": true, "pipeline_write": false},
    "offload_param": {"device": "nvme", "nvme_path": "$SWAP", "max_in_cpu": 100000000}},
  "aio": {"queue_depth": 16}}
 EOF

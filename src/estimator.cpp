@@ -198,6 +198,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   // device memory; NVMe ones go to swap files through buffer slots (workspace), as do stage-3
   // parameters with offload_param nvme (at most max_in_cpu elements cached).
   const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
+  int64_t swap_workspace = 0;  // swap buffers and cached parameter slices, added to the workspace below
   if (oo.device != OffloadDevice::None && b.stage >= 1 && state_elems > 0) {
     const int64_t sg = std::max<int64_t>(1, cfg.zero.sub_group_size), groups = (state_elems + sg - 1) / sg;
     const int64_t cut = std::min(groups, static_cast<int64_t>((1.0 - oo.ratio) * static_cast<double>(groups)));
@@ -212,13 +213,13 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
       const int64_t slots = std::max<int64_t>(1, std::min({oo.buffer_count / states,
                                                            int64_t(1 + oo.pipeline_read + oo.pipeline_write),
                                                            groups - cut}));
-      b.workspace += slots * states * ((std::min(sg, offloaded) * 4 + 4095) / 4096 * 4096);
+      swap_workspace += slots * states * ((std::min(sg, offloaded) * 4 + 4095) / 4096 * 4096);
     }
     const OffloadParamConfig& op = cfg.zero.offload_param;
     if (b.stage == 3 && op.device == OffloadDevice::Cpu) b.offload_host += b.params;
     if (b.stage == 3 && op.device == OffloadDevice::Nvme) {
       b.offload_nvme += b.params;
-      b.workspace += ps * std::min(op.max_in_cpu, part.part);
+      swap_workspace += ps * std::min(op.max_in_cpu, part.part);
       b.params = 0;
     }
   }
@@ -297,7 +298,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   // within ±5 MB of nothing: kRuntimeBytes covers them.)
   if (pc.param == DType::BF16) workspace += 2 * std::max(4 * BT * C, BT * V) + 2 * 4 * BT * C;
   if (pc.param == DType::F16) workspace += 4 * std::max(V * C, 4 * C * C);
-  b.workspace = capped(workspace);
+  b.workspace = capped(workspace) + swap_workspace;
   if (mixed && (b.stage == 1 || b.stage == 2)) b.workspace += 4 * std::min(psi, ZeroOptimizer::kInitFillElems + largest_tensor);
   if (!m.init_from.empty()) b.workspace += 4 * psi;
   struct stat st {};
