@@ -476,10 +476,14 @@ void Engine::print_startup() const {
   }
   {
     const MemoryBudget b = estimate_budget(cfg_, world_comm_->size(), cfg_.zero.stage);
-    std::printf("plan    per rank (largest: pipeline stage %d): model states %.1f MB | communication %.1f MB | gathered "
+    char tiers[128] = "";  // offload: where model states live besides device memory
+    if (b.offload_host > 0 || b.offload_nvme > 0)
+      std::snprintf(tiers, sizeof tiers, " (offload: %.1f MB of them in host memory, %.1f MB in swap files, not counted)",
+                    b.offload_host / 1e6, b.offload_nvme / 1e6);
+    std::printf("plan    per rank (largest: pipeline stage %d): model states %.1f MB%s | communication %.1f MB | gathered "
                 "parameters %.1f MB | activations %.1f MB (%d micro-batch(es) in flight%s) | workspace %.1f MB | runtime "
                 "%.1f MB | predicted peak %.1f MB, checked at the end\n",
-                b.pipe_stage, b.model_states() / 1e6, (b.comm_reduce + b.comm_gather + b.comm_prefetch) / 1e6,
+                b.pipe_stage, b.model_states() / 1e6, tiers, (b.comm_reduce + b.comm_gather + b.comm_prefetch) / 1e6,
                 b.live_params / 1e6, b.activations / 1e6, b.in_flight,
                 b.activations_host > 0 ? ", checkpoints in host memory included" : "", b.workspace / 1e6,
                 b.runtime / 1e6, b.total() / 1e6);
