@@ -69,10 +69,10 @@ std::string convert_size(double bytes) {
   static const char* names[] = {"B", "KB", "MB", "GB", "TB", "PB"};
   int i = static_cast<int>(std::floor(std::log(bytes) / std::log(1024.0)));
   i = std::max(0, std::min(i, 5));
-  const double s = std::round(bytes / std::pow(1024.0, i) * 100.0) / 100.0;
-  // Python prints the rounded float as repr does: 4.0, 1.5, 1.25
+  // round(s, 2) as Python rounds (the exact binary value, ties to even, as printf does), then
+  // printed as repr prints it: 4.0, 1.5, 49.62
   char buf[48];
-  std::snprintf(buf, sizeof buf, "%.2f", s);
+  std::snprintf(buf, sizeof buf, "%.2f", bytes / std::pow(1024.0, i));
   std::string text = buf;
   while (text.back() == '0' && text[text.size() - 2] != '.') text.pop_back();
   return text + " " + names[i];

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 
 #include "flops_report.hpp"
@@ -57,6 +58,12 @@ void end_region(int module, Pass pass, std::chrono::steady_clock::time_point t0,
 
 namespace {
 // DeepSpeed number_to_string: round(x / magnitude, 2):g and the magnitude's letter.
+// Python's round(x, 2) (exact binary value, ties to even: what printf's %.2f does).
+double round2(double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f", x);
+  return std::strtod(buf, nullptr);
+}
 std::string number_to_string(double num, bool params = false) {
   double mag = 1.0;
   const char* unit = "";
@@ -68,7 +75,7 @@ std::string number_to_string(double num, bool params = false) {
   else if (num >= 1e-3) mag = 1e-3, unit = "m";
   else mag = 1e-6, unit = "u";
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%g %s", std::round(num / mag * 100.0) / 100.0, unit);
+  std::snprintf(buf, sizeof buf, "%g %s", round2(num / mag), unit);
   return buf;
 }
 std::string macs_str(double x) { return number_to_string(x) + "MACs"; }
@@ -78,14 +85,14 @@ std::string params_str(double x) { return number_to_string(x, true); }
 std::string duration_str(double ms) {
   const double s = ms / 1e3;
   char buf[64];
-  if (s >= 1) std::snprintf(buf, sizeof buf, "%g s", std::round(s * 100) / 100);
-  else if (s >= 1e-3 || s == 0) std::snprintf(buf, sizeof buf, "%g ms", std::round(ms * 100) / 100);
-  else std::snprintf(buf, sizeof buf, "%g us", std::round(ms * 1e3 * 100) / 100);
+  if (s >= 1) std::snprintf(buf, sizeof buf, "%g s", round2(s));
+  else if (s >= 1e-3 || s == 0) std::snprintf(buf, sizeof buf, "%g ms", round2(ms));
+  else std::snprintf(buf, sizeof buf, "%g us", round2(ms * 1e3));
   return buf;
 }
 std::string pct(double part, double whole) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%g", whole > 0 ? std::round(10000.0 * part / whole) / 100.0 : 0.0);
+  std::snprintf(buf, sizeof buf, "%g", whole > 0 ? round2(100.0 * part / whole) : 0.0);
   return buf;
 }
 std::string line(const std::string& label, const std::string& value) {
