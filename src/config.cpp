@@ -69,13 +69,16 @@ BatchConfig derive_batch(Section& top, int64_t world_size, bool& auto_micro) {
     if (v->get<int64_t>() <= 0) top.fail_key(key, "must be greater than 0, got " + show(*v));
     return v->get<int64_t>();
   };
+  for (const char* key : {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"})
+    top.mark_known(key);  // a problem with one must not make the others look unknown
   std::optional<int64_t> T = read("train_batch_size");
   std::optional<int64_t> M = read("train_micro_batch_size_per_gpu");
   std::optional<int64_t> G = read("gradient_accumulation_steps");
   const int64_t W = world_size;
   const bool m_auto = std::find(autos.begin(), autos.end(), "train_micro_batch_size_per_gpu") != autos.end();
+  const bool t_auto = std::find(autos.begin(), autos.end(), "train_batch_size") != autos.end();
   std::ostringstream how;
-  if (!T && !M && m_auto) {
+  if (!T && !M && (m_auto || t_auto)) {
     // Nothing fixes the micro-batch: HF would take per_device_train_batch_size (default 8);
     // zero3d takes at most that, as much as the memory planner says fits (resolved at the end).
     M = kHfPerDeviceBatch;
@@ -138,7 +141,7 @@ BatchConfig derive_batch(Section& top, int64_t world_size, bool& auto_micro) {
       << " x data-parallel size " << W << " (" << how.str() << ")";
   b.derivation = out.str();
   for (const std::string& key : autos) {
-    if (key == "train_micro_batch_size_per_gpu" && auto_micro) continue;  // noted when the planner has spoken
+    if (auto_micro) break;  // noted when the planner has chosen the micro-batch
     const int64_t v = key == "train_batch_size" ? *T : key == "gradient_accumulation_steps" ? *G : *M;
     top.note("auto    " + key + " = " + std::to_string(v) + " (derived from the other batch keys: " + how.str() + ")");
   }
@@ -147,7 +150,7 @@ BatchConfig derive_batch(Section& top, int64_t world_size, bool& auto_micro) {
 
 // "auto" micro-batch with nothing to derive it from: the largest that the memory planner says
 // fits this machine's available memory shared by `world_size` ranks, at most HF's default of 8.
-void resolve_auto_micro_batch(Config& c, int64_t world_size, ReadContext& ctx) {
+void resolve_auto_micro_batch(Config& c, int64_t world_size, const json& root, ReadContext& ctx) {
   const AvailableMemory avail = available_memory();
   int64_t micro = kHfPerDeviceBatch;
   std::string why = "Hugging Face's per_device_train_batch_size default; available memory unknown";
@@ -167,6 +170,11 @@ void resolve_auto_micro_batch(Config& c, int64_t world_size, ReadContext& ctx) {
       << b.gradient_accumulation_steps << " x data-parallel size " << b.world_size << " (micro-batch \"auto\")";
   b.derivation = out.str();
   ctx.notes.push_back("auto    train_micro_batch_size_per_gpu = " + std::to_string(micro) + " (" + why + ")");
+  if (root.value("gradient_accumulation_steps", json()) == "auto")
+    ctx.notes.push_back("auto    gradient_accumulation_steps = 1 (Hugging Face's gradient_accumulation_steps default)");
+  if (root.value("train_batch_size", json()) == "auto")
+    ctx.notes.push_back("auto    train_batch_size = " + std::to_string(b.train_batch_size) +
+                        " (micro-batch x gradient_accumulation_steps x data-parallel size, as Hugging Face fills it)");
 }
 
 double read_gradient_clipping(Section& top) {
@@ -227,6 +235,7 @@ OptimizerConfig read_optimizer(Section& top) {
   Section p = sec.child("params");
   if (p.has("max_grad_norm"))
     p.report_key("max_grad_norm", "is not allowed in optimizer params; use the top-level `gradient_clipping`");
+  p.mark_known("max_grad_norm");
   const double inf = std::numeric_limits<double>::infinity();
   switch (o.type) {
     case OptimizerType::Adam: {
@@ -576,9 +585,11 @@ std::string offload_nvme_path(Section& sec, OffloadDevice device) {
 void read_aio(Section& top, AioConfig& a);
 
 // Page-locked host memory only speeds copies between host and GPU memory.
-const std::string kPinMemoryNote = "no effect on this build: `";
-const std::string kPinMemoryWhy = "` (page-locked host memory speeds host-GPU copies; offloaded state here is used "
-                                  "where it lies, in host memory)";
+std::string pin_memory_note(const Section& off, bool pin) {
+  return "no effect on this build: `" + off.key_path("pin_memory") + "` = " + (pin ? "true" : "false") +
+         " (page-locked host memory speeds host-GPU copies; offloaded state here is used where it lies, in host "
+         "memory)";
+}
 
 // zero_optimization.offload_optimizer / offload_param, their deprecated boolean forms,
 // sub_group_size and the top-level `aio` section (DEEPSPEED-FACTS-2 §3.1).
@@ -599,7 +610,7 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
     o.nvme_path = offload_nvme_path(off, o.device);
     o.buffer_count = off.integer("buffer_count", 4, 1, 1 << 20);
     o.pin_memory = off.boolean("pin_memory", old_opt ? old_pin : true);
-    if (off.has("pin_memory")) off.note(kPinMemoryNote + off.key_path("pin_memory") + kPinMemoryWhy);
+    if (off.has("pin_memory")) off.note(pin_memory_note(off, o.pin_memory));
     o.pipeline_read = off.boolean("pipeline_read", false);
     o.pipeline_write = off.boolean("pipeline_write", false);
     o.fast_init = off.boolean("fast_init", false);
@@ -618,7 +629,7 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
     p.buffer_size = off.integer("buffer_size", 100000000, 1, kMax);
     p.max_in_cpu = off.integer("max_in_cpu", 1000000000, 0, kMax);
     p.pin_memory = off.boolean("pin_memory", old_param ? old_pin : true);
-    if (off.has("pin_memory")) off.note(kPinMemoryNote + off.key_path("pin_memory") + kPinMemoryWhy);
+    if (off.has("pin_memory")) off.note(pin_memory_note(off, p.pin_memory));
     off.finish();
     if (old_param) off.record("device", "cpu");
   }
@@ -1184,7 +1195,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   if (root.contains("strategy")) top.record("strategy", root["strategy"]);
   top.mark_known("strategy");  // expanded above (with_strategy_preset)
   top.finish(kDeepSpeedOnlyTopLevel);
-  if (ctx.problems.empty() && auto_micro) step([&] { resolve_auto_micro_batch(c, world_size, ctx); });
+  if (ctx.problems.empty() && auto_micro) step([&] { resolve_auto_micro_batch(c, world_size, root, ctx); });
   c.resolved["train_batch_size"] = c.batch.train_batch_size;
   c.resolved["train_micro_batch_size_per_gpu"] = c.batch.micro_batch;
   c.resolved["gradient_accumulation_steps"] = c.batch.gradient_accumulation_steps;

@@ -49,14 +49,28 @@ DType read_dtype(Section& s, const std::string& key, DType fallback) {
   return out;
 }
 
+// "enabled": "auto" as Hugging Face resolves it: from TrainingArguments.fp16 / .bf16, which are
+// false unless given on its command line; zero3d has no such flag, so "auto" trains in the
+// precision the other section asks for, else fp32 (--set bf16.enabled=true chooses bf16).
+// The section's other keys take DeepSpeed's defaults for "auto", as its pydantic model does.
+void resolve_auto_enabled(Section& s) {
+  s.auto_is_default("DeepSpeed's default: its config model drops \"auto\"");
+  if (!s.is_auto("enabled")) return;
+  s.substitute("enabled", false);
+  s.note("auto    " + s.key_path("enabled") + " = false (Hugging Face's TrainingArguments." +
+         (s.key_path("enabled").rfind("fp16", 0) == 0 ? "fp16" : "bf16") +
+         " default; --set " + s.key_path("enabled") + "=true to train in it)");
+}
+
 }  // namespace
 
 PrecisionConfig read_precision(Section& top, const Config& c) {
   PrecisionConfig p;
   Section fp16 = top.child("fp16");
+  resolve_auto_enabled(fp16);
   const bool fp16_on = fp16.boolean("enabled", false);
   fp16.accept_default_only("auto_cast", false);
-  p.loss_scale = read_loss_scale(fp16);
+  attempt(fp16.context(), fp16.file(), [&] { p.loss_scale = read_loss_scale(fp16); });
   p.initial_scale_power = static_cast<int>(fp16.integer("initial_scale_power", 16, 0, 1000));
   p.loss_scale_window = fp16.integer("loss_scale_window", 1000, 1, std::numeric_limits<int64_t>::max());
   p.hysteresis = static_cast<int>(fp16.integer("hysteresis", 2, 1, std::numeric_limits<int32_t>::max()));
@@ -69,6 +83,7 @@ PrecisionConfig read_precision(Section& top, const Config& c) {
   const bool use_alias = !top.has("bf16") && top.has("bfloat16");
   if (!use_alias) top.mark_known("bfloat16");
   Section bf16 = top.child(use_alias ? "bfloat16" : "bf16");
+  resolve_auto_enabled(bf16);
   const bool bf16_on = bf16.boolean("enabled", false);
   bf16.boolean("immediate_grad_update", false);  // when gradients are accumulated, not what: same results
   p.check_grad_overflow = bf16.boolean("check_grad_overflow", true);
@@ -77,16 +92,18 @@ PrecisionConfig read_precision(Section& top, const Config& c) {
   bf16.finish();
 
   if (fp16_on && bf16_on)
-    top.fail("bf16.enabled", "fp16 and bf16 are both enabled; enable one of them (DeepSpeed refuses this too)");
+    top.report("bf16.enabled", "fp16 and bf16 are both enabled; enable one of them (DeepSpeed refuses this too)");
   p.param = fp16_on ? DType::F16 : bf16_on ? DType::BF16 : DType::F32;
   if (fp16_on && p.loss_scale > 0.0 && c.optimizer.type == OptimizerType::Lamb)
-    top.fail("fp16.loss_scale", "Lamb needs dynamic loss scaling in DeepSpeed; set it to 0 or remove it");
+    top.report("fp16.loss_scale", "Lamb needs dynamic loss scaling in DeepSpeed; set it to 0 or remove it");
 
-  p.comm = read_dtype(top, "communication_data_type", p.param);
+  p.comm = p.param;
+  attempt(top.context(), top.file(), [&] { p.comm = read_dtype(top, "communication_data_type", p.param); });
   Section types = top.child("data_types");
-  p.grad_accum = read_dtype(types, "grad_accum_dtype", p.param);
+  p.grad_accum = p.param;
+  attempt(top.context(), top.file(), [&] { p.grad_accum = read_dtype(types, "grad_accum_dtype", p.param); });
   if (p.grad_accum != DType::F32 && p.grad_accum != p.param)
-    types.fail_key("grad_accum_dtype", "gradients accumulate in fp32 or in the model dtype (" + dtype_name(p.param) +
+    types.report_key("grad_accum_dtype", "gradients accumulate in fp32 or in the model dtype (" + dtype_name(p.param) +
                                            "), not in " + dtype_name(p.grad_accum));
   types.accept_default_only("param_dtype", nullptr);
   types.accept_default_only("buffer_dtype", nullptr);

@@ -62,8 +62,13 @@ inline std::string show(const json& v) {
 struct ReadContext {
   std::vector<std::string> problems;  // "`key.path`: why", in the order found
   std::vector<std::string> notes;     // start-up lines: "auto" resolutions, keys with no effect here
+  // One problem per key: a second one about the same key is a consequence of the first (a
+  // default stood in for the bad value), not news.
   void problem(const std::string& line) {
-    if (std::find(problems.begin(), problems.end(), line) == problems.end()) problems.push_back(line);
+    const std::string key = line.rfind("`", 0) == 0 ? line.substr(0, line.find('`', 1) + 1) : line;
+    for (const std::string& p : problems)
+      if (p.rfind(key, 0) == 0) return;
+    problems.push_back(line);
   }
 };
 
@@ -338,6 +343,11 @@ class Section {
     known_.push_back(key);
     if (!has(key)) return;
     const json& v = (*obj_)[key];
+    if (v == "auto" && !auto_default_.empty()) {  // "auto" = DeepSpeed's default, which is off
+      (*resolved_)[key] = off;
+      auto_notes_.push_back(key);
+      return;
+    }
     if (v == off || (v.is_number() && off.is_number() && v.get<double>() == off.get<double>())) {
       (*resolved_)[key] = v;
       return;

@@ -42,6 +42,7 @@ constexpr int64_t kMaxRanks = int64_t(1) << 20;
 struct ConfigArgs {
   std::string path;  // empty = the built-in quick-start
   std::vector<std::string> overrides;
+  std::string strategy;  // --strategy: a Lightning DeepSpeed preset beneath the config's keys
 };
 
 // Loads the JSON (file or built-in quick-start) and applies --set overrides in order.
@@ -49,6 +50,7 @@ nlohmann::json load_with_overrides(const ConfigArgs& a, std::string& name) {
   nlohmann::json root = a.path.empty() ? quickstart_json() : load_json_file(a.path);
   name = a.path.empty() ? "<built-in quickstart>" : echo(a.path, 200);  // names the file in every message
   for (const auto& o : a.overrides) apply_override(root, o);
+  if (!a.strategy.empty() && root.is_object()) root["strategy"] = a.strategy;  // as the config key
   return root;
 }
 
@@ -109,6 +111,7 @@ int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {
     std::printf("%s: valid for %lld ranks (%d pipeline stages x %lld data-parallel)\n", echo(name, 200).c_str(),
                 (long long)world_size, cfg.pipeline.stages, (long long)cfg.batch.world_size);
     std::printf("batch   %s\n", cfg.batch.derivation.c_str());
+    for (const std::string& line : cfg.notes) std::printf("%s\n", line.c_str());
     std::printf("memory  %s per rank at ZeRO stage %d; %s\n", human_bytes(double(budget.total())).c_str(), budget.stage,
                 avail.bytes < 0 ? "available memory unknown (not checked)"
                                 : (human_bytes(double(avail.bytes)) + " available on this machine (" + avail.source +
@@ -161,6 +164,8 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
                   "which slows every matrix product; set OPENBLAS_NUM_THREADS=%d\n",
                   threads, ranks_here, threads * ranks_here, cores, std::max(1, cores / ranks_here));
   }
+  if (rank == 0)
+    for (const std::string& line : cfg.notes) std::printf("%s\n", line.c_str());  // "auto" values, no-effect keys
   install_preemption_handlers();  // SIGTERM/SIGUSR1: finish the step, save, exit kExitRequeue
   // DeepSpeed's PipeModelDataParallelTopology: ranks are placed exactly as `zero3d topology` prints.
   const int pp = cfg.pipeline.stages, tp = cfg.tensor.size;
@@ -386,7 +391,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
       throw InputError("estimate " + a.kind + ": --set changes a config; give it with --model CONFIG");
     if (!a.model.empty()) {
       std::string model_name;
-      const Config c = read_config(load_with_overrides({a.model, a.config.overrides}, model_name), model_name, 1);
+      const Config c = read_config(load_with_overrides({a.model, a.config.overrides, a.config.strategy}, model_name), model_name, 1);
       const ModelCounts counts = count_model(c.model);
       a.params = double(counts.params);
       a.largest_layer = double(counts.largest_layer);
@@ -545,12 +550,16 @@ int main(int argc, char** argv) {
   auto* train = app.add_subcommand("train", "Train a model described by a DeepSpeed-style JSON config");
   train->add_option("config", train_args.path, "config file (default: the built-in quick-start)");
   train->add_option("--set", train_args.overrides, "override a key: --set optimizer.params.lr=1e-3")->take_all();
+  const std::string strategy_help = "a Lightning DeepSpeed strategy preset beneath the config's keys (deepspeed, "
+                                    "deepspeed_stage_1, _2, _2_offload, _3, _3_offload, _3_offload_nvme)";
+  train->add_option("--strategy", train_args.strategy, strategy_help);
   train->add_option("--output", output_dir, "output directory (default: training.output_dir or output/<config name>)");
   auto* validate = app.add_subcommand("validate", "Check a config without training; exit 0 or 2");
   validate->add_option("config", validate_args.path, "config file")->required();
   validate->add_option("--world-size", world_size, "ranks in all (pipeline stages x data-parallel x tensor-parallel) to check the config against")
       ->check(CLI::Range(int64_t(1), kMaxRanks));
   validate->add_option("--set", validate_args.overrides, "override a key")->take_all();
+  validate->add_option("--strategy", validate_args.strategy, strategy_help);
   int64_t pp = 1, dp = 1, tp = 1;
   bool as_json = false;
   auto* topology = app.add_subcommand("topology", "Print each rank's coordinates and process groups");
@@ -597,6 +606,7 @@ int main(int argc, char** argv) {
   estimate->add_option("--model", est.model, "take the counts from this config's model (live estimate)");
   estimate->add_option("--config", est.config.path, "the full per-rank budget of this configuration");
   estimate->add_option("--set", est.config.overrides, "override a key of --config (or of --model)")->take_all();
+  estimate->add_option("--strategy", est.config.strategy, strategy_help);
   estimate->add_option("--world-size", est.world_size, "ranks in all (pipeline stages x data-parallel x tensor-parallel)")
       ->check(CLI::Range(int64_t(1), kMaxRanks));
   estimate->add_option("--memory-per-rank", est.memory_per_rank, "find the largest micro-batch that fits (e.g. 16GiB)");

@@ -149,10 +149,13 @@ TEST(Offload, AnUnwritableNvmePathIsRejectedNamingKeyAndPath) {
   EXPECT_NE(r.err.find(file), std::string::npos) << r.err;
 }
 
-TEST(Offload, ValidateRejectsUseGdsByName) {
+// use_gds needs GPU memory to read into (issue 18: a key of the hardware kind): accepted and
+// named once at start-up as having no effect on this build.
+TEST(Offload, ValidateListsUseGdsAsNoEffectOnThisBuild) {
   const std::string config = write_config("gds.json", offload_config(2, false));
   const Result r = run("validate " + config + " --set aio.use_gds=true");
-  expect_one_line_rejection(r, "`aio.use_gds`");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("no effect on this build: `aio.use_gds` = true (GPUDirect Storage"), std::string::npos) << r.out;
 }
 
 TEST(Offload, MaxInCpuSmallerThanOneUnitStillTrainsTheSameModel) {

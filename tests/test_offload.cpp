@@ -163,7 +163,6 @@ TEST(OffloadConfig, InvalidCombinationsAreRejectedWithTheirReason) {
        "`zero_optimization.offload_optimizer.buffer_count`", "fp32 master, exp_avg, exp_avg_sq"},
       {with_zero({{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}, {"ratio", 1.5}}}}),
        "`zero_optimization.offload_optimizer.ratio`", "out of range"},
-      {with_zero({{"stage", 2}}, {{"aio", {{"use_gds", true}}}}), "`aio.use_gds`", "GPUDirect Storage"},
       {with_zero({{"stage", 2}}, {{"aio", {{"block_size", 5000}}}}), "`aio.block_size`", "multiple of 4096"},
       {with_zero({{"stage", 2}}, {{"aio", {{"thread_count", 2}, {"intra_op_parallelism", 2}}}}), "`aio.thread_count`",
        "new name"},
