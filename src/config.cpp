@@ -599,6 +599,8 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
   // cpu_offload_use_pin_memory -> pin_memory of both.
   const bool old_opt = sec.boolean("cpu_offload", false), old_param = sec.boolean("cpu_offload_param", false);
   const bool old_pin = sec.boolean("cpu_offload_use_pin_memory", false);
+  // The resolved config names the new keys only (offload_*.device, pin_memory): it must read back.
+  for (const char* old : {"cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"}) sec.forget(old);
   for (const auto& [old, key] : {std::pair<const char*, const char*>{"cpu_offload", "offload_optimizer"},
                                  {"cpu_offload_param", "offload_param"}})
     if (sec.has(old) && sec.has(key))
@@ -796,11 +798,10 @@ void read_zero(Section& top, Config& c) {
                     "spreads the GPU-to-CPU gradient copies of offload over ranks; this build's gradients are "
                     "in host memory already");
   sec.hardware_only("use_multi_rank_bucket_allreduce", true, "an NCCL bucketing choice; same sums");
-  for (const char* key : {"gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
-                          "stage3_gather_fp16_weights_on_model_save"})
-    sec.feature_missing(key, false, "consolidated 16-bit weights written at each save",
-                        "run `zero3d convert SAVE_DIR OUT.safetensors --dtype bf16` on a checkpoint to get them "
-                        "(or set it to false)");
+  // One setting under three names (DeepSpeed's current, stage3_ and old fp16 spellings).
+  for (const char* key : {"stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+                          "gather_16bit_weights_on_model_save"})
+    if (sec.boolean(key, false)) c.zero.gather_16bit_weights_on_model_save = true;
   for (const auto& [key, deepspeed_default] : kZeroDefaultOnlyKeys) sec.accept_default_only(key, deepspeed_default);
   sec.finish();
 }

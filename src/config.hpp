@@ -154,6 +154,9 @@ struct ZeroConfig {
   OffloadParamConfig offload_param;
   int64_t sub_group_size = 1000000000;  // optimizer elements updated (and swapped) together
   AioConfig aio;
+  // stage3_gather_16bit_weights_on_model_save: each save also writes the consolidated weights
+  // (Hugging Face layout, the model's dtype) as DeepSpeed's save_16bit_model does.
+  bool gather_16bit_weights_on_model_save = false;
 };
 
 // fp16 / bf16 / communication_data_type / data_types (DEEPSPEED-FACTS §1.4, §2).

@@ -118,6 +118,8 @@ class Section {
   // DeepSpeed's pydantic sections drop an "auto" value before validation, so "auto" means the
   // default there (DEEPSPEED-FACTS §1.3); set for those sections, with `why` naming the rule.
   void auto_is_default(const std::string& why) { auto_default_ = why; }
+  // Drops a key from the resolved config: a deprecated name whose value lives under its new one.
+  void forget(const std::string& key) { resolved_->erase(key); }
   // Writes a value read by hand (after raw()) into the resolved config.
   void record(const std::string& key, const json& value) { (*resolved_)[key] = value; }
 

@@ -350,6 +350,15 @@ void Engine::save(bool final_step, bool forced) {
   }
   const std::string tag = "global_step" + std::to_string(step_);
   save_checkpoint(cfg_.training.save_dir, tag, m, slice, global, groups_.world(), cfg_.training.keep_last);
+  // zero_optimization.stage3_gather_16bit_weights_on_model_save: DeepSpeed's save_16bit_model
+  // beside each save; here `zero3d convert`'s consolidated weights inside the tag (pruned with it).
+  if (cfg_.zero.gather_16bit_weights_on_model_save && groups_.rank() == 0) {
+    const DType d = cfg_.precision.param;
+    const std::string out = cfg_.training.save_dir + "/" + tag + "/hf/model.safetensors";
+    convert_checkpoint(cfg_.training.save_dir, tag, out, "safetensors",
+                       d == DType::BF16 ? "bf16" : d == DType::F16 ? "fp16" : "fp32", 0);
+    std::printf("weights %s (consolidated, %s)\n", out.c_str(), dtype_name(d).c_str());
+  }
   if (groups_.rank() == 0) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double mb = 4.0 * m.states.size() * m.total_params / 1e6;
