@@ -172,4 +172,38 @@ inline void sgd_update(float* params, const float* grads, float* momentum_buf, I
   });
 }
 
+// Lion as DeepSpeed's FusedLion (csrc/lion/multi_tensor_lion.cu): c = b1·m + (1-b1)·g; the step
+// is -lr where c > 0, else +lr (c == 0 steps up, as that kernel does); decoupled weight decay
+// p·(1 - lr·wd) first; then m = b2·m + (1-b2)·g.
+struct LionStep {
+  float lr, beta1, beta2, weight_decay;
+};
+
+inline void lion_update(float* params, const float* grads, float* m, Index n, const LionStep& s) {
+  const float b1 = s.beta1, b2 = s.beta2, lr = s.lr, after_decay = 1.0f - s.lr * s.weight_decay;
+  Kokkos::parallel_for("lion_update", range(n), KOKKOS_LAMBDA(Index i) {
+    const float g = grads[i], mi = m[i];
+    const float c = b1 * mi + (1.0f - b1) * g;
+    params[i] = params[i] * after_decay + (c > 0.0f ? -lr : lr);
+    m[i] = b2 * mi + (1.0f - b2) * g;
+  });
+}
+
+// Adagrad as torch.optim.Adagrad (DeepSpeed's "adagrad" without offload): g += wd·p;
+// sum += g²; p -= clr·g / (sqrt(sum) + eps), clr already holding lr_decay.
+struct AdagradStep {
+  float clr, eps, weight_decay;
+};
+
+inline void adagrad_update(float* params, const float* grads, float* sum, Index n, const AdagradStep& s) {
+  const float clr = s.clr, eps = s.eps, wd = s.weight_decay;
+  Kokkos::parallel_for("adagrad_update", range(n), KOKKOS_LAMBDA(Index i) {
+    const float p = params[i];
+    const float g = grads[i] + wd * p;
+    const float si = sum[i] + g * g;
+    sum[i] = si;
+    params[i] = p - clr * g / (std::sqrt(si) + eps);
+  });
+}
+
 }  // namespace zero3d::kernels

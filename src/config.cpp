@@ -206,29 +206,33 @@ OptimizerConfig read_optimizer(Section& top) {
   Section sec = top.child("optimizer");
   std::string type = sec.string("type", "AdamW");
   const std::string t = lower(type);
-  const std::vector<std::string> deepspeed_unsupported = {"onebitadam", "zerooneadam", "onebitlamb", "adagrad",
-                                                          "lion", "muadam", "muadamw", "musgd", "muon"};
+  const std::vector<std::string> deepspeed_unsupported = {"onebitadam", "zerooneadam", "onebitlamb",
+                                                          "muadam", "muadamw", "musgd", "muon"};
   // DeepSpeed's implementation names of the same update (ops/adam, ops/lamb): fused CUDA
   // kernels and the CPU kernel compute what Adam and Lamb compute.
   const bool adam_alias = t == "fusedadam" || t == "cpuadam" || t == "deepspeedcpuadam";
   if (t == "adam" || t == "adamw" || adam_alias) {
     o.type = OptimizerType::Adam;
+  } else if (t == "lion" || t == "fusedlion" || t == "cpulion" || t == "deepspeedcpulion") {
+    o.type = OptimizerType::Lion;  // DeepSpeed's "lion": FusedLion, DeepSpeedCPULion under offload
+  } else if (t == "adagrad" || t == "cpuadagrad" || t == "deepspeedcpuadagrad") {
+    o.type = OptimizerType::Adagrad;  // DeepSpeed's "adagrad": torch.optim.Adagrad without offload
   } else if (t == "lamb" || t == "fusedlamb") {
     o.type = OptimizerType::Lamb;
   } else if (type == "SGD") {  // a torch.optim name: case-sensitive, as DeepSpeed looks it up
     o.type = OptimizerType::SGD;
   } else if (std::find(deepspeed_unsupported.begin(), deepspeed_unsupported.end(), t) !=
                  deepspeed_unsupported.end() ||
-             type == "Adagrad" || type == "RMSprop" || type == "Adadelta" || type == "Adamax" ||
+             type == "RMSprop" || type == "Adadelta" || type == "Adamax" ||
              type == "NAdam" || type == "RAdam" || type == "ASGD" || type == "Rprop" || type == "LBFGS") {
     const bool one_bit = t == "onebitadam" || t == "zerooneadam" || t == "onebitlamb";
     sec.fail_key("type", "DeepSpeed optimizer " + show(json(type)) + " is not supported by zero3d (supported: Adam, "
-                         "AdamW, Lamb, SGD and their FusedAdam/CPUAdam/FusedLamb names)" +
+                         "AdamW, Lamb, SGD, Lion, Adagrad and their Fused/CPU names)" +
                          (one_bit ? "; 1-bit compressed communication comes later: use Adam (or Lamb) meanwhile"
                                   : ""));
   } else {
-    std::string hint = nearest(type, {"Adam", "AdamW", "Lamb", "SGD"});
-    sec.fail_key("type", show(json(type)) + " is not a supported optimizer (Adam, AdamW, Lamb, SGD)" +
+    std::string hint = nearest(type, {"Adam", "AdamW", "Lamb", "SGD", "Lion", "Adagrad"});
+    sec.fail_key("type", show(json(type)) + " is not a supported optimizer (Adam, AdamW, Lamb, SGD, Lion, Adagrad)" +
                              (hint.empty() ? "" : "; did you mean \"" + hint + "\"?"));
   }
   o.type_name = type;
@@ -265,6 +269,27 @@ OptimizerConfig read_optimizer(Section& top) {
       o.min_coeff = p.number("min_coeff", 0.01, 0.0, inf);
       if (o.min_coeff > o.max_coeff)
         p.report_key("min_coeff", "must not exceed max_coeff (" + std::to_string(o.max_coeff) + ")");
+      p.finish();
+      break;
+    }
+    case OptimizerType::Lion: {  // FusedLion(lr=1e-3, betas=(0.9, 0.999), weight_decay=0)
+      read_hf_auto_params(p);
+      o.lr = p.number("lr", 1e-3, 0.0, inf);
+      std::tie(o.beta1, o.beta2) = p.pair("betas", {0.9, 0.999});
+      o.weight_decay = p.number("weight_decay", 0.0, 0.0, inf);
+      p.finish();
+      break;
+    }
+    case OptimizerType::Adagrad: {  // torch.optim.Adagrad(lr=1e-2, lr_decay=0, weight_decay=0, eps=1e-10)
+      read_hf_auto_params(p);
+      o.lr = p.number("lr", 1e-2, 0.0, inf);
+      o.eps = p.number("eps", 1e-10, 0.0, inf);
+      o.weight_decay = p.number("weight_decay", 0.0, 0.0, inf);
+      o.lr_decay = p.number("lr_decay", 0.0, 0.0, inf);
+      o.initial_accumulator_value = p.number("initial_accumulator_value", 0.0, 0.0, inf);
+      p.accept_default_only("maximize", false);
+      p.accept_default_only("foreach", nullptr);
+      p.accept_default_only("differentiable", false);
       p.finish();
       break;
     }
@@ -826,7 +851,7 @@ void check_offload(Section& top, const Config& c) {
   if (o.device == OffloadDevice::None) return;
   if (c.optimizer.type != OptimizerType::Adam)
     top.fail("zero_optimization.offload_optimizer.device",
-             "offloaded optimizer state is updated by DeepSpeedCPUAdam, which needs optimizer Adam or AdamW (got " +
+             "offloaded optimizer state is updated by zero3d's DeepSpeedCPUAdam, which needs optimizer Adam or AdamW (got " +
                  c.optimizer.type_name + ")");
   if (o.device != OffloadDevice::Nvme) return;
   const int64_t states = c.precision.param == DType::F32 ? 2 : 3;
@@ -839,6 +864,48 @@ void check_offload(Section& top, const Config& c) {
                  std::to_string(groups) + " sub-group" + (groups > 1 ? "s are" : " is") +
                  " in flight (pipeline_read " + (o.pipeline_read ? "on" : "off") + ", pipeline_write " +
                  (o.pipeline_write ? "on" : "off") + "): at least " + std::to_string(states * groups));
+}
+
+// autotuning (DEEPSPEED-FACTS §10): DeepSpeed's keys and defaults; the search is autotune.cpp's.
+AutotuningConfig read_autotuning(Section& top) {
+  Section sec = top.child("autotuning");
+  AutotuningConfig a;
+  a.enabled = sec.boolean("enabled", false);
+  a.fast = sec.boolean("fast", true);
+  a.results_dir = sec.path("results_dir", a.results_dir);
+  a.exps_dir = sec.path("exps_dir", a.exps_dir);
+  if (a.results_dir.empty()) sec.report_key("results_dir", "must name a directory, got \"\"");
+  if (a.exps_dir.empty()) sec.report_key("exps_dir", "must name a directory, got \"\"");
+  a.overwrite = sec.boolean("overwrite", true);
+  a.start_profile_step = sec.integer("start_profile_step", 3, 1, 1000000);
+  a.end_profile_step = sec.integer("end_profile_step", 5, 1, 1000000);
+  if (a.end_profile_step < a.start_profile_step)
+    sec.report_key("end_profile_step", "value " + std::to_string(a.end_profile_step) +
+                                           " is before start_profile_step (" + std::to_string(a.start_profile_step) + ")");
+  a.metric = sec.choice("metric", "throughput", {"throughput", "latency", "flops"});
+  a.tuner_type = sec.choice("tuner_type", "gridsearch", {"gridsearch", "random", "model_based"});
+  a.tuner_early_stopping = sec.integer("tuner_early_stopping", 5, 1, kMaxInt);
+  a.tuner_num_trials = sec.integer("tuner_num_trials", 50, 1, kMaxInt);
+  const json* max_tbs = sec.raw("max_train_batch_size");
+  if (max_tbs && !max_tbs->is_null()) a.max_train_batch_size = sec.integer("max_train_batch_size", 0, 1, INT64_MAX);
+  else sec.record("max_train_batch_size", nullptr);
+  a.min_train_batch_size = sec.integer("min_train_batch_size", 1, 1, INT64_MAX);
+  a.max_train_micro_batch_size_per_gpu = sec.integer("max_train_micro_batch_size_per_gpu", 1024, 1, kMaxInt);
+  a.min_train_micro_batch_size_per_gpu = sec.integer("min_train_micro_batch_size_per_gpu", 1, 1, kMaxInt);
+  if (a.min_train_micro_batch_size_per_gpu > a.max_train_micro_batch_size_per_gpu)
+    sec.report_key("min_train_micro_batch_size_per_gpu",
+                   "value " + std::to_string(a.min_train_micro_batch_size_per_gpu) +
+                       " is above max_train_micro_batch_size_per_gpu (" +
+                       std::to_string(a.max_train_micro_batch_size_per_gpu) + ")");
+  a.num_tuning_micro_batch_sizes = sec.integer("num_tuning_micro_batch_sizes", 3, 1, 1024);
+  // DeepSpeed's hooks into a user's launch script and its model-info run: zero3d has neither.
+  sec.no_effect("metric_path", "each experiment's metrics go to results_dir/<experiment>/metrics.json");
+  sec.no_effect("arg_mappings", "experiments run in-process, with no training script to pass arguments to");
+  sec.no_effect("model_info", "zero3d counts the model's parameters and activations from the model section");
+  sec.no_effect("model_info_path", "zero3d counts the model's parameters and activations from the model section");
+  sec.no_effect("mp_size", "the tensor-parallel size is tensor_parallel.autotp_size (explored when fast is false)");
+  sec.finish();
+  return a;
 }
 
 // DeepSpeed's other top-level keys, each of one of three kinds: implemented elsewhere in this
@@ -857,7 +924,6 @@ void read_unsupported_top_level(Section& top) {
       {"data_efficiency", "data efficiency sampling/routing: data.shuffle picks windows at random"},
       {"weight_quantization", "weight quantization"},
       {"nebula", "Nebula checkpointing: use training.save_interval (HDF5 checkpoints)"},
-      {"autotuning", "autotuning (issue 16): `zero3d estimate --config --memory-per-rank` finds the micro-batch"},
   };
   for (const auto& [key, what] : missing_sections) {
     top.mark_known(key);
@@ -886,8 +952,9 @@ void read_unsupported_top_level(Section& top) {
   top.feature_missing("memory_breakdown", false, "memory printouts during training",
                       "`zero3d estimate --config` prints the budget per rank by category");
   top.feature_missing("dump_state", false, "engine state dumps", "set it to false");
-  top.feature_missing("disable_allgather", false, "parameter broadcast in place of the all-gather",
-                      "set it to false (the gathered parameters are identical)");
+  // DeepSpeed reads disable_allgather into its config and nothing uses it (runtime/config.py
+  // get_disable_allgather is its only reader): accepted with that meaning.
+  top.boolean("disable_allgather", false);
   top.feature_missing("managed_gradient_accumulation", true, "unmanaged gradient accumulation", "set it to true");
   top.feature_missing("zero_force_ds_cpu_optimizer", true, "a client optimizer with offload",
                       "offload runs DeepSpeedCPUAdam: set it to true");
@@ -1191,6 +1258,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   step([&] { c.precision = read_precision(top, c); });
   step([&] { check_offload(top, c); });
   step([&] { c.observability = read_observability(top); });
+  step([&] { c.autotuning = read_autotuning(top); });
   step([&] { read_unsupported_top_level(top); });
   step([&] { read_checkpoint_section(top); });
   if (root.contains("strategy")) top.record("strategy", root["strategy"]);

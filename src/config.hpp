@@ -61,7 +61,7 @@ struct TrainingConfig {
   int64_t eval_steps = 10;     // evaluation rounds of train_batch_size validation samples (Megatron's eval-iters)
 };
 
-enum class OptimizerType { Adam, Lamb, SGD };
+enum class OptimizerType { Adam, Lamb, SGD, Lion, Adagrad };
 
 // One struct for all optimizers: each type reads the fields it owns (see config.cpp).
 struct OptimizerConfig {
@@ -77,6 +77,7 @@ struct OptimizerConfig {
   double max_coeff = 10.0, min_coeff = 0.01;  // Lamb trust-ratio clamp
   double momentum = 0.0, dampening = 0.0;     // SGD
   bool nesterov = false;                      // SGD
+  double lr_decay = 0.0, initial_accumulator_value = 0.0;  // Adagrad (torch.optim.Adagrad)
 };
 
 enum class SchedulerType { None, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest };
@@ -191,6 +192,22 @@ struct BatchConfig {
   std::string derivation;   // human-readable account printed at start-up
 };
 
+// autotuning (DEEPSPEED-FACTS §10; autotune.hpp): DeepSpeed's keys and defaults.
+struct AutotuningConfig {
+  bool enabled = false;  // on `train`: autotune first, then train with ds_config_optimal.json
+  bool fast = true;      // true: ZeRO stage x micro-batch only; false: also layouts and checkpointing
+  std::string results_dir = "autotuning_results", exps_dir = "autotuning_exps";
+  bool overwrite = true;  // remove both directories first
+  int64_t start_profile_step = 3, end_profile_step = 5;
+  std::string metric = "throughput";      // throughput (samples/s), latency (step ms) or flops (per rank)
+  std::string tuner_type = "gridsearch";  // gridsearch, random or model_based
+  int64_t tuner_early_stopping = 5, tuner_num_trials = 50;
+  int64_t max_train_batch_size = 0;  // 0: none given
+  int64_t min_train_batch_size = 1;
+  int64_t max_train_micro_batch_size_per_gpu = 1024, min_train_micro_batch_size_per_gpu = 1;
+  int64_t num_tuning_micro_batch_sizes = 3;
+};
+
 struct Config {
   std::string file;  // where it came from, for messages
   ModelConfig model;
@@ -210,6 +227,7 @@ struct Config {
   std::vector<int> pipe_bounds;  // p·v + 1 boundaries into gpt_pipe_layers() (pipe_plan.hpp)
   bool zero_allow_untested_optimizer = false;
   ObservabilityConfig observability;  // flops_profiler, csv_monitor, tensorboard, comms_logger, trace
+  AutotuningConfig autotuning;
   nlohmann::json resolved;  // every key with its value after defaults and derivation
   // Start-up lines: each "auto" value with where it came from, keys with no effect on this
   // build with the reason, warnings DeepSpeed gives too. Printed once by validate and train.

@@ -30,7 +30,14 @@ GPTShape shape_of(const ModelConfig& m) {
 
 // The checkpoint's optimizer-state family, and the update rule within it.
 std::string optimizer_family(const OptimizerConfig& o) {
-  return o.type == OptimizerType::SGD ? "SGD" : o.type == OptimizerType::Lamb ? "Lamb" : "Adam";
+  switch (o.type) {
+    case OptimizerType::SGD: return "SGD";
+    case OptimizerType::Lamb: return "Lamb";
+    case OptimizerType::Lion: return "Lion";
+    case OptimizerType::Adagrad: return "Adagrad";
+    case OptimizerType::Adam: break;
+  }
+  return "Adam";
 }
 std::string update_rule(const OptimizerConfig& o) {
   if (o.type != OptimizerType::Adam) return optimizer_family(o);

@@ -192,7 +192,9 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   b.grads = gs * elems.grads;
   const int64_t state_elems = elems.state;
   b.master = mixed ? 4 * state_elems : 0;  // fp32 parameters are their own master copy
-  const int moments = cfg.optimizer.type == OptimizerType::SGD ? (cfg.optimizer.momentum != 0.0 ? 1 : 0) : 2;
+  const OptimizerType ot = cfg.optimizer.type;
+  const int moments = ot == OptimizerType::SGD ? (cfg.optimizer.momentum != 0.0 ? 1 : 0)
+                      : ot == OptimizerType::Lion || ot == OptimizerType::Adagrad ? 1 : 2;  // exp_avg / exp_avg_sq
   b.optimizer_states = 4 * moments * state_elems;
   // Offload tiers as ZeroOptimizer places them: sub-groups from int((1 - ratio)·G) on leave
   // device memory; NVMe ones go to swap files through buffer slots (workspace), as do stage-3

@@ -13,6 +13,15 @@ Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout) : cf
   const int64_t n = layout.total();
   if (cfg.type == OptimizerType::SGD) {
     if (cfg.momentum != 0.0) m_ = make_flat_buffer("momentum_buffer", n);
+  } else if (cfg.type == OptimizerType::Lion) {
+    m_ = make_flat_buffer("exp_avg", n);
+  } else if (cfg.type == OptimizerType::Adagrad) {
+    v_ = make_flat_buffer("exp_avg_sq", n);  // torch's state "sum", DeepSpeedCPUAdagrad's name
+    if (cfg.initial_accumulator_value != 0.0) {
+      float* v = v_.data();
+      const float init = static_cast<float>(cfg.initial_accumulator_value);
+      for (int64_t i = 0; i < n; ++i) v[i] = init;
+    }
   } else {
     m_ = make_flat_buffer("exp_avg", n);
     v_ = make_flat_buffer("exp_avg_sq", n);
@@ -25,11 +34,15 @@ int64_t Optimizer::state_bytes() const {
 
 std::vector<std::string> Optimizer::state_names() const {
   if (cfg_.type == OptimizerType::SGD) return m_.extent(0) ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
+  if (cfg_.type == OptimizerType::Lion) return {"exp_avg"};
+  if (cfg_.type == OptimizerType::Adagrad) return {"exp_avg_sq"};
   return {"exp_avg", "exp_avg_sq"};
 }
 
 std::vector<FlatBuffer*> Optimizer::state_buffers() {
   if (cfg_.type == OptimizerType::SGD) return m_.extent(0) ? std::vector<FlatBuffer*>{&m_} : std::vector<FlatBuffer*>{};
+  if (cfg_.type == OptimizerType::Lion) return {&m_};
+  if (cfg_.type == OptimizerType::Adagrad) return {&v_};
   return {&m_, &v_};
 }
 
@@ -70,6 +83,25 @@ void Optimizer::step(float* params, const void* grads, DType grad_type, float gr
       for (const TensorSpec& t : layout_.tensors())  // the trust ratio needs whole tensors
         kernels::lamb_update(params + t.offset, fp32_grads(t.offset, t.numel), m_.data() + t.offset,
                              v_.data() + t.offset, t.numel, s);
+      break;
+    }
+    case OptimizerType::Lion: {
+      const kernels::LionStep s{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
+                                static_cast<float>(cfg_.weight_decay)};
+      for (int64_t a = 0; a < total; a += chunk) {
+        const int64_t n = std::min(chunk, total - a);
+        kernels::lion_update(params + a, fp32_grads(a, n), m_.data() + a, n, s);
+      }
+      break;
+    }
+    case OptimizerType::Adagrad: {
+      // torch.optim.Adagrad: clr = lr / (1 + (step - 1) * lr_decay)
+      const kernels::AdagradStep s{static_cast<float>(lr / (1.0 + double(step_count_ - 1) * cfg_.lr_decay)),
+                                   static_cast<float>(cfg_.eps), static_cast<float>(cfg_.weight_decay)};
+      for (int64_t a = 0; a < total; a += chunk) {
+        const int64_t n = std::min(chunk, total - a);
+        kernels::adagrad_update(params + a, fp32_grads(a, n), v_.data() + a, n, s);
+      }
       break;
     }
     case OptimizerType::SGD: {

@@ -48,12 +48,6 @@ const std::map<std::string, Rejection>& expected_rejections() {
        {"no block is checkpointed", "Megatron's --checkpoint-activations, outside the config, turns checkpointing on"}},
       {"deepspeed__tests__model__Megatron_GPT2__ds_config_func_bs8_zero2_offload.json",
        {"no block is checkpointed", "Megatron's --checkpoint-activations, outside the config, turns checkpointing on"}},
-      {"deepspeed__tests__model__Megatron_GPT2__ds_config_perf_bs16.json",
-       {"`disable_allgather`", "parameter broadcast instead of all-gather (issue 18, not done)"}},
-      {"deepspeed__tests__model__Megatron_GPT2__ds_config_perf_bs32.json",
-       {"`disable_allgather`", "parameter broadcast instead of all-gather (issue 18, not done)"}},
-      {"deepspeed__tests__model__Megatron_GPT2__ds_config_perf_bs8.json",
-       {"`disable_allgather`", "parameter broadcast instead of all-gather (issue 18, not done)"}},
       {"deepspeed__tests__torch_compile__ds_config_z2.json",
        {"`bf16.loss_scale`: unknown key", "fp16 loss-scaling keys in the bf16 section (DeepSpeed's bf16 model forbids them)"}},
       {"deepspeed__tests__torch_compile__ds_config_z3.json",
@@ -186,6 +180,32 @@ TEST(Gather16BitCli, EachSaveWritesConsolidatedWeightsAndStillResumes) {
   }
   r = run("train " + config + " --output " + out + " --set training.steps=6 training.resume=latest", 2);
   EXPECT_EQ(r.code, 0) << r.err;
+}
+
+// Lion and Adagrad are elementwise, so ZeRO partitions them like Adam: at stage 2 on two ranks
+// they learn, and a resumed run continues exactly where the saved one was.
+TEST(LionAdagradCli, TrainUnderZeroAndResumeExactly) {
+  for (const char* type : {"Lion", "Adagrad"}) {
+    json j = tiny_config();
+    j["optimizer"] = {{"type", type}, {"params", {{"lr", std::string(type) == "Lion" ? 1e-3 : 1e-2}}}};
+    j["zero_optimization"] = {{"stage", 2}};
+    j["training"]["steps"] = 6;
+    j["training"]["save_interval"] = 3;
+    const std::string config = write_config(std::string(type) + ".json", j);
+    const std::string full = temp_path(std::string(type) + "_full"), resumed = temp_path(std::string(type) + "_res");
+    Result r = run("train " + config + " --output " + full, 2);
+    ASSERT_EQ(r.code, 0) << type << r.err;
+    const std::vector<double> all = losses_of(read_metrics(full));
+    ASSERT_EQ(all.size(), 6u) << type;
+    EXPECT_LT(all.back(), all.front()) << type;
+    r = run("train " + config + " --output " + resumed + " --set training.resume=" + full +
+                "/checkpoints/global_step3",
+            2);
+    ASSERT_EQ(r.code, 0) << type << r.err;
+    const std::vector<double> tail = losses_of(read_metrics(resumed));
+    ASSERT_EQ(tail.size(), 3u) << type;
+    for (size_t k = 0; k < 3; ++k) EXPECT_EQ(tail[k], all[3 + k]) << type << " step " << 4 + k;
+  }
 }
 
 }  // namespace
