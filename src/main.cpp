@@ -21,6 +21,7 @@
 #include "engine.hpp"
 #include "estimator.hpp"
 #include "agreement.hpp"
+#include "autotune.hpp"
 #include "failure.hpp"
 #include "h5.hpp"
 #include "input_file.hpp"
@@ -133,6 +134,48 @@ int ranks_on_this_node(MPI_Comm world) {
   return ranks_here;
 }
 
+// A byte size option such as 16GiB (parse_byte_size says what is wrong; the option is named).
+int64_t size_option(const std::string& option, const std::string& text) { return parse_byte_size(text, option); }
+
+// autotuning.enabled on train: tune first, then train the optimal configuration (DeepSpeed's
+// `--autotuning run`). Returns it (null when the config does not ask), naming it in `name`.
+nlohmann::json tune_first(const ConfigArgs& a, std::string& name, int ranks_here, const AvailableMemory& avail,
+                          MPI_Comm world) {
+  nlohmann::json root;
+  run_collectively(world, [&] { root = load_with_overrides(a, name); });
+  if (!autotuning_enabled(root)) return nullptr;
+  const AutotuneResult r = autotune(root, name, world, autotune_memory(0, avail, ranks_here));
+  int rank = 0;
+  MPI_Comm_rank(world, &rank);
+  if (rank == 0) std::printf("autotune training with %s\n", r.optimal_path.c_str());
+  name = r.optimal_path;
+  return r.optimal;
+}
+
+// zero3d autotune: DeepSpeed's autotuner on this job's own ranks (autotune.hpp). Writes
+// results_dir, exps_dir and results_dir/ds_config_optimal.json; trains nothing further.
+int cmd_autotune(const ConfigArgs& a, int64_t world_size, bool world_size_given, const std::string& memory_per_rank,
+                 MPI_Comm world) {
+  int size = 1;
+  MPI_Comm_size(world, &size);
+  const int ranks_here = ranks_on_this_node(world);
+  const AvailableMemory avail = available_memory();
+  std::string name;
+  nlohmann::json root;
+  AutotuneMemory memory;
+  run_collectively(world, [&] {
+    check_launch(size);
+    if (world_size_given && world_size != size)
+      throw InputError("autotune --world-size " + std::to_string(world_size) + ": every experiment runs on this job's " +
+                       std::to_string(size) + " rank(s); start it with mpiexec -np " + std::to_string(world_size));
+    root = load_with_overrides(a, name);
+    memory = autotune_memory(memory_per_rank.empty() ? 0 : size_option("--memory-per-rank", memory_per_rank), avail,
+                             ranks_here);
+  });
+  autotune(root, name, world, memory);
+  return kExitOk;
+}
+
 int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm world) {
   int size = 1, rank = 0;
   MPI_Comm_size(world, &size);
@@ -142,9 +185,10 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
   const int ranks_here = ranks_on_this_node(world);  // for the start-up memory check
   const AvailableMemory avail = available_memory();
   std::unique_ptr<OutputDirLock> lock;
+  run_collectively(world, [&] { check_launch(size); });  // job_control.hpp: N scheduler tasks seen by MPI as N one-rank jobs
+  const nlohmann::json tuned = tune_first(a, name, ranks_here, avail, world);
   run_collectively(world, [&] {
-    check_launch(size);  // job_control.hpp: N scheduler tasks seen by MPI as N one-rank jobs
-    cfg = read_config(load_with_overrides(a, name), name, size);
+    cfg = read_config(tuned.is_null() ? load_with_overrides(a, name) : tuned, name, size);
     check_memory_fits(cfg, ranks_here, avail);
     out = resolve_run_paths(cfg, a.path, output_override);
     // Found now, not at the first save: every rank writes its shard into save_dir.
@@ -333,9 +377,6 @@ int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::stri
               (long long)e.samples, (long long)e.tokens, e.elapsed_ms / 1e3);
   return kExitOk;
 }
-
-// A byte size option such as 16GiB (parse_byte_size says what is wrong; the option is named).
-int64_t size_option(const std::string& option, const std::string& text) { return parse_byte_size(text, option); }
 
 int cmd_convert(const std::string& dir, const std::string& out, const std::string& tag, const std::string& format,
                 const std::string& dtype, const std::string& max_shard, int rank) {
@@ -554,6 +595,18 @@ int main(int argc, char** argv) {
                                     "deepspeed_stage_1, _2, _2_offload, _3, _3_offload, _3_offload_nvme)";
   train->add_option("--strategy", train_args.strategy, strategy_help);
   train->add_option("--output", output_dir, "output directory (default: training.output_dir or output/<config name>)");
+  ConfigArgs tune_args;
+  int64_t tune_world = world;
+  std::string tune_memory;
+  auto* tune = app.add_subcommand("autotune", "DeepSpeed's autotuner on this job's ranks: writes results_dir, exps_dir "
+                                              "and ds_config_optimal.json");
+  tune->add_option("config", tune_args.path, "config file (its autotuning section)")->required();
+  tune->add_option("--world-size", tune_world, "ranks in all: must be the job's (experiments run on them)")
+      ->check(CLI::Range(int64_t(1), kMaxRanks));
+  tune->add_option("--set", tune_args.overrides, "override a key")->take_all();
+  tune->add_option("--strategy", tune_args.strategy, "a Lightning DeepSpeed strategy preset beneath the config's keys");
+  tune->add_option("--memory-per-rank", tune_memory, "memory each rank may use (e.g. 4GiB; default: available memory "
+                                                     "÷ ranks on the node): the planner prunes what does not fit");
   auto* validate = app.add_subcommand("validate", "Check a config without training; exit 0 or 2");
   validate->add_option("config", validate_args.path, "config file")->required();
   validate->add_option("--world-size", world_size, "ranks in all (pipeline stages x data-parallel x tensor-parallel) to check the config against")
@@ -620,6 +673,8 @@ int main(int argc, char** argv) {
     est.world_size_given = estimate->count("--world-size") > 0;
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
     else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
+    else if (tune->parsed())
+      code = cmd_autotune(tune_args, tune_world, tune->count("--world-size") > 0, tune_memory, MPI_COMM_WORLD);
     else if (topology->parsed()) {
       // Under `mpirun -np N` the data-parallel size defaults to what the job's ranks leave.
       if (topology->count("--dp") == 0 && world > 1)
