@@ -26,7 +26,7 @@ for mode in none selective full; do
   case $mode in
     selective) args=(--set pipeline.activation_checkpoint_interval=1
                      --set activation_checkpointing.recompute_granularity=selective) ;;
-    full) args=(--set pipeline.activation_checkpoint_interval=1) ;;
+    full) args=(--set pipeline.activation_checkpoint_interval=1 --set activation_checkpointing.profile=true) ;;
   esac
   run="$DIR/$mode"
   rm -rf "$run"
@@ -45,15 +45,21 @@ PY
   tps[$mode]=$4
   printf "%-22s %12s %12s %8s %10s %10s\n" "$mode" "$1" "$2" "$3" "$4" "$5"
 done
-python3 - "${tps[none]}" "${tps[full]}" "$T" <<'PY'
-import sys
+python3 - "${tps[none]}" "${tps[full]}" "$T" "$DIR/full" <<'PY'
+import json, sys
 none, full, T = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+rows = [json.loads(l) for l in open(sys.argv[4] + "/metrics.jsonl")][1:]
+# measured within the full run itself (robust to load from other processes): the recompute
+# time of rank 0's checkpoints against the rest of its step
+recompute = sum(sum(p["recompute_ms"] for p in r["activation_checkpointing"]["profile"]) for r in rows)
+rest = sum(r["elapsed_ms"] for r in rows) - recompute
 L, C, V = 6, 384, 256
 N = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C        # parameters (wte tied)
 train = 6 * N + 12 * L * T * C                               # forward + backward per token
 block_fwd = 2 * L * (12 * C * C) + 4 * L * T * C             # the blocks' forward, recomputed by full
-print(f"full recompute: {100 * (none / full - 1):.1f}% more time per token; formula: one more forward of the "
-      f"blocks = +{100 * block_fwd / train:.1f}% of model FLOPs (+33% when the blocks are the whole model)")
+print(f"full recompute: recompute time +{100 * recompute / rest:.1f}% of the rest of the step (profile); "
+      f"tokens/s {100 * (none / full - 1):.1f}% lower than without; formula: one more forward of the blocks = "
+      f"+{100 * block_fwd / train:.1f}% of model FLOPs (+33% when the blocks are the whole model)")
 PY
 echo
 echo "largest micro-batch in $MEM per rank at np 2, ZeRO stage 0 (planner; then confirmed by running it):"
