@@ -916,7 +916,6 @@ void read_unsupported_top_level(Section& top) {
   const std::vector<std::pair<const char*, const char*>> missing_sections = {
       {"amp", "NVIDIA Apex AMP: use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}"},
       {"torch_autocast", "torch.autocast: use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}"},
-      {"elasticity", "elastic batch sizes: give train_batch_size and run on a fixed number of ranks"},
       {"hybrid_engine", "the RLHF hybrid inference engine"},
       {"eigenvalue", "eigenvalue computation"},
       {"progressive_layer_drop", "progressive layer drop: every block is trained at every step"},
@@ -1227,10 +1226,29 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   const int64_t dp = layout_ok ? world_size / model_ranks : std::max<int64_t>(1, world_size);
   bool auto_micro = false;
   bool batch_ok = false;
-  step([&] {
-    c.batch = derive_batch(top, dp, auto_micro);
+  std::optional<ElasticBatch> elastic;
+  step([&] { elastic = read_elasticity(top, dp); });
+  if (elastic) {
+    // DeepSpeed's config with elasticity: GAS = batch // (micro x world), then the triad's check.
+    for (const char* key : {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"})
+      top.mark_known(key);
+    const int64_t T = elastic->train_batch_size, M = elastic->micro_batch, G = T / (M * dp);
+    if (G < 1 || M * G * dp != T)
+      top.report("elasticity", "train_batch_size " + std::to_string(T) + " is not micro-batch " + std::to_string(M) +
+                                   " x gradient_accumulation_steps x " + std::to_string(dp) + " ranks");
+    c.batch = BatchConfig{T, M, std::max<int64_t>(1, G), dp,
+                          "train_batch_size " + std::to_string(T) + " = micro_batch " + std::to_string(M) +
+                              " x gradient_accumulation_steps " + std::to_string(G) + " x data-parallel size " +
+                              std::to_string(dp) + " (elasticity)"};
     batch_ok = true;
-  });
+    // The resolved config names this batch; it is the solver's, so reading it back ignores it.
+    c.resolved["elasticity"]["ignore_non_elastic_batch_info"] = true;
+  } else {
+    step([&] {
+      c.batch = derive_batch(top, dp, auto_micro);
+      batch_ok = true;
+    });
+  }
   if (!batch_ok) c.batch = BatchConfig{dp, 1, 1, dp, ""};  // a stand-in, so later checks see a plausible batch
   step([&] {
     if (c.tensor.sequence_parallel && (c.batch.micro_batch * c.model.n_positions) % c.tensor.size != 0)

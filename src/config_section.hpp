@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -458,6 +459,14 @@ void attempt(ReadContext& ctx, const std::string& file, F&& f) {
     ctx.problem(what);
   }
 }
+
+// The batch DeepSpeed's elastic solver computes, and the data-parallel sizes it is valid for.
+struct ElasticBatch {
+  int64_t train_batch_size = 0, micro_batch = 0;
+  std::vector<int64_t> valid_world_sizes;
+};
+// Reads `elasticity` (config_elasticity.cpp); enabled: the batch for `dp_world` data-parallel ranks.
+std::optional<ElasticBatch> read_elasticity(Section& top, int64_t dp_world);
 
 // Reads the fp16 / bf16 / communication_data_type / data_types keys (config_precision.cpp).
 PrecisionConfig read_precision(Section& top, const Config& c);

@@ -294,6 +294,52 @@ TEST(StrategyPreset, AnUnknownNameSuggestsTheNearest) {
   EXPECT_NE(e.find("did you mean \"deepspeed_stage_2_offload\""), std::string::npos) << e;
 }
 
+// ---- elasticity (values from DeepSpeed's elasticity.py run on the same inputs) ------------------
+
+json elastic(json section) {
+  section["enabled"] = true;
+  return json{{"elasticity", section}};
+}
+
+TEST(Elasticity, V01PicksTheBatchWithTheMostCompatibleWorldSizes) {
+  // _get_compatible_gpus_v01([2, 4, 6], 2000, 1, 10000, True) = 1680 over 32 sizes.
+  const Config c = read_config(elastic({{"max_train_batch_size", 2000}, {"micro_batch_sizes", {2, 4, 6}}, {"version", 0.1}}),
+                               "cfg.json", 4);
+  EXPECT_EQ(c.batch.train_batch_size, 1680);
+  EXPECT_EQ(c.batch.micro_batch, 6);  // the largest that divides 1680 / 4
+  EXPECT_EQ(c.batch.gradient_accumulation_steps, 70);
+  EXPECT_NE(note(c, "elastic train_batch_size 1680"), "");
+  EXPECT_NE(note(c, "elastic   3 ranks: micro-batch 4 x gradient_accumulation_steps 140"), "");
+}
+
+TEST(Elasticity, PreferSmallerBatchAndAGpuRange) {
+  // _get_compatible_gpus_v01([3, 5], 100, 2, 50, False) = (90, [2, 3, 5, 6, 9, 10, 15, 18, 30]).
+  const Config c = read_config(elastic({{"max_train_batch_size", 100}, {"micro_batch_sizes", {3, 5}}, {"min_gpus", 2},
+                                        {"max_gpus", 50}, {"prefer_larger_batch", false}, {"version", 0.1}}),
+                               "cfg.json", 2);
+  EXPECT_EQ(c.batch.train_batch_size, 90);
+  EXPECT_NE(note(c, "elastic train_batch_size 90").find("[2, 3, 5, 6, 9, 10, 15, 18, 30]"), std::string::npos);
+}
+
+TEST(Elasticity, AnIncompatibleWorldSizeOrAGivenBatchKeyIsRejected) {
+  const json j = elastic({{"max_train_batch_size", 100}, {"micro_batch_sizes", {3, 5}}, {"min_gpus", 2}, {"max_gpus", 50},
+                          {"prefer_larger_batch", false}, {"version", 0.1}});
+  EXPECT_NE(error_of(j, 4).find("world size (4) is not valid"), std::string::npos) << error_of(j, 4);
+  json k = j;
+  k["train_batch_size"] = 90;
+  EXPECT_NE(error_of(k).find("`train_batch_size`: elasticity is enabled"), std::string::npos) << error_of(k);
+  k["elasticity"]["ignore_non_elastic_batch_info"] = true;
+  EXPECT_EQ(error_of(k), "");
+}
+
+TEST(Elasticity, TheResolvedConfigReadsBack) {
+  const json j = elastic({{"micro_batch_sizes", {2, 4}}});  // version 0.2, DeepSpeed's default
+  const Config first = read_config(j, "cfg.json", 2);
+  const Config second = read_config(first.resolved, "resolved.json", 2);
+  EXPECT_EQ(second.batch.train_batch_size, first.batch.train_batch_size);
+  EXPECT_EQ(second.resolved, first.resolved);
+}
+
 // ---- the resolved config is a config -------------------------------------------------------
 
 // Reading the resolved config again gives the same resolved config (and so the same run).
