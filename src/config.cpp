@@ -949,7 +949,8 @@ void read_unsupported_top_level(Section& top) {
   top.feature_missing("gradient_allreduce_op", "mean", "a gradient all-reduce other than the mean", "use \"mean\"");
   top.feature_missing("sparse_gradients", false, "sparse embedding gradients", "set it to false");
   top.feature_missing("memory_breakdown", false, "memory printouts during training",
-                      "`zero3d estimate --config` prints the budget per rank by category");
+                      "metrics.jsonl records memory by category at every step, and `zero3d estimate --config` "
+                      "prints the plan per rank");
   top.feature_missing("dump_state", false, "engine state dumps", "set it to false");
   // DeepSpeed reads disable_allgather into its config and nothing uses it (runtime/config.py
   // get_disable_allgather is its only reader): accepted with that meaning.
@@ -957,8 +958,9 @@ void read_unsupported_top_level(Section& top) {
   top.feature_missing("managed_gradient_accumulation", true, "unmanaged gradient accumulation", "set it to true");
   top.feature_missing("zero_force_ds_cpu_optimizer", true, "a client optimizer with offload",
                       "offload runs DeepSpeedCPUAdam: set it to true");
-  top.feature_missing("dataloader_drop_last", false, "DeepSpeed's data loader",
-                      "zero3d's loader (the data section) always yields whole batches");
+  // DeepSpeed's loader drops an epoch's last partial batch when true; zero3d's windows wrap
+  // after the last whole one (data.cpp), so no batch is ever partial: true is what it does.
+  top.boolean("dataloader_drop_last", false);
   top.feature_missing("sequence_parallel_size", 1, "Ulysses sequence parallelism",
                       "use tensor_parallel.sequence_parallel with autotp_size > 1");
   // PyTorch-side keys DeepSpeed itself ignores at top level (FACTS §1.3) but configs carry.
@@ -966,7 +968,7 @@ void read_unsupported_top_level(Section& top) {
   top.no_effect("monitor_config", "an old monitor block that DeepSpeed's training engine ignores too");
 }
 
-// The `checkpoint` section (DeepSpeed runtime/checkpoint_engine; FACTS §8): tag_validation
+// The `checkpoint` section (DeepSpeed runtime/engine.py _checkpoint_tag_validation): tag_validation
 // checks that all ranks save under one tag, which zero3d derives from the step on every rank
 // (global_stepN), so every mode passes; the other keys are features zero3d lacks unless off.
 void read_checkpoint_section(Section& top) {

@@ -109,6 +109,15 @@ TEST(KeyKinds, AMissingFeatureNamesTheNearestAlternative) {
   EXPECT_NE(error_of(j).find("1-bit"), std::string::npos) << error_of(j);
 }
 
+TEST(KeyKinds, KeysWhoseDeepSpeedMeaningZero3dHasAreAccepted) {
+  json j = minimal();
+  j["disable_allgather"] = true;     // DeepSpeed reads it and uses it nowhere
+  j["dataloader_drop_last"] = true;  // zero3d's batches are always whole
+  const Config c = read_config(j, "cfg.json", 2);
+  EXPECT_EQ(c.resolved["disable_allgather"], true);
+  EXPECT_EQ(c.resolved["dataloader_drop_last"], true);
+}
+
 TEST(KeyKinds, FusedAndCpuOptimizerNamesAreAdamAndLamb) {
   for (const char* name : {"FusedAdam", "CPUAdam", "DeepSpeedCPUAdam"}) {
     json j = minimal();
