@@ -299,6 +299,9 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
   Ns_ = tp_.sequence_parallel ? BT / t : BT;
   // Backward scratch and the recompute workspace, shared by all blocks and micro-batches.
   const ActivationPlan plan = gpt_activation_plan(shape, part_, B, T, tp_.sequence_parallel, false, ac_);
+  for (const ModelChunk& c : part_.chunks)  // config validation says so first, with the numbers
+    if (ac_.full() && (c.num_blocks + ac_.interval - 1) / ac_.interval > plan.checkpoint_slots)
+      throw std::invalid_argument("number_checkpoints is less than the checkpoints of one forward");
   scratch_ = make_scratch_buffer("backward_scratch", plan.scratch);
   recompute_ = make_scratch_buffer("recompute_workspace", plan.recompute);
   ckpt_slot_ = plan.checkpoint_slot;

@@ -228,4 +228,10 @@ TEST(ActivationCheckpointing, PartitionedInputsKeepOneTensorRanksShare) {
 TEST(ActivationCheckpointing, FullRecomputeRefusesToKeepOperandsForALaterWeightPass) {
   GPT model(kShape, kB, kT, DType::F32, gpt_model_part(kShape, {0, int(kShape.n_layer) + 2}, 1, 0), {}, full(1));
   EXPECT_THROW(model.make_buffer(true), std::invalid_argument);
+  // a contiguous buffer with fewer slots than a forward's checkpoints (5 at interval 1)
+  ActivationCheckpointing few = full(1);
+  few.partition_activations = few.contiguous_memory_optimization = true;
+  few.number_checkpoints = 4;
+  EXPECT_THROW(GPT(kShape, kB, kT, DType::F32, gpt_model_part(kShape, {0, int(kShape.n_layer) + 2}, 1, 0), {}, few),
+               std::invalid_argument);
 }
