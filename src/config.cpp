@@ -747,7 +747,7 @@ ActivationCheckpointing read_activation_checkpointing(Section& top, const Config
     top.report(interval_key, "full recompute cannot serve the zb-h1 schedule: its weight-gradient pass reads each "
                            "block's activations after the input-gradient pass has released them; use "
                            "activation_checkpointing.recompute_granularity \"selective\" or schedule 1f1b");
-  if (a.contiguous_memory_optimization) {
+  if (a.contiguous_memory_optimization && a.number_checkpoints > 0) {
     // Checkpoints one micro-batch's forward takes on a rank: ceil(blocks / interval) per chunk.
     int64_t most = 0;
     const int64_t layers = c.model.n_layer + 2;
