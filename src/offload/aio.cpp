@@ -289,6 +289,13 @@ bool directory_supports_direct_io(const std::string& dir) {
   return ok;
 }
 
+void require_direct_io(const std::string& dir, const std::string& key) {
+  if (!directory_supports_direct_io(dir))
+    throw InputError("`" + key + "`: " + echo(dir) + " is on a file system without direct I/O (O_DIRECT); NVMe offload "
+                     "needs one that has it (ext4, xfs, ...): through the page cache the swapped state would stay in "
+                     "memory");
+}
+
 void prepare_swap_dir(const std::string& dir, int64_t bytes, const std::string& key) {
   namespace fs = std::filesystem;
   std::error_code ec;

@@ -5,7 +5,7 @@
 // threads owns one io_uring: a transfer is cut into that many contiguous parts, each part into
 // blocks; `overlap_events` refills the ring as blocks complete (else batch by batch) and
 // `single_submit` enters the kernel once per block (else once per batch). Files are opened with
-// O_DIRECT; a file system that refuses it is used through the page cache instead, and says so.
+// O_DIRECT; a file system that refuses it is bad input (exit 2), never a silent page-cache tier.
 #pragma once
 
 #include <condition_variable>
@@ -121,6 +121,9 @@ int open_swap_file(const std::string& path, bool& direct, const std::string& key
 
 // Whether `dir` accepts O_DIRECT writes of one aligned page (probed with a scratch file).
 bool directory_supports_direct_io(const std::string& dir);
+// InputError naming `key` and `dir` when its file system refuses O_DIRECT (tmpfs, some network
+// file systems): swapping through the page cache would put the "NVMe" state back in memory.
+void require_direct_io(const std::string& dir, const std::string& key);
 
 // Creates `dir` (and parents), empties it of earlier swap files, and checks that it is writable
 // and has `bytes` free. Errors are InputError naming `key`, the path and the numbers.

@@ -44,7 +44,8 @@ OffloadedAdam::OffloadedAdam(const OffloadOptimizerConfig& off, const AioConfig&
   int64_t file_bytes = 0;
   for (int64_t k = cut_; k < g; ++k) file_bytes += states() * align_up(groups_[k].n * 4);
   prepare_swap_dir(dir_, file_bytes, kNvmeKey);
-  direct_ = directory_supports_direct_io(dir_);
+  require_direct_io(dir_, kNvmeKey);
+  direct_ = true;
   fds_.assign(static_cast<size_t>(states()), {});
   for (int s = 0; s < states(); ++s)
     for (int64_t k = cut_; k < g; ++k) {
