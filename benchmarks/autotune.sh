@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Autotuning (issue 16) on gpt-small-cpu at np 2: the tuner's wall time, then the speed of its
 # pick against the shipped config (tokens/s, median of REPEAT interleaved runs of STEPS steps,
-# the first step not timed). Search: ZeRO 0-3 x micro-batch 8..MAX_MBS (fast mode), steps 2-3
-# profiled. On a loaded machine single runs move by several percent: read the figures as noisy.
-# Usage: [ZERO3D=build/zero3d] [MAX_MBS=16] [STEPS=6] [REPEAT=3] benchmarks/autotune.sh [WORKDIR]
+# the first step not timed). Search: ZeRO 0-3 x micro-batch 8..MAX_MBS (fast mode), steps
+# START..END profiled (DeepSpeed's defaults 3..5). On a loaded machine single runs move by several percent: read the figures as noisy.
+# Usage: [ZERO3D=build/zero3d] [MAX_MBS=16] [START=3] [END=5] [STEPS=6] [REPEAT=3] benchmarks/autotune.sh [WORKDIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-output/autotune_bench}
 MAX_MBS=${MAX_MBS:-16}
+START=${START:-3}
+END=${END:-5}
 STEPS=${STEPS:-6}
 REPEAT=${REPEAT:-3}
 ZERO3D=${ZERO3D:-build/zero3d}
@@ -18,7 +20,7 @@ common=(--set training.peak_gflops=100 --set steps_per_print=1000 --set wall_clo
 start=$(date +%s.%N)
 mpirun -np 2 "$ZERO3D" autotune input/gpt-small-cpu.json "${common[@]}" --set zero_optimization.stage=all \
   --set autotuning.results_dir="$DIR/results" --set autotuning.exps_dir="$DIR/exps" \
-  --set autotuning.start_profile_step=2 --set autotuning.end_profile_step=3 \
+  --set autotuning.start_profile_step="$START" --set autotuning.end_profile_step="$END" \
   --set autotuning.min_train_micro_batch_size_per_gpu=8 \
   --set autotuning.max_train_micro_batch_size_per_gpu="$MAX_MBS" \
   --set autotuning.num_tuning_micro_batch_sizes=2 > "$DIR/autotune.log"
