@@ -1245,6 +1245,10 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
     batch_ok = true;
     // The resolved config names this batch; it is the solver's, so reading it back ignores it.
     c.resolved["elasticity"]["ignore_non_elastic_batch_info"] = true;
+  } else if (!layout_ok) {
+    // No data-parallel size to check the triad against: the layout problem above is the one to fix.
+    for (const char* key : {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"})
+      top.mark_known(key);
   } else {
     step([&] {
       c.batch = derive_batch(top, dp, auto_micro);
@@ -1263,8 +1267,10 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
     pipe::ScheduleSpec spec{c.pipeline.schedule, c.pipeline.stages,
                             static_cast<int>(std::min<int64_t>(c.batch.gradient_accumulation_steps, kMaxInt)),
                             c.pipeline.virtual_stages};
+    // virtual_stages without interleaving was reported where it was read: one problem, one line.
+    const bool reported = c.pipeline.virtual_stages > 1 && c.pipeline.schedule != pipe::ScheduleKind::Interleaved;
     const std::string why = pipe::check_schedule_spec(spec);
-    if (!why.empty()) top.fail("pipeline.schedule", why);
+    if (!why.empty() && !reported) top.fail("pipeline.schedule", why);
   });
   step([&] { c.activation_checkpointing = read_activation_checkpointing(top, c, checkpoint_interval); });
   step([&] { c.optimizer = read_optimizer(top); });
