@@ -33,69 +33,63 @@ inline AdamStep make_adam_step(double lr, double beta1, double beta2, double eps
   return s;
 }
 
+// The per-element constants of one Adam step.
+struct AdamCoeffs {
+  float b1, b2, omb1, omb2, inv_bc1, inv_sqrt_bc2, lr, eps, wd;
+};
+
+inline AdamCoeffs adam_coeffs(const AdamStep& s) {
+  return {s.beta1, s.beta2, 1.0f - s.beta1, 1.0f - s.beta2, 1.0f / s.bias_correction1,
+          1.0f / std::sqrt(s.bias_correction2), s.lr, s.eps, s.weight_decay};
+}
+
+// One element of the update, shared by the device kernel and the CPU loop so that they agree
+// bit for bit. AdamW (mode 1): decay added to the update; Adam (mode 0): added to the gradient.
+KOKKOS_INLINE_FUNCTION void adamw_element(float& p, float g, float& m, float& v, const AdamCoeffs& c) {
+  const float mi = c.b1 * m + c.omb1 * g;
+  const float vi = c.b2 * v + c.omb2 * g * g;
+  m = mi;
+  v = vi;
+  const float denom = std::sqrt(vi) * c.inv_sqrt_bc2 + c.eps;
+  p = p - c.lr * (mi * c.inv_bc1 / denom + c.wd * p);
+}
+
+KOKKOS_INLINE_FUNCTION void adam_l2_element(float& p, float grad, float& m, float& v, const AdamCoeffs& c) {
+  const float g = grad + c.wd * p;
+  const float mi = c.b1 * m + c.omb1 * g;
+  const float vi = c.b2 * v + c.omb2 * g * g;
+  m = mi;
+  v = vi;
+  const float denom = std::sqrt(vi) * c.inv_sqrt_bc2 + c.eps;
+  p = p - c.lr * (mi * c.inv_bc1 / denom);
+}
+
 // One fused pass: reads p, g, m, v and writes p, m, v (28 bytes per parameter).
 inline void adam_update(float* params, const float* grads, float* m, float* v, Index n, const AdamStep& s) {
-  const float b1 = s.beta1, b2 = s.beta2, omb1 = 1.0f - s.beta1, omb2 = 1.0f - s.beta2;
-  const float inv_bc1 = 1.0f / s.bias_correction1, inv_sqrt_bc2 = 1.0f / std::sqrt(s.bias_correction2);
-  const float lr = s.lr, eps = s.eps, wd = s.weight_decay;
-  if (s.adam_w_mode) {
-    Kokkos::parallel_for("adamw_update", range(n), KOKKOS_LAMBDA(Index i) {
-      const float g = grads[i], p = params[i];
-      const float mi = b1 * m[i] + omb1 * g;
-      const float vi = b2 * v[i] + omb2 * g * g;
-      m[i] = mi;
-      v[i] = vi;
-      const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
-      params[i] = p - lr * (mi * inv_bc1 / denom + wd * p);
-    });
-  } else {
-    Kokkos::parallel_for("adam_l2_update", range(n), KOKKOS_LAMBDA(Index i) {
-      const float p = params[i];
-      const float g = grads[i] + wd * p;
-      const float mi = b1 * m[i] + omb1 * g;
-      const float vi = b2 * v[i] + omb2 * g * g;
-      m[i] = mi;
-      v[i] = vi;
-      const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
-      params[i] = p - lr * (mi * inv_bc1 / denom);
-    });
-  }
+  const AdamCoeffs c = adam_coeffs(s);
+  if (s.adam_w_mode)
+    Kokkos::parallel_for("adamw_update", range(n),
+                         KOKKOS_LAMBDA(Index i) { adamw_element(params[i], grads[i], m[i], v[i], c); });
+  else
+    Kokkos::parallel_for("adam_l2_update", range(n),
+                         KOKKOS_LAMBDA(Index i) { adam_l2_element(params[i], grads[i], m[i], v[i], c); });
 }
 
 // DeepSpeedCPUAdam's update (FACTS-2 §3.5) for state held in host memory: the step counter is
 // advanced before the call, bias corrections come from make_adam_step. It runs on the host
 // execution space whatever the build's device, as one SIMD loop with a scalar tail. Per element
-// it computes exactly adam_update's expression (DeepSpeed's CPU kernel applies the decoupled
+// it calls adam_update's own element functions (DeepSpeed's CPU kernel applies the decoupled
 // decay as a separate multiply-add, a rounding difference only), so an offloaded run's losses
 // equal the run without offload bit for bit.
 inline void cpu_adam_update(float* __restrict params, const float* __restrict grads, float* __restrict m,
                             float* __restrict v, Index n, const AdamStep& s) {
-  const float b1 = s.beta1, b2 = s.beta2, omb1 = 1.0f - s.beta1, omb2 = 1.0f - s.beta2;
-  const float inv_bc1 = 1.0f / s.bias_correction1, inv_sqrt_bc2 = 1.0f / std::sqrt(s.bias_correction2);
-  const float lr = s.lr, eps = s.eps, wd = s.weight_decay;
+  const AdamCoeffs c = adam_coeffs(s);
   if (s.adam_w_mode) {
 #pragma omp simd
-    for (Index i = 0; i < n; ++i) {
-      const float g = grads[i], p = params[i];
-      const float mi = b1 * m[i] + omb1 * g;
-      const float vi = b2 * v[i] + omb2 * g * g;
-      m[i] = mi;
-      v[i] = vi;
-      const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
-      params[i] = p - lr * (mi * inv_bc1 / denom + wd * p);
-    }
+    for (Index i = 0; i < n; ++i) adamw_element(params[i], grads[i], m[i], v[i], c);
   } else {
 #pragma omp simd
-    for (Index i = 0; i < n; ++i) {
-      const float p = params[i];
-      const float g = grads[i] + wd * p;
-      const float mi = b1 * m[i] + omb1 * g;
-      const float vi = b2 * v[i] + omb2 * g * g;
-      m[i] = mi;
-      v[i] = vi;
-      const float denom = std::sqrt(vi) * inv_sqrt_bc2 + eps;
-      params[i] = p - lr * (mi * inv_bc1 / denom);
-    }
+    for (Index i = 0; i < n; ++i) adam_l2_element(params[i], grads[i], m[i], v[i], c);
   }
 }
 

@@ -5,23 +5,15 @@
 
 #include "base.hpp"
 #include "config.hpp"
+#include "config_test_helpers.hpp"
 
 using namespace zero3d;
 using json = nlohmann::json;
 
 namespace {
 
-json minimal() { return json{{"train_batch_size", 32}, {"train_micro_batch_size_per_gpu", 16}}; }
-
-// The message of the InputError that reading `j` raises ("" if it is accepted).
-std::string error_of(const json& j, int64_t world = 2) {
-  try {
-    read_config(j, "cfg.json", world);
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
-}
+using config_test::error_of;
+using config_test::minimal;
 
 Config batch(std::optional<int64_t> T, std::optional<int64_t> M, std::optional<int64_t> G, int64_t W = 2) {
   json j = json::object();

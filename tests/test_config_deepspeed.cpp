@@ -7,22 +7,15 @@
 
 #include "base.hpp"
 #include "config.hpp"
+#include "config_test_helpers.hpp"
 
 using namespace zero3d;
 using json = nlohmann::json;
 
 namespace {
 
-json minimal() { return json{{"train_batch_size", 32}, {"train_micro_batch_size_per_gpu", 16}}; }
-
-std::string error_of(const json& j, int64_t world = 2) {
-  try {
-    read_config(j, "cfg.json", world);
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
-}
+using config_test::error_of;
+using config_test::minimal;
 
 size_t lines(const std::string& s) { return s.empty() ? 0 : 1 + std::count(s.begin(), s.end(), '\n'); }
 

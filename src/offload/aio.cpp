@@ -296,6 +296,15 @@ void require_direct_io(const std::string& dir, const std::string& key) {
                      "memory");
 }
 
+void reserve_swap_file(int fd, int64_t bytes, const std::string& key, const std::string& dir, const std::string& path) {
+  const int rc = ::posix_fallocate(fd, 0, bytes);
+  if (rc == ENOSPC)
+    throw InputError("`" + key + "`: " + echo(dir) + " is full: cannot reserve " + std::to_string(bytes) + " bytes for " +
+                     echo(path));
+  if (rc != 0 && ::ftruncate(fd, bytes) != 0)
+    throw InputError("`" + key + "`: cannot size swap file " + echo(path) + ": " + std::strerror(errno));
+}
+
 void prepare_swap_dir(const std::string& dir, int64_t bytes, const std::string& key) {
   namespace fs = std::filesystem;
   std::error_code ec;

@@ -124,6 +124,9 @@ bool directory_supports_direct_io(const std::string& dir);
 // InputError naming `key` and `dir` when its file system refuses O_DIRECT (tmpfs, some network
 // file systems): swapping through the page cache would put the "NVMe" state back in memory.
 void require_direct_io(const std::string& dir, const std::string& key);
+// Reserves `bytes` for a swap file up front (a full drive is found at start-up, not mid-step):
+// InputError naming `key`, the directory and the numbers.
+void reserve_swap_file(int fd, int64_t bytes, const std::string& key, const std::string& dir, const std::string& path);
 
 // Creates `dir` (and parents), empties it of earlier swap files, and checks that it is writable
 // and has `bytes` free. Errors are InputError naming `key`, the path and the numbers.

@@ -59,13 +59,7 @@ OffloadedAdam::OffloadedAdam(const OffloadOptimizerConfig& off, const AioConfig&
       const int fd = open_swap_file(path, direct, kNvmeKey);
       fds_[s].push_back(fd);
       const int64_t bytes = align_up(gr.n * 4);
-      const int rc = ::posix_fallocate(fd, 0, bytes);  // fresh extents read as zeros: m = v = 0
-      if (rc == ENOSPC)
-        throw InputError(std::string("`") + kNvmeKey + "`: " + echo(dir_) + " is full: cannot reserve " +
-                         std::to_string(bytes) + " bytes for " + echo(path));
-      if (rc != 0 && ::ftruncate(fd, bytes) != 0)
-        throw InputError(std::string("`") + kNvmeKey + "`: cannot size swap file " + echo(path) + ": " +
-                         std::strerror(errno));
+      reserve_swap_file(fd, bytes, kNvmeKey, dir_, path);  // fresh extents read as zeros: m = v = 0
     }
   if (g > cut_) {
     aio_ = std::make_unique<AioEngine>(aio);

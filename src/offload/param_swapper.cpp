@@ -47,13 +47,7 @@ ParamSwapper::ParamSwapper(const OffloadParamConfig& cfg, const AioConfig& aio, 
     const int fd = open_swap_file(path, direct, kNvmeKey);
     fds_.push_back(fd);
     paths_.push_back(path);
-    const int rc = ::posix_fallocate(fd, 0, bytes);
-    if (rc == ENOSPC)
-      throw InputError(std::string("`") + kNvmeKey + "`: " + echo(dir_) + " is full: cannot reserve " +
-                       std::to_string(bytes) + " bytes for " + echo(path));
-    if (rc != 0 && ::ftruncate(fd, bytes) != 0)
-      throw InputError(std::string("`") + kNvmeKey + "`: cannot size swap file " + echo(path) + ": " +
-                       std::strerror(errno));
+    reserve_swap_file(fd, bytes, kNvmeKey, dir_, path);
   }
   aio_ = std::make_unique<AioEngine>(aio);
   scratch_ = AlignedBuffer(largest * static_cast<int64_t>(esize_));
