@@ -168,7 +168,8 @@ void measure(Experiment& e, const AutotuningConfig& at, MPI_Comm world, MpiCommu
   {
     std::unique_ptr<StdoutTo> redirect;
     if (comm.rank() == 0) redirect = std::make_unique<StdoutTo>(log_path);
-    ProcessGroups groups(ProcessTopology::pipe_data_model(e.pipe, comm.size() / (e.pipe * e.tensor), e.tensor), world);
+    ProcessGroups groups(ProcessTopology::pipe_data_model(e.pipe, comm.size() / (e.pipe * e.tensor), e.tensor), world,
+                         static_cast<int>(cfg.model.moe.ep_size));
     Engine engine(cfg, groups, "");
     for (int64_t s = 1; s <= at.end_profile_step; ++s) {
       const StepResult r = engine.train_step();

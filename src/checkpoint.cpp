@@ -1046,6 +1046,16 @@ void CheckpointReader::check_model(const nlohmann::json& model_section) const {
   }
   for (const auto& [key, value] : saved.items()) {
     if (key == "init_from") continue;  // where the first run's weights came from, not the model
+    if (key == "moe" && value.is_object()) {
+      // Which blocks hold which experts is the model; ep_size, k, capacity and noise are how a run
+      // routes and lays them out, and may change on resume (DeepSpeed reloads experts at any ep_size).
+      const nlohmann::json now = model_section.is_object() ? model_section.value("moe", nlohmann::json::object()) : nlohmann::json();
+      for (const char* k : {"num_experts", "every", "use_residual"})
+        if (now.value(k, nlohmann::json()) != value.value(k, nlohmann::json()))
+          throw InputError(where + ": model.moe." + k + " is " + value.value(k, nlohmann::json()).dump() +
+                           " in the checkpoint but " + now.value(k, nlohmann::json()).dump() + " in the configured model");
+      continue;
+    }
     const nlohmann::json now = model_section.is_object() && model_section.contains(key) ? model_section[key] : nlohmann::json();
     if (now != value)
       throw InputError(where + ": model." + key + " is " + value.dump() + " in the checkpoint but " +

@@ -60,6 +60,14 @@ class Communicator {
   virtual std::unique_ptr<CommRequest> isend(const void* buf, int64_t count, DType type, int peer, int tag) = 0;
   virtual std::unique_ptr<CommRequest> irecv(void* buf, int64_t count, DType type, int peer, int tag) = 0;
   virtual void barrier() = 0;
+  // All-to-all with a fixed block: count elements of send go to each rank in rank order, and
+  // recv gets count from each (the counts exchange before an all_to_all_v).
+  virtual void all_to_all(const void* send, void* recv, int64_t count, DType type) = 0;
+  // All-to-all with per-rank counts (MoE dispatch and combine, FACTS-2 §4.5): send_counts[r]
+  // elements of send, in rank order, go to rank r; recv receives recv_counts[r] from rank r, in
+  // rank order. Both sides must agree on the counts (exchanged first with all_to_all).
+  virtual void all_to_all_v(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                            const std::vector<int64_t>& recv_counts, DType type) = 0;
 
   // Bytes this rank moved, counted as nccl-tests' bus bytes: all_reduce 2(W-1)/W·n,
   // reduce_scatter and all_gather (W-1)/W of the whole buffer, broadcast/send n.
@@ -110,6 +118,9 @@ class MpiCommunicator : public Communicator {
   std::unique_ptr<CommRequest> isend(const void* buf, int64_t count, DType type, int peer, int tag) override;
   std::unique_ptr<CommRequest> irecv(void* buf, int64_t count, DType type, int peer, int tag) override;
   void barrier() override;
+  void all_to_all(const void* send, void* recv, int64_t count, DType type) override;
+  void all_to_all_v(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                    const std::vector<int64_t>& recv_counts, DType type) override;
 
  private:
   MPI_Comm comm_;

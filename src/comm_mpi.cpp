@@ -239,4 +239,31 @@ void MpiCommunicator::barrier() {
   check(MPI_Barrier(comm_), "Barrier");
 }
 
+void MpiCommunicator::all_to_all(const void* send, void* recv, int64_t count, DType type) {
+  count_bus_bytes(ring_factor(), count * size_, type);  // what leaves this rank: all blocks but its own
+  const BlockingCall observed(log_.get(), CommOp::AllToAll, count * size_, type);
+  Watchdog::Scope watch(watchdog_, "all_to_all");
+  check(MPI_Alltoall_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_), "Alltoall");
+}
+
+void MpiCommunicator::all_to_all_v(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                                   const std::vector<int64_t>& recv_counts, DType type) {
+  std::vector<MPI_Count> sc(send_counts.begin(), send_counts.end()), rc(recv_counts.begin(), recv_counts.end());
+  std::vector<MPI_Aint> sd(static_cast<size_t>(size_)), rd(static_cast<size_t>(size_));
+  int64_t total = 0, leaving = 0;
+  for (int r = 0; r < size_; ++r) {
+    sd[r] = r == 0 ? 0 : sd[r - 1] + sc[r - 1];
+    rd[r] = r == 0 ? 0 : rd[r - 1] + rc[r - 1];
+    total += send_counts[r];
+    if (r != rank_) leaving += send_counts[r];
+  }
+  count_bus_bytes(1.0, leaving, type);  // the rows that really cross to another rank
+  const BlockingCall observed(log_.get(), CommOp::AllToAll, total, type);
+  Watchdog::Scope watch(watchdog_, "all_to_all_v");
+  static float empty;  // a valid address when this rank sends or receives nothing
+  check(MPI_Alltoallv_c(total > 0 ? send : &empty, sc.data(), sd.data(), mpi_type(type),
+                        recv ? recv : &empty, rc.data(), rd.data(), mpi_type(type), comm_),
+        "Alltoallv");
+}
+
 }  // namespace zero3d

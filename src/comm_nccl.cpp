@@ -164,6 +164,31 @@ class NcclCommunicator : public Communicator {
     Watchdog::Scope watch(watchdog_, "barrier");
     MPI_Barrier(mpi_);
   }
+  // NCCL's all-to-all is grouped point-to-point (nccl-tests alltoall.cu).
+  void all_to_all(const void* send, void* recv, int64_t count, DType type) override {
+    const std::vector<int64_t> counts(static_cast<size_t>(size_), count);
+    all_to_all_v(send, counts, recv, counts, type);
+  }
+  void all_to_all_v(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                    const std::vector<int64_t>& recv_counts, DType type) override {
+    const char* out = static_cast<const char*>(send);
+    char* in = static_cast<char*>(recv);
+    const size_t es = dtype_size(type);
+    int64_t leaving = 0;
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    for (int r = 0; r < size_; ++r) {
+      if (send_counts[r] > 0)
+        check_nccl(ncclSend(out, static_cast<size_t>(send_counts[r]), nccl_type(type), r, comm_, stream_), "ncclSend");
+      if (recv_counts[r] > 0)
+        check_nccl(ncclRecv(in, static_cast<size_t>(recv_counts[r]), nccl_type(type), r, comm_, stream_), "ncclRecv");
+      out += send_counts[r] * es;
+      in += recv_counts[r] * es;
+      if (r != rank_) leaving += send_counts[r];
+    }
+    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    count_bus_bytes(1.0, leaving, type);
+    sync("all_to_all_v");
+  }
 
  private:
   void sync(const char* op) {

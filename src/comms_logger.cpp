@@ -18,6 +18,7 @@ const char* comm_op_name(CommOp op) {
     case CommOp::Send: return "send";
     case CommOp::Recv: return "recv";
     case CommOp::Barrier: return "barrier";
+    case CommOp::AllToAll: return "all_to_all_single";
     case CommOp::kCount: break;
   }
   return "?";
@@ -28,7 +29,8 @@ double comm_bus_factor(CommOp op, int world) {
   switch (op) {
     case CommOp::AllReduce: return world > 1 ? 2.0 * (w - 1) / w : 0.0;
     case CommOp::ReduceScatter:
-    case CommOp::AllGather: return world > 1 ? (w - 1) / w : 0.0;
+    case CommOp::AllGather:
+    case CommOp::AllToAll: return world > 1 ? (w - 1) / w : 0.0;  // nccl-tests alltoall: n·(W−1)/W
     default: return 1.0;
   }
 }

@@ -16,8 +16,9 @@
 
 namespace zero3d {
 
-enum class CommOp : int { AllReduce, ReduceScatter, AllGather, Broadcast, Send, Recv, Barrier, kCount };
-const char* comm_op_name(CommOp op);  // DeepSpeed's names: all_reduce, reduce_scatter, all_gather, broadcast, send, recv, barrier
+enum class CommOp : int { AllReduce, ReduceScatter, AllGather, Broadcast, Send, Recv, Barrier, AllToAll, kCount };
+// DeepSpeed's names: all_reduce, reduce_scatter, all_gather, broadcast, send, recv, barrier, all_to_all_single
+const char* comm_op_name(CommOp op);
 
 // DeepSpeed calc_bw_log's factors over the message size n (bytes): algorithm bandwidth counts
 // n (all_reduce 2n), bus bandwidth n·2(W−1)/W for all_reduce, n·(W−1)/W for all_gather and

@@ -426,6 +426,7 @@ ModelConfig read_model(Section& top) {
     sec.report_key("n_embd", "value " + std::to_string(m.n_embd) + " is not divisible by n_head (" +
                                std::to_string(m.n_head) + ")");
   m.init_from = sec.path("init_from", "");
+  m.moe = read_moe(sec);
   sec.finish({"n_ctx", "activation_function", "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon",
               "n_inner", "scale_attn_weights", "use_cache"});
   return m;
@@ -1287,6 +1288,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   step([&] { c.autotuning = read_autotuning(top); });
   step([&] { read_unsupported_top_level(top); });
   step([&] { read_checkpoint_section(top); });
+  if (layout_ok) step([&] { check_moe(top, c, dp); });
   if (root.contains("strategy")) top.record("strategy", root["strategy"]);
   top.mark_known("strategy");  // expanded above (with_strategy_preset)
   top.finish(kDeepSpeedOnlyTopLevel);

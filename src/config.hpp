@@ -20,6 +20,24 @@
 
 namespace zero3d {
 
+// model.moe: Mixture of Experts (zero3d's key; DeepSpeed takes these as deepspeed.moe.layer.MoE
+// arguments in Python, with these defaults: DEEPSPEED-FACTS-2 §4.1).
+struct MoeConfig {
+  int64_t num_experts = 0;  // 0: a dense model
+  int64_t every = 1;        // an MoE MLP replaces the dense MLP in blocks every-1, 2·every-1, ... (0-based)
+  int64_t ep_size = 1;      // experts split over this many data-parallel ranks
+  int64_t k = 1;            // experts per token (top-1 or top-2 gating)
+  double capacity_factor = 1.0, eval_capacity_factor = 1.0;
+  int64_t min_capacity = 4;
+  bool use_residual = false;            // PR-MoE: a dense MLP beside the experts, mixed by a learned coefficient
+  std::string noisy_gate_policy;        // "" (None), "Jitter" or "RSample"
+  bool drop_tokens = true, use_rts = true, top2_2nd_expert_sampling = true;
+  bool enable_expert_tensor_parallelism = false;
+  double aux_loss_coef = 0.01;  // weight of l_aux in the loss (Switch Transformer's alpha, Fedus et al. 2021)
+  bool enabled() const { return num_experts > 0; }
+  bool is_moe_block(int64_t l) const { return enabled() && (l + 1) % every == 0; }
+};
+
 struct ModelConfig {
   int64_t vocab_size = 256;
   int64_t n_positions = 256;  // T: the sequence length trained on
@@ -27,6 +45,7 @@ struct ModelConfig {
   int64_t n_head = 2;
   int64_t n_embd = 64;
   std::string init_from;  // HDF5 or safetensors file with Hugging Face GPT-2 names; empty = init from seed
+  MoeConfig moe;
 };
 
 enum class DataSource { Synthetic, Text, Tokens };

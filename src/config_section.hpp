@@ -472,5 +472,8 @@ std::optional<ElasticBatch> read_elasticity(Section& top, int64_t dp_world);
 PrecisionConfig read_precision(Section& top, const Config& c);
 // Reads flops_profiler, csv_monitor, tensorboard, wandb, comet, comms_logger, trace (config_observability.cpp).
 ObservabilityConfig read_observability(Section& top);
+// model.moe (config_moe.cpp): the section, then its checks against the layout and the rest of the run.
+MoeConfig read_moe(Section& model);
+void check_moe(Section& top, const Config& c, int64_t data_parallel_size);
 
 }  // namespace zero3d::config_detail

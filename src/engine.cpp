@@ -24,9 +24,7 @@
 namespace zero3d {
 
 namespace {
-GPTShape shape_of(const ModelConfig& m) {
-  return GPTShape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
-}
+GPTShape shape_of(const ModelConfig& m) { return gpt_shape_of(m); }
 
 // The checkpoint's optimizer-state family, and the update rule within it.
 std::string optimizer_family(const OptimizerConfig& o) {
@@ -101,6 +99,11 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   mp_comm_ = std::make_unique<MpiCommunicator>(groups.axis("model_parallel"), watchdog);
   if (groups.axis("embedding") != MPI_COMM_NULL)
     emb_comm_ = std::make_unique<MpiCommunicator>(groups.axis("embedding"), watchdog);
+  if (cfg.model.moe.enabled()) {
+    ep_comm_ = std::make_unique<MpiCommunicator>(groups.axis("expert"), watchdog);
+    edp_comm_ = std::make_unique<MpiCommunicator>(groups.axis("expert_data"), watchdog);
+    enorm_comm_ = std::make_unique<MpiCommunicator>(groups.axis("expert_norm"), watchdog);
+  }
   rank_ = dp_comm_->rank();
   world_ = dp_comm_->size();
   stage_ = pipe_comm_->rank();
@@ -109,7 +112,8 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   if (!cfg_.training.resume.empty()) resume_from_checkpoint();
   if (groups_.rank() == 0 && !output_dir_.empty()) open_metrics();
   // MFU counts the whole model's FLOPs (6N + attention) against every rank's peak.
-  flops_per_token_ = gpt_flops_per_token(model_->shape(), gpt_layout(model_->shape()).total());
+  // With MoE a token meets k experts per MoE block: FLOPs count the active parameters.
+  flops_per_token_ = gpt_flops_per_token(model_->shape(), gpt_active_params(model_->shape(), cfg_.model.moe.k));
   double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_gemm_peak_gflops(model_->compute_type());
   peak_gflops_total_ = peak;
   dp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
@@ -127,19 +131,21 @@ void Engine::setup_local() {
   const PrecisionConfig& pc = cfg_.precision;
   const GPTShape shape = shape_of(cfg_.model);
   const int t = tp_comm_->size(), tp_rank = tp_comm_->rank();
-  model_ = std::make_unique<GPT>(shape, B, T, pc.param, gpt_model_part(shape, cfg_.pipe_bounds, stages_, stage_, t, tp_rank),
+  const int ep = ep_comm_ ? ep_comm_->size() : 1, ep_rank = ep_comm_ ? ep_comm_->rank() : 0;
+  model_ = std::make_unique<GPT>(shape, B, T, pc.param,
+                                 gpt_model_part(shape, cfg_.pipe_bounds, stages_, stage_, t, tp_rank, ep, ep_rank),
                                  TensorGroup{tp_comm_.get(), t, tp_rank, cfg_.tensor.overlap_comm,
                                              cfg_.tensor.sequence_parallel, &tensor_comm_ms_},
-                                 cfg_.activation_checkpointing);
+                                 cfg_.activation_checkpointing, moe_routing());
   // Every stage partitions the same element count (the largest stage's), so the tied wte at
   // local offset 0 of the first and last stage is cut identically over the data group.
-  int64_t partition_numel = model_->num_params();
+  int64_t partition_numel = model_->part().expert_begin;  // the dense state (experts have an optimizer of their own)
   for (int s = 0; s < stages_ && stages_ > 1; ++s)
     partition_numel =
-        std::max(partition_numel, gpt_model_part(shape, cfg_.pipe_bounds, stages_, s, t, tp_rank).layout.total());
+        std::max(partition_numel, gpt_model_part(shape, cfg_.pipe_bounds, stages_, s, t, tp_rank, ep, ep_rank).expert_begin);
   if (stages_ > 1 && (stage_ == 0 || stage_ == stages_ - 1)) tied_numel_ = model_->part().vocab_local * shape.n_embd;
   zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, StateTypes{pc.param, pc.grad_accum, pc.comm},
-                                          model_->layout(), model_->units(), *dp_comm_, partition_numel,
+                                          model_->part().dense_layout, model_->part().dense_units, *dp_comm_, partition_numel,
                                           /*ordered_backward=*/model_->num_chunks() == 1, groups_.rank());
   // The schedule is fixed for the run (micro-batches = gradient_accumulation_steps).
   const pipe::ScheduleSpec spec{cfg_.pipeline.schedule, stages_, static_cast<int>(cfg_.batch.gradient_accumulation_steps),
@@ -160,6 +166,13 @@ void Engine::setup_local() {
       split = split || in.op == pipe::Op::BackwardInput;
       ++index;
     }
+  first_expert_unit_ = model_->part().first_expert_unit;
+  if (first_expert_unit_ >= 0) {  // the experts' units go to their own optimizer's trace
+    std::vector<int> dense, experts;
+    for (int u : trace) (u >= first_expert_unit_ ? experts : dense).push_back(u >= first_expert_unit_ ? u - first_expert_unit_ : u);
+    trace = std::move(dense);
+    expert_trace_ = std::move(experts);
+  }
   zero_->set_fetch_trace(std::move(trace));
   for (int b = 0; b < schedule_steps_.num_buffers; ++b) buffers_.push_back(model_->make_buffer(split));
   pending_.resize(static_cast<size_t>(schedule_steps_.num_buffers));
@@ -207,6 +220,7 @@ void Engine::setup_local() {
       fill_global(out + (run.local_begin - begin), run.global_begin,
                   run.global_begin + (run.local_end - run.local_begin));
   });
+  if (first_expert_unit_ >= 0) setup_expert_optimizer(fill_global);
   data_ = std::make_unique<DataLoader>(cfg_.data, cfg_.model.vocab_size, B, T, cfg_.training.seed);
   setup_evaluation();
   schedule_ = std::make_unique<LRSchedule>(cfg_.scheduler, cfg_.optimizer.lr);
@@ -282,8 +296,10 @@ void Engine::resume_from_checkpoint() {
                                out + (run.local_begin - b));
         },
         reader->meta().optimizer_step);
+    if (expert_zero_) read_expert_checkpoint(*reader);
   });
   zero_->finish_checkpoint_load();
+  if (expert_zero_) expert_zero_->finish_checkpoint_load();
   const CheckpointMeta& m = reader->meta();
   step_ = m.step;
   samples_ = m.global_samples;
@@ -355,6 +371,7 @@ void Engine::save(bool final_step, bool forced) {
     for (const auto& [name, first] : arrays) seg.arrays.emplace_back(name, first + (run.local_begin - b));
     slice.segments.push_back(std::move(seg));
   }
+  if (expert_zero_) expert_checkpoint_segments(slice);
   const std::string tag = "global_step" + std::to_string(step_);
   save_checkpoint(cfg_.training.save_dir, tag, m, slice, global, groups_.world(), cfg_.training.keep_last);
   // zero_optimization.stage3_gather_16bit_weights_on_model_save: DeepSpeed's save_16bit_model
@@ -520,6 +537,7 @@ int Engine::tag(int chunk, int delta, int kind) const { return 2 * (chunk * stag
 
 void Engine::Store::progress() {
   e_.zero_->progress();
+  if (e_.expert_zero_) e_.expert_zero_->progress();
   for (Pending& p : e_.pending_)
     for (auto* r : {&p.act_recv, &p.grad_recv, &p.act_send, &p.grad_send})
       if (*r) (*r)->test();
@@ -602,7 +620,14 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
       wait_sends(in.buffer);
       auto t = timers_.time("forward");
       Busy busy{*this};
-      const float loss = model_->forward(in.chunk, buffers_[in.buffer], store_);
+      // MoE gates draw from the micro-batch's key, its first sample: the same on every stage and
+      // layout (a middle stage never loads the micro-batch, so it is derived here)
+      ActivationBuffer& buf = buffers_[in.buffer];
+      const int64_t first =
+          (eval_ ? eval_->first_sample : samples_) + (in.micro_batch * world_ + rank_) * cfg_.batch.micro_batch;
+      buf.draw_key = static_cast<uint64_t>(first) * 2 + (eval_ ? 1 : 0);
+      buf.training = !eval_;
+      const float loss = model_->forward(in.chunk, buf, store_);
       if (model_->chunk(in.chunk).final) {
         if (eval_) record_eval_losses(in.micro_batch, buffers_[in.buffer]);
         else local_loss += loss;
@@ -617,7 +642,10 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
       const BackwardPart part = in.op == Op::Backward ? BackwardPart::Full
                                 : in.op == Op::BackwardInput ? BackwardPart::Input : BackwardPart::Weight;
       // Gradients of the chunk's units are final with its last weight-gradient pass of the step.
-      if (part != BackwardPart::Input) zero_->begin_micro_step(instr_index_ == last_backward_[in.chunk]);
+      if (part != BackwardPart::Input) {
+        zero_->begin_micro_step(instr_index_ == last_backward_[in.chunk]);
+        if (expert_zero_) expert_zero_->begin_micro_step(instr_index_ == last_backward_[in.chunk]);
+      }
       const ReductionWait reductions(*dp_comm_, timers_);  // after t: moves blocked reductions to backward_allreduce
       auto t = timers_.time("backward_inner");
       Busy busy{*this};
@@ -643,6 +671,7 @@ void Engine::finalize_grads() {
   {
     auto t = timers_.time("backward_allreduce");
     zero_->finish_reduction();
+    if (expert_zero_) expert_zero_->finish_reduction();
     // The tied wte (DeepSpeed ReduceTiedGrads, FACTS-2 §2.5): both copies hold the summed gradient.
     if (tied_numel_ > 0 && emb_comm_) zero_->sum_grad_range(0, tied_numel_, *emb_comm_);
     // Sequence parallelism: each tensor rank's LayerNorms saw only its token shard, so their
@@ -660,6 +689,7 @@ void Engine::finalize_grads() {
     for (const auto& r : model_->part().replicated_ranges()) skip.push_back(r);
   std::sort(skip.begin(), skip.end());
   stats_ = zero_->grad_stats(mp_comm_->size() > 1 ? mp_comm_.get() : nullptr, skip);
+  if (cfg_.model.moe.enabled()) expert_grad_stats();
 }
 
 // Tensor-replicated parameters (LayerNorms, row-parallel biases, wpe, ln_f) see identical
@@ -702,12 +732,14 @@ void Engine::optimizer_step(StepResult& r) {
   r.loss_scale = scaler_->scale();
   if (overflow) {  // no update, scheduler not advanced; the global step still counts
     zero_->skip_step();
+    expert_step(r.lr, cfg_.gradient_clipping, scaler_->scale(), /*skip=*/true);
     r.skipped = true;
     r.grad_norm = -1.0;
     ++skipped_steps_;
   } else {
     r.grad_norm = stats.norm_scaled / scaler_->scale();
     zero_->apply_step(r.lr, schedule_->betas(), cfg_.gradient_clipping, scaler_->scale(), stats);
+    expert_step(r.lr, cfg_.gradient_clipping, scaler_->scale(), /*skip=*/false);
     schedule_->step();
   }
   r.skipped_steps = skipped_steps_;
@@ -728,7 +760,10 @@ StepResult Engine::train_step() {
   pipe_comm_->reset_bus_bytes();
   tp_comm_->reset_bus_bytes();
   if (emb_comm_) emb_comm_->reset_bus_bytes();
+  for (MpiCommunicator* c : {ep_comm_.get(), edp_comm_.get()})
+    if (c) c->reset_bus_bytes();
   zero_->zero_grad();
+  if (expert_zero_) expert_zero_->zero_grad();
   finalized_ = false;
   busy_ms_ = 0.0;
   tensor_comm_ms_ = 0.0;
@@ -747,7 +782,10 @@ StepResult Engine::train_step() {
   if (stages_ > 1) pipe_comm_->all_reduce(&span_ms, 1, DType::F64, ReduceOp::Max);
   r.comm_by_axis = {dp_comm_->bus_bytes() + (emb_comm_ ? emb_comm_->bus_bytes() : 0), tp_comm_->bus_bytes(),
                     pipe_comm_->bus_bytes()};
-  r.comm_bytes = r.comm_by_axis[0] + r.comm_by_axis[1] + r.comm_by_axis[2];
+  // MoE: the all-to-alls (expert group) and the experts' gradient reduction (expert-data group)
+  r.expert_comm_bytes = {ep_comm_ ? ep_comm_->bus_bytes() : 0, edp_comm_ ? edp_comm_->bus_bytes() : 0};
+  r.comm_bytes = r.comm_by_axis[0] + r.comm_by_axis[1] + r.comm_by_axis[2] + r.expert_comm_bytes[0] +
+                 r.expert_comm_bytes[1];
   // The loss lives on the last stage: averaged over micro-batches and the data group
   // (DeepSpeed _aggregate_total_loss), then broadcast over the pipe group to rank 0.
   double mean_loss = local_loss / static_cast<double>(gas);
@@ -786,6 +824,9 @@ std::vector<StepResult> Engine::train() {
     saved_this_step_ = false;
     StepResult r = train_step();
     r.checkpoint_times = model_->checkpoint_times();
+    nlohmann::json moe;
+    double dropped = 0.0;
+    if (cfg_.model.moe.enabled()) moe = moe_metrics(&dropped);  // collective
     save(s + 1 == cfg_.training.steps);
     evaluate_if_due(r);
     // The plan's check (collective): the peak resident memory of the largest rank so far.
@@ -821,7 +862,12 @@ std::vector<StepResult> Engine::train() {
                          {"schedule", cfg_.pipeline.schedule_name},
                          {"virtual_stages", cfg_.pipeline.virtual_stages},
                          {"bubble_fraction", {{"formula", pipe::bubble_fraction(spec)}, {"measured", r.stage_idle}}}};
-      const MemoryBytes m = zero_->memory();
+      MemoryBytes m = zero_->memory();
+      if (expert_zero_) {  // the experts' states: their own optimizer's partition
+        const MemoryBytes x = expert_zero_->memory();
+        m.params += x.params, m.grads += x.grads, m.master += x.master, m.optimizer_states += x.optimizer_states;
+        m.comm_buffers += x.comm_buffers, m.live_params_peak += x.live_params_peak;
+      }
       rec["memory"] = {{"params", m.params},           {"grads", m.grads},
                        {"master", m.master},           {"optimizer_states", m.optimizer_states},
                        {"comm_buffers", m.comm_buffers}, {"live_params_peak", m.live_params_peak},
@@ -842,6 +888,11 @@ std::vector<StepResult> Engine::train() {
         const double st = ms.count("step") ? ms.at("step") : 0.0;
         rec["time_ms"] = {{"forward", fwd}, {"backward", inner + ar}, {"backward_inner", inner},
                           {"backward_allreduce", ar}, {"step", st}, {"tensor_comm", r.tensor_comm_ms}};
+      }
+      if (!moe.is_null()) {
+        rec["moe"] = moe;
+        rec["comm_bytes_by_axis"]["expert"] = r.expert_comm_bytes[0];
+        rec["comm_bytes_by_axis"]["expert_data"] = r.expert_comm_bytes[1];
       }
       observer_->annotate(rec);
       if (cfg_.activation_checkpointing.profile) rec["activation_checkpointing"] = {{"profile", checkpoint_profile(r)}};
@@ -867,6 +918,11 @@ std::vector<StepResult> Engine::train() {
         char buf[80];
         std::snprintf(buf, sizeof buf, " | eval_loss %.4f | eval_ppl %.4g", r.eval->loss, r.eval->ppl);
         eval = buf;
+      }
+      if (cfg_.model.moe.enabled()) {
+        char buf[48];
+        std::snprintf(buf, sizeof buf, " | dropped %.1f%%", 100.0 * dropped);
+        eval += buf;
       }
       if (cfg_.precision.param != DType::F32) {
         char buf[96];

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,6 +49,7 @@ struct StepResult {
   double tokens_per_s = 0.0;
   double mfu = 0.0;
   int64_t comm_bytes = 0;  // bus bytes this rank moved in the step
+  std::array<int64_t, 2> expert_comm_bytes{};  // of them, MoE: in the expert (all-to-all) and expert-data groups
   std::array<int64_t, 3> comm_by_axis{};
   double tensor_comm_ms = 0.0;  // blocked in tensor-parallel collectives  // of them: data (with the tied embedding group), tensor, pipe
   // 1 − (this stage's forward and backward time) ÷ (the longest stage's span from the step's
@@ -123,6 +125,23 @@ class Engine {
   const ProcessGroups& groups_;
   std::unique_ptr<MpiCommunicator> dp_comm_, pipe_comm_, tp_comm_, mp_comm_, emb_comm_, world_comm_;
   std::unique_ptr<ZeroOptimizer> zero_;
+  // MoE (engine_moe.cpp): the expert groups, and the experts' own ZeRO optimizer over the
+  // expert-data group (DESIGN-3D: no MoE branch inside ZeRO); null on a dense model or on a
+  // pipeline stage without MoE blocks.
+  std::unique_ptr<MpiCommunicator> ep_comm_, edp_comm_, enorm_comm_;
+  std::unique_ptr<ZeroOptimizer> expert_zero_;
+  MoeRouting moe_routing() const;
+  void setup_expert_optimizer(const std::function<void(float*, int64_t, int64_t)>& fill_global);
+  // Adds the experts' gradient squares to stats_ (each expert once, at DeepSpeed's 1/dp scale).
+  void expert_grad_stats();
+  // The experts' update: the same clip and scale as the dense step, averaged over the whole
+  // data group (DeepSpeed _reduce_expert_gradients divides by dp, not by the expert-data size).
+  void expert_step(double lr, double clip, double loss_scale, bool skip);
+  // This rank's checkpoint segments of the experts (global offsets), and their load.
+  void expert_checkpoint_segments(ShardSlice& slice);
+  void read_expert_checkpoint(const CheckpointReader& reader);
+  // metrics.jsonl "moe": per MoE block, summed over the step's micro-batches and data ranks.
+  nlohmann::json moe_metrics(double* dropped_fraction);
   int rank_ = 0, world_ = 1;  // in the data-parallel group
   int stage_ = 0, stages_ = 1;  // pipeline
   pipe::StageSchedule schedule_steps_;
@@ -137,16 +156,22 @@ class Engine {
   class Store : public ParamStore {
    public:
     explicit Store(Engine& e) : e_(e) {}
-    const void* fetch(int u) override { return e_.zero_->fetch(u); }
-    void release(int u) override { e_.zero_->release(u); }
-    float* grad_target(int u) override { return e_.zero_->grad_target(u); }
-    void grads_done(int u) override { e_.zero_->grads_done(u); }
+    // Units past the dense ones are MoE experts: their optimizer's units, in the same order.
+    const void* fetch(int u) override { return owner(u).fetch(local(u)); }
+    void release(int u) override { owner(u).release(local(u)); }
+    float* grad_target(int u) override { return owner(u).grad_target(local(u)); }
+    void grads_done(int u) override { owner(u).grads_done(local(u)); }
     void progress() override;
 
    private:
+    bool expert(int u) const { return e_.expert_zero_ && u >= e_.first_expert_unit_; }
+    ZeroOptimizer& owner(int u) { return expert(u) ? *e_.expert_zero_ : *e_.zero_; }
+    int local(int u) const { return expert(u) ? u - e_.first_expert_unit_ : u; }
     Engine& e_;
   };
   Store store_{*this};
+  int first_expert_unit_ = -1;
+  std::vector<int> expert_trace_;  // the experts' fetch trace (set on expert_zero_ when it is built)
   int64_t tied_numel_ = 0;  // wte elements at local offset 0 on the first and last stage (p > 1)
   bool finalized_ = false;
   GradStats stats_;

@@ -81,8 +81,32 @@ std::string deepspeed_table(const std::vector<DeepSpeedEstimateRow>& rows, doubl
   return out;
 }
 
+GPTShape gpt_shape_of(const ModelConfig& m) {
+  GPTShape s{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
+  s.moe = MoeShape{m.moe.num_experts, m.moe.every, m.moe.use_residual};
+  return s;
+}
+
+MoeRouting moe_routing_of(const MoeConfig& m, uint64_t seed) {
+  MoeRouting r;
+  if (!m.enabled()) return r;
+  r.k = static_cast<int>(m.k);
+  r.capacity_factor = m.capacity_factor;
+  r.eval_capacity_factor = m.eval_capacity_factor;
+  r.min_capacity = m.min_capacity;
+  r.drop_tokens = m.drop_tokens;
+  r.use_rts = m.use_rts;
+  r.top2_2nd_expert_sampling = m.top2_2nd_expert_sampling;
+  r.noise = m.noisy_gate_policy == "Jitter"    ? MoeRouting::Noise::Jitter
+            : m.noisy_gate_policy == "RSample" ? MoeRouting::Noise::RSample
+                                               : MoeRouting::Noise::None;
+  r.aux_loss_coef = m.aux_loss_coef;
+  r.seed = seed;
+  return r;
+}
+
 ModelCounts count_model(const ModelConfig& m) {
-  const ParamLayout layout = gpt_layout(GPTShape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd});
+  const ParamLayout layout = gpt_layout(gpt_shape_of(m));
   ModelCounts c;
   c.params = layout.total();  // wte counted once: the LM head shares it
   // A "layer" is a module's own parameters: weight and bias together (DeepSpeed's L).
@@ -142,8 +166,9 @@ struct RankPlan {
 // multiple of t), so tensor rank 0 stands for its stage's whole tensor group.
 std::vector<RankPlan> plan_ranks(const Config& cfg) {
   const ModelConfig& m = cfg.model;
-  const GPTShape shape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
+  const GPTShape shape = gpt_shape_of(m);
   const int stages = std::max(1, cfg.pipeline.stages), t = std::max(1, cfg.tensor.size);
+  const int ep = static_cast<int>(std::max<int64_t>(1, m.moe.ep_size));
   const std::vector<int> bounds =
       cfg.pipe_bounds.size() >= 2 ? cfg.pipe_bounds : std::vector<int>{0, static_cast<int>(m.n_layer) + 2};
   std::vector<RankPlan> plans(static_cast<size_t>(stages));
@@ -151,8 +176,8 @@ std::vector<RankPlan> plan_ranks(const Config& cfg) {
   for (int s = 0; s < stages; ++s) {
     RankPlan& p = plans[s];
     p.pipe_stage = s;
-    p.part = gpt_model_part(shape, bounds, stages, s, t, 0);
-    largest = std::max(largest, p.part.layout.total());
+    p.part = gpt_model_part(shape, bounds, stages, s, t, 0, ep, 0);  // every expert rank holds E/ep experts
+    largest = std::max(largest, p.part.expert_begin);
     // Buffers in flight stop growing once m reaches the warm-up (at most (v+1)·p forwards), so
     // a long accumulation is planned with (2v+2)·p micro-batches (a multiple of p, as
     // interleaving needs): same num_buffers and split, without materialising a huge schedule.
@@ -165,15 +190,42 @@ std::vector<RankPlan> plan_ranks(const Config& cfg) {
     for (const auto& step : schedule.steps)
       for (const pipe::Instruction& in : step) p.split = p.split || in.op == pipe::Op::BackwardInput;
   }
-  for (RankPlan& p : plans) p.partition_numel = stages > 1 ? largest : p.part.layout.total();
+  for (RankPlan& p : plans) p.partition_numel = stages > 1 ? largest : p.part.expert_begin;
   return plans;
+}
+
+// MoE experts: their own ZeroOptimizer over the expert-data group (dp/ep ranks) allocates the
+// same table's buffers for the rank's E/ep experts per MoE block (Engine::setup_expert_optimizer),
+// plus one fp32 gradient window of an Experts unit (stages 2-3, 16-bit gradients), its reduction
+// staging (stages 1-3) and, at stage 3, the gathered unit in use.
+void add_expert_states(const Config& cfg, const RankPlan& plan, int64_t dp, MemoryBudget& b) {
+  const int64_t xe = plan.part.expert_layout.total();
+  if (xe == 0) return;
+  const PrecisionConfig& pc = cfg.precision;
+  const int64_t ps = static_cast<int64_t>(dtype_size(pc.param)), gs = static_cast<int64_t>(dtype_size(pc.grad_accum)),
+                cs = static_cast<int64_t>(dtype_size(pc.comm));
+  const Partition part(xe, static_cast<int>(std::max<int64_t>(1, dp / std::max<int64_t>(1, cfg.model.moe.ep_size))));
+  const ZeroStateElems x = zero_state_elems(b.stage, xe, part);
+  const OptimizerType ot = cfg.optimizer.type;
+  const int moments = ot == OptimizerType::SGD ? (cfg.optimizer.momentum != 0.0 ? 1 : 0)
+                      : ot == OptimizerType::Lion || ot == OptimizerType::Adagrad ? 1 : 2;
+  b.params += ps * x.params;
+  b.grads += gs * x.grads;
+  b.master += pc.param != DType::F32 ? 4 * x.state : 0;
+  b.optimizer_states += 4 * moments * x.state;
+  int64_t unit = 0;
+  for (const ParamUnit& u : plan.part.expert_units) unit = std::max(unit, u.numel);
+  if (b.stage >= 2 || pc.grad_accum != DType::F32) b.comm_reduce += 4 * unit;
+  if (b.stage >= 1) b.comm_reduce += cs * (cfg.zero.overlap_comm ? part.part : std::min(cfg.zero.reduce_bucket_size, part.part));
+  if (b.stage == 3) b.comm_gather += ps * unit;
 }
 
 MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, int stage) {
   const ModelConfig& m = cfg.model;
-  const GPTShape shape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
-  const ParamLayout& layout = plan.part.layout;
-  const std::vector<ParamUnit>& units = plan.part.units;
+  const GPTShape shape = gpt_shape_of(m);
+  // The dense state; MoE experts have an optimizer of their own (add_expert_states below).
+  const ParamLayout& layout = plan.part.dense_layout;
+  const std::vector<ParamUnit>& units = plan.part.dense_units;
   const int64_t psi = layout.total();  // what this rank's model holds (tied wte copy, vocab padding included)
   const Partition part(plan.partition_numel, static_cast<int>(dp));
   MemoryBudget b;
@@ -264,6 +316,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
     b.comm_prefetch = ps * prefetch;
     b.live_params = ps * (gathered - largest_unit - prefetch);
   }
+  add_expert_states(cfg, plan, dp, b);
   // Activations: exactly what the engine allocates (Engine::activation_bytes), from the
   // function GPT carves its buffers with (gpt_activation_plan): the schedule's in-flight
   // buffers plus the shared backward scratch and recompute workspace. Local widths C/t, H/t,
@@ -280,7 +333,8 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   const auto activations = [&](const ActivationCheckpointing& ac, int64_t* host) -> int64_t {
     if (bound >= 36028797018963968.0) return capped(bound);  // 2^55
     const GPTActivationBytes act =
-        gpt_activation_bytes(shape, plan.part, Bm, Tm, cfg.tensor.sequence_parallel, plan.split, ac);
+        gpt_activation_bytes(shape, plan.part, Bm, Tm, cfg.tensor.sequence_parallel, plan.split, ac,
+                             moe_routing_of(m.moe, cfg.training.seed));
     if (host) *host = plan.num_buffers * act.host;
     return plan.num_buffers * act.buffer + act.scratch;
   };

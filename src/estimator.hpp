@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "config.hpp"
+#include "model.hpp"
 
 namespace zero3d {
 
@@ -39,6 +40,11 @@ struct ModelCounts {
   std::string largest_layer_name;
 };
 ModelCounts count_model(const ModelConfig& model);
+
+// The model a config describes, and how its MoE blocks route (model.moe; the expert group is
+// the engine's to attach): what the engine builds and what the planner counts.
+GPTShape gpt_shape_of(const ModelConfig& model);
+MoeRouting moe_routing_of(const MoeConfig& moe, uint64_t seed);
 
 // --- the complete budget -------------------------------------------------------------------------
 struct MemoryBudget {

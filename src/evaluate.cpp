@@ -106,7 +106,14 @@ EvalResult Engine::evaluate() {
     for (const pipe::Instruction& in : step)
       if (in.op == pipe::Op::Forward)
         for (int u : model_->fetch_order(in.chunk, true)) trace.push_back(u);
-  std::vector<int> training_trace = zero_->fetch_trace();
+  std::vector<int> training_trace = zero_->fetch_trace(), expert_training_trace;
+  if (expert_zero_) {  // MoE: the experts' units go to their own optimizer
+    std::vector<int> dense, experts;
+    for (int u : trace) (u >= first_expert_unit_ ? experts : dense).push_back(u >= first_expert_unit_ ? u - first_expert_unit_ : u);
+    trace = std::move(dense);
+    expert_training_trace = expert_zero_->fetch_trace();
+    expert_zero_->set_fetch_trace(std::move(experts));
+  }
   zero_->set_fetch_trace(std::move(trace));
   // The inference schedule may want more buffers than training's (zb-h1 with one micro-batch).
   const size_t kept = buffers_.size();
@@ -134,6 +141,7 @@ EvalResult Engine::evaluate() {
   buffers_.erase(buffers_.begin() + static_cast<std::ptrdiff_t>(kept), buffers_.end());
   pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(kept), pending_.end());
   zero_->set_fetch_trace(std::move(training_trace));
+  if (expert_zero_) expert_zero_->set_fetch_trace(std::move(expert_training_trace));
   timers_ = step_timers;
   EvalResult e;
   e.samples = cfg_.training.eval_steps * batch;
@@ -162,10 +170,12 @@ int64_t Engine::load_checkpoint_params(const std::string& path, const std::strin
                               out + (run.local_begin - b));
         },
         0);
+    if (expert_zero_) read_expert_checkpoint(reader);
     step = reader.meta().step;
     dir = reader.dir();
   });
   zero_->finish_checkpoint_load();
+  if (expert_zero_) expert_zero_->finish_checkpoint_load();
   if (groups_.rank() == 0) {
     std::printf("load    %s: parameters of step %lld\n", dir.c_str(), (long long)step);
     std::fflush(stdout);

@@ -83,7 +83,7 @@ std::string check_run_files(const Config& cfg, const std::string& out) {
   DataLoader(cfg.data, mc.vocab_size, cfg.batch.micro_batch, mc.n_positions, cfg.training.seed);  // reads it as train does
   open_validation_data(cfg);
   if (!mc.init_from.empty())
-    check_weights(mc.init_from, gpt_layout(GPTShape{mc.vocab_size, mc.n_positions, mc.n_layer, mc.n_head, mc.n_embd}));
+    check_weights(mc.init_from, gpt_layout(gpt_shape_of(mc)));
   check_writable_directory(out, "output directory");
   check_writable_directory(cfg.training.save_dir, "training.save_dir");
   const std::string& resume = cfg.training.resume;
@@ -213,7 +213,8 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
   install_preemption_handlers();  // SIGTERM/SIGUSR1: finish the step, save, exit kExitRequeue
   // DeepSpeed's PipeModelDataParallelTopology: ranks are placed exactly as `zero3d topology` prints.
   const int pp = cfg.pipeline.stages, tp = cfg.tensor.size;
-  ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world);
+  ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world,
+                       static_cast<int>(cfg.model.moe.ep_size));
   Watchdog watchdog(cfg.training.comms_timeout, rank);
   Engine engine(cfg, groups, out, &watchdog);
   if (engine.step() >= cfg.training.steps) {
@@ -354,7 +355,8 @@ int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::stri
   });
   agree_on_configuration(world, cfg);
   const int pp = cfg.pipeline.stages, tp = cfg.tensor.size;
-  ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world);
+  ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world,
+                       static_cast<int>(cfg.model.moe.ep_size));
   Watchdog watchdog(cfg.training.comms_timeout, rank);
   Engine engine(cfg, groups, "", &watchdog);
   const int64_t step = checkpoint.empty() ? 0 : engine.load_checkpoint_params(checkpoint, tag);

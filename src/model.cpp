@@ -89,6 +89,33 @@ struct Carver {
 
 }  // namespace
 
+const char* const kExpertTensorNames[4] = {"c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"};
+
+namespace {
+// One block's tensors in layout order, with their global shapes. An MoE block (FACTS-2 §4.5)
+// keeps the dense MLP only as PR-MoE's residual branch, adds its coefficient Linear(C, 2) then,
+// and the gate Linear(C, E, bias=False) (stored input-major like every Conv1D weight here).
+std::vector<std::pair<std::string, std::vector<int64_t>>> block_tensors(const GPTShape& s, int64_t l) {
+  const int64_t C = s.n_embd;
+  const std::vector<std::vector<int64_t>> shapes = {{C}, {C}, {C, 3 * C}, {3 * C}, {C, C},     {C},
+                                                    {C}, {C}, {C, 4 * C}, {4 * C}, {4 * C, C}, {C}};
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  const bool moe = s.moe.is_moe_block(l), dense_mlp = !moe || s.moe.use_residual;
+  for (size_t k = 0; k < shapes.size(); ++k)
+    if (k < 8 || dense_mlp) out.emplace_back(kBlockTensorNames[k], shapes[k]);
+  if (moe && s.moe.use_residual) {
+    out.emplace_back("mlp.coefficient.weight", std::vector<int64_t>{C, 2});
+    out.emplace_back("mlp.coefficient.bias", std::vector<int64_t>{2});
+  }
+  if (moe) out.emplace_back("mlp.gate.weight", std::vector<int64_t>{C, s.moe.num_experts});
+  return out;
+}
+std::vector<std::vector<int64_t>> expert_shapes(int64_t C) { return {{C, 4 * C}, {4 * C}, {4 * C, C}, {C}}; }
+std::string expert_prefix(int64_t l, int64_t e) {
+  return "h." + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".";
+}
+}  // namespace
+
 ParamLayout gpt_layout(const GPTShape& s) {
   const int64_t V = s.vocab_size, T = s.n_positions, C = s.n_embd;
   ParamLayout layout;
@@ -96,20 +123,32 @@ ParamLayout gpt_layout(const GPTShape& s) {
   layout.add("wpe.weight", {T, C});
   for (int64_t l = 0; l < s.n_layer; ++l) {
     const std::string p = "h." + std::to_string(l) + ".";
-    const std::vector<std::vector<int64_t>> shapes = {{C}, {C}, {C, 3 * C}, {3 * C}, {C, C},     {C},
-                                                      {C}, {C}, {C, 4 * C}, {4 * C}, {4 * C, C}, {C}};
-    for (size_t k = 0; k < shapes.size(); ++k) layout.add(p + kBlockTensorNames[k], shapes[k]);
+    for (const auto& [name, shape] : block_tensors(s, l)) layout.add(p + name, shape);
   }
   layout.add("ln_f.weight", {C});
   layout.add("ln_f.bias", {C});
+  for (int64_t l = 0; l < s.n_layer; ++l)
+    if (s.moe.is_moe_block(l))
+      for (int64_t e = 0; e < s.moe.num_experts; ++e)
+        for (int k = 0; k < 4; ++k) layout.add(expert_prefix(l, e) + kExpertTensorNames[k], expert_shapes(C)[k]);
   return layout;
+}
+
+int64_t gpt_active_params(const GPTShape& s, int64_t k) {
+  const ParamLayout layout = gpt_layout(s);
+  if (!s.moe.enabled()) return layout.total();
+  const int64_t C = s.n_embd, expert = 8 * C * C + 5 * C;
+  int64_t moe_blocks = 0;
+  for (int64_t l = 0; l < s.n_layer; ++l) moe_blocks += s.moe.is_moe_block(l) ? 1 : 0;
+  // every expert is stored; a token meets k of them per MoE block
+  return layout.total() - moe_blocks * (s.moe.num_experts - k) * expert;
 }
 
 std::vector<ParamUnit> gpt_units(const ParamLayout& layout, int64_t n_layer) {
   std::vector<int64_t> starts = {0};
   for (int64_t l = 0; l < n_layer; ++l) starts.push_back(layout.find("h." + std::to_string(l) + ".ln_1.weight")->offset);
   starts.push_back(layout.find("ln_f.weight")->offset);
-  starts.push_back(layout.total());
+  starts.push_back(layout.find("ln_f.bias")->offset + layout.find("ln_f.bias")->numel);  // experts follow (their own units)
   std::vector<ParamUnit> units;
   for (size_t u = 0; u + 1 < starts.size(); ++u) {
     const UnitKind kind = u == 0 ? UnitKind::Embedding : u + 2 == starts.size() ? UnitKind::FinalNorm : UnitKind::Block;
@@ -143,7 +182,7 @@ std::vector<std::pair<int64_t, int64_t>> ModelPart::replicated_ranges() const {
 }
 
 ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int stages, int stage, int tp_size,
-                         int tp_rank) {
+                         int tp_rank, int ep_size, int ep_rank) {
   const int64_t t = tp_size;
   const ParamLayout global = gpt_layout(s);
   const int parts = static_cast<int>(bounds.size()) - 1;
@@ -225,9 +264,16 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
         const std::string p = "h." + std::to_string(l) + ".";
         // Megatron's block: c_attn and c_fc column-parallel, the two c_proj row-parallel with
         // their biases replicated (added once, after the all-reduce); LayerNorms replicated.
+        // MoE additions (gate, coefficient) are replicated: every tensor rank routes the same tokens.
         const TensorSplit how[] = {replicated, replicated, qkv_cols, qkv_bias, rows, replicated,
                                    replicated, replicated, cols,     rows,     rows, replicated};
-        for (int j = 0; j < 12; ++j) add(p + kBlockTensorNames[j], how[j], true);
+        const auto tensors = block_tensors(s, l);
+        for (const auto& [name, shape] : tensors) {
+          TensorSplit split = replicated;
+          for (int j = 0; j < 12; ++j)
+            if (name == kBlockTensorNames[j]) split = how[j];
+          add(p + name, split, true);
+        }
         if (c.num_blocks == 0) {
           c.first_block = l;
           c.first_block_unit = static_cast<int>(part.units.size());
@@ -242,7 +288,47 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
   // the head of a one-stage model reads the embedding unit's wte
   for (ModelChunk& c : part.chunks)
     if (c.final && part.tied_unit < 0) c.head_unit = part.chunks.front().embed_unit;
+  // MoE: this rank's experts of each MoE block it holds, after every dense tensor: experts
+  // ep_rank·E/ep ... (DeepSpeed's global expert id), replicated over the tensor group.
+  part.ep_size = ep_size;
+  part.ep_rank = ep_rank;
+  part.expert_begin = layout.total();
+  part.expert_unit.assign(static_cast<size_t>(s.n_layer), -1);
+  const int64_t local_experts = s.moe.enabled() ? s.moe.num_experts / ep_size : 0;
+  std::vector<int> held;
+  for (const ModelChunk& c : part.chunks)
+    for (int b = c.first_block; b < c.first_block + c.num_blocks; ++b)
+      if (s.moe.is_moe_block(b)) held.push_back(b);
+  std::sort(held.begin(), held.end());
+  for (int b : held) {
+    const int64_t begin = layout.total();
+    for (int64_t i = 0; i < local_experts; ++i)
+      for (int k = 0; k < 4; ++k) add(expert_prefix(b, ep_rank * local_experts + i) + kExpertTensorNames[k], replicated, true);
+    if (part.first_expert_unit < 0) part.first_expert_unit = static_cast<int>(part.units.size());
+    part.expert_unit[static_cast<size_t>(b)] = add_unit(UnitKind::Experts, b, begin);
+  }
+  for (const TensorSpec& ts : layout.tensors())
+    (ts.offset < part.expert_begin ? part.dense_layout : part.expert_layout).add(ts.name, ts.shape);
+  for (ParamUnit u : part.units) {
+    if (u.kind != UnitKind::Experts) {
+      part.dense_units.push_back(u);
+      continue;
+    }
+    u.offset -= part.expert_begin;
+    part.expert_units.push_back(u);
+  }
   return part;
+}
+
+int64_t moe_rows_bound(const MoeShape& shape, const MoeRouting& r, int64_t S) {
+  if (!shape.enabled()) return 0;
+  const double E = static_cast<double>(shape.num_experts);
+  // DeepSpeed's _capacity: ceil(S/E · cf · k) raised to min_capacity (FACTS-2 §4.2); no-drop: up to S
+  const auto capacity = [&](double cf) {
+    return std::max<int64_t>(static_cast<int64_t>(std::ceil(static_cast<double>(S) / E * cf * r.k)), r.min_capacity);
+  };
+  const int64_t cap = r.drop_tokens ? std::max(capacity(r.capacity_factor), capacity(r.eval_capacity_factor)) : S;
+  return shape.num_experts * std::min(cap, S);
 }
 
 double gpt_flops_per_token(const GPTShape& s, int64_t num_params) {
@@ -283,8 +369,9 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type)
     : GPT(shape, B, T, param_type, gpt_model_part(shape, {0, static_cast<int>(shape.n_layer) + 2}, 1, 0)) {}
 
 GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part, TensorGroup tensor,
-         ActivationCheckpointing checkpointing)
-    : shape_(shape), param_type_(param_type), B_(B), T_(T), part_(std::move(part)), tp_(tensor), ac_(checkpointing) {
+         ActivationCheckpointing checkpointing, MoeRouting moe)
+    : shape_(shape), param_type_(param_type), B_(B), T_(T), part_(std::move(part)), tp_(tensor), ac_(checkpointing),
+      moe_(moe) {
   const int64_t C = shape.n_embd, BT = B * T, t = part_.tp_size;
   Cl_ = C / t;
   Hl_ = shape.n_head / t;
@@ -298,7 +385,7 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
   tp_.sequence_parallel = tp_.sequence_parallel && t > 1;
   Ns_ = tp_.sequence_parallel ? BT / t : BT;
   // Backward scratch and the recompute workspace, shared by all blocks and micro-batches.
-  const ActivationPlan plan = gpt_activation_plan(shape, part_, B, T, tp_.sequence_parallel, false, ac_);
+  const ActivationPlan plan = gpt_activation_plan(shape, part_, B, T, tp_.sequence_parallel, false, ac_, moe_);
   for (const ModelChunk& c : part_.chunks)  // config validation says so first, with the numbers
     if (ac_.full() && (c.num_blocks + ac_.interval - 1) / ac_.interval > plan.checkpoint_slots)
       throw std::invalid_argument("number_checkpoints is less than the checkpoints of one forward");
@@ -326,6 +413,25 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
   dqkv_ = take(3 * BT * Cl_);
   dfch_ = take(4 * BT * Cl_);
   datt_scratch_ = take(kRowBlock * T);
+  if (shape.moe.enabled()) {  // the MoE workspace (gpt_activation_plan counts it)
+    const int64_t S = BT, k = moe_.k, E = shape.moe.num_experts;
+    moe_rows_ = moe_rows_bound(shape.moe, moe_, S);
+    moe_send_ = take(S * k * C);
+    moe_recv_ = take(moe_rows_ * C);
+    moe_rows_c_ = take(moe_rows_ * C);
+    moe_rows_4c_ = take(4 * moe_rows_ * C);
+    moe_logits_ = take(S * E);
+    moe_dlogits_ = take(S * E);
+    moe_dweight_ = take(S * k);
+    moe_tokens_c_ = take(S * C);
+    if (shape.moe.use_residual) {
+      moe_dmoe_ = take(S * C);
+      moe_dcoef_ = take(2 * S);
+    }
+    for (int b = 0; b < shape.n_layer; ++b)
+      if (b < static_cast<int>(part_.expert_unit.size()) && part_.expert_unit[static_cast<size_t>(b)] >= 0)
+        moe_stats_.push_back({b, std::vector<int64_t>(static_cast<size_t>(E), 0), 0, 0, 0, 0.0});
+  }
   if (t > 1) {
     row_out_ = take(BT * C);
     ce_max_ = take(BT);
@@ -342,7 +448,7 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
   if (split_backward && ac_.full())
     throw std::invalid_argument("full recompute cannot keep a block's activations for a later weight-gradient pass");
   const int64_t C = shape_.n_embd, Cl = Cl_, H = Hl_, B = B_, T = T_, BT = B * T, Ns = Ns_;
-  const ActivationPlan plan = gpt_activation_plan(shape_, part_, B, T, tp_.sequence_parallel, split_backward, ac_);
+  const ActivationPlan plan = gpt_activation_plan(shape_, part_, B, T, tp_.sequence_parallel, split_backward, ac_, moe_);
   const bool receives_grad = [&] {
     for (const ModelChunk& c : part_.chunks)
       if (!c.final) return true;
@@ -360,6 +466,21 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
   // parallelism); this rank's qkv, attention output, fc and its GELU over all tokens
   for (int l = 0; l < plan.blocks; ++l)
     buf.blocks.push_back(carve_block(take, Ns, BT, C, Cl, B * H * T * T, ac_.selective() ? shared_att_ : nullptr));
+  for (int64_t j = 0; j < plan.moe_blocks; ++j) {
+    const int64_t S = BT, R = moe_rows_;
+    MoeActivations m;
+    if (moe_.noise == MoeRouting::Noise::Jitter) m.gate_noise = take(S * C);
+    m.expert_in = take(R * C);
+    m.expert_fch = take(4 * R * C);
+    m.expert_fch_gelu = take(4 * R * C);
+    m.returned = take(S * moe_.k * C);
+    if (shape_.moe.use_residual) {
+      m.moe_out = take(S * C);
+      m.mlp_out = take(S * C);
+      m.coef = take(2 * S);
+    }
+    buf.moe.push_back(std::move(m));
+  }
   if (ac_.full() && max_blocks_ > 0) buf.output = take(Ns * C);
   if (any_final_) {
     buf.ln_f = take(BT * C);  // all tokens: the head's input (gathered with sequence parallelism)
@@ -413,16 +534,21 @@ float* GPT::output(int chunk, const ActivationBuffer& buf) const { return chunk_
 std::vector<int> GPT::fetch_order(int chunk, bool forward, BackwardPart part) const {
   const ModelChunk& c = part_.chunks[chunk];
   std::vector<int> order;
+  // an MoE block fetches its experts' unit after its own (moe_forward, moe_backward)
+  const auto block_units = [&](int l) {
+    order.push_back(c.first_block_unit + l);
+    if (shape_.moe.is_moe_block(c.first_block + l)) order.push_back(part_.expert_unit[static_cast<size_t>(c.first_block + l)]);
+  };
   if (forward) {
     if (c.embedding) order.push_back(c.embed_unit);
-    for (int l = 0; l < c.num_blocks; ++l) order.push_back(c.first_block_unit + l);
+    for (int l = 0; l < c.num_blocks; ++l) block_units(l);
     if (c.final) order.push_back(c.final_unit), order.push_back(c.head_unit);
     return order;
   }
   if (part == BackwardPart::Weight) return order;  // weight gradients need activations only
   if (c.final) order.push_back(c.head_unit), order.push_back(c.final_unit);
   if (!ac_.full()) {
-    for (int l = c.num_blocks - 1; l >= 0; --l) order.push_back(c.first_block_unit + l);
+    for (int l = c.num_blocks - 1; l >= 0; --l) block_units(l);
     return order;
   }
   // full recompute: each checkpoint, last first, runs its blocks forward again, then backward
@@ -436,19 +562,43 @@ std::vector<int> GPT::fetch_order(int chunk, bool forward, BackwardPart part) co
 }
 
 template <typename T>
-BlockTensors<T> GPT::block(T* unit) const {
+BlockTensors<T> GPT::block(T* unit, int global_block) const {
   const int64_t C = shape_.n_embd, Cl = Cl_;
   T* p = unit;
   BlockTensors<T> b;
   T** fields[] = {&b.ln_1_w, &b.ln_1_b, &b.c_attn_w, &b.c_attn_b, &b.attn_proj_w, &b.attn_proj_b,
-                      &b.ln_2_w, &b.ln_2_b, &b.c_fc_w,   &b.c_fc_b,   &b.mlp_proj_w,  &b.mlp_proj_b};
+                  &b.ln_2_w, &b.ln_2_b, &b.c_fc_w,   &b.c_fc_b,   &b.mlp_proj_w,  &b.mlp_proj_b};
   // local shapes (model_part's splits): c_attn [C, 3C/t], attn.c_proj [C/t, C], c_fc [C, 4C/t], mlp.c_proj [4C/t, C]
   const int64_t sizes[] = {C, C, 3 * C * Cl, 3 * Cl, Cl * C, C, C, C, 4 * C * Cl, 4 * Cl, 4 * Cl * C, C};
+  const bool moe = shape_.moe.is_moe_block(global_block), dense_mlp = !moe || shape_.moe.use_residual;
   for (int k = 0; k < 12; ++k) {
+    if (k >= 8 && !dense_mlp) break;
     *fields[k] = p;
     p += sizes[k];
   }
+  if (moe && shape_.moe.use_residual) {  // mlp.coefficient [C, 2] + [2] (block_tensors' order)
+    b.coef_w = p;
+    b.coef_b = p + 2 * C;
+    p += 2 * C + 2;
+  }
+  if (moe) b.gate_w = p;  // mlp.gate.weight [C, E]
   return b;
+}
+
+MoeActivations* GPT::moe_saves(const ModelChunk& c, int l, ActivationBuffer& buf) const {
+  int j = 0;
+  for (int i = 0; i < l; ++i) j += shape_.moe.is_moe_block(c.first_block + i) ? 1 : 0;
+  return &buf.moe[static_cast<size_t>(j)];
+}
+
+std::vector<GPT::MoeLayerStats> GPT::take_moe_stats() {
+  std::vector<MoeLayerStats> out = moe_stats_;
+  for (MoeLayerStats& s : moe_stats_) {
+    std::fill(s.tokens_per_expert.begin(), s.tokens_per_expert.end(), 0);
+    s.routed = s.dropped = s.forwards = 0;
+    s.l_aux = 0.0;
+  }
+  return out;
 }
 
 float GPT::forward(int chunk, ActivationBuffer& buf, ParamStore& store) {
@@ -493,7 +643,7 @@ void add_residual_and_bias(float* res, const float* residual, const float* parti
 
 template <typename P>
 void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
-                        double* attention_ms) {
+                        double* attention_ms, ActivationBuffer* buf) {
   const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, BT = B * T, Ns = Ns_;
   const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
@@ -518,7 +668,8 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     }
   };
   const int u = c.first_block_unit + l;
-  const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)));
+  const int global_block = c.first_block + l;
+  const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)), global_block);
   obs::Region region(obs::attention_module(c.first_block + l));  // the flops profiler's and trace's module
   // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
   layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
@@ -538,6 +689,25 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
   region.next(obs::mlp_module(c.first_block + l));
   layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
+  if (shape_.moe.is_moe_block(global_block)) {
+    MoeActivations& m = *moe_saves(c, l, *buf);
+    if (shape_.moe.use_residual) {  // PR-MoE's dense branch: mlp_out = mlp(ln_2), no residual yet
+      matmul_forward(a.fch, column_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
+      gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
+      if (!tp) {
+        matmul_forward(m.mlp_out, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/false, cmp);
+      } else {
+        matmul_forward(row_out_, a.fch_gelu, w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false, cmp);
+        reduce_from_tp_region_forward(tp_, row_out_, BT * C);
+        copy(m.mlp_out, row_out_, BT * C);
+        add_bias_rows(m.mlp_out, w.mlp_proj_b, BT, C);
+      }
+    }
+    moe_forward<P>(global_block, a, m, w, *buf, store);
+    store.release(u);
+    store.progress();
+    return;
+  }
   matmul_forward(a.fch, column_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
   gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
   if (!tp) {
@@ -556,6 +726,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   const int64_t B = B_, T = T_, C = shape_.n_embd, V = Vl_, BT = B * T, Ns = Ns_;
   const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
+  buf.aux_loss = 0.0;
   if (c.embedding) {
     const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V(/t),C] then wpe [T,C]
     const obs::Region region(obs::embedding_module());
@@ -592,7 +763,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
       if (ac_.selective()) checkpoint_boundary();
       double attention_ms = 0.0;
       block_forward<P>(c, l, buf.blocks[l], l == 0 ? buf.input : buf.blocks[l - 1].res_3, store,
-                       timed ? &attention_ms : nullptr);
+                       timed ? &attention_ms : nullptr, &buf);
       if (timed) time_of(c.first_block + l, 1).forward_ms += attention_ms;
     }
   }
@@ -721,10 +892,11 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
   // One block's backward from its saves `a` and its input `residual`; dres holds d(res_3) on entry
   // and d(residual) on exit.
   const auto block_backward = [&](int l, const BlockActivations& a, const float* residual) {
-    const int u = c.first_block_unit + l;
+    const int u = c.first_block_unit + l, global_block = c.first_block + l;
     obs::Region region(obs::mlp_module(c.first_block + l));
-    const BlockTensors<const P> w = input ? block(static_cast<const P*>(store.fetch(u))) : BlockTensors<const P>{};
-    const BlockTensors<float> dw = weights ? block(store.grad_target(u)) : BlockTensors<float>{};
+    const BlockTensors<const P> w =
+        input ? block(static_cast<const P*>(store.fetch(u)), global_block) : BlockTensors<const P>{};
+    const BlockTensors<float> dw = weights ? block(store.grad_target(u), global_block) : BlockTensors<float>{};
     // Where the output gradients of the five products and two LayerNorms live.
     const bool saved = part != BackwardPart::Full;
     const BlockGradOperands& g = saved ? buf.grad_operands[l] : BlockGradOperands{};
@@ -735,17 +907,31 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     // MLP half: dres holds d(res_3); the row-parallel product's output gradient covers all tokens
     const float* d_res_3 = part == BackwardPart::Weight ? g.d_res_3 : row_output_grad(dres, saved ? g.d_res_3 : gathered_);
     if (keep && !sp) copy(g.d_res_3, dres, BT * C);
-    matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
-                    d_res_3, a.fch_gelu, w.mlp_proj_w, BT, 4 * Cl, C, cmp);
-    store.progress();
-    if (input) gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
-    if (!tp) {
-      matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
-                      a.ln_2, w.c_fc_w, BT, C, 4 * Cl, cmp);
-    } else {
-      column_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
-                      a.ln_2, w.c_fc_w, C, 4 * Cl);
+    // An MoE block (full backward only: model.moe excludes split schedules): the dense branch of
+    // residual MoE reads d(mlp_out), the MoE part then adds its input gradients into d(ln_2).
+    const bool moe = shape_.moe.is_moe_block(global_block);
+    const MoeActivations* m = moe ? moe_saves(c, l, buf) : nullptr;
+    const float* d_mlp = d_res_3;
+    if (moe && shape_.moe.use_residual) {
+      moe_mix_backward(*m, d_res_3, moe_tokens_c_);
+      d_mlp = moe_tokens_c_;
     }
+    if (!moe || shape_.moe.use_residual) {
+      matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
+                      d_mlp, a.fch_gelu, w.mlp_proj_w, BT, 4 * Cl, C, cmp);
+      store.progress();
+      if (input) gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
+      if (!tp) {
+        matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                        a.ln_2, w.c_fc_w, BT, C, 4 * Cl, cmp);
+      } else {
+        column_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                        a.ln_2, w.c_fc_w, C, 4 * Cl);
+      }
+    } else {
+      Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(d_ln_2, BT * C), 0.0f);
+    }
+    if (moe) moe_backward<P>(global_block, a, *m, w, dw, d_res_3, d_ln_2, grad_scale, store);
     store.progress();
     layernorm_backward(input ? dres : nullptr, weights ? dw.ln_2_w : nullptr, weights ? dw.ln_2_b : nullptr, d_ln_2,
                        a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, Ns, C);
@@ -866,7 +1052,8 @@ void GPT::reset_checkpoint_times() {
 }
 
 ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
-                                   bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac) {
+                                   bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac,
+                                   const MoeRouting& moe) {
   const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, H = shape.n_head / t, V = part.vocab_local,
                 BT = B * T, Ns = sequence_parallel && t > 1 ? BT / t : BT;
   const bool sp = sequence_parallel && t > 1;
@@ -903,12 +1090,28 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
   }
   const int64_t tp_extra = t > 1 ? BT * C + 3 * BT + (sp ? BT * C + Ns * C : 0) : 0;
   p.scratch = BT * C + 8 * BT * Cl + kRowBlock * T + tp_extra;
+  if (shape.moe.enabled()) {
+    // MoE saves per block (S = B·T tokens, R rows received, k choices each): the experts' input,
+    // fc and GELU rows, the returned outputs, Jitter's factors; residual MoE its two branches and
+    // coefficients. The shared workspace: dispatch and return rows, gate logits and gradients.
+    const int64_t S = BT, R = moe_rows_bound(shape.moe, moe, S), k = moe.k, E = shape.moe.num_experts;
+    for (const ModelChunk& c : part.chunks) {
+      int64_t n = 0;
+      for (int b = c.first_block; b < c.first_block + c.num_blocks; ++b) n += shape.moe.is_moe_block(b) ? 1 : 0;
+      p.moe_blocks = std::max(p.moe_blocks, n);
+    }
+    p.per_moe_block = (moe.noise == MoeRouting::Noise::Jitter ? S * C : 0) + 9 * R * C + S * k * C +
+                      (shape.moe.use_residual ? 2 * S * C + 2 * S : 0);
+    p.scratch += S * k * C + 2 * R * C + 4 * R * C + 2 * S * E + S * k + S * C +
+                 (shape.moe.use_residual ? S * C + 2 * S : 0);
+  }
   return p;
 }
 
 GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
-                                        bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac) {
-  const ActivationPlan p = gpt_activation_plan(shape, part, B, T, sequence_parallel, split_backward, ac);
+                                        bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac,
+                                        const MoeRouting& moe) {
+  const ActivationPlan p = gpt_activation_plan(shape, part, B, T, sequence_parallel, split_backward, ac, moe);
   GPTActivationBytes out;
   out.buffer = p.buffer_bytes();  // ActivationBuffer::bytes()
   out.scratch = p.shared_bytes();

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,27 +17,47 @@
 
 namespace zero3d {
 
+// Which blocks route their MLP through experts (DEEPSPEED-FACTS-2 §4; GShard/Switch: every n-th
+// block), and what that puts in the layout. num_experts 0: a dense GPT-2.
+struct MoeShape {
+  int64_t num_experts = 0;  // E
+  int64_t every = 1;        // blocks every-1, 2·every-1, ... (0-based) are MoE blocks
+  bool use_residual = false;  // PR-MoE: the dense MLP stays beside the experts, mixed by a learned coefficient
+  bool enabled() const { return num_experts > 0; }
+  bool is_moe_block(int64_t l) const { return enabled() && (l + 1) % every == 0; }
+};
+
 struct GPTShape {
   int64_t vocab_size = 256;   // V
   int64_t n_positions = 256;  // T
   int64_t n_layer = 2;        // L
   int64_t n_head = 2;         // H
   int64_t n_embd = 64;        // C
+  MoeShape moe;
 };
 
 // The tensors of one transformer block, as pointers into a flat buffer of T (parameters in
 // their stored type, or fp32 gradients).
+// An MoE block has no dense c_fc/c_proj unless use_residual (null), and adds the gate
+// (mlp.gate.weight [C, E]) and, with use_residual, the coefficient (mlp.coefficient [C, 2] + [2]).
 template <typename T>
 struct BlockTensors {
   T *ln_1_w, *ln_1_b, *c_attn_w, *c_attn_b, *attn_proj_w, *attn_proj_b;
   T *ln_2_w, *ln_2_b, *c_fc_w, *c_fc_b, *mlp_proj_w, *mlp_proj_b;
+  T *gate_w = nullptr, *coef_w = nullptr, *coef_b = nullptr;
 };
 
-// Builds the Hugging Face GPT-2 parameter layout for `shape`.
+// Builds the Hugging Face GPT-2 parameter layout for `shape`; with MoE, every expert's tensors
+// follow ln_f, named h.{l}.mlp.experts.{e}.c_fc.weight etc. (whole tensors, any expert layout).
 ParamLayout gpt_layout(const GPTShape& shape);
+// The tensor names of one expert's MLP, in layout order.
+extern const char* const kExpertTensorNames[4];
 
-// Model FLOPs per trained token: 6N + 12·L·T·C (forward + backward, attention included).
+// Model FLOPs per trained token: 6N + 12·L·T·C (forward + backward, attention included). With
+// MoE, N counts the parameters a token meets: the dense ones and k of each layer's E experts
+// (gpt_active_params).
 double gpt_flops_per_token(const GPTShape& shape, int64_t num_params);
+int64_t gpt_active_params(const GPTShape& shape, int64_t k);
 
 // Fills params with the deterministic initialisation: normal(0, 0.02) weights drawn from
 // (seed, tensor name), c_proj weights scaled by 1/sqrt(2L), zero biases, unit LN weights.
@@ -50,7 +71,9 @@ void init_gpt_params_range(float* out, const ParamLayout& layout, const GPTShape
 // wpe), each transformer block, the final LayerNorm, and on a last pipeline stage that is not
 // also the first the tied copy of wte its LM head uses. Units are contiguous and in layout
 // order, so "unit u" is one range of every flat buffer.
-enum class UnitKind { Embedding, Block, FinalNorm, TiedHead };
+// With MoE, each MoE block's local experts form one more unit (Experts), after every dense unit:
+// their state lives with the expert-data-parallel ZeRO optimizer, not the data-parallel one.
+enum class UnitKind { Embedding, Block, FinalNorm, TiedHead, Experts };
 struct ParamUnit {
   int64_t offset = 0, numel = 0;
   UnitKind kind = UnitKind::Block;
@@ -99,6 +122,17 @@ struct ModelPart {
   std::vector<LayoutSegment> runs;  // sorted by local_begin
   int tied_unit = -1;
   int tp_size = 1, tp_rank = 0;
+  // MoE: the local experts of every MoE block this rank holds (E/ep of them, experts
+  // ep_rank·E/ep ...) sit in [expert_begin, layout.total()), one unit each from first_expert_unit.
+  int ep_size = 1, ep_rank = 0;
+  int64_t expert_begin = 0;
+  int first_expert_unit = -1;
+  std::vector<int> expert_unit;  // per global block: its Experts unit, or -1 (dense block, or not here)
+  // The two state groups as their ZeRO optimizers see them: the dense tensors [0, expert_begin)
+  // with units [0, first_expert_unit), and the experts rebased to 0 with their units.
+  ParamLayout dense_layout, expert_layout;
+  std::vector<ParamUnit> dense_units, expert_units;
+  int num_dense_units() const { return first_expert_unit < 0 ? static_cast<int>(units.size()) : first_expert_unit; }
   int64_t vocab_padded = 0;  // V rounded up to a multiple of tp_size
   int64_t vocab_local = 0;   // wte rows this rank holds: vocab_padded / tp_size
   int64_t vocab_begin = 0;   // first global id of them
@@ -113,7 +147,7 @@ struct ModelPart {
 // bounds are the p·v + 1 boundaries into the layer list [embedding, block × L, final]
 // (pipe_plan.hpp); chunk c is part c·p + stage. The whole model: stages = 1, bounds {0, L + 2}.
 ModelPart gpt_model_part(const GPTShape& shape, const std::vector<int>& bounds, int stages, int stage,
-                         int tp_size = 1, int tp_rank = 0);
+                         int tp_size = 1, int tp_rank = 0, int ep_size = 1, int ep_rank = 0);
 
 // Where the model finds parameters and puts gradients, one unit at a time. The model knows
 // nothing of ZeRO or MPI: whoever implements this decides whether a unit is gathered,
@@ -152,6 +186,39 @@ class FlatParamStore : public ParamStore {
   float* grads_;
 };
 
+namespace kernels::moe {
+struct Routing;
+}
+
+// How MoE blocks route tokens at run time (model.moe; DeepSpeed's TopKGate, FACTS-2 §4.2-4.4)
+// and the expert-parallel group their tokens move in.
+struct MoeRouting {
+  int k = 1;
+  double capacity_factor = 1.0, eval_capacity_factor = 1.0;
+  int64_t min_capacity = 4;
+  bool drop_tokens = true, use_rts = true, top2_2nd_expert_sampling = true;
+  enum class Noise { None, Jitter, RSample } noise = Noise::None;
+  double aux_loss_coef = 0.01;
+  uint64_t seed = 0;               // with ActivationBuffer::draw_key, every random draw of the gate
+  Communicator* expert = nullptr;  // ep ranks: dispatch/combine all-to-all, the no-drop capacity's max
+};
+// Rows one rank's experts can receive per MoE block: each of E experts takes at most
+// min(capacity, S) tokens from each of the tokens' ranks... of its group, i.e. E/ep experts ×
+// ep sources × min(capacity, S) — the size of DeepSpeed's dispatched [E, C, h] tensor.
+int64_t moe_rows_bound(const MoeShape& shape, const MoeRouting& routing, int64_t S);
+
+// The saves of one MoE block's forward in one micro-batch: what its backward reads.
+struct MoeActivations {
+  float* gate_noise = nullptr;  // [S, C] Jitter factors of the gate's input (null without Jitter)
+  float* expert_in = nullptr;   // [R, C] rows this rank's experts received, expert-major
+  float *expert_fch = nullptr, *expert_fch_gelu = nullptr;  // [R, 4C]
+  float* returned = nullptr;    // [S·k, C] expert outputs of this rank's routed tokens, in dispatch order
+  float *moe_out = nullptr, *mlp_out = nullptr, *coef = nullptr;  // residual MoE: [S, C], [S, C], [S, 2]
+  std::shared_ptr<kernels::moe::Routing> routing;
+  std::vector<int64_t> send_rows;    // per expert rank: rows dispatched to it
+  std::vector<int64_t> recv_counts;  // per (source rank, local expert): rows received
+};
+
 // The saved tensors of one block's forward pass.
 struct BlockActivations {
   float *ln_1, *ln_1_mean, *ln_1_rstd, *qkv, *att, *atty, *res_2;
@@ -185,6 +252,13 @@ struct ActivationBuffer {
   float* d_input = nullptr;   // [B,T,C] the residual stream's gradient; at the end of backward d(input)
   std::vector<BlockActivations> blocks;
   std::vector<BlockGradOperands> grad_operands;  // empty unless built for split backward
+  std::vector<MoeActivations> moe;  // one per MoE block of the largest chunk, in block order
+  // MoE: the key of this micro-batch's random draws (its first global sample: the same on any
+  // layout), whether the forward trains (noise, capacity_factor) or evaluates, and the sum of
+  // its MoE blocks' l_aux (what aux_loss_coef weighs into the loss).
+  uint64_t draw_key = 0;
+  bool training = true;
+  double aux_loss = 0.0;
   float *ln_f = nullptr, *ln_f_mean = nullptr, *ln_f_rstd = nullptr, *logits = nullptr, *losses = nullptr,
         *lse = nullptr, *d_ln_f = nullptr;
   // Everything the buffer holds, host-resident checkpoints included.
@@ -213,8 +287,9 @@ class GPT {
   // parameters and in fp32 otherwise; everything else computes in fp32.
   // tensor: the tensor-parallel group when part.tp_size > 1.
   // checkpointing: which blocks keep their activations and which recompute them in backward.
+  // moe: how MoE blocks route (shape.moe says which blocks are MoE blocks).
   GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part, TensorGroup tensor = {},
-      ActivationCheckpointing checkpointing = {});
+      ActivationCheckpointing checkpointing = {}, MoeRouting moe = {});
   // The whole model on one rank.
   GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type = DType::F32);
 
@@ -255,6 +330,18 @@ class GPT {
   int64_t scratch_bytes() const { return static_cast<int64_t>((scratch_.extent(0) + recompute_.extent(0)) * 4); }
   const ActivationCheckpointing& checkpointing() const { return ac_; }
 
+  // MoE routing figures per MoE block this rank runs, summed over the training forwards since the
+  // last take (then reset): tokens routed to each expert before capacity drops (DeepSpeed's
+  // exp_counts), choices routed and dropped, and the summed l_aux over `forwards`.
+  struct MoeLayerStats {
+    int block = 0;
+    std::vector<int64_t> tokens_per_expert;
+    int64_t routed = 0, dropped = 0, forwards = 0;
+    double l_aux = 0.0;
+  };
+  std::vector<MoeLayerStats> take_moe_stats();
+  const MoeRouting& moe_routing() const { return moe_; }
+
   // profile: time per checkpoint (full: per group of `interval` blocks; selective: per block's
   // attention), summed over the micro-batches since the last reset. Synchronised when timing.
   struct CheckpointTime {
@@ -266,7 +353,21 @@ class GPT {
 
  private:
   template <typename T>
-  BlockTensors<T> block(T* unit) const;
+  BlockTensors<T> block(T* unit, int global_block) const;
+  // MoE blocks (moe_layer.cpp): route, dispatch, experts, combine; res_3 = res_2 + the mix.
+  template <typename P>
+  void moe_forward(int block, BlockActivations& a, MoeActivations& m, const BlockTensors<const P>& w,
+                   ActivationBuffer& buf, ParamStore& store);
+  // Residual MoE's mix, backward: d(moe_out) and d(mlp_out) from d(res_3); the coefficient's logits
+  // gradient is kept for moe_backward.
+  void moe_mix_backward(const MoeActivations& m, const float* d_res_3, float* d_mlp_out);
+  // Adds the experts', the gate's and the coefficient's input gradients into d_ln_2 and their
+  // weight gradients into dw and the block's Experts unit.
+  template <typename P>
+  void moe_backward(int block, const BlockActivations& a, const MoeActivations& m, const BlockTensors<const P>& w,
+                    const BlockTensors<float>& dw, const float* d_res_3, float* d_ln_2, float grad_scale,
+                    ParamStore& store);
+  MoeActivations* moe_saves(const ModelChunk& c, int l, ActivationBuffer& buf) const;
   template <typename P>
   float forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store);
   template <typename P>
@@ -274,8 +375,10 @@ class GPT {
   // One block's forward (local block l of chunk c) from `residual` into the saves `a`: the
   // forward pass and full recompute run this same code, so recomputed saves are bit-identical.
   template <typename P>
+  // buf: the micro-batch's buffer (MoE blocks keep their saves there; null under full recompute,
+  // which model.moe excludes).
   void block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
-                     double* attention_ms);
+                     double* attention_ms, ActivationBuffer* buf = nullptr);
   void save_checkpoint(ActivationBuffer& buf, int g, const float* input) const;
   const float* restore_checkpoint(ActivationBuffer& buf, int g);
   void checkpoint_boundary() const;
@@ -307,6 +410,15 @@ class GPT {
   std::vector<BlockActivations> recompute_blocks_;
   int64_t ckpt_slot_ = 0;  // elements of one saved input: Ns·C, or Ns·C/t partitioned
   std::vector<CheckpointTime> times_;
+  // MoE: routing settings, the workspace every MoE block shares (dispatch and return rows, the
+  // experts' backward, gate gradients), and the figures take_moe_stats() hands out.
+  MoeRouting moe_;
+  int64_t moe_rows_ = 0;  // R: rows this rank's experts can receive per block
+  FlatBuffer moe_ws_;
+  float *moe_send_ = nullptr, *moe_recv_ = nullptr, *moe_rows_c_ = nullptr, *moe_rows_4c_ = nullptr;
+  float *moe_logits_ = nullptr, *moe_dlogits_ = nullptr, *moe_dweight_ = nullptr, *moe_tokens_c_ = nullptr;
+  float *moe_dmoe_ = nullptr, *moe_dcoef_ = nullptr;
+  std::vector<MoeLayerStats> moe_stats_;
   ActivationBuffer own_;  // the one-stage convenience API's buffer (allocated on first use)
 };
 
@@ -338,15 +450,18 @@ struct ActivationPlan {
   int64_t checkpoint_allocations = 0;                 // 1 when contiguous, else one per slot
   bool checkpoints_on_host = false;
   int64_t tokens = 0;         // token and target ids: B·T each
-  int64_t scratch = 0;        // shared: backward scratch
+  int64_t moe_blocks = 0, per_moe_block = 0;  // MoE saves: blocks of the largest chunk, elements each
+  int64_t scratch = 0;        // shared: backward scratch (the MoE workspace included)
   int64_t recompute = 0;      // shared: recompute workspace
-  int64_t storage() const { return stream + blocks * per_block + head + grad_operands; }
+  int64_t storage() const { return stream + blocks * per_block + moe_blocks * per_moe_block + head + grad_operands; }
   int64_t checkpoint_bytes() const { return 4 * checkpoint_slot * checkpoint_slots; }
   int64_t buffer_bytes() const { return 4 * storage() + checkpoint_bytes() + 8 * tokens; }
   int64_t shared_bytes() const { return 4 * (scratch + recompute); }
 };
+// moe: the routing MoE blocks use (their saves depend on k, capacity and noise).
 ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
-                                   bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac = {});
+                                   bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac = {},
+                                   const MoeRouting& moe = {});
 
 // What GPT(shape, B, T, …, part, TensorGroup{…, sequence_parallel}, ac) allocates for
 // activations, from gpt_activation_plan without allocating: `buffer` = one
@@ -356,6 +471,6 @@ struct GPTActivationBytes {
 };
 GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
                                         bool sequence_parallel, bool split_backward,
-                                        const ActivationCheckpointing& ac = {});
+                                        const ActivationCheckpointing& ac = {}, const MoeRouting& moe = {});
 
 }  // namespace zero3d

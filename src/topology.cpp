@@ -107,7 +107,8 @@ std::string ProcessTopology::get_rank_repr(int rank, const std::vector<std::stri
   return out;
 }
 
-ProcessGroups::ProcessGroups(const ProcessTopology& topology, MPI_Comm world) : topology_(topology), world_(world) {
+ProcessGroups::ProcessGroups(const ProcessTopology& topology, MPI_Comm world, int ep_size)
+    : topology_(topology), world_(world) {
   int size = 0;
   MPI_Comm_rank(world, &rank_);
   MPI_Comm_size(world, &size);
@@ -135,6 +136,19 @@ ProcessGroups::ProcessGroups(const ProcessTopology& topology, MPI_Comm world) : 
   if (MPI_Comm_split(world, ends ? data * tp + model : MPI_UNDEFINED, pipe, &emb) != MPI_SUCCESS)
     throw SystemError("MPI_Comm_split failed for embedding");
   comms_["embedding"] = emb;
+  const int dp = std::max(1, topology.get_dim("data"));
+  if (ep_size < 1 || dp % ep_size != 0)
+    throw InputError("ep_size " + std::to_string(ep_size) + " does not divide the data-parallel size (" +
+                     std::to_string(dp) + ")");
+  const int stage_group = pipe * tp + model;  // one (pipe, model) index: the data group expert groups are cut from
+  MPI_Comm ep, edp, enorm;
+  if (MPI_Comm_split(world, stage_group * dp + data / ep_size, data % ep_size, &ep) != MPI_SUCCESS ||
+      MPI_Comm_split(world, stage_group * dp + data % ep_size, data / ep_size, &edp) != MPI_SUCCESS ||
+      MPI_Comm_split(world, data / ep_size, rank_, &enorm) != MPI_SUCCESS)
+    throw SystemError("MPI_Comm_split failed for the expert groups");
+  comms_["expert"] = ep;
+  comms_["expert_data"] = edp;
+  comms_["expert_norm"] = enorm;
 }
 
 ProcessGroups::~ProcessGroups() {

@@ -51,17 +51,24 @@ class ProcessTopology {
 // and the derived groups Megatron's ProcessGroupCollection names: "model_parallel" (every
 // rank with this rank's data index: pipe × model; grad norm and overflow) and "embedding"
 // (the first and last pipeline stage at this rank's data and model index: the tied wte;
-// MPI_COMM_NULL on the stages between). Owned here and handed out by name; nothing is global.
+// MPI_COMM_NULL on the stages between). With MoE (DeepSpeed utils/groups.py
+// _create_expert_and_data_parallel, FACTS-2 §4.5) the data group of each (pipe, model) index is
+// cut into "expert" groups of ep_size consecutive data ranks (tokens move by all-to-all inside
+// one) and strided "expert_data" groups (ranks holding the same experts: their gradients are
+// reduced there); "expert_norm" joins the ranks at one expert_data position across expert,
+// pipe and model ranks (with the expert_data sum, every expert gradient once: the grad norm).
+// Owned here and handed out by name; nothing is global.
 class ProcessGroups {
  public:
-  ProcessGroups(const ProcessTopology& topology, MPI_Comm world);
+  ProcessGroups(const ProcessTopology& topology, MPI_Comm world, int ep_size = 1);
   ~ProcessGroups();
   ProcessGroups(const ProcessGroups&) = delete;
   ProcessGroups& operator=(const ProcessGroups&) = delete;
 
   const ProcessTopology& topology() const { return topology_; }
   MPI_Comm world() const { return world_; }
-  MPI_Comm axis(const std::string& name) const;  // "data", "model", "pipe", "model_parallel", "embedding"
+  // "data", "model", "pipe", "model_parallel", "embedding", "expert", "expert_data", "expert_norm"
+  MPI_Comm axis(const std::string& name) const;
   MPI_Comm data_parallel() const { return axis("data"); }
   int rank() const { return rank_; }
   ProcessTopology::Coord coord() const { return topology_.get_coord(rank_); }
