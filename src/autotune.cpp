@@ -181,9 +181,9 @@ void measure(Experiment& e, const AutotuningConfig& at, MPI_Comm world, MpiCommu
   e.latency_ms = std::accumulate(ms.begin(), ms.end(), 0.0) / double(ms.size());
   e.throughput = double(e.train_batch_size) * 1e3 / e.latency_ms;
   const ModelConfig& m = cfg.model;
-  const GPTShape shape{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
-  const double flops_per_step =
-      gpt_flops_per_token(shape, count_model(m).params) * double(e.train_batch_size) * double(m.n_positions);
+  const GPTShape shape = gpt_shape_of(m);
+  const double flops_per_step =  // active parameters: k experts per token in MoE blocks
+      gpt_flops_per_token(shape, gpt_active_params(shape, m.moe.k)) * double(e.train_batch_size) * double(m.n_positions);
   e.flops_per_rank = flops_per_step / (e.latency_ms / 1e3) / double(comm.size());
   e.metric = at.metric == "latency" ? e.latency_ms : at.metric == "flops" ? e.flops_per_rank : e.throughput;
   e.outcome = ExperimentOutcome::Measured;

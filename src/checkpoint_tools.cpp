@@ -230,6 +230,7 @@ h5::Handle fp16_type() {
 // The model a checkpoint holds, as Hugging Face's GPT2Config names it.
 struct ModelShape {
   int64_t vocab_size = 0, n_positions = 0, n_embd = 0, n_layer = 0, n_head = 0;
+  nlohmann::json moe;  // the saved model.moe section (null for a dense model)
 };
 
 // Sizes from the tensors themselves; n_head, which no shape shows, from the saved model section.
@@ -249,6 +250,7 @@ ModelShape model_shape_of(const CheckpointReader& reader, const ParamLayout& lay
   if (!model.is_object() || !model.contains("n_head") || !model["n_head"].is_number_integer())
     throw InputError(where + ": the checkpoint metadata has no model.n_head, which config.json needs");
   s.n_head = model["n_head"].get<int64_t>();
+  if (model.contains("moe") && model["moe"].is_object()) s.moe = model["moe"];
   if (s.n_head <= 0 || s.n_embd % s.n_head != 0)
     throw InputError(where + ": model.n_head " + std::to_string(s.n_head) + " does not divide n_embd " +
                      std::to_string(s.n_embd));
@@ -260,7 +262,7 @@ ModelShape model_shape_of(const CheckpointReader& reader, const ParamLayout& lay
 // GPT-2's own tokenizer (50257 tokens and more).
 nlohmann::json hugging_face_config(const ModelShape& s, const OutputDType& dtype) {
   const nlohmann::json eos = s.vocab_size > 50256 ? nlohmann::json(50256) : nlohmann::json();
-  return {{"activation_function", "gelu_new"},  // GELU, tanh approximation
+  nlohmann::json out = {{"activation_function", "gelu_new"},  // GELU, tanh approximation
           {"architectures", {"GPT2LMHeadModel"}},
           {"attn_pdrop", 0.0},
           {"bos_token_id", eos},
@@ -288,6 +290,11 @@ nlohmann::json hugging_face_config(const ModelShape& s, const OutputDType& dtype
           {"torch_dtype", dtype.torch},
           {"use_cache", true},
           {"vocab_size", s.vocab_size}};
+  // GPT2Config has no experts: an MoE model's config.json names its MoE blocks (zero3d's
+  // model.moe, DeepSpeed's MoE arguments) beside it, and its weights hold every expert as
+  // h.{l}.mlp.experts.{e}.*; GPT2LMHeadModel alone cannot run it.
+  if (!s.moe.is_null()) out["moe"] = s.moe;
+  return out;
 }
 
 // What every output file records about its model (safetensors __metadata__, HDF5 attributes).

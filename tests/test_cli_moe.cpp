@@ -185,6 +185,59 @@ TEST(Moe, ResumesAtAnotherExpertParallelSizeWithTheUninterruptedLosses) {
   }
 }
 
+// The memory planner counts each rank's E/ep experts per MoE block in the expert-data group's
+// ZeRO partition: `zero3d estimate` gives what training reports, byte for byte, at every stage.
+TEST(Moe, EstimateCountsEachRanksExpertStatesAsTrainingAllocatesThem) {
+  for (int ep : {1, 2}) {
+    json j = moe_config();
+    j["model"]["moe"]["ep_size"] = ep;
+    j["training"]["steps"] = 1;
+    const std::string cfg = write_config("moe_est_ep" + std::to_string(ep) + ".json", j);
+    const Result r = run("estimate --config " + cfg + " --world-size 2 --json");
+    ASSERT_EQ(r.code, 0) << r.err;
+    const json est = json::parse(r.out);
+    for (int stage = 0; stage <= 3; ++stage) {
+      const std::string dir = temp_path("moe_est_ep" + std::to_string(ep) + "_s" + std::to_string(stage));
+      const Result train = run("train " + cfg + " --output " + dir + " --set zero_optimization.stage=" + std::to_string(stage), 2);
+      ASSERT_EQ(train.code, 0) << train.err;
+      const json m = read_metrics(dir).back()["memory"];
+      const json& rank0 = est["ranks"][0]["budgets"][stage];
+      for (const char* category : {"params", "grads", "master", "optimizer_states", "activations"})
+        EXPECT_EQ(rank0[category], m[category]) << "ep " << ep << " stage " << stage << " " << category;
+    }
+  }
+}
+
+// FLOPs count the parameters a token meets: the dense ones and k of each MoE block's E experts
+// (6N + 12·L·T·C with N active), so MFU · peak / tokens_per_s recovers that count.
+TEST(Moe, MfuCountsTheActiveParameters) {
+  const std::string dir = train(2, "mfu", "--set model.moe.ep_size=2");
+  const int64_t V = 61, T = 16, L = 2, C = 16, E = 4, k = 2;
+  const int64_t dense_block = 4 * C * C + 8 * C + C * E, expert = 8 * C * C + 5 * C;
+  const int64_t active = V * C + T * C + L * dense_block + 2 * C + L * k * expert;
+  for (const json& row : read_metrics(dir)) {
+    const double flops_per_token = row.at("mfu").get<double>() * 2 * 50e9 / row.at("tokens_per_s").get<double>();
+    EXPECT_NEAR(flops_per_token, 6.0 * active + 12.0 * L * T * C, 1e-6 * flops_per_token);
+  }
+}
+
+// zero3d convert writes every expert under its name, and config.json carries the MoE section
+// (GPT2Config has no experts).
+TEST(Moe, ConvertWritesEveryExpertAndTheMoeSection) {
+  const std::string save = temp_path("moe_convert_ckpt");
+  std::system(("rm -rf " + save).c_str());
+  train(2, "convert", "--set model.moe.ep_size=2 --set training.steps=2 --set training.save_dir=" + save +
+                          " --set training.save_interval=2");
+  const std::string out = temp_path("moe_converted/model.h5");
+  const Result r = run("convert " + save + " " + out);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const json config = json::parse(slurp(temp_path("moe_converted/config.json")));
+  EXPECT_EQ(config.at("moe").at("num_experts"), 4);
+  const Result listed = run("inspect " + save + " --tensor h.0.mlp.experts.2.c_fc.weight");
+  EXPECT_EQ(listed.code, 0) << listed.err;
+  EXPECT_NE(listed.out.find("[16,64]"), std::string::npos) << listed.out;
+}
+
 struct Misconfig {
   std::string name, args, message;
 };
