@@ -51,6 +51,14 @@ void check_moe(Section& top, const Config& c, int64_t dp) {
   if (dp % m.ep_size != 0)
     top.report("model.moe.ep_size", "ep_size " + std::to_string(m.ep_size) + " does not divide the data-parallel size (" +
                                         std::to_string(dp) + " ranks)");
+  // DeepSpeed's top1gating asserts S >= min_capacity (S: the tokens one rank routes per micro-batch).
+  const int64_t S = c.batch.micro_batch * c.model.n_positions;
+  if (m.k == 1 && S < m.min_capacity)
+    top.report("model.moe.min_capacity", "min_capacity " + std::to_string(m.min_capacity) +
+                                             " exceeds the tokens a rank routes per micro-batch (micro-batch " +
+                                             std::to_string(c.batch.micro_batch) + " x n_positions " +
+                                             std::to_string(c.model.n_positions) + " = " + std::to_string(S) +
+                                             "), which top-1 gating requires");
   if (c.tensor.size > 1 && m.enable_expert_tensor_parallelism)
     top.report("model.moe.enable_expert_tensor_parallelism",
                "zero3d replicates each expert over the tensor group (every tensor rank routes the same tokens); "

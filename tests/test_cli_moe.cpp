@@ -258,6 +258,8 @@ INSTANTIATE_TEST_SUITE_P(
         Misconfig{"EpSizeNotDividingTheDataGroup", "--world-size 6 --set model.moe.ep_size=4 --set train_batch_size=24",
                   "ep_size 4 does not divide the data-parallel size (6 ranks)"},
         Misconfig{"MoreChoicesThanExperts", "--set model.moe.k=5", "k 5 is more than num_experts (4)"},
+        Misconfig{"TopOneWithFewerTokensThanMinCapacity", "--set model.moe.k=1 --set model.moe.min_capacity=64",
+                  "min_capacity 64 exceeds the tokens a rank routes per micro-batch (micro-batch 2 x n_positions 16 = 32)"},
         Misconfig{"UnknownNoisePolicy", "--set model.moe.noisy_gate_policy=Gaussian",
                   "is not one of null, \"None\", \"Jitter\", \"RSample\""},
         Misconfig{"SequenceParallel",
