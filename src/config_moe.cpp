@@ -59,10 +59,6 @@ void check_moe(Section& top, const Config& c, int64_t dp) {
                                              std::to_string(c.batch.micro_batch) + " x n_positions " +
                                              std::to_string(c.model.n_positions) + " = " + std::to_string(S) +
                                              "), which top-1 gating requires");
-  if (c.tensor.size > 1 && m.enable_expert_tensor_parallelism)
-    top.report("model.moe.enable_expert_tensor_parallelism",
-               "zero3d replicates each expert over the tensor group (every tensor rank routes the same tokens); "
-               "set it to false");
   if (c.tensor.sequence_parallel)
     top.report("tensor_parallel.sequence_parallel",
                "an MoE layer routes the micro-batch's tokens together, and sequence parallelism gives each tensor rank "

@@ -41,8 +41,13 @@ void Engine::expert_grad_stats() {
   // tensor ranks — tensor ranks above 0 hold replicas and add nothing.
   double sq = 0.0;
   if (expert_zero_) {
+    // tensor ranks above 0 skip their replicas: whole experts, or the c_proj biases of split ones
     std::vector<std::pair<int64_t, int64_t>> skip;
-    if (tp_comm_->rank() > 0) skip.emplace_back(0, model_->part().expert_layout.total());
+    const ModelPart& part = model_->part();
+    if (tp_comm_->rank() > 0)
+      for (const auto& [lo, hi] : part.replicated_ranges())
+        if (hi > part.expert_begin)  // (a run of replicas may begin among the dense tensors: ln_f)
+          skip.emplace_back(std::max(lo, part.expert_begin) - part.expert_begin, hi - part.expert_begin);
     const double n = expert_zero_->grad_stats(nullptr, skip).norm_scaled;
     sq = n * n;
   }

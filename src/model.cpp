@@ -300,10 +300,15 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
     for (int b = c.first_block; b < c.first_block + c.num_blocks; ++b)
       if (s.moe.is_moe_block(b)) held.push_back(b);
   std::sort(held.begin(), held.end());
+  // Expert tensor parallelism: c_fc column-parallel, c_proj row-parallel with its bias replicated.
+  const bool split_experts = s.moe.expert_tensor_parallel && tp_size > 1;
+  const TensorSplit expert_how[] = {split_experts ? cols : replicated, split_experts ? rows : replicated,
+                                    split_experts ? rows : replicated, replicated};
   for (int b : held) {
     const int64_t begin = layout.total();
     for (int64_t i = 0; i < local_experts; ++i)
-      for (int k = 0; k < 4; ++k) add(expert_prefix(b, ep_rank * local_experts + i) + kExpertTensorNames[k], replicated, true);
+      for (int k = 0; k < 4; ++k)
+        add(expert_prefix(b, ep_rank * local_experts + i) + kExpertTensorNames[k], expert_how[k], true);
     if (part.first_expert_unit < 0) part.first_expert_unit = static_cast<int>(part.units.size());
     part.expert_unit[static_cast<size_t>(b)] = add_unit(UnitKind::Experts, b, begin);
   }
@@ -419,7 +424,7 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
     moe_send_ = take(S * k * C);
     moe_recv_ = take(moe_rows_ * C);
     moe_rows_c_ = take(moe_rows_ * C);
-    moe_rows_4c_ = take(4 * moe_rows_ * C);
+    moe_rows_4c_ = take(moe_hidden() * moe_rows_);
     moe_logits_ = take(S * E);
     moe_dlogits_ = take(S * E);
     moe_dweight_ = take(S * k);
@@ -471,8 +476,8 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
     MoeActivations m;
     if (moe_.noise == MoeRouting::Noise::Jitter) m.gate_noise = take(S * C);
     m.expert_in = take(R * C);
-    m.expert_fch = take(4 * R * C);
-    m.expert_fch_gelu = take(4 * R * C);
+    m.expert_fch = take(moe_hidden() * R);
+    m.expert_fch_gelu = take(moe_hidden() * R);
     m.returned = take(S * moe_.k * C);
     if (shape_.moe.use_residual) {
       m.moe_out = take(S * C);
@@ -1100,9 +1105,10 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
       for (int b = c.first_block; b < c.first_block + c.num_blocks; ++b) n += shape.moe.is_moe_block(b) ? 1 : 0;
       p.moe_blocks = std::max(p.moe_blocks, n);
     }
-    p.per_moe_block = (moe.noise == MoeRouting::Noise::Jitter ? S * C : 0) + 9 * R * C + S * k * C +
+    const int64_t F = shape.moe.expert_tensor_parallel ? 4 * C / t : 4 * C;  // an expert's hidden width here
+    p.per_moe_block = (moe.noise == MoeRouting::Noise::Jitter ? S * C : 0) + R * C + 2 * R * F + S * k * C +
                       (shape.moe.use_residual ? 2 * S * C + 2 * S : 0);
-    p.scratch += S * k * C + 2 * R * C + 4 * R * C + 2 * S * E + S * k + S * C +
+    p.scratch += S * k * C + 2 * R * C + R * F + 2 * S * E + S * k + S * C +
                  (shape.moe.use_residual ? S * C + 2 * S : 0);
   }
   return p;

@@ -23,6 +23,9 @@ struct MoeShape {
   int64_t num_experts = 0;  // E
   int64_t every = 1;        // blocks every-1, 2·every-1, ... (0-based) are MoE blocks
   bool use_residual = false;  // PR-MoE: the dense MLP stays beside the experts, mixed by a learned coefficient
+  // enable_expert_tensor_parallelism: with t > 1 tensor ranks each expert is split Megatron's way
+  // (c_fc column-, c_proj row-parallel); otherwise every tensor rank holds whole experts.
+  bool expert_tensor_parallel = false;
   bool enabled() const { return num_experts > 0; }
   bool is_moe_block(int64_t l) const { return enabled() && (l + 1) % every == 0; }
 };
@@ -33,7 +36,7 @@ struct GPTShape {
   int64_t n_layer = 2;        // L
   int64_t n_head = 2;         // H
   int64_t n_embd = 64;        // C
-  MoeShape moe;
+  MoeShape moe = {};  // (= {}: aggregate initialisers of the dense fields stay warning-free)
 };
 
 // The tensors of one transformer block, as pointers into a flat buffer of T (parameters in
@@ -368,6 +371,10 @@ class GPT {
                     const BlockTensors<float>& dw, const float* d_res_3, float* d_ln_2, float grad_scale,
                     ParamStore& store);
   MoeActivations* moe_saves(const ModelChunk& c, int l, ActivationBuffer& buf) const;
+  // An expert's hidden width on this rank: 4C, or 4C/t with expert tensor parallelism.
+  int64_t moe_hidden() const {
+    return shape_.moe.expert_tensor_parallel && part_.tp_size > 1 ? 4 * shape_.n_embd / part_.tp_size : 4 * shape_.n_embd;
+  }
   template <typename P>
   float forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store);
   template <typename P>

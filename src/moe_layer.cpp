@@ -59,15 +59,16 @@ void draw(std::vector<float>& out, int64_t n, const MoeRouting& r, uint64_t key,
   }
 }
 
-// One expert's weights inside its unit: c_fc [C, 4C], c_fc.b [4C], c_proj [4C, C], c_proj.b [C].
+// One expert's weights inside its unit: c_fc [C, F], c_fc.b [F], c_proj [F, C], c_proj.b [C], with
+// F = 4C, or 4C/t of it under expert tensor parallelism.
 template <typename T>
 struct ExpertTensors {
   T *fc_w, *fc_b, *proj_w, *proj_b;
 };
 template <typename T>
-ExpertTensors<T> expert_tensors(T* unit, int64_t i, int64_t C) {
-  T* p = unit + i * (8 * C * C + 5 * C);
-  return {p, p + 4 * C * C, p + 4 * C * C + 4 * C, p + 8 * C * C + 4 * C};
+ExpertTensors<T> expert_tensors(T* unit, int64_t i, int64_t C, int64_t F) {
+  T* p = unit + i * (2 * C * F + F + C);
+  return {p, p + C * F, p + C * F + F, p + 2 * C * F + F};
 }
 
 void copy_rows(float* dst, const float* src, int64_t rows, int64_t width) {
@@ -170,15 +171,26 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
   }
   permute_rows(m.expert_in, received, m.recv_counts, ep, local, C, /*to_expert_major=*/true);
   // The experts: GPT-2 MLPs over their rows
+  // The experts: GPT-2 MLPs over their rows. Expert tensor parallelism (Megatron's MLP per
+  // expert): each tensor rank computes F = 4C/t of the hidden units, the partial outputs are
+  // summed over the tensor group once for all rows, then each expert's c_proj bias is added.
   const int eu = part_.expert_unit[static_cast<size_t>(block)];
+  const int64_t F = moe_hidden();
+  const bool split = F != 4 * C;
   const P* experts = static_cast<const P*>(store.fetch(eu));
   for (int64_t i = 0; i < local; ++i) {
     const int64_t n = offsets[i + 1] - offsets[i], o = offsets[i];
     if (n == 0) continue;
-    const ExpertTensors<const P> x = expert_tensors(experts, i, C);
-    matmul_forward(m.expert_fch + o * 4 * C, m.expert_in + o * C, x.fc_w, x.fc_b, n, C, 4 * C, false, cmp);
-    gelu_forward(m.expert_fch_gelu + o * 4 * C, m.expert_fch + o * 4 * C, n * 4 * C);
-    matmul_forward(moe_rows_c_ + o * C, m.expert_fch_gelu + o * 4 * C, x.proj_w, x.proj_b, n, 4 * C, C, false, cmp);
+    const ExpertTensors<const P> x = expert_tensors(experts, i, C, F);
+    matmul_forward(m.expert_fch + o * F, m.expert_in + o * C, x.fc_w, x.fc_b, n, C, F, false, cmp);
+    gelu_forward(m.expert_fch_gelu + o * F, m.expert_fch + o * F, n * F);
+    matmul_forward(moe_rows_c_ + o * C, m.expert_fch_gelu + o * F, x.proj_w, split ? static_cast<const P*>(nullptr) : x.proj_b,
+                   n, F, C, false, cmp);
+  }
+  if (split) {
+    reduce_from_tp_region_forward(tp_, moe_rows_c_, R * C);
+    for (int64_t i = 0; i < local; ++i)
+      add_bias_rows(moe_rows_c_ + offsets[i] * C, expert_tensors(experts, i, C, F).proj_b, offsets[i + 1] - offsets[i], C);
   }
   store.release(eu);
   // Return: expert-major outputs back to source-major, then to the tokens' ranks (dispatch order)
@@ -247,20 +259,22 @@ void GPT::moe_backward(int block, const BlockActivations& a, const MoeActivation
   permute_rows(moe_rows_c_, received, m.recv_counts, ep, local, C, /*to_expert_major=*/true);
   // The experts' backward: d(rows) expert-major into moe_recv_ (free once permuted)
   const int eu = part_.expert_unit[static_cast<size_t>(block)];
+  const int64_t F = moe_hidden();
   const P* experts = static_cast<const P*>(store.fetch(eu));
   float* grads = store.grad_target(eu);
   for (int64_t i = 0; i < local; ++i) {
     const int64_t n = offsets[i + 1] - offsets[i], o = offsets[i];
     if (n == 0) continue;
-    const ExpertTensors<const P> x = expert_tensors(experts, i, C);
-    const ExpertTensors<float> dx = expert_tensors(grads, i, C);
-    float* d_fch = moe_rows_4c_ + o * 4 * C;
-    matmul_backward(d_fch, dx.proj_w, dx.proj_b, moe_rows_c_ + o * C, m.expert_fch_gelu + o * 4 * C, x.proj_w, n,
-                    4 * C, C, cmp);
-    gelu_backward(d_fch, m.expert_fch + o * 4 * C, d_fch, n * 4 * C);
-    matmul_backward(moe_recv_ + o * C, dx.fc_w, dx.fc_b, d_fch, m.expert_in + o * C, x.fc_w, n, C, 4 * C, cmp);
+    const ExpertTensors<const P> x = expert_tensors(experts, i, C, F);
+    const ExpertTensors<float> dx = expert_tensors(grads, i, C, F);
+    float* d_fch = moe_rows_4c_ + o * F;
+    matmul_backward(d_fch, dx.proj_w, dx.proj_b, moe_rows_c_ + o * C, m.expert_fch_gelu + o * F, x.proj_w, n, F, C, cmp);
+    gelu_backward(d_fch, m.expert_fch + o * F, d_fch, n * F);
+    matmul_backward(moe_recv_ + o * C, dx.fc_w, dx.fc_b, d_fch, m.expert_in + o * C, x.fc_w, n, C, F, cmp);
     store.progress();
   }
+  // expert tensor parallelism: each rank's input gradient is partial over the hidden units
+  if (F != 4 * C) copy_to_tp_region_backward(tp_, moe_recv_, offsets.back() * C);
   store.release(eu);
   store.grads_done(eu);
   // ... and back to the tokens' ranks, then summed per token into d(ln_2)

@@ -96,7 +96,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{4, 4, "", kNoDrop, "np4_ep4_z0_nodrop_rsample"},
                       Layout{4, 2, "--set pipeline.stages=2 --set zero_optimization.stage=1", "", "np4_p2_ep2_z1"},
                       Layout{4, 2, "--set pipeline.stages=2", kResidual, "np4_p2_ep2_z0_residual"},
-                      Layout{4, 2, "--set tensor_parallel.autotp_size=2", "", "np4_t2_ep2_z0"}),
+                      Layout{4, 2, "--set tensor_parallel.autotp_size=2", "", "np4_t2_ep2_z0"},
+                      Layout{4, 2,
+                             "--set tensor_parallel.autotp_size=2 --set model.moe.enable_expert_tensor_parallelism=true "
+                             "--set zero_optimization.stage=2",
+                             kResidual, "np4_t2_ep2_z2_expert_tp_residual"}),
     [](const auto& info) { return info.param.name; });
 
 // Without drop_tokens the capacity is the largest load, agreed over the expert group (all-reduce
