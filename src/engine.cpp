@@ -429,6 +429,18 @@ void Engine::print_startup() const {
               (long long)s.n_embd, (long long)total_params, total_params * 4.0 / 1e6,
               cfg_.model.init_from.empty() ? ("initialised from seed " + std::to_string(cfg_.training.seed)).c_str()
                                            : ("loaded from " + cfg_.model.init_from).c_str());
+  if (cfg_.model.moe.enabled()) {
+    const MoeConfig& mo = cfg_.model.moe;
+    std::string blocks;
+    for (int b = 0; b < s.n_layer; ++b)
+      if (s.moe.is_moe_block(b)) blocks += (blocks.empty() ? "" : ",") + std::to_string(b);
+    std::printf("moe     %lld experts, top-%lld, in blocks %s | ep_size %lld (%lld experts per rank) | capacity factor "
+                "%g (eval %g), min %lld%s%s | %lld of %lld parameters active per token\n",
+                (long long)mo.num_experts, (long long)mo.k, blocks.c_str(), (long long)mo.ep_size,
+                (long long)(mo.num_experts / mo.ep_size), mo.capacity_factor, mo.eval_capacity_factor,
+                (long long)mo.min_capacity, mo.drop_tokens ? "" : ", no drops", mo.use_residual ? ", residual" : "",
+                (long long)gpt_active_params(s, mo.k), (long long)gpt_layout(s).total());
+  }
   std::printf("batch   %s\n", cfg_.batch.derivation.c_str());
   if (tp_comm_->size() > 1) {
     const ModelPart& part = model_->part();
