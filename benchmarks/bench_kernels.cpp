@@ -90,6 +90,74 @@ BENCHMARK(BM_LinearTrainingProducts)
     ->Args({4 * C, C, 1})
     ->Unit(benchmark::kMillisecond);
 
+// The bf16 products alone, operands already bf16 (what the model's linear layers run once
+// conversions are gone): args = (M, N, K, A transposed, B transposed). The forward product,
+// the input gradient (B = weightᵀ) and the weight gradient (A = inputᵀ) of each GPT linear
+// layer at B·T = 2048 rows, and the 512³ product the engine measures its MFU peak with.
+void BM_GemmBf16(benchmark::State& state) {
+  const Index M = state.range(0), N = state.range(1), K = state.range(2);
+  const bool ta = state.range(3) != 0, tb = state.range(4) != 0;
+  auto a32 = randn(M * K, 1), b32 = randn(K * N, 2);
+  std::vector<bf16> a(a32.size()), b(b32.size());
+  convert(a.data(), a32.data(), static_cast<Index>(a.size()));
+  convert(b.data(), b32.data(), static_cast<Index>(b.size()));
+  std::vector<float> c(M * N);
+  const GemmOperand A{a.data(), DType::BF16, ta, ta ? M : K}, Bm{b.data(), DType::BF16, tb, tb ? K : N};
+  for (auto _ : state) {
+    gemm(M, N, K, A, Bm, c.data(), N, false, DType::BF16);
+    benchmark::ClobberMemory();
+  }
+  state.SetLabel(gemm_path(DType::BF16));
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * M * N * K, benchmark::Counter::kIsIterationInvariantRate,
+                                                 benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_GemmBf16)
+    ->Args({512, 512, 512, 0, 0})
+    ->Args({BT, 3 * C, C, 0, 0})
+    ->Args({BT, C, 3 * C, 0, 1})
+    ->Args({C, 3 * C, BT, 1, 0})
+    ->Args({BT, C, C, 0, 0})
+    ->Args({BT, C, C, 0, 1})
+    ->Args({C, C, BT, 1, 0})
+    ->Args({BT, 4 * C, C, 0, 0})
+    ->Args({BT, C, 4 * C, 0, 1})
+    ->Args({C, 4 * C, BT, 1, 0})
+    ->Args({BT, C, 4 * C, 0, 0})
+    ->Args({BT, 4 * C, C, 0, 1})
+    ->Args({4 * C, C, BT, 1, 0})
+    ->Args({C, 3 * C, BT, 0, 0})
+    ->Args({3 * C, C, BT, 1, 0})
+    ->Args({3 * C, C, BT, 0, 0})
+    ->Args({C, 4 * C, BT, 0, 0})
+    ->Args({4 * C, C, BT, 0, 0})
+    ->Unit(benchmark::kMicrosecond);
+
+// fp32 -> bf16 rounding (RNE) of an activation: what every bf16 product's operand costs.
+void BM_ConvertToBf16(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  auto x = randn(n, 15);
+  std::vector<bf16> y(n);
+  for (auto _ : state) {
+    convert(y.data(), x.data(), n);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(6.0 * n, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_ConvertToBf16)->Unit(benchmark::kMicrosecond);
+
+// A plain copy of the same bytes: the memory system's limit for these streaming kernels.
+void BM_CopyStream(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  auto x = randn(n, 15);
+  std::vector<float> y(n);
+  for (auto _ : state) {
+    std::copy(x.begin(), x.end(), y.begin());
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(8.0 * n, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_CopyStream)->Unit(benchmark::kMicrosecond);
+
 void BM_LayerNormForward(benchmark::State& state) {
   auto inp = randn(BT * C, 4), w = randn(C, 5), b = randn(C, 6);
   std::vector<float> out(BT * C), mean(BT), rstd(BT);
@@ -117,30 +185,33 @@ void BM_LayerNormBackward(benchmark::State& state) {
 BENCHMARK(BM_LayerNormBackward)->Unit(benchmark::kMicrosecond);
 
 // Causal attention FLOPs counted as the full T×T products (4·B·T²·C forward), as the MFU formula does.
+// arg: 1 = the bf16 compute path (tiled, oneDNN batched products), 0 = fp32.
 void BM_AttentionForward(benchmark::State& state) {
+  const DType compute = state.range(0) ? DType::BF16 : DType::F32;
   auto qkv = randn(BT * 3 * C, 8);
   std::vector<float> out(BT * C), att(B * H * T * T);
   for (auto _ : state) {
-    attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H);
+    attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H, compute);
     benchmark::ClobberMemory();
   }
   state.counters["GFLOP/s"] = benchmark::Counter(4.0 * B * T * T * C, benchmark::Counter::kIsIterationInvariantRate,
                                                  benchmark::Counter::kIs1000);
 }
-BENCHMARK(BM_AttentionForward)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionForward)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 
 void BM_AttentionBackward(benchmark::State& state) {
+  const DType compute = state.range(0) ? DType::BF16 : DType::F32;
   auto qkv = randn(BT * 3 * C, 8), dout = randn(BT * C, 9);
   std::vector<float> out(BT * C), att(B * H * T * T), dqkv(BT * 3 * C), scratch(kRowBlock * T);
-  attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H);
+  attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H, compute);
   for (auto _ : state) {
-    attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
+    attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), B, T, C, H, compute);
     benchmark::ClobberMemory();
   }
   state.counters["GFLOP/s"] = benchmark::Counter(8.0 * B * T * T * C, benchmark::Counter::kIsIterationInvariantRate,
                                                  benchmark::Counter::kIs1000);
 }
-BENCHMARK(BM_AttentionBackward)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionBackward)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 
 void BM_GeluForward(benchmark::State& state) {
   const Index n = BT * 4 * C;

@@ -4,13 +4,16 @@
 // att[B,H,T,T] keeps the softmax probabilities for the backward. Scores are scaled by
 // 1/sqrt(hs) (GPT-2). Work is done per (batch, head) and per block of kRowBlock query rows:
 // a row block only needs keys up to its last row, so sgemm skips most of the masked half.
+// compute = BF16 runs attention_bf16.hpp's tiled kernels instead (bf16 probabilities in att).
 #pragma once
 
 #include <cblas.h>
 
 #include <cmath>
 
+#include "attention_bf16.hpp"
 #include "common.hpp"
+#include "dtype.hpp"
 #include "fastmath.hpp"
 #include "profiler.hpp"
 
@@ -36,10 +39,13 @@ inline void causal_softmax_rows(float* s, Index r0, Index r1, Index cols, Index 
   });
 }
 
-inline void attention_forward(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+inline void attention_forward(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H,
+                              DType compute = DType::F32) {
   const Index hs = C / H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   obs::add_macs(2.0 * B * T * T * C);  // q·kᵀ and p·v, counted densely as the FLOPs formula does
+  const ProfileRegion region("attention_forward");
+  if (compute == DType::BF16) return attention_forward_bf16(out, att, qkv, B, T, C, H);
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h) {
       const float* q = qkv + b * T * C3 + h * hs;
@@ -59,12 +65,14 @@ inline void attention_forward(float* out, float* att, const float* qkv, Index B,
     }
 }
 
-// dqkv written (all of it); scratch needs kRowBlock*T floats.
+// dqkv written (all of it); scratch needs kRowBlock*T floats (fp32 only).
 inline void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
-                               Index B, Index T, Index C, Index H) {
+                               Index B, Index T, Index C, Index H, DType compute = DType::F32) {
   const Index hs = C / H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   obs::add_macs(4.0 * B * T * T * C);  // dp, dv, dq, dk: twice the forward's products
+  const ProfileRegion region("attention_backward");
+  if (compute == DType::BF16) return attention_backward_bf16(dqkv, dout, qkv, att, B, T, C, H);
   // dk and dv accumulate over row blocks: start from zero.
   Kokkos::parallel_for("zero_dkv", range(B * T), KOKKOS_LAMBDA(Index bt) {
     float* d = dqkv + bt * C3 + C;

@@ -19,4 +19,21 @@ inline Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<Index>> range(Index n) {
   return Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<Index>>(0, n);
 }
 
+// A named region for Kokkos Tools (benchmarks/kernel_timer.cpp): products and other work that
+// is not a parallel_for announce themselves with it. One branch when no tool is loaded.
+class ProfileRegion {
+ public:
+  explicit ProfileRegion(const char* name) : on_(Kokkos::Tools::profileLibraryLoaded()) {
+    if (on_) Kokkos::Profiling::pushRegion(name);
+  }
+  ~ProfileRegion() {
+    if (on_) Kokkos::Profiling::popRegion();
+  }
+  ProfileRegion(const ProfileRegion&) = delete;
+  ProfileRegion& operator=(const ProfileRegion&) = delete;
+
+ private:
+  bool on_;
+};
+
 }  // namespace zero3d::kernels

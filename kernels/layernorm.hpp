@@ -10,21 +10,27 @@ namespace zero3d::kernels {
 
 constexpr float kLayerNormEps = 1e-5f;
 
-// Saves mean[N] and rstd[N] for the backward pass. P: the parameters' stored type.
-template <typename P>
-inline void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const P* weight, const P* bias,
+// Saves mean[N] and rstd[N] for the backward pass. P: the parameters' stored type; O: the
+// output's (bf16 when the output only feeds a bf16 product). A row (C floats) is read from
+// memory once: the statistics' second pass and the output pass find it in L1. The sums are
+// `omp simd` reductions so they vectorise (a plain float sum must keep its order, and stays scalar).
+template <typename P, typename O = float>
+inline void layernorm_forward(O* out, float* mean, float* rstd, const float* inp, const P* weight, const P* bias,
                               Index N, Index C) {
   Kokkos::parallel_for("layernorm_forward", range(N), KOKKOS_LAMBDA(Index i) {
     const float* x = inp + i * C;
     float m = 0.0f;
+#pragma omp simd reduction(+ : m)
     for (Index c = 0; c < C; ++c) m += x[c];
     m /= static_cast<float>(C);
     float v = 0.0f;
+#pragma omp simd reduction(+ : v)
     for (Index c = 0; c < C; ++c) v += (x[c] - m) * (x[c] - m);
     v /= static_cast<float>(C);
     const float s = 1.0f / std::sqrt(v + kLayerNormEps);
-    float* o = out + i * C;
-    for (Index c = 0; c < C; ++c) o[c] = (x[c] - m) * s * to_float(weight[c]) + to_float(bias[c]);
+    O* o = out + i * C;
+#pragma omp simd
+    for (Index c = 0; c < C; ++c) o[c] = from_float<O>((x[c] - m) * s * to_float(weight[c]) + to_float(bias[c]));
     mean[i] = m;
     rstd[i] = s;
   });
@@ -41,6 +47,7 @@ inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const 
     const float* dy = dout + i * C;
     const float m = mean[i], s = rstd[i];
     float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+#pragma omp simd reduction(+ : dnorm_mean, dnorm_norm_mean)
     for (Index c = 0; c < C; ++c) {
       const float dnorm = to_float(weight[c]) * dy[c];
       dnorm_mean += dnorm;
@@ -49,26 +56,38 @@ inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const 
     dnorm_mean /= static_cast<float>(C);
     dnorm_norm_mean /= static_cast<float>(C);
     float* dx = dinp + i * C;
+#pragma omp simd
     for (Index c = 0; c < C; ++c) {
       const float norm = (x[c] - m) * s;
       dx[c] += (to_float(weight[c]) * dy[c] - dnorm_mean - norm * dnorm_norm_mean) * s;
     }
   });
-  constexpr Index kBlock = 16;
+  // Parallel over column blocks (no two iterations share a parameter); a block of 64 columns
+  // reads 256 contiguous bytes of each row and keeps its sums in eight vector registers.
+  constexpr Index kBlock = 64;
   if (dweight) Kokkos::parallel_for("layernorm_backward_params", range((C + kBlock - 1) / kBlock), KOKKOS_LAMBDA(Index blk) {
-    const Index c0 = blk * kBlock, c1 = c0 + kBlock < C ? c0 + kBlock : C;
+    const Index c0 = blk * kBlock, width = c0 + kBlock < C ? kBlock : C - c0;
     float dw[kBlock] = {}, db[kBlock] = {};
     for (Index i = 0; i < N; ++i) {
       const float m = mean[i], s = rstd[i];
-      for (Index c = c0; c < c1; ++c) {
-        const float dy = dout[i * C + c];
-        dw[c - c0] += dy * (inp[i * C + c] - m) * s;
-        db[c - c0] += dy;
+      const float* dy = dout + i * C + c0;
+      const float* x = inp + i * C + c0;
+      if (width == kBlock) {
+#pragma omp simd
+        for (Index c = 0; c < kBlock; ++c) {
+          dw[c] += dy[c] * (x[c] - m) * s;
+          db[c] += dy[c];
+        }
+      } else {
+        for (Index c = 0; c < width; ++c) {
+          dw[c] += dy[c] * (x[c] - m) * s;
+          db[c] += dy[c];
+        }
       }
     }
-    for (Index c = c0; c < c1; ++c) {
-      dweight[c] += dw[c - c0];
-      dbias[c] += db[c - c0];
+    for (Index c = 0; c < width; ++c) {
+      dweight[c0 + c] += dw[c];
+      dbias[c0 + c] += db[c];
     }
   });
 }

@@ -41,23 +41,29 @@ inline void accumulate_column_sums(float* dbias, const float* dout, Index N, Ind
 }
 
 // accumulate=true adds into out (used to fold the residual add into the projection).
+// BF16: the bias rides in the product's epilogue (no pass over out of its own).
 template <typename P>
 inline void matmul_forward(float* out, const float* inp, const P* weight, const P* bias, Index N, Index IC, Index OC,
                            bool accumulate = false, DType compute = DType::F32) {
+  if (compute == DType::BF16) {
+    gemm(N, OC, IC, {inp, DType::F32, false, IC}, {weight, dtype_of<P>(), false, OC}, out, OC, accumulate, compute,
+         bias, dtype_of<P>());
+    return;
+  }
   gemm(N, OC, IC, {inp, DType::F32, false, IC}, {weight, dtype_of<P>(), false, OC}, out, OC, accumulate, compute);
   if (bias) add_bias_rows(out, bias, N, OC);
 }
 
 // dinp = dout · weightᵀ (written, skipped when null); dweight += inpᵀ · dout (skipped when null:
 // the input-gradient pass of a zero-bubble schedule); dbias += Σ rows (skipped when null).
-// dout feeds two products and is converted to `compute` once.
+// dout feeds two products and is converted to `compute` once, its column sums (the bias
+// gradient) taken in the same pass.
 template <typename P>
 inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                             const P* weight, Index N, Index IC, Index OC, DType compute = DType::F32) {
-  const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute);
+  const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
   if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
   if (dweight) gemm(IC, OC, N, {inp, DType::F32, true, IC}, d, dweight, OC, true, compute);
-  if (dbias) accumulate_column_sums(dbias, dout, N, OC);
 }
 
 }  // namespace zero3d::kernels

@@ -12,6 +12,7 @@
 
 #include "base.hpp"
 #include "half.hpp"
+#include "matmul.hpp"
 #include "profiler.hpp"
 
 #ifdef ZERO3D_HAVE_ONEDNN
@@ -66,8 +67,10 @@ const bf16* as_bf16(const GemmOperand& x, int64_t n, std::vector<uint16_t>& scra
 struct Dnnl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
-  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, bool>;
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, bool, int>;
   std::map<Key, dnnl::matmul> primitives;
+  using BatchedKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, bool>;
+  std::map<BatchedKey, dnnl::matmul> batched;
   Dnnl() {
     // One rank per core: oneDNN's OpenMP threads would oversubscribe unless asked for.
     const char* env = std::getenv("OMP_NUM_THREADS");
@@ -79,14 +82,22 @@ Dnnl& dnnl_state() {
   return d;
 }
 
+dnnl::memory::data_type dnnl_type(DType t) {
+  return t == DType::BF16 ? dnnl::memory::data_type::bf16
+         : t == DType::F16 ? dnnl::memory::data_type::f16
+                           : dnnl::memory::data_type::f32;
+}
+
+// bias: [N] of bias_type, or null.
 void gemm_onednn(int64_t M, int64_t N, int64_t K, const bf16* a, bool ta, int64_t lda, const bf16* b, bool tb,
-                 int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+                 int64_t ldb, float* c, int64_t ldc, bool accumulate, const void* bias, DType bias_type) {
   using namespace dnnl;
   Dnnl& d = dnnl_state();
   const memory::desc ad({M, K}, memory::data_type::bf16, ta ? memory::dims{1, lda} : memory::dims{lda, 1});
   const memory::desc bd({K, N}, memory::data_type::bf16, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
   const memory::desc cd({M, N}, memory::data_type::f32, memory::dims{ldc, 1});
-  const Dnnl::Key key{M, N, K, ta, tb, lda, ldb, ldc, accumulate};
+  const memory::desc biasd = bias ? memory::desc({1, N}, dnnl_type(bias_type), memory::dims{N, 1}) : memory::desc();
+  const Dnnl::Key key{M, N, K, ta, tb, lda, ldb, ldc, accumulate, bias ? static_cast<int>(bias_type) : -1};
   auto it = d.primitives.find(key);
   if (it == d.primitives.end()) {
     primitive_attr attr;
@@ -95,45 +106,117 @@ void gemm_onednn(int64_t M, int64_t N, int64_t K, const bf16* a, bool ta, int64_
       po.append_sum(1.0f);
       attr.set_post_ops(po);
     }
-    it = d.primitives.emplace(key, matmul(matmul::primitive_desc(matmul::desc(ad, bd, cd), attr, d.engine))).first;
+    const matmul::desc md = bias ? matmul::desc(ad, bd, biasd, cd) : matmul::desc(ad, bd, cd);
+    it = d.primitives.emplace(key, matmul(matmul::primitive_desc(md, attr, d.engine))).first;
   }
   memory am(ad, d.engine, const_cast<bf16*>(a)), bm(bd, d.engine, const_cast<bf16*>(b)), cm(cd, d.engine, c);
+  if (bias) {
+    memory biasm(biasd, d.engine, const_cast<void*>(bias));
+    it->second.execute(d.stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_BIAS, biasm}, {DNNL_ARG_DST, cm}});
+  } else {
+    it->second.execute(d.stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  }
+  d.stream.wait();
+}
+
+void gemm_batched_onednn(int64_t batch, int64_t M, int64_t N, int64_t K, const void* a, bool ta, const void* b, bool tb,
+                         float* c, bool accumulate) {
+  using namespace dnnl;
+  Dnnl& d = dnnl_state();
+  const memory::desc ad({batch, M, K}, memory::data_type::bf16, ta ? memory::dims{M * K, 1, M} : memory::dims{M * K, K, 1});
+  const memory::desc bd({batch, K, N}, memory::data_type::bf16, tb ? memory::dims{K * N, 1, K} : memory::dims{K * N, N, 1});
+  const memory::desc cd({batch, M, N}, memory::data_type::f32, memory::dims{M * N, N, 1});
+  const Dnnl::BatchedKey key{batch, M, N, K, ta, tb, accumulate};
+  auto it = d.batched.find(key);
+  if (it == d.batched.end()) {
+    primitive_attr attr;
+    if (accumulate) {
+      post_ops po;
+      po.append_sum(1.0f);
+      attr.set_post_ops(po);
+    }
+    it = d.batched.emplace(key, matmul(matmul::primitive_desc(matmul::desc(ad, bd, cd), attr, d.engine))).first;
+  }
+  memory am(ad, d.engine, const_cast<void*>(a)), bm(bd, d.engine, const_cast<void*>(b)), cm(cd, d.engine, c);
   it->second.execute(d.stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
   d.stream.wait();
 }
 #endif
+
+// out[M,N] += bias[n] on every row, bias in its stored type.
+void add_bias(float* out, int64_t M, int64_t N, int64_t ldc, const void* bias, DType type) {
+  if (ldc != N) throw SystemError("gemm: a bias needs a dense output");
+  if (type == DType::BF16) kernels::add_bias_rows(out, static_cast<const bf16*>(bias), M, N);
+  else if (type == DType::F16) kernels::add_bias_rows(out, static_cast<const fp16*>(bias), M, N);
+  else kernels::add_bias_rows(out, static_cast<const float*>(bias), M, N);
+}
 }  // namespace
 
+void gemm_batched_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const void* A, bool ta, const void* B, bool tb,
+                       float* C, bool accumulate) {
+  const kernels::ProfileRegion region("attention_products");
+#ifdef ZERO3D_HAVE_ONEDNN
+  gemm_batched_onednn(batch, M, N, K, A, ta, B, tb, C, accumulate);
+#else
+  Workspace& w = workspace();
+  float* a32 = w.take(w.a32, M * K);
+  float* b32 = w.take(w.b32, K * N);
+  for (int64_t i = 0; i < batch; ++i) {
+    kernels::convert(a32, static_cast<const bf16*>(A) + i * M * K, M * K);
+    kernels::convert(b32, static_cast<const bf16*>(B) + i * K * N, K * N);
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K, 1.0f, a32,
+                ta ? M : K, b32, tb ? K : N, accumulate ? 1.0f : 0.0f, C + i * M * N, N);
+  }
+#endif
+}
+
 void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
-          DType compute) {
+          DType compute, const void* bias, DType bias_type) {
   obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));  // the flops profiler's count
+  const kernels::ProfileRegion region(compute == DType::BF16 ? "gemm_bf16" : "gemm_f32");
   Workspace& w = workspace();
   const int64_t na = stored_elems(A.trans ? K : M, A);
   const int64_t nb = stored_elems(B.trans ? N : K, B);
   if (compute == DType::BF16) {
-    const bf16* a = as_bf16(A, na, w.a16);
+    const bf16* a;
+    if (A.type == DType::F32 && A.trans) {  // rounded into the plain layout: op(A) = A then
+      bf16* at = reinterpret_cast<bf16*>(w.take(w.a16, M * K));
+      kernels::convert_transposed(at, static_cast<const float*>(A.data), K, M, A.ld);
+      a = at;
+      A = {at, DType::BF16, false, K};
+    } else {
+      a = as_bf16(A, na, w.a16);
+    }
     const bf16* b = as_bf16(B, nb, w.b16);
 #ifdef ZERO3D_HAVE_ONEDNN
-    gemm_onednn(M, N, K, a, A.trans, A.ld, b, B.trans, B.ld, C, ldc, accumulate);
+    gemm_onednn(M, N, K, a, A.trans, A.ld, b, B.trans, B.ld, C, ldc, accumulate, bias, bias_type);
     return;
 #else
-    float* a32 = w.take(w.a32, na);
+    const int64_t na16 = stored_elems(A.trans ? K : M, A);
+    float* a32 = w.take(w.a32, na16);
     float* b32 = w.take(w.b32, nb);
-    kernels::convert(a32, a, na);
+    kernels::convert(a32, a, na16);
     kernels::convert(b32, b, nb);
     A = {a32, DType::F32, A.trans, A.ld};
     B = {b32, DType::F32, B.trans, B.ld};
 #endif
   }
-  const float* a = as_f32(A, na, w.a32);
+  const float* a = as_f32(A, stored_elems(A.trans ? K : M, A), w.a32);
   const float* b = as_f32(B, nb, w.b32);
   cblas_sgemm(CblasRowMajor, A.trans ? CblasTrans : CblasNoTrans, B.trans ? CblasTrans : CblasNoTrans, M, N, K, 1.0f,
               a, A.ld, b, B.ld, accumulate ? 1.0f : 0.0f, C, ldc);
+  if (bias) add_bias(C, M, N, ldc, bias, bias_type);
 }
 
-GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute) {
-  if (compute != DType::BF16 || x.type == DType::BF16) return x;
-  x.data = as_bf16(x, elems, workspace().shared16);
+GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute, float* column_sums) {
+  if (column_sums && (x.type != DType::F32 || x.trans)) throw SystemError("gemm_operand: column sums of a plain fp32 operand only");
+  if (compute != DType::BF16 || x.type == DType::BF16) {
+    if (column_sums) kernels::accumulate_column_sums(column_sums, static_cast<const float*>(x.data), elems / x.ld, x.ld);
+    return x;
+  }
+  bf16* out = reinterpret_cast<bf16*>(workspace().take(workspace().shared16, elems));
+  kernels::convert_summing_columns(out, column_sums, static_cast<const float*>(x.data), elems / x.ld, x.ld);
+  x.data = out;
   x.type = DType::BF16;
   return x;
 }

@@ -22,13 +22,27 @@ struct GemmOperand {
   int64_t ld;      // leading dimension of X as stored (row-major)
 };
 
+// bias (bias_type F32, BF16 or F16; null: none) adds bias[n] to every row: in oneDNN's epilogue
+// for BF16 (before `accumulate` adds the old C), a pass over C after sgemm otherwise. An fp32 A
+// read transposed is rounded into its transposed layout for BF16 (the plain layout multiplies
+// ~12% faster, and it is converted anyway).
 void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
-          DType compute);
+          DType compute, const void* bias = nullptr, DType bias_type = DType::F32);
+
+// `batch` independent products over dense bf16 operands with fp32 results, for attention's
+// tiles: C_b = op(A_b)·op(B_b) (+ C_b when accumulate), where A_b starts at A + b·M·K (stored
+// M×K, or K×M when ta), B_b at B + b·K·N (K×N, or N×K when tb) and C_b at C + b·M·N (M×N),
+// in elements. oneDNN's batched brgemm when built with it (dense operands are what lets it pick
+// brgemm), else sgemm per problem on the widened values. MACs are counted by the caller.
+void gemm_batched_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const void* A, bool ta, const void* B, bool tb,
+                       float* C, bool accumulate);
 
 // x as the products in `compute` read it (bf16 operands for BF16; x itself for F32),
 // converted once into a workspace slot of its own: an operand that feeds two products (dout
 // in a linear layer's backward) is converted once. Valid until the next gemm_operand call.
-GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute);
+// column_sums (x plain and dense, `elems` = rows·x.ld): Σ over x's rows added into it, for BF16
+// in the same pass over memory as the rounding (a linear layer's bias gradient).
+GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute, float* column_sums = nullptr);
 
 // "oneDNN bf16 (AVX512-BF16)" or "sgemm on bf16-rounded operands" / "OpenBLAS sgemm".
 std::string gemm_path(DType compute);
