@@ -78,3 +78,39 @@ TEST(HalfConversion, ConvertKernelAccumulatesInFp32AndRoundsOnce) {
   EXPECT_EQ(to_float(acc[0]), 256.0f);
   EXPECT_EQ(to_float(acc[1]), 258.0f);
 }
+
+// The integer fp16 conversions (which vectorise) give the bits of the hardware's own conversion
+// (F16C vcvtph2ps / vcvtps2ph, through the compiler's _Float16): every half widened, every
+// non-NaN half round-tripped, and a spread of 2^22 float bit patterns (every 1021st, so all
+// exponents, signs, the subnormal range and the rounding ties are met) rounded. NaN stays NaN.
+TEST(HalfConversion, Fp16ConversionsGiveTheHardwareConversionsBits) {
+  for (uint32_t bits = 0; bits < 65536; ++bits) {
+    const uint16_t b = static_cast<uint16_t>(bits);
+    _Float16 h;
+    std::memcpy(&h, &b, 2);
+    const float hw = static_cast<float>(h), ours = to_float(fp16{b});
+    if (std::isnan(hw)) {
+      EXPECT_TRUE(std::isnan(ours)) << std::hex << bits;
+      continue;
+    }
+    uint32_t a, c;
+    std::memcpy(&a, &hw, 4);
+    std::memcpy(&c, &ours, 4);
+    ASSERT_EQ(c, a) << "widening half 0x" << std::hex << bits;
+    ASSERT_EQ(to_fp16(ours).bits, b) << "round trip of half 0x" << std::hex << bits;
+  }
+  for (uint64_t u = 0; u <= 0xFFFFFFFFull; u += 1021) {
+    const uint32_t v = static_cast<uint32_t>(u);
+    float x;
+    std::memcpy(&x, &v, 4);
+    const fp16 ours = to_fp16(x);
+    if (std::isnan(x)) {
+      EXPECT_TRUE(std::isnan(to_float(ours))) << std::hex << v;
+      continue;
+    }
+    const _Float16 hw = static_cast<_Float16>(x);
+    uint16_t hb;
+    std::memcpy(&hb, &hw, 2);
+    ASSERT_EQ(ours.bits, hb) << "rounding float 0x" << std::hex << v;
+  }
+}
