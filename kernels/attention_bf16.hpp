@@ -49,9 +49,14 @@ struct AttentionWorkspace {
                                 (scores.extent(0) + dq.extent(0) + dk.extent(0) + dv.extent(0)) * 4);
   }
 };
+// Released by Kokkos::finalize (a View freed after it aborts the process).
 inline AttentionWorkspace& attention_workspace() {
-  static AttentionWorkspace w;
-  return w;
+  static AttentionWorkspace* w = [] {
+    static AttentionWorkspace workspace;
+    Kokkos::push_finalize_hook([] { workspace = AttentionWorkspace{}; });
+    return &workspace;
+  }();
+  return *w;
 }
 
 // part 0/1/2 (q, k, v) of qkv[B,T,3C] into tiles [n][B·H][TB][hs] of bf16; rows past T are zero.
