@@ -145,6 +145,35 @@ void BM_ConvertToBf16(benchmark::State& state) {
 }
 BENCHMARK(BM_ConvertToBf16)->Unit(benchmark::kMicrosecond);
 
+// The same rounding into the transposed layout (a weight gradient's input operand).
+void BM_ConvertTransposedToBf16(benchmark::State& state) {
+  const Index rows = BT, cols = 4 * C;
+  auto x = randn(rows * cols, 15);
+  std::vector<bf16> y(rows * cols);
+  for (auto _ : state) {
+    convert_transposed(y.data(), x.data(), rows, cols, cols);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(6.0 * rows * cols, benchmark::Counter::kIsIterationInvariantRate,
+                                              benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_ConvertTransposedToBf16)->Unit(benchmark::kMicrosecond);
+
+// A linear layer's output gradient rounded with its bias gradient's column sums in one pass.
+void BM_ConvertSummingColumns(benchmark::State& state) {
+  const Index rows = BT, cols = 4 * C;
+  auto x = randn(rows * cols, 15);
+  std::vector<bf16> y(rows * cols);
+  std::vector<float> sums(cols);
+  for (auto _ : state) {
+    convert_summing_columns(y.data(), sums.data(), x.data(), rows, cols);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(6.0 * rows * cols, benchmark::Counter::kIsIterationInvariantRate,
+                                              benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_ConvertSummingColumns)->Unit(benchmark::kMicrosecond);
+
 // A plain copy of the same bytes: the memory system's limit for these streaming kernels.
 void BM_CopyStream(benchmark::State& state) {
   const Index n = BT * 4 * C;

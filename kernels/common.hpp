@@ -10,6 +10,19 @@
 #include <Kokkos_Core.hpp>
 #include <cstdint>
 
+// CPU fast paths, chosen at build time: with a Serial default execution space (zero3d runs one
+// rank per core) a kernel may walk memory in order in the caller's thread, and with AVX-512 it
+// may use intrinsics. Any other build (CUDA, OpenMP, no AVX-512) compiles the portable
+// parallel_for beside it, so every kernel keeps one name and one contract.
+#if defined(KOKKOS_ENABLE_SERIAL) && !defined(KOKKOS_ENABLE_OPENMP) && !defined(KOKKOS_ENABLE_THREADS) && \
+    !defined(KOKKOS_ENABLE_CUDA) && !defined(KOKKOS_ENABLE_HIP) && !defined(KOKKOS_ENABLE_SYCL)
+#define ZERO3D_SERIAL_HOST 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define ZERO3D_AVX512 1
+#include <immintrin.h>
+#endif
+#endif
+
 namespace zero3d::kernels {
 
 using ExecSpace = Kokkos::DefaultExecutionSpace;

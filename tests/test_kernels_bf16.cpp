@@ -60,7 +60,10 @@ TEST(Bf16Conversions, RoundingWithColumnSumsEqualsRoundingAndSummingSeparately) 
 
 TEST(Bf16Conversions, TransposedRoundingEqualsRoundingThenTransposing) {
   const Index rows = 45, cols = 70, ld = 72;  // ragged blocks and a row stride wider than the row
-  const auto x = random_vector(rows * ld, 2);
+  auto x = random_vector(rows * ld, 2);
+  // the values rounding must get right, inside a full 16×16 block and on a ragged edge
+  const float special[] = {NAN, INFINITY, -INFINITY, -0.0f, 1e-40f, 1.00390625f /* a tie: to even */, 1.01171875f};
+  for (int k = 0; k < 7; ++k) x[(3 + k) * ld + 5 + k] = x[(40 + k % 5) * ld + 66 + k % 4] = special[k];
   std::vector<bf16> t(cols * rows);
   convert_transposed(t.data(), x.data(), rows, cols, ld);
   for (Index r = 0; r < rows; ++r)
