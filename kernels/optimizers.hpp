@@ -168,36 +168,76 @@ inline void sgd_update(float* params, const float* grads, float* momentum_buf, I
 
 // Lion as DeepSpeed's FusedLion (csrc/lion/multi_tensor_lion.cu): c = b1·m + (1-b1)·g; the step
 // is -lr where c > 0, else +lr (c == 0 steps up, as that kernel does); decoupled weight decay
-// p·(1 - lr·wd) first; then m = b2·m + (1-b2)·g.
+// p·(1 - lr·wd) first; then m = b2·m + (1-b2)·g. DeepSpeedCPULion (csrc/lion/cpu_lion_impl.cpp)
+// computes the same products but takes the sign with copysign, so it steps down where c is +0;
+// the CPU loop below keeps FusedLion's rule so that an offloaded run equals the one without.
 struct LionStep {
   float lr, beta1, beta2, weight_decay;
 };
 
-inline void lion_update(float* params, const float* grads, float* m, Index n, const LionStep& s) {
-  const float b1 = s.beta1, b2 = s.beta2, lr = s.lr, after_decay = 1.0f - s.lr * s.weight_decay;
-  Kokkos::parallel_for("lion_update", range(n), KOKKOS_LAMBDA(Index i) {
-    const float g = grads[i], mi = m[i];
-    const float c = b1 * mi + (1.0f - b1) * g;
-    params[i] = params[i] * after_decay + (c > 0.0f ? -lr : lr);
-    m[i] = b2 * mi + (1.0f - b2) * g;
-  });
-}
-
-// Adagrad as torch.optim.Adagrad (DeepSpeed's "adagrad" without offload): g += wd·p;
-// sum += g²; p -= clr·g / (sqrt(sum) + eps), clr already holding lr_decay.
-struct AdagradStep {
-  float clr, eps, weight_decay;
+// The per-element constants of one Lion step, computed once (not per element: a compiler may
+// contract 1 - lr·wd into a fused multiply-add in one loop and not in another).
+struct LionCoeffs {
+  float lr, b1, omb1, b2, omb2, after_decay;
 };
 
+inline LionCoeffs lion_coeffs(const LionStep& s) {
+  return {s.lr, s.beta1, 1.0f - s.beta1, s.beta2, 1.0f - s.beta2, 1.0f - s.lr * s.weight_decay};
+}
+
+// One element, shared by the device kernel and the CPU loop so that they agree bit for bit.
+// The multiply-adds are written as fmaf, as nvcc compiles FusedLion's, so that no compiler
+// contracts them in a vector loop and not in its scalar remainder (that differs in the last bit).
+KOKKOS_INLINE_FUNCTION void lion_element(float& p, float g, float& m, const LionCoeffs& c) {
+  const float mi = m;
+  const float u = fmaf(c.b1, mi, c.omb1 * g);
+  p = fmaf(p, c.after_decay, u > 0.0f ? -c.lr : c.lr);
+  m = fmaf(c.b2, mi, c.omb2 * g);
+}
+
+inline void lion_update(float* params, const float* grads, float* m, Index n, const LionStep& s) {
+  const LionCoeffs c = lion_coeffs(s);
+  Kokkos::parallel_for("lion_update", range(n), KOKKOS_LAMBDA(Index i) { lion_element(params[i], grads[i], m[i], c); });
+}
+
+// DeepSpeedCPULion's place (offload_optimizer): the same element on the host, one SIMD loop.
+inline void cpu_lion_update(float* __restrict params, const float* __restrict grads, float* __restrict m, Index n,
+                            const LionStep& s) {
+  const LionCoeffs c = lion_coeffs(s);
+#pragma omp simd
+  for (Index i = 0; i < n; ++i) lion_element(params[i], grads[i], m[i], c);
+}
+
+// Adagrad as torch.optim.Adagrad (DeepSpeed's "adagrad" without offload): g' = g + wd·p;
+// sum += g'²; p += -clr·(g' / (sqrt(sum) + eps)) (addcdiv's order), clr already holding lr_decay.
+// Under offload DeepSpeed runs DeepSpeedCPUAdagrad (csrc/adagrad/cpu_adagrad.cpp), which adds the
+// decay to the accumulated square only and steps with the raw gradient: decay_in_step false.
+// Without weight decay the two are the same update, element for element.
+struct AdagradStep {
+  float clr, eps, weight_decay;
+  bool decay_in_step = true;
+};
+
+// One element, shared by the device kernel and the CPU loop so that they agree bit for bit; the
+// multiply-adds are fmaf, as DeepSpeedCPUAdagrad's AVX loop computes them, and so that no
+// compiler contracts them in one loop and not in another.
+KOKKOS_INLINE_FUNCTION void adagrad_element(float& p, float grad, float& sum, const AdagradStep& s) {
+  const float g = fmaf(s.weight_decay, p, grad);
+  const float si = fmaf(g, g, sum);
+  sum = si;
+  p = fmaf(-s.clr, (s.decay_in_step ? g : grad) / (std::sqrt(si) + s.eps), p);
+}
+
 inline void adagrad_update(float* params, const float* grads, float* sum, Index n, const AdagradStep& s) {
-  const float clr = s.clr, eps = s.eps, wd = s.weight_decay;
-  Kokkos::parallel_for("adagrad_update", range(n), KOKKOS_LAMBDA(Index i) {
-    const float p = params[i];
-    const float g = grads[i] + wd * p;
-    const float si = sum[i] + g * g;
-    sum[i] = si;
-    params[i] = p - clr * g / (std::sqrt(si) + eps);
-  });
+  Kokkos::parallel_for("adagrad_update", range(n),
+                       KOKKOS_LAMBDA(Index i) { adagrad_element(params[i], grads[i], sum[i], s); });
+}
+
+// DeepSpeedCPUAdagrad's place (offload_optimizer): the same element on the host, one SIMD loop.
+inline void cpu_adagrad_update(float* __restrict params, const float* __restrict grads, float* __restrict sum, Index n,
+                               const AdagradStep& s) {
+#pragma omp simd
+  for (Index i = 0; i < n; ++i) adagrad_element(params[i], grads[i], sum[i], s);
 }
 
 }  // namespace zero3d::kernels

@@ -114,7 +114,10 @@ json agreement_document(const Config& cfg) {
   json doc = cfg.resolved;
   for (const auto& k : kPerRankKeys)
     if (doc.contains(k[0]) && doc[k[0]].is_object()) doc[k[0]].erase(k[1]);
-  if (cfg.training.save_interval == 0 && cfg.training.resume.empty() && doc.contains("training") &&
+  // With checkpoint.use_node_local_storage each node keeps its own copy of every tag, under any
+  // path: save_dir is then the node's, like output_dir is rank 0's.
+  const bool shared_save_dir = cfg.training.save_interval > 0 || !cfg.training.resume.empty();
+  if ((!shared_save_dir || cfg.checkpoint.use_node_local_storage) && doc.contains("training") &&
       doc["training"].is_object())
     doc["training"].erase("save_dir");
   // The weights, not where a node keeps them: two paths to the same bytes agree.

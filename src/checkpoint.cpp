@@ -718,11 +718,15 @@ std::vector<std::string> list_checkpoint_tags(const std::string& save_dir) {
 }
 
 void save_checkpoint(const std::string& save_dir, const std::string& tag, const CheckpointMeta& meta_in,
-                     const ShardSlice& mine, const ParamLayout& layout, MPI_Comm world, int64_t keep_last) {
+                     const ShardSlice& mine, const ParamLayout& layout, MPI_Comm world, int64_t keep_last,
+                     bool node_local) {
   h5::quiet_errors();
   int rank = 0, size = 1;
   MPI_Comm_rank(world, &rank);
   MPI_Comm_size(world, &size);
+  // Who creates the tag directory and publishes it: rank 0, or with node-local storage the first
+  // rank of every node, in that node's own save_dir (checkpoint_options.hpp).
+  const bool publisher = node_local ? is_first_rank_of_node(world) : rank == 0;
   const fs::path dir(save_dir), tmp = dir / (tag + ".tmp"), final_dir = dir / tag, old = dir / (tag + ".old.tmp");
   CheckpointMeta meta = meta_in;
   std::vector<const ShardSegment*> segs;
@@ -739,16 +743,16 @@ void save_checkpoint(const std::string& save_dir, const std::string& tag, const 
                             state + "` for segment [" + std::to_string(s->begin) + ", " + std::to_string(s->end) + ")");
   });
   std::string family;
+  if (rank == 0) meta.tag_id = random_id();
+  bcast_string(meta.tag_id, world);
   run_collectively(world, [&] {
-    if (rank != 0) return;
+    if (!publisher) return;
     std::error_code ec;
     fs::create_directories(dir, ec);
     if (ec) throw SystemError(save_dir + ": cannot create checkpoint directory: " + ec.message());
     family = load_or_create_family(dir);
-    meta.tag_id = random_id();
     prepare_save(dir, tmp, family, tag, meta.tag_id);
   });
-  bcast_string(meta.tag_id, world);
   bool published = false;
   try {
     std::pair<int64_t, uint64_t> digest{0, 0};
@@ -760,9 +764,9 @@ void save_checkpoint(const std::string& save_dir, const std::string& tag, const 
     });
     std::vector<int64_t> digests(2 * static_cast<size_t>(size));
     const int64_t mine_d[2] = {digest.first, static_cast<int64_t>(digest.second)};
-    MPI_Gather(mine_d, 2, MPI_INT64_T, digests.data(), 2, MPI_INT64_T, 0, world);
+    MPI_Allgather(mine_d, 2, MPI_INT64_T, digests.data(), 2, MPI_INT64_T, world);  // every publisher lists all
     run_collectively(world, [&] {
-      if (rank != 0) return;
+      if (!publisher) return;
       const std::string index = (tmp / "index.h5").string();
       write_index(index, meta, layout);  // written and fsynced
       nlohmann::json files = nlohmann::json::object();
@@ -804,7 +808,7 @@ void save_checkpoint(const std::string& save_dir, const std::string& tag, const 
       if (keep_last > 0) rotate(dir, family, tag, keep_last);
     });
   } catch (...) {
-    if (rank == 0 && !published) {  // free the space a failed save took; nothing else is touched
+    if (publisher && !published) {  // free the space a failed save took; nothing else is touched
       std::error_code ec;
       fs::remove_all(tmp, ec);
     }
@@ -812,7 +816,7 @@ void save_checkpoint(const std::string& save_dir, const std::string& tag, const 
   }
 }
 
-CheckpointReader CheckpointReader::open(const std::string& spec, const std::string& save_dir) {
+CheckpointReader CheckpointReader::open(const std::string& spec, const std::string& save_dir, bool node_local) {
   h5::quiet_errors();
   fs::path dir;
   auto from_latest = [](const fs::path& d) {
@@ -859,6 +863,10 @@ CheckpointReader CheckpointReader::open(const std::string& spec, const std::stri
         if (name.find('/') != std::string::npos) throw InputError(manifest + ": lists a file outside the tag");
         if (!exists(p)) {
           const bool shard = name.rfind("rank_", 0) == 0;
+          if (shard && node_local) {  // written on another node; read_range says so if this rank needs it
+            r.absent_.insert(name);
+            continue;
+          }
           throw InputError(p.string() + (shard ? ": missing shard (" + std::to_string(r.manifest_.at("shards").get<int64_t>()) + " expected)"
                                                : ": missing: the checkpoint is incomplete"));
         }
@@ -899,7 +907,8 @@ CheckpointReader CheckpointReader::open(const std::string& spec, const std::stri
   r.local_offsets_ = local_offsets(r.meta_.ranges);
   for (size_t q = 0; q < r.meta_.ranges.size(); ++q) {
     const fs::path shard = dir / shard_name(static_cast<int64_t>(q));
-    if (!exists(shard))
+    if (!exists(shard) && node_local && r.has_manifest()) r.absent_.insert(shard_name(static_cast<int64_t>(q)));
+    else if (!exists(shard))
       throw InputError(shard.string() + ": missing shard (" + std::to_string(r.meta_.ranges.size()) + " expected)");
     if (r.has_manifest() && !r.manifest_["files"].contains(shard_name(static_cast<int64_t>(q))))
       throw InputError(manifest + ": does not list " + shard_name(static_cast<int64_t>(q)));
@@ -984,6 +993,11 @@ void CheckpointReader::read_range(const std::string& state, int64_t begin, int64
     for (const auto& [b, e] : segs) needed = needed || (std::max(b, begin) < std::min(e, end));
     if (!needed) continue;
     const std::string name = shard_name(static_cast<int64_t>(q)), path = (fs::path(dir_) / name).string();
+    if (absent_.count(name))
+      throw InputError(path + ": not on this node (checkpoint.use_node_local_storage): the range [" + std::to_string(begin) +
+                       ", " + std::to_string(end) + ") of `" + state + "` lies in a shard another node wrote; resume "
+                       "with the ranks on each node of the run that saved, or gather every node's shards into one "
+                       "save_dir");
     verify_file(name);
     hid_t fid = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
     if (fid < 0) throw InputError(path + ": cannot open shard (truncated or not an HDF5 file)");

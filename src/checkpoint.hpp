@@ -90,8 +90,12 @@ struct ShardSlice {
 // Collective over `world`. Writes <save_dir>/<tag> atomically, then rotates to `keep_last`
 // complete tags of this run family (0 keeps all). Errors are agreed on all ranks (exit 1, one
 // message naming the file) and leave the old checkpoint and `latest` as they were.
+// node_local (checkpoint.use_node_local_storage): save_dir is each node's own storage; the first
+// rank of every node creates and publishes the tag there (index.h5 and the manifest name every
+// rank's shard; the node's directory holds its own ranks' shards).
 void save_checkpoint(const std::string& save_dir, const std::string& tag, const CheckpointMeta& meta,
-                     const ShardSlice& mine, const ParamLayout& layout, MPI_Comm world, int64_t keep_last);
+                     const ShardSlice& mine, const ParamLayout& layout, MPI_Comm world, int64_t keep_last,
+                     bool node_local = false);
 
 // An opened, verified checkpoint tag. open() runs the one verification shared by resume and
 // `inspect`: manifest and its digest, index.h5's digest and structure (one virtual dataset of
@@ -103,7 +107,9 @@ class CheckpointReader {
  public:
   // spec: "latest" (the tag named by <save_dir>/latest), a tag in save_dir, or a path to a tag
   // directory or to a save directory holding `latest`.
-  static CheckpointReader open(const std::string& spec, const std::string& save_dir);
+  // node_local: shards the manifest lists but this node's directory lacks were written on another
+  // node (checkpoint.use_node_local_storage); read_range fails naming them only if it needs one.
+  static CheckpointReader open(const std::string& spec, const std::string& save_dir, bool node_local = false);
 
   const CheckpointMeta& meta() const { return meta_; }
   const std::string& dir() const { return dir_; }
@@ -125,7 +131,12 @@ class CheckpointReader {
   nlohmann::json manifest_;                          // null for format 1
   std::vector<std::vector<int64_t>> local_offsets_;  // per shard, per segment: offset in its datasets
   mutable std::set<std::string> verified_;           // files whose digest was checked
+  std::set<std::string> absent_;                     // node-local storage: shards on other nodes
 };
+
+// Whether this rank is the first (by rank) of the ranks sharing its node's memory
+// (MPI_COMM_TYPE_SHARED): the one that publishes a node-local checkpoint. Collective over world.
+bool is_first_rank_of_node(MPI_Comm world);
 
 // Names of complete tags in save_dir, oldest first (by step).
 std::vector<std::string> list_checkpoint_tags(const std::string& save_dir);

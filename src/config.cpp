@@ -49,7 +49,9 @@ constexpr double kHfAdamBeta1 = 0.9, kHfAdamBeta2 = 0.999, kHfAdamEpsilon = 1e-8
 
 // auto_micro: set when train_micro_batch_size_per_gpu is "auto" and nothing derives it; the
 // micro-batch is then HF's default until resolve_auto_micro_batch asks the memory planner.
-BatchConfig derive_batch(Section& top, int64_t world_size, bool& auto_micro) {
+// autotuning: the config is the autotuner's input (autotuning.enabled), which may leave the
+// batch to it; absent batch keys are then checked at micro-batch 1, the autotuner's first size.
+BatchConfig derive_batch(Section& top, int64_t world_size, bool& auto_micro, bool autotuning) {
   if (world_size < 1) top.fail("train_batch_size", "world size " + std::to_string(world_size) + " is not positive");
   // "auto" (Hugging Face style) means: derive this one from the others.
   std::vector<std::string> autos;
@@ -78,6 +80,11 @@ BatchConfig derive_batch(Section& top, int64_t world_size, bool& auto_micro) {
   const bool m_auto = std::find(autos.begin(), autos.end(), "train_micro_batch_size_per_gpu") != autos.end();
   const bool t_auto = std::find(autos.begin(), autos.end(), "train_batch_size") != autos.end();
   std::ostringstream how;
+  if (!T && !M && !G && !m_auto && !t_auto && autotuning) {
+    M = 1;
+    top.note("auto    train_micro_batch_size_per_gpu = 1 (autotuning.enabled: the autotuner chooses the micro-batch; "
+             "checked at its first size)");
+  }
   if (!T && !M && (m_auto || t_auto)) {
     // Nothing fixes the micro-batch: HF would take per_device_train_batch_size (default 8);
     // zero3d takes at most that, as much as the memory planner says fits (resolved at the end).
@@ -491,22 +498,6 @@ TrainingConfig read_training(Section& top, const DataConfig& data) {
   return t;
 }
 
-// zero_optimization keys of DEEPSPEED-FACTS §5.1 whose features zero3d does not have (or
-// always has, like contiguous buffers): accepted at DeepSpeed's default, rejected otherwise.
-const std::vector<std::pair<const char*, nlohmann::json>> kZeroDefaultOnlyKeys = {
-    {"reduce_scatter", true},
-    {"allgather_partitions", true}, {"load_from_fp32_weights", true}, {"elastic_checkpoint", false},
-    {"module_granularity_threshold", 0},
-    {"stage3_module_granularity_threshold", 0}, {"use_all_reduce_for_fetch_params", false},
-    {"stage3_use_all_reduce_for_fetch_params", false}, {"allgather_sequential", false},
-    {"stage3_allgather_sequential", false}, {"ignore_unused_parameters", true},
-    {"zero_hpz_partition_size", 1}, {"zero_quantized_weights", false}, {"zero_quantized_nontrainable_weights", false},
-    {"zero_quantized_gradients", false}, {"zeropp_loco_param", nullptr}, {"mics_shard_size", -1},
-    {"mics_hierarchical_params_gather", false}, {"memory_efficient_linear", true},
-    {"pipeline_loading_checkpoint", false}, {"override_module_apply", true}, {"log_trace_cache_warnings", false},
-    {"enable_sanity_checks", false}, {"save_muon_momentum_buffer_in_memory", false}, {"zenflow", nullptr},
-    {"leaf_module", nullptr}};
-
 // The `pipeline` section (DEEPSPEED-FACTS-2 §2.1): DeepSpeed's keys with its defaults, plus
 // zero3d's schedule and virtual_stages.
 PipelineConfig read_pipeline(Section& top, int& checkpoint_interval) {
@@ -592,107 +583,6 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
   return t;
 }
 
-OffloadDevice offload_device(Section& sec) {
-  const std::string d = sec.choice("device", "none", {"none", "cpu", "nvme"});
-  return d == "cpu" ? OffloadDevice::Cpu : d == "nvme" ? OffloadDevice::Nvme : OffloadDevice::None;
-}
-
-// nvme_path: required with device nvme, meaningless (and so rejected) with any other device.
-std::string offload_nvme_path(Section& sec, OffloadDevice device) {
-  const std::string path = sec.path("nvme_path", "");
-  if (device == OffloadDevice::Nvme && path.empty())
-    sec.report_key("nvme_path", "device \"nvme\" needs an nvme_path (a directory on the drive that holds the swap files)");
-  if (device != OffloadDevice::Nvme && !path.empty())
-    sec.report_key("nvme_path", "is only used with \"device\": \"nvme\" (device is " +
-                                  std::string(device == OffloadDevice::Cpu ? "cpu" : "none") + ")");
-  return path;
-}
-
-void read_aio(Section& top, AioConfig& a);
-
-// Page-locked host memory only speeds copies between host and GPU memory.
-std::string pin_memory_note(const Section& off, bool pin) {
-  return "no effect on this build: `" + off.key_path("pin_memory") + "` = " + (pin ? "true" : "false") +
-         " (page-locked host memory speeds host-GPU copies; offloaded state here is used where it lies, in host "
-         "memory)";
-}
-
-// zero_optimization.offload_optimizer / offload_param, their deprecated boolean forms,
-// sub_group_size and the top-level `aio` section (DEEPSPEED-FACTS-2 §3.1).
-void read_offload(Section& top, Section& sec, ZeroConfig& z) {
-  const int64_t kMax = std::numeric_limits<int64_t>::max();
-  // Deprecated: cpu_offload -> offload_optimizer.device cpu, cpu_offload_param -> offload_param,
-  // cpu_offload_use_pin_memory -> pin_memory of both.
-  const bool old_opt = sec.boolean("cpu_offload", false), old_param = sec.boolean("cpu_offload_param", false);
-  const bool old_pin = sec.boolean("cpu_offload_use_pin_memory", false);
-  // The resolved config names the new keys only (offload_*.device, pin_memory): it must read back.
-  for (const char* old : {"cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"}) sec.forget(old);
-  for (const auto& [old, key] : {std::pair<const char*, const char*>{"cpu_offload", "offload_optimizer"},
-                                 {"cpu_offload_param", "offload_param"}})
-    if (sec.has(old) && sec.has(key))
-      sec.report_key(old, "cannot be given together with `zero_optimization." + std::string(key) + "` (deprecated alias)");
-  {
-    Section off = sec.child("offload_optimizer");
-    OffloadOptimizerConfig& o = z.offload_optimizer;
-    o.device = old_opt ? OffloadDevice::Cpu : offload_device(off);
-    o.nvme_path = offload_nvme_path(off, o.device);
-    o.buffer_count = off.integer("buffer_count", 4, 1, 1 << 20);
-    o.pin_memory = off.boolean("pin_memory", old_opt ? old_pin : true);
-    if (off.has("pin_memory")) off.note(pin_memory_note(off, o.pin_memory));
-    o.pipeline_read = off.boolean("pipeline_read", false);
-    o.pipeline_write = off.boolean("pipeline_write", false);
-    o.fast_init = off.boolean("fast_init", false);
-    o.ratio = off.number("ratio", 1.0, 0.0, 1.0);
-    off.accept_default_only("super_offload", false);
-    off.number("cpuadam_cores_perc", 0.8, 0.0, 1.0, /*lo_open=*/true);  // one Adam thread per rank here
-    off.finish();
-    if (old_opt) off.record("device", "cpu");
-  }
-  {
-    Section off = sec.child("offload_param");
-    OffloadParamConfig& p = z.offload_param;
-    p.device = old_param ? OffloadDevice::Cpu : offload_device(off);
-    p.nvme_path = offload_nvme_path(off, p.device);
-    p.buffer_count = off.integer("buffer_count", 5, 1, 1 << 20);
-    p.buffer_size = off.integer("buffer_size", 100000000, 1, kMax);
-    p.max_in_cpu = off.integer("max_in_cpu", 1000000000, 0, kMax);
-    p.pin_memory = off.boolean("pin_memory", old_param ? old_pin : true);
-    if (off.has("pin_memory")) off.note(pin_memory_note(off, p.pin_memory));
-    off.finish();
-    if (old_param) off.record("device", "cpu");
-  }
-  z.sub_group_size = sec.integer("sub_group_size", 1000000000, 1, kMax);
-  if (z.offload_optimizer.device != OffloadDevice::None && z.stage == 0)
-    sec.report_key("offload_optimizer", "offloads the optimizer partition, which needs zero_optimization.stage 1, 2 or 3 "
-                                      "(stage is 0)");
-  if (z.offload_param.device != OffloadDevice::None && z.stage != 3)
-    sec.report_key("offload_param", "offloads the parameter partition, which only stage 3 has (stage is " +
-                                      std::to_string(z.stage) + ")");
-  if (z.offload_param.device == OffloadDevice::Nvme && z.offload_optimizer.device != OffloadDevice::Nvme)
-    sec.report_key("offload_param", "device \"nvme\" needs offload_optimizer.device \"nvme\" too: the optimizer "
-                                  "updates the parameter partition where it lies");
-  read_aio(top, z.aio);
-}
-
-// The top-level `aio` section: how swap files are read and written.
-void read_aio(Section& top, AioConfig& a) {
-  Section aio = top.child("aio");
-  a.block_size = aio.integer("block_size", 1048576, 4096, int64_t(1) << 30);
-  if (a.block_size % 4096 != 0)
-    aio.report_key("block_size", "value " + std::to_string(a.block_size) +
-                                   " is not a multiple of 4096 (direct I/O moves whole 4 KiB pages)");
-  a.queue_depth = aio.integer("queue_depth", 8, 1, 4096);
-  if (aio.has("intra_op_parallelism") && aio.has("thread_count"))
-    aio.report_key("thread_count", "cannot be given together with `aio.intra_op_parallelism` (its new name)");
-  a.intra_op_parallelism = static_cast<int>(aio.has("thread_count") ? aio.integer("thread_count", 1, 1, 64)
-                                                                      : aio.integer("intra_op_parallelism", 1, 1, 64));
-  a.single_submit = aio.boolean("single_submit", false);
-  a.overlap_events = aio.boolean("overlap_events", true);
-  aio.hardware_only("use_gds", false, "GPUDirect Storage moves NVMe data straight to GPU memory through cuFile; "
-                                      "this build reads swap files into host memory");
-  aio.finish();
-}
-
 // The `activation_checkpointing` section (DEEPSPEED-FACTS §9.1, FACTS-2 §6.1) with DeepSpeed's
 // keys, plus zero3d's recompute_granularity; `interval` is pipeline.activation_checkpoint_interval.
 // DeepSpeed's asserts (contiguous needs partitioning and number_checkpoints) are kept; keys that
@@ -765,106 +655,6 @@ ActivationCheckpointing read_activation_checkpointing(Section& top, const Config
                                              ", interval " + std::to_string(a.interval) + ")");
   }
   return a;
-}
-
-void read_zero(Section& top, Config& c) {
-  if (top.has("zero_optimization") && top.raw("zero_optimization")->is_boolean()) {
-    c.zero.stage = top.raw("zero_optimization")->get<bool>() ? 1 : 0;  // deprecated bool form: true = stage 1
-    c.zero.overlap_comm = false;
-    read_aio(top, c.zero.aio);
-    return;
-  }
-  Section sec = top.child("zero_optimization");
-  const int64_t kMax = std::numeric_limits<int64_t>::max();
-  // "auto": the three sizes Hugging Face derives from the hidden size C (integrations/deepspeed.py
-  // trainer_config_finalize); any other key takes DeepSpeed's default, as its pydantic model does.
-  const int64_t C = c.model.n_embd;
-  auto from_hidden = [&](const std::vector<std::string>& keys, int64_t value, const std::string& rule) {
-    for (const std::string& key : keys)
-      if (sec.is_auto(key)) {
-        sec.substitute(key, value);
-        sec.note("auto    " + sec.key_path(key) + " = " + std::to_string(value) + " (" + rule + ", hidden size " +
-                 std::to_string(C) + ")");
-      }
-  };
-  from_hidden({"reduce_bucket_size"}, C * C, "C*C");
-  from_hidden({"stage3_prefetch_bucket_size", "prefetch_bucket_size"}, static_cast<int64_t>(0.9 * C * C), "0.9*C*C");
-  from_hidden({"stage3_param_persistence_threshold", "param_persistence_threshold"}, 10 * C, "10*C");
-  sec.auto_is_default("DeepSpeed's default: its config model drops \"auto\"");
-  c.zero.stage = static_cast<int>(sec.integer("stage", 0, 0, 3));
-  // DeepSpeed allows 0 (ge=0) and flushes a bucket once it would exceed the size: 0 and 1 both
-  // mean one gradient per reduction.
-  c.zero.reduce_bucket_size = std::max<int64_t>(1, sec.integer("reduce_bucket_size", 500000000, 0, kMax));
-  c.zero.allgather_bucket_size = sec.integer("allgather_bucket_size", 500000000, 2, kMax);
-  if (c.zero.allgather_bucket_size % 2 != 0)
-    sec.report_key("allgather_bucket_size", "must be a multiple of 2, got " + std::to_string(c.zero.allgather_bucket_size));
-  c.zero.overlap_comm = sec.boolean("overlap_comm", c.zero.stage == 3);  // DeepSpeed: None -> (stage == 3)
-  // Stage-3 knobs, each also accepted under its deprecated stage3_ name (not both).
-  auto aliased = [&](const std::string& key, int64_t def, int64_t lo) {
-    const std::string old = "stage3_" + key;
-    if (sec.has(key) && sec.has(old)) {
-      sec.report_key(old, "cannot be given together with `zero_optimization." + key + "` (deprecated alias)");
-      sec.mark_known(key);
-    }
-    return sec.has(old) ? sec.integer(old, def, lo, kMax) : sec.integer(key, def, lo, kMax);
-  };
-  c.zero.prefetch_bucket_size = aliased("prefetch_bucket_size", 50000000, 0);
-  c.zero.param_persistence_threshold = aliased("param_persistence_threshold", 100000, 0);
-  c.zero.model_persistence_threshold = aliased("model_persistence_threshold", kMax, 0);
-  c.zero.max_live_parameters = aliased("max_live_parameters", 1000000000, 0);
-  c.zero.max_reuse_distance = aliased("max_reuse_distance", 1000000000, 0);
-  read_offload(top, sec, c.zero);
-  if (sec.boolean("legacy_stage1", false))
-    sec.report_key("legacy_stage1", "legacy_stage1 was removed from DeepSpeed; remove the key");
-  // Keys whose only effect is on GPU memory or GPU-to-host copies: results are the same.
-  sec.hardware_only("contiguous_gradients", true,
-                    "copies gradients into a contiguous GPU buffer against allocator fragmentation; zero3d's "
-                    "gradients always live in one flat buffer");
-  sec.hardware_only("round_robin_gradients", false,
-                    "spreads the GPU-to-CPU gradient copies of offload over ranks; this build's gradients are "
-                    "in host memory already");
-  sec.hardware_only("use_multi_rank_bucket_allreduce", true, "an NCCL bucketing choice; same sums");
-  // One setting under three names (DeepSpeed's current, stage3_ and old fp16 spellings).
-  for (const char* key : {"stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
-                          "gather_16bit_weights_on_model_save"})
-    if (sec.boolean(key, false)) c.zero.gather_16bit_weights_on_model_save = true;
-  for (const auto& [key, deepspeed_default] : kZeroDefaultOnlyKeys) sec.accept_default_only(key, deepspeed_default);
-  sec.finish();
-}
-
-// DeepSpeed lets ZeRO run only its tested optimizers unless zero_allow_untested_optimizer;
-// Lamb's per-tensor trust ratio cannot be computed on flat partitions, so it stays stage 0.
-void check_zero_optimizer(Section& top, const Config& c) {
-  if (c.zero.stage == 0) return;
-  if (c.optimizer.type == OptimizerType::Lamb)
-    top.fail("optimizer.type", "Lamb needs whole tensors for its trust ratio; use zero_optimization.stage 0 with "
-                               "Lamb, or Adam/AdamW with ZeRO stage " + std::to_string(c.zero.stage));
-  if (c.optimizer.type == OptimizerType::SGD && !c.zero_allow_untested_optimizer)
-    top.fail("optimizer.type", "SGD is not a ZeRO-tested optimizer in DeepSpeed; set "
-                               "\"zero_allow_untested_optimizer\": true to use it with ZeRO stage " +
-                               std::to_string(c.zero.stage));
-}
-
-// Offload runs DeepSpeedCPUAdam (Adam/AdamW only, as DeepSpeed without
-// zero_force_ds_cpu_optimizer: false), and NVMe sub-groups need one buffer per state in flight.
-void check_offload(Section& top, const Config& c) {
-  const OffloadOptimizerConfig& o = c.zero.offload_optimizer;
-  if (o.device == OffloadDevice::None) return;
-  if (c.optimizer.type != OptimizerType::Adam)
-    top.fail("zero_optimization.offload_optimizer.device",
-             "offloaded optimizer state is updated by zero3d's DeepSpeedCPUAdam, which needs optimizer Adam or AdamW (got " +
-                 c.optimizer.type_name + ")");
-  if (o.device != OffloadDevice::Nvme) return;
-  const int64_t states = c.precision.param == DType::F32 ? 2 : 3;
-  const int64_t groups = 1 + (o.pipeline_read ? 1 : 0) + (o.pipeline_write ? 1 : 0);
-  if (o.buffer_count < states * groups)
-    top.fail("zero_optimization.offload_optimizer.buffer_count",
-             "value " + std::to_string(o.buffer_count) + " is too small: each sub-group in flight needs " +
-                 std::to_string(states) + " buffers (" +
-                 (states == 3 ? "fp32 master, exp_avg, exp_avg_sq" : "exp_avg, exp_avg_sq") + ") and " +
-                 std::to_string(groups) + " sub-group" + (groups > 1 ? "s are" : " is") +
-                 " in flight (pipeline_read " + (o.pipeline_read ? "on" : "off") + ", pipeline_write " +
-                 (o.pipeline_write ? "on" : "off") + "): at least " + std::to_string(states * groups));
 }
 
 // autotuning (DEEPSPEED-FACTS §10): DeepSpeed's keys and defaults; the search is autotune.cpp's.
@@ -943,10 +733,6 @@ void read_unsupported_top_level(Section& top) {
                       "remove the section");
   top.feature_missing("quantize_training", nullptr, "quantization-aware training", "remove the section");
   top.feature_missing("moe", nullptr, "mixture of experts (issue 15)", "remove the section");
-  top.feature_missing("prescale_gradients", false, "gradient prescaling before the all-reduce",
-                      "set it to false (the averaged gradients are the same up to rounding)");
-  top.feature_missing("gradient_predivide_factor", 1.0, "gradient pre-division before the all-reduce",
-                      "set it to 1.0 (the averaged gradients are the same up to rounding)");
   top.feature_missing("gradient_allreduce_op", "mean", "a gradient all-reduce other than the mean", "use \"mean\"");
   top.feature_missing("sparse_gradients", false, "sparse embedding gradients", "set it to false");
   top.feature_missing("memory_breakdown", false, "memory printouts during training",
@@ -967,26 +753,6 @@ void read_unsupported_top_level(Section& top) {
   // PyTorch-side keys DeepSpeed itself ignores at top level (FACTS §1.3) but configs carry.
   top.no_effect("comms_config", "a DeepSpeed-Inference communication block; DeepSpeed's training engine ignores it too");
   top.no_effect("monitor_config", "an old monitor block that DeepSpeed's training engine ignores too");
-}
-
-// The `checkpoint` section (DeepSpeed runtime/engine.py _checkpoint_tag_validation): tag_validation
-// checks that all ranks save under one tag, which zero3d derives from the step on every rank
-// (global_stepN), so every mode passes; the other keys are features zero3d lacks unless off.
-void read_checkpoint_section(Section& top) {
-  Section sec = top.child("checkpoint");
-  sec.choice("tag_validation", "Warn", {"Ignore", "Warn", "Fail"});
-  sec.feature_missing("load_universal", false, "loading DeepSpeed universal checkpoints",
-                      "zero3d's HDF5 checkpoints resume on another layout as they are");
-  sec.feature_missing("use_node_local_storage", false, "node-local checkpoint storage",
-                      "training.save_dir must be one shared directory");
-  {
-    Section pw = sec.child("parallel_write");
-    pw.feature_missing("pipeline_stage", false, "per-pipeline-stage checkpoint writers",
-                       "every rank already writes its own shard");
-    pw.finish();
-  }
-  sec.feature_missing("writer", nullptr, "pluggable checkpoint writers", "remove the key");
-  sec.finish();
 }
 
 const std::vector<std::string> kDeepSpeedOnlyTopLevel = {
@@ -1203,6 +969,9 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   ReadContext ctx;
   const json root = with_strategy_preset(given, file, ctx);
   Section top(&root, "", file, &c.resolved, &ctx);
+  // The autotuner's input (autotune.cpp autotuning_enabled): its search space and batch may be open.
+  const bool tuning = root.is_object() && root.contains("autotuning") && root["autotuning"].is_object() &&
+                      root["autotuning"].value("enabled", json(false)) == true;
   auto step = [&](auto&& f) { attempt(ctx, file, f); };
   step([&] { c.model = read_model(top); });
   step([&] { c.data = read_data(top, c.model); });
@@ -1252,7 +1021,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
       top.mark_known(key);
   } else {
     step([&] {
-      c.batch = derive_batch(top, dp, auto_micro);
+      c.batch = derive_batch(top, dp, auto_micro, tuning);
       batch_ok = true;
     });
   }
@@ -1279,15 +1048,18 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   step([&] { c.gradient_clipping = read_gradient_clipping(top); });
   c.steps_per_print = top.integer("steps_per_print", 10, 1, kMaxInt);
   c.wall_clock_breakdown = top.boolean("wall_clock_breakdown", false);
-  step([&] { read_zero(top, c); });
+  step([&] { read_zero(top, c, tuning); });
   c.zero_allow_untested_optimizer = top.boolean("zero_allow_untested_optimizer", false);
   step([&] { check_zero_optimizer(top, c); });
   step([&] { c.precision = read_precision(top, c); });
+  c.zero.master_weights = c.precision.master_weights;  // what the ZeRO optimizer applies
+  c.zero.optimizer_states = c.precision.optimizer_states;
+  step([&] { read_gradient_averaging(top, c); });
   step([&] { check_offload(top, c); });
   step([&] { c.observability = read_observability(top); });
   step([&] { c.autotuning = read_autotuning(top); });
   step([&] { read_unsupported_top_level(top); });
-  step([&] { read_checkpoint_section(top); });
+  step([&] { c.checkpoint = read_checkpoint_section(top, c); });
   if (layout_ok) step([&] { check_moe(top, c, dp); });
   if (root.contains("strategy")) top.record("strategy", root["strategy"]);
   top.mark_known("strategy");  // expanded above (with_strategy_preset)

@@ -177,6 +177,14 @@ struct ZeroConfig {
   // stage3_gather_16bit_weights_on_model_save: each save also writes the consolidated weights
   // (Hugging Face layout, the model's dtype) as DeepSpeed's save_16bit_model does.
   bool gather_16bit_weights_on_model_save = false;
+  // bf16.bf16_master_weights_and_grads / bf16_optimizer_states, which DeepSpeed hands to its ZeRO
+  // optimizer: the master weights' type (F32: an fp32 copy beside 16-bit parameters; BF16: the
+  // bf16 parameters are the master) and the optimizer states' type.
+  DType master_weights = DType::F32, optimizer_states = DType::F32;
+  // prescale_gradients / gradient_predivide_factor: the factors around the gradient sum
+  // (grad_reducer.hpp reduce_scaling).
+  bool prescale_gradients = false;
+  double gradient_predivide_factor = 1.0;
 };
 
 // fp16 / bf16 / communication_data_type / data_types (DEEPSPEED-FACTS §1.4, §2).
@@ -193,6 +201,9 @@ struct PrecisionConfig {
   double min_loss_scale = 1.0;
   // bf16: skip steps whose gradients hold inf/NaN
   bool check_grad_overflow = true;
+  // bf16.bf16_master_weights_and_grads (BF16: no fp32 master copy) and bf16_optimizer_states
+  // (BF16 moments); the reader copies both into ZeroConfig, whose optimizer applies them.
+  DType master_weights = DType::F32, optimizer_states = DType::F32;
 };
 
 // tensor_parallel (DeepSpeed's AutoTP keys, DEEPSPEED-FACTS-2 §1.11; Megatron's layer splits).
@@ -227,6 +238,22 @@ struct AutotuningConfig {
   int64_t num_tuning_micro_batch_sizes = 3;
 };
 
+// The `checkpoint` section (DEEPSPEED-FACTS §1.4, §7; config_checkpoint.cpp reads it,
+// checkpoint_options.hpp applies it).
+struct CheckpointOptions {
+  std::string tag_validation = "Warn";  // Ignore, Warn or Fail: zero3d's tags agree by construction
+  // Resume from DeepSpeed's tag file for universal checkpoints, `latest_universal`, when the
+  // save_dir has one; every zero3d tag is universal (loads at any layout) either way.
+  bool load_universal = false;
+  // training.save_dir is storage of each node's own: the first rank of every node publishes the
+  // tag there (index, manifest, `latest`) beside its node's shards, and each rank resumes from
+  // the shards on its node.
+  bool use_node_local_storage = false;
+  // DeepSpeed: the data-parallel ranks of a pipeline stage share writing its layers. zero3d's
+  // ranks always write their own slices, whatever the value.
+  bool parallel_write_pipeline_stage = false;
+};
+
 struct Config {
   std::string file;  // where it came from, for messages
   ModelConfig model;
@@ -247,6 +274,7 @@ struct Config {
   bool zero_allow_untested_optimizer = false;
   ObservabilityConfig observability;  // flops_profiler, csv_monitor, tensorboard, comms_logger, trace
   AutotuningConfig autotuning;
+  CheckpointOptions checkpoint;
   nlohmann::json resolved;  // every key with its value after defaults and derivation
   // Start-up lines: each "auto" value with where it came from, keys with no effect on this
   // build with the reason, warnings DeepSpeed gives too. Printed once by validate and train.

@@ -69,7 +69,13 @@ PrecisionConfig read_precision(Section& top, const Config& c) {
   Section fp16 = top.child("fp16");
   resolve_auto_enabled(fp16);
   const bool fp16_on = fp16.boolean("enabled", false);
-  fp16.accept_default_only("auto_cast", false);
+  // auto_cast: DeepSpeed's forward casts the floating-point tensors among the model's inputs to
+  // fp16 (engine.py _cast_inputs_half: `inputs.half()` where `inputs.is_floating_point()`).
+  // zero3d's model takes integer token ids, which that cast leaves as they are: the keys's
+  // meaning here is to change nothing, and the start-up line says so.
+  if (fp16.boolean("auto_cast", false))
+    fp16.note("note    `fp16.auto_cast` = true: DeepSpeed casts a model's floating-point inputs to fp16; "
+              "zero3d's inputs are integer token ids, which it leaves unchanged (engine.py _cast_inputs_half)");
   attempt(fp16.context(), fp16.file(), [&] { p.loss_scale = read_loss_scale(fp16); });
   p.initial_scale_power = static_cast<int>(fp16.integer("initial_scale_power", 16, 0, 1000));
   p.loss_scale_window = fp16.integer("loss_scale_window", 1000, 1, std::numeric_limits<int64_t>::max());
@@ -87,9 +93,26 @@ PrecisionConfig read_precision(Section& top, const Config& c) {
   const bool bf16_on = bf16.boolean("enabled", false);
   bf16.boolean("immediate_grad_update", false);  // when gradients are accumulated, not what: same results
   p.check_grad_overflow = bf16.boolean("check_grad_overflow", true);
-  bf16.accept_default_only("bf16_master_weights_and_grads", false);
-  bf16.accept_default_only("bf16_optimizer_states", false);
+  // DeepSpeed's ZeRO options for 16-bit master weights (runtime/base_optimizer.py
+  // _configure_master_weights): the bf16 parameter partition is the master (no fp32 copy), and
+  // with bf16_optimizer_states the moments are bf16 too.
+  const bool master16 = bf16.boolean("bf16_master_weights_and_grads", false);
+  const bool states16 = bf16.boolean("bf16_optimizer_states", false);
   bf16.finish();
+  const std::string where = use_alias ? "bfloat16" : "bf16";
+  if (master16 && !bf16_on)
+    top.report(where + ".bf16_master_weights_and_grads",
+               "keeps the master weights in bf16, which needs " + where + ".enabled true (the model trains in " +
+                   (fp16_on ? "fp16" : "fp32") + ")");
+  else if (master16 && c.zero.stage == 0)
+    top.report(where + ".bf16_master_weights_and_grads",
+               "is only supported with ZeRO stage 1, 2 or 3 (as DeepSpeed asserts): set zero_optimization.stage");
+  if (states16 && !master16)
+    top.report(where + ".bf16_optimizer_states",
+               "requires bf16_master_weights_and_grads true (as DeepSpeed asserts): bf16 moments beside fp32 master "
+               "weights are not a DeepSpeed mode");
+  if (master16 && bf16_on) p.master_weights = DType::BF16;
+  if (states16 && master16 && bf16_on) p.optimizer_states = DType::BF16;
 
   if (fp16_on && bf16_on)
     top.report("bf16.enabled", "fp16 and bf16 are both enabled; enable one of them (DeepSpeed refuses this too)");
@@ -105,6 +128,9 @@ PrecisionConfig read_precision(Section& top, const Config& c) {
   if (p.grad_accum != DType::F32 && p.grad_accum != p.param)
     types.report_key("grad_accum_dtype", "gradients accumulate in fp32 or in the model dtype (" + dtype_name(p.param) +
                                            "), not in " + dtype_name(p.grad_accum));
+  else if (p.grad_accum == DType::F32 && p.master_weights == DType::BF16)
+    types.report_key("grad_accum_dtype", "fp32 gradients contradict " + where +
+                                           ".bf16_master_weights_and_grads (bf16 master gradients): remove one");
   types.accept_default_only("param_dtype", nullptr);
   types.accept_default_only("buffer_dtype", nullptr);
   types.finish();

@@ -472,6 +472,16 @@ std::optional<ElasticBatch> read_elasticity(Section& top, int64_t dp_world);
 PrecisionConfig read_precision(Section& top, const Config& c);
 // Reads flops_profiler, csv_monitor, tensorboard, wandb, comet, comms_logger, trace (config_observability.cpp).
 ObservabilityConfig read_observability(Section& top);
+// Reads the `checkpoint` section (config_checkpoint.cpp).
+CheckpointOptions read_checkpoint_section(Section& top, const Config& c);
+
+// config_zero.cpp: zero_optimization with offload and `aio` (tuning: the config is the
+// autotuner's input, whose stage may be a search space); the optimizer checks under ZeRO and
+// offload; prescale_gradients and gradient_predivide_factor.
+void read_zero(Section& top, Config& c, bool tuning);
+void check_zero_optimizer(Section& top, const Config& c);
+void check_offload(Section& top, const Config& c);
+void read_gradient_averaging(Section& top, Config& c);
 // model.moe (config_moe.cpp): the section, then its checks against the layout and the rest of the run.
 MoeConfig read_moe(Section& model);
 void check_moe(Section& top, const Config& c, int64_t data_parallel_size);

@@ -14,6 +14,7 @@
 
 #include "base.hpp"
 #include "checkpoint.hpp"
+#include "checkpoint_options.hpp"
 #include "estimator.hpp"
 #include "failure.hpp"
 #include "gemm.hpp"
@@ -258,6 +259,19 @@ void Engine::inject_fault(int64_t step) const {
   }
 }
 
+// resume "auto": whether every rank finds a checkpoint to follow. With node-local storage each
+// node looks in its own save_dir, and they must agree (one node without it is bad input).
+bool Engine::resume_agreed() {
+  int64_t here = resumable_checkpoint_exists(cfg_.training.save_dir, cfg_.checkpoint) ? 1 : 0, lo = here, hi = here;
+  world_comm_->all_reduce(&lo, 1, DType::I64, ReduceOp::Min);
+  world_comm_->all_reduce(&hi, 1, DType::I64, ReduceOp::Max);
+  if (lo != hi)
+    throw AgreedFailure("training.resume \"auto\": " + cfg_.training.save_dir + " holds a checkpoint on some nodes and none "
+                        "on others (checkpoint.use_node_local_storage: every node resumes from its own)",
+                        kExitBadInput, 0, groups_.rank() == 0);
+  return hi == 1;
+}
+
 // Re-partitions on load: each rank reads its own range of the flat buffers, whatever the
 // world size and stage of the run that saved.
 void Engine::resume_from_checkpoint() {
@@ -265,15 +279,18 @@ void Engine::resume_from_checkpoint() {
   // "auto" (the requeued batch job's setting): the save_dir's latest tag when there is one, else
   // a fresh start. A `latest` that names a damaged tag is an error, never a silent restart.
   const bool automatic = cfg_.training.resume == "auto";
-  if (automatic && !checkpoint_exists(cfg_.training.save_dir)) {
+  if (automatic && !resume_agreed()) {
     if (groups_.rank() == 0)
       std::printf("resume  auto: no checkpoint in %s yet; starting fresh\n", cfg_.training.save_dir.c_str());
     return;
   }
   std::unique_ptr<CheckpointReader> reader;
+  ResumeTarget target;
   run_collectively(groups_.world(), [&] {
+    // checkpoint.load_universal: DeepSpeed's `latest_universal` names the tag when there is one.
+    target = resume_target(cfg_.training.resume, cfg_.training.save_dir, cfg_.checkpoint);
     reader = std::make_unique<CheckpointReader>(
-        CheckpointReader::open(automatic ? "latest" : cfg_.training.resume, cfg_.training.save_dir));
+        CheckpointReader::open(target.spec, cfg_.training.save_dir, cfg_.checkpoint.use_node_local_storage));
     reader->check_layout(gpt_layout(model_->shape()));
     reader->check_model(cfg_.resolved.value("model", nlohmann::json::object()));
     const CheckpointMeta& m = reader->meta();
@@ -318,6 +335,7 @@ void Engine::resume_from_checkpoint() {
   if (groups_.rank() == 0) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double mb = 4.0 * m.states.size() * m.total_params / 1e6;
+    if (!target.from.empty()) std::printf("resume  %s names %s (checkpoint.load_universal)\n", target.from.c_str(), reader->dir().c_str());
     std::printf("resume  %s: step %lld, saved by %lld rank%s at ZeRO stage %lld; loaded %.1f MB in %.2f s (%.0f MB/s)\n",
                 reader->dir().c_str(), (long long)m.step, (long long)m.dp_world_size, m.dp_world_size == 1 ? "" : "s",
                 (long long)m.zero_stage, mb, s, mb / s);
@@ -373,7 +391,8 @@ void Engine::save(bool final_step, bool forced) {
   }
   if (expert_zero_) expert_checkpoint_segments(slice);
   const std::string tag = "global_step" + std::to_string(step_);
-  save_checkpoint(cfg_.training.save_dir, tag, m, slice, global, groups_.world(), cfg_.training.keep_last);
+  save_checkpoint(cfg_.training.save_dir, tag, m, slice, global, groups_.world(), cfg_.training.keep_last,
+                  cfg_.checkpoint.use_node_local_storage);
   // zero_optimization.stage3_gather_16bit_weights_on_model_save: DeepSpeed's save_16bit_model
   // beside each save; here `zero3d convert`'s consolidated weights inside the tag (pruned with it).
   if (cfg_.zero.gather_16bit_weights_on_model_save && groups_.rank() == 0) {

@@ -93,6 +93,7 @@ class Engine {
   void setup_local();  // everything that may fail on one rank alone: weights, data, files
   void print_startup() const;
   void resume_from_checkpoint();
+  bool resume_agreed();  // resume "auto": every rank finds a checkpoint (or none does)
   void save(bool final_step, bool forced = false);  // forced: preemption, whatever save_interval says
   void open_metrics();
   void stop_for_preemption(int signal, bool stepped);  // save at the step reached, say so  // after a resume: records past the resumed step are dropped first

@@ -206,13 +206,13 @@ void add_expert_states(const Config& cfg, const RankPlan& plan, int64_t dp, Memo
                 cs = static_cast<int64_t>(dtype_size(pc.comm));
   const Partition part(xe, static_cast<int>(std::max<int64_t>(1, dp / std::max<int64_t>(1, cfg.model.moe.ep_size))));
   const ZeroStateElems x = zero_state_elems(b.stage, xe, part);
-  const OptimizerType ot = cfg.optimizer.type;
-  const int moments = ot == OptimizerType::SGD ? (cfg.optimizer.momentum != 0.0 ? 1 : 0)
-                      : ot == OptimizerType::Lion || ot == OptimizerType::Adagrad ? 1 : 2;
+  const int64_t moments = static_cast<int64_t>(optimizer_state_names(cfg.optimizer).size());
   b.params += ps * x.params;
   b.grads += gs * x.grads;
-  b.master += pc.param != DType::F32 ? 4 * x.state : 0;
-  b.optimizer_states += 4 * moments * x.state;
+  // As the dense state: no fp32 master under bf16_master_weights_and_grads, bf16 moments under
+  // bf16_optimizer_states.
+  b.master += pc.param != DType::F32 && cfg.zero.master_weights == DType::F32 ? 4 * x.state : 0;
+  b.optimizer_states += static_cast<int64_t>(dtype_size(cfg.zero.optimizer_states)) * moments * x.state;
   int64_t unit = 0;
   for (const ParamUnit& u : plan.part.expert_units) unit = std::max(unit, u.numel);
   if (b.stage >= 2 || pc.grad_accum != DType::F32) b.comm_reduce += 4 * unit;
@@ -243,11 +243,13 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   b.params = ps * elems.params;
   b.grads = gs * elems.grads;
   const int64_t state_elems = elems.state;
-  b.master = mixed ? 4 * state_elems : 0;  // fp32 parameters are their own master copy
-  const OptimizerType ot = cfg.optimizer.type;
-  const int moments = ot == OptimizerType::SGD ? (cfg.optimizer.momentum != 0.0 ? 1 : 0)
-                      : ot == OptimizerType::Lion || ot == OptimizerType::Adagrad ? 1 : 2;  // exp_avg / exp_avg_sq
-  b.optimizer_states = 4 * moments * state_elems;
+  // fp32 parameters are their own master copy, and so are bf16 ones under
+  // bf16_master_weights_and_grads; bf16_optimizer_states halves each moment.
+  const bool fp32_master = mixed && cfg.zero.master_weights == DType::F32;
+  b.master = fp32_master ? 4 * state_elems : 0;
+  const int64_t ss = static_cast<int64_t>(dtype_size(cfg.zero.optimizer_states));
+  const int64_t moments = static_cast<int64_t>(optimizer_state_names(cfg.optimizer).size());
+  b.optimizer_states = ss * moments * state_elems;
   // Offload tiers as ZeroOptimizer places them: sub-groups from int((1 - ratio)·G) on leave
   // device memory; NVMe ones go to swap files through buffer slots (workspace), as do stage-3
   // parameters with offload_param nvme (at most max_in_cpu elements cached).
@@ -256,18 +258,20 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   if (oo.device != OffloadDevice::None && b.stage >= 1 && state_elems > 0) {
     const int64_t sg = std::max<int64_t>(1, cfg.zero.sub_group_size), groups = (state_elems + sg - 1) / sg;
     const int64_t cut = std::min(groups, static_cast<int64_t>((1.0 - oo.ratio) * static_cast<double>(groups)));
-    const int64_t offloaded = state_elems - std::min(state_elems, cut * sg), states = mixed ? 3 : 2;
-    const int64_t moved = 4 * states * offloaded;
+    const int64_t offloaded = state_elems - std::min(state_elems, cut * sg), states = moments + (fp32_master ? 1 : 0);
+    const int64_t master_moved = fp32_master ? 4 * offloaded : 0, moments_moved = ss * moments * offloaded;
     if (oo.device == OffloadDevice::Cpu) {
-      b.offload_host = moved;
+      b.offload_host = master_moved + moments_moved;
     } else if (offloaded > 0) {
-      b.offload_nvme = moved;
-      b.master -= mixed ? 4 * offloaded : 0;
-      b.optimizer_states -= 8 * offloaded;
+      b.offload_nvme = master_moved + moments_moved;
+      b.master -= master_moved;
+      b.optimizer_states -= moments_moved;
       const int64_t slots = std::max<int64_t>(1, std::min({oo.buffer_count / states,
                                                            int64_t(1 + oo.pipeline_read + oo.pipeline_write),
                                                            groups - cut}));
-      swap_workspace += slots * states * ((std::min(sg, offloaded) * 4 + 4095) / 4096 * 4096);
+      const auto pages = [](int64_t bytes) { return (bytes + 4095) / 4096 * 4096; };
+      const int64_t largest = std::min(sg, offloaded);  // the largest offloaded sub-group
+      swap_workspace += slots * ((fp32_master ? pages(largest * 4) : 0) + moments * pages(largest * ss));
     }
     const OffloadParamConfig& op = cfg.zero.offload_param;
     if (b.stage == 3 && op.device == OffloadDevice::Cpu) b.offload_host += b.params;

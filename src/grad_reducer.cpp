@@ -5,16 +5,34 @@
 
 namespace zero3d {
 
+ReduceScaling reduce_scaling(bool prescale_gradients, double gradient_predivide_factor, int world) {
+  const double w = static_cast<double>(world), f = gradient_predivide_factor;
+  if (prescale_gradients) return {1.0 / w, 1.0};
+  return {f != 1.0 ? 1.0 / f : 1.0, f != w ? f / w : 1.0};
+}
+
 GradientReducer::GradientReducer(Communicator& comm, void* grads, DType grad_type, int64_t n, int64_t bucket_elems,
                                  bool overlap, DType comm_type)
     : comm_(comm), mode_(Mode::AllReduce), comm_type_(comm_type), flat_type_(grad_type), flat_(grads), n_(n),
-      bucket_(std::max<int64_t>(1, bucket_elems)), overlap_(overlap) {}
+      bucket_(std::max<int64_t>(1, bucket_elems)), overlap_(overlap) {
+  set_scaling(reduce_scaling(false, 1.0, comm.size()));
+}
 
 GradientReducer::GradientReducer(Communicator& comm, const Partition& partition, void* dest, DType dest_type,
                                  bool accumulate, int64_t bucket_elems, bool overlap, DType comm_type, DType flat_type)
     : comm_(comm), mode_(Mode::ReduceScatter), partition_(partition), comm_type_(comm_type), flat_type_(flat_type),
       dest_type_(dest_type), dest_(dest), accumulate_(accumulate), n_(partition.padded),
-      bucket_(std::max<int64_t>(1, bucket_elems)), overlap_(overlap) {}
+      bucket_(std::max<int64_t>(1, bucket_elems)), overlap_(overlap) {
+  set_scaling(reduce_scaling(false, 1.0, comm.size()));
+}
+
+void GradientReducer::set_scaling(const ReduceScaling& s) {
+  scaling_ = s;
+  pre_ = static_cast<float>(s.pre);
+  // The default mean keeps its single-precision 1/W, as before the factors existed.
+  post_ = s.pre == 1.0 && s.post == 1.0 / comm_.size() ? 1.0f / static_cast<float>(comm_.size())
+                                                       : static_cast<float>(s.post);
+}
 
 void GradientReducer::begin(void* flat_grads) {
   if (flat_grads) flat_ = flat_grads;
@@ -34,9 +52,11 @@ void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int
   const void* send = src;
   if (src_type != comm_type_) {
     f.send.resize(static_cast<size_t>(end - begin) * esize);
-    convert_any(f.send.data(), comm_type_, src, src_type, end - begin);
+    convert_any(f.send.data(), comm_type_, src, src_type, end - begin, pre_);
     track(static_cast<int64_t>(f.send.size()));
     send = f.send.data();
+  } else if (pre_ != 1.0f) {
+    convert_any(const_cast<void*>(src), src_type, src, src_type, end - begin, pre_);  // in place, as DeepSpeed's mul_
   }
   if (mode_ == Mode::AllReduce) {
     f.request = comm_.all_reduce_async(const_cast<void*>(send), end - begin, comm_type_, ReduceOp::Sum);
@@ -61,7 +81,7 @@ void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int
 // Applies a finished bucket, averaged over the group: AllReduce back into the source,
 // ReduceScatter into this rank's partition.
 void GradientReducer::complete(InFlight& f) {
-  const float inv = 1.0f / static_cast<float>(comm_.size());
+  const float inv = post_;
   staging_live_ -= static_cast<int64_t>(f.send.size() + f.staging.size());
   if (mode_ == Mode::AllReduce) {
     const void* result = f.send.empty() ? f.src : f.send.data();

@@ -17,6 +17,11 @@
 // Types: the collective runs in the communication dtype (DeepSpeed's communication_data_type,
 // FACTS §5.5). A source in another type is converted bucket by bucket into a send buffer; the
 // received result is converted into the destination's type (RNE) while it is averaged.
+//
+// Averaging: each bucket is multiplied by `pre` before the collective and by `post` after it
+// (reduce_scaling: DeepSpeed's prescale_gradients and gradient_predivide_factor). The default
+// pre = 1, post = 1/W sums first; prescaling divides first, so that a 16-bit sum of W large
+// gradients stays in range (DeepSpeed's reason for both keys).
 #pragma once
 
 #include <memory>
@@ -28,6 +33,15 @@
 #include "typed.hpp"
 
 namespace zero3d {
+
+// Factors around the data-parallel sum of a bucket (DEEPSPEED-FACTS §5.6; DeepSpeed's
+// engine.py allreduce_bucket and stage_1_and_2.py gradient_reduction_w_predivide).
+struct ReduceScaling {
+  double pre = 1.0, post = 1.0;
+};
+// prescale: 1/W before, nothing after. Otherwise (DeepSpeed's postscale) 1/f before when the
+// predivide factor f is not 1, and f/W after when f is not W: (Σ g/f)·f/W, the mean either way.
+ReduceScaling reduce_scaling(bool prescale_gradients, double gradient_predivide_factor, int world);
 
 class GradientReducer {
  public:
@@ -57,6 +71,11 @@ class GradientReducer {
   // Peak bytes of staging held at once: received parts, and send buffers of converted buckets.
   int64_t staging_peak_bytes() const { return staging_peak_; }
 
+  // The factors around the sum (default: pre 1, post 1/W). A source in the communication type
+  // is scaled where it lies before the collective reads it (DeepSpeed scales its bucket in place).
+  void set_scaling(const ReduceScaling& s);
+  const ReduceScaling& scaling() const { return scaling_; }
+
  private:
   struct InFlight {
     std::unique_ptr<CommRequest> request;
@@ -84,6 +103,8 @@ class GradientReducer {
   int64_t frontier_ = 0;  // [frontier_, n_) has been launched
   int64_t launched_ = 0;
   std::vector<InFlight> inflight_;
+  ReduceScaling scaling_;
+  float pre_ = 1.0f, post_ = 1.0f;  // scaling_ in fp32, as the buckets are multiplied
 };
 
 }  // namespace zero3d

@@ -2,48 +2,141 @@
 #include "optimizer.hpp"
 
 #include <cmath>
+#include <stdexcept>
 
-#include "optimizers.hpp"
 #include "reduce.hpp"
-#include "typed.hpp"
 
 namespace zero3d {
 
-Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout) : cfg_(cfg), layout_(layout) {
+namespace {
+constexpr int64_t kChunk = 16384;  // elements widened at a time: 64 KiB of fp32 per array, stays in L2
+
+// One step over fp32 arrays.
+void apply(const ElementwiseStep& s, float* p, const float* g, float* const* st, int64_t n, bool on_host) {
+  switch (s.type) {
+    case OptimizerType::Adam:
+      if (on_host) kernels::cpu_adam_update(p, g, st[0], st[1], n, s.adam);
+      else kernels::adam_update(p, g, st[0], st[1], n, s.adam);
+      return;
+    case OptimizerType::Lion:
+      if (on_host) kernels::cpu_lion_update(p, g, st[0], n, s.lion);
+      else kernels::lion_update(p, g, st[0], n, s.lion);
+      return;
+    case OptimizerType::Adagrad:
+      if (on_host) kernels::cpu_adagrad_update(p, g, st[0], n, s.adagrad);
+      else kernels::adagrad_update(p, g, st[0], n, s.adagrad);
+      return;
+    case OptimizerType::SGD:
+      kernels::sgd_update(p, g, st[0], n, s.sgd);
+      return;
+    case OptimizerType::Lamb:
+      break;
+  }
+  throw std::logic_error("Lamb's trust ratio needs whole tensors: it has no elementwise step");
+}
+}  // namespace
+
+ElementwiseStep make_elementwise_step(const OptimizerConfig& cfg, int64_t step, double lr,
+                                      std::optional<std::pair<double, double>> betas, bool cpu_optimizer) {
+  const double beta1 = betas ? betas->first : cfg.beta1;
+  const double beta2 = betas ? betas->second : cfg.beta2;
+  ElementwiseStep s;
+  s.type = cfg.type;
+  switch (cfg.type) {
+    case OptimizerType::Adam:
+      s.adam = kernels::make_adam_step(lr, beta1, beta2, cfg.eps, cfg.weight_decay, step, cfg.bias_correction,
+                                       cfg.adam_w_mode);
+      break;
+    case OptimizerType::Lion:
+      s.lion = {static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
+                static_cast<float>(cfg.weight_decay)};
+      break;
+    case OptimizerType::Adagrad:
+      // torch.optim.Adagrad: clr = lr / (1 + (step - 1) * lr_decay); DeepSpeedCPUAdagrad has no
+      // lr_decay (the config reader refuses one with offload), so the same line gives it lr.
+      s.adagrad = {static_cast<float>(lr / (1.0 + double(step - 1) * cfg.lr_decay)), static_cast<float>(cfg.eps),
+                   static_cast<float>(cfg.weight_decay), !cpu_optimizer};
+      break;
+    case OptimizerType::SGD:
+      s.sgd = {static_cast<float>(lr), static_cast<float>(cfg.momentum), static_cast<float>(cfg.dampening),
+               static_cast<float>(cfg.weight_decay), cfg.nesterov, step == 1};
+      break;
+    case OptimizerType::Lamb:
+      break;
+  }
+  return s;
+}
+
+std::vector<std::string> optimizer_state_names(const OptimizerConfig& cfg) {
+  switch (cfg.type) {
+    case OptimizerType::SGD:
+      return cfg.momentum != 0.0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
+    case OptimizerType::Lion:
+      return {"exp_avg"};
+    case OptimizerType::Adagrad:
+      return {"exp_avg_sq"};
+    case OptimizerType::Adam:
+    case OptimizerType::Lamb:
+      break;
+  }
+  return {"exp_avg", "exp_avg_sq"};
+}
+
+void ElementwiseUpdater::run(const ElementwiseStep& s, TypedSpan params, const void* grads, DType grad_type,
+                             float grad_mul, const std::vector<TypedSpan>& states, int64_t n, bool on_host) {
+  if (states.size() > 2) throw std::logic_error("an elementwise optimizer keeps at most two states");
+  bool all_fp32 = params.type == DType::F32 && grad_type == DType::F32 && grad_mul == 1.0f;
+  for (const TypedSpan& t : states) all_fp32 = all_fp32 && t.type == DType::F32;
+  const int64_t chunk = all_fp32 ? std::max<int64_t>(n, 1) : kChunk;
+  // Elements [a, a + c) of an array as fp32: the array itself, or a widened copy in `scratch`.
+  auto fp32 = [&](TypedSpan t, int64_t a, int64_t c, std::vector<float>& scratch, float mul = 1.0f) -> float* {
+    char* at = static_cast<char*>(t.data) + a * static_cast<int64_t>(dtype_size(t.type));
+    if (t.type == DType::F32 && mul == 1.0f) return reinterpret_cast<float*>(at);
+    if (scratch.size() < static_cast<size_t>(c)) scratch.resize(static_cast<size_t>(c));
+    convert_any(scratch.data(), DType::F32, at, t.type, c, mul);
+    return scratch.data();
+  };
+  auto narrow = [&](TypedSpan t, int64_t a, int64_t c, const float* values) {
+    if (t.type == DType::F32) return;  // updated where it lies
+    convert_any(static_cast<char*>(t.data) + a * static_cast<int64_t>(dtype_size(t.type)), t.type, values,
+                DType::F32, c);
+  };
+  for (int64_t a = 0; a < n; a += chunk) {
+    const int64_t c = std::min(chunk, n - a);
+    float* p = fp32(params, a, c, p_);
+    const float* g = fp32(TypedSpan{const_cast<void*>(grads), grad_type}, a, c, g_, grad_mul);
+    float* st[2] = {nullptr, nullptr};
+    for (size_t k = 0; k < states.size(); ++k) st[k] = fp32(states[k], a, c, st_[k]);
+    apply(s, p, g, st, c, on_host);
+    narrow(params, a, c, p);
+    for (size_t k = 0; k < states.size(); ++k) narrow(states[k], a, c, st[k]);
+  }
+}
+
+Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DType state_type)
+    : cfg_(cfg), layout_(layout), state_type_(state_type), names_(optimizer_state_names(cfg)) {
+  if (cfg.type == OptimizerType::Lamb && state_type != DType::F32)
+    throw std::logic_error("Lamb keeps fp32 states");
   const int64_t n = layout.total();
-  if (cfg.type == OptimizerType::SGD) {
-    if (cfg.momentum != 0.0) m_ = make_flat_buffer("momentum_buffer", n);
-  } else if (cfg.type == OptimizerType::Lion) {
-    m_ = make_flat_buffer("exp_avg", n);
-  } else if (cfg.type == OptimizerType::Adagrad) {
-    v_ = make_flat_buffer("exp_avg_sq", n);  // torch's state "sum", DeepSpeedCPUAdagrad's name
-    if (cfg.initial_accumulator_value != 0.0) {
-      float* v = v_.data();
-      const float init = static_cast<float>(cfg.initial_accumulator_value);
-      for (int64_t i = 0; i < n; ++i) v[i] = init;
-    }
-  } else {
-    m_ = make_flat_buffer("exp_avg", n);
-    v_ = make_flat_buffer("exp_avg_sq", n);
+  for (const std::string& name : names_) states_.emplace_back(name, state_type, n);
+  if (cfg.type == OptimizerType::Adagrad && cfg.initial_accumulator_value != 0.0) {
+    const std::vector<float> init(static_cast<size_t>(n), static_cast<float>(cfg.initial_accumulator_value));
+    convert_any(states_[0].data(), state_type, init.data(), DType::F32, n);
   }
 }
 
 int64_t Optimizer::state_bytes() const {
-  return static_cast<int64_t>((m_.extent(0) + v_.extent(0)) * sizeof(float));
+  int64_t bytes = 0;
+  for (const TypedBuffer& b : states_) bytes += b.bytes();
+  return bytes;
 }
 
-std::vector<std::string> Optimizer::state_names() const {
-  if (cfg_.type == OptimizerType::SGD) return m_.extent(0) ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
-  if (cfg_.type == OptimizerType::Lion) return {"exp_avg"};
-  if (cfg_.type == OptimizerType::Adagrad) return {"exp_avg_sq"};
-  return {"exp_avg", "exp_avg_sq"};
-}
+std::vector<std::string> Optimizer::state_names() const { return names_; }
 
-std::vector<FlatBuffer*> Optimizer::state_buffers() {
-  if (cfg_.type == OptimizerType::SGD) return m_.extent(0) ? std::vector<FlatBuffer*>{&m_} : std::vector<FlatBuffer*>{};
-  if (cfg_.type == OptimizerType::Lion) return {&m_};
-  if (cfg_.type == OptimizerType::Adagrad) return {&v_};
-  return {&m_, &v_};
+std::vector<TypedBuffer*> Optimizer::state_buffers() {
+  std::vector<TypedBuffer*> out;
+  for (TypedBuffer& b : states_) out.push_back(&b);
+  return out;
 }
 
 void Optimizer::step(float* params, const float* grads, double lr, std::optional<std::pair<double, double>> betas) {
@@ -52,68 +145,38 @@ void Optimizer::step(float* params, const float* grads, double lr, std::optional
 
 void Optimizer::step(float* params, const void* grads, DType grad_type, float grad_mul, double lr,
                      std::optional<std::pair<double, double>> betas) {
+  step(TypedSpan{params, DType::F32}, grads, grad_type, grad_mul, lr, betas);
+}
+
+void Optimizer::step(TypedSpan params, const void* grads, DType grad_type, float grad_mul, double lr,
+                     std::optional<std::pair<double, double>> betas) {
   ++step_count_;
+  const int64_t total = layout_.total();
+  if (cfg_.type != OptimizerType::Lamb) {
+    std::vector<TypedSpan> st;
+    for (TypedBuffer& b : states_) st.push_back({b.data(), b.type()});
+    updater_.run(make_elementwise_step(cfg_, step_count_, lr, betas, /*cpu_optimizer=*/false), params, grads,
+                 grad_type, grad_mul, st, total, /*on_host=*/false);
+    return;
+  }
+  if (params.type != DType::F32) throw std::logic_error("Lamb updates fp32 parameters");
   const double beta1 = betas ? betas->first : cfg_.beta1;
   const double beta2 = betas ? betas->second : cfg_.beta2;
-  const bool direct = grad_type == DType::F32 && grad_mul == 1.0f;
+  const auto s = kernels::make_lamb_step(lr, beta1, beta2, cfg_.eps, cfg_.weight_decay, step_count_,
+                                         cfg_.bias_correction, cfg_.eps_inside_sqrt, cfg_.max_coeff, cfg_.min_coeff);
+  float* p = static_cast<float*>(params.data);
+  float* m = states_[0].as<float>();
+  float* v = states_[1].as<float>();
   const size_t esize = dtype_size(grad_type);
-  // Gradients [a, a+n) as fp32: the buffer itself, or a widened and scaled copy.
-  auto fp32_grads = [&](int64_t a, int64_t n) -> const float* {
-    if (direct) return static_cast<const float*>(grads) + a;
-    if (widened_.size() < static_cast<size_t>(n)) widened_.resize(static_cast<size_t>(n));
-    convert_any(widened_.data(), DType::F32, static_cast<const char*>(grads) + a * esize, grad_type, n, grad_mul);
-    return widened_.data();
-  };
-  const int64_t total = layout_.total();
-  const int64_t chunk = direct ? std::max<int64_t>(total, 1) : 16384;  // 64 KiB of fp32: stays in L2
-  switch (cfg_.type) {
-    case OptimizerType::Adam: {
-      const auto s = kernels::make_adam_step(lr, beta1, beta2, cfg_.eps, cfg_.weight_decay, step_count_,
-                                             cfg_.bias_correction, cfg_.adam_w_mode);
-      for (int64_t a = 0; a < total; a += chunk) {
-        const int64_t n = std::min(chunk, total - a);
-        kernels::adam_update(params + a, fp32_grads(a, n), m_.data() + a, v_.data() + a, n, s);
-      }
-      break;
+  for (const TensorSpec& t : layout_.tensors()) {  // the trust ratio needs whole tensors
+    const float* g = static_cast<const float*>(grads) + t.offset;
+    if (grad_type != DType::F32 || grad_mul != 1.0f) {
+      if (widened_.size() < static_cast<size_t>(t.numel)) widened_.resize(static_cast<size_t>(t.numel));
+      convert_any(widened_.data(), DType::F32, static_cast<const char*>(grads) + t.offset * esize, grad_type, t.numel,
+                  grad_mul);
+      g = widened_.data();
     }
-    case OptimizerType::Lamb: {
-      const auto s = kernels::make_lamb_step(lr, beta1, beta2, cfg_.eps, cfg_.weight_decay, step_count_,
-                                             cfg_.bias_correction, cfg_.eps_inside_sqrt, cfg_.max_coeff,
-                                             cfg_.min_coeff);
-      for (const TensorSpec& t : layout_.tensors())  // the trust ratio needs whole tensors
-        kernels::lamb_update(params + t.offset, fp32_grads(t.offset, t.numel), m_.data() + t.offset,
-                             v_.data() + t.offset, t.numel, s);
-      break;
-    }
-    case OptimizerType::Lion: {
-      const kernels::LionStep s{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
-                                static_cast<float>(cfg_.weight_decay)};
-      for (int64_t a = 0; a < total; a += chunk) {
-        const int64_t n = std::min(chunk, total - a);
-        kernels::lion_update(params + a, fp32_grads(a, n), m_.data() + a, n, s);
-      }
-      break;
-    }
-    case OptimizerType::Adagrad: {
-      // torch.optim.Adagrad: clr = lr / (1 + (step - 1) * lr_decay)
-      const kernels::AdagradStep s{static_cast<float>(lr / (1.0 + double(step_count_ - 1) * cfg_.lr_decay)),
-                                   static_cast<float>(cfg_.eps), static_cast<float>(cfg_.weight_decay)};
-      for (int64_t a = 0; a < total; a += chunk) {
-        const int64_t n = std::min(chunk, total - a);
-        kernels::adagrad_update(params + a, fp32_grads(a, n), v_.data() + a, n, s);
-      }
-      break;
-    }
-    case OptimizerType::SGD: {
-      const kernels::SgdStep s{static_cast<float>(lr), static_cast<float>(cfg_.momentum),
-                               static_cast<float>(cfg_.dampening), static_cast<float>(cfg_.weight_decay),
-                               cfg_.nesterov, step_count_ == 1};
-      for (int64_t a = 0; a < total; a += chunk) {
-        const int64_t n = std::min(chunk, total - a);
-        kernels::sgd_update(params + a, fp32_grads(a, n), m_.extent(0) ? m_.data() + a : nullptr, n, s);
-      }
-      break;
-    }
+    kernels::lamb_update(p + t.offset, g, m + t.offset, v + t.offset, t.numel, s);
   }
 }
 

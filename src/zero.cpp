@@ -32,7 +32,8 @@ double unscale_clip_multiplier(double norm_scaled, double loss_scale, double cli
 ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types,
                              const ParamLayout& layout, std::vector<ParamUnit> units, Communicator& dp,
                              int64_t partition_numel, bool ordered_backward, int global_rank)
-    : cfg_(zero), types_(types), mixed_(types.param != DType::F32),
+    : cfg_(zero), types_(types), mixed_(types.param != DType::F32 && zero.master_weights == DType::F32),
+      master16_(types.param != DType::F32 && zero.master_weights != DType::F32),
       use_windows_(zero.stage >= 2 || types.grad != DType::F32), layout_(layout), units_(std::move(units)), dp_(dp),
       rank_(dp.rank()), world_(dp.size()), stage_(zero.stage),
       part_(partition_numel < 0 ? layout.total() : partition_numel, dp.size()) {
@@ -56,8 +57,10 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   grads_ = TypedBuffer("grads", types_.grad, elems.grads);
   const bool offload = zero.offload_optimizer.device != OffloadDevice::None && stage_ >= 1;
   if (mixed_ && !offload) master_ = make_flat_buffer("master_params", elems.state);
+  if (master16_ && (stage_ == 0 || types_.param != zero.master_weights))
+    throw std::logic_error("bf16 master weights need ZeRO stage 1-3 and bf16 parameters");
   if (stage_ == 0) {
-    optimizer_ = std::make_unique<Optimizer>(opt, layout_);
+    optimizer_ = std::make_unique<Optimizer>(opt, layout_, zero.optimizer_states);
     reducer_ = std::make_unique<GradientReducer>(dp_, grads_.data(), types_.grad, layout.total(),
                                                  cfg_.reduce_bucket_size, cfg_.overlap_comm, types_.comm);
   } else {
@@ -67,10 +70,11 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
       const std::string dir = zero.offload_optimizer.device != OffloadDevice::Nvme ? std::string()
                               : zero.offload_optimizer.nvme_path + "/zero_stage_" + std::to_string(stage_) +
                                     "/optimizer/rank" + std::to_string(global_rank < 0 ? rank_ : global_rank);
-      offloaded_ = std::make_unique<offload::OffloadedAdam>(zero.offload_optimizer, zero.aio, opt, part_.part,
-                                                            zero.sub_group_size, mixed_, dir);
+      offloaded_ = std::make_unique<offload::OffloadedOptimizer>(zero.offload_optimizer, zero.aio, opt, part_.part,
+                                                                 zero.sub_group_size, mixed_, dir,
+                                                                 zero.optimizer_states);
     } else {
-      optimizer_ = std::make_unique<Optimizer>(opt, state_layout_);
+      optimizer_ = std::make_unique<Optimizer>(opt, state_layout_, zero.optimizer_states);
     }
     // Stage 1 writes the averaged partition into the full gradient buffer; 2-3 accumulate
     // every micro-batch into the partition buffer.
@@ -78,6 +82,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
     reducer_ = std::make_unique<GradientReducer>(dp_, part_, dest, types_.grad, stage_ >= 2, cfg_.reduce_bucket_size,
                                                  cfg_.overlap_comm, types_.comm, types_.grad);
   }
+  reducer_->set_scaling(reduce_scaling(zero.prescale_gradients, zero.gradient_predivide_factor, world_));
   if (stage_ == 3) {
     // Persistent units stay gathered (DeepSpeed: numel <= param_persistence_threshold while
     // the persistent total stays within model_persistence_threshold; here per unit).
@@ -118,7 +123,7 @@ void ZeroOptimizer::set_fetch_trace(std::vector<int> trace) {
 void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_t)>& fill) {
   const int64_t total = layout_.total(), pb = part_.begin(rank_);
   const auto [lo, hi] = part_.owned(rank_, 0, total);
-  if (!mixed_) {
+  if (!mixed_ && !master16_) {
     if (stage_ < 3) {
       fill(params_.as<float>(), 0, total);
     } else if (param_swap_) {
@@ -134,14 +139,15 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
     }
     return;
   }
-  if (offloaded_) {
-    // The master copy goes straight to its tier, a bounded chunk at a time.
+  if (offloaded_ || master16_) {
+    // The master copy goes straight to its tier (bf16 master weights: none but the parameters),
+    // a bounded chunk at a time.
     std::vector<float> chunk;
     for (int64_t a = lo; a < hi; a += kInitFillElems) {
       const int64_t b = std::min(hi, a + kInitFillElems);
       chunk.resize(static_cast<size_t>(b - a));
       fill(chunk.data(), a, b);
-      offloaded_->write("master", a - pb, b - a, chunk.data());
+      if (mixed_) offloaded_->write("master", a - pb, b - a, chunk.data());
       cast_range_to_params(a - pb, b - a, chunk.data());
     }
   } else {
@@ -420,26 +426,27 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
   ckpt_staging_.clear();
   if (offloaded_) {
     offload::ParamAccess params;
-    float* fp32 = mixed_ || param_swap_ ? nullptr : params_.as<float>() + (stage_ == 3 ? 0 : part_.begin(rank_));
-    std::vector<float> staging;  // fp32 parameters of one sub-group read from their swap files
-    params.acquire = [&](int64_t begin, int64_t n) -> float* {
-      if (mixed_) return nullptr;
-      if (!param_swap_) return fp32 + begin;
-      staging.resize(static_cast<size_t>(n));
+    const int64_t own = stage_ == 3 ? 0 : part_.begin(rank_);  // the partition's first element in params_
+    std::vector<char> staging;  // parameters of one sub-group read from their swap files
+    params.acquire = [&](int64_t begin, int64_t n) -> TypedSpan {
+      if (mixed_) return {};
+      if (!param_swap_) return {params_.at(own + begin), types_.param};
+      staging.resize(static_cast<size_t>(n) * dtype_size(types_.param));
       read_params(begin, n, staging.data());
-      return staging.data();
+      return {staging.data(), types_.param};
     };
-    params.release = [&](int64_t begin, int64_t n, const float* updated) {
-      if (mixed_) cast_range_to_params(begin, n, updated);
-      else if (param_swap_) write_params(begin, n, updated);
+    params.release = [&](int64_t begin, int64_t n, TypedSpan updated) {
+      if (mixed_) cast_range_to_params(begin, n, static_cast<const float*>(updated.data));
+      else if (param_swap_) write_params(begin, n, updated.data);
     };
     offloaded_->step(params, grad_partition(), types_.grad, mul, lr, betas);
     if (stage_ == 1 || stage_ == 2) gather_updated_params();
     drop_gathered_params();
     return;
   }
-  float* p = mixed_ ? master_.data()
-                    : stage_ == 1 || stage_ == 2 ? params_.as<float>() + part_.begin(rank_) : params_.as<float>();
+  // The fp32 master copy, or the parameters themselves (fp32, or bf16 master weights).
+  const TypedSpan p = mixed_ ? TypedSpan{master_.data(), DType::F32}
+                             : TypedSpan{params_.at(stage_ == 1 || stage_ == 2 ? part_.begin(rank_) : 0), types_.param};
   optimizer_->step(p, grad_partition(), types_.grad, mul, lr, betas);
   if (mixed_) cast_master_to_params();
   if (stage_ == 1 || stage_ == 2) gather_updated_params();
@@ -465,13 +472,22 @@ void ZeroOptimizer::zero_grad() {
 std::vector<float> ZeroOptimizer::gather_full_params() {
   std::vector<float> full(static_cast<size_t>(part_.padded), 0.0f);
   const float* src = mixed_ ? master_.data() : params_.as<float>();
-  const bool local_is_full = stage_ == 0 || (!mixed_ && stage_ < 3);
+  const bool local_is_full = stage_ == 0 || (!mixed_ && !master16_ && stage_ < 3);
   if (local_is_full) {
     std::copy_n(src, layout_.total(), full.begin());
   } else {
-    if (mixed_ && offloaded_) offloaded_->read("master", 0, part_.part, full.data() + part_.begin(rank_));
-    else if (param_swap_) read_params(0, part_.part, full.data() + part_.begin(rank_));
-    else std::copy_n(src, part_.part, full.begin() + part_.begin(rank_));
+    float* own = full.data() + part_.begin(rank_);
+    if (mixed_ && offloaded_) {
+      offloaded_->read("master", 0, part_.part, own);
+    } else if (master16_) {
+      std::vector<char> bits(static_cast<size_t>(part_.part) * dtype_size(types_.param));
+      read_params(0, part_.part, bits.data());
+      convert_any(own, DType::F32, bits.data(), types_.param, part_.part);
+    } else if (param_swap_) {
+      read_params(0, part_.part, own);
+    } else {
+      std::copy_n(src, part_.part, own);
+    }
     std::vector<int64_t> counts(world_, part_.part), displs(world_);
     for (int r = 0; r < world_; ++r) displs[r] = part_.begin(r);
     dp_.all_gather_v_async(full.data(), counts, displs, DType::F32)->wait();
@@ -482,8 +498,7 @@ std::vector<float> ZeroOptimizer::gather_full_params() {
 
 std::vector<std::string> ZeroOptimizer::checkpoint_states() const {
   std::vector<std::string> names = {"params"};
-  if (offloaded_) return {"params", "exp_avg", "exp_avg_sq"};
-  for (const auto& n : optimizer_->state_names()) names.push_back(n);
+  for (const std::string& n : offloaded_ ? offloaded_->optimizer_states() : optimizer_->state_names()) names.push_back(n);
   return names;
 }
 
@@ -493,64 +508,89 @@ std::pair<int64_t, int64_t> ZeroOptimizer::checkpoint_range() const { return par
 
 std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arrays() {
   const auto [b, e] = checkpoint_range();
-  const int64_t pb = part_.begin(rank_);
+  const int64_t pb = part_.begin(rank_), n = e - b;
+  const int64_t at = stage_ == 0 ? b : b - pb;  // element b in a buffer held whole (stage 0) or as the partition
+  // Checkpoints hold fp32, loadable at any precision: the master copy when mixed. What lies
+  // elsewhere or in 16 bits (offloaded state, bf16 master weights, bf16 optimizer states) is
+  // read back or widened into staging kept until the next step.
+  ckpt_staging_.clear();
+  ckpt_staging_.reserve(8);
+  auto staging = [&]() {
+    ckpt_staging_.emplace_back(static_cast<size_t>(n));
+    return ckpt_staging_.back().data();
+  };
   std::vector<std::pair<std::string, const float*>> arrays;
+  if (mixed_ && offloaded_) {
+    float* s = staging();
+    offloaded_->read("master", b - pb, n, s);
+    arrays.emplace_back("params", s);
+  } else if (mixed_) {
+    arrays.emplace_back("params", master_.data() + at);
+  } else if (master16_ || param_swap_) {
+    float* s = staging();
+    std::vector<char> bits(static_cast<size_t>(n) * dtype_size(types_.param));
+    read_params(b - pb, n, bits.data());
+    convert_any(s, DType::F32, bits.data(), types_.param, n);
+    arrays.emplace_back("params", s);
+  } else {
+    arrays.emplace_back("params", params_.as<float>() + (stage_ == 3 ? b - pb : b));
+  }
   if (offloaded_) {
-    // Offloaded state is read back from its tier into staging kept until the next step.
-    ckpt_staging_.clear();
-    ckpt_staging_.reserve(3);
-    auto staged = [&](const std::string& state) {
-      ckpt_staging_.emplace_back(static_cast<size_t>(e - b));
-      offloaded_->read(state, b - pb, e - b, ckpt_staging_.back().data());
-      return static_cast<const float*>(ckpt_staging_.back().data());
-    };
-    if (param_swap_ && !mixed_) {
-      ckpt_staging_.emplace_back(static_cast<size_t>(e - b));
-      read_params(b - pb, e - b, ckpt_staging_.back().data());
-      arrays.emplace_back("params", ckpt_staging_.back().data());
-    } else {
-      arrays.emplace_back("params", mixed_ ? staged("master") : params_.as<float>() + (stage_ == 3 ? b - pb : b));
+    for (const std::string& state : offloaded_->optimizer_states()) {
+      float* s = staging();
+      offloaded_->read(state, b - pb, n, s);
+      arrays.emplace_back(state, s);
     }
-    for (const char* state : {"exp_avg", "exp_avg_sq"}) arrays.emplace_back(state, staged(state));
     return arrays;
   }
-  // Checkpoints hold fp32 parameters: the master copy when mixed (loadable at any precision).
-  if (mixed_) arrays.emplace_back("params", master_.data() + (stage_ == 0 ? b : b - pb));
-  else arrays.emplace_back("params", params_.as<float>() + (stage_ == 3 ? b - pb : b));
   const auto names = optimizer_->state_names();
   const auto buffers = optimizer_->state_buffers();
-  for (size_t k = 0; k < names.size(); ++k)
-    arrays.emplace_back(names[k], buffers[k]->data() + (stage_ == 0 ? b : b - pb));
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (buffers[k]->type() == DType::F32) {
+      arrays.emplace_back(names[k], buffers[k]->as<float>() + at);
+      continue;
+    }
+    float* s = staging();
+    convert_any(s, DType::F32, buffers[k]->at(at), buffers[k]->type(), n);
+    arrays.emplace_back(names[k], s);
+  }
   return arrays;
 }
 
 void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_step) {
   const auto [b, e] = checkpoint_range();
-  const int64_t pb = part_.begin(rank_);
+  const int64_t pb = part_.begin(rank_), n = e - b;
+  const int64_t at = stage_ == 0 ? b : b - pb;
+  // State that does not lie in fp32 where this rank holds it goes through a staging range.
+  std::vector<float> staging;
+  auto staged = [&](const std::string& state) {
+    staging.resize(static_cast<size_t>(n));
+    read(state, b, e, staging.data());
+    return staging.data();
+  };
+  if (mixed_ && offloaded_) {
+    offloaded_->write("master", b - pb, n, staged("params"));
+  } else if (mixed_) {
+    read("params", b, e, master_.data() + at);
+  } else if (master16_ || param_swap_) {
+    const float* values = staged("params");
+    std::vector<char> bits(static_cast<size_t>(n) * dtype_size(types_.param));
+    convert_any(bits.data(), types_.param, values, DType::F32, n);
+    write_params(b - pb, n, bits.data());
+  } else {
+    read("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
+  }
   if (offloaded_) {
-    // Through a staging range into the tier (the master too when mixed).
-    std::vector<float> staging(static_cast<size_t>(e - b));
-    if (mixed_) {
-      read("params", b, e, staging.data());
-      offloaded_->write("master", b - pb, e - b, staging.data());
-    } else if (param_swap_) {
-      read("params", b, e, staging.data());
-      write_params(b - pb, e - b, staging.data());
-    } else {
-      read("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
-    }
-    for (const char* state : {"exp_avg", "exp_avg_sq"}) {
-      read(state, b, e, staging.data());
-      offloaded_->write(state, b - pb, e - b, staging.data());
-    }
+    for (const std::string& state : offloaded_->optimizer_states()) offloaded_->write(state, b - pb, n, staged(state));
     offloaded_->set_step_count(optimizer_step);
     return;
   }
-  if (mixed_) read("params", b, e, master_.data() + (stage_ == 0 ? b : b - pb));
-  else read("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
   const auto names = optimizer_->state_names();
   const auto buffers = optimizer_->state_buffers();
-  for (size_t k = 0; k < names.size(); ++k) read(names[k], b, e, buffers[k]->data() + (stage_ == 0 ? b : b - pb));
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (buffers[k]->type() == DType::F32) read(names[k], b, e, buffers[k]->as<float>() + at);
+    else convert_any(buffers[k]->at(at), buffers[k]->type(), staged(names[k]), DType::F32, n);
+  }
   optimizer_->set_step_count(optimizer_step);
 }
 
@@ -565,8 +605,8 @@ void ZeroOptimizer::all_gather_replicated(void* full, DType type) {
 }
 
 void ZeroOptimizer::finish_checkpoint_load() {
-  if (!mixed_) {
-    if (stage_ < 3) all_gather_replicated(params_.data(), DType::F32);
+  if (!mixed_) {  // fp32 parameters, or bf16 master weights: the parameters themselves
+    if (stage_ < 3) all_gather_replicated(params_.data(), types_.param);
   } else if (stage_ == 0) {
     all_gather_replicated(master_.data(), DType::F32);
     cast_master_to_params();
@@ -575,7 +615,7 @@ void ZeroOptimizer::finish_checkpoint_load() {
     if (stage_ < 3) all_gather_replicated(params_.data(), types_.param);
   }
   if (stage_ == 0 && optimizer_)
-    for (FlatBuffer* m : optimizer_->state_buffers()) all_gather_replicated(m->data(), DType::F32);
+    for (TypedBuffer* m : optimizer_->state_buffers()) all_gather_replicated(m->data(), m->type());
   dp_.reset_bus_bytes();
 }
 
@@ -586,9 +626,8 @@ MemoryBytes ZeroOptimizer::memory() const {
   m.master = static_cast<int64_t>(master_.extent(0) * sizeof(float));  // 0 in fp32: the parameters are the master
   if (offloaded_) {
     const offload::TierBytes t = offloaded_->bytes();
-    const int64_t per_state = (t.device + t.host) / (mixed_ ? 3 : 2);  // bytes of one state in memory
-    m.master = mixed_ ? per_state : 0;
-    m.optimizer_states = 2 * per_state;
+    m.master = t.master;  // the fp32 master copy in memory (0 when swapped out, or without one)
+    m.optimizer_states = t.moments;
     m.host = t.host;
     m.nvme = t.nvme;
     m.swap_buffers = t.swap_buffers;
@@ -611,7 +650,9 @@ std::string ZeroOptimizer::offload_summary() const {
   const ZeroConfig& z = cfg_;
   const bool nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
   const offload::TierBytes t = offloaded_->bytes();
-  std::string s = "optimizer state (" + std::string(mixed_ ? "fp32 master, " : "") + "exp_avg, exp_avg_sq) on " +
+  std::string names;
+  for (const std::string& n : offloaded_->state_names()) names += (names.empty() ? "" : ", ") + (n == "master" ? "fp32 master" : n);
+  std::string s = "optimizer state (" + names + ") on " +
                   (nvme ? "nvme" : "cpu") + ": " + std::to_string(offloaded_->sub_groups()) + " sub-group" +
                   (offloaded_->sub_groups() == 1 ? "" : "s") + " of <= " + std::to_string(z.sub_group_size) +
                   " elements, " + std::to_string(offloaded_->resident_sub_groups()) + " kept in device memory (ratio " +

@@ -21,6 +21,9 @@
 // the master partition is rounded to 16 bits (RNE) and gathered. With
 // data_types.grad_accum_dtype = fp32 the gradients stay 4 bytes. Backward always
 // accumulates one unit's gradients in an fp32 window; they are rounded when they leave it.
+// bf16.bf16_master_weights_and_grads drops the fp32 master copy (the bf16 partition is updated
+// in fp32 arithmetic and rounded where it lies) and bf16_optimizer_states halves the moments:
+// (2 + 2 + 4)Ψ/N, then (2 + 2 + 8)Ψ/N without the second option, for Adam at stage 3.
 #pragma once
 
 #include <functional>
@@ -182,6 +185,9 @@ class ZeroOptimizer : public ParamStore {
   ZeroConfig cfg_;
   StateTypes types_;
   const bool mixed_;        // 16-bit parameters with an fp32 master copy
+  // bf16_master_weights_and_grads: the bf16 parameter partition is the master, updated where it
+  // lies (no fp32 copy; DeepSpeed's stage 3 shares it likewise). Stages 1-3 only.
+  const bool master16_;
   const bool use_windows_;  // backward writes fp32 unit windows instead of the gradient buffer
   const ParamLayout& layout_;
   std::vector<ParamUnit> units_;
@@ -194,7 +200,7 @@ class ZeroOptimizer : public ParamStore {
   FlatBuffer master_;       // mixed only: fp32 params, full (stage 0) or this rank's partition
   ParamLayout state_layout_;  // stages 1-3: the optimizer sees one tensor, the partition
   std::unique_ptr<Optimizer> optimizer_;          // state in device memory, or:
-  std::unique_ptr<offload::OffloadedAdam> offloaded_;  // offload_optimizer cpu / nvme
+  std::unique_ptr<offload::OffloadedOptimizer> offloaded_;  // offload_optimizer cpu / nvme
   std::vector<std::vector<float>> ckpt_staging_;  // offloaded state read back for a save
   std::unique_ptr<offload::ParamSwapper> param_swap_;  // stage 3, offload_param nvme: params_ is empty
   // Partition-local parameters [begin, begin + n) in the parameter type, wherever they lie.

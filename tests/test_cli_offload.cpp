@@ -77,6 +77,51 @@ TEST(Offload, LossesEqualTheRunWithoutOffloadBitForBitAtOneRank) { expect_placem
 
 TEST(Offload, LossesEqualTheRunWithoutOffloadBitForBitAtTwoRanks) { expect_placement_does_not_change_losses(2); }
 
+// Lion and Adagrad offloaded run DeepSpeedCPULion and DeepSpeedCPUAdagrad, which compute the
+// device update element for element (Adagrad without weight decay: with it DeepSpeedCPUAdagrad's
+// decay differs, see test_optimizers_lion_adagrad.cpp): the losses of the run without offload,
+// bit for bit, in host memory and in swap files, at stages 2 and 3 (parameters too), fp32 and bf16.
+TEST(Offload, LionAndAdagradTrainTheLossesOfTheRunWithoutOffloadBitForBit) {
+  for (const char* type : {"Lion", "Adagrad"})
+    for (bool bf16 : {false, true})
+      for (int stage : {2, 3}) {
+        json j = offload_config(stage, bf16);
+        j["optimizer"] = {{"type", type}, {"params", {{"lr", std::string(type) == "Lion" ? 1e-3 : 1e-2}}}};
+        if (std::string(type) == "Lion") j["optimizer"]["params"]["weight_decay"] = 0.1;
+        j["training"]["steps"] = 6;
+        const std::string tag = std::string(type) + (bf16 ? "bf16" : "fp32") + std::to_string(stage);
+        const std::string config = write_config("la" + tag + ".json", j);
+        const std::vector<double> want = losses(config, 2, temp_path("la_none" + tag), "");
+        ASSERT_EQ(want.size(), 6u) << tag;
+        for (const std::string device : {"cpu", "nvme"}) {
+          const std::string swap = temp_path("la_swap" + tag + device);
+          EXPECT_EQ(losses(config, 2, temp_path("la_" + device + tag), offload_args(device, swap, stage == 3)), want)
+              << tag << " " << device;
+        }
+      }
+}
+
+// bf16_master_weights_and_grads (and bf16_optimizer_states) with the optimizer offloaded: the
+// bf16 partition is updated where it lies, the moments live on the tier in their type.
+TEST(Offload, Bf16MasterWeightsAndStatesOffloadedTrainTheSameLossesBitForBit) {
+  for (bool states : {false, true}) {
+    json j = offload_config(2, true);
+    j["bf16"]["bf16_master_weights_and_grads"] = true;
+    j["bf16"]["bf16_optimizer_states"] = states;
+    j["training"]["steps"] = 6;
+    const std::string tag = states ? "states" : "master";
+    const std::string config = write_config("b16off" + tag + ".json", j);
+    const std::vector<double> want = losses(config, 2, temp_path("b16off_none" + tag), "");
+    ASSERT_EQ(want.size(), 6u);
+    for (const std::string device : {"cpu", "nvme"}) {
+      const std::string dir = temp_path("b16off_" + device + tag);
+      EXPECT_EQ(losses(config, 2, dir, offload_args(device, temp_path("b16off_swap" + tag))), want) << tag << " " << device;
+      const json m = read_metrics(dir).back()["memory"];
+      EXPECT_EQ(m["master"], 0) << tag << " " << device;
+    }
+  }
+}
+
 TEST(Offload, MetricsReportBytesPerTierAndSwapTrafficHonestly) {
   const std::string config = write_config("metrics.json", offload_config(2, true));
   const std::string swap = temp_path("swap_metrics");

@@ -132,15 +132,51 @@ TEST(KeyKinds, Gather16BitWeightsOnSaveIsReadUnderEachOfItsNames) {
   EXPECT_FALSE(read_config(minimal(), "cfg.json", 2).zero.gather_16bit_weights_on_model_save);
 }
 
-TEST(KeyKinds, CheckpointTagValidationIsAcceptedInEachMode) {
+TEST(KeyKinds, CheckpointSectionIsReadWithDeepSpeedsKeysAndDefaults) {
   for (const char* mode : {"Ignore", "Warn", "FAIL"}) {
     json j = minimal();
     j["checkpoint"] = {{"tag_validation", mode}};
     EXPECT_EQ(error_of(j), "") << mode;
   }
+  const CheckpointOptions defaults = read_config(minimal(), "cfg.json", 2).checkpoint;
+  EXPECT_EQ(defaults.tag_validation, "Warn");
+  EXPECT_FALSE(defaults.load_universal || defaults.use_node_local_storage || defaults.parallel_write_pipeline_stage);
   json j = minimal();
-  j["checkpoint"] = {{"use_node_local_storage", true}};
-  EXPECT_NE(error_of(j).find("`checkpoint.use_node_local_storage`"), std::string::npos);
+  j["checkpoint"] = {{"load_universal", true}, {"use_node_local_storage", true}, {"parallel_write", {{"pipeline_stage", true}}}};
+  const CheckpointOptions o = read_config(j, "cfg.json", 2).checkpoint;
+  EXPECT_TRUE(o.load_universal && o.use_node_local_storage && o.parallel_write_pipeline_stage);
+  j["checkpoint"] = {{"use_node_local_storage", "yes"}};
+  EXPECT_NE(error_of(j).find("`checkpoint.use_node_local_storage`: expected true or false"), std::string::npos) << error_of(j);
+}
+
+// Where the mean of the gradient sum divides (DeepSpeed's prescale_gradients and
+// gradient_predivide_factor): read into the ZeRO optimizer's config.
+TEST(KeyKinds, GradientAveragingKeysReachTheZeroConfig) {
+  json j = minimal();
+  j["prescale_gradients"] = true;
+  j["gradient_predivide_factor"] = 8;
+  const Config c = read_config(j, "cfg.json", 2);
+  EXPECT_TRUE(c.zero.prescale_gradients);
+  EXPECT_EQ(c.zero.gradient_predivide_factor, 8.0);
+  j["prescale_gradients"] = "on";
+  EXPECT_NE(error_of(j).find("`prescale_gradients`: expected true or false"), std::string::npos) << error_of(j);
+}
+
+// bf16_master_weights_and_grads / bf16_optimizer_states set the types the ZeRO optimizer keeps.
+TEST(KeyKinds, Bf16MasterWeightsAndStatesReachTheZeroConfig) {
+  json j = minimal();
+  j["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}};
+  j["zero_optimization"] = {{"stage", 2}};
+  Config c = read_config(j, "cfg.json", 2);
+  EXPECT_EQ(c.zero.master_weights, DType::BF16);
+  EXPECT_EQ(c.zero.optimizer_states, DType::F32);
+  j["bf16"]["bf16_optimizer_states"] = true;
+  c = read_config(j, "cfg.json", 2);
+  EXPECT_EQ(c.zero.optimizer_states, DType::BF16);
+  j["data_types"] = {{"grad_accum_dtype", "fp32"}};
+  EXPECT_NE(error_of(j).find("`data_types.grad_accum_dtype`: fp32 gradients contradict bf16.bf16_master_weights_and_grads"),
+            std::string::npos)
+      << error_of(j);
 }
 
 // ---- "auto" as Hugging Face resolves it (transformers integrations/deepspeed.py) ------------

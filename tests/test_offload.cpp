@@ -351,13 +351,32 @@ struct SwapCase {
   double ratio;
 };
 
-// Runs `steps` Adam steps over n elements with the plain Optimizer and with OffloadedAdam, and
-// compares parameters and both moments bit for bit.
-void expect_same_as_in_memory(const SwapCase& c, const std::string& dir) {
+OptimizerConfig lion() {
+  OptimizerConfig o;
+  o.type = OptimizerType::Lion;
+  o.lr = 1e-3;
+  o.weight_decay = 0.1;
+  return o;
+}
+
+// Without weight decay DeepSpeedCPUAdagrad, which offload runs, and torch's Adagrad are one update.
+OptimizerConfig adagrad() {
+  OptimizerConfig o;
+  o.type = OptimizerType::Adagrad;
+  o.lr = 1e-2;
+  o.eps = 1e-10;
+  return o;
+}
+
+// Runs three steps over n elements with the plain Optimizer and with OffloadedOptimizer, and
+// compares parameters and every state bit for bit. params_type BF16: bf16 master weights, updated
+// where they lie; state_type: of the optimizer's states on both sides.
+void expect_same_as_in_memory(const SwapCase& c, const std::string& dir, const OptimizerConfig& opt = adamw(),
+                              DType params_type = DType::F32, DType state_type = DType::F32) {
   const int64_t n = 10007;
   ParamLayout layout;
   layout.add("partition", {n});
-  Optimizer plain(adamw(), layout);
+  Optimizer plain(opt, layout, state_type);
   OffloadOptimizerConfig off;
   off.device = c.device;
   off.buffer_count = c.buffer_count;
@@ -367,26 +386,36 @@ void expect_same_as_in_memory(const SwapCase& c, const std::string& dir) {
   AioConfig aio;
   aio.block_size = 8192;
   aio.queue_depth = 4;
-  OffloadedAdam swapped(off, aio, adamw(), n, c.sub_group_size, c.master, dir);
-  auto p_plain = random_values(n, 11), p_off = p_plain;
+  const bool master = c.master && params_type == DType::F32;  // an fp32 master copy held by the optimizer
+  OffloadedOptimizer swapped(off, aio, opt, n, c.sub_group_size, master, dir, state_type);
+  const size_t es = dtype_size(params_type);
+  std::vector<char> p_plain(n * es), p_off(n * es);
+  const auto init = random_values(n, 11);
+  convert_any(p_plain.data(), params_type, init.data(), DType::F32, n);
+  p_off = p_plain;
   std::vector<float> from_master(static_cast<size_t>(n));
-  if (c.master) swapped.write("master", 0, n, p_plain.data());
+  if (master) swapped.write("master", 0, n, init.data());
   ParamAccess access;
-  access.acquire = [&](int64_t b, int64_t) { return c.master ? nullptr : p_off.data() + b; };
-  access.release = [&](int64_t b, int64_t len, const float* upd) {
-    if (c.master) std::copy_n(upd, len, from_master.data() + b);
+  access.acquire = [&](int64_t b, int64_t) { return master ? TypedSpan{} : TypedSpan{p_off.data() + b * es, params_type}; };
+  access.release = [&](int64_t b, int64_t len, TypedSpan upd) {
+    if (master) std::copy_n(static_cast<const float*>(upd.data), len, from_master.data() + b);
   };
   for (int step = 1; step <= 3; ++step) {
     const auto g = random_values(n, 100 + step);
-    plain.step(p_plain.data(), g.data(), 1e-2);
-    swapped.step(access, g.data(), DType::F32, 1.0f, 1e-2, std::nullopt);
+    plain.step(TypedSpan{p_plain.data(), params_type}, g.data(), DType::F32, 1.0f, opt.lr);
+    swapped.step(access, g.data(), DType::F32, 1.0f, opt.lr, std::nullopt);
   }
-  const std::vector<float>& got = c.master ? from_master : p_off;
-  EXPECT_EQ(std::memcmp(got.data(), p_plain.data(), n * 4), 0) << c.name;
-  std::vector<float> state(static_cast<size_t>(n));
-  swapped.read("exp_avg_sq", 0, n, state.data());
-  EXPECT_EQ(std::memcmp(state.data(), plain.state_buffers()[1]->data(), n * 4), 0) << c.name;
-  if (c.master) {
+  const void* got = master ? static_cast<const void*>(from_master.data()) : p_off.data();
+  EXPECT_EQ(std::memcmp(got, p_plain.data(), n * es), 0) << c.name;
+  const std::vector<std::string> names = plain.state_names();
+  ASSERT_EQ(swapped.optimizer_states(), names) << c.name;
+  std::vector<float> state(static_cast<size_t>(n)), want(static_cast<size_t>(n));
+  for (size_t k = 0; k < names.size(); ++k) {
+    swapped.read(names[k], 0, n, state.data());
+    convert_any(want.data(), DType::F32, plain.state_buffers()[k]->data(), state_type, n);
+    EXPECT_EQ(std::memcmp(state.data(), want.data(), n * 4), 0) << c.name << " " << names[k];
+  }
+  if (master) {
     swapped.read("master", 0, n, state.data());
     EXPECT_EQ(std::memcmp(state.data(), p_plain.data(), n * 4), 0) << c.name;
   }
@@ -394,7 +423,7 @@ void expect_same_as_in_memory(const SwapCase& c, const std::string& dir) {
 }
 }  // namespace
 
-TEST(OffloadedAdam, EverySwapScheduleGivesTheInMemoryResultBitForBit) {
+TEST(OffloadedOptimizer, EverySwapScheduleGivesTheInMemoryResultBitForBit) {
   const std::vector<SwapCase> cases = {
       {"cpu", OffloadDevice::Cpu, 1000, 4, false, false, true, 1.0},
       {"cpu, ratio 0.5", OffloadDevice::Cpu, 1000, 4, false, false, false, 0.5},
@@ -411,12 +440,67 @@ TEST(OffloadedAdam, EverySwapScheduleGivesTheInMemoryResultBitForBit) {
   }
 }
 
-TEST(OffloadedAdam, RatioKeepsTheFirstSubGroupsInDeviceMemoryAndTheRestOnTheTier) {
+// DeepSpeedCPULion and DeepSpeedCPUAdagrad (one state each) in host memory and in swap files:
+// the offloaded update equals the device kernel's bit for bit, as CPU Adam's does.
+TEST(OffloadedOptimizer, LionAndAdagradGiveTheInMemoryResultBitForBit) {
+  const std::vector<SwapCase> cases = {
+      {"cpu", OffloadDevice::Cpu, 1000, 4, false, false, true, 1.0},
+      {"nvme, buffer_count 1, no master", OffloadDevice::Nvme, 999, 1, false, false, false, 1.0},
+      {"nvme, master, pipelined read and write", OffloadDevice::Nvme, 1500, 6, true, true, true, 1.0},
+      {"nvme, ratio 0.5", OffloadDevice::Nvme, 1000, 2, false, false, false, 0.5},
+  };
+  for (const auto& [name, opt] : {std::pair<const char*, OptimizerConfig>{"Lion", lion()}, {"Adagrad", adagrad()}})
+    for (const SwapCase& c : cases) {
+      SCOPED_TRACE(name);
+      TempDir dir(name);
+      expect_same_as_in_memory(c, dir.path + "/rank0", opt);
+    }
+}
+
+// bf16_master_weights_and_grads: the optimizer updates the bf16 partition where it lies (no
+// master copy); with bf16_optimizer_states its moments are bf16 on the tier and in the files too.
+TEST(OffloadedOptimizer, Bf16MasterWeightsAndStatesGiveTheInMemoryResultBitForBit) {
+  const std::vector<SwapCase> cases = {
+      {"cpu", OffloadDevice::Cpu, 1000, 4, false, false, false, 1.0},
+      {"nvme, pipelined read and write", OffloadDevice::Nvme, 999, 6, true, true, false, 1.0},
+      {"nvme, ratio 0.5", OffloadDevice::Nvme, 1000, 2, false, false, false, 0.5},
+  };
+  for (DType states : {DType::F32, DType::BF16})
+    for (const auto& [name, opt] : {std::pair<const char*, OptimizerConfig>{"AdamW", adamw()}, {"Lion", lion()}})
+      for (const SwapCase& c : cases) {
+        SCOPED_TRACE(std::string(name) + (states == DType::BF16 ? ", bf16 states" : ", fp32 states"));
+        TempDir dir("bf16");
+        expect_same_as_in_memory(c, dir.path + "/rank0", opt, DType::BF16, states);
+      }
+}
+
+// Swap files and tiers hold each state in its own type: bf16 moments take half the bytes.
+TEST(OffloadedOptimizer, Bf16StatesTakeHalfTheBytesOnEveryTier) {
+  TempDir dir("bytes");
+  OffloadOptimizerConfig off;
+  off.device = OffloadDevice::Nvme;
+  off.ratio = 0.5;
+  // Sub-groups [0, 3000), [3000, 6000) stay in device memory; [6000, 9000), [9000, 10000) are swapped.
+  OffloadedOptimizer a(off, AioConfig{}, adamw(), 10000, 3000, /*hold_master=*/true, dir.path + "/r", DType::BF16);
+  const TierBytes t = a.bytes();
+  EXPECT_EQ(t.device, 6000 * (4 + 2 + 2));  // the fp32 master, exp_avg and exp_avg_sq
+  EXPECT_EQ(t.nvme, 4000 * (4 + 2 + 2));
+  EXPECT_EQ(t.master, 6000 * 4);
+  EXPECT_EQ(t.moments, 6000 * (2 + 2));
+  EXPECT_EQ(fs::file_size(dir.path + "/r/exp_avg-6000_9000.tensor.swp"), 8192u);  // 6000 bytes in whole pages
+  EXPECT_EQ(fs::file_size(dir.path + "/r/6000_9000.tensor.swp"), 12288u);         // 12000 bytes
+  OffloadedOptimizer cpu_lion(OffloadOptimizerConfig{OffloadDevice::Cpu}, AioConfig{}, lion(), 1000, 100,
+                              /*hold_master=*/false, "", DType::BF16);
+  EXPECT_EQ(cpu_lion.state_names(), std::vector<std::string>{"exp_avg"});
+  EXPECT_EQ(cpu_lion.bytes().host, 1000 * 2);
+}
+
+TEST(OffloadedOptimizer, RatioKeepsTheFirstSubGroupsInDeviceMemoryAndTheRestOnTheTier) {
   TempDir dir("ratio");
   OffloadOptimizerConfig off;
   off.device = OffloadDevice::Nvme;
   off.ratio = 0.5;
-  OffloadedAdam a(off, AioConfig{}, adamw(), 10000, 1000, /*hold_master=*/false, dir.path + "/r");
+  OffloadedOptimizer a(off, AioConfig{}, adamw(), 10000, 1000, /*hold_master=*/false, dir.path + "/r");
   EXPECT_EQ(a.sub_groups(), 10);
   EXPECT_EQ(a.resident_sub_groups(), 5);  // DeepSpeed: index >= int((1 - ratio)·G) offloaded
   const TierBytes t = a.bytes();
@@ -427,13 +511,13 @@ TEST(OffloadedAdam, RatioKeepsTheFirstSubGroupsInDeviceMemoryAndTheRestOnTheTier
   EXPECT_EQ(swap_files_in(dir.path), 10u);
 }
 
-TEST(OffloadedAdam, SwapFilesFollowDeepSpeedsNamesAndAreGoneAfterwards) {
+TEST(OffloadedOptimizer, SwapFilesFollowDeepSpeedsNamesAndAreGoneAfterwards) {
   TempDir dir("names");
   const std::string rank_dir = dir.path + "/zero_stage_2/optimizer/rank0";
   {
     OffloadOptimizerConfig off;
     off.device = OffloadDevice::Nvme;
-    OffloadedAdam a(off, AioConfig{}, adamw(), 2500, 1000, /*hold_master=*/true, rank_dir);
+    OffloadedOptimizer a(off, AioConfig{}, adamw(), 2500, 1000, /*hold_master=*/true, rank_dir);
     EXPECT_TRUE(fs::exists(rank_dir + "/0_1000.tensor.swp"));
     EXPECT_TRUE(fs::exists(rank_dir + "/exp_avg-1000_2000.tensor.swp"));
     EXPECT_TRUE(fs::exists(rank_dir + "/exp_avg_sq-2000_2500.tensor.swp"));
@@ -443,12 +527,12 @@ TEST(OffloadedAdam, SwapFilesFollowDeepSpeedsNamesAndAreGoneAfterwards) {
   EXPECT_FALSE(fs::exists(rank_dir));
 }
 
-TEST(OffloadedAdam, RangesAcrossSubGroupsReadAndWriteLikeOneBuffer) {
+TEST(OffloadedOptimizer, RangesAcrossSubGroupsReadAndWriteLikeOneBuffer) {
   TempDir dir("ranges");
   OffloadOptimizerConfig off;
   off.device = OffloadDevice::Nvme;
   off.ratio = 0.4;  // a resident prefix, then files
-  OffloadedAdam a(off, AioConfig{}, adamw(), 5000, 700, /*hold_master=*/true, dir.path + "/r");
+  OffloadedOptimizer a(off, AioConfig{}, adamw(), 5000, 700, /*hold_master=*/true, dir.path + "/r");
   const auto values = random_values(5000, 9);
   a.write("exp_avg", 0, 5000, values.data());
   std::vector<float> got(1234);

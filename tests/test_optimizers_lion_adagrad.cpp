@@ -1,5 +1,5 @@
 // test_optimizers_lion_adagrad.cpp — DeepSpeed's "lion" (FusedLion) and "adagrad"
-// (torch.optim.Adagrad without offload) against references computed outside zero3d:
+// (torch.optim.Adagrad without offload, DeepSpeedCPUAdagrad with) against references computed outside zero3d:
 // tests/golden/optimizer_reference.py (torch 1.13 for Adagrad, numpy for Lion) printed the
 // parameters after each of three steps from the same inputs.
 #include <gtest/gtest.h>
@@ -9,12 +9,22 @@
 
 #include "base.hpp"
 #include "config.hpp"
+#include "offload/offload_optimizer.hpp"
 #include "optimizer.hpp"
 
 using namespace zero3d;
 using json = nlohmann::json;
 
 namespace {
+
+std::string error_of(const json& j) {
+  try {
+    read_config(j, "cfg.json", 2);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
 
 const std::vector<float> kP0 = {0.5f, -0.3f, 0.0f, 1.2f};
 const std::vector<std::vector<float>> kGrads = {{0.1f, -0.2f, 0.0f, 0.3f}, {-0.05f, 0.1f, 0.2f, -0.3f},
@@ -78,6 +88,36 @@ TEST(AdagradOptimizer, MatchesTorchAdagrad) {
               1e-6);
 }
 
+// With offload_optimizer DeepSpeed runs DeepSpeedCPUAdagrad: the decay goes into the
+// accumulated squares only, the step divides the raw gradient (optimizer_reference.py writes
+// csrc/adagrad/cpu_adagrad.cpp's loop out in numpy).
+TEST(AdagradOptimizer, OffloadedItIsDeepSpeedCpuAdagrad) {
+  OptimizerConfig c;
+  c.type = OptimizerType::Adagrad;
+  c.lr = 0.1;
+  c.weight_decay = 0.01;
+  c.eps = 1e-10;
+  OffloadOptimizerConfig off;
+  off.device = OffloadDevice::Cpu;
+  offload::OffloadedOptimizer opt(off, AioConfig{}, c, 4, 1000, /*hold_master=*/false, "");
+  std::vector<float> p = kP0;
+  offload::ParamAccess access;
+  access.acquire = [&](int64_t b, int64_t) { return TypedSpan{p.data() + b, DType::F32}; };
+  access.release = [](int64_t, int64_t, TypedSpan) {};
+  std::vector<std::vector<float>> rows;
+  for (const auto& g : kGrads) {
+    opt.step(access, g.data(), DType::F32, 1.0f, c.lr, std::nullopt);
+    rows.push_back(p);
+  }
+  expect_rows(rows,
+              {{0.40476191f, -0.201477855f, 0.0f, 1.10384619f},
+               {0.448386192f, -0.245841265f, -0.100000001f, 1.17439187f},
+               {0.431321502f, -0.25468719f, -0.0107358545f, 1.17439187f}},
+              1e-6);
+  // The device update with the same parameters is torch's: the decay also steps.
+  EXPECT_NE(three_steps(c)[0][0], rows[0][0]);
+}
+
 TEST(AdagradOptimizer, KeepsOneStateNamedAsDeepSpeedCpuAdagradDoes) {
   OptimizerConfig c;
   c.type = OptimizerType::Adagrad;
@@ -108,17 +148,21 @@ TEST(LionAdagradConfig, DeepSpeedsNamesAndDefaultsAreRead) {
   }
 }
 
-TEST(LionAdagradConfig, ZeroRunsThemAndOffloadNamesItsAdamOnlyUpdate) {
+// Offload runs DeepSpeed's CPU optimizers: DeepSpeedCPULion and DeepSpeedCPUAdagrad exist, SGD
+// has none; DeepSpeedCPUAdagrad(lr, eps, weight_decay) has no lr_decay.
+TEST(LionAdagradConfig, ZeroRunsThemAndOffloadRunsDeepSpeedsCpuOptimizers) {
   json j = {{"train_batch_size", 8}, {"train_micro_batch_size_per_gpu", 4}, {"optimizer", {{"type", "Lion"}}}};
   j["zero_optimization"] = {{"stage", 3}};  // both are in DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS
   EXPECT_NO_THROW(read_config(j, "cfg.json", 2));
   j["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
-  try {
-    read_config(j, "cfg.json", 2);
-    FAIL() << "Lion with offload was accepted";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("needs optimizer Adam or AdamW (got Lion)"), std::string::npos) << e.what();
-  }
+  EXPECT_NO_THROW(read_config(j, "cfg.json", 2));
+  j["optimizer"] = {{"type", "Adagrad"}, {"params", {{"lr_decay", 0.1}}}};
+  EXPECT_NE(error_of(j).find("`optimizer.params.lr_decay`: with offload_optimizer DeepSpeed runs DeepSpeedCPUAdagrad"),
+            std::string::npos)
+      << error_of(j);
+  j["optimizer"] = {{"type", "SGD"}};
+  j["zero_allow_untested_optimizer"] = true;
+  EXPECT_NE(error_of(j).find("need optimizer Adam, AdamW, Lion or Adagrad (got SGD)"), std::string::npos) << error_of(j);
 }
 
 }  // namespace

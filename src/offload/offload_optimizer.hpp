@@ -1,13 +1,17 @@
 // offload_optimizer.hpp — ZeRO-Offload / ZeRO-Infinity for the optimizer partition
 // (DEEPSPEED-FACTS-2 §3.1-3.5).
 //
-// The partition's Adam state (the fp32 master copy under mixed precision, exp_avg, exp_avg_sq)
-// is cut into sub-groups of sub_group_size elements. The first int((1-ratio)·G) sub-groups stay
-// in device memory and use the device Adam kernel; the rest live on the offload tier — host
-// memory (device cpu) or one swap file per state and sub-group under nvme_path (device nvme) —
-// and are updated by the CPU Adam. NVMe sub-groups move through buffer_count page-aligned
-// buffers, one state of one sub-group each: with pipeline_read sub-group k+1 is read while k
-// is updated, with pipeline_write k−1 is still being written meanwhile.
+// The partition's optimizer state (the fp32 master copy under mixed precision, then the
+// optimizer's own states: exp_avg and exp_avg_sq for Adam, exp_avg for Lion, exp_avg_sq for
+// Adagrad) is cut into sub-groups of sub_group_size elements. The first int((1-ratio)·G)
+// sub-groups stay in device memory and use the device kernels; the rest live on the offload
+// tier — host memory (device cpu) or one swap file per state and sub-group under nvme_path
+// (device nvme) — and are updated by the CPU optimizer DeepSpeed runs there (DeepSpeedCPUAdam,
+// DeepSpeedCPULion, DeepSpeedCPUAdagrad). The optimizer's states are fp32, or bf16 with
+// bf16_optimizer_states (DeepSpeedCPUAdam's fp32_optimizer_states false); the master copy is
+// always fp32. NVMe sub-groups move through buffer_count page-aligned buffers, one state of one
+// sub-group each: with pipeline_read sub-group k+1 is read while k is updated, with
+// pipeline_write k−1 is still being written meanwhile.
 #pragma once
 
 #include <functional>
@@ -23,41 +27,50 @@
 #include "config.hpp"
 #include "dtype.hpp"
 #include "offload/aio.hpp"
+#include "optimizer.hpp"
+#include "typed.hpp"
 
 namespace zero3d::offload {
 
 // Bytes of state by where it lies. On a CPU-only build device and host memory are the same
-// memory; `device` and `host` still say which space the engine placed them in.
+// memory; `device` and `host` still say which space the engine placed them in. `master` and
+// `moments` split the bytes in memory (device + host) between the fp32 master copy and the
+// optimizer's own states.
 struct TierBytes {
   int64_t device = 0, host = 0, nvme = 0, swap_buffers = 0;
+  int64_t master = 0, moments = 0;
 };
 
 // How the optimizer reaches the parameters of a sub-group [begin, begin + n) of the partition.
 struct ParamAccess {
-  // fp32 parameters to update in place; nullptr when the master copy is held by the optimizer
-  std::function<float*(int64_t begin, int64_t n)> acquire;
-  // the updated fp32 values (the master copy, or the parameters acquire() gave)
-  std::function<void(int64_t begin, int64_t n, const float* updated)> release;
+  // The parameters to update in place: fp32, or bf16 master weights (bf16_master_weights_and_grads);
+  // {nullptr} when the master copy is held by the optimizer.
+  std::function<TypedSpan(int64_t begin, int64_t n)> acquire;
+  // After the update: the updated values (the fp32 master copy, or what acquire() gave).
+  std::function<void(int64_t begin, int64_t n, TypedSpan updated)> release;
 };
 
-class OffloadedAdam {
+class OffloadedOptimizer {
  public:
-  // numel: the partition's elements; hold_master: keep an fp32 master copy (mixed precision);
-  // swap_dir: this rank's folder for device nvme (created and emptied here).
-  OffloadedAdam(const OffloadOptimizerConfig& off, const AioConfig& aio, const OptimizerConfig& opt, int64_t numel,
-                int64_t sub_group_size, bool hold_master, const std::string& swap_dir);
-  ~OffloadedAdam();
-  OffloadedAdam(const OffloadedAdam&) = delete;
-  OffloadedAdam& operator=(const OffloadedAdam&) = delete;
+  // numel: the partition's elements; hold_master: keep an fp32 master copy (mixed precision with
+  // fp32 master weights); state_type: of the optimizer's states; swap_dir: this rank's folder for
+  // device nvme (created and emptied here). opt: Adam, Lion or Adagrad.
+  OffloadedOptimizer(const OffloadOptimizerConfig& off, const AioConfig& aio, const OptimizerConfig& opt,
+                     int64_t numel, int64_t sub_group_size, bool hold_master, const std::string& swap_dir,
+                     DType state_type = DType::F32);
+  ~OffloadedOptimizer();
+  OffloadedOptimizer(const OffloadedOptimizer&) = delete;
+  OffloadedOptimizer& operator=(const OffloadedOptimizer&) = delete;
 
-  // One Adam/AdamW step over every sub-group in order; gradients as in Optimizer::step.
+  // One step over every sub-group in order; gradients as in Optimizer::step.
   void step(const ParamAccess& params, const void* grads, DType grad_type, float grad_mul, double lr,
             std::optional<std::pair<double, double>> betas);
   int64_t step_count() const { return step_count_; }
   void set_step_count(int64_t n) { step_count_ = n; }
 
-  // "master" (when held), then "exp_avg", "exp_avg_sq"; read/write any range of one state.
+  // "master" (when held), then the optimizer's states; read/write any range of one state in fp32.
   std::vector<std::string> state_names() const;
+  std::vector<std::string> optimizer_states() const;  // without "master"
   void read(const std::string& state, int64_t begin, int64_t n, float* out);
   void write(const std::string& state, int64_t begin, int64_t n, const float* in);
 
@@ -70,7 +83,7 @@ class OffloadedAdam {
   const std::vector<std::string>& swap_files() const { return paths_; }
 
  private:
-  using HostBuffer = Kokkos::View<float*, Kokkos::HostSpace>;
+  using HostBuffer = Kokkos::View<char*, Kokkos::HostSpace>;
   struct Group {
     int64_t begin, n;
   };
@@ -81,8 +94,9 @@ class OffloadedAdam {
   };
   int states() const { return static_cast<int>(names_.size()); }
   int state_at(const std::string& name) const;
-  float* resident(int s, int64_t begin);  // device tier (k < cut) or host tier (device cpu)
-  void update(int64_t k, float* const* state, const ParamAccess& params, const void* grads, DType grad_type,
+  int64_t esize(int s) const { return static_cast<int64_t>(dtype_size(types_[static_cast<size_t>(s)])); }
+  char* resident(int s, int64_t begin);  // device tier (k < cut) or host tier (device cpu)
+  void update(int64_t k, char* const* state, const ParamAccess& params, const void* grads, DType grad_type,
               float grad_mul, bool on_host);
   void start_read(Slot& slot, int64_t k);
   void wait_reads(Slot& slot);
@@ -90,15 +104,17 @@ class OffloadedAdam {
   void wait_writes(Slot& slot);
   const std::string& path(int s, int64_t k) const { return paths_[static_cast<size_t>(s * (sub_groups() - cut_) + (k - cut_))]; }
   // Elements [a, b) of one offloaded sub-group's state s through slot 0's buffer (file_span).
-  void file_access(int s, int64_t k, int64_t a, int64_t b, const std::function<void(float*)>& use, bool write_back);
+  void file_access(int s, int64_t k, int64_t a, int64_t b, const std::function<void(char*)>& use, bool write_back);
 
   OffloadOptimizerConfig off_;
   OptimizerConfig opt_;
   int64_t numel_;
   std::vector<std::string> names_;
+  std::vector<DType> types_;  // per state
+  bool master_ = false;       // names_[0] is the fp32 master copy
   std::vector<Group> groups_;
   int64_t cut_ = 0, cut_elems_ = 0;  // sub-groups (elements) kept in device memory
-  std::vector<FlatBuffer> device_;   // per state, the resident sub-groups
+  std::vector<TypedBuffer> device_;  // per state, the resident sub-groups
   std::vector<HostBuffer> host_;     // per state, the offloaded sub-groups (device cpu)
   // device nvme
   std::string dir_;
@@ -107,11 +123,10 @@ class OffloadedAdam {
   std::vector<std::vector<int>> fds_;  // [state][group - cut]
   std::vector<std::string> paths_;
   std::vector<Slot> slots_;
-  // Adam
+  // the step
   int64_t step_count_ = 0;
-  double lr_ = 0.0;
-  std::optional<std::pair<double, double>> betas_;
-  std::vector<float> widened_;
+  ElementwiseStep step_;
+  ElementwiseUpdater updater_;
 };
 
 }  // namespace zero3d::offload

@@ -2,7 +2,7 @@
 """References for tests/test_optimizers_lion_adagrad.cpp (issue 18).
 
 Adagrad: torch.optim.Adagrad (torch 1.13, /usr/bin/python3), which DeepSpeed's "adagrad" runs
-without offload. Lion: torch 1.13 has none, so DeepSpeed's FusedLion update
+without offload, and DeepSpeedCPUAdagrad (numpy), which it runs with offload_optimizer. Lion: torch 1.13 has none, so DeepSpeed's FusedLion update
 (csrc/lion/multi_tensor_lion.cu) is written out here in numpy float32. Prints the parameters
 after each of three steps; the test embeds them.
 """
@@ -38,7 +38,25 @@ def lion(lr=0.01, beta1=0.9, beta2=0.99, wd=0.1):
     return out
 
 
+def deepspeed_cpu_adagrad(lr=0.1, wd=0.01, eps=1e-10):
+    """DeepSpeedCPUAdagrad, which DeepSpeed's "adagrad" runs under offload_optimizer: the scalar
+    loop of csrc/adagrad/cpu_adagrad.cpp (Step_1) in numpy float32. The decay enters the
+    accumulated square only; the step divides the raw gradient."""
+    f = np.float32
+    p = np.array(P0, dtype=f)
+    v = np.zeros_like(p)
+    out = []
+    for g in GRADS:
+        momentum = np.array(g, dtype=f)
+        grad = p * f(wd) + momentum if wd > 0 else momentum
+        v = v + grad * grad
+        q = momentum / (np.sqrt(v) + f(eps))
+        p = q * f(-lr) + p
+        out.append(p.tolist())
+    return out
+
+
 if __name__ == "__main__":
-    for name, rows in (("adagrad", adagrad()), ("lion", lion())):
+    for name, rows in (("adagrad", adagrad()), ("lion", lion()), ("deepspeed_cpu_adagrad", deepspeed_cpu_adagrad())):
         for k, row in enumerate(rows):
             print(name, k + 1, ", ".join("%.9gf" % x for x in row))
