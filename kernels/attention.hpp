@@ -10,6 +10,8 @@
 #include <cblas.h>
 
 #include <cmath>
+#include <stdexcept>
+#include <type_traits>
 
 #include "attention_bf16.hpp"
 #include "common.hpp"
@@ -27,25 +29,25 @@ inline void causal_softmax_rows(float* s, Index r0, Index r1, Index cols, Index 
     const Index i = r0 + k;
     float* row = s + i * T;
     float mx = row[0];
+#pragma omp simd reduction(max : mx)
     for (Index j = 1; j <= i; ++j) mx = row[j] > mx ? row[j] : mx;
     float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
     for (Index j = 0; j <= i; ++j) {
       row[j] = fast_exp(row[j] - mx);
       sum += row[j];
     }
     const float inv = 1.0f / sum;
+#pragma omp simd
     for (Index j = 0; j <= i; ++j) row[j] *= inv;
     for (Index j = i + 1; j < cols; ++j) row[j] = 0.0f;  // masked keys inside the block
   });
 }
 
-inline void attention_forward(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H,
-                              DType compute = DType::F32) {
+// fp32: sgemm per (batch, head) and row block.
+inline void attention_forward_fp32(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
   const Index hs = C / H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  obs::add_macs(2.0 * B * T * T * C);  // q·kᵀ and p·v, counted densely as the FLOPs formula does
-  const ProfileRegion region("attention_forward");
-  if (compute == DType::BF16) return attention_forward_bf16(out, att, qkv, B, T, C, H);
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h) {
       const float* q = qkv + b * T * C3 + h * hs;
@@ -63,6 +65,17 @@ inline void attention_forward(float* out, float* att, const float* qkv, Index B,
                     o + r0 * C, C);
       }
     }
+}
+
+// O: the output's type; bf16 (an output that only feeds a bf16 product) needs compute = BF16.
+template <typename O = float>
+inline void attention_forward(O* out, float* att, const float* qkv, Index B, Index T, Index C, Index H,
+                              DType compute = DType::F32) {
+  obs::add_macs(2.0 * B * T * T * C);  // q·kᵀ and p·v, counted densely as the FLOPs formula does
+  const ProfileRegion region("attention_forward");
+  if (compute == DType::BF16) return attention_forward_bf16(out, att, qkv, B, T, C, H);
+  if constexpr (std::is_same_v<O, float>) attention_forward_fp32(out, att, qkv, B, T, C, H);
+  else throw std::invalid_argument("attention_forward: a bf16 output needs bf16 compute");
 }
 
 // dqkv written (all of it); scratch needs kRowBlock*T floats (fp32 only).
@@ -104,7 +117,9 @@ inline void attention_backward(float* dqkv, float* scratch, const float* dout, c
           const float* pi = prow + kr * T;
           float* ds = scratch + kr * T;
           float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
           for (Index j = 0; j <= i; ++j) dot += pi[j] * ds[j];
+#pragma omp simd
           for (Index j = 0; j <= i; ++j) ds[j] = pi[j] * (ds[j] - dot);
           for (Index j = i + 1; j < cols; ++j) ds[j] = 0.0f;
         });

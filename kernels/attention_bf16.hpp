@@ -59,13 +59,14 @@ inline AttentionWorkspace& attention_workspace() {
   return *w;
 }
 
-// part 0/1/2 (q, k, v) of qkv[B,T,3C] into tiles [n][B·H][TB][hs] of bf16; rows past T are zero.
-// One iteration per (tile, batch·head) block, so the index arithmetic stays out of the rows.
-inline void attention_pack(bf16* dst, const float* src, Index ld, Index B, Index T, Index H, Index hs,
+// One part (q, k or v) of qkv[B,T,3C] — or any [B,T,·] array with row stride ld and head h at
+// channels h·hs — for the G heads g0.. (of the B·H (batch, head) pairs) into tiles
+// [n][G][TB][hs] of bf16; rows past T are zero. One iteration per (tile, head) block.
+inline void attention_pack(bf16* dst, const float* src, Index ld, Index g0, Index G, Index T, Index H, Index hs,
                            const AttentionTiles& t) {
-  const Index BH = B * H, TB = t.TB;
-  Kokkos::parallel_for("attention_pack", range(t.n * BH), KOKKOS_LAMBDA(Index blk) {
-    const Index bh = blk % BH, i = blk / BH, b = bh / H, h = bh % H;
+  const Index TB = t.TB;
+  Kokkos::parallel_for("attention_pack", range(t.n * G), KOKKOS_LAMBDA(Index blk) {
+    const Index bh = g0 + blk % G, i = blk / G, b = bh / H, h = bh % H;
     const Index rows = T - i * TB < TB ? T - i * TB : TB;
     bf16* d = dst + blk * TB * hs;
     const float* s = src + (b * T + i * TB) * ld + h * hs;
@@ -77,19 +78,19 @@ inline void attention_pack(bf16* dst, const float* src, Index ld, Index B, Index
   });
 }
 
-// Tiles [count][B·H][TB][hs] into dst[B,T,·] (row stride ld, head h at channels h·hs), rows
-// past T dropped; first_tile: the tile index of src's first tile.
-inline void attention_unpack(float* dst, Index ld, const float* src, Index first_tile, Index count, Index B, Index T,
-                             Index H, Index hs, const AttentionTiles& t) {
-  const Index BH = B * H, TB = t.TB;
-  Kokkos::parallel_for("attention_unpack", range(count * BH), KOKKOS_LAMBDA(Index blk) {
-    const Index bh = blk % BH, i = first_tile + blk / BH, b = bh / H, h = bh % H;
+// Tiles [n][G][TB][hs] of the heads g0.. back into dst[B,T,·] (row stride ld), rows past T dropped.
+template <typename O>
+inline void attention_unpack(O* dst, Index ld, const float* src, Index g0, Index G, Index T, Index H, Index hs,
+                             const AttentionTiles& t) {
+  const Index TB = t.TB;
+  Kokkos::parallel_for("attention_unpack", range(t.n * G), KOKKOS_LAMBDA(Index blk) {
+    const Index bh = g0 + blk % G, i = blk / G, b = bh / H, h = bh % H;
     const Index rows = T - i * TB < TB ? T - i * TB : TB;
     const float* s = src + blk * TB * hs;
-    float* d = dst + (b * T + i * TB) * ld + h * hs;
+    O* d = dst + (b * T + i * TB) * ld + h * hs;
     for (Index r = 0; r < rows; ++r)
 #pragma omp simd
-      for (Index x = 0; x < hs; ++x) d[r * ld + x] = s[r * hs + x];
+      for (Index x = 0; x < hs; ++x) d[r * ld + x] = from_float<O>(s[r * hs + x]);
   });
 }
 
@@ -98,6 +99,41 @@ inline void attention_unpack(float* dst, Index ld, const float* src, Index first
 // as bf16. Full-width loops with the diagonal tile's future keys masked: no ragged tails.
 inline void attention_softmax_rows(bf16* p, Index p_stride, float* s, Index i, Index G, Index TB, float scale) {
   const Index sg = G * TB * TB;
+#ifdef ZERO3D_AVX512
+  if (TB % 16 == 0) {  // vector registers carry the row's max and sum across its tiles
+    const ProfileRegion region("attention_softmax");
+    for (Index row = 0; row < G * TB; ++row) {
+      const Index bh = row / TB, r = row % TB;
+      const auto valid = [&](Index j, Index c) -> __mmask16 {  // keys up to r in the diagonal tile
+        if (j < i || c + 16 <= r + 1) return 0xFFFF;
+        return c > r ? 0 : static_cast<__mmask16>((1u << (r + 1 - c)) - 1);
+      };
+      __m512 vmax = _mm512_set1_ps(-INFINITY);
+      for (Index j = 0; j <= i; ++j) {
+        const float* sr = s + j * sg + bh * TB * TB + r * TB;
+        for (Index c = 0; c < TB; c += 16) vmax = _mm512_mask_max_ps(vmax, valid(j, c), vmax, _mm512_loadu_ps(sr + c));
+      }
+      const __m512 vscale = _mm512_set1_ps(scale), vshift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale);
+      __m512 vsum = _mm512_setzero_ps();
+      for (Index j = 0; j <= i; ++j) {
+        float* sr = s + j * sg + bh * TB * TB + r * TB;
+        for (Index c = 0; c < TB; c += 16) {
+          const __m512 e = _mm512_maskz_mov_ps(valid(j, c), fast_exp_x16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + c), vscale, vshift)));
+          _mm512_storeu_ps(sr + c, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+      for (Index j = 0; j <= i; ++j) {
+        const float* sr = s + j * sg + bh * TB * TB + r * TB;
+        bf16* pr = p + j * p_stride + bh * TB * TB + r * TB;
+        for (Index c = 0; c < TB; c += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), to_bf16_x16(_mm512_mul_ps(_mm512_loadu_ps(sr + c), inv)));
+      }
+    }
+    return;
+  }
+#endif
   Kokkos::parallel_for("attention_softmax", range(G * TB), KOKKOS_LAMBDA(Index row) {
     const Index bh = row / TB, r = row % TB;
     float mx = -INFINITY;
@@ -134,6 +170,35 @@ inline void attention_softmax_rows(bf16* p, Index p_stride, float* s, Index i, I
 inline void attention_softmax_backward_rows(bf16* ds, const bf16* p, Index p_stride, const float* dp, Index i, Index G,
                                             Index TB, float scale) {
   const Index sg = G * TB * TB;
+#ifdef ZERO3D_AVX512
+  if (TB % 16 == 0) {
+    const ProfileRegion region("attention_softmax_backward");
+    const auto widen = [](const bf16* x) {  // 16 bf16 -> fp32: the bits move up
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+    };
+    for (Index row = 0; row < G * TB; ++row) {
+      const Index bh = row / TB, r = row % TB;
+      __m512 vdot = _mm512_setzero_ps();
+      for (Index j = 0; j <= i; ++j) {
+        const bf16* pr = p + j * p_stride + bh * TB * TB + r * TB;
+        const float* dpr = dp + j * sg + bh * TB * TB + r * TB;
+        for (Index c = 0; c < TB; c += 16) vdot = _mm512_fmadd_ps(widen(pr + c), _mm512_loadu_ps(dpr + c), vdot);
+      }
+      const __m512 dot = _mm512_set1_ps(_mm512_reduce_add_ps(vdot)), vscale = _mm512_set1_ps(scale);
+      for (Index j = 0; j <= i; ++j) {
+        const bf16* pr = p + j * p_stride + bh * TB * TB + r * TB;
+        const float* dpr = dp + j * sg + bh * TB * TB + r * TB;
+        bf16* dsr = ds + j * sg + bh * TB * TB + r * TB;
+        for (Index c = 0; c < TB; c += 16) {
+          const __m512 g = _mm512_mul_ps(_mm512_mul_ps(vscale, widen(pr + c)), _mm512_sub_ps(_mm512_loadu_ps(dpr + c), dot));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsr + c), to_bf16_x16(g));
+        }
+      }
+    }
+    return;
+  }
+#endif
   Kokkos::parallel_for("attention_softmax_backward", range(G * TB), KOKKOS_LAMBDA(Index row) {
     const Index bh = row / TB, r = row % TB;
     float dot = 0.0f;
@@ -153,41 +218,39 @@ inline void attention_softmax_backward_rows(bf16* ds, const bf16* p, Index p_str
   });
 }
 
-// Heads are processed kAttentionHeadGroup at a time, all row tiles of a group before the next:
-// the group's q, k, v tiles and a row tile's scores (8 heads · (i+1) · 16 KB at TB = 64) stay in
-// L2 between the products and the softmax.
+// Heads are processed kAttentionHeadGroup at a time, each group packed, multiplied and unpacked
+// before the next: its q, k, v tiles (8 heads · T · hs · 6 bytes) and a row tile's scores stay in
+// L2 from the packing through the products and the softmax.
 constexpr Index kAttentionHeadGroup = 8;
 
-inline void attention_forward_bf16(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+template <typename O>
+inline void attention_forward_bf16(O* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T);
-  const Index TB = t.TB, tile_qkv = BH * TB * hs, tile_p = BH * TB * TB;
-  const Index G0 = std::min(kAttentionHeadGroup, BH);
+  const Index TB = t.TB, tile_p = BH * TB * TB, G0 = std::min(kAttentionHeadGroup, BH);
   AttentionWorkspace& w = attention_workspace();
-  bf16* q = AttentionWorkspace::take(w.q, t.n * tile_qkv);
-  bf16* k = AttentionWorkspace::take(w.k, t.n * tile_qkv);
-  bf16* v = AttentionWorkspace::take(w.v, t.n * tile_qkv);
+  bf16* q = AttentionWorkspace::take(w.q, t.n * G0 * TB * hs);
+  bf16* k = AttentionWorkspace::take(w.k, t.n * G0 * TB * hs);
+  bf16* v = AttentionWorkspace::take(w.v, t.n * G0 * TB * hs);
   float* s = AttentionWorkspace::take(w.scores, t.n * G0 * TB * TB);
-  float* o = AttentionWorkspace::take(w.dq, t.n * tile_qkv);
+  float* o = AttentionWorkspace::take(w.dq, t.n * G0 * TB * hs);
   bf16* p = reinterpret_cast<bf16*>(att);
-  attention_pack(q, qkv, C3, B, T, H, hs, t);
-  attention_pack(k, qkv + C, C3, B, T, H, hs, t);
-  attention_pack(v, qkv + 2 * C, C3, B, T, H, hs, t);
   for (Index g0 = 0; g0 < BH; g0 += G0) {
-    const Index G = std::min(G0, BH - g0), sg = G * TB * TB, head = g0 * TB * hs;
+    const Index G = std::min(G0, BH - g0), tq = G * TB * hs, sg = G * TB * TB;
+    attention_pack(q, qkv, C3, g0, G, T, H, hs, t);
+    attention_pack(k, qkv + C, C3, g0, G, T, H, hs, t);
+    attention_pack(v, qkv + 2 * C, C3, g0, G, T, H, hs, t);
     for (Index i = 0; i < t.n; ++i) {
       bf16* pi = p + AttentionTiles::pair(i, 0) * tile_p + g0 * TB * TB;
       // S_ij = Q_i · K_jᵀ for the key tiles 0..i; softmax; O_i = Σ_j P_ij · V_j
-      for (Index j = 0; j <= i; ++j)
-        gemm_batched_bf16(G, TB, TB, hs, q + i * tile_qkv + head, false, k + j * tile_qkv + head, true, s + j * sg, false);
+      for (Index j = 0; j <= i; ++j) gemm_batched_bf16(G, TB, TB, hs, q + i * tq, false, k + j * tq, true, s + j * sg, false);
       attention_softmax_rows(pi, tile_p, s, i, G, TB, scale);
       for (Index j = 0; j <= i; ++j)
-        gemm_batched_bf16(G, TB, hs, TB, pi + j * tile_p, false, v + j * tile_qkv + head, false, o + i * tile_qkv + head,
-                          j > 0);
+        gemm_batched_bf16(G, TB, hs, TB, pi + j * tile_p, false, v + j * tq, false, o + i * tq, j > 0);
     }
+    attention_unpack(out, C, o, g0, G, T, H, hs, t);
   }
-  attention_unpack(out, C, o, 0, t.n, B, T, H, hs, t);
 }
 
 // dqkv written (all of it) from dout = d(out), the forward's qkv and bf16 probabilities in att.
@@ -196,46 +259,41 @@ inline void attention_backward_bf16(float* dqkv, const float* dout, const float*
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T);
-  const Index TB = t.TB, tile_qkv = BH * TB * hs, tile_p = BH * TB * TB;
-  const Index G0 = std::min(kAttentionHeadGroup, BH);
+  const Index TB = t.TB, tile_p = BH * TB * TB, G0 = std::min(kAttentionHeadGroup, BH);
   AttentionWorkspace& w = attention_workspace();
-  bf16* q = AttentionWorkspace::take(w.q, t.n * tile_qkv);
-  bf16* k = AttentionWorkspace::take(w.k, t.n * tile_qkv);
-  bf16* v = AttentionWorkspace::take(w.v, t.n * tile_qkv);
-  bf16* dy = AttentionWorkspace::take(w.dy, t.n * tile_qkv);
+  bf16* q = AttentionWorkspace::take(w.q, t.n * G0 * TB * hs);
+  bf16* k = AttentionWorkspace::take(w.k, t.n * G0 * TB * hs);
+  bf16* v = AttentionWorkspace::take(w.v, t.n * G0 * TB * hs);
+  bf16* dy = AttentionWorkspace::take(w.dy, t.n * G0 * TB * hs);
   bf16* ds = AttentionWorkspace::take(w.ds, t.n * G0 * TB * TB);
   float* dp = AttentionWorkspace::take(w.scores, t.n * G0 * TB * TB);
-  float* dq = AttentionWorkspace::take(w.dq, t.n * tile_qkv);
-  float* dk = AttentionWorkspace::take(w.dk, t.n * tile_qkv);
-  float* dv = AttentionWorkspace::take(w.dv, t.n * tile_qkv);
+  float* dq = AttentionWorkspace::take(w.dq, t.n * G0 * TB * hs);
+  float* dk = AttentionWorkspace::take(w.dk, t.n * G0 * TB * hs);
+  float* dv = AttentionWorkspace::take(w.dv, t.n * G0 * TB * hs);
   const bf16* p = reinterpret_cast<const bf16*>(att);
-  attention_pack(q, qkv, C3, B, T, H, hs, t);
-  attention_pack(k, qkv + C, C3, B, T, H, hs, t);
-  attention_pack(v, qkv + 2 * C, C3, B, T, H, hs, t);
-  attention_pack(dy, dout, C, B, T, H, hs, t);
   for (Index g0 = 0; g0 < BH; g0 += G0) {
-    const Index G = std::min(G0, BH - g0), sg = G * TB * TB, head = g0 * TB * hs;
+    const Index G = std::min(G0, BH - g0), tq = G * TB * hs, sg = G * TB * TB;
+    attention_pack(q, qkv, C3, g0, G, T, H, hs, t);
+    attention_pack(k, qkv + C, C3, g0, G, T, H, hs, t);
+    attention_pack(v, qkv + 2 * C, C3, g0, G, T, H, hs, t);
+    attention_pack(dy, dout, C, g0, G, T, H, hs, t);
     for (Index i = 0; i < t.n; ++i) {
       const bf16* pi = p + AttentionTiles::pair(i, 0) * tile_p + g0 * TB * TB;
       // dP_ij = dY_i · V_jᵀ, then dS
       for (Index j = 0; j <= i; ++j)
-        gemm_batched_bf16(G, TB, TB, hs, dy + i * tile_qkv + head, false, v + j * tile_qkv + head, true, dp + j * sg,
-                          false);
+        gemm_batched_bf16(G, TB, TB, hs, dy + i * tq, false, v + j * tq, true, dp + j * sg, false);
       attention_softmax_backward_rows(ds, pi, tile_p, dp, i, G, TB, scale);
       // dQ_i = Σ_j dS_ij · K_j ; dK_j += dS_ijᵀ · Q_i ; dV_j += P_ijᵀ · dY_i (tile j is first met at i = j)
       for (Index j = 0; j <= i; ++j) {
-        float* dqi = dq + i * tile_qkv + head;
-        gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, false, k + j * tile_qkv + head, false, dqi, j > 0);
-        gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, true, q + i * tile_qkv + head, false, dk + j * tile_qkv + head,
-                          i > j);
-        gemm_batched_bf16(G, TB, hs, TB, pi + j * tile_p, true, dy + i * tile_qkv + head, false,
-                          dv + j * tile_qkv + head, i > j);
+        gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, false, k + j * tq, false, dq + i * tq, j > 0);
+        gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, true, q + i * tq, false, dk + j * tq, i > j);
+        gemm_batched_bf16(G, TB, hs, TB, pi + j * tile_p, true, dy + i * tq, false, dv + j * tq, i > j);
       }
     }
+    attention_unpack(dqkv, C3, dq, g0, G, T, H, hs, t);
+    attention_unpack(dqkv + C, C3, dk, g0, G, T, H, hs, t);
+    attention_unpack(dqkv + 2 * C, C3, dv, g0, G, T, H, hs, t);
   }
-  attention_unpack(dqkv, C3, dq, 0, t.n, B, T, H, hs, t);
-  attention_unpack(dqkv + C, C3, dk, 0, t.n, B, T, H, hs, t);
-  attention_unpack(dqkv + 2 * C, C3, dv, 0, t.n, B, T, H, hs, t);
 }
 
 }  // namespace zero3d::kernels

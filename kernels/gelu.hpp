@@ -6,15 +6,18 @@
 
 #include "common.hpp"
 #include "fastmath.hpp"
+#include "half.hpp"
 
 namespace zero3d::kernels {
 
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 
-inline void gelu_forward(float* out, const float* inp, Index n) {
+// O: the output's type (bf16 when the output only feeds a bf16 product).
+template <typename O = float>
+inline void gelu_forward(O* out, const float* inp, Index n) {
   Kokkos::parallel_for("gelu_forward", range(n), KOKKOS_LAMBDA(Index i) {
     const float x = inp[i];
-    out[i] = 0.5f * x * (1.0f + fast_tanh(kGeluScale * (x + 0.044715f * x * x * x)));
+    out[i] = from_float<O>(0.5f * x * (1.0f + fast_tanh(kGeluScale * (x + 0.044715f * x * x * x))));
   });
 }
 

@@ -54,6 +54,15 @@ inline void matmul_forward(float* out, const float* inp, const P* weight, const 
   if (bias) add_bias_rows(out, bias, N, OC);
 }
 
+// The same with the input already bf16 (an activation kept in bf16 because a bf16 product is
+// its only reader): nothing to round. Only for compute = BF16.
+template <typename P>
+inline void matmul_forward(float* out, const bf16* inp, const P* weight, const P* bias, Index N, Index IC, Index OC,
+                           bool accumulate = false, DType compute = DType::BF16) {
+  gemm(N, OC, IC, {inp, DType::BF16, false, IC}, {weight, dtype_of<P>(), false, OC}, out, OC, accumulate, compute, bias,
+       dtype_of<P>());
+}
+
 // dinp = dout · weightᵀ (written, skipped when null); dweight += inpᵀ · dout (skipped when null:
 // the input-gradient pass of a zero-bubble schedule); dbias += Σ rows (skipped when null).
 // dout feeds two products and is converted to `compute` once, its column sums (the bias
@@ -64,6 +73,16 @@ inline void matmul_backward(float* dinp, float* dweight, float* dbias, const flo
   const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
   if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
   if (dweight) gemm(IC, OC, N, {inp, DType::F32, true, IC}, d, dweight, OC, true, compute);
+}
+
+// With a bf16 input (see the bf16 matmul_forward): the weight product reads it transposed as
+// it is (oneDNN's transposed-A kernel; a transposing pass would cost what it saves).
+template <typename P>
+inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const bf16* inp,
+                            const P* weight, Index N, Index IC, Index OC, DType compute = DType::BF16) {
+  const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
+  if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
+  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, d, dweight, OC, true, compute);
 }
 
 }  // namespace zero3d::kernels

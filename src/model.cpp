@@ -352,6 +352,15 @@ float GPT::forward(const int32_t* tokens, const int32_t* targets, ParamStore& st
 void GPT::backward(float grad_scale, ParamStore& store) { backward(0, own_, grad_scale, store); }
 
 namespace {
+// bf16 compute without tensor parallelism keeps the inputs of the bf16 products (ln_1, the
+// attention output, ln_2, the GELU output) in bf16 in their float-sized buffers; an MoE block's
+// MLP half keeps fp32 (its gate and experts read ln_2). Forward and backward ask the same question.
+bool activations_bf16(DType compute, bool tensor_parallel, bool moe_block, bool mlp_half) {
+  return compute == DType::BF16 && !tensor_parallel && !(mlp_half && moe_block);
+}
+bf16* as_bf16(float* x) { return reinterpret_cast<bf16*>(x); }
+const bf16* as_bf16(const float* x) { return reinterpret_cast<const bf16*>(x); }
+
 // res = residual + partial + bias: a row-parallel layer's output once its partial products are
 // summed over the tensor group (Megatron RowParallelLinear adds the bias after the all-reduce).
 template <typename P>
@@ -391,16 +400,29 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   const int u = c.first_block_unit + l;
   const int global_block = c.first_block + l;
   const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)), global_block);
+  // Inputs of bf16 products kept in bf16 where they are made (activations_bf16): the products
+  // round them anyway, so the rounding passes go and the backward reads half the bytes.
+  const bool moe_block = shape_.moe.is_moe_block(global_block);
+  const bool lp = activations_bf16(cmp, tp, moe_block, false), lp_mlp = activations_bf16(cmp, tp, moe_block, true);
   obs::Region region(obs::attention_module(c.first_block + l));  // the flops profiler's and trace's module
   // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
-  layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
-  matmul_forward(a.qkv, column_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+  if (lp) {
+    layernorm_forward(as_bf16(a.ln_1), a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
+    matmul_forward(a.qkv, as_bf16(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+  } else {
+    layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
+    matmul_forward(a.qkv, column_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+  }
   {
     const Stopwatch sw(attention_ms != nullptr);
-    attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp);
+    if (lp) attention_forward(as_bf16(a.atty), a.att, a.qkv, B, T, Cl, H, cmp);
+    else attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp);
     if (attention_ms) *attention_ms += sw.ms();
   }
-  if (!tp) {
+  if (lp) {
+    copy(a.res_2, residual, BT * C);
+    matmul_forward(a.res_2, as_bf16(a.atty), w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
+  } else if (!tp) {
     copy(a.res_2, residual, BT * C);
     matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
   } else {
@@ -409,7 +431,8 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   }
   // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
   region.next(obs::mlp_module(c.first_block + l));
-  layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
+  if (lp_mlp) layernorm_forward(as_bf16(a.ln_2), a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
+  else layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
   if (shape_.moe.is_moe_block(global_block)) {
     MoeActivations& m = *moe_saves(c, l, *buf);
     if (shape_.moe.use_residual) {  // PR-MoE's dense branch: mlp_out = mlp(ln_2), no residual yet
@@ -425,6 +448,15 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
       }
     }
     moe_forward<P>(global_block, a, m, w, *buf, store);
+    store.release(u);
+    store.progress();
+    return;
+  }
+  if (lp_mlp) {
+    matmul_forward(a.fch, as_bf16(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
+    gelu_forward(as_bf16(a.fch_gelu), a.fch, BT * 4 * Cl);
+    copy(a.res_3, a.res_2, BT * C);
+    matmul_forward(a.res_3, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
     store.release(u);
     store.progress();
     return;
@@ -637,7 +669,15 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       moe_mix_backward(*m, d_res_3, moe_tokens_c_);
       d_mlp = moe_tokens_c_;
     }
-    if (!moe || shape_.moe.use_residual) {
+    const bool lp = activations_bf16(cmp, tp, moe, false), lp_mlp = activations_bf16(cmp, tp, moe, true);
+    if (lp_mlp) {  // the forward kept the GELU output and ln_2 in bf16
+      matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
+                      d_mlp, as_bf16(a.fch_gelu), w.mlp_proj_w, BT, 4 * Cl, C, cmp);
+      store.progress();
+      if (input) gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
+      matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                      as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp);
+    } else if (!moe || shape_.moe.use_residual) {
       matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
                       d_mlp, a.fch_gelu, w.mlp_proj_w, BT, 4 * Cl, C, cmp);
       store.progress();
@@ -668,12 +708,19 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       if (ac_.profile) time_of(c.first_block + l, 1).recompute_ms += sw.ms();
       checkpoint_boundary();
     }
-    matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
-                    d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp);
+    if (lp)
+      matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
+                      d_res_2, as_bf16(a.atty), w.attn_proj_w, BT, Cl, C, cmp);
+    else
+      matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
+                      d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp);
     store.progress();
     if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp);
     store.progress();
-    if (!tp) {
+    if (lp) {
+      matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
+                      d_qkv, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp);
+    } else if (!tp) {
       matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
                       d_qkv, a.ln_1, w.c_attn_w, BT, C, 3 * Cl, cmp);
     } else {

@@ -220,7 +220,17 @@ void ZeroOptimizer::cast_master_to_params() {
 void ZeroOptimizer::start_gather(int u) {
   const ParamUnit& unit = units_[u];
   Gathered g;
-  g.buffer = TypedBuffer("gathered_unit", types_.param, unit.numel, /*zero=*/false);
+  // A freed buffer of the unit's size when there is one (blocks all have the same): a fresh
+  // allocation of megabytes costs its page faults on every gather.
+  const auto spare = std::find_if(spare_gathers_.begin(), spare_gathers_.end(), [&](const TypedBuffer& b) {
+    return b.size() == unit.numel && b.type() == types_.param;
+  });
+  if (spare != spare_gathers_.end()) {
+    g.buffer = std::move(*spare);
+    spare_gathers_.erase(spare);
+  } else {
+    g.buffer = TypedBuffer("gathered_unit", types_.param, unit.numel, /*zero=*/false);
+  }
   std::vector<int64_t> counts(world_), displs(world_);
   for (int r = 0; r < world_; ++r) {
     const auto [lo, hi] = part_.owned(r, unit.offset, unit.offset + unit.numel);
@@ -241,6 +251,7 @@ void ZeroOptimizer::free_gathered(int u) {
   if (it == gathered_.end()) return;
   if (it->second.pending) it->second.pending->wait();
   live_elems_ -= units_[u].numel;
+  spare_gathers_.push_back(std::move(it->second.buffer));
   gathered_.erase(it);
 }
 

@@ -216,6 +216,7 @@ class ZeroOptimizer : public ParamStore {
 
   // stage 3: gathered units and the fetch trace
   std::map<int, Gathered> gathered_;
+  std::vector<TypedBuffer> spare_gathers_;  // freed gather buffers, reused: no allocation or page faults per gather
   std::vector<bool> persistent_;
   std::vector<int> trace_;
   size_t trace_pos_ = 0;  // index in trace_ of the current (or next) fetch

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Where a bf16 training step's time goes, kernel by kernel (issue 17). Two runs of the same
+# model with the Kokkos Tools kernel timer (benchmarks/kernel_timer.cpp: thread CPU time, so a
+# loaded machine moves the figures little), S1 and S2 steps; their difference divided by
+# S2 - S1 is one steady step without start-up or first-step warm-up. Then the kernel benchmark
+# at gpt-small-cpu's shapes gives each kernel's rate against its own limit: GFLOP/s against
+# the 512³ bf16 product (what zero3d's MFU peak measures), GB/s against a plain copy.
+# Usage: benchmarks/bf16_breakdown.sh [BUILD_DIR] [CONFIG] [WORKDIR]   (one rank, 1 BLAS thread)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build}
+CONFIG=${2:-input/gpt-small-cpu.json}
+DIR=${3:-output/bf16_breakdown}
+S1=${S1:-2}
+S2=${S2:-8}
+mkdir -p "$DIR"
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+for steps in "$S1" "$S2"; do
+  KOKKOS_PROFILE_LIBRARY="$BUILD/benchmarks/libzero3d_kernel_timer.so" ZERO3D_KERNEL_TIMER_OUT="$DIR/timer_s$steps" \
+    "$BUILD/zero3d" train "$CONFIG" --set bf16.enabled=true --set training.steps="$steps" --output "$DIR/run_s$steps" \
+    > "$DIR/run_s$steps.log" 2>&1
+done
+python3 - "$DIR/timer_s$S1.0.tsv" "$DIR/timer_s$S2.0.tsv" $((S2 - S1)) "$CONFIG" <<'PY'
+import csv, sys
+def load(path):
+    return {r["name"]: (int(r["calls"]), float(r["exclusive_ms"])) for r in csv.DictReader(open(path), delimiter="\t")}
+a, b, steps = load(sys.argv[1]), load(sys.argv[2]), float(sys.argv[3])
+rows = [(k, (b[k][0] - a.get(k, (0, 0))[0]) / steps, (b[k][1] - a.get(k, (0, 0))[1]) / steps) for k in b]
+step = next(ms for k, _, ms in rows if k == "(process)")
+rows = sorted((r for r in rows if r[0] != "(process)" and not r[0].startswith("Kokkos::View::init")), key=lambda r: -r[2])
+named = sum(ms for _, _, ms in rows)
+groups = {"products": ("gemm_",), "attention": ("attention_",), "casts": ("convert",),
+          "optimizer": ("adam", "lion", "adagrad", "sgd", "lamb", "sum_of_squares", "scale_in_place", "Kokkos::ViewFill")}
+print(f"bf16 step of {sys.argv[4]}, one rank: {step:.1f} ms of CPU per step (steady state)\n")
+print(f"{'kernel':<34}{'calls':>8}{'ms/step':>10}{'share':>8}")
+for name, calls, ms in rows:
+    if ms >= 0.05:
+        print(f"{name[:34]:<34}{calls:>8.0f}{ms:>10.2f}{100 * ms / step:>7.1f}%")
+print(f"{'(outside named kernels)':<34}{'':>8}{step - named:>10.2f}{100 * (step - named) / step:>7.1f}%")
+print()
+for g, prefixes in groups.items():
+    ms = sum(m for n, _, m in rows if n.startswith(prefixes))
+    print(f"  {g:<12}{ms:>8.1f} ms  {100 * ms / step:5.1f}%")
+PY
+echo
+echo "Each kernel's rate at gpt-small-cpu's shapes (B=8, T=256, C=384), against its limit:"
+"$BUILD/benchmarks/zero3d_bench" --benchmark_min_time=0.2 \
+  --benchmark_filter='GemmBf16/512/|GemmBf16/2048/1152|LinearTrainingProducts/.*/1$|AttentionForward/1|AttentionBackward/1|LayerNorm|Gelu|Convert|CopyStream|AdamW' 2>&1 |
+  grep -E '^BM_'
