@@ -17,8 +17,10 @@ inline void crossentropy_forward(float* losses, float* lse, const float* logits,
   Kokkos::parallel_for("crossentropy_forward", range(N), KOKKOS_LAMBDA(Index i) {
     const float* z = logits + i * V;
     float mx = z[0];
+#pragma omp simd reduction(max : mx)  // a float reduction vectorises only when told it may reorder
     for (Index v = 1; v < V; ++v) mx = z[v] > mx ? z[v] : mx;
     float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
     for (Index v = 0; v < V; ++v) sum += fast_exp(z[v] - mx);
     const float l = mx + std::log(sum);
     lse[i] = l;
