@@ -215,32 +215,43 @@ BENCHMARK(BM_LayerNormBackward)->Unit(benchmark::kMicrosecond);
 
 // Causal attention FLOPs counted as the full T×T products (4·B·T²·C forward), as the MFU formula does.
 // arg: 1 = the bf16 compute path (tiled, oneDNN batched products), 0 = fp32.
+// args = (bf16, gpt2): gpt2 = 1 is GPT-2 124M's attention (B=1, T=1024, H=12, C=768) instead
+// of gpt-small-cpu's.
+struct AttentionShape {
+  Index B, T, C, H;
+};
+AttentionShape attention_shape(const benchmark::State& state) {
+  return state.range(1) ? AttentionShape{1, 1024, 768, 12} : AttentionShape{B, T, C, H};
+}
+
 void BM_AttentionForward(benchmark::State& state) {
   const DType compute = state.range(0) ? DType::BF16 : DType::F32;
-  auto qkv = randn(BT * 3 * C, 8);
-  std::vector<float> out(BT * C), att(B * H * T * T);
+  const auto [b, t, c, h] = attention_shape(state);
+  auto qkv = randn(b * t * 3 * c, 8);
+  std::vector<float> out(b * t * c), att(b * h * t * t);
   for (auto _ : state) {
-    attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H, compute);
+    attention_forward(out.data(), att.data(), qkv.data(), b, t, c, h, compute);
     benchmark::ClobberMemory();
   }
-  state.counters["GFLOP/s"] = benchmark::Counter(4.0 * B * T * T * C, benchmark::Counter::kIsIterationInvariantRate,
+  state.counters["GFLOP/s"] = benchmark::Counter(4.0 * b * t * t * c, benchmark::Counter::kIsIterationInvariantRate,
                                                  benchmark::Counter::kIs1000);
 }
-BENCHMARK(BM_AttentionForward)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionForward)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond);
 
 void BM_AttentionBackward(benchmark::State& state) {
   const DType compute = state.range(0) ? DType::BF16 : DType::F32;
-  auto qkv = randn(BT * 3 * C, 8), dout = randn(BT * C, 9);
-  std::vector<float> out(BT * C), att(B * H * T * T), dqkv(BT * 3 * C), scratch(kRowBlock * T);
-  attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H, compute);
+  const auto [b, t, c, h] = attention_shape(state);
+  auto qkv = randn(b * t * 3 * c, 8), dout = randn(b * t * c, 9);
+  std::vector<float> out(b * t * c), att(b * h * t * t), dqkv(b * t * 3 * c), scratch(kRowBlock * t);
+  attention_forward(out.data(), att.data(), qkv.data(), b, t, c, h, compute);
   for (auto _ : state) {
-    attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), B, T, C, H, compute);
+    attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), b, t, c, h, compute);
     benchmark::ClobberMemory();
   }
-  state.counters["GFLOP/s"] = benchmark::Counter(8.0 * B * T * T * C, benchmark::Counter::kIsIterationInvariantRate,
+  state.counters["GFLOP/s"] = benchmark::Counter(8.0 * b * t * t * c, benchmark::Counter::kIsIterationInvariantRate,
                                                  benchmark::Counter::kIs1000);
 }
-BENCHMARK(BM_AttentionBackward)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionBackward)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond);
 
 void BM_GeluForward(benchmark::State& state) {
   const Index n = BT * 4 * C;

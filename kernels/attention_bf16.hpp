@@ -1,7 +1,7 @@
 // attention_bf16.hpp — causal self-attention with bf16 products (the BF16 compute dtype).
 //
 // Same contract as attention.hpp's fp32 kernels, computed in tiles: positions are cut into
-// n tiles of TB (TB = ceil(T/n) <= kAttentionTile) and only the tiles on or below the
+// n tiles of TB (TB = ceil(T/n) <= attention_tile(T)) and only the tiles on or below the
 // diagonal are multiplied — a causal row tile i needs key tiles 0..i, about half the dense
 // T×T work. Each tile product runs batched over every (batch, head) pair on dense operands,
 // which is what lets oneDNN pick its brgemm kernels (strided views of qkv fall back to a path
@@ -25,13 +25,15 @@
 
 namespace zero3d::kernels {
 
-constexpr Index kAttentionTile = 64;
+// Tiles of up to 64 positions, 128 past T = 512: longer sequences have many more tiles, and
+// fewer, larger products pay less per call (GPT-2's T = 1024: attention 18% faster at 128).
+inline Index attention_tile(Index T) { return T > 512 ? 128 : 64; }
 
 // The tiling of T positions: n tiles of TB rows, Tp = n·TB >= T.
 struct AttentionTiles {
   Index n, TB, Tp;
   explicit AttentionTiles(Index T)
-      : n((T + kAttentionTile - 1) / kAttentionTile), TB((T + n - 1) / n), Tp(n * ((T + n - 1) / n)) {}
+      : n((T + attention_tile(T) - 1) / attention_tile(T)), TB((T + n - 1) / n), Tp(n * ((T + n - 1) / n)) {}
   static Index pair(Index i, Index j) { return i * (i + 1) / 2 + j; }
 };
 
@@ -218,17 +220,21 @@ inline void attention_softmax_backward_rows(bf16* ds, const bf16* p, Index p_str
   });
 }
 
-// Heads are processed kAttentionHeadGroup at a time, each group packed, multiplied and unpacked
-// before the next: its q, k, v tiles (8 heads · T · hs · 6 bytes) and a row tile's scores stay in
-// L2 from the packing through the products and the softmax.
-constexpr Index kAttentionHeadGroup = 8;
+// Heads are processed a group at a time, each group packed, multiplied and unpacked before the
+// next, so its q, k, v tiles (G · T · hs · 6 bytes) stay near L2's 1 MiB from the packing
+// through the products and the softmax: 8 heads at T = 256, 2 at T = 1024 (measured best at
+// both; fewer heads per product cost more per call than the cache saves).
+inline Index attention_head_group(Index T, Index hs, Index BH) {
+  const Index fits = (Index(1) << 20) / (T * hs * 6);
+  return std::min(BH, fits < 2 ? Index(2) : fits > 8 ? Index(8) : fits);
+}
 
 template <typename O>
 inline void attention_forward_bf16(O* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T);
-  const Index TB = t.TB, tile_p = BH * TB * TB, G0 = std::min(kAttentionHeadGroup, BH);
+  const Index TB = t.TB, tile_p = BH * TB * TB, G0 = attention_head_group(T, hs, BH);
   AttentionWorkspace& w = attention_workspace();
   bf16* q = AttentionWorkspace::take(w.q, t.n * G0 * TB * hs);
   bf16* k = AttentionWorkspace::take(w.k, t.n * G0 * TB * hs);
@@ -259,7 +265,7 @@ inline void attention_backward_bf16(float* dqkv, const float* dout, const float*
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T);
-  const Index TB = t.TB, tile_p = BH * TB * TB, G0 = std::min(kAttentionHeadGroup, BH);
+  const Index TB = t.TB, tile_p = BH * TB * TB, G0 = attention_head_group(T, hs, BH);
   AttentionWorkspace& w = attention_workspace();
   bf16* q = AttentionWorkspace::take(w.q, t.n * G0 * TB * hs);
   bf16* k = AttentionWorkspace::take(w.k, t.n * G0 * TB * hs);

@@ -133,7 +133,8 @@ TEST(Bf16LayerNorm, ABf16OutputIsTheFp32OutputRounded) {
 }
 
 // Shapes: several tiles (T = 150: 3 tiles of 50), a padded last tile (T = 130: 3 tiles of 44,
-// two zero rows), one tile (T = 20); B·H = 10 spans two head groups.
+// two zero rows), one tile (T = 20), the long-sequence tiling (T = 600: 5 tiles of 120); B·H = 10
+// spans two head groups.
 struct AttentionShape {
   Index B, T, C, H;
 };
@@ -169,6 +170,6 @@ TEST_P(Bf16Attention, IsCausal) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Bf16Attention,
                          ::testing::Values(AttentionShape{2, 150, 40, 5}, AttentionShape{1, 130, 24, 3},
-                                           AttentionShape{2, 20, 16, 2}));
+                                           AttentionShape{2, 20, 16, 2}, AttentionShape{1, 600, 16, 2}));
 
 }  // namespace
