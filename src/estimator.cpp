@@ -97,9 +97,9 @@ MoeRouting moe_routing_of(const MoeConfig& m, uint64_t seed) {
   r.drop_tokens = m.drop_tokens;
   r.use_rts = m.use_rts;
   r.top2_2nd_expert_sampling = m.top2_2nd_expert_sampling;
-  r.noise = m.noisy_gate_policy == "Jitter"    ? MoeRouting::Noise::Jitter
-            : m.noisy_gate_policy == "RSample" ? MoeRouting::Noise::RSample
-                                               : MoeRouting::Noise::None;
+  r.noise = m.noisy_gate_policy == "Jitter"    ? kernels::moe::NoisyGate::Jitter
+            : m.noisy_gate_policy == "RSample" ? kernels::moe::NoisyGate::RSample
+                                               : kernels::moe::NoisyGate::None;
   r.aux_loss_coef = m.aux_loss_coef;
   r.seed = seed;
   return r;

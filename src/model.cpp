@@ -190,7 +190,7 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
   for (int64_t j = 0; j < plan.moe_blocks; ++j) {
     const int64_t S = BT, R = moe_rows_;
     MoeActivations m;
-    if (moe_.noise == MoeRouting::Noise::Jitter) m.gate_noise = take(S * C);
+    if (moe_.noise == kernels::moe::NoisyGate::Jitter) m.gate_noise = take(S * C);
     m.expert_in = take(R * C);
     m.expert_fch = take(moe_hidden() * R);
     m.expert_fch_gelu = take(moe_hidden() * R);

@@ -13,6 +13,7 @@
 #include "buffer.hpp"
 #include "checkpointing.hpp"
 #include "dtype.hpp"
+#include "moe.hpp"  // the gate's settings and routing (MPI-free kernels)
 #include "tensor_parallel.hpp"
 
 namespace zero3d {
@@ -189,9 +190,6 @@ class FlatParamStore : public ParamStore {
   float* grads_;
 };
 
-namespace kernels::moe {
-struct Routing;
-}
 
 // How MoE blocks route tokens at run time (model.moe; DeepSpeed's TopKGate, FACTS-2 §4.2-4.4)
 // and the expert-parallel group their tokens move in.
@@ -200,7 +198,7 @@ struct MoeRouting {
   double capacity_factor = 1.0, eval_capacity_factor = 1.0;
   int64_t min_capacity = 4;
   bool drop_tokens = true, use_rts = true, top2_2nd_expert_sampling = true;
-  enum class Noise { None, Jitter, RSample } noise = Noise::None;
+  kernels::moe::NoisyGate noise = kernels::moe::NoisyGate::None;
   double aux_loss_coef = 0.01;
   uint64_t seed = 0;               // with ActivationBuffer::draw_key, every random draw of the gate
   Communicator* expert = nullptr;  // ep ranks: dispatch/combine all-to-all, the no-drop capacity's max

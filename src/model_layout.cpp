@@ -349,7 +349,7 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
       p.moe_blocks = std::max(p.moe_blocks, n);
     }
     const int64_t F = shape.moe.expert_tensor_parallel ? 4 * C / t : 4 * C;  // an expert's hidden width here
-    p.per_moe_block = (moe.noise == MoeRouting::Noise::Jitter ? S * C : 0) + R * C + 2 * R * F + S * k * C +
+    p.per_moe_block = (moe.noise == kernels::moe::NoisyGate::Jitter ? S * C : 0) + R * C + 2 * R * F + S * k * C +
                       (shape.moe.use_residual ? 2 * S * C + 2 * S : 0);
     p.scratch += S * k * C + 2 * R * C + R * F + 2 * S * E + S * k + S * C +
                  (shape.moe.use_residual ? S * C + 2 * S : 0);

@@ -36,9 +36,7 @@ moe::GateConfig gate_config(const MoeShape& shape, const MoeRouting& r, bool tra
   g.drop_tokens = r.drop_tokens;
   g.use_rts = r.use_rts;
   g.top2_2nd_expert_sampling = r.top2_2nd_expert_sampling;
-  g.noise = r.noise == MoeRouting::Noise::Jitter    ? moe::NoisyGate::Jitter
-            : r.noise == MoeRouting::Noise::RSample ? moe::NoisyGate::RSample
-                                                    : moe::NoisyGate::None;
+  g.noise = r.noise;
   g.training = training;
   return g;
 }
