@@ -74,6 +74,7 @@ bench: build
 goldens:
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_goldens.py tests/golden
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_moe_goldens.py tests/golden
+	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_sparse_attention_goldens.py tests/golden
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -727,8 +727,6 @@ void read_unsupported_top_level(Section& top) {
   // torch.compile compiles PyTorch modules for the GPU; zero3d's kernels are compiled C++.
   top.no_effect("compile", "torch.compile has no PyTorch graph to compile here; zero3d's kernels are compiled C++");
   // Sections without an "enabled" key: their presence turns the feature on in DeepSpeed.
-  top.feature_missing("sparse_attention", nullptr, "sparse attention",
-                      "remove the section: zero3d's attention is dense (causal)");
   top.feature_missing("compression_training", nullptr, "compression training (quantization/pruning while training)",
                       "remove the section");
   top.feature_missing("quantize_training", nullptr, "quantization-aware training", "remove the section");
@@ -1059,6 +1057,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   step([&] { c.observability = read_observability(top); });
   step([&] { c.autotuning = read_autotuning(top); });
   step([&] { read_unsupported_top_level(top); });
+  step([&] { c.model.sparse_attention = read_sparse_attention(top, c); });
   step([&] { c.checkpoint = read_checkpoint_section(top, c); });
   if (layout_ok) step([&] { check_moe(top, c, dp); });
   if (root.contains("strategy")) top.record("strategy", root["strategy"]);

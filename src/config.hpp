@@ -17,6 +17,7 @@
 #include "dtype.hpp"
 #include "observability_config.hpp"
 #include "pipe_plan.hpp"
+#include "sparse_attention.hpp"
 
 namespace zero3d {
 
@@ -46,6 +47,7 @@ struct ModelConfig {
   int64_t n_embd = 64;
   std::string init_from;  // HDF5 or safetensors file with Hugging Face GPT-2 names; empty = init from seed
   MoeConfig moe;
+  SparseAttention sparse_attention;  // the top-level `sparse_attention` section (a model property here)
 };
 
 enum class DataSource { Synthetic, Text, Tokens };

@@ -485,5 +485,7 @@ void read_gradient_averaging(Section& top, Config& c);
 // model.moe (config_moe.cpp): the section, then its checks against the layout and the rest of the run.
 MoeConfig read_moe(Section& model);
 void check_moe(Section& top, const Config& c, int64_t data_parallel_size);
+// sparse_attention (config_sparse_attention.cpp): the layout's keys for its mode and DeepSpeed's checks.
+SparseAttention read_sparse_attention(Section& top, const Config& c);
 
 }  // namespace zero3d::config_detail

@@ -460,6 +460,8 @@ void Engine::print_startup() const {
                 (long long)mo.min_capacity, mo.drop_tokens ? "" : ", no drops", mo.use_residual ? ", residual" : "",
                 (long long)gpt_active_params(s, mo.k), (long long)gpt_layout(s).total());
   }
+  if (s.sparse.enabled)
+    std::printf("sparse  %s\n", sparse_attention_summary(s.sparse, s.n_head, s.n_positions, s.n_layer).c_str());
   std::printf("batch   %s\n", cfg_.batch.derivation.c_str());
   if (tp_comm_->size() > 1) {
     const ModelPart& part = model_->part();

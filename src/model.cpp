@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "attention.hpp"
+#include "attention_sparse.hpp"
 #include "crossentropy.hpp"
 #include "encoder.hpp"
 #include "gelu.hpp"
@@ -96,6 +97,16 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
   const int64_t C = shape.n_embd, BT = B * T, t = part_.tp_size;
   Cl_ = C / t;
   Hl_ = shape.n_head / t;
+  if (shape.sparse.enabled) {  // this rank's heads of each of its blocks' layouts
+    sparse_layouts_.resize(static_cast<size_t>(shape.n_layer));
+    const int64_t nb = T / shape.sparse.block, per_head = nb * nb;
+    for (const ModelChunk& c : part_.chunks)
+      for (int l = c.first_block; l < c.first_block + c.num_blocks; ++l) {
+        const std::vector<uint8_t> all = sparse_block_layout(shape.sparse, shape.n_head, T, l);
+        const auto first = all.begin() + part_.tp_rank * Hl_ * per_head;
+        sparse_layouts_[l].assign(first, first + Hl_ * per_head);
+      }
+  }
   Vl_ = part_.vocab_local;
   for (const ModelChunk& c : part_.chunks) {
     max_blocks_ = std::max(max_blocks_, c.num_blocks);
@@ -403,7 +414,9 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   // Inputs of bf16 products kept in bf16 where they are made (activations_bf16): the products
   // round them anyway, so the rounding passes go and the backward reads half the bytes.
   const bool moe_block = shape_.moe.is_moe_block(global_block);
-  const bool lp = activations_bf16(cmp, tp, moe_block, false), lp_mlp = activations_bf16(cmp, tp, moe_block, true);
+  // (sparse attention runs in fp32 and hands the product an fp32 input)
+  const bool lp = !shape_.sparse.enabled && activations_bf16(cmp, tp, moe_block, false),
+             lp_mlp = activations_bf16(cmp, tp, moe_block, true);
   obs::Region region(obs::attention_module(c.first_block + l));  // the flops profiler's and trace's module
   // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
   if (lp) {
@@ -415,7 +428,9 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   }
   {
     const Stopwatch sw(attention_ms != nullptr);
-    if (lp) attention_forward(as_bf16(a.atty), a.att, a.qkv, B, T, Cl, H, cmp);
+    if (shape_.sparse.enabled)
+      sparse_attention_forward(a.atty, a.att, a.qkv, sparse_layouts_[global_block].data(), shape_.sparse.block, B, T, Cl, H);
+    else if (lp) attention_forward(as_bf16(a.atty), a.att, a.qkv, B, T, Cl, H, cmp);
     else attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp);
     if (attention_ms) *attention_ms += sw.ms();
   }
@@ -669,7 +684,8 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       moe_mix_backward(*m, d_res_3, moe_tokens_c_);
       d_mlp = moe_tokens_c_;
     }
-    const bool lp = activations_bf16(cmp, tp, moe, false), lp_mlp = activations_bf16(cmp, tp, moe, true);
+    const bool lp = !shape_.sparse.enabled && activations_bf16(cmp, tp, moe, false),
+               lp_mlp = activations_bf16(cmp, tp, moe, true);
     if (lp_mlp) {  // the forward kept the GELU output and ln_2 in bf16
       matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
                       d_mlp, as_bf16(a.fch_gelu), w.mlp_proj_w, BT, 4 * Cl, C, cmp);
@@ -704,7 +720,10 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       const obs::PassScope recompute(obs::Pass::Recompute);
       checkpoint_boundary();
       const Stopwatch sw(ac_.profile);
-      attention_forward(datty_, a.att, a.qkv, B, T, Cl, H, cmp);  // datty_ is free until the product below
+      if (shape_.sparse.enabled)  // datty_ is free until the product below
+        sparse_attention_forward(datty_, a.att, a.qkv, sparse_layouts_[c.first_block + l].data(), shape_.sparse.block,
+                                 B, T, Cl, H);
+      else attention_forward(datty_, a.att, a.qkv, B, T, Cl, H, cmp);
       if (ac_.profile) time_of(c.first_block + l, 1).recompute_ms += sw.ms();
       checkpoint_boundary();
     }
@@ -715,7 +734,10 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
                       d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp);
     store.progress();
-    if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp);
+    if (input && shape_.sparse.enabled)
+      sparse_attention_backward(d_qkv, datty_, a.qkv, a.att, sparse_layouts_[c.first_block + l].data(),
+                                shape_.sparse.block, B, T, Cl, H);
+    else if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp);
     store.progress();
     if (lp) {
       matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,

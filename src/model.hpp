@@ -14,6 +14,7 @@
 #include "checkpointing.hpp"
 #include "dtype.hpp"
 #include "moe.hpp"  // the gate's settings and routing (MPI-free kernels)
+#include "sparse_attention.hpp"
 #include "tensor_parallel.hpp"
 
 namespace zero3d {
@@ -38,6 +39,7 @@ struct GPTShape {
   int64_t n_head = 2;         // H
   int64_t n_embd = 64;        // C
   MoeShape moe = {};  // (= {}: aggregate initialisers of the dense fields stay warning-free)
+  SparseAttention sparse = {};  // block-sparse attention layouts (disabled: dense causal attention)
 };
 
 // The tensors of one transformer block, as pointers into a flat buffer of T (parameters in
@@ -59,7 +61,8 @@ extern const char* const kExpertTensorNames[4];
 
 // Model FLOPs per trained token: 6N + 12·L·T·C (forward + backward, attention included). With
 // MoE, N counts the parameters a token meets: the dense ones and k of each layer's E experts
-// (gpt_active_params).
+// (gpt_active_params). With sparse attention the attention term is scaled by the layouts'
+// share of the causal blocks (causal_block_share, averaged over the blocks).
 double gpt_flops_per_token(const GPTShape& shape, int64_t num_params);
 int64_t gpt_active_params(const GPTShape& shape, int64_t k);
 
@@ -418,6 +421,8 @@ class GPT {
   // MoE: routing settings, the workspace every MoE block shares (dispatch and return rows, the
   // experts' backward, gate gradients), and the figures take_moe_stats() hands out.
   MoeRouting moe_;
+  // Sparse attention: this rank's heads' [Hl, nb, nb] layout of each global block it holds.
+  std::vector<std::vector<uint8_t>> sparse_layouts_;
   int64_t moe_rows_ = 0;  // R: rows this rank's experts can receive per block
   FlatBuffer moe_ws_;
   float *moe_send_ = nullptr, *moe_recv_ = nullptr, *moe_rows_c_ = nullptr, *moe_rows_4c_ = nullptr;

@@ -266,8 +266,17 @@ int64_t moe_rows_bound(const MoeShape& shape, const MoeRouting& r, int64_t S) {
 }
 
 double gpt_flops_per_token(const GPTShape& s, int64_t num_params) {
-  return 6.0 * static_cast<double>(num_params) +
-         12.0 * static_cast<double>(s.n_layer) * static_cast<double>(s.n_positions) * static_cast<double>(s.n_embd);
+  double attention_share = 1.0;
+  if (s.sparse.enabled) {
+    const int64_t nb = s.n_positions / s.sparse.block;
+    attention_share = 0.0;
+    for (int64_t l = 0; l < s.n_layer; ++l)
+      attention_share += causal_block_share(sparse_block_layout(s.sparse, s.n_head, s.n_positions, l), s.n_head, nb);
+    attention_share /= static_cast<double>(s.n_layer);
+  }
+  return 6.0 * static_cast<double>(num_params) + 12.0 * static_cast<double>(s.n_layer) *
+                                                     static_cast<double>(s.n_positions) *
+                                                     static_cast<double>(s.n_embd) * attention_share;
 }
 
 void init_gpt_params_range(float* out, const ParamLayout& layout, const GPTShape& shape, uint64_t seed, int64_t begin,

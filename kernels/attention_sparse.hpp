@@ -1,0 +1,173 @@
+// attention_sparse.hpp — block-sparse causal self-attention (DeepSpeed's sparse_attention,
+// DEEPSPEED-FACTS-2 §8) on the fused qkv activation, fp32.
+//
+// layout[H, nb, nb] (nb = T / block) says which key blocks each query block of each head
+// attends; the model is causal, so only key blocks kb <= qb are computed, and inside the
+// diagonal block key j <= query i. Per (batch, head, query block) the selected key and value
+// rows are gathered into one panel, so each product is a single sgemm over only the work the
+// layout keeps. att[B,H,T,T] keeps the probabilities at the computed positions (others unread).
+#pragma once
+
+#include <cblas.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common.hpp"
+#include "fastmath.hpp"
+#include "profiler.hpp"
+
+namespace zero3d::kernels {
+
+namespace sparse_detail {
+
+// The key blocks query block qb of head h computes: those set in the layout, up to the diagonal.
+inline void key_blocks(std::vector<Index>& out, const uint8_t* layout, Index h, Index nb, Index qb) {
+  out.clear();
+  for (Index kb = 0; kb <= qb; ++kb)
+    if (layout[(h * nb + qb) * nb + kb]) out.push_back(kb);
+}
+
+// rows [kb·bs, kb·bs + bs) of a head's k (or v) for each listed block, packed into panel[n, hs].
+inline void gather_rows(float* panel, const float* src, const std::vector<Index>& blocks, Index bs, Index hs,
+                        Index stride) {
+  Index at = 0;
+  for (Index kb : blocks)
+    for (Index j = 0; j < bs; ++j, ++at)
+      for (Index c = 0; c < hs; ++c) panel[at * hs + c] = src[(kb * bs + j) * stride + c];
+}
+
+inline void scatter_add_rows(float* dst, const float* panel, const std::vector<Index>& blocks, Index bs, Index hs,
+                             Index stride) {
+  Index at = 0;
+  for (Index kb : blocks)
+    for (Index j = 0; j < bs; ++j, ++at)
+      for (Index c = 0; c < hs; ++c) dst[(kb * bs + j) * stride + c] += panel[at * hs + c];
+}
+
+inline double macs(const uint8_t* layout, Index B, Index H, Index nb, Index bs, Index hs) {
+  double blocks = 0;
+  for (Index h = 0; h < H; ++h)
+    for (Index qb = 0; qb < nb; ++qb)
+      for (Index kb = 0; kb <= qb; ++kb) blocks += layout[(h * nb + qb) * nb + kb];
+  return static_cast<double>(B) * blocks * static_cast<double>(bs * bs * hs);
+}
+
+}  // namespace sparse_detail
+
+inline void sparse_attention_forward(float* out, float* att, const float* qkv, const uint8_t* layout, Index block,
+                                     Index B, Index T, Index C, Index H) {
+  using namespace sparse_detail;
+  const Index hs = C / H, C3 = 3 * C, nb = T / block, bs = block;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  obs::add_macs(2.0 * macs(layout, B, H, nb, bs, hs));  // q·kᵀ and p·v over the computed blocks
+  const ProfileRegion region("sparse_attention_forward");
+  std::vector<float> kp(T * hs), vp(T * hs), s(bs * T);
+  std::vector<Index> blocks;
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const float* q = qkv + b * T * C3 + h * hs;
+      const float* k = q + C;
+      const float* v = q + 2 * C;
+      float* p = att + (b * H + h) * T * T;
+      float* o = out + b * T * C + h * hs;
+      for (Index qb = 0; qb < nb; ++qb) {
+        key_blocks(blocks, layout, h, nb, qb);
+        const Index n = static_cast<Index>(blocks.size()) * bs, r0 = qb * bs;
+        if (n == 0) {  // validation rejects a layout that leaves a query block no key; never reached
+          for (Index i = 0; i < bs; ++i)
+            for (Index c = 0; c < hs; ++c) o[(r0 + i) * C + c] = 0.0f;
+          continue;
+        }
+        gather_rows(kp.data(), k, blocks, bs, hs, C3);
+        gather_rows(vp.data(), v, blocks, bs, hs, C3);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bs, n, hs, scale, q + r0 * C3, C3, kp.data(), hs, 0.0f,
+                    s.data(), n);
+        // The diagonal block is always last in the panel (blocks ascend and end at qb when set).
+        const bool diagonal = !blocks.empty() && blocks.back() == qb;
+        for (Index i = 0; i < bs; ++i) {
+          float* row = s.data() + i * n;
+          const Index valid = diagonal ? n - bs + i + 1 : n;  // keys after query r0 + i are masked
+          float mx = row[0];
+          for (Index j = 1; j < valid; ++j) mx = row[j] > mx ? row[j] : mx;
+          float sum = 0.0f;
+          for (Index j = 0; j < valid; ++j) {
+            row[j] = fast_exp(row[j] - mx);
+            sum += row[j];
+          }
+          const float inv = 1.0f / sum;
+          for (Index j = 0; j < valid; ++j) row[j] *= inv;
+          for (Index j = valid; j < n; ++j) row[j] = 0.0f;
+          // keep the probabilities at their dense positions for the backward
+          float* prow = p + (r0 + i) * T;
+          Index at = 0;
+          for (Index kb : blocks)
+            for (Index j = 0; j < bs; ++j, ++at) prow[kb * bs + j] = row[at];
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bs, hs, n, 1.0f, s.data(), n, vp.data(), hs, 0.0f,
+                    o + r0 * C, C);
+      }
+    }
+}
+
+// dqkv written (all of it), from the probabilities sparse_attention_forward kept in att.
+inline void sparse_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                                      const uint8_t* layout, Index block, Index B, Index T, Index C, Index H) {
+  using namespace sparse_detail;
+  const Index hs = C / H, C3 = 3 * C, nb = T / block, bs = block;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  obs::add_macs(4.0 * macs(layout, B, H, nb, bs, hs));  // dp, dv, dq, dk: twice the forward's products
+  const ProfileRegion region("sparse_attention_backward");
+  for (Index bt = 0; bt < B * T; ++bt)  // dk and dv accumulate over query blocks: start from zero
+    for (Index c = C; c < C3; ++c) dqkv[bt * C3 + c] = 0.0f;
+  std::vector<float> kp(T * hs), vp(T * hs), pp(bs * T), dp(bs * T), dkp(T * hs), dvp(T * hs);
+  std::vector<Index> blocks;
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const float* q = qkv + b * T * C3 + h * hs;
+      const float* k = q + C;
+      const float* v = q + 2 * C;
+      float* dq = dqkv + b * T * C3 + h * hs;
+      float* dk = dq + C;
+      float* dv = dq + 2 * C;
+      const float* p = att + (b * H + h) * T * T;
+      const float* dy = dout + b * T * C + h * hs;
+      for (Index qb = 0; qb < nb; ++qb) {
+        key_blocks(blocks, layout, h, nb, qb);
+        const Index n = static_cast<Index>(blocks.size()) * bs, r0 = qb * bs;
+        const bool diagonal = !blocks.empty() && blocks.back() == qb;
+        gather_rows(kp.data(), k, blocks, bs, hs, C3);
+        gather_rows(vp.data(), v, blocks, bs, hs, C3);
+        for (Index i = 0; i < bs; ++i) {
+          const float* prow = p + (r0 + i) * T;
+          const Index valid = diagonal ? n - bs + i + 1 : n;
+          Index at = 0;
+          for (Index kb : blocks)
+            for (Index j = 0; j < bs; ++j, ++at) pp[i * n + at] = at < valid ? prow[kb * bs + j] : 0.0f;
+        }
+        // dP = dY · Vᵀ ; dV = Pᵀ · dY
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bs, n, hs, 1.0f, dy + r0 * C, C, vp.data(), hs, 0.0f,
+                    dp.data(), n);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, hs, bs, 1.0f, pp.data(), n, dy + r0 * C, C, 0.0f,
+                    dvp.data(), hs);
+        // softmax backward: dS = P ⊙ (dP − Σ P·dP); masked entries have P = 0
+        for (Index i = 0; i < bs; ++i) {
+          const float* pi = pp.data() + i * n;
+          float* ds = dp.data() + i * n;
+          float dot = 0.0f;
+          for (Index j = 0; j < n; ++j) dot += pi[j] * ds[j];
+          for (Index j = 0; j < n; ++j) ds[j] = pi[j] * (ds[j] - dot);
+        }
+        // dQ = scale · dS · K ; dK = scale · dSᵀ · Q
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bs, hs, n, scale, dp.data(), n, kp.data(), hs, 0.0f,
+                    dq + r0 * C3, C3);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, hs, bs, scale, dp.data(), n, q + r0 * C3, C3, 0.0f,
+                    dkp.data(), hs);
+        scatter_add_rows(dk, dkp.data(), blocks, bs, hs, C3);
+        scatter_add_rows(dv, dvp.data(), blocks, bs, hs, C3);
+      }
+    }
+}
+
+}  // namespace zero3d::kernels
