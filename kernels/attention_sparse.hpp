@@ -5,7 +5,8 @@
 // attends; the model is causal, so only key blocks kb <= qb are computed, and inside the
 // diagonal block key j <= query i. Per (batch, head, query block) the selected key and value
 // rows are gathered into one panel, so each product is a single sgemm over only the work the
-// layout keeps. att[B,H,T,T] keeps the probabilities at the computed positions (others unread).
+// layout keeps. att keeps the probabilities as those panels: for each (batch, head), at
+// att_stride apart, query block after query block, each bs rows of its n kept keys.
 #pragma once
 
 #include <cblas.h>
@@ -56,26 +57,26 @@ inline double macs(const uint8_t* layout, Index B, Index H, Index nb, Index bs, 
 
 }  // namespace sparse_detail
 
-inline void sparse_attention_forward(float* out, float* att, const float* qkv, const uint8_t* layout, Index block,
-                                     Index B, Index T, Index C, Index H) {
+inline void sparse_attention_forward(float* out, float* att, Index att_stride, const float* qkv, const uint8_t* layout,
+                                     Index block, Index B, Index T, Index C, Index H) {
   using namespace sparse_detail;
   const Index hs = C / H, C3 = 3 * C, nb = T / block, bs = block;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   obs::add_macs(2.0 * macs(layout, B, H, nb, bs, hs));  // q·kᵀ and p·v over the computed blocks
   const ProfileRegion region("sparse_attention_forward");
-  std::vector<float> kp(T * hs), vp(T * hs), s(bs * T);
+  std::vector<float> kp(T * hs), vp(T * hs);
   std::vector<Index> blocks;
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h) {
       const float* q = qkv + b * T * C3 + h * hs;
       const float* k = q + C;
       const float* v = q + 2 * C;
-      float* p = att + (b * H + h) * T * T;
+      float* p = att + (b * H + h) * att_stride;  // advances panel by panel
       float* o = out + b * T * C + h * hs;
       for (Index qb = 0; qb < nb; ++qb) {
         key_blocks(blocks, layout, h, nb, qb);
         const Index n = static_cast<Index>(blocks.size()) * bs, r0 = qb * bs;
-        if (n == 0) {  // validation rejects a layout that leaves a query block no key; never reached
+        if (n == 0) {  // every DeepSpeed pattern sets the diagonal block; a row with no key outputs zero
           for (Index i = 0; i < bs; ++i)
             for (Index c = 0; c < hs; ++c) o[(r0 + i) * C + c] = 0.0f;
           continue;
@@ -83,11 +84,11 @@ inline void sparse_attention_forward(float* out, float* att, const float* qkv, c
         gather_rows(kp.data(), k, blocks, bs, hs, C3);
         gather_rows(vp.data(), v, blocks, bs, hs, C3);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bs, n, hs, scale, q + r0 * C3, C3, kp.data(), hs, 0.0f,
-                    s.data(), n);
+                    p, n);
         // The diagonal block is always last in the panel (blocks ascend and end at qb when set).
         const bool diagonal = !blocks.empty() && blocks.back() == qb;
         for (Index i = 0; i < bs; ++i) {
-          float* row = s.data() + i * n;
+          float* row = p + i * n;
           const Index valid = diagonal ? n - bs + i + 1 : n;  // keys after query r0 + i are masked
           float mx = row[0];
           for (Index j = 1; j < valid; ++j) mx = row[j] > mx ? row[j] : mx;
@@ -99,21 +100,18 @@ inline void sparse_attention_forward(float* out, float* att, const float* qkv, c
           const float inv = 1.0f / sum;
           for (Index j = 0; j < valid; ++j) row[j] *= inv;
           for (Index j = valid; j < n; ++j) row[j] = 0.0f;
-          // keep the probabilities at their dense positions for the backward
-          float* prow = p + (r0 + i) * T;
-          Index at = 0;
-          for (Index kb : blocks)
-            for (Index j = 0; j < bs; ++j, ++at) prow[kb * bs + j] = row[at];
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bs, hs, n, 1.0f, s.data(), n, vp.data(), hs, 0.0f,
-                    o + r0 * C, C);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bs, hs, n, 1.0f, p, n, vp.data(), hs, 0.0f, o + r0 * C,
+                    C);
+        p += bs * n;
       }
     }
 }
 
 // dqkv written (all of it), from the probabilities sparse_attention_forward kept in att.
 inline void sparse_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
-                                      const uint8_t* layout, Index block, Index B, Index T, Index C, Index H) {
+                                      Index att_stride, const uint8_t* layout, Index block, Index B, Index T, Index C,
+                                      Index H) {
   using namespace sparse_detail;
   const Index hs = C / H, C3 = 3 * C, nb = T / block, bs = block;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -121,7 +119,7 @@ inline void sparse_attention_backward(float* dqkv, const float* dout, const floa
   const ProfileRegion region("sparse_attention_backward");
   for (Index bt = 0; bt < B * T; ++bt)  // dk and dv accumulate over query blocks: start from zero
     for (Index c = C; c < C3; ++c) dqkv[bt * C3 + c] = 0.0f;
-  std::vector<float> kp(T * hs), vp(T * hs), pp(bs * T), dp(bs * T), dkp(T * hs), dvp(T * hs);
+  std::vector<float> kp(T * hs), vp(T * hs), dp(bs * T), dkp(T * hs), dvp(T * hs);
   std::vector<Index> blocks;
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h) {
@@ -131,29 +129,28 @@ inline void sparse_attention_backward(float* dqkv, const float* dout, const floa
       float* dq = dqkv + b * T * C3 + h * hs;
       float* dk = dq + C;
       float* dv = dq + 2 * C;
-      const float* p = att + (b * H + h) * T * T;
+      const float* p = att + (b * H + h) * att_stride;  // advances panel by panel
       const float* dy = dout + b * T * C + h * hs;
       for (Index qb = 0; qb < nb; ++qb) {
         key_blocks(blocks, layout, h, nb, qb);
         const Index n = static_cast<Index>(blocks.size()) * bs, r0 = qb * bs;
-        const bool diagonal = !blocks.empty() && blocks.back() == qb;
+        if (n == 0) {  // no key, no gradient (see the forward)
+          for (Index i = 0; i < bs; ++i)
+            for (Index c = 0; c < hs; ++c) dq[(r0 + i) * C3 + c] = 0.0f;
+          continue;
+        }
         gather_rows(kp.data(), k, blocks, bs, hs, C3);
         gather_rows(vp.data(), v, blocks, bs, hs, C3);
-        for (Index i = 0; i < bs; ++i) {
-          const float* prow = p + (r0 + i) * T;
-          const Index valid = diagonal ? n - bs + i + 1 : n;
-          Index at = 0;
-          for (Index kb : blocks)
-            for (Index j = 0; j < bs; ++j, ++at) pp[i * n + at] = at < valid ? prow[kb * bs + j] : 0.0f;
-        }
+        const float* pp = p;  // [bs, n], zero at the masked keys of the diagonal block
+        p += bs * n;
         // dP = dY · Vᵀ ; dV = Pᵀ · dY
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bs, n, hs, 1.0f, dy + r0 * C, C, vp.data(), hs, 0.0f,
                     dp.data(), n);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, hs, bs, 1.0f, pp.data(), n, dy + r0 * C, C, 0.0f,
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, hs, bs, 1.0f, pp, n, dy + r0 * C, C, 0.0f,
                     dvp.data(), hs);
         // softmax backward: dS = P ⊙ (dP − Σ P·dP); masked entries have P = 0
         for (Index i = 0; i < bs; ++i) {
-          const float* pi = pp.data() + i * n;
+          const float* pi = pp + i * n;
           float* ds = dp.data() + i * n;
           float dot = 0.0f;
           for (Index j = 0; j < n; ++j) dot += pi[j] * ds[j];

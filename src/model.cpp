@@ -99,6 +99,7 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
   Hl_ = shape.n_head / t;
   if (shape.sparse.enabled) {  // this rank's heads of each of its blocks' layouts
     sparse_layouts_.resize(static_cast<size_t>(shape.n_layer));
+    sparse_att_stride_ = sparse_probs_per_head(shape.sparse, shape.n_head, T, shape.n_layer);
     const int64_t nb = T / shape.sparse.block, per_head = nb * nb;
     for (const ModelChunk& c : part_.chunks)
       for (int l = c.first_block; l < c.first_block + c.num_blocks; ++l) {
@@ -129,9 +130,9 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
     ckpt_input_ = ws(Ns_ * C);
     if (ac_.cpu_checkpointing && ac_.partition_activations && t > 1) ckpt_staging_ = ws(ckpt_slot_);
     for (int i = 0; i < std::min(ac_.interval, max_blocks_); ++i)
-      recompute_blocks_.push_back(carve_block(ws, Ns_, BT, C, Cl_, B * Hl_ * T * T, nullptr));
+      recompute_blocks_.push_back(carve_block(ws, Ns_, BT, C, Cl_, attention_probs_size(shape, B, Hl_, T), nullptr));
   } else if (ac_.selective() && max_blocks_ > 0) {
-    shared_att_ = ws(B * Hl_ * T * T);
+    shared_att_ = ws(attention_probs_size(shape, B, Hl_, T));
   }
   if (ws.p != recompute_.data() + plan.recompute) throw std::logic_error("recompute workspace differs from its plan");
   float* p = scratch_.data();
@@ -197,7 +198,7 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
   // ln_1, res_2, ln_2, res_3 over this rank's tokens (Ns: all, or a shard with sequence
   // parallelism); this rank's qkv, attention output, fc and its GELU over all tokens
   for (int l = 0; l < plan.blocks; ++l)
-    buf.blocks.push_back(carve_block(take, Ns, BT, C, Cl, B * H * T * T, ac_.selective() ? shared_att_ : nullptr));
+    buf.blocks.push_back(carve_block(take, Ns, BT, C, Cl, attention_probs_size(shape_, B, H, T), ac_.selective() ? shared_att_ : nullptr));
   for (int64_t j = 0; j < plan.moe_blocks; ++j) {
     const int64_t S = BT, R = moe_rows_;
     MoeActivations m;
@@ -429,7 +430,8 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   {
     const Stopwatch sw(attention_ms != nullptr);
     if (shape_.sparse.enabled)
-      sparse_attention_forward(a.atty, a.att, a.qkv, sparse_layouts_[global_block].data(), shape_.sparse.block, B, T, Cl, H);
+      sparse_attention_forward(a.atty, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[global_block].data(),
+                               shape_.sparse.block, B, T, Cl, H);
     else if (lp) attention_forward(as_bf16(a.atty), a.att, a.qkv, B, T, Cl, H, cmp);
     else attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp);
     if (attention_ms) *attention_ms += sw.ms();
@@ -721,8 +723,8 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       checkpoint_boundary();
       const Stopwatch sw(ac_.profile);
       if (shape_.sparse.enabled)  // datty_ is free until the product below
-        sparse_attention_forward(datty_, a.att, a.qkv, sparse_layouts_[c.first_block + l].data(), shape_.sparse.block,
-                                 B, T, Cl, H);
+        sparse_attention_forward(datty_, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[c.first_block + l].data(),
+                                 shape_.sparse.block, B, T, Cl, H);
       else attention_forward(datty_, a.att, a.qkv, B, T, Cl, H, cmp);
       if (ac_.profile) time_of(c.first_block + l, 1).recompute_ms += sw.ms();
       checkpoint_boundary();
@@ -735,7 +737,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
                       d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp);
     store.progress();
     if (input && shape_.sparse.enabled)
-      sparse_attention_backward(d_qkv, datty_, a.qkv, a.att, sparse_layouts_[c.first_block + l].data(),
+      sparse_attention_backward(d_qkv, datty_, a.qkv, a.att, sparse_att_stride_, sparse_layouts_[c.first_block + l].data(),
                                 shape_.sparse.block, B, T, Cl, H);
     else if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp);
     store.progress();

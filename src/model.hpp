@@ -64,6 +64,9 @@ extern const char* const kExpertTensorNames[4];
 // (gpt_active_params). With sparse attention the attention term is scaled by the layouts'
 // share of the causal blocks (causal_block_share, averaged over the blocks).
 double gpt_flops_per_token(const GPTShape& shape, int64_t num_params);
+// One block's kept attention probabilities for B samples and H heads: B·H·T² (dense), or the
+// block-sparse kernel's panels (sparse_probs_per_head) with sparse attention.
+int64_t attention_probs_size(const GPTShape& shape, int64_t B, int64_t H, int64_t T);
 int64_t gpt_active_params(const GPTShape& shape, int64_t k);
 
 // Fills params with the deterministic initialisation: normal(0, 0.02) weights drawn from
@@ -423,6 +426,7 @@ class GPT {
   MoeRouting moe_;
   // Sparse attention: this rank's heads' [Hl, nb, nb] layout of each global block it holds.
   std::vector<std::vector<uint8_t>> sparse_layouts_;
+  int64_t sparse_att_stride_ = 0;  // kept probabilities per (sample, head): sparse_probs_per_head
   int64_t moe_rows_ = 0;  // R: rows this rank's experts can receive per block
   FlatBuffer moe_ws_;
   float *moe_send_ = nullptr, *moe_recv_ = nullptr, *moe_rows_c_ = nullptr, *moe_rows_4c_ = nullptr;

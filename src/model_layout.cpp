@@ -279,6 +279,11 @@ double gpt_flops_per_token(const GPTShape& s, int64_t num_params) {
                                                      static_cast<double>(s.n_embd) * attention_share;
 }
 
+int64_t attention_probs_size(const GPTShape& s, int64_t B, int64_t H, int64_t T) {
+  if (!s.sparse.enabled) return B * H * T * T;
+  return B * H * sparse_probs_per_head(s.sparse, s.n_head, T, s.n_layer);
+}
+
 void init_gpt_params_range(float* out, const ParamLayout& layout, const GPTShape& shape, uint64_t seed, int64_t begin,
                            int64_t end) {
   const double proj_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(shape.n_layer));
@@ -322,7 +327,7 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
     any_final = any_final || c.final;
     receives_grad = receives_grad || !c.final;
   }
-  const int64_t att = B * H * T * T;  // one block's attention probabilities
+  const int64_t att = attention_probs_size(shape, B, H, T);  // one block's attention probabilities
   // ln_1, res_2, ln_2, res_3 and the LayerNorm statistics over this rank's tokens; qkv, the
   // attention output, fc and its GELU over all tokens at this rank's width; the probabilities
   const int64_t block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + att;

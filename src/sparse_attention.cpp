@@ -221,6 +221,21 @@ double causal_block_share(const std::vector<uint8_t>& layout, int64_t heads, int
   return static_cast<double>(on) / static_cast<double>(heads * nb * (nb + 1) / 2);
 }
 
+int64_t sparse_probs_per_head(const SparseAttention& s, int64_t heads, int64_t seq_len, int64_t layers) {
+  const int64_t nb = seq_len / s.block;
+  int64_t most = 0;
+  for (int64_t l = 0; l < std::max<int64_t>(layers, 1); ++l) {
+    const std::vector<uint8_t> lay = sparse_block_layout(s, heads, seq_len, l);
+    for (int64_t h = 0; h < heads; ++h) {
+      int64_t on = 0;
+      for (int64_t r = 0; r < nb; ++r)
+        for (int64_t c = 0; c <= r; ++c) on += lay[(h * nb + r) * nb + c];
+      most = std::max(most, on);
+    }
+  }
+  return most * s.block * s.block;
+}
+
 std::string sparse_attention_summary(const SparseAttention& s, int64_t heads, int64_t seq_len, int64_t layers) {
   const int64_t nb = seq_len / s.block;
   double share = 0.0;

@@ -46,6 +46,10 @@ std::vector<uint8_t> sparse_block_layout(const SparseAttention& s, int64_t heads
 // attention, nb(nb+1)/2 per head: the share of the attention term of the FLOPs formula.
 double causal_block_share(const std::vector<uint8_t>& layout, int64_t heads, int64_t nb);
 
+// Probabilities the block-sparse kernel keeps for one (sample, head): block² per computed block,
+// the most over `layers` blocks and all heads (every (sample, head) gets that stride).
+int64_t sparse_probs_per_head(const SparseAttention& s, int64_t heads, int64_t seq_len, int64_t layers);
+
 // The start-up line's text: mode, block, the keys that shape it, and the share of causal blocks
 // computed over the model's `layers` blocks.
 std::string sparse_attention_summary(const SparseAttention& s, int64_t heads, int64_t seq_len, int64_t layers);

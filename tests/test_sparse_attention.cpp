@@ -5,6 +5,7 @@
 // section's reader accepts and rejects; and what the model does with it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -117,10 +118,22 @@ TEST(SparseAttentionKernel, ForwardAndBackwardMatchDenseMaskedAttention) {
     const int64_t block = cfg.value("block", 16);
     std::vector<float> qkv = f.read_floats(g + "/qkv"), d_out = f.read_floats(g + "/d_out");
     const std::vector<float> want_out = f.read_floats(g + "/out"), want_dqkv = f.read_floats(g + "/d_qkv");
-    std::vector<float> out(B * T * C, 0.0f), att(B * H * T * T, 0.0f), dqkv(B * T * 3 * C, 7.0f);
-    kernels::sparse_attention_forward(out.data(), att.data(), qkv.data(), layout.data(), block, B, T, C, H);
-    kernels::sparse_attention_backward(dqkv.data(), d_out.data(), qkv.data(), att.data(), layout.data(), block, B, T,
-                                       C, H);
+    // the kept probabilities: block² per computed block, the most any head computes
+    const int64_t nb = T / block;
+    int64_t most = 0;
+    for (int64_t h = 0; h < H; ++h) {
+      int64_t on = 0;
+      for (int64_t r = 0; r < nb; ++r)
+        for (int64_t c = 0; c <= r; ++c) on += layout[(h * nb + r) * nb + c];
+      most = std::max(most, on);
+    }
+    const int64_t stride = most * block * block;
+    std::vector<float> out(B * T * C, 0.0f), att(B * H * stride + 1, 0.0f), dqkv(B * T * 3 * C, 7.0f);
+    att.back() = 123.0f;  // a guard just past the last panel
+    kernels::sparse_attention_forward(out.data(), att.data(), stride, qkv.data(), layout.data(), block, B, T, C, H);
+    EXPECT_EQ(att.back(), 123.0f) << name << ": the panels overran their stride";
+    kernels::sparse_attention_backward(dqkv.data(), d_out.data(), qkv.data(), att.data(), stride, layout.data(), block,
+                                       B, T, C, H);
     double worst_out = 0, worst_grad = 0;
     for (size_t i = 0; i < out.size(); ++i) worst_out = std::max(worst_out, double(std::fabs(out[i] - want_out[i])));
     for (size_t i = 0; i < dqkv.size(); ++i)
@@ -139,9 +152,9 @@ TEST(SparseAttentionKernel, ADenseLayoutIsCausalAttention) {
   std::vector<float> out(B * T * C), att(B * H * T * T), dqkv(B * T * 3 * C);
   std::vector<float> ref_out(B * T * C), ref_att(B * H * T * T), ref_dqkv(B * T * 3 * C),
       scratch(kernels::kRowBlock * T);
-  kernels::sparse_attention_forward(out.data(), att.data(), qkv.data(), layout.data(), block, B, T, C, H);
-  kernels::sparse_attention_backward(dqkv.data(), d_out.data(), qkv.data(), att.data(), layout.data(), block, B, T, C,
-                                     H);
+  kernels::sparse_attention_forward(out.data(), att.data(), T * T, qkv.data(), layout.data(), block, B, T, C, H);
+  kernels::sparse_attention_backward(dqkv.data(), d_out.data(), qkv.data(), att.data(), T * T, layout.data(), block, B,
+                                     T, C, H);
   kernels::attention_forward(ref_out.data(), ref_att.data(), qkv.data(), B, T, C, H);
   kernels::attention_backward(ref_dqkv.data(), scratch.data(), d_out.data(), qkv.data(), ref_att.data(), B, T, C, H);
   for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref_out[i], 1e-5) << i;
@@ -189,6 +202,20 @@ TEST(SparseAttentionConfig, DeepSpeedsErrorsAreValidationErrorsNamingTheKey) {
   // DeepSpeed's bigbird reads no `attention` key: zero3d says so instead of ignoring it
   EXPECT_NE(message({{"mode", "bigbird"}, {"attention", "unidirectional"}}).find("attention"), std::string::npos);
   EXPECT_EQ(message({{"mode", "fixed"}, {"block", 16}}), "accepted");
+}
+
+TEST(SparseAttentionModel, KeptProbabilitiesShrinkWithTheLayout) {
+  GPTShape shape{64, 256, 2, 4, 32};
+  EXPECT_EQ(attention_probs_size(shape, 2, 4, 256), 2 * 4 * 256 * 256);
+  shape.sparse.enabled = true;
+  shape.sparse.block = 16;
+  shape.sparse.num_local_blocks = 4;
+  shape.sparse.unidirectional = true;
+  // 16 blocks per row in windows of 4: 4·10 local blocks; the global column g = 3 + 4k reaches
+  // rows g+1 … 15 (unidirectional), 12 − 4k of them outside its own window, for k = 0 … 3
+  const int64_t blocks = 40 + 12 + 8 + 4 + 0;
+  EXPECT_EQ(sparse_probs_per_head(shape.sparse, 4, 256, 2), blocks * 16 * 16);
+  EXPECT_EQ(attention_probs_size(shape, 2, 4, 256), 2 * 4 * blocks * 16 * 16);
 }
 
 TEST(SparseAttentionModel, FlopsCountTheComputedShareOfTheAttentionTerm) {
