@@ -55,6 +55,9 @@ const std::string kVariable =
     "\"different_layout_per_head\": true, "
     "\"local_window_blocks\": [2], \"global_block_indices\": [1], \"attention\": \"unidirectional\"}'";
 
+// Two experts (top-1) in every block: the reference holds both on one rank.
+const std::string kMoe = "--set 'model.moe={\"num_experts\": 2}'";
+
 }  // namespace
 
 TEST(SparseAttention, TheStartUpLineSaysWhatIsComputed) {
@@ -87,7 +90,8 @@ INSTANTIATE_TEST_SUITE_P(
                       SparseRun{2, "--set tensor_parallel.autotp_size=2", "", "np2_tensor"},
                       SparseRun{2, "--set pipeline.stages=2", "", "np2_pipe"},
                       SparseRun{2, "--set tensor_parallel.autotp_size=2", kVariable, "np2_tensor_variable_random"},
-                      SparseRun{2, "--set zero_optimization.stage=3", kVariable, "np2_data_z3_variable_random"}),
+                      SparseRun{2, "--set zero_optimization.stage=3", kVariable, "np2_data_z3_variable_random"},
+                      SparseRun{2, "--set model.moe.ep_size=2", kMoe, "np2_moe_ep2"}),
     [](const auto& info) { return info.param.name; });
 
 TEST(SparseAttention, LeavingOutBlocksChangesTrainingAndADenseLayoutDoesNot) {
