@@ -33,18 +33,21 @@ inline void key_blocks(std::vector<Index>& out, const uint8_t* layout, Index h, 
 // rows [kb·bs, kb·bs + bs) of a head's k (or v) for each listed block, packed into panel[n, hs].
 inline void gather_rows(float* panel, const float* src, const std::vector<Index>& blocks, Index bs, Index hs,
                         Index stride) {
-  Index at = 0;
-  for (Index kb : blocks)
-    for (Index j = 0; j < bs; ++j, ++at)
-      for (Index c = 0; c < hs; ++c) panel[at * hs + c] = src[(kb * bs + j) * stride + c];
+  const Index* kb = blocks.data();
+  Kokkos::parallel_for("sparse_gather", range(static_cast<Index>(blocks.size()) * bs), KOKKOS_LAMBDA(Index r) {
+    const float* from = src + (kb[r / bs] * bs + r % bs) * stride;
+    for (Index c = 0; c < hs; ++c) panel[r * hs + c] = from[c];
+  });
 }
 
+// The reverse: panel rows added into their blocks' rows (the blocks are distinct, so no row twice).
 inline void scatter_add_rows(float* dst, const float* panel, const std::vector<Index>& blocks, Index bs, Index hs,
                              Index stride) {
-  Index at = 0;
-  for (Index kb : blocks)
-    for (Index j = 0; j < bs; ++j, ++at)
-      for (Index c = 0; c < hs; ++c) dst[(kb * bs + j) * stride + c] += panel[at * hs + c];
+  const Index* kb = blocks.data();
+  Kokkos::parallel_for("sparse_scatter_add", range(static_cast<Index>(blocks.size()) * bs), KOKKOS_LAMBDA(Index r) {
+    float* to = dst + (kb[r / bs] * bs + r % bs) * stride;
+    for (Index c = 0; c < hs; ++c) to[c] += panel[r * hs + c];
+  });
 }
 
 inline double macs(const uint8_t* layout, Index B, Index H, Index nb, Index bs, Index hs) {
@@ -77,8 +80,8 @@ inline void sparse_attention_forward(float* out, float* att, Index att_stride, c
         key_blocks(blocks, layout, h, nb, qb);
         const Index n = static_cast<Index>(blocks.size()) * bs, r0 = qb * bs;
         if (n == 0) {  // every DeepSpeed pattern sets the diagonal block; a row with no key outputs zero
-          for (Index i = 0; i < bs; ++i)
-            for (Index c = 0; c < hs; ++c) o[(r0 + i) * C + c] = 0.0f;
+          Kokkos::parallel_for("sparse_no_key", range(bs * hs),
+                               KOKKOS_LAMBDA(Index e) { o[(r0 + e / hs) * C + e % hs] = 0.0f; });
           continue;
         }
         gather_rows(kp.data(), k, blocks, bs, hs, C3);
@@ -87,7 +90,7 @@ inline void sparse_attention_forward(float* out, float* att, Index att_stride, c
                     p, n);
         // The diagonal block is always last in the panel (blocks ascend and end at qb when set).
         const bool diagonal = !blocks.empty() && blocks.back() == qb;
-        for (Index i = 0; i < bs; ++i) {
+        Kokkos::parallel_for("sparse_causal_softmax", range(bs), KOKKOS_LAMBDA(Index i) {
           float* row = p + i * n;
           const Index valid = diagonal ? n - bs + i + 1 : n;  // keys after query r0 + i are masked
           float mx = row[0];
@@ -100,7 +103,7 @@ inline void sparse_attention_forward(float* out, float* att, Index att_stride, c
           const float inv = 1.0f / sum;
           for (Index j = 0; j < valid; ++j) row[j] *= inv;
           for (Index j = valid; j < n; ++j) row[j] = 0.0f;
-        }
+        });
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bs, hs, n, 1.0f, p, n, vp.data(), hs, 0.0f, o + r0 * C,
                     C);
         p += bs * n;
@@ -117,8 +120,10 @@ inline void sparse_attention_backward(float* dqkv, const float* dout, const floa
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   obs::add_macs(4.0 * macs(layout, B, H, nb, bs, hs));  // dp, dv, dq, dk: twice the forward's products
   const ProfileRegion region("sparse_attention_backward");
-  for (Index bt = 0; bt < B * T; ++bt)  // dk and dv accumulate over query blocks: start from zero
+  // dk and dv accumulate over query blocks: start from zero
+  Kokkos::parallel_for("sparse_zero_dkv", range(B * T), KOKKOS_LAMBDA(Index bt) {
     for (Index c = C; c < C3; ++c) dqkv[bt * C3 + c] = 0.0f;
+  });
   std::vector<float> kp(T * hs), vp(T * hs), dp(bs * T), dkp(T * hs), dvp(T * hs);
   std::vector<Index> blocks;
   for (Index b = 0; b < B; ++b)
@@ -135,8 +140,8 @@ inline void sparse_attention_backward(float* dqkv, const float* dout, const floa
         key_blocks(blocks, layout, h, nb, qb);
         const Index n = static_cast<Index>(blocks.size()) * bs, r0 = qb * bs;
         if (n == 0) {  // no key, no gradient (see the forward)
-          for (Index i = 0; i < bs; ++i)
-            for (Index c = 0; c < hs; ++c) dq[(r0 + i) * C3 + c] = 0.0f;
+          Kokkos::parallel_for("sparse_no_key", range(bs * hs),
+                               KOKKOS_LAMBDA(Index e) { dq[(r0 + e / hs) * C3 + e % hs] = 0.0f; });
           continue;
         }
         gather_rows(kp.data(), k, blocks, bs, hs, C3);
@@ -149,13 +154,14 @@ inline void sparse_attention_backward(float* dqkv, const float* dout, const floa
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, hs, bs, 1.0f, pp, n, dy + r0 * C, C, 0.0f,
                     dvp.data(), hs);
         // softmax backward: dS = P ⊙ (dP − Σ P·dP); masked entries have P = 0
-        for (Index i = 0; i < bs; ++i) {
+        float* dsp = dp.data();
+        Kokkos::parallel_for("sparse_softmax_backward", range(bs), KOKKOS_LAMBDA(Index i) {
           const float* pi = pp + i * n;
-          float* ds = dp.data() + i * n;
+          float* ds = dsp + i * n;
           float dot = 0.0f;
           for (Index j = 0; j < n; ++j) dot += pi[j] * ds[j];
           for (Index j = 0; j < n; ++j) ds[j] = pi[j] * (ds[j] - dot);
-        }
+        });
         // dQ = scale · dS · K ; dK = scale · dSᵀ · Q
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bs, hs, n, scale, dp.data(), n, kp.data(), hs, 0.0f,
                     dq + r0 * C3, C3);
