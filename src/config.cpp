@@ -500,7 +500,7 @@ TrainingConfig read_training(Section& top, const DataConfig& data) {
 
 // The `pipeline` section (DEEPSPEED-FACTS-2 §2.1): DeepSpeed's keys with its defaults, plus
 // zero3d's schedule and virtual_stages.
-PipelineConfig read_pipeline(Section& top, int& checkpoint_interval) {
+PipelineConfig read_pipeline(Section& top, std::optional<int>& checkpoint_interval) {
   Section sec = top.child("pipeline");
   PipelineConfig p;
   p.stages = static_cast<int>(sec.integer_or_auto("stages", 1, 1, 1, 1 << 16));
@@ -538,7 +538,10 @@ PipelineConfig read_pipeline(Section& top, int& checkpoint_interval) {
   sec.boolean("grad_partitioned", true);
   // DeepSpeed's meaning (FACTS §9.1): blocks per checkpoint, 0 = off; zero3d applies it with or
   // without pipelines (read with the activation_checkpointing section).
-  checkpoint_interval = static_cast<int>(sec.integer("activation_checkpoint_interval", 0, 0, 1 << 20));
+  // Absent (not 0): read_activation_checkpointing may derive it from the section's options.
+  const bool interval_given = sec.has("activation_checkpoint_interval");
+  const int interval = static_cast<int>(sec.integer("activation_checkpoint_interval", 0, 0, 1 << 20));
+  if (interval_given) checkpoint_interval = interval;
   sec.accept_default_only("use_reentrant", true);
   sec.finish();
   return p;
@@ -581,80 +584,6 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
     sec.report_key("sequence_parallel", "sequence parallelism splits tokens over the tensor-parallel group: it needs "
                                       "tensor_parallel.autotp_size > 1");
   return t;
-}
-
-// The `activation_checkpointing` section (DEEPSPEED-FACTS §9.1, FACTS-2 §6.1) with DeepSpeed's
-// keys, plus zero3d's recompute_granularity; `interval` is pipeline.activation_checkpoint_interval.
-// DeepSpeed's asserts (contiguous needs partitioning and number_checkpoints) are kept; keys that
-// would have nothing to act on are rejected instead of ignored.
-ActivationCheckpointing read_activation_checkpointing(Section& top, const Config& c, int interval) {
-  Section sec = top.child("activation_checkpointing");
-  ActivationCheckpointing a;
-  a.interval = interval;
-  const std::string granularity = sec.choice("recompute_granularity", "full", {"full", "selective"});
-  a.granularity = granularity == "full" ? RecomputeGranularity::Full : RecomputeGranularity::Selective;
-  a.partition_activations = sec.boolean("partition_activations", false);
-  a.cpu_checkpointing = sec.boolean("cpu_checkpointing", false);
-  a.contiguous_memory_optimization = sec.boolean("contiguous_memory_optimization", false);
-  if (sec.has("number_checkpoints") && sec.raw("number_checkpoints")->is_null()) sec.record("number_checkpoints", nullptr);
-  else if (sec.has("number_checkpoints")) a.number_checkpoints = sec.integer("number_checkpoints", 0, 1, 1 << 20);
-  else sec.record("number_checkpoints", nullptr);
-  a.synchronize_checkpoint_boundary = sec.boolean("synchronize_checkpoint_boundary", false);
-  a.profile = sec.boolean("profile", false);
-  sec.finish();
-  const char* const interval_key = "pipeline.activation_checkpoint_interval";
-  const std::pair<const char*, bool> options[] = {
-      {"recompute_granularity", a.granularity != RecomputeGranularity::Full},
-      {"partition_activations", a.partition_activations},
-      {"cpu_checkpointing", a.cpu_checkpointing},
-      {"contiguous_memory_optimization", a.contiguous_memory_optimization},
-      {"number_checkpoints", a.number_checkpoints > 0},
-      {"synchronize_checkpoint_boundary", a.synchronize_checkpoint_boundary},
-      {"profile", a.profile}};
-  if (!a.enabled()) {
-    for (const auto& [key, set] : options)
-      if (set)
-        sec.report_key(key, std::string("no block is checkpointed: set `") + interval_key +
-                              "` (blocks per checkpoint) to 1 or more");
-    return a;
-  }
-  const char* input_option = a.partition_activations ? "partition_activations"
-                             : a.cpu_checkpointing   ? "cpu_checkpointing"
-                             : a.contiguous_memory_optimization ? "contiguous_memory_optimization" : nullptr;
-  if (a.selective() && input_option)
-    sec.report_key(input_option, "selective recompute saves no checkpoint inputs (each block keeps its activations but "
-                               "the attention probabilities); use recompute_granularity \"full\"");
-  if (a.contiguous_memory_optimization && !a.partition_activations)
-    sec.report_key("contiguous_memory_optimization",
-                 "the contiguous buffer holds partitioned inputs: it needs partition_activations true (as in DeepSpeed)");
-  if (a.contiguous_memory_optimization && a.number_checkpoints == 0)
-    sec.report_key("number_checkpoints", "contiguous_memory_optimization needs number_checkpoints (the buffer's slots)");
-  if (a.number_checkpoints > 0 && !a.contiguous_memory_optimization)
-    sec.report_key("number_checkpoints", "sizes the contiguous buffer: it needs contiguous_memory_optimization true");
-  if (a.partition_activations && c.tensor.sequence_parallel)
-    sec.report_key("partition_activations", "with tensor_parallel.sequence_parallel every tensor rank already holds "
-                                          "only its own tokens of a checkpoint input: there is no replica to split");
-  if (a.full() && c.pipeline.schedule == pipe::ScheduleKind::ZeroBubbleH1)
-    top.report(interval_key, "full recompute cannot serve the zb-h1 schedule: its weight-gradient pass reads each "
-                           "block's activations after the input-gradient pass has released them; use "
-                           "activation_checkpointing.recompute_granularity \"selective\" or schedule 1f1b");
-  if (a.contiguous_memory_optimization && a.number_checkpoints > 0) {
-    // Checkpoints one micro-batch's forward takes on a rank: ceil(blocks / interval) per chunk.
-    int64_t most = 0;
-    const int64_t layers = c.model.n_layer + 2;
-    for (size_t k = 0; k + 1 < c.pipe_bounds.size(); ++k) {
-      const int64_t first = std::max<int64_t>(c.pipe_bounds[k], 1), last = std::min<int64_t>(c.pipe_bounds[k + 1], layers - 1);
-      const int64_t blocks = std::max<int64_t>(0, last - first);
-      most = std::max(most, (blocks + a.interval - 1) / a.interval);
-    }
-    if (a.number_checkpoints < most)
-      sec.report_key("number_checkpoints", "value " + std::to_string(a.number_checkpoints) + " is less than the " +
-                                             std::to_string(most) + " checkpoints one micro-batch's forward takes (" +
-                                             std::to_string(c.model.n_layer) + " blocks" +
-                                             (c.pipe_bounds.size() > 2 ? " over the pipeline's chunks" : "") +
-                                             ", interval " + std::to_string(a.interval) + ")");
-  }
-  return a;
 }
 
 // autotuning (DEEPSPEED-FACTS §10): DeepSpeed's keys and defaults; the search is autotune.cpp's.
@@ -974,7 +903,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   step([&] { c.model = read_model(top); });
   step([&] { c.data = read_data(top, c.model); });
   step([&] { c.training = read_training(top, c.data); });
-  int checkpoint_interval = 0;
+  std::optional<int> checkpoint_interval;
   step([&] { c.pipeline = read_pipeline(top, checkpoint_interval); });
   step([&] { c.tensor = read_tensor_parallel(top, c.model); });
   const int64_t model_ranks = static_cast<int64_t>(c.pipeline.stages) * c.tensor.size;

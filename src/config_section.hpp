@@ -472,6 +472,9 @@ std::optional<ElasticBatch> read_elasticity(Section& top, int64_t dp_world);
 PrecisionConfig read_precision(Section& top, const Config& c);
 // Reads flops_profiler, csv_monitor, tensorboard, wandb, comet, comms_logger, trace (config_observability.cpp).
 ObservabilityConfig read_observability(Section& top);
+// Reads `activation_checkpointing` (config_activation_checkpointing.cpp); `interval` is
+// pipeline.activation_checkpoint_interval, absent when the config does not give it.
+ActivationCheckpointing read_activation_checkpointing(Section& top, const Config& c, std::optional<int> interval);
 // Reads the `checkpoint` section (config_checkpoint.cpp).
 CheckpointOptions read_checkpoint_section(Section& top, const Config& c);
 

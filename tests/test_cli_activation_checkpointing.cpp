@@ -201,19 +201,63 @@ TEST(Checkpointing, ProfileReportsEveryCheckpointInMetricsAndTheStepLine) {
   EXPECT_NE(r.out.find("checkpointing full: 3 block(s) per checkpoint"), std::string::npos) << r.out;
 }
 
+// Megatron-DeepSpeed's configs set partition_activations and contiguous_memory_optimization and
+// checkpoint with --checkpoint-activations (every block, --checkpoint-num-layers 1), passing
+// num_checkpoints = num_layers: with the interval absent zero3d does the same, and says so.
+TEST(Checkpointing, OptionsWithoutAnIntervalCheckpointEveryBlockAsMegatronDoes) {
+  const std::string config = write_config("ckpt.json", ckpt_config());
+  const std::string megatron = kPartition + "--set activation_checkpointing.contiguous_memory_optimization=true ";
+  Result r = run("validate " + config + " " + megatron);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("auto    pipeline.activation_checkpoint_interval = 1 (absent, and "
+                       "activation_checkpointing.partition_activations acts only on checkpointed blocks"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("auto    activation_checkpointing.number_checkpoints = 4 (absent"), std::string::npos) << r.out;
+  // an interval given is kept, and the buffer is sized for it (4 blocks in 2 checkpoints)
+  r = run("validate " + config + " " + megatron + kInterval + "2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.find("auto    pipeline.activation_checkpoint_interval"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("auto    activation_checkpointing.number_checkpoints = 2 ("), std::string::npos) << r.out;
+  // two stages: the largest stage's blocks
+  r = run("validate " + config + " --world-size 2 --set pipeline.stages=2 " + megatron);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("auto    activation_checkpointing.number_checkpoints = 2 ("), std::string::npos) << r.out;
+  // nothing set: nothing derived
+  r = run("validate " + config);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.find("activation_checkpoint_interval = "), std::string::npos) << r.out;
+
+  // The run holds what the explicit settings hold, and its resolved config names them.
+  const std::string dir = temp_path("megatron_derived");
+  const json derived = last_metrics(config, 1, dir, "--set training.steps=1 " + megatron);
+  const json explicit_ = last_metrics(config, 1, temp_path("megatron_explicit"),
+                                      "--set training.steps=1 " + kInterval + "1 " + kPartition + kContiguous);
+  const json off = last_metrics(config, 1, temp_path("megatron_off"), "--set training.steps=1");
+  EXPECT_EQ(derived["memory"]["activations"], explicit_["memory"]["activations"]);
+  EXPECT_NE(derived["memory"]["activations"], off["memory"]["activations"]);
+  const json resolved = json::parse(slurp(dir + "/config.json"));
+  EXPECT_EQ(resolved["pipeline"]["activation_checkpoint_interval"], 1);
+  EXPECT_EQ(resolved["activation_checkpointing"]["number_checkpoints"], 4);
+  r = run("validate " + dir + "/config.json");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.find("auto    pipeline.activation_checkpoint_interval"), std::string::npos) << r.out;
+}
+
 TEST(Checkpointing, SettingsThatCannotWorkAreRejectedAtValidation) {
   struct Case {
     std::string args, message;
     int world = 1;
   };
   const Case cases[] = {
-      {kPartition, "`activation_checkpointing.partition_activations`: no block is checkpointed: set "
-                   "`pipeline.activation_checkpoint_interval`"},
+      {kInterval + "0 " + kPartition,
+       "`activation_checkpointing.partition_activations`: no block is checkpointed: set "
+       "`pipeline.activation_checkpoint_interval`"},
+      {kInterval + "0 --set activation_checkpointing.profile=true", "`activation_checkpointing.profile`: no block"},
+      {kSelective + kPartition, "selective recompute saves no checkpoint inputs"},  // interval 1 derived, then this
       {kInterval + "1 --set activation_checkpointing.contiguous_memory_optimization=true "
                    "--set activation_checkpointing.number_checkpoints=4",
        "it needs partition_activations true"},
-      {kInterval + "1 " + kPartition + "--set activation_checkpointing.contiguous_memory_optimization=true",
-       "contiguous_memory_optimization needs number_checkpoints"},
       {kInterval + "1 " + kPartition + kContiguous + "--set activation_checkpointing.number_checkpoints=3",
        "value 3 is less than the 4 checkpoints one micro-batch's forward takes"},
       {kInterval + "1 --set activation_checkpointing.number_checkpoints=4", "it needs contiguous_memory_optimization"},
