@@ -662,9 +662,6 @@ void read_unsupported_top_level(Section& top) {
   top.feature_missing("moe", nullptr, "mixture of experts (issue 15)", "remove the section");
   top.feature_missing("gradient_allreduce_op", "mean", "a gradient all-reduce other than the mean", "use \"mean\"");
   top.feature_missing("sparse_gradients", false, "sparse embedding gradients", "set it to false");
-  top.feature_missing("memory_breakdown", false, "memory printouts during training",
-                      "metrics.jsonl records memory by category at every step, and `zero3d estimate --config` "
-                      "prints the plan per rank");
   top.feature_missing("dump_state", false, "engine state dumps", "set it to false");
   // DeepSpeed reads disable_allgather into its config and nothing uses it (runtime/config.py
   // get_disable_allgather is its only reader): accepted with that meaning.
@@ -975,6 +972,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   step([&] { c.gradient_clipping = read_gradient_clipping(top); });
   c.steps_per_print = top.integer("steps_per_print", 10, 1, kMaxInt);
   c.wall_clock_breakdown = top.boolean("wall_clock_breakdown", false);
+  c.memory_breakdown = top.boolean("memory_breakdown", false);  // memory_breakdown.hpp
   step([&] { read_zero(top, c, tuning); });
   c.zero_allow_untested_optimizer = top.boolean("zero_allow_untested_optimizer", false);
   step([&] { check_zero_optimizer(top, c); });

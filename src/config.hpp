@@ -267,6 +267,7 @@ struct Config {
   double gradient_clipping = 1.0;  // DeepSpeed 0.19.6 default; 0 disables
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
+  bool memory_breakdown = false;  // a memory line at each report point (DeepSpeed's see_memory_usage)
   ZeroConfig zero;
   PrecisionConfig precision;
   PipelineConfig pipeline;

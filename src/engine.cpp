@@ -19,6 +19,7 @@
 #include "failure.hpp"
 #include "gemm.hpp"
 #include "job_control.hpp"
+#include "memory_breakdown.hpp"
 #include "reduce.hpp"
 #include "weights.hpp"
 
@@ -66,13 +67,6 @@ std::string format_number(double x) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", x);
   return buf;
-}
-
-// The process's resident-memory high-water mark (getrusage reports KiB on Linux).
-int64_t peak_rss_bytes() {
-  struct rusage u {};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<int64_t>(u.ru_maxrss) * 1024;
 }
 
 // "2 nodes, 4 ranks per node (local rank from MPI_COMM_TYPE_SHARED)"
@@ -873,6 +867,12 @@ std::vector<StepResult> Engine::train() {
     if (results.size() > 1 || cfg_.training.steps == 1) total_ms += r.elapsed_ms;  // the first step warms caches
     if (groups_.rank() != 0) continue;
     const auto& ms = timers_.ms();
+    MemoryBytes m = zero_->memory();
+    if (expert_zero_) {  // the experts' states: their own optimizer's partition
+      const MemoryBytes x = expert_zero_->memory();
+      m.params += x.params, m.grads += x.grads, m.master += x.master, m.optimizer_states += x.optimizer_states;
+      m.comm_buffers += x.comm_buffers, m.live_params_peak += x.live_params_peak;
+    }
     if (metrics_) {
       nlohmann::json rec = {{"step", r.step},
                             {"loss", r.loss},
@@ -895,12 +895,6 @@ std::vector<StepResult> Engine::train() {
                          {"schedule", cfg_.pipeline.schedule_name},
                          {"virtual_stages", cfg_.pipeline.virtual_stages},
                          {"bubble_fraction", {{"formula", pipe::bubble_fraction(spec)}, {"measured", r.stage_idle}}}};
-      MemoryBytes m = zero_->memory();
-      if (expert_zero_) {  // the experts' states: their own optimizer's partition
-        const MemoryBytes x = expert_zero_->memory();
-        m.params += x.params, m.grads += x.grads, m.master += x.master, m.optimizer_states += x.optimizer_states;
-        m.comm_buffers += x.comm_buffers, m.live_params_peak += x.live_params_peak;
-      }
       rec["memory"] = {{"params", m.params},           {"grads", m.grads},
                        {"master", m.master},           {"optimizer_states", m.optimizer_states},
                        {"comm_buffers", m.comm_buffers}, {"live_params_peak", m.live_params_peak},
@@ -967,6 +961,12 @@ std::vector<StepResult> Engine::train() {
                   (long long)r.step, (long long)cfg_.training.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s,
                   100.0 * r.mfu, r.elapsed_ms, scale.c_str(), eval.c_str());
       std::fputs(observer_->breakdown_lines().c_str(), stdout);
+      if (cfg_.memory_breakdown) {  // DeepSpeed's see_memory_usage at the report points (memory_breakdown.hpp)
+        MemoryBreakdown b{m, activation_bytes(), cfg_.zero.offload_optimizer.device != OffloadDevice::None};
+        process_memory(&b.rss, &b.peak_rss);
+        machine_memory(&b.machine_total, &b.machine_available);
+        std::printf("%s\n", memory_breakdown_line(b).c_str());
+      }
       if (cfg_.activation_checkpointing.profile) {
         std::string line = "checkpoints (ms)";
         for (const auto& t : checkpoint_profile(r)) {

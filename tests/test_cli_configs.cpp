@@ -197,3 +197,40 @@ TEST(LionAdagradCli, TrainUnderZeroAndResumeExactly) {
 }
 
 }  // namespace
+
+// memory_breakdown (DeepSpeed's see_memory_usage at its report points): rank 0 prints one
+// memory line under each step line, with this rank's bytes by category as metrics.jsonl
+// records them, and the process's resident memory now and at its peak; none without the key.
+TEST(MemoryBreakdownCli, RankZeroPrintsOneMemoryLineAtEachReportPoint) {
+  json j = tiny_config();
+  j["zero_optimization"] = {{"stage", 2}};
+  j["steps_per_print"] = 2;  // report points: steps 1, 2, 4 and the last, 5
+  const std::string out = temp_path("membreak_on");
+  j["memory_breakdown"] = true;
+  Result r = run("train " + write_config("membreak.json", j) + " --output " + out, 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(count(r.out, "memory  rank 0 | "), 4u) << r.out;  // rank 0's, not one per rank
+  EXPECT_EQ(count(r.out, "\nstep "), count(r.out, "\nmemory  rank 0 | ")) << r.out;
+  const std::string last = r.out.substr(r.out.rfind("memory  rank 0 | "));
+  const json metrics = read_metrics(out).back();
+  ASSERT_EQ(metrics["step"], 5);
+  auto mb = [](const json& bytes) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f MB", bytes.get<double>() / 1e6);
+    return std::string(buf);
+  };
+  for (const char* key : {"params", "grads", "master", "optimizer_states", "comm_buffers", "live_params_peak", "activations"})
+    EXPECT_NE(last.find(std::string("| ") + key + " " + mb(metrics["memory"][key]) + " |"), std::string::npos)
+        << key << "\n" << last;
+  double resident = 0, peak = 0;
+  ASSERT_EQ(std::sscanf(last.c_str() + last.find("| resident "), "| resident %lf MB (peak %lf MB)", &resident, &peak), 2)
+      << last;
+  EXPECT_GT(resident, 1.0);
+  EXPECT_GE(peak, resident);
+  EXPECT_GE(peak * 1e6 + 1e4, metrics["peak_rss_bytes"].get<double>());  // the peak only grows after the record
+  EXPECT_NE(last.find("| machine used "), std::string::npos) << last;
+  j["memory_breakdown"] = false;
+  r = run("train " + write_config("membreak_off.json", j) + " --output " + temp_path("membreak_off"), 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(count(r.out, "memory  rank 0"), 0u) << r.out;
+}

@@ -98,8 +98,8 @@ TEST(KeyKinds, AKeyAtWhatZero3dAlwaysDoesIsNotNoted) {
 
 TEST(KeyKinds, AMissingFeatureNamesTheNearestAlternative) {
   json j = minimal();
-  j["memory_breakdown"] = true;
-  EXPECT_NE(error_of(j).find("zero3d estimate --config"), std::string::npos) << error_of(j);
+  j["sparse_attention"] = {{"mode", "fixed"}};
+  EXPECT_NE(error_of(j).find("zero3d's attention is dense"), std::string::npos) << error_of(j);
   j = minimal();
   j["optimizer"] = {{"type", "OneBitAdam"}};
   EXPECT_NE(error_of(j).find("1-bit"), std::string::npos) << error_of(j);
@@ -109,7 +109,10 @@ TEST(KeyKinds, KeysWhoseDeepSpeedMeaningZero3dHasAreAccepted) {
   json j = minimal();
   j["disable_allgather"] = true;     // DeepSpeed reads it and uses it nowhere
   j["dataloader_drop_last"] = true;  // zero3d's batches are always whole
+  j["memory_breakdown"] = true;      // a memory line at each report point
   const Config c = read_config(j, "cfg.json", 2);
+  EXPECT_TRUE(c.memory_breakdown);
+  EXPECT_FALSE(read_config(minimal(), "cfg.json", 2).memory_breakdown);
   EXPECT_EQ(c.resolved["disable_allgather"], true);
   EXPECT_EQ(c.resolved["dataloader_drop_last"], true);
 }
