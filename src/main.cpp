@@ -17,6 +17,7 @@
 
 #include "base.hpp"
 #include "checkpoint.hpp"
+#include "checkpoint_options.hpp"
 #include "config.hpp"
 #include "engine.hpp"
 #include "estimator.hpp"
@@ -88,11 +89,15 @@ std::string check_run_files(const Config& cfg, const std::string& out) {
   check_writable_directory(cfg.training.save_dir, "training.save_dir");
   const std::string& resume = cfg.training.resume;
   if (resume.empty()) return "";
-  if (resume == "auto" && !checkpoint_exists(cfg.training.save_dir))
+  if (resume == "auto" && !resumable_checkpoint_exists(cfg.training.save_dir, cfg.checkpoint))
     return "resume  auto: no checkpoint in " + cfg.training.save_dir + " yet; train would start fresh";
-  const CheckpointReader reader = CheckpointReader::open(resume == "auto" ? "latest" : resume, cfg.training.save_dir);
+  // The tag train will open: with checkpoint.load_universal, the one `latest_universal` names.
+  const ResumeTarget target = resume_target(resume, cfg.training.save_dir, cfg.checkpoint);
+  const CheckpointReader reader =
+      CheckpointReader::open(target.spec, cfg.training.save_dir, cfg.checkpoint.use_node_local_storage);
   reader.verify_files();
-  return "resume  " + reader.dir() + ": step " + std::to_string(reader.meta().step) + " (verified)";
+  return "resume  " + reader.dir() + ": step " + std::to_string(reader.meta().step) + " (verified" +
+         (target.from.empty() ? "" : ", named by " + target.from) + ")";
 }
 
 int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {

@@ -7,6 +7,7 @@
 // to it in an MPMD launch (`... : ...`), as /local/ckpt would be a different disk on each node.
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 
 #include "cli_helpers.hpp"
 
@@ -112,6 +113,43 @@ TEST(LoadUniversalCli, LatestUniversalNamesTheTagToResume) {
   r = run("train " + write_config("universal_off.json", j) + " --output " + temp_path("universal_off"), 1);
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("nothing to do"), std::string::npos) << r.out;
+}
+
+// validate verifies the tag train would open: with load_universal, the one latest_universal
+// names (resume "latest" and "auto" alike), not the one `latest` names.
+TEST(LoadUniversalCli, ValidateVerifiesTheTagLatestUniversalNames) {
+  json j = checkpoint_config();
+  const std::string config = write_config("universal_v.json", j), full = temp_path("universal_v_full");
+  ASSERT_EQ(run("train " + config + " --output " + full, 1).code, 0);
+  const std::string save_dir = full + "/checkpoints";
+  std::ofstream(save_dir + "/latest_universal") << "global_step2";
+  j["checkpoint"] = {{"load_universal", true}};
+  j["training"]["save_dir"] = save_dir;
+  for (const char* resume : {"latest", "auto"}) {
+    j["training"]["resume"] = resume;
+    const Result r = run("validate " + write_config("universal_v_on.json", j));
+    ASSERT_EQ(r.code, 0) << resume << r.err;
+    EXPECT_NE(r.out.find("resume  " + save_dir + "/global_step2: step 2 (verified, named by " + save_dir +
+                         "/latest_universal)"),
+              std::string::npos)
+        << resume << r.out;
+  }
+  // A damaged universal tag fails validation; `latest` (global_step6) is intact and not what train reads.
+  fs::remove(save_dir + "/global_step2/rank_00000.h5");
+  Result r = run("validate " + write_config("universal_v_on.json", j));
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.err.find("global_step2"), std::string::npos) << r.err;
+  j["checkpoint"]["load_universal"] = false;
+  r = run("validate " + write_config("universal_v_off.json", j));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("resume  " + save_dir + "/global_step6: step 6 (verified)"), std::string::npos) << r.out;
+  // Only latest_universal: resume "auto" finds it (train would resume, not start fresh).
+  fs::remove(save_dir + "/latest");
+  std::ofstream(save_dir + "/latest_universal", std::ios::trunc) << "global_step4\n";
+  j["checkpoint"]["load_universal"] = true;
+  r = run("validate " + write_config("universal_v_on.json", j));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("resume  " + save_dir + "/global_step4: step 4 (verified, named by"), std::string::npos) << r.out;
 }
 
 TEST(CheckpointSectionCli, ValidateSaysWhatEachKeyDoesHere) {
