@@ -132,6 +132,31 @@ bool first_difference(const json& a, const json& b, std::string& key, std::strin
   return found;
 }
 
+namespace {
+
+// What validate cannot check: the ranks' placement on nodes (MPI_COMM_TYPE_SHARED), agreed
+// by every rank, so each throws the same AgreedFailure before anything is trained.
+void check_node_placement(MPI_Comm comm, int rank, const Config& cfg) {
+  if (!cfg.checkpoint.use_node_local_storage || !cfg.zero.gather_16bit_weights_on_model_save) return;
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+  int node_rank = 0, nodes = 0;
+  MPI_Comm_rank(node, &node_rank);
+  MPI_Comm_free(&node);
+  int leader = node_rank == 0 ? 1 : 0;
+  MPI_Allreduce(&leader, &nodes, 1, MPI_INT, MPI_SUM, comm);
+  if (nodes > 1)
+    throw AgreedFailure("`checkpoint.use_node_local_storage` = true with "
+                        "`zero_optimization.stage3_gather_16bit_weights_on_model_save` = true on " +
+                            std::to_string(nodes) + " nodes: rank 0 writes the consolidated weights from every "
+                            "rank's shard of the tag, and node-local storage leaves each node only its own ranks' "
+                            "shards; set one of them false (with every node's shards in one directory, `zero3d "
+                            "convert` writes the same weights)",
+                        kExitBadInput, 0, rank == 0);
+}
+
+}  // namespace
+
 void agree_on_configuration(MPI_Comm comm, const Config& cfg) {
   int rank = 0, size = 1;
   MPI_Comm_rank(comm, &rank);
@@ -145,6 +170,7 @@ void agree_on_configuration(MPI_Comm comm, const Config& cfg) {
   uint64_t range[2] = {digest, ~digest};
   MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_UINT64_T, MPI_MIN, comm);
   if (range[0] == ~range[1]) {
+    check_node_placement(comm, rank, cfg);
     note_phase("set-up");
     return;
   }

@@ -18,6 +18,11 @@ CheckpointOptions read_checkpoint_section(Section& top, const Config& c) {
              "/latest_universal when it exists (DeepSpeed's name for a universal checkpoint's tag), else from "
              "`latest`; every zero3d tag is universal: each rank reads its range of every tensor at any layout");
   o.use_node_local_storage = sec.boolean("use_node_local_storage", false);
+  // Where the ranks run is known only at start-up (agreement.cpp check_node_placement).
+  if (o.use_node_local_storage && c.zero.gather_16bit_weights_on_model_save)
+    sec.note("note    `checkpoint.use_node_local_storage` = true with "
+             "`zero_optimization.stage3_gather_16bit_weights_on_model_save`: one node only; train stops at start-up "
+             "(exit 2) when its ranks span more nodes (rank 0 writes the consolidated weights from every rank's shard)");
   {
     Section pw = sec.child("parallel_write");
     o.parallel_write_pipeline_stage = pw.boolean("pipeline_stage", false);

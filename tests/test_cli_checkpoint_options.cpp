@@ -75,6 +75,36 @@ TEST(NodeLocalStorageCli, EachNodeKeepsItsShardsAndTheTagAndResumesFromThem) {
   EXPECT_NE(r.err.find("rank_00001.h5: not on this node (checkpoint.use_node_local_storage)"), std::string::npos) << r.err;
 }
 
+// Consolidated 16-bit weights are written on rank 0 from every rank's shard: with node-local
+// storage that works on one node and is refused at start-up on two, before anything is saved.
+TEST(NodeLocalStorageCli, ConsolidatedWeightsNeedOneNode) {
+  json j = checkpoint_config();
+  j["bf16"] = {{"enabled", true}};
+  j["zero_optimization"] = {{"stage", 3}, {"stage3_gather_16bit_weights_on_model_save", true}};
+  j["checkpoint"] = {{"use_node_local_storage", true}};
+  j["training"]["steps"] = 2;
+  const std::string config = write_config("nodelocal_g16.json", j);
+  Result r = run("validate " + config + " --world-size 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("`zero_optimization.stage3_gather_16bit_weights_on_model_save`: one node only"),
+            std::string::npos)
+      << r.out;
+  const std::string dirs[2] = {temp_path("g16_node0_disk"), temp_path("g16_node1_disk")};
+  r = run_on_two_nodes(config, temp_path("g16_two_nodes"), dirs);
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("`checkpoint.use_node_local_storage` = true with "
+                       "`zero_optimization.stage3_gather_16bit_weights_on_model_save` = true on 2 nodes"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(count(r.err, "on 2 nodes"), 1u) << r.err;  // one message, from rank 0
+  EXPECT_FALSE(fs::exists(dirs[0] + "/latest"));
+  // Two ranks on one node: one save_dir, and the consolidated weights beside the tag.
+  const std::string one = temp_path("g16_one_node");
+  r = run("train " + config + " --output " + one, 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(one + "/checkpoints/global_step2/hf/model.safetensors"));
+}
+
 // Without the key the two directories are one run's save_dir named two ways: refused before
 // anything is written, naming the key on which the ranks differ.
 TEST(NodeLocalStorageCli, WithoutItTheRanksMustShareOneSaveDir) {
