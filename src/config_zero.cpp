@@ -104,13 +104,6 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
   if (z.offload_param.device != OffloadDevice::None && z.stage != 3)
     sec.report_key("offload_param", "offloads the parameter partition, which only stage 3 has (stage is " +
                                       std::to_string(z.stage) + ")");
-  // The offloaded optimizer reaches the swapped parameters one sub-group at a time (ParamAccess:
-  // read, update, write back); the in-memory optimizer steps the whole partition in place, which
-  // NVMe leaves out of memory. DeepSpeed keeps its fp32 partition in device memory instead.
-  if (z.offload_param.device == OffloadDevice::Nvme && z.offload_optimizer.device == OffloadDevice::None)
-    sec.report_key("offload_param", "device \"nvme\" needs offload_optimizer.device \"cpu\" or \"nvme\": zero3d's "
-                                  "optimizer updates parameters swapped from NVMe one sub-group at a time through "
-                                  "offload_optimizer (its in-memory optimizer steps the whole partition in place)");
   read_aio(top, z.aio);
 }
 

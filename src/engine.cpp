@@ -69,6 +69,11 @@ std::string format_number(double x) {
   return buf;
 }
 
+// Whether state lies beyond device memory (host or NVMe tiers, swap traffic to report).
+bool has_tiers(const ZeroConfig& z) {
+  return z.offload_optimizer.device != OffloadDevice::None || z.offload_param.device == OffloadDevice::Nvme;
+}
+
 // "2 nodes, 4 ranks per node (local rank from MPI_COMM_TYPE_SHARED)"
 std::string node_summary(MPI_Comm world, int* local_rank_out) {
   MPI_Comm node;
@@ -899,7 +904,7 @@ std::vector<StepResult> Engine::train() {
                        {"master", m.master},           {"optimizer_states", m.optimizer_states},
                        {"comm_buffers", m.comm_buffers}, {"live_params_peak", m.live_params_peak},
                        {"activations", activation_bytes()}};
-      if (cfg_.zero.offload_optimizer.device != OffloadDevice::None) {  // tiers, and this step's swap traffic
+      if (has_tiers(cfg_.zero)) {  // tiers, and this step's swap traffic
         const offload::IoStats io = zero_->take_swap_stats();
         rec["memory"].update({{"host", m.host}, {"nvme", m.nvme}, {"swap_buffers", m.swap_buffers},
                               {"host_is_device", true}});
@@ -962,7 +967,7 @@ std::vector<StepResult> Engine::train() {
                   100.0 * r.mfu, r.elapsed_ms, scale.c_str(), eval.c_str());
       std::fputs(observer_->breakdown_lines().c_str(), stdout);
       if (cfg_.memory_breakdown) {  // DeepSpeed's see_memory_usage at the report points (memory_breakdown.hpp)
-        MemoryBreakdown b{m, activation_bytes(), cfg_.zero.offload_optimizer.device != OffloadDevice::None};
+        MemoryBreakdown b{m, activation_bytes(), has_tiers(cfg_.zero)};
         process_memory(&b.rss, &b.peak_rss);
         machine_memory(&b.machine_total, &b.machine_available);
         std::printf("%s\n", memory_breakdown_line(b).c_str());

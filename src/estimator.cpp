@@ -274,13 +274,16 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
       const int64_t largest = std::min(sg, offloaded);  // the largest offloaded sub-group
       swap_workspace += slots * ((fp32_master ? pages(largest * 4) : 0) + moments * pages(largest * ss));
     }
-    const OffloadParamConfig& op = cfg.zero.offload_param;
-    if (b.stage == 3 && op.device == OffloadDevice::Cpu) b.offload_host += b.params;
-    if (b.stage == 3 && op.device == OffloadDevice::Nvme) {
-      b.offload_nvme += b.params;
-      swap_workspace += ps * std::min(op.max_in_cpu, part.part);
-      b.params = 0;
-    }
+    if (b.stage == 3 && cfg.zero.offload_param.device == OffloadDevice::Cpu) b.offload_host += b.params;
+  }
+  const OffloadParamConfig& op = cfg.zero.offload_param;
+  if (b.stage == 3 && op.device == OffloadDevice::Nvme) {
+    b.offload_nvme += b.params;
+    swap_workspace += ps * std::min(op.max_in_cpu, part.part);
+    // The in-memory optimizer updating the parameters themselves (no fp32 master copy) reads
+    // the whole partition back for the step (zero.cpp apply_step).
+    if (oo.device == OffloadDevice::None && !fp32_master) swap_workspace += b.params;
+    b.params = 0;
   }
   // Communication: reduce-scatter staging (rank 0's part of the buckets in flight, in the
   // communication dtype), send buffers for buckets converted to that dtype, and the fp32

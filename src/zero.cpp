@@ -213,6 +213,11 @@ void ZeroOptimizer::cast_master_to_params() {
   }
   const int64_t pb = part_.begin(rank_);
   const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
+  if (param_swap_) {  // the 16-bit partition lies in its swap files: written back a bounded chunk at a time
+    for (int64_t a = lo; a < hi; a += kInitFillElems)
+      cast_range_to_params(a - pb, std::min(hi, a + kInitFillElems) - a, master_.data() + (a - pb));
+    return;
+  }
   if (hi > lo)
     convert_any(params_.at(stage_ == 3 ? lo - pb : lo), types_.param, master_.data() + (lo - pb), DType::F32, hi - lo);
 }
@@ -455,6 +460,17 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
     drop_gathered_params();
     return;
   }
+  if (param_swap_ && !mixed_) {
+    // The parameters are the optimizer's (fp32, or bf16 master weights) and lie in swap files:
+    // read into memory for the step, updated, written back (DeepSpeed likewise keeps the
+    // partition it updates in device memory while the parameters live on NVMe, FACTS-2 §3).
+    TypedBuffer staged("params_step", types_.param, part_.part, /*zero=*/false);
+    read_params(0, part_.part, staged.data());
+    optimizer_->step(TypedSpan{staged.data(), types_.param}, grad_partition(), types_.grad, mul, lr, betas);
+    write_params(0, part_.part, staged.data());
+    drop_gathered_params();
+    return;
+  }
   // The fp32 master copy, or the parameters themselves (fp32, or bf16 master weights).
   const TypedSpan p = mixed_ ? TypedSpan{master_.data(), DType::F32}
                              : TypedSpan{params_.at(stage_ == 1 || stage_ == 2 ? part_.begin(rank_) : 0), types_.param};
@@ -649,6 +665,10 @@ MemoryBytes ZeroOptimizer::memory() const {
     }
   } else {
     m.optimizer_states = optimizer_->state_bytes();
+    if (param_swap_) {  // parameters on NVMe with the optimizer in memory
+      m.nvme = param_swap_->nvme_bytes();
+      m.swap_buffers = param_swap_->cached_peak_bytes();
+    }
   }
   m.comm_buffers = reducer_->staging_peak_bytes();
   for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
@@ -657,8 +677,14 @@ MemoryBytes ZeroOptimizer::memory() const {
 }
 
 std::string ZeroOptimizer::offload_summary() const {
-  if (!offloaded_) return "";
   const ZeroConfig& z = cfg_;
+  if (!offloaded_ && !param_swap_) return "";
+  if (!offloaded_)
+    return "parameter partition on nvme: " + std::to_string(param_swap_->nvme_bytes()) + " bytes, " +
+           std::to_string(z.offload_param.buffer_count) + " reads ahead, at most " +
+           std::to_string(z.offload_param.max_in_cpu) + " elements cached; optimizer state in device memory, the " +
+           "step reads the partition, updates it and writes it back; CPU-only build: host and device memory are the "
+           "same memory";
   const bool nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
   const offload::TierBytes t = offloaded_->bytes();
   std::string names;

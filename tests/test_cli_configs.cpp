@@ -44,8 +44,6 @@ const std::map<std::string, Rejection>& expected_rejections() {
        {"`bf16.loss_scale`: unknown key", "fp16 loss-scaling keys in the bf16 section (DeepSpeed's bf16 model forbids them)"}},
       {"deepspeed__tests__torch_compile__ds_config_z3.json",
        {"`bf16.loss_scale`: unknown key", "fp16 loss-scaling keys in the bf16 section (DeepSpeed's bf16 model forbids them)"}},
-      {"dsexamples__inference__sglang__ds_offload_nvme_aio.json",
-       {"`zero_optimization.offload_param`", "an inference config: parameters on NVMe with the optimizer in device memory (zero3d updates swapped parameters through offload_optimizer)"}},
       {"dsexamples__training__DeepSpeed-ZenFlow__finetuning__zf_config.json",
        {"`zero_optimization.zenflow`", "ZenFlow (not in zero3d)"}},
       {"dsexamples__training__bing_bert__1-bit_adam__nccl__deepspeed_bsz4k_onebitadam_config_seq128_nccl.json",
