@@ -69,11 +69,6 @@ std::string format_number(double x) {
   return buf;
 }
 
-// Whether state lies beyond device memory (host or NVMe tiers, swap traffic to report).
-bool has_tiers(const ZeroConfig& z) {
-  return z.offload_optimizer.device != OffloadDevice::None || z.offload_param.device == OffloadDevice::Nvme;
-}
-
 // "2 nodes, 4 ranks per node (local rank from MPI_COMM_TYPE_SHARED)"
 std::string node_summary(MPI_Comm world, int* local_rank_out) {
   MPI_Comm node;

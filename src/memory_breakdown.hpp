@@ -13,6 +13,11 @@
 
 namespace zero3d {
 
+// Whether state lies beyond device memory: host or NVMe tiers, and swap traffic, to report.
+inline bool has_tiers(const ZeroConfig& z) {
+  return z.offload_optimizer.device != OffloadDevice::None || z.offload_param.device == OffloadDevice::Nvme;
+}
+
 // What one report names, gathered by the engine.
 struct MemoryBreakdown {
   MemoryBytes states;          // this rank's model states and buffers (zero.hpp)
