@@ -98,8 +98,8 @@ TEST(KeyKinds, AKeyAtWhatZero3dAlwaysDoesIsNotNoted) {
 
 TEST(KeyKinds, AMissingFeatureNamesTheNearestAlternative) {
   json j = minimal();
-  j["sparse_attention"] = {{"mode", "fixed"}};
-  EXPECT_NE(error_of(j).find("zero3d's attention is dense"), std::string::npos) << error_of(j);
+  j["sequence_parallel_size"] = 2;
+  EXPECT_NE(error_of(j).find("use tensor_parallel.sequence_parallel"), std::string::npos) << error_of(j);
   j = minimal();
   j["optimizer"] = {{"type", "OneBitAdam"}};
   EXPECT_NE(error_of(j).find("1-bit"), std::string::npos) << error_of(j);
