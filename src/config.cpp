@@ -638,7 +638,6 @@ void read_unsupported_top_level(Section& top) {
       {"torch_autocast", "torch.autocast: use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}"},
       {"hybrid_engine", "the RLHF hybrid inference engine"},
       {"eigenvalue", "eigenvalue computation"},
-      {"progressive_layer_drop", "progressive layer drop: every block is trained at every step"},
       {"curriculum_learning", "curriculum learning: sequences are n_positions long throughout"},
       {"data_efficiency", "data efficiency sampling/routing: data.shuffle picks windows at random"},
       {"weight_quantization", "weight quantization"},
@@ -986,6 +985,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   step([&] { read_unsupported_top_level(top); });
   step([&] { c.model.sparse_attention = read_sparse_attention(top, c); });
   step([&] { c.checkpoint = read_checkpoint_section(top, c); });
+  step([&] { c.pld = read_progressive_layer_drop(top, c); });
   if (layout_ok) step([&] { check_moe(top, c, dp); });
   if (root.contains("strategy")) top.record("strategy", root["strategy"]);
   top.mark_known("strategy");  // expanded above (with_strategy_preset)

@@ -17,6 +17,7 @@
 #include "dtype.hpp"
 #include "observability_config.hpp"
 #include "pipe_plan.hpp"
+#include "pld.hpp"
 #include "sparse_attention.hpp"
 
 namespace zero3d {
@@ -278,6 +279,7 @@ struct Config {
   ObservabilityConfig observability;  // flops_profiler, csv_monitor, tensorboard, comms_logger, trace
   AutotuningConfig autotuning;
   CheckpointOptions checkpoint;
+  PldConfig pld;  // `progressive_layer_drop` (config_pld.cpp)
   nlohmann::json resolved;  // every key with its value after defaults and derivation
   // Start-up lines: each "auto" value with where it came from, keys with no effect on this
   // build with the reason, warnings DeepSpeed gives too. Printed once by validate and train.

@@ -475,6 +475,8 @@ ObservabilityConfig read_observability(Section& top);
 // Reads `activation_checkpointing` (config_activation_checkpointing.cpp); `interval` is
 // pipeline.activation_checkpoint_interval, absent when the config does not give it.
 ActivationCheckpointing read_activation_checkpointing(Section& top, const Config& c, std::optional<int> interval);
+// Reads `progressive_layer_drop` (config_pld.cpp).
+PldConfig read_progressive_layer_drop(Section& top, const Config& c);
 // Reads the `checkpoint` section (config_checkpoint.cpp).
 CheckpointOptions read_checkpoint_section(Section& top, const Config& c);
 

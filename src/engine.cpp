@@ -499,6 +499,7 @@ void Engine::print_startup() const {
               cfg_.training.peak_gflops > 0
                   ? "training.peak_gflops"
                   : (model_->compute_type() == DType::BF16 ? "measured bf16 gemm, all ranks" : "measured sgemm, all ranks"));
+  if (cfg_.pld.enabled) std::printf("pld     %s\n", pld_describe(cfg_.pld, cfg_.model.n_layer).c_str());
   const PrecisionConfig& pc = cfg_.precision;
   std::string scaling = "no loss scaling";
   if (pc.param == DType::F16)
@@ -654,6 +655,11 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
           (eval_ ? eval_->first_sample : samples_) + (in.micro_batch * world_ + rank_) * cfg_.batch.micro_batch;
       buf.draw_key = static_cast<uint64_t>(first) * 2 + (eval_ ? 1 : 0);
       buf.training = !eval_;
+      // Progressive layer drop: this micro-batch's blocks, decided alike on every rank (pld.hpp).
+      if (cfg_.pld.enabled && !eval_)
+        buf.block_scale = pld_block_scales(cfg_.pld, cfg_.training.seed, step_, in.micro_batch, cfg_.model.n_layer);
+      else
+        buf.block_scale.clear();
       const float loss = model_->forward(in.chunk, buf, store_);
       if (model_->chunk(in.chunk).final) {
         if (eval_) record_eval_losses(in.micro_batch, buffers_[in.buffer]);
@@ -916,6 +922,9 @@ std::vector<StepResult> Engine::train() {
         rec["time_ms"] = {{"forward", fwd}, {"backward", inner + ar}, {"backward_inner", inner},
                           {"backward_allreduce", ar}, {"step", st}, {"tensor_comm", r.tensor_comm_ms}};
       }
+      if (cfg_.pld.enabled)
+        rec["pld"] = pld_metrics(cfg_.pld, cfg_.training.seed, r.step - 1, cfg_.batch.gradient_accumulation_steps,
+                                 cfg_.model.n_layer);
       if (!moe.is_null()) {
         rec["moe"] = moe;
         rec["comm_bytes_by_axis"]["expert"] = r.expert_comm_bytes[0];

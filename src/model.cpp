@@ -16,6 +16,7 @@
 #include "profiler.hpp"
 #include "vocab_parallel.hpp"
 #include "comm.hpp"
+#include "pld.hpp"
 #include "rng.hpp"
 
 namespace zero3d {
@@ -385,7 +386,8 @@ void add_residual_and_bias(float* res, const float* residual, const float* parti
 
 template <typename P>
 void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
-                        double* attention_ms, ActivationBuffer* buf) {
+                        double* attention_ms, ActivationBuffer* buf, float scale) {
+  if (scale == 0.0f) return dropped_block_forward(a, residual);  // progressive layer drop: the identity
   const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, BT = B * T, Ns = Ns_;
   const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
@@ -446,6 +448,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     matmul_forward(row_out_, a.atty, w.attn_proj_w, static_cast<const P*>(nullptr), BT, Cl, C, false, cmp);
     row_output(a.res_2, residual, w.attn_proj_b);
   }
+  if (scale != 1.0f) scale_residual_branch(a.res_2, residual, scale, Ns * C);  // progressive layer drop's 1/p
   // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
   region.next(obs::mlp_module(c.first_block + l));
   if (lp_mlp) layernorm_forward(as_bf16(a.ln_2), a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
@@ -465,6 +468,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
       }
     }
     moe_forward<P>(global_block, a, m, w, *buf, store);
+    if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
     store.release(u);
     store.progress();
     return;
@@ -474,6 +478,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     gelu_forward(as_bf16(a.fch_gelu), a.fch, BT * 4 * Cl);
     copy(a.res_3, a.res_2, BT * C);
     matmul_forward(a.res_3, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
+    if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
     store.release(u);
     store.progress();
     return;
@@ -487,6 +492,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     matmul_forward(row_out_, a.fch_gelu, w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false, cmp);
     row_output(a.res_3, a.res_2, w.mlp_proj_b);
   }
+  if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
   store.release(u);
   store.progress();
 }
@@ -522,7 +528,8 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
       const Stopwatch sw(ac_.profile);
       save_checkpoint(buf, g, in);
       for (int i = 0; i < n; ++i)
-        block_forward<P>(c, g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3, store, nullptr);
+        block_forward<P>(c, g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3, store, nullptr,
+                         nullptr, block_scale(buf, c, g0 + i));
       copy(g0 + n == c.num_blocks ? buf.output : ckpt_input_, recompute_blocks_[n - 1].res_3, Ns * C);
       if (ac_.profile) time_of(c.first_block + g0, n).forward_ms += sw.ms();
       checkpoint_boundary();
@@ -533,7 +540,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
       if (ac_.selective()) checkpoint_boundary();
       double attention_ms = 0.0;
       block_forward<P>(c, l, buf.blocks[l], l == 0 ? buf.input : buf.blocks[l - 1].res_3, store,
-                       timed ? &attention_ms : nullptr, &buf);
+                       timed ? &attention_ms : nullptr, &buf, block_scale(buf, c, l));
       if (timed) time_of(c.first_block + l, 1).forward_ms += attention_ms;
     }
   }
@@ -662,6 +669,8 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
   // One block's backward from its saves `a` and its input `residual`; dres holds d(res_3) on entry
   // and d(residual) on exit.
   const auto block_backward = [&](int l, const BlockActivations& a, const float* residual) {
+    const float s = block_scale(buf, c, l);  // progressive layer drop: 0 dropped, else the branches' 1/p
+    if (s == 0.0f) return dropped_block_backward(c, l, store, part);
     const int u = c.first_block_unit + l, global_block = c.first_block + l;
     obs::Region region(obs::mlp_module(c.first_block + l));
     const BlockTensors<const P> w =
@@ -675,6 +684,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     float* d_qkv = saved ? g.d_qkv : dqkv_;
     float* d_ln_1 = saved ? g.d_ln_1 : dln_;
     // MLP half: dres holds d(res_3); the row-parallel product's output gradient covers all tokens
+    if (input && s != 1.0f) scaled_branch_backward_begin(dres, s);
     const float* d_res_3 = part == BackwardPart::Weight ? g.d_res_3 : row_output_grad(dres, saved ? g.d_res_3 : gathered_);
     if (keep && !sp) copy(g.d_res_3, dres, BT * C);
     // An MoE block (full backward only: model.moe excludes split schedules): the dense branch of
@@ -714,8 +724,10 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     store.progress();
     layernorm_backward(input ? dres : nullptr, weights ? dw.ln_2_w : nullptr, weights ? dw.ln_2_b : nullptr, d_ln_2,
                        a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, Ns, C);
+    if (input && s != 1.0f) scaled_branch_backward_end(dres, s);
     // attention half: dres now holds d(res_2)
     region.next(obs::attention_module(c.first_block + l));
+    if (input && s != 1.0f) scaled_branch_backward_begin(dres, s);
     const float* d_res_2 = part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(dres, saved ? g.d_res_2 : gathered_);
     if (keep && !sp) copy(g.d_res_2, dres, BT * C);
     if (input && ac_.selective()) {  // the attention probabilities were not kept: recompute them
@@ -753,6 +765,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     }
     layernorm_backward(input ? dres : nullptr, weights ? dw.ln_1_w : nullptr, weights ? dw.ln_1_b : nullptr, d_ln_1,
                        residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, Ns, C);
+    if (input && s != 1.0f) scaled_branch_backward_end(dres, s);
     if (input) store.release(u);
     if (weights) store.grads_done(u);
   };
@@ -770,7 +783,8 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       const float* in = restore_checkpoint(buf, g);
       obs::PassScope recompute(obs::Pass::Recompute);
       for (int i = 0; i < n; ++i)
-        block_forward<P>(c, g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3, store, nullptr);
+        block_forward<P>(c, g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3, store, nullptr,
+                         nullptr, block_scale(buf, c, g0 + i));
       recompute.end();
       if (ac_.profile) time_of(c.first_block + g0, n).recompute_ms += sw.ms();
       checkpoint_boundary();

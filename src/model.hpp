@@ -266,6 +266,9 @@ struct ActivationBuffer {
   uint64_t draw_key = 0;
   bool training = true;
   double aux_loss = 0.0;
+  // Progressive layer drop (pld.hpp): per global block, 0 = dropped in this training micro-batch,
+  // else the factor its residual branches are scaled by. Empty: every block runs unscaled.
+  std::vector<float> block_scale;
   float *ln_f = nullptr, *ln_f_mean = nullptr, *ln_f_rstd = nullptr, *logits = nullptr, *losses = nullptr,
         *lse = nullptr, *d_ln_f = nullptr;
   // Everything the buffer holds, host-resident checkpoints included.
@@ -333,6 +336,8 @@ class GPT {
   float forward(const int32_t* tokens, const int32_t* targets, ParamStore& store);
   void backward(float grad_scale, ParamStore& store);
   const float* logits() const { return own_.logits; }  // of the last one-stage forward
+  // The one-stage buffer's progressive-layer-drop scales (ActivationBuffer::block_scale).
+  void set_block_scales(std::vector<float> scale) { own_.block_scale = std::move(scale); }
   // The workspaces every buffer shares: backward scratch and the recompute workspace.
   int64_t scratch_bytes() const { return static_cast<int64_t>((scratch_.extent(0) + recompute_.extent(0)) * 4); }
   const ActivationCheckpointing& checkpointing() const { return ac_; }
@@ -388,8 +393,19 @@ class GPT {
   template <typename P>
   // buf: the micro-batch's buffer (MoE blocks keep their saves there; null under full recompute,
   // which model.moe excludes).
+  // scale: progressive layer drop's 1/p on both residual branches (block_scale).
   void block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
-                     double* attention_ms, ActivationBuffer* buf = nullptr);
+                     double* attention_ms, ActivationBuffer* buf = nullptr, float scale = 1.0f);
+  // Progressive layer drop (model_pld.cpp): block l's scale in this pass (1 outside training),
+  // a dropped block's forward (its output is its input) and backward (no gradient, but its
+  // units still complete so that every rank's reductions line up).
+  float block_scale(const ActivationBuffer& buf, const ModelChunk& c, int l) const;
+  void dropped_block_forward(BlockActivations& a, const float* residual) const;
+  void dropped_block_backward(const ModelChunk& c, int l, ParamStore& store, BackwardPart part) const;
+  // Scaled branches' backward: before a half, keep d(out) and scale it by s (what the branch
+  // reads); after, add (1−s)·d(out) back so the residual path carries d(out) unscaled.
+  void scaled_branch_backward_begin(float* dres, float s);
+  void scaled_branch_backward_end(float* dres, float s) const;
   void save_checkpoint(ActivationBuffer& buf, int g, const float* input) const;
   const float* restore_checkpoint(ActivationBuffer& buf, int g);
   void checkpoint_boundary() const;
@@ -417,6 +433,7 @@ class GPT {
   // slot for host-resident partitions, and the saves of `interval` blocks; selective: one
   // block's attention probabilities.
   FlatBuffer recompute_;
+  FlatBuffer pld_grad_;  // a scaled branch's unscaled output gradient (allocated at the first scaled backward)
   float *ckpt_input_ = nullptr, *ckpt_staging_ = nullptr, *shared_att_ = nullptr;
   std::vector<BlockActivations> recompute_blocks_;
   int64_t ckpt_slot_ = 0;  // elements of one saved input: Ns·C, or Ns·C/t partitioned

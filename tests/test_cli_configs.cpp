@@ -48,8 +48,6 @@ const std::map<std::string, Rejection>& expected_rejections() {
        {"`zero_optimization.zenflow`", "ZenFlow (not in zero3d)"}},
       {"dsexamples__training__bing_bert__1-bit_adam__nccl__deepspeed_bsz4k_onebitadam_config_seq128_nccl.json",
        {"\"OneBitAdam\"", "1-bit optimizers (come later)"}},
-      {"dsexamples__training__bing_bert__deepspeed_bsz4k_progressive_layer_drop_config_seq128.json",
-       {"`progressive_layer_drop`", "progressive layer drop (not in zero3d)"}},
       {"megatron-ds__examples_deepspeed__curriculum_learning__ds_zero_stage_1_config_baseline.json",
        {"`optimizer.params.max_grad_norm`", "max_grad_norm in optimizer params (DeepSpeed rejects it too)"}},
   };
