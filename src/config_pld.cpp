@@ -12,6 +12,7 @@ PldConfig read_progressive_layer_drop(Section& top, const Config& c) {
   p.theta = sec.number("theta", p.theta, 0.0, 1.0);
   p.gamma = sec.number("gamma", p.gamma, 0.0, std::numeric_limits<double>::max());
   sec.finish();
+  if (p.enabled) sec.note("pld     " + pld_describe(p, c.model.n_layer));  // validate's and train's start-up lines
   // Every block's skip is decided alike on every rank (pld.hpp), so no layout needs rejecting;
   // with one block there is nothing to drop (the first block always runs), which is worth saying.
   if (p.enabled && c.model.n_layer == 1)

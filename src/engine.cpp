@@ -499,7 +499,6 @@ void Engine::print_startup() const {
               cfg_.training.peak_gflops > 0
                   ? "training.peak_gflops"
                   : (model_->compute_type() == DType::BF16 ? "measured bf16 gemm, all ranks" : "measured sgemm, all ranks"));
-  if (cfg_.pld.enabled) std::printf("pld     %s\n", pld_describe(cfg_.pld, cfg_.model.n_layer).c_str());
   const PrecisionConfig& pc = cfg_.precision;
   std::string scaling = "no loss scaling";
   if (pc.param == DType::F16)
