@@ -49,7 +49,8 @@ TrainRun train(int np, const std::string& name, const json& config, const std::s
 const TrainRun& one_rank(const std::string& args = "") {
   static std::map<std::string, TrainRun> cache;
   auto it = cache.find(args);
-  if (it == cache.end()) it = cache.emplace(args, train(1, "ref" + std::to_string(cache.size()), pld_config(), args)).first;
+  if (it == cache.end())
+    it = cache.emplace(args, train(1, "ref" + std::to_string(cache.size()), pld_config(), args)).first;
   return it->second;
 }
 
@@ -90,6 +91,32 @@ TEST(ProgressiveLayerDrop, DropsBlocksAndReportsTheScheduleInMetrics) {
   EXPECT_GT(run, blocks / 2);  // and the first block of every micro-batch ran
 }
 
+// ZeRO-3 with nothing kept gathered between uses: each block is all-gathered for its forward
+// and again for its backward, unless dropped. Per dropped block and micro-batch the data axis
+// moves two gathers of its 12·C² + 13·C = 12,704 fp32 parameters less ((np−1)/np of 50,816
+// bytes each at np 2); its gradient's reduce-scatter still runs, with zeros, on every rank.
+TEST(ProgressiveLayerDrop, AtZeroStage3ADroppedBlockIsNeverGathered) {
+  const std::string z3 =
+      "--set train_micro_batch_size_per_gpu=4 --set zero_optimization.stage=3 "
+      "--set zero_optimization.stage3_param_persistence_threshold=0 "
+      "--set zero_optimization.stage3_max_reuse_distance=0 --set zero_optimization.stage3_prefetch_bucket_size=0";
+  const TrainRun pld = train(2, "z3_gathers", pld_config(), z3);
+  const TrainRun all = train(2, "z3_gathers_all", pld_config(), z3 + " --set progressive_layer_drop.theta=1.0");
+  ASSERT_EQ(pld.code, 0) << pld.out;
+  ASSERT_EQ(all.code, 0) << all.out;
+  ASSERT_EQ(pld.rows.size(), all.rows.size());
+  int64_t dropped_total = 0;
+  for (size_t i = 0; i < pld.rows.size(); ++i) {
+    const int64_t dropped =
+        pld.rows[i].at("pld").at("blocks").get<int64_t>() - pld.rows[i].at("pld").at("blocks_run").get<int64_t>();
+    const int64_t saved = all.rows[i].at("comm_bytes_by_axis").at("data").get<int64_t>() -
+                          pld.rows[i].at("comm_bytes_by_axis").at("data").get<int64_t>();
+    EXPECT_EQ(saved, dropped * 2 * 12704 * 4 / 2) << "step " << i + 1;
+    dropped_total += dropped;
+  }
+  EXPECT_GT(dropped_total, 0);
+}
+
 // bf16 products round differently, but the kept blocks' 1/p scaling and the dropped blocks are
 // the same on the bf16 path: the losses stay within bf16 rounding of fp32's (dropping blocks
 // moves them by ~1e-2 here).
@@ -108,14 +135,16 @@ struct Layout {
 };
 class PldLayout : public ::testing::TestWithParam<Layout> {};
 const std::string kMoe =
-    "--set model.moe.num_experts=4 --set model.moe.k=2 --set model.moe.drop_tokens=false --set model.moe.aux_loss_coef=0 "
-    "--set model.moe.top2_2nd_expert_sampling=false";
+    "--set model.moe.num_experts=4 --set model.moe.k=2 --set model.moe.drop_tokens=false "
+    "--set model.moe.aux_loss_coef=0 --set model.moe.top2_2nd_expert_sampling=false";
 
 // Every rank draws the same decisions (seed, step, micro-batch slot, block): at np 2 the data
 // ranks' micro-batches of 4 are the one rank's micro-batches of 8, split.
 TEST_P(PldLayout, GivesTheLossesOfOneRankWithBlocksDropped) {
   const Layout& l = GetParam();
-  const TrainRun r = train(l.np, l.name, pld_config(), l.ref + " " + l.args);
+  std::string args = l.args;  // {dir}: a folder of this test's own (swap files)
+  for (size_t at; (at = args.find("{dir}")) != std::string::npos;) args.replace(at, 5, temp_path("swap_" + l.name));
+  const TrainRun r = train(l.np, l.name, pld_config(), l.ref + " " + args);
   ASSERT_EQ(r.code, 0) << r.out;
   const TrainRun& ref = one_rank(l.ref);
   ASSERT_EQ(ref.code, 0) << ref.out;
@@ -124,21 +153,31 @@ TEST_P(PldLayout, GivesTheLossesOfOneRankWithBlocksDropped) {
 
 INSTANTIATE_TEST_SUITE_P(
     PipeDataTensor, PldLayout,
-    ::testing::Values(Layout{2, "--set train_micro_batch_size_per_gpu=4", "d2_z0", ""},
-                      Layout{2, "--set train_micro_batch_size_per_gpu=4 --set zero_optimization.stage=3", "d2_z3", ""},
-                      Layout{2, "--set pipeline.stages=2", "p2", ""},
-                      Layout{2, "--set pipeline.stages=2 --set pipeline.schedule=zb-h1", "p2_zbh1", ""},
-                      Layout{2, "--set tensor_parallel.autotp_size=2", "t2", ""},
-                      Layout{2, "--set tensor_parallel.autotp_size=2 --set tensor_parallel.sequence_parallel=true",
-                             "t2_sp", ""},
-                      Layout{1, "--set pipeline.activation_checkpoint_interval=2", "full_recompute", ""},
-                      // MoE blocks dropped alike on every rank of the expert group (no all-to-all for
-                      // them); without capacity drops, l_aux and the second expert's Gumbel noise the
-                      // routing is the same per token at any micro-batch split, so ep 2 over two data
-                      // ranks gives one rank's losses
-                      Layout{2, "--set pipeline.stages=2", "moe_p2", kMoe},
-                      Layout{2, "--set tensor_parallel.autotp_size=2", "moe_t2", kMoe},
-                      Layout{2, "--set train_micro_batch_size_per_gpu=4 --set model.moe.ep_size=2", "moe_d2_ep2", kMoe}),
+    ::testing::Values(
+        Layout{2, "--set train_micro_batch_size_per_gpu=4", "d2_z0", ""},
+        Layout{2, "--set train_micro_batch_size_per_gpu=4 --set zero_optimization.stage=3", "d2_z3", ""},
+        Layout{2, "--set pipeline.stages=2", "p2", ""},
+        Layout{2, "--set pipeline.stages=2 --set pipeline.schedule=zb-h1", "p2_zbh1", ""},
+        Layout{2, "--set tensor_parallel.autotp_size=2", "t2", ""},
+        Layout{2, "--set tensor_parallel.autotp_size=2 --set tensor_parallel.sequence_parallel=true", "t2_sp", ""},
+        Layout{2, "--set pipeline.stages=2 --set pipeline.schedule=interleaved --set pipeline.virtual_stages=2",
+               "p2_interleaved", ""},
+        // ZeRO-Infinity: parameters read from swap files ahead of use skip the dropped blocks
+        Layout{2,
+               "--set train_micro_batch_size_per_gpu=4 --set zero_optimization.stage=3 "
+               "--set zero_optimization.offload_param.device=nvme "
+               "--set zero_optimization.offload_param.nvme_path={dir} "
+               "--set zero_optimization.offload_optimizer.device=nvme "
+               "--set zero_optimization.offload_optimizer.nvme_path={dir}",
+               "d2_z3_nvme", ""},
+        Layout{1, "--set pipeline.activation_checkpoint_interval=2", "full_recompute", ""},
+        // MoE blocks dropped alike on every rank of the expert group (no all-to-all for
+        // them); without capacity drops, l_aux and the second expert's Gumbel noise the
+        // routing is the same per token at any micro-batch split, so ep 2 over two data
+        // ranks gives one rank's losses
+        Layout{2, "--set pipeline.stages=2", "moe_p2", kMoe},
+        Layout{2, "--set tensor_parallel.autotp_size=2", "moe_t2", kMoe},
+        Layout{2, "--set train_micro_batch_size_per_gpu=4 --set model.moe.ep_size=2", "moe_d2_ep2", kMoe}),
     [](const ::testing::TestParamInfo<Layout>& info) { return info.param.name; });
 
 // θ is a function of the step and the decisions of (seed, step, micro-batch, block): resuming
@@ -148,8 +187,8 @@ TEST(ProgressiveLayerDrop, ResumedRunDropsAsTheUninterruptedOne) {
   c["training"]["save_interval"] = 4;
   const TrainRun full = train(1, "full", c);
   ASSERT_EQ(full.code, 0) << full.out;
-  const TrainRun resumed = train(1, "resumed", c, "--set training.resume=" + temp_path("pld_full") +
-                                                       "/checkpoints/global_step4");
+  const TrainRun resumed =
+      train(1, "resumed", c, "--set training.resume=" + temp_path("pld_full") + "/checkpoints/global_step4");
   ASSERT_EQ(resumed.code, 0) << resumed.out;
   ASSERT_EQ(full.rows.size(), 8u);
   ASSERT_EQ(resumed.rows.size(), 4u);
@@ -167,9 +206,14 @@ TEST(ProgressiveLayerDrop, EvaluationRunsEveryBlock) {
             {"train_micro_batch_size_per_gpu", 4},
             {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.0}}}}},
             {"model",
-             {{"vocab_size", 64}, {"n_positions", 16}, {"n_layer", 2}, {"n_head", 2}, {"n_embd", 32},
+             {{"vocab_size", 64},
+              {"n_positions", 16},
+              {"n_layer", 2},
+              {"n_head", 2},
+              {"n_embd", 32},
               {"init_from", golden + "/gpt_eval.h5"}}},
-            {"data", {{"source", "synthetic"}, {"validation", {{"source", "tokens"}, {"path", golden + "/gpt_eval_val.bin"}}}}},
+            {"data",
+             {{"source", "synthetic"}, {"validation", {{"source", "tokens"}, {"path", golden + "/gpt_eval_val.bin"}}}}},
             {"training", {{"steps", 6}, {"seed", 7}, {"peak_gflops", 50}, {"eval_interval", 1}, {"eval_steps", 4}}},
             {"progressive_layer_drop", {{"enabled", true}, {"theta", 0.0}, {"gamma", 1e9}}},
             {"steps_per_print", 100}};
