@@ -10,7 +10,7 @@ PldConfig read_progressive_layer_drop(Section& top, const Config& c) {
   p.enabled = sec.boolean("enabled", p.enabled);
   // θ̄ is the keep probability the schedule decays to; γ its decay rate (θ(t) = (1−θ̄)e^(−γt) + θ̄).
   p.theta = sec.number("theta", p.theta, 0.0, 1.0);
-  p.gamma = sec.number("gamma", p.gamma, 0.0, std::numeric_limits<double>::max());
+  p.gamma = sec.number("gamma", p.gamma, 0.0, std::numeric_limits<double>::infinity());
   sec.finish();
   if (p.enabled) sec.note("pld     " + pld_describe(p, c.model.n_layer));  // validate's and train's start-up lines
   // Every block's skip is decided alike on every rank (pld.hpp), so no layout needs rejecting;
