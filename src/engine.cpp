@@ -109,6 +109,7 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   // MFU counts the whole model's FLOPs (6N + attention) against every rank's peak.
   // With MoE a token meets k experts per MoE block: FLOPs count the active parameters.
   flops_per_token_ = gpt_flops_per_token(model_->shape(), gpt_active_params(model_->shape(), cfg_.model.moe.k));
+  block_flops_per_token_ = flops_per_token_ - 6.0 * static_cast<double>(gpt_params_outside_blocks(model_->shape()));
   double peak = cfg_.training.peak_gflops > 0 ? cfg_.training.peak_gflops : measure_gemm_peak_gflops(model_->compute_type());
   peak_gflops_total_ = peak;
   dp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
@@ -836,7 +837,12 @@ StepResult Engine::train_step() {
   r.elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const double tokens = static_cast<double>(cfg_.batch.train_batch_size * cfg_.model.n_positions);
   r.tokens_per_s = r.elapsed_ms > 0 ? tokens / (r.elapsed_ms / 1e3) : 0.0;
-  r.mfu = flops_per_token_ * r.tokens_per_s / (peak_gflops_total_ * 1e9);
+  r.flops_per_token = flops_per_token_;
+  if (cfg_.pld.enabled)  // progressive layer drop: the dropped blocks' FLOPs were not done
+    r.flops_per_token -= (1.0 - pld_blocks_run_fraction(cfg_.pld, cfg_.training.seed, r.step - 1,
+                                                         cfg_.batch.gradient_accumulation_steps, cfg_.model.n_layer)) *
+                         block_flops_per_token_;
+  r.mfu = r.flops_per_token * r.tokens_per_s / (peak_gflops_total_ * 1e9);
   observer_->end_step();
   return r;
 }
@@ -994,10 +1000,13 @@ std::vector<StepResult> Engine::train() {
     const int64_t timed = std::max<int64_t>(1, static_cast<int64_t>(results.size()) - 1);
     const double tokens = static_cast<double>(timed) * cfg_.batch.train_batch_size * cfg_.model.n_positions;
     const double tps = total_ms > 0.0 ? tokens / (total_ms / 1e3) : 0.0;
+    double flops = 0.0;  // per token, over the timed steps (the same tokens each)
+    for (size_t i = results.size() > 1 ? 1 : 0; i < results.size(); ++i) flops += results[i].flops_per_token;
+    flops /= static_cast<double>(timed);
     std::printf("done: %lld steps | final loss %.4f (first %.4f) | %.0f tokens/s | MFU %.1f%% of %.1f GFLOP/s | "
                 "%.1f s\n",
                 (long long)results.size(), results.back().loss, results.front().loss, tps,
-                100.0 * flops_per_token_ * tps / (peak_gflops_total_ * 1e9), peak_gflops_total_,
+                100.0 * flops * tps / (peak_gflops_total_ * 1e9), peak_gflops_total_,
                 (total_ms + results.front().elapsed_ms) / 1e3);
     if (measured_peak_ > 0)
       std::printf("memory plan: predicted peak %.1f MB per rank, measured %.1f MB (max over %d ranks), ratio %.3f\n",

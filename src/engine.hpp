@@ -48,6 +48,7 @@ struct StepResult {
   double elapsed_ms = 0.0;
   double tokens_per_s = 0.0;
   double mfu = 0.0;
+  double flops_per_token = 0.0;  // the model FLOPs the step did per token (fewer with blocks dropped)
   int64_t comm_bytes = 0;  // bus bytes this rank moved in the step
   std::array<int64_t, 2> expert_comm_bytes{};  // of them, MoE: in the expert (all-to-all) and expert-data groups
   std::array<int64_t, 3> comm_by_axis{};
@@ -195,6 +196,7 @@ class Engine {
   PhaseTimers timers_;
   std::unique_ptr<Observer> observer_;  // flops profiler, monitors, breakdown across ranks, comms logger, trace
   double flops_per_token_ = 0.0, peak_gflops_total_ = 0.0;
+  double block_flops_per_token_ = 0.0;  // of flops_per_token_, the transformer blocks' share
   int64_t step_ = 0;
   // The memory plan (estimator.hpp) the run is checked against at its end: predicted peak per
   // rank (the largest rank's budget) and the measured peak resident memory (max over ranks).

@@ -68,6 +68,8 @@ double gpt_flops_per_token(const GPTShape& shape, int64_t num_params);
 // block-sparse kernel's panels (sparse_probs_per_head) with sparse attention.
 int64_t attention_probs_size(const GPTShape& shape, int64_t B, int64_t H, int64_t T);
 int64_t gpt_active_params(const GPTShape& shape, int64_t k);
+// Parameters outside the transformer blocks (wte, wpe, ln_f): what a dropped block leaves of 6N.
+int64_t gpt_params_outside_blocks(const GPTShape& shape);
 
 // Fills params with the deterministic initialisation: normal(0, 0.02) weights drawn from
 // (seed, tensor name), c_proj weights scaled by 1/sqrt(2L), zero biases, unit LN weights.

@@ -279,6 +279,10 @@ double gpt_flops_per_token(const GPTShape& s, int64_t num_params) {
                                                      static_cast<double>(s.n_embd) * attention_share;
 }
 
+int64_t gpt_params_outside_blocks(const GPTShape& s) {
+  return s.vocab_size * s.n_embd + s.n_positions * s.n_embd + 2 * s.n_embd;
+}
+
 int64_t attention_probs_size(const GPTShape& s, int64_t B, int64_t H, int64_t T) {
   if (!s.sparse.enabled) return B * H * T * T;
   return B * H * sparse_probs_per_head(s.sparse, s.n_head, T, s.n_layer);

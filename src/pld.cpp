@@ -1,6 +1,7 @@
 // pld.cpp — progressive layer drop's schedule and drop decisions (pld.hpp).
 #include "pld.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -47,6 +48,11 @@ nlohmann::json pld_metrics(const PldConfig& pld, uint64_t seed, int64_t steps_do
   for (int64_t m = 0; m < gas; ++m)
     for (float s : pld_block_scales(pld, seed, steps_done, m, n_layer)) run += s != 0.0f ? 1 : 0;
   return {{"theta", theta}, {"keep_prob", keep}, {"blocks_run", run}, {"blocks", gas * n_layer}};
+}
+
+double pld_blocks_run_fraction(const PldConfig& pld, uint64_t seed, int64_t steps_done, int64_t gas, int64_t n_layer) {
+  const nlohmann::json m = pld_metrics(pld, seed, steps_done, gas, n_layer);
+  return m.at("blocks_run").get<double>() / std::max(1.0, m.at("blocks").get<double>());
 }
 
 std::string pld_describe(const PldConfig& pld, int64_t n_layer) {

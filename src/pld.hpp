@@ -54,6 +54,9 @@ std::vector<float> pld_block_scales(const PldConfig& pld, uint64_t seed, int64_t
 // metrics.jsonl "pld" of step `steps_done` + 1: θ in force, each block's keep probability, and
 // the blocks run over the step's `gas` micro-batches (the same on every rank: no communication).
 nlohmann::json pld_metrics(const PldConfig& pld, uint64_t seed, int64_t steps_done, int64_t gas, int64_t n_layer);
+// Blocks run over blocks scheduled in the step's gas micro-batches: the share of the blocks'
+// FLOPs the step did (MFU counts only those).
+double pld_blocks_run_fraction(const PldConfig& pld, uint64_t seed, int64_t steps_done, int64_t gas, int64_t n_layer);
 // The start-up line: the schedule and what it does to the blocks.
 std::string pld_describe(const PldConfig& pld, int64_t n_layer);
 

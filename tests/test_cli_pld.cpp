@@ -91,6 +91,24 @@ TEST(ProgressiveLayerDrop, DropsBlocksAndReportsTheScheduleInMetrics) {
   EXPECT_GT(run, blocks / 2);  // and the first block of every micro-batch ran
 }
 
+// MFU counts the FLOPs done: 6N + 12·L·T·C with N's transformer blocks (and the attention term)
+// scaled by the share of blocks run. V=64, T=16, L=4, C=32: outside the blocks wte + wpe + ln_f
+// = 2048 + 512 + 64 parameters; each block 12·C² + 13·C = 12,704, plus 12·T·C = 6,144 attention.
+TEST(ProgressiveLayerDrop, MfuCountsOnlyTheBlocksRun) {
+  const TrainRun& r = one_rank();
+  ASSERT_EQ(r.code, 0) << r.out;
+  const double outside = 6.0 * (2048 + 512 + 64), blocks = 4 * (6.0 * 12704 + 6144);
+  bool some_dropped = false;
+  for (const json& row : r.rows) {
+    const json& p = row.at("pld");
+    const double share = p.at("blocks_run").get<double>() / p.at("blocks").get<double>();
+    some_dropped = some_dropped || share < 1.0;
+    const double flops = row.at("mfu").get<double>() * 50e9 / row.at("tokens_per_s").get<double>();
+    EXPECT_NEAR(flops, outside + blocks * share, 1e-6 * (outside + blocks)) << "step " << row.at("step");
+  }
+  EXPECT_TRUE(some_dropped);
+}
+
 // ZeRO-3 with nothing kept gathered between uses: each block is all-gathered for its forward
 // and again for its backward, unless dropped. Per dropped block and micro-batch the data axis
 // moves two gathers of its 12·C² + 13·C = 12,704 fp32 parameters less ((np−1)/np of 50,816
