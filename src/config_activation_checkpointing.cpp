@@ -55,18 +55,26 @@ ActivationCheckpointing read_activation_checkpointing(Section& top, const Config
   a.synchronize_checkpoint_boundary = sec.boolean("synchronize_checkpoint_boundary", false);
   a.profile = sec.boolean("profile", false);
   sec.finish();
-  const std::pair<const char*, bool> options[] = {
-      {"recompute_granularity", a.granularity != RecomputeGranularity::Full},
-      {"partition_activations", a.partition_activations},
-      {"cpu_checkpointing", a.cpu_checkpointing},
-      {"contiguous_memory_optimization", a.contiguous_memory_optimization},
-      {"number_checkpoints", a.number_checkpoints > 0},
-      {"synchronize_checkpoint_boundary", a.synchronize_checkpoint_boundary},
-      {"profile", a.profile}};
+  // {key, set, implies checkpointing}: the options that say how checkpointed blocks are stored or
+  // recomputed imply them (Megatron's configs); the diagnostics (timing, barriers) do not, since
+  // turning full recompute on to time it would cost a third more compute.
+  struct Option {
+    const char* key;
+    bool set, implies;
+  };
+  const Option options[] = {
+      {"recompute_granularity", a.granularity != RecomputeGranularity::Full, true},
+      {"partition_activations", a.partition_activations, true},
+      {"cpu_checkpointing", a.cpu_checkpointing, true},
+      {"contiguous_memory_optimization", a.contiguous_memory_optimization, true},
+      {"number_checkpoints", a.number_checkpoints > 0, true},
+      {"synchronize_checkpoint_boundary", a.synchronize_checkpoint_boundary, false},
+      {"profile", a.profile, false}};
   const char* first_set = nullptr;
-  for (const auto& [key, set] : options)
-    if (set && !first_set) first_set = key;
-  if (!interval && first_set) {
+  for (const Option& o : options)
+    if (o.set && o.implies && !first_set) first_set = o.key;
+  const bool implied = !interval && first_set;
+  if (implied) {
     interval = 1;
     top.child("pipeline").record("activation_checkpoint_interval", 1);
     top.note(std::string("auto    ") + kIntervalKey + " = 1 (absent, and activation_checkpointing." + first_set +
@@ -75,10 +83,12 @@ ActivationCheckpointing read_activation_checkpointing(Section& top, const Config
   }
   a.interval = interval.value_or(0);
   if (!a.enabled()) {
-    for (const auto& [key, set] : options)
-      if (set)
-        sec.report_key(key, std::string("no block is checkpointed: set `") + kIntervalKey +
-                              "` (blocks per checkpoint) to 1 or more, or leave it out to checkpoint every block");
+    for (const Option& o : options)
+      if (o.set)
+        sec.report_key(o.key, std::string("no block is checkpointed: set `") + kIntervalKey +
+                                  "` (blocks per checkpoint) to 1 or more" +
+                                  (o.implies ? ", or leave it out to checkpoint every block"
+                                             : " (this diagnostic does not turn checkpointing on)"));
     return a;
   }
   if (a.contiguous_memory_optimization && !number_given) {
@@ -104,9 +114,11 @@ ActivationCheckpointing read_activation_checkpointing(Section& top, const Config
     sec.report_key("partition_activations", "with tensor_parallel.sequence_parallel every tensor rank already holds "
                                           "only its own tokens of a checkpoint input: there is no replica to split");
   if (a.full() && c.pipeline.schedule == pipe::ScheduleKind::ZeroBubbleH1)
-    top.report(kIntervalKey, "full recompute cannot serve the zb-h1 schedule: its weight-gradient pass reads each "
-                           "block's activations after the input-gradient pass has released them; use "
-                           "activation_checkpointing.recompute_granularity \"selective\" or schedule 1f1b");
+    top.report(kIntervalKey, std::string(implied ? "(1, implied by activation_checkpointing." : "") +
+                                 (implied ? std::string(first_set) + ") " : std::string()) +
+                                 "full recompute cannot serve the zb-h1 schedule: its weight-gradient pass reads each "
+                                 "block's activations after the input-gradient pass has released them; use "
+                                 "activation_checkpointing.recompute_granularity \"selective\" or schedule 1f1b");
   if (a.contiguous_memory_optimization && a.number_checkpoints > 0) {
     const int64_t most = checkpoints_per_forward(c, a.interval);
     if (a.number_checkpoints < most)

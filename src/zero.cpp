@@ -290,7 +290,8 @@ const void* ZeroOptimizer::fetch(int u) {
     const int next = trace_[k];
     if (gathered_.count(next)) continue;
     if (units_[next].numel > budget) break;
-    if (param_swap_ && !param_swap_->ready(next)) break;  // still on its way from the drive
+    // (No wait for NVMe reads here: whether a read has landed differs from rank to rank, and the
+    // gathers are collectives every rank must start in the same order; start_gather waits.)
     start_gather(next);
     budget -= units_[next].numel;
   }
@@ -494,33 +495,6 @@ void ZeroOptimizer::drop_gathered_params() {
 void ZeroOptimizer::zero_grad() {
   zero_any(grads_.data(), grads_.type(), grads_.size());
   trace_pos_ = 0;  // a step replays the fetch trace from its start
-}
-
-std::vector<float> ZeroOptimizer::gather_full_params() {
-  std::vector<float> full(static_cast<size_t>(part_.padded), 0.0f);
-  const float* src = mixed_ ? master_.data() : params_.as<float>();
-  const bool local_is_full = stage_ == 0 || (!mixed_ && !master16_ && stage_ < 3);
-  if (local_is_full) {
-    std::copy_n(src, layout_.total(), full.begin());
-  } else {
-    float* own = full.data() + part_.begin(rank_);
-    if (mixed_ && offloaded_) {
-      offloaded_->read("master", 0, part_.part, own);
-    } else if (master16_) {
-      std::vector<char> bits(static_cast<size_t>(part_.part) * dtype_size(types_.param));
-      read_params(0, part_.part, bits.data());
-      convert_any(own, DType::F32, bits.data(), types_.param, part_.part);
-    } else if (param_swap_) {
-      read_params(0, part_.part, own);
-    } else {
-      std::copy_n(src, part_.part, own);
-    }
-    std::vector<int64_t> counts(world_, part_.part), displs(world_);
-    for (int r = 0; r < world_; ++r) displs[r] = part_.begin(r);
-    dp_.all_gather_v_async(full.data(), counts, displs, DType::F32)->wait();
-  }
-  full.resize(static_cast<size_t>(layout_.total()));
-  return full;
 }
 
 std::vector<std::string> ZeroOptimizer::checkpoint_states() const {

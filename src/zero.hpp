@@ -131,9 +131,6 @@ class ZeroOptimizer : public ParamStore {
   void zero_grad();
   const StateTypes& types() const { return types_; }
 
-  // Full parameters in fp32 (the master copy when mixed), gathered (collective); for tests and tools.
-  std::vector<float> gather_full_params();
-
   MemoryBytes memory() const;
   // Offload: the start-up line (empty without offload) and the swap traffic since the last call.
   std::string offload_summary() const;

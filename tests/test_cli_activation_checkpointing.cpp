@@ -227,6 +227,16 @@ TEST(Checkpointing, OptionsWithoutAnIntervalCheckpointEveryBlockAsMegatronDoes) 
   r = run("validate " + config);
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.out.find("activation_checkpoint_interval = "), std::string::npos) << r.out;
+  // the diagnostics (profile, synchronize_checkpoint_boundary) time and fence checkpoints: they
+  // turn nothing on, so alone they are still an error
+  r = run("validate " + config + " --set activation_checkpointing.profile=true");
+  expect_one_line_rejection(r, "this diagnostic does not turn checkpointing on");
+  // zb-h1 cannot take the implied full recompute: the message says where the interval came from
+  r = run("validate " + config + " --world-size 2 --set pipeline.stages=2 --set pipeline.schedule=zb-h1 " + kPartition);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.err.find("(1, implied by activation_checkpointing.partition_activations) full recompute cannot serve"),
+            std::string::npos)
+      << r.err;
 
   // The run holds what the explicit settings hold, and its resolved config names them.
   const std::string dir = temp_path("megatron_derived");
