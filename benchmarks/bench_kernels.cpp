@@ -214,7 +214,8 @@ void BM_LayerNormBackward(benchmark::State& state) {
 BENCHMARK(BM_LayerNormBackward)->Unit(benchmark::kMicrosecond);
 
 // Causal attention FLOPs counted as the full T×T products (4·B·T²·C forward), as the MFU formula does.
-// arg: 1 = the bf16 compute path (tiled, oneDNN batched products), 0 = fp32.
+// arg: 0 = fp32, 1 = the bf16 compute path as the model runs it (the fused kernel where it is
+// built and fits, else tiled), 2 = the tiled bf16 kernel (oneDNN batched products) for comparison.
 // args = (bf16, gpt2): gpt2 = 1 is GPT-2 124M's attention (B=1, T=1024, H=12, C=768) instead
 // of gpt-small-cpu's.
 struct AttentionShape {
@@ -230,28 +231,36 @@ void BM_AttentionForward(benchmark::State& state) {
   auto qkv = randn(b * t * 3 * c, 8);
   std::vector<float> out(b * t * c), att(b * h * t * t);
   for (auto _ : state) {
-    attention_forward(out.data(), att.data(), qkv.data(), b, t, c, h, compute);
+    if (state.range(0) == 2) attention_forward_tiled_bf16(out.data(), att.data(), qkv.data(), b, t, c, h);
+    else attention_forward(out.data(), att.data(), qkv.data(), b, t, c, h, compute);
     benchmark::ClobberMemory();
   }
+  state.SetLabel(state.range(0) == 2 ? "bf16 tiled" : state.range(0) == 0 ? "fp32"
+                 : attention_flash_fits(b * h, t, c / h) ? "bf16 fused (flash)" : "bf16 tiled");
   state.counters["GFLOP/s"] = benchmark::Counter(4.0 * b * t * t * c, benchmark::Counter::kIsIterationInvariantRate,
                                                  benchmark::Counter::kIs1000);
 }
-BENCHMARK(BM_AttentionForward)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionForward)->ArgsProduct({{0, 1, 2}, {0, 1}})->Unit(benchmark::kMillisecond);
 
 void BM_AttentionBackward(benchmark::State& state) {
   const DType compute = state.range(0) ? DType::BF16 : DType::F32;
   const auto [b, t, c, h] = attention_shape(state);
   auto qkv = randn(b * t * 3 * c, 8), dout = randn(b * t * c, 9);
   std::vector<float> out(b * t * c), att(b * h * t * t), dqkv(b * t * 3 * c), scratch(kRowBlock * t);
-  attention_forward(out.data(), att.data(), qkv.data(), b, t, c, h, compute);
+  const bool tiled = state.range(0) == 2;
+  if (tiled) attention_forward_tiled_bf16(out.data(), att.data(), qkv.data(), b, t, c, h);
+  else attention_forward(out.data(), att.data(), qkv.data(), b, t, c, h, compute);
   for (auto _ : state) {
-    attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), b, t, c, h, compute);
+    if (tiled) attention_backward_tiled_bf16(dqkv.data(), dout.data(), qkv.data(), att.data(), b, t, c, h);
+    else attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), b, t, c, h, compute);
     benchmark::ClobberMemory();
   }
+  state.SetLabel(tiled ? "bf16 tiled" : state.range(0) == 0 ? "fp32"
+                 : attention_flash_fits(b * h, t, c / h) ? "bf16 fused (flash)" : "bf16 tiled");
   state.counters["GFLOP/s"] = benchmark::Counter(8.0 * b * t * t * c, benchmark::Counter::kIsIterationInvariantRate,
                                                  benchmark::Counter::kIs1000);
 }
-BENCHMARK(BM_AttentionBackward)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionBackward)->ArgsProduct({{0, 1, 2}, {0, 1}})->Unit(benchmark::kMillisecond);
 
 void BM_GeluForward(benchmark::State& state) {
   const Index n = BT * 4 * C;

@@ -6,6 +6,8 @@
 # at gpt-small-cpu's shapes gives each kernel's rate against its own limit: GFLOP/s against
 # the 512³ bf16 product (what zero3d's MFU peak measures), GB/s against a plain copy.
 # Usage: benchmarks/bf16_breakdown.sh [BUILD_DIR] [CONFIG] [WORKDIR]   (one rank, 1 BLAS thread)
+# SKIP_BENCH=1 prints the step's table only; ZERO3D_ATTENTION_KERNEL=tiled runs the tiled bf16
+# attention instead of the fused one (A/B pairs in one binary).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -47,6 +49,7 @@ for g, prefixes in groups.items():
 PY
 echo
 echo "Each kernel's rate at gpt-small-cpu's shapes (B=8, T=256, C=384), against its limit:"
+[ -n "${SKIP_BENCH:-}" ] && exit 0
 "$BUILD/benchmarks/zero3d_bench" --benchmark_min_time=0.2 \
   --benchmark_filter='GemmBf16/512/|GemmBf16/2048/1152|LinearTrainingProducts/.*/1$|AttentionForward/1|AttentionBackward/1|LayerNorm|Gelu|Convert|CopyStream|AdamW' 2>&1 |
   grep -E '^BM_'

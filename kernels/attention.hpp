@@ -4,7 +4,9 @@
 // att[B,H,T,T] keeps the softmax probabilities for the backward. Scores are scaled by
 // 1/sqrt(hs) (GPT-2). Work is done per (batch, head) and per block of kRowBlock query rows:
 // a row block only needs keys up to its last row, so sgemm skips most of the masked half.
-// compute = BF16 runs attention_bf16.hpp's tiled kernels instead (bf16 probabilities in att).
+// compute = BF16 runs attention_bf16.hpp's kernels instead: on CPUs with AVX512-BF16 the fused
+// FlashAttention-2 style kernel (attention_flash_bf16.hpp; att then holds each row's log-sum-exp
+// and the bf16 output, no probabilities), else the tiled kernel (bf16 probabilities in att).
 #pragma once
 
 #include <cblas.h>

@@ -12,11 +12,19 @@
 //
 // att holds the tiles (i, j ≤ i) at tile index i(i+1)/2 + j, each [B·H][TB][TB] bf16: at most
 // T(T+TB)/2 bf16 per (batch, head), inside the B·H·T·T floats the fp32 kernel uses.
+//
+// attention_forward_bf16 / attention_backward_bf16 (the end of this file) run the fused kernel of
+// attention_flash_bf16.hpp instead where it is built (AVX512-BF16) and att has room for what it
+// keeps; ZERO3D_ATTENTION_KERNEL=tiled in the environment keeps this tiled kernel, for A/B
+// benchmarks of the two in one binary (benchmarks/bf16_breakdown.sh).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
+#include "attention_flash_bf16.hpp"
 #include "common.hpp"
 #include "fastmath.hpp"
 #include "gemm.hpp"
@@ -230,7 +238,7 @@ inline Index attention_head_group(Index T, Index hs, Index BH) {
 }
 
 template <typename O>
-inline void attention_forward_bf16(O* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+inline void attention_forward_tiled_bf16(O* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T);
@@ -260,8 +268,8 @@ inline void attention_forward_bf16(O* out, float* att, const float* qkv, Index B
 }
 
 // dqkv written (all of it) from dout = d(out), the forward's qkv and bf16 probabilities in att.
-inline void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const float* att, Index B, Index T,
-                                    Index C, Index H) {
+inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const float* qkv, const float* att, Index B,
+                                          Index T, Index C, Index H) {
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T);
@@ -300,6 +308,33 @@ inline void attention_backward_bf16(float* dqkv, const float* dout, const float*
     attention_unpack(dqkv + C, C3, dk, g0, G, T, H, hs, t);
     attention_unpack(dqkv + 2 * C, C3, dv, g0, G, T, H, hs, t);
   }
+}
+
+// The bf16 attention the model runs: the fused kernel (attention_flash_bf16.hpp) where it is
+// built and att has room for what it keeps, the tiled kernel above otherwise. A forward and
+// the backward that reads its att take the same branch (it depends on the shape only).
+inline bool attention_flash_chosen(Index BH, Index T, Index hs) {
+  static const bool tiled = [] {
+    const char* e = std::getenv("ZERO3D_ATTENTION_KERNEL");
+    return e && std::string(e) == "tiled";
+  }();
+  return !tiled && attention_flash_fits(BH, T, hs);
+}
+
+template <typename O>
+inline void attention_forward_bf16(O* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+#ifdef ZERO3D_FLASH_ATTENTION
+  if (attention_flash_chosen(B * H, T, C / H)) return flash::forward(out, att, qkv, B, T, C, H);
+#endif
+  attention_forward_tiled_bf16(out, att, qkv, B, T, C, H);
+}
+
+inline void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const float* att, Index B, Index T,
+                                    Index C, Index H) {
+#ifdef ZERO3D_FLASH_ATTENTION
+  if (attention_flash_chosen(B * H, T, C / H)) return flash::backward(dqkv, dout, qkv, att, B, T, C, H);
+#endif
+  attention_backward_tiled_bf16(dqkv, dout, qkv, att, B, T, C, H);
 }
 
 }  // namespace zero3d::kernels
