@@ -105,7 +105,7 @@ TEST(OnePassCli, FiveIndependentErrorsAreReportedInOneRun) {
   j["optimizer"]["params"]["lr"] = -1;
   j["zero_optimization"] = {{"stage", 7}};
   j["optimiser"] = 1;
-  j["sparse_attention"] = {{"mode", "fixed"}};
+  j["eigenvalue"] = {{"enabled", true}};
   const std::string config = write_config("five.json", j);
   for (const std::string cmd : {"validate " + config, "train " + config + " --output " + temp_path("five_out")}) {
     const Result r = run(cmd);

@@ -34,12 +34,12 @@ TEST(OnePass, FiveIndependentErrorsAreAllReportedWithACount) {
   j["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", -1}}}};  // out of range
   j["zero_optimization"] = {{"stage", 7}};                         // out of range
   j["optimiser"] = 1;                                              // misspelt
-  j["sparse_attention"] = {{"mode", "fixed"}};                     // a feature zero3d lacks
+  j["eigenvalue"] = {{"enabled", true}};                           // a feature zero3d lacks
   const std::string e = error_of(j);
   EXPECT_EQ(e.rfind("5 problems in cfg.json:", 0), 0u) << e;
   EXPECT_EQ(lines(e), 6u) << e;
   for (const char* key : {"`steps_per_print`", "`optimizer.params.lr`", "`zero_optimization.stage`", "`optimiser`",
-                          "`sparse_attention`"})
+                          "`eigenvalue`"})
     EXPECT_NE(e.find(key), std::string::npos) << key << " missing from\n" << e;
   EXPECT_NE(e.find("\"ten\""), std::string::npos) << e;  // each line names the value
 }
