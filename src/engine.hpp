@@ -92,7 +92,11 @@ class Engine {
 
  private:
   void setup_local();  // everything that may fail on one rank alone: weights, data, files
+  // Rank 0's reporting (engine_report.cpp): the start-up lines, each step's metrics record and
+  // report line, the end-of-run summary.
   void print_startup() const;
+  void report_step(const StepResult& r, const nlohmann::json& moe, double dropped, bool last_step);
+  void print_summary(const std::vector<StepResult>& results, double total_ms) const;
   void resume_from_checkpoint();
   bool resume_agreed();  // resume "auto": every rank finds a checkpoint (or none does)
   void save(bool final_step, bool forced = false);  // forced: preemption, whatever save_interval says
