@@ -20,6 +20,9 @@ namespace zero3d::config_detail {
 
 using json = nlohmann::json;
 
+// The upper bound of the readers' int-valued keys.
+inline constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+
 inline std::string lower(std::string s) {
   for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
@@ -492,5 +495,15 @@ MoeConfig read_moe(Section& model);
 void check_moe(Section& top, const Config& c, int64_t data_parallel_size);
 // sparse_attention (config_sparse_attention.cpp): the layout's keys for its mode and DeepSpeed's checks.
 SparseAttention read_sparse_attention(Section& top, const Config& c);
+// The `optimizer` and `scheduler` sections and gradient_clipping (config_optimizer.cpp).
+OptimizerConfig read_optimizer(Section& top);
+SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t total_steps);
+double read_gradient_clipping(Section& top);
+
+// config_files.cpp: the nlohmann message without its "[json.exception.xxx.nnn] " prefix,
+// escaped and capped; and the config with its `strategy` preset expanded beneath it (the
+// config's keys win; an unknown name is a problem recorded in ctx).
+std::string json_detail(const json::exception& e);
+json with_strategy_preset(const json& given, const std::string& file, ReadContext& ctx);
 
 }  // namespace zero3d::config_detail
