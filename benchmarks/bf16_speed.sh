@@ -6,7 +6,8 @@
 # machine's bf16 GEMM peak as zero3d measures it at start-up (summed over ranks, the same
 # figure for every row of a model so that rows compare), peak resident memory per rank, and
 # the ratio to the PyTorch peer of the same dtype and rank count. Run on a quiet machine.
-# Usage: benchmarks/bf16_speed.sh [BUILD_DIR] [WORKDIR]   (MODELS="gpt2-124m" to run one model)
+# Usage: benchmarks/bf16_speed.sh [BUILD_DIR] [WORKDIR]   (MODELS="gpt2-124m" to run one model;
+# NPS=2 reruns only the np 2 rows into a WORKDIR that holds the np 1 ones)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -17,7 +18,7 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 
 for model in $MODELS; do
   if [ "$model" = gpt2-124m ]; then steps=3 micro=1; else steps=8 micro=8; fi
-  for np in 1 2; do
+  for np in ${NPS:-1 2}; do
     for dtype in fp32 bf16 fp16; do
       set_dtype=()
       [ "$dtype" != fp32 ] && set_dtype=(--set "$dtype.enabled=true")
