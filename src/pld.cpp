@@ -40,19 +40,29 @@ std::vector<float> pld_block_scales(const PldConfig& pld, uint64_t seed, int64_t
   return scale;
 }
 
+namespace {
+// Blocks run over the step's gas micro-batches.
+int64_t blocks_run(const PldConfig& pld, uint64_t seed, int64_t steps_done, int64_t gas, int64_t n_layer) {
+  int64_t run = 0;
+  for (int64_t m = 0; m < gas; ++m)
+    for (float s : pld_block_scales(pld, seed, steps_done, m, n_layer)) run += s != 0.0f ? 1 : 0;
+  return run;
+}
+}  // namespace
+
 nlohmann::json pld_metrics(const PldConfig& pld, uint64_t seed, int64_t steps_done, int64_t gas, int64_t n_layer) {
   const double theta = pld_theta_in_step(pld, steps_done);
   std::vector<double> keep;
   for (int64_t l = 0; l < n_layer; ++l) keep.push_back(pld_keep_probability(theta, l, n_layer));
-  int64_t run = 0;
-  for (int64_t m = 0; m < gas; ++m)
-    for (float s : pld_block_scales(pld, seed, steps_done, m, n_layer)) run += s != 0.0f ? 1 : 0;
-  return {{"theta", theta}, {"keep_prob", keep}, {"blocks_run", run}, {"blocks", gas * n_layer}};
+  return {{"theta", theta},
+          {"keep_prob", keep},
+          {"blocks_run", blocks_run(pld, seed, steps_done, gas, n_layer)},
+          {"blocks", gas * n_layer}};
 }
 
 double pld_blocks_run_fraction(const PldConfig& pld, uint64_t seed, int64_t steps_done, int64_t gas, int64_t n_layer) {
-  const nlohmann::json m = pld_metrics(pld, seed, steps_done, gas, n_layer);
-  return m.at("blocks_run").get<double>() / std::max(1.0, m.at("blocks").get<double>());
+  return static_cast<double>(blocks_run(pld, seed, steps_done, gas, n_layer)) /
+         static_cast<double>(std::max<int64_t>(1, gas * n_layer));
 }
 
 std::string pld_describe(const PldConfig& pld, int64_t n_layer) {

@@ -114,6 +114,14 @@ void bslongformer(Layout& L, const SparseAttention& s) {
   if (s.unidirectional) L.lower_triangle_only();
 }
 
+// Blocks head h computes: those set on or below the diagonal.
+int64_t causal_blocks(const std::vector<uint8_t>& layout, int64_t h, int64_t nb) {
+  int64_t on = 0;
+  for (int64_t r = 0; r < nb; ++r)
+    for (int64_t c = 0; c <= r; ++c) on += layout[(h * nb + r) * nb + c];
+  return on;
+}
+
 }  // namespace
 
 const char* sparsity_mode_name(SparsityMode m) {
@@ -215,9 +223,7 @@ std::vector<uint8_t> sparse_block_layout(const SparseAttention& s, int64_t heads
 
 double causal_block_share(const std::vector<uint8_t>& layout, int64_t heads, int64_t nb) {
   int64_t on = 0;
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t r = 0; r < nb; ++r)
-      for (int64_t c = 0; c <= r; ++c) on += layout[(h * nb + r) * nb + c];
+  for (int64_t h = 0; h < heads; ++h) on += causal_blocks(layout, h, nb);
   return static_cast<double>(on) / static_cast<double>(heads * nb * (nb + 1) / 2);
 }
 
@@ -226,12 +232,7 @@ int64_t sparse_probs_per_head(const SparseAttention& s, int64_t heads, int64_t s
   int64_t most = 0;
   for (int64_t l = 0; l < std::max<int64_t>(layers, 1); ++l) {
     const std::vector<uint8_t> lay = sparse_block_layout(s, heads, seq_len, l);
-    for (int64_t h = 0; h < heads; ++h) {
-      int64_t on = 0;
-      for (int64_t r = 0; r < nb; ++r)
-        for (int64_t c = 0; c <= r; ++c) on += lay[(h * nb + r) * nb + c];
-      most = std::max(most, on);
-    }
+    for (int64_t h = 0; h < heads; ++h) most = std::max(most, causal_blocks(lay, h, nb));
   }
   return most * s.block * s.block;
 }
