@@ -22,6 +22,8 @@ namespace zero3d {
 
 enum class ReduceOp { Sum, Max, Min };
 
+class RingScratch;
+
 class CommRequest;
 
 // A nonblocking collective in flight.
@@ -99,6 +101,7 @@ class MpiCommunicator : public Communicator {
  public:
   // watchdog may be null; the communicator does not own comm or watchdog.
   MpiCommunicator(MPI_Comm comm, Watchdog* watchdog = nullptr);
+  ~MpiCommunicator() override;
   std::string backend() const override { return "mpi"; }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -123,9 +126,13 @@ class MpiCommunicator : public Communicator {
                     const std::vector<int64_t>& recv_counts, DType type) override;
 
  private:
+  int next_ring_tag();
+
   MPI_Comm comm_;
   Watchdog* watchdog_;
   int rank_ = 0, size_ = 1;
+  int64_t ring_sequence_ = 0;                 // ring reductions started (comm_ring.hpp), for their tags
+  std::unique_ptr<RingScratch> ring_scratch_;  // their buffers, reused call after call
 };
 
 // NCCL communicator over device buffers; nullptr when zero3d was built without NCCL.

@@ -8,6 +8,7 @@
 #include "comm.hpp"
 #include "failure.hpp"
 #include "grad_reducer.hpp"
+#include "half.hpp"
 #include "topology.hpp"
 
 using namespace zero3d;
@@ -85,6 +86,79 @@ TEST(MpiCommunicator, SendRecvPassesAlongARing) {
     w.comm.send(&out, 1, DType::F32, next, 7);
   }
   EXPECT_EQ(in, float(prev));
+}
+
+// Large sums go round a ring (comm_ring.hpp) instead of through MPI. Rank r's element i is a
+// pseudo-random bf16 value known to every rank, so each test recomputes the ring's own order:
+// block b's sum starts at rank b+1 and ends at rank b, rounding to bf16 after every addition.
+float ring_value(int rank, int64_t i) {
+  const uint32_t h = static_cast<uint32_t>(i * 2654435761u) ^ static_cast<uint32_t>(rank * 40503u + 17u);
+  return kernels::to_float(kernels::to_bf16(static_cast<float>(h % 20011u) / 997.0f - 10.0f));
+}
+float ring_sum_bf16(int n, int block, int64_t i) {
+  float acc = ring_value((block + 1) % n, i);
+  for (int k = 2; k <= n; ++k) acc = kernels::to_float(kernels::to_bf16(ring_value((block + k) % n, i) + acc));
+  return acc;
+}
+
+// 300 001 bf16 elements: above the ring's threshold, not a multiple of the group size or of
+// the 1 MiB chunk, so uneven blocks and a short last chunk are both exercised.
+TEST(MpiCommunicator, LargeBf16AllReduceSumsInTheRingsFixedOrderOnEveryRank) {
+  World w;
+  const int64_t n = 300001;
+  std::vector<kernels::bf16> x(n);
+  for (int64_t i = 0; i < n; ++i) x[i] = kernels::to_bf16(ring_value(w.r, i));
+  w.comm.all_reduce(x.data(), n, DType::BF16, ReduceOp::Sum);
+  const int64_t base = n / w.n, extra = n % w.n;
+  for (int64_t i = 0, b = 0, end = base + (extra > 0); i < n; ++i) {
+    if (i == end) ++b, end += base + (b < extra);
+    ASSERT_EQ(kernels::to_float(x[i]), w.n == 1 ? ring_value(0, i) : ring_sum_bf16(w.n, int(b), i)) << i;
+  }
+}
+
+// Several large sums in flight at once, as overlapped gradient buckets are: each keeps its
+// own messages, whatever order the ranks test them in. bf16 (the ring's type at any size from
+// 256 KiB) with small integers, which it holds exactly.
+TEST(MpiCommunicator, OverlappingLargeAllReducesEachGetTheirOwnSum) {
+  World w;
+  const int64_t n = 200003;
+  std::vector<std::vector<kernels::bf16>> bufs(3, std::vector<kernels::bf16>(n));
+  for (int k = 0; k < 3; ++k)
+    for (int64_t i = 0; i < n; ++i) bufs[k][i] = kernels::to_bf16(float((w.r + 1) * (k + 1)) + float(i % 7));
+  std::vector<std::unique_ptr<CommRequest>> reqs;
+  for (auto& b : bufs) reqs.push_back(w.comm.all_reduce_async(b.data(), n, DType::BF16, ReduceOp::Sum));
+  for (int k = (w.r % 2 ? 2 : 0), seen = 0; seen < 3; k = (k + (w.r % 2 ? 2 : 1)) % 3, ++seen) reqs[k]->test();
+  for (int k = 2; k >= 0; --k) reqs[k]->wait();
+  const float ranks = w.n * (w.n + 1) / 2.0f;
+  for (int k = 0; k < 3; ++k)
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(kernels::to_float(bufs[k][i]), ranks * float(k + 1) + float(w.n * (i % 7))) << k << " " << i;
+}
+
+// A large fp32 all-reduce (above the 16 MiB where fp32 joins the ring) sums exactly.
+TEST(MpiCommunicator, LargeF32AllReduceSumsEveryElement) {
+  World w;
+  const int64_t n = (int64_t(16) << 20) / 4 + 12345;
+  std::vector<float> x(n);
+  for (int64_t i = 0; i < n; ++i) x[i] = float(w.r) + float(i % 13);
+  w.comm.all_reduce(x.data(), n, DType::F32, ReduceOp::Sum);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(x[i], w.n * (w.n - 1) / 2.0f + float(w.n * (i % 13))) << i;
+}
+
+// ZeRO's partitions: uneven per-rank counts, one of them empty, through the ring.
+TEST(MpiCommunicator, LargeReduceScatterVGivesEachRankItsOwnUnevenBlock) {
+  World w;
+  std::vector<int64_t> counts(w.n);
+  for (int r = 0; r < w.n; ++r) counts[r] = r == 1 ? 0 : 90001 + 1000 * r;
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  std::vector<float> send(total);
+  for (int64_t i = 0; i < total; ++i) send[i] = float(w.r) + float(i % 11);
+  std::vector<float> recv(std::max<int64_t>(1, counts[w.r]), -1.0f);
+  w.comm.reduce_scatter_v_async(send.data(), recv.data(), counts, DType::F32, ReduceOp::Sum)->wait();
+  int64_t start = 0;
+  for (int r = 0; r < w.r; ++r) start += counts[r];
+  for (int64_t k = 0; k < counts[w.r]; ++k)
+    ASSERT_EQ(recv[k], w.n * (w.n - 1) / 2.0f + float(w.n * ((start + k) % 11))) << k;
 }
 
 TEST(ProcessGroups, DataGroupsFollowTheTopology) {

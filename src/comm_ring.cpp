@@ -1,0 +1,137 @@
+// comm_ring.cpp
+#include "comm_ring.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "base.hpp"
+#include "half.hpp"
+
+namespace zero3d {
+
+bool ring_reduces(RingCall call, DType type, int64_t elements) {
+  if (type != DType::F32 && type != DType::BF16 && type != DType::F16) return false;
+  const int64_t bytes = elements * static_cast<int64_t>(dtype_size(type));
+  if (call == RingCall::AllReduce && type == DType::F32) return bytes >= kRingAllReduceF32Bytes;
+  return bytes >= kRingReduceBytes;
+}
+
+namespace {
+
+int wrap(int r, int n) { return ((r % n) + n) % n; }
+
+// dst = own + arrived, in fp32 with one rounding for the 16-bit types: the arithmetic of the
+// MPI user operation (comm_mpi.cpp half_sum) and of NCCL's bf16/fp16 sum.
+template <typename T>
+void add(void* dst, const void* own, const void* arrived, int64_t n) {
+  T* d = static_cast<T*>(dst);
+  const T* a = static_cast<const T*>(own);
+  const T* b = static_cast<const T*>(arrived);
+  for (int64_t i = 0; i < n; ++i) d[i] = kernels::from_float<T>(kernels::to_float(a[i]) + kernels::to_float(b[i]));
+}
+
+void add_any(DType type, void* dst, const void* own, const void* arrived, int64_t n) {
+  switch (type) {
+    case DType::F32: return add<float>(dst, own, arrived, n);
+    case DType::BF16: return add<kernels::bf16>(dst, own, arrived, n);
+    case DType::F16: return add<kernels::fp16>(dst, own, arrived, n);
+    default: throw SystemError("ring reduction of an unsupported type");
+  }
+}
+
+void check(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) throw SystemError(std::string("MPI ") + what + " failed in the ring reduction");
+}
+
+}  // namespace
+
+std::vector<char> RingScratch::take(int64_t bytes) {
+  std::vector<char> b;
+  if (!free_.empty()) b = std::move(free_.back()), free_.pop_back();
+  if (static_cast<int64_t>(b.size()) < bytes) b.resize(static_cast<size_t>(bytes));
+  return b;
+}
+
+void RingScratch::give_back(std::vector<char> buffer) { free_.push_back(std::move(buffer)); }
+
+RingReduceScatter::RingReduceScatter(MPI_Comm comm, int tag, const void* send, void* recv, std::vector<int64_t> counts,
+                                     std::vector<int64_t> displs, DType type, RingScratch& scratch)
+    : comm_(comm),
+      scratch_(scratch),
+      tag_(tag),
+      send_(static_cast<const char*>(send)),
+      recv_(static_cast<char*>(recv)),
+      counts_(std::move(counts)),
+      displs_(std::move(displs)),
+      type_(type),
+      esize_(static_cast<int64_t>(dtype_size(type))) {
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+  chunk_elems_ = std::max<int64_t>(1, kRingChunkBytes / esize_);
+  int64_t widest = 0;
+  for (int64_t c : counts_) widest = std::max(widest, c);
+  const int64_t chunks = (widest + chunk_elems_ - 1) / chunk_elems_;
+  rounds_ = size_ > 1 ? chunks * (size_ - 1) : 0;
+  if (size_ == 1 && recv_ != send_ + displs_[0] * esize_) std::memcpy(recv_, send_ + displs_[0] * esize_, counts_[0] * esize_);
+  const int64_t buffer = std::min(widest, chunk_elems_) * esize_;
+  partial_ = scratch_.take(buffer);
+  incoming_ = scratch_.take(buffer);
+}
+
+RingReduceScatter::~RingReduceScatter() {
+  if (posted_) MPI_Waitall(2, reqs_, MPI_STATUSES_IGNORE);
+  scratch_.give_back(std::move(partial_));
+  scratch_.give_back(std::move(incoming_));
+}
+
+int64_t RingReduceScatter::chunk_length(int block, int64_t chunk) const {
+  return std::clamp<int64_t>(counts_[block] - chunk * chunk_elems_, 0, chunk_elems_);
+}
+
+// Round i is chunk i / (n-1) at ring step s = i % (n-1): rank r passes block r-s-1's partial
+// sum to rank r+1 and takes block r-s-2's from rank r-1; at the last step that block is r's own.
+void RingReduceScatter::post() {
+  const int64_t chunk = round_ / (size_ - 1);
+  const int step = static_cast<int>(round_ % (size_ - 1));
+  const int out = wrap(rank_ - step - 1, size_), in = wrap(rank_ - step - 2, size_);
+  const char* data = step == 0 ? send_ + (displs_[out] + chunk * chunk_elems_) * esize_ : partial_.data();
+  check(MPI_Irecv(incoming_.data(), static_cast<int>(chunk_length(in, chunk) * esize_), MPI_BYTE,
+                  wrap(rank_ - 1, size_), tag_, comm_, &reqs_[0]),
+        "Irecv");
+  check(MPI_Isend(data, static_cast<int>(chunk_length(out, chunk) * esize_), MPI_BYTE, wrap(rank_ + 1, size_), tag_,
+                  comm_, &reqs_[1]),
+        "Isend");
+  posted_ = true;
+}
+
+void RingReduceScatter::finish() {
+  const int64_t chunk = round_ / (size_ - 1);
+  const int step = static_cast<int>(round_ % (size_ - 1));
+  const int in = wrap(rank_ - step - 2, size_);
+  const char* own = send_ + (displs_[in] + chunk * chunk_elems_) * esize_;
+  char* dst = step == size_ - 2 ? recv_ + chunk * chunk_elems_ * esize_ : partial_.data();
+  add_any(type_, dst, own, incoming_.data(), chunk_length(in, chunk));
+  posted_ = false;
+  ++round_;
+}
+
+bool RingReduceScatter::test() {
+  while (!done()) {
+    if (!posted_) post();
+    int flag = 0;
+    check(MPI_Testall(2, reqs_, &flag, MPI_STATUSES_IGNORE), "Testall");
+    if (!flag) return false;
+    finish();
+  }
+  return true;
+}
+
+void RingReduceScatter::wait() {
+  while (!done()) {
+    if (!posted_) post();
+    check(MPI_Waitall(2, reqs_, MPI_STATUSES_IGNORE), "Waitall");
+    finish();
+  }
+}
+
+}  // namespace zero3d
