@@ -286,6 +286,34 @@ void BM_GeluBackward(benchmark::State& state) {
 }
 BENCHMARK(BM_GeluBackward)->Unit(benchmark::kMillisecond);
 
+// The bf16 MLP's GELU: bf16 in and out forward; backward to bf16 with c_fc's bias gradient.
+void BM_GeluForwardBf16(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  const auto x32 = randn(n, 10);
+  std::vector<bf16> inp(n), out(n);
+  for (Index i = 0; i < n; ++i) inp[i] = to_bf16(x32[i]);
+  for (auto _ : state) {
+    gelu_forward(out.data(), inp.data(), n);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(4.0 * n, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_GeluForwardBf16)->Unit(benchmark::kMillisecond);
+
+void BM_GeluBackwardBf16SummingColumns(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  const auto x32 = randn(n, 10), dout = randn(n, 11);
+  std::vector<bf16> inp(n), dinp(n);
+  for (Index i = 0; i < n; ++i) inp[i] = to_bf16(x32[i]);
+  std::vector<float> sums(4 * C);
+  for (auto _ : state) {
+    gelu_backward_summing_columns(dinp.data(), sums.data(), inp.data(), dout.data(), BT, 4 * C);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GB/s"] = benchmark::Counter(8.0 * n, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_GeluBackwardBf16SummingColumns)->Unit(benchmark::kMillisecond);
+
 void BM_SoftmaxCrossEntropy(benchmark::State& state) {
   auto logits = randn(BT * V, 12);
   std::vector<int32_t> targets(BT);

@@ -57,6 +57,25 @@ inline __m512 fast_exp_x16(__m512 x) {
 }
 #endif
 
+#ifdef ZERO3D_AVX512
+// 2^x on 16 lanes: x = n + f with n = round(x), |f| <= 1/2; 2^f by its Taylor polynomial of
+// degree 6 (relative error below 2^-22, far inside the bf16 rounding the probabilities get), 2^n
+// by vscalefps, which also takes x far below -126 to 0 and keeps NaN. 9 instructions where
+// fast_exp_x16 takes 17: the softmax's exponentials are the bulk of its work.
+inline __m512 exp2_x16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);  // ln2^6 / 6!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 // tanh(u) = 1 - 2 / (e^{2u} + 1): exact limits ±1, absolute error ~1e-7.
 KOKKOS_INLINE_FUNCTION float fast_tanh(float u) { return 1.0f - 2.0f / (fast_exp(2.0f * u) + 1.0f); }
 

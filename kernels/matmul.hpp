@@ -63,6 +63,14 @@ inline void matmul_forward(float* out, const bf16* inp, const P* weight, const P
        dtype_of<P>());
 }
 
+// out = bf16(inp · weight + bias): the product rounds its own result (gemm_bf16_output) when
+// its only reader takes bf16, as the MLP's GELU does. compute is BF16.
+template <typename P>
+inline void matmul_forward(bf16* out, const bf16* inp, const P* weight, const P* bias, Index N, Index IC, Index OC) {
+  gemm_bf16_output(N, OC, IC, {inp, DType::BF16, false, IC}, {weight, dtype_of<P>(), false, OC}, out, bias,
+                   dtype_of<P>());
+}
+
 // dinp = dout · weightᵀ (written, skipped when null); dweight += inpᵀ · dout (skipped when null:
 // the input-gradient pass of a zero-bubble schedule); dbias += Σ rows (skipped when null).
 // dout feeds two products and is converted to `compute` once, its column sums (the bias
@@ -83,6 +91,15 @@ inline void matmul_backward(float* dinp, float* dweight, float* dbias, const flo
   const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
   if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
   if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, d, dweight, OC, true, compute);
+}
+
+// The same with dout already in the products' form (a bf16 gemm_operand_slot its producer
+// filled, the bias gradient taken in that same pass).
+template <typename P>
+inline void matmul_backward(float* dinp, float* dweight, const GemmOperand& dout, const bf16* inp, const P* weight,
+                            Index N, Index IC, Index OC, DType compute = DType::BF16) {
+  if (dinp) gemm(N, IC, OC, dout, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
+  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, dout, dweight, OC, true, compute);
 }
 
 }  // namespace zero3d::kernels

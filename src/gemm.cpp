@@ -28,13 +28,13 @@ using kernels::fp16;
 
 struct Workspace {
   std::vector<uint16_t> a16, b16, shared16;
-  std::vector<float> a32, b32;
+  std::vector<float> a32, b32, c32;
   int64_t peak_bytes = 0;
   template <typename T>
   T* take(std::vector<T>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-    const int64_t bytes =
-        static_cast<int64_t>((a16.size() + b16.size() + shared16.size()) * 2 + (a32.size() + b32.size()) * 4);
+    const int64_t bytes = static_cast<int64_t>((a16.size() + b16.size() + shared16.size()) * 2 +
+                                               (a32.size() + b32.size() + c32.size()) * 4);
     if (bytes > peak_bytes) peak_bytes = bytes;
     return v.data();
   }
@@ -67,7 +67,7 @@ const bf16* as_bf16(const GemmOperand& x, int64_t n, std::vector<uint16_t>& scra
 struct Dnnl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
-  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, bool, int>;
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, bool, int, bool>;
   std::map<Key, dnnl::matmul> primitives;
   using BatchedKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, bool>;
   std::map<BatchedKey, dnnl::matmul> batched;
@@ -88,16 +88,17 @@ dnnl::memory::data_type dnnl_type(DType t) {
                            : dnnl::memory::data_type::f32;
 }
 
-// bias: [N] of bias_type, or null.
+// bias: [N] of bias_type, or null. c is fp32, or bf16 when c_bf16 (rounded in the epilogue).
 void gemm_onednn(int64_t M, int64_t N, int64_t K, const bf16* a, bool ta, int64_t lda, const bf16* b, bool tb,
-                 int64_t ldb, float* c, int64_t ldc, bool accumulate, const void* bias, DType bias_type) {
+                 int64_t ldb, void* c, int64_t ldc, bool accumulate, const void* bias, DType bias_type,
+                 bool c_bf16 = false) {
   using namespace dnnl;
   Dnnl& d = dnnl_state();
   const memory::desc ad({M, K}, memory::data_type::bf16, ta ? memory::dims{1, lda} : memory::dims{lda, 1});
   const memory::desc bd({K, N}, memory::data_type::bf16, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
-  const memory::desc cd({M, N}, memory::data_type::f32, memory::dims{ldc, 1});
+  const memory::desc cd({M, N}, c_bf16 ? memory::data_type::bf16 : memory::data_type::f32, memory::dims{ldc, 1});
   const memory::desc biasd = bias ? memory::desc({1, N}, dnnl_type(bias_type), memory::dims{N, 1}) : memory::desc();
-  const Dnnl::Key key{M, N, K, ta, tb, lda, ldb, ldc, accumulate, bias ? static_cast<int>(bias_type) : -1};
+  const Dnnl::Key key{M, N, K, ta, tb, lda, ldb, ldc, accumulate, bias ? static_cast<int>(bias_type) : -1, c_bf16};
   auto it = d.primitives.find(key);
   if (it == d.primitives.end()) {
     primitive_attr attr;
@@ -208,6 +209,26 @@ void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* 
   if (bias) add_bias(C, M, N, ldc, bias, bias_type);
 }
 
+void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, kernels::bf16* C,
+                      const void* bias, DType bias_type) {
+#ifdef ZERO3D_HAVE_ONEDNN
+  if (!A.trans && !B.trans && A.type != DType::F32) {
+    obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
+    const kernels::ProfileRegion region("gemm_bf16");
+    Workspace& w = workspace();
+    const bf16* a = as_bf16(A, stored_elems(M, A), w.a16);
+    const bf16* b = as_bf16(B, stored_elems(K, B), w.b16);
+    gemm_onednn(M, N, K, a, false, A.ld, b, false, B.ld, C, N, false, bias, bias_type, /*c_bf16=*/true);
+    return;
+  }
+#endif
+  // Without oneDNN (or for operand layouts it is not asked for here): the fp32 product, rounded.
+  Workspace& w = workspace();
+  float* c32 = w.take(w.c32, M * N);
+  gemm(M, N, K, A, B, c32, N, false, DType::BF16, bias, bias_type);
+  kernels::convert(C, c32, M * N);
+}
+
 GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute, float* column_sums) {
   if (column_sums && (x.type != DType::F32 || x.trans)) throw SystemError("gemm_operand: column sums of a plain fp32 operand only");
   if (compute != DType::BF16 || x.type == DType::BF16) {
@@ -219,6 +240,10 @@ GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute, float* col
   x.data = out;
   x.type = DType::BF16;
   return x;
+}
+
+GemmOperand gemm_operand_slot(int64_t rows, int64_t ld) {
+  return {workspace().take(workspace().shared16, rows * ld), DType::BF16, false, ld};
 }
 
 std::string gemm_path(DType compute) {

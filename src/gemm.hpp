@@ -14,6 +14,9 @@
 #include "dtype.hpp"
 
 namespace zero3d {
+namespace kernels {
+struct bf16;
+}
 
 struct GemmOperand {
   const void* data;
@@ -29,6 +32,13 @@ struct GemmOperand {
 void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
           DType compute, const void* bias = nullptr, DType bias_type = DType::F32);
 
+// C[M,N] = A·B (+ bias) rounded to bf16 (dense C): a product whose only reader wants bf16, so
+// the fp32 result is never written (the MLP's c_fc output, which GELU reads). A is bf16 (no
+// rounding of its own: it is an activation kept in bf16), neither operand transposed; compute
+// is BF16.
+void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, kernels::bf16* C,
+                      const void* bias = nullptr, DType bias_type = DType::F32);
+
 // `batch` independent products over dense bf16 operands with fp32 results, for attention's
 // tiles: C_b = op(A_b)·op(B_b) (+ C_b when accumulate), where A_b starts at A + b·M·K (stored
 // M×K, or K×M when ta), B_b at B + b·K·N (K×N, or N×K when tb) and C_b at C + b·M·N (M×N),
@@ -43,6 +53,10 @@ void gemm_batched_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const voi
 // column_sums (x plain and dense, `elems` = rows·x.ld): Σ over x's rows added into it, for BF16
 // in the same pass over memory as the rounding (a linear layer's bias gradient).
 GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute, float* column_sums = nullptr);
+
+// A bf16 operand of rows×ld elements for the caller to fill (a kernel that makes a product's
+// operand in bf16 directly, such as GELU's backward): gemm_operand's slot, valid as long.
+GemmOperand gemm_operand_slot(int64_t rows, int64_t ld);
 
 // "oneDNN bf16 (AVX512-BF16)" or "sgemm on bf16-rounded operands" / "OpenBLAS sgemm".
 std::string gemm_path(DType compute);

@@ -221,9 +221,9 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     store.progress();
     return;
   }
-  if (lp_mlp) {
-    matmul_forward(a.fch, as_bf16(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
-    gelu_forward(as_bf16(a.fch_gelu), a.fch, BT * 4 * Cl);
+  if (lp_mlp) {  // c_fc writes bf16 (as autocast's linear does): GELU reads half the bytes
+    matmul_forward(as_bf16(a.fch), as_bf16(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl);
+    gelu_forward(as_bf16(a.fch_gelu), as_bf16(a.fch), BT * 4 * Cl);
     copy(a.res_3, a.res_2, BT * C);
     matmul_forward(a.res_3, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
     if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
@@ -446,13 +446,20 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     }
     const bool lp = !shape_.sparse.enabled && activations_bf16(cmp, tp, moe, false),
                lp_mlp = activations_bf16(cmp, tp, moe, true);
-    if (lp_mlp) {  // the forward kept the GELU output and ln_2 in bf16
+    if (lp_mlp) {  // the forward kept c_fc's output, the GELU output and ln_2 in bf16
       matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
                       d_mlp, as_bf16(a.fch_gelu), w.mlp_proj_w, BT, 4 * Cl, C, cmp);
       store.progress();
-      if (input) gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
-      matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
-                      as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp);
+      if (part == BackwardPart::Full) {  // GELU's gradient made in the products' bf16, c_fc's bias gradient beside it
+        const GemmOperand d = gemm_operand_slot(BT, 4 * Cl);
+        gelu_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(d.data)), dw.c_fc_b, as_bf16(a.fch), d_fch,
+                                      BT, 4 * Cl);
+        matmul_backward(d_ln_2, dw.c_fc_w, d, as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp);
+      } else {  // a split backward keeps the fp32 gradient for its weight pass
+        if (input) gelu_backward(d_fch, as_bf16(a.fch), d_fch, BT * 4 * Cl);
+        matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                        as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp);
+      }
     } else if (!moe || shape_.moe.use_residual) {
       matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
                       d_mlp, a.fch_gelu, w.mlp_proj_w, BT, 4 * Cl, C, cmp);

@@ -108,6 +108,31 @@ TEST(KernelGradients, GeluBackwardMatchesFiniteDifferences) {
   expect_gradient("dinp", inp, dinp, f, 64, 1e-3f);
 }
 
+// The bf16 MLP's GELU (c_fc wrote bf16; its gradient goes to two bf16 products and c_fc's bias):
+// forward and the fused backward against the tanh GELU in double. Each output is the reference
+// rounded to bf16 — the fast exponential may move a value across a rounding boundary, so one
+// bf16 step (2^-8 relative) is allowed; the bias gradient sums the unrounded values in fp32.
+// 67 columns: four full vectors and a 3-lane tail per row.
+TEST(KernelValues, Bf16GeluForwardAndFusedBackwardMatchTheTanhGelu) {
+  const Index N = 5, OC = 67, n = N * OC;
+  const auto x32 = random_vector(n, 21, 4.0f), dy = random_vector(n, 22);
+  std::vector<bf16> x(n), y(n), dx(n);
+  for (Index i = 0; i < n; ++i) x[i] = to_bf16(x32[i]);
+  std::vector<float> sums(OC, 0.5f);
+  gelu_forward(y.data(), x.data(), n);
+  gelu_backward_summing_columns(dx.data(), sums.data(), x.data(), dy.data(), N, OC);
+  std::vector<double> want_sums(OC, 0.5);
+  for (Index i = 0; i < n; ++i) {
+    const double v = to_float(x[i]), k = std::sqrt(2.0 / M_PI), u = k * (v + 0.044715 * v * v * v), t = std::tanh(u);
+    const double gelu = 0.5 * v * (1.0 + t);
+    const double grad = (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * v * v)) * dy[i];
+    EXPECT_NEAR(to_float(y[i]), gelu, 1e-6 + std::abs(gelu) / 256) << i;
+    EXPECT_NEAR(to_float(dx[i]), grad, 1e-6 + std::abs(grad) / 256) << i;
+    want_sums[i % OC] += grad;
+  }
+  for (Index o = 0; o < OC; ++o) EXPECT_NEAR(sums[o], want_sums[o], 1e-5) << o;
+}
+
 TEST(KernelGradients, CrossEntropyBackwardMatchesFiniteDifferences) {
   const Index N = 4, V = 9;
   auto logits = random_vector(N * V, 14, 2.0f);
