@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "common.hpp"
+#include "half.hpp"
 
 namespace zero3d::kernels {
 
@@ -73,6 +74,22 @@ inline void adam_update(float* params, const float* grads, float* m, float* v, I
   else
     Kokkos::parallel_for("adam_l2_update", range(n),
                          KOKKOS_LAMBDA(Index i) { adam_l2_element(params[i], grads[i], m[i], v[i], c); });
+}
+
+// Mixed precision's update: the 16-bit gradient widened and multiplied by grad_mul as it is
+// read (DeepSpeed's combined unscale-and-clip factor), so no fp32 gradient is written and read
+// back. The arithmetic is adam_update's on to_float(g)·grad_mul, bit for bit.
+template <typename G>
+inline void adam_update(float* params, const G* grads, float grad_mul, float* m, float* v, Index n, const AdamStep& s) {
+  const AdamCoeffs c = adam_coeffs(s);
+  if (s.adam_w_mode)
+    Kokkos::parallel_for("adamw_update", range(n), KOKKOS_LAMBDA(Index i) {
+      adamw_element(params[i], to_float(grads[i]) * grad_mul, m[i], v[i], c);
+    });
+  else
+    Kokkos::parallel_for("adam_l2_update", range(n), KOKKOS_LAMBDA(Index i) {
+      adam_l2_element(params[i], to_float(grads[i]) * grad_mul, m[i], v[i], c);
+    });
 }
 
 // DeepSpeedCPUAdam's update (FACTS-2 §3.5) for state held in host memory: the step counter is

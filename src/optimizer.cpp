@@ -83,11 +83,16 @@ std::vector<std::string> optimizer_state_names(const OptimizerConfig& cfg) {
 }
 
 void ElementwiseUpdater::run(const ElementwiseStep& s, TypedSpan params, const void* grads, DType grad_type,
-                             float grad_mul, const std::vector<TypedSpan>& states, int64_t n, bool on_host) {
+                             float grad_mul, const std::vector<TypedSpan>& states, int64_t n, bool on_host,
+                             TypedSpan rounded, int64_t rounded_n) {
   if (states.size() > 2) throw std::logic_error("an elementwise optimizer keeps at most two states");
-  bool all_fp32 = params.type == DType::F32 && grad_type == DType::F32 && grad_mul == 1.0f;
-  for (const TypedSpan& t : states) all_fp32 = all_fp32 && t.type == DType::F32;
-  const int64_t chunk = all_fp32 ? std::max<int64_t>(n, 1) : kChunk;
+  bool fp32_states = params.type == DType::F32;
+  for (const TypedSpan& t : states) fp32_states = fp32_states && t.type == DType::F32;
+  const bool all_fp32 = fp32_states && grad_type == DType::F32 && grad_mul == 1.0f;
+  // Mixed precision's common case: Adam's kernel widens the 16-bit gradient itself.
+  const bool adam_widens = s.type == OptimizerType::Adam && !on_host && fp32_states &&
+                           (grad_type == DType::BF16 || grad_type == DType::F16);
+  const int64_t chunk = all_fp32 && !rounded.data ? std::max<int64_t>(n, 1) : kChunk;
   // Elements [a, a + c) of an array as fp32: the array itself, or a widened copy in `scratch`.
   auto fp32 = [&](TypedSpan t, int64_t a, int64_t c, std::vector<float>& scratch, float mul = 1.0f) -> float* {
     char* at = static_cast<char*>(t.data) + a * static_cast<int64_t>(dtype_size(t.type));
@@ -104,12 +109,21 @@ void ElementwiseUpdater::run(const ElementwiseStep& s, TypedSpan params, const v
   for (int64_t a = 0; a < n; a += chunk) {
     const int64_t c = std::min(chunk, n - a);
     float* p = fp32(params, a, c, p_);
-    const float* g = fp32(TypedSpan{const_cast<void*>(grads), grad_type}, a, c, g_, grad_mul);
     float* st[2] = {nullptr, nullptr};
     for (size_t k = 0; k < states.size(); ++k) st[k] = fp32(states[k], a, c, st_[k]);
-    apply(s, p, g, st, c, on_host);
+    if (adam_widens && grad_type == DType::BF16) {
+      kernels::adam_update(p, static_cast<const kernels::bf16*>(grads) + a, grad_mul, st[0], st[1], c, s.adam);
+    } else if (adam_widens) {
+      kernels::adam_update(p, static_cast<const kernels::fp16*>(grads) + a, grad_mul, st[0], st[1], c, s.adam);
+    } else {
+      const float* g = fp32(TypedSpan{const_cast<void*>(grads), grad_type}, a, c, g_, grad_mul);
+      apply(s, p, g, st, c, on_host);
+    }
     narrow(params, a, c, p);
     for (size_t k = 0; k < states.size(); ++k) narrow(states[k], a, c, st[k]);
+    if (rounded.data && a < rounded_n)
+      convert_any(static_cast<char*>(rounded.data) + a * static_cast<int64_t>(dtype_size(rounded.type)), rounded.type,
+                  p, DType::F32, std::min(c, rounded_n - a));
   }
 }
 
@@ -149,14 +163,14 @@ void Optimizer::step(float* params, const void* grads, DType grad_type, float gr
 }
 
 void Optimizer::step(TypedSpan params, const void* grads, DType grad_type, float grad_mul, double lr,
-                     std::optional<std::pair<double, double>> betas) {
+                     std::optional<std::pair<double, double>> betas, TypedSpan rounded, int64_t rounded_n) {
   ++step_count_;
   const int64_t total = layout_.total();
   if (cfg_.type != OptimizerType::Lamb) {
     std::vector<TypedSpan> st;
     for (TypedBuffer& b : states_) st.push_back({b.data(), b.type()});
     updater_.run(make_elementwise_step(cfg_, step_count_, lr, betas, /*cpu_optimizer=*/false), params, grads,
-                 grad_type, grad_mul, st, total, /*on_host=*/false);
+                 grad_type, grad_mul, st, total, /*on_host=*/false, rounded, rounded_n);
     return;
   }
   if (params.type != DType::F32) throw std::logic_error("Lamb updates fp32 parameters");
@@ -178,6 +192,7 @@ void Optimizer::step(TypedSpan params, const void* grads, DType grad_type, float
     }
     kernels::lamb_update(p + t.offset, g, m + t.offset, v + t.offset, t.numel, s);
   }
+  if (rounded.data && rounded_n > 0) convert_any(rounded.data, rounded.type, p, DType::F32, rounded_n);
 }
 
 double clip_coefficient(double norm, double max_norm) {

@@ -56,8 +56,11 @@ std::vector<std::string> optimizer_state_names(const OptimizerConfig& cfg);
 // functions, so they agree bit for bit.
 class ElementwiseUpdater {
  public:
+  // rounded (when not null): the first rounded_n updated parameters also written there in its
+  // type, chunk by chunk while they are in cache (the 16-bit model copy of fp32 master weights).
   void run(const ElementwiseStep& s, TypedSpan params, const void* grads, DType grad_type, float grad_mul,
-           const std::vector<TypedSpan>& states, int64_t n, bool on_host);
+           const std::vector<TypedSpan>& states, int64_t n, bool on_host, TypedSpan rounded = {},
+           int64_t rounded_n = 0);
 
  private:
   std::vector<float> g_, p_, st_[2];  // widened chunks
@@ -77,8 +80,11 @@ class Optimizer {
   void step(float* params, const void* grads, DType grad_type, float grad_mul, double lr,
             std::optional<std::pair<double, double>> betas = std::nullopt);
   // The same over parameters of any type: bf16 master weights are updated where they lie.
+  // rounded/rounded_n: as ElementwiseUpdater::run's (fp32 master weights cast to the model's
+  // 16-bit parameters in the same pass).
   void step(TypedSpan params, const void* grads, DType grad_type, float grad_mul, double lr,
-            std::optional<std::pair<double, double>> betas = std::nullopt);
+            std::optional<std::pair<double, double>> betas = std::nullopt, TypedSpan rounded = {},
+            int64_t rounded_n = 0);
 
   int64_t step_count() const { return step_count_; }
   void set_step_count(int64_t n) { step_count_ = n; }

@@ -475,8 +475,21 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
   // The fp32 master copy, or the parameters themselves (fp32, or bf16 master weights).
   const TypedSpan p = mixed_ ? TypedSpan{master_.data(), DType::F32}
                              : TypedSpan{params_.at(stage_ == 1 || stage_ == 2 ? part_.begin(rank_) : 0), types_.param};
-  optimizer_->step(p, grad_partition(), types_.grad, mul, lr, betas);
-  if (mixed_) cast_master_to_params();
+  // fp32 master weights: the model's 16-bit copy is cast in the optimizer's own pass (chunk by
+  // chunk in cache) where it lies in memory; with its partition in swap files, afterwards.
+  TypedSpan cast_to;
+  int64_t cast_n = 0;
+  if (mixed_ && !param_swap_) {
+    const int64_t pb = part_.begin(rank_);
+    const auto [lo, hi] = stage_ == 0 ? std::pair<int64_t, int64_t>{0, layout_.total()}
+                                      : part_.owned(rank_, 0, layout_.total());
+    if (stage_ == 0 || lo == pb) {  // the master's first element is the first one cast
+      cast_to = {params_.at(stage_ == 0 ? 0 : stage_ == 3 ? lo - pb : lo), types_.param};
+      cast_n = std::max<int64_t>(0, hi - lo);
+    }
+  }
+  optimizer_->step(p, grad_partition(), types_.grad, mul, lr, betas, cast_to, cast_n);
+  if (mixed_ && !cast_to.data) cast_master_to_params();
   if (stage_ == 1 || stage_ == 2) gather_updated_params();
   drop_gathered_params();
 }
