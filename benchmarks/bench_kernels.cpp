@@ -133,6 +133,27 @@ BENCHMARK(BM_GemmBf16)
     ->Unit(benchmark::kMicrosecond);
 
 // fp32 -> bf16 rounding (RNE) of an activation: what every bf16 product's operand costs.
+// A linear layer's forward product with its bias, written fp32 or rounded to bf16 in the
+// epilogue (gemm_bf16_output): args = (OC, bf16 output). Input and weight already bf16.
+void BM_LinearForwardOutput(benchmark::State& state) {
+  const Index OC = state.range(0);
+  const bool out16 = state.range(1) != 0;
+  auto x32 = randn(BT * C, 1), w32 = randn(C * OC, 2), b32 = randn(OC, 3);
+  std::vector<bf16> x(x32.size()), w(w32.size()), b(b32.size()), y16(BT * OC);
+  convert(x.data(), x32.data(), static_cast<Index>(x.size()));
+  convert(w.data(), w32.data(), static_cast<Index>(w.size()));
+  convert(b.data(), b32.data(), static_cast<Index>(b.size()));
+  std::vector<float> y(BT * OC);
+  for (auto _ : state) {
+    if (out16) matmul_forward(y16.data(), x.data(), w.data(), b.data(), BT, C, OC);
+    else matmul_forward(y.data(), x.data(), w.data(), b.data(), BT, C, OC);
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * BT * C * OC, benchmark::Counter::kIsIterationInvariantRate,
+                                                 benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_LinearForwardOutput)->ArgsProduct({{3 * C, 4 * C}, {0, 1}})->Unit(benchmark::kMicrosecond);
+
 void BM_ConvertToBf16(benchmark::State& state) {
   const Index n = BT * 4 * C;
   auto x = randn(n, 15);
@@ -261,6 +282,29 @@ void BM_AttentionBackward(benchmark::State& state) {
                                                  benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_AttentionBackward)->ArgsProduct({{0, 1, 2}, {0, 1}})->Unit(benchmark::kMillisecond);
+
+// The fused bf16 kernels reading a qkv already in bf16 (c_attn rounded its own output) against
+// the same values in fp32: args = (bf16 qkv, shape as above).
+void BM_AttentionQkvType(benchmark::State& state) {
+  const auto [b, t, c, h] = attention_shape(state);
+  auto qkv = randn(b * t * 3 * c, 8), dout = randn(b * t * c, 9);
+  std::vector<bf16> qkv16(qkv.size());
+  convert(qkv16.data(), qkv.data(), static_cast<Index>(qkv.size()));
+  convert(qkv.data(), qkv16.data(), static_cast<Index>(qkv.size()));
+  std::vector<float> out(b * t * c), att(b * h * t * t), dqkv(b * t * 3 * c);
+  const bool half = state.range(0) != 0;
+  for (auto _ : state) {
+    if (half) {
+      attention_forward(out.data(), att.data(), qkv16.data(), b, t, c, h, DType::BF16);
+      attention_backward(dqkv.data(), nullptr, dout.data(), qkv16.data(), att.data(), b, t, c, h, DType::BF16);
+    } else {
+      attention_forward(out.data(), att.data(), qkv.data(), b, t, c, h, DType::BF16);
+      attention_backward(dqkv.data(), nullptr, dout.data(), qkv.data(), att.data(), b, t, c, h, DType::BF16);
+    }
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_AttentionQkvType)->ArgsProduct({{0, 1}, {0, 1}})->Unit(benchmark::kMillisecond);
 
 void BM_GeluForward(benchmark::State& state) {
   const Index n = BT * 4 * C;

@@ -69,15 +69,25 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
     }
 }
 
-// O: the output's type; bf16 (an output that only feeds a bf16 product) needs compute = BF16.
-template <typename O = float>
-inline void attention_forward(O* out, float* att, const float* qkv, Index B, Index T, Index C, Index H,
+// O: the output's type; Q: qkv's. bf16 (an output that only feeds a bf16 product, a qkv its
+// product already rounded) needs compute = BF16.
+template <typename O = float, typename Q = float>
+inline void attention_forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H,
                               DType compute = DType::F32) {
   obs::add_macs(2.0 * B * T * T * C);  // q·kᵀ and p·v, counted densely as the FLOPs formula does
   const ProfileRegion region("attention_forward");
   if (compute == DType::BF16) return attention_forward_bf16(out, att, qkv, B, T, C, H);
-  if constexpr (std::is_same_v<O, float>) attention_forward_fp32(out, att, qkv, B, T, C, H);
-  else throw std::invalid_argument("attention_forward: a bf16 output needs bf16 compute");
+  if constexpr (std::is_same_v<O, float> && std::is_same_v<Q, float>) attention_forward_fp32(out, att, qkv, B, T, C, H);
+  else throw std::invalid_argument("attention_forward: bf16 operands need bf16 compute");
+}
+
+// The backward over a qkv its product rounded to bf16: the bf16 kernels only.
+inline void attention_backward(float* dqkv, float*, const float* dout, const bf16* qkv, const float* att, Index B,
+                               Index T, Index C, Index H, DType compute) {
+  if (compute != DType::BF16) throw std::invalid_argument("attention_backward: a bf16 qkv needs bf16 compute");
+  obs::add_macs(4.0 * B * T * T * C);
+  const ProfileRegion region("attention_backward");
+  attention_backward_bf16(dqkv, dout, qkv, att, B, T, C, H);
 }
 
 // dqkv written (all of it); scratch needs kRowBlock*T floats (fp32 only).

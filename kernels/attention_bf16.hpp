@@ -72,17 +72,18 @@ inline AttentionWorkspace& attention_workspace() {
 // One part (q, k or v) of qkv[B,T,3C] — or any [B,T,·] array with row stride ld and head h at
 // channels h·hs — for the G heads g0.. (of the B·H (batch, head) pairs) into tiles
 // [n][G][TB][hs] of bf16; rows past T are zero. One iteration per (tile, head) block.
-inline void attention_pack(bf16* dst, const float* src, Index ld, Index g0, Index G, Index T, Index H, Index hs,
+template <typename S>
+inline void attention_pack(bf16* dst, const S* src, Index ld, Index g0, Index G, Index T, Index H, Index hs,
                            const AttentionTiles& t) {
   const Index TB = t.TB;
   Kokkos::parallel_for("attention_pack", range(t.n * G), KOKKOS_LAMBDA(Index blk) {
     const Index bh = g0 + blk % G, i = blk / G, b = bh / H, h = bh % H;
     const Index rows = T - i * TB < TB ? T - i * TB : TB;
     bf16* d = dst + blk * TB * hs;
-    const float* s = src + (b * T + i * TB) * ld + h * hs;
+    const S* s = src + (b * T + i * TB) * ld + h * hs;
     for (Index r = 0; r < rows; ++r)
 #pragma omp simd
-      for (Index x = 0; x < hs; ++x) d[r * hs + x] = to_bf16(s[r * ld + x]);
+      for (Index x = 0; x < hs; ++x) d[r * hs + x] = to_bf16(to_float(s[r * ld + x]));
     for (Index r = rows; r < TB; ++r)
       for (Index x = 0; x < hs; ++x) d[r * hs + x] = bf16{0};
   });
@@ -237,8 +238,8 @@ inline Index attention_head_group(Index T, Index hs, Index BH) {
   return std::min(BH, fits < 2 ? Index(2) : fits > 8 ? Index(8) : fits);
 }
 
-template <typename O>
-inline void attention_forward_tiled_bf16(O* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+template <typename O, typename Q>
+inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H) {
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T);
@@ -268,7 +269,8 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const float* qkv, I
 }
 
 // dqkv written (all of it) from dout = d(out), the forward's qkv and bf16 probabilities in att.
-inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const float* qkv, const float* att, Index B,
+template <typename Q>
+inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const Q* qkv, const float* att, Index B,
                                           Index T, Index C, Index H) {
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -321,15 +323,18 @@ inline bool attention_flash_chosen(Index BH, Index T, Index hs) {
   return !tiled && attention_flash_fits(BH, T, hs);
 }
 
-template <typename O>
-inline void attention_forward_bf16(O* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+// Q: qkv's type — fp32, or bf16 when the c_attn product rounded its own output (the kernels
+// round q, k and v to bf16 as they pack them, so both give the same bits).
+template <typename O, typename Q>
+inline void attention_forward_bf16(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H) {
 #ifdef ZERO3D_FLASH_ATTENTION
   if (attention_flash_chosen(B * H, T, C / H)) return flash::forward(out, att, qkv, B, T, C, H);
 #endif
   attention_forward_tiled_bf16(out, att, qkv, B, T, C, H);
 }
 
-inline void attention_backward_bf16(float* dqkv, const float* dout, const float* qkv, const float* att, Index B, Index T,
+template <typename Q>
+inline void attention_backward_bf16(float* dqkv, const float* dout, const Q* qkv, const float* att, Index B, Index T,
                                     Index C, Index H) {
 #ifdef ZERO3D_FLASH_ATTENTION
   if (attention_flash_chosen(B * H, T, C / H)) return flash::backward(dqkv, dout, qkv, att, B, T, C, H);

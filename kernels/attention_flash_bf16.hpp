@@ -117,24 +117,33 @@ inline __mmask16 lanes_below(Index n) {
   return static_cast<__mmask16>(_bzhi_u32(0xFFFFu, k));
 }
 
+// 16 lanes of a row as fp32 (the first n; the rest 0): fp32 as stored, bf16 widened exactly,
+// so packing either gives the same bf16 bits.
+inline __m512 load_lanes(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
+inline __m512 load_lanes(const bf16* p, __mmask16 n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p)), 16));
+}
+
 // dst[Tp][hsp] = bf16(src[t·ld + d]) for t < T, d < hs; zeros elsewhere.
-inline void pack_rows(bf16* dst, const float* src, Index ld, Index T, Index hs, Index Tp, Index hsp) {
+template <typename S>
+inline void pack_rows(bf16* dst, const S* src, Index ld, Index T, Index hs, Index Tp, Index hsp) {
   for (Index t = 0; t < Tp; ++t)
     for (Index d = 0; d < hsp; d += 16) {
-      const __m512 x = t < T ? _mm512_maskz_loadu_ps(lanes_below(hs - d), src + t * ld + d) : _mm512_setzero_ps();
+      const __m512 x = t < T ? load_lanes(src + t * ld + d, lanes_below(hs - d)) : _mm512_setzero_ps();
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * hsp + d), (__m256i)_mm512_cvtneps_pbh(x));
     }
 }
 
 // Rows 2t and 2t+1 interleaved: dst[Tp/2][hsp][2], dst[t/2][d][t%2] = bf16(src[t·ld + d]).
-inline void pack_row_pairs(bf16* dst, const float* src, Index ld, Index T, Index hs, Index Tp, Index hsp) {
+template <typename S>
+inline void pack_row_pairs(bf16* dst, const S* src, Index ld, Index T, Index hs, Index Tp, Index hsp) {
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (Index t = 0; t < Tp; t += 2)
     for (Index d = 0; d < hsp; d += 16) {
       const __mmask16 m = lanes_below(hs - d);
-      const __m512 x0 = t < T ? _mm512_maskz_loadu_ps(m, src + t * ld + d) : _mm512_setzero_ps();
-      const __m512 x1 = t + 1 < T ? _mm512_maskz_loadu_ps(m, src + (t + 1) * ld + d) : _mm512_setzero_ps();
+      const __m512 x0 = t < T ? load_lanes(src + t * ld + d, m) : _mm512_setzero_ps();
+      const __m512 x1 = t + 1 < T ? load_lanes(src + (t + 1) * ld + d, m) : _mm512_setzero_ps();
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);  // x0 in the low half
       _mm512_storeu_si512(dst + (t * hsp + 2 * d), _mm512_permutexvar_epi16(interleave, both));
     }
@@ -144,13 +153,14 @@ inline void pack_row_pairs(bf16* dst, const float* src, Index ld, Index T, Index
 // reading src's rows in memory order, for the backward, which packs four inputs per head (dO,
 // Q, K, V): there one pass beats four per-head gathers of hs-wide slivers 3C apart (attention
 // backward 5.8 -> 5.55 ms at gpt-small's shape), where the forward's three are faster per head.
-inline void pack_heads(bf16* dst, const float* src, Index ld, Index T, Index H, Index hs, Index Tp, Index hsp) {
+template <typename S>
+inline void pack_heads(bf16* dst, const S* src, Index ld, Index T, Index H, Index hs, Index Tp, Index hsp) {
   for (Index t = 0; t < Tp; ++t)
     for (Index h = 0; h < H; ++h) {
-      const float* row = src + t * ld + h * hs;
+      const S* row = src + t * ld + h * hs;
       bf16* out = dst + (h * Tp + t) * hsp;
       for (Index d = 0; d < hsp; d += 16) {
-        const __m512 x = t < T ? _mm512_maskz_loadu_ps(lanes_below(hs - d), row + d) : _mm512_setzero_ps();
+        const __m512 x = t < T ? load_lanes(row + d, lanes_below(hs - d)) : _mm512_setzero_ps();
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(x));
       }
     }
@@ -286,8 +296,8 @@ inline void softmax_rows(const float* s, bf16* p, Index ld, float* m, float* l, 
 }
 
 // ---- forward ----------------------------------------------------------------------------------
-template <typename O>
-inline void forward(O* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+template <typename O, typename Q>
+inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H) {
   const Index hs = C / H, C3 = 3 * C, BH = B * H, Tp = round_up(T, 16), hsp = round_up(hs, 16), hp = hsp / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const float scale2 = scale * kLog2e;  // exponentials in base 2
@@ -306,7 +316,7 @@ inline void forward(O* out, float* att, const float* qkv, Index B, Index T, Inde
   float* l = m + kFwdQ;                                          // running sum
   for (Index bh = 0; bh < BH; ++bh) {
     const Index b = bh / H, h = bh % H;
-    const float* q = qkv + b * T * C3 + h * hs;
+    const Q* q = qkv + b * T * C3 + h * hs;
     pack_rows(qn, q, C3, T, hs, Tp, hsp);
     pack_rows(tmp, q + C, C3, T, hs, Tp, hsp);
     transpose32(kv, tmp, Tp, hp);
@@ -347,7 +357,8 @@ inline void forward(O* out, float* att, const float* qkv, Index B, Index T, Inde
 
 // ---- backward ---------------------------------------------------------------------------------
 // dqkv written (all of it) from dout, the forward's qkv and what the forward left in att.
-inline void backward(float* dqkv, const float* dout, const float* qkv, const float* att, Index B, Index T, Index C, Index H) {
+template <typename Q>
+inline void backward(float* dqkv, const float* dout, const Q* qkv, const float* att, Index B, Index T, Index C, Index H) {
   const Index hs = C / H, C3 = 3 * C, BH = B * H, Tp = round_up(T, 16), hsp = round_up(hs, 16), hp = hsp / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const __m512 vscale = _mm512_set1_ps(scale), vscale2 = _mm512_set1_ps(scale * kLog2e);

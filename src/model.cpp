@@ -172,7 +172,8 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
   if (lp) {
     layernorm_forward(as_bf16(a.ln_1), a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
-    matmul_forward(a.qkv, as_bf16(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+    // c_attn rounds its own output: attention rounds q, k and v to bf16 anyway (same bits)
+    matmul_forward(as_bf16(a.qkv), as_bf16(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl);
   } else {
     layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
     matmul_forward(a.qkv, column_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
@@ -182,7 +183,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     if (shape_.sparse.enabled)
       sparse_attention_forward(a.atty, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[global_block].data(),
                                shape_.sparse.block, B, T, Cl, H);
-    else if (lp) attention_forward(as_bf16(a.atty), a.att, a.qkv, B, T, Cl, H, cmp);
+    else if (lp) attention_forward(as_bf16(a.atty), a.att, as_bf16(a.qkv), B, T, Cl, H, cmp);
     else attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp);
     if (attention_ms) *attention_ms += sw.ms();
   }
@@ -492,6 +493,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       if (shape_.sparse.enabled)  // datty_ is free until the product below
         sparse_attention_forward(datty_, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[c.first_block + l].data(),
                                  shape_.sparse.block, B, T, Cl, H);
+      else if (lp) attention_forward(datty_, a.att, as_bf16(a.qkv), B, T, Cl, H, cmp);
       else attention_forward(datty_, a.att, a.qkv, B, T, Cl, H, cmp);
       if (ac_.profile) time_of(c.first_block + l, 1).recompute_ms += sw.ms();
       checkpoint_boundary();
@@ -506,6 +508,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     if (input && shape_.sparse.enabled)
       sparse_attention_backward(d_qkv, datty_, a.qkv, a.att, sparse_att_stride_, sparse_layouts_[c.first_block + l].data(),
                                 shape_.sparse.block, B, T, Cl, H);
+    else if (input && lp) attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, Cl, H, cmp);
     else if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp);
     store.progress();
     if (lp) {

@@ -188,6 +188,26 @@ TEST(FlashAttentionFallback, ShortSequencesWithWideHeadsRunTheTiledKernel) {
   EXPECT_LT(error_of(dqkv, ref_dqkv).max, 2e-2);
 }
 
+// A qkv that c_attn already rounded to bf16 gives the bits the same values in fp32 give, in both
+// kernels (each rounds q, k and v to bf16 as it packs them): the bf16 model may hand either.
+TEST(BfloatAttention, ABf16QkvGivesTheBitsOfTheSameValuesInFp32) {
+  for (const Index T : {Index(4), Index(40)}) {  // the tiled kernel (no room for the fused one's saves), then the fused
+    const Index B = 2, C = 128, H = 2;
+    const auto qkv = rounded_to_bf16(random_vector(B * T * 3 * C, 10));
+    const auto dout = random_vector(B * T * C, 11);
+    std::vector<bf16> qkv16(qkv.size());
+    for (size_t i = 0; i < qkv.size(); ++i) qkv16[i] = to_bf16(qkv[i]);
+    std::vector<float> out(B * T * C), out16(B * T * C), att(B * H * T * T), att16(B * H * T * T);
+    std::vector<float> dqkv(B * T * 3 * C), dqkv16(B * T * 3 * C);
+    attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H, DType::BF16);
+    attention_forward(out16.data(), att16.data(), qkv16.data(), B, T, C, H, DType::BF16);
+    attention_backward(dqkv.data(), nullptr, dout.data(), qkv.data(), att.data(), B, T, C, H, DType::BF16);
+    attention_backward(dqkv16.data(), nullptr, dout.data(), qkv16.data(), att16.data(), B, T, C, H, DType::BF16);
+    EXPECT_EQ(out, out16) << "T " << T;
+    EXPECT_EQ(dqkv, dqkv16) << "T " << T;
+  }
+}
+
 #ifdef ZERO3D_FLASH_ATTENTION
 // The fused and the tiled kernels agree with each other as closely as each agrees with exact
 // arithmetic (they round different intermediates), and the model's shapes take the fused one.
