@@ -290,6 +290,17 @@ void Engine::resume_from_checkpoint() {
         reader->meta().optimizer_step);
     if (expert_zero_) read_expert_checkpoint(*reader);
   });
+  // With node-local storage each node resolves `latest` (or `latest_universal`) in its own
+  // save_dir: nodes that name different tags would each train on from a different state.
+  int64_t lo = reader->meta().step, hi = lo;
+  world_comm_->all_reduce(&lo, 1, DType::I64, ReduceOp::Min);
+  world_comm_->all_reduce(&hi, 1, DType::I64, ReduceOp::Max);
+  if (lo != hi)
+    throw AgreedFailure("training.resume \"" + cfg_.training.resume + "\": the ranks found checkpoints of different steps (" +
+                            std::to_string(lo) + " and " + std::to_string(hi) + ") in " + cfg_.training.save_dir +
+                            " (checkpoint.use_node_local_storage: every node resumes from its own copy, and their "
+                            "latest tags differ); name the tag to resume from",
+                        kExitBadInput, 0, groups_.rank() == 0);
   zero_->finish_checkpoint_load();
   if (expert_zero_) expert_zero_->finish_checkpoint_load();
   const CheckpointMeta& m = reader->meta();

@@ -67,6 +67,18 @@ TEST(NodeLocalStorageCli, EachNodeKeepsItsShardsAndTheTagAndResumesFromThem) {
   r = run_on_two_nodes(config, resumed, dirs, "--set training.resume=global_step2 training.save_interval=0");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(losses_of(read_metrics(resumed)), std::vector<double>(all.begin() + 2, all.end()));
+  // Nodes whose `latest` name different tags (node 1's disk restored from an older copy): each
+  // could read its own shard, so the run stops with exit 2 before training on.
+  const std::string node1_latest = slurp(dirs[1] + "/latest");
+  {
+    std::ofstream(dirs[1] + "/latest") << "global_step2\n";
+  }
+  r = run_on_two_nodes(config, temp_path("nodelocal_split"), dirs, "--set training.resume=latest training.steps=8");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("the ranks found checkpoints of different steps (2 and 6)"), std::string::npos) << r.err;
+  EXPECT_EQ(count(r.err, "different steps"), 1u) << r.err;  // one message, from rank 0
+  EXPECT_EQ(slurp(dirs[0] + "/latest"), "global_step6\n") << "nothing was saved";
+  std::ofstream(dirs[1] + "/latest") << node1_latest;
   // One rank on node 0 alone needs the other node's shard too: exit 2, naming it.
   r = run("train " + config + " --output " + temp_path("nodelocal_one") + " --set training.save_dir=" + dirs[0] +
               " training.resume=latest training.steps=8",
