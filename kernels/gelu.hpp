@@ -93,8 +93,9 @@ inline void gelu_backward(float* dinp, const I* inp, const float* dout, Index n)
 // column's rows in order into a fresh sum, as convert_summing_columns does (same bits).
 inline void gelu_backward_summing_columns(bf16* dinp, float* column_sums, const bf16* inp, const float* dout, Index N,
                                           Index OC) {
-#if defined(ZERO3D_AVX512)
-  // one thread, 16 lanes: stream the rows in memory order, the sums (OC floats) stay in L1
+#ifdef ZERO3D_SERIAL_HOST
+  // one thread: stream the rows in memory order, the sums (OC floats) stay in L1; 16 lanes at a
+  // time with AVX-512, the rest (or all, without it) one by one
   const ProfileRegion region("gelu_backward");
   std::vector<float> acc(static_cast<size_t>(OC), 0.0f);
   float* a = acc.data();
@@ -103,32 +104,18 @@ inline void gelu_backward_summing_columns(bf16* dinp, float* column_sums, const 
     const float* dy = dout + i * OC;
     bf16* dx = dinp + i * OC;
     Index o = 0;
+#ifdef ZERO3D_AVX512
     for (; o + 16 <= OC; o += 16) {
       const __m512 g = gelu_grad_x16(load_bf16_x16(x + o, 0xFFFF), _mm512_loadu_ps(dy + o));
       _mm512_storeu_ps(a + o, _mm512_add_ps(_mm512_loadu_ps(a + o), g));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dx + o), round_bf16_x16(g));
     }
-    for (; o < OC; ++o) {
-      const float g = gelu_grad(to_float(x[o]), dy[o]);
-      a[o] += g;
-      dx[o] = to_bf16(g);
-    }
-  }
-  for (Index o = 0; o < OC; ++o) column_sums[o] += a[o];
-#elif defined(ZERO3D_SERIAL_HOST)
-  // one thread: stream the rows in memory order, the sums (OC floats) stay in L1
-  const ProfileRegion region("gelu_backward");
-  std::vector<float> acc(static_cast<size_t>(OC), 0.0f);
-  float* a = acc.data();
-  for (Index i = 0; i < N; ++i) {
-    const bf16* x = inp + i * OC;
-    const float* dy = dout + i * OC;
-    bf16* dx = dinp + i * OC;
+#endif
 #pragma omp simd
-    for (Index o = 0; o < OC; ++o) {
-      const float g = gelu_grad(to_float(x[o]), dy[o]);
-      a[o] += g;
-      dx[o] = to_bf16(g);
+    for (Index r = o; r < OC; ++r) {
+      const float g = gelu_grad(to_float(x[r]), dy[r]);
+      a[r] += g;
+      dx[r] = to_bf16(g);
     }
   }
   for (Index o = 0; o < OC; ++o) column_sums[o] += a[o];
