@@ -149,7 +149,14 @@ class RingRequest : public CommRequest {
               DType type, Watchdog* w, const char* what, Observed o)
       : rs_(std::move(rs)), comm_(comm), gather_buf_(gather_buf), counts_(std::move(counts)), type_(type),
         watchdog_(w), what_(what), o_(o) {}
+  // Finished before it goes, as MpiRequest waits for its request: the other ranks' rounds need
+  // this rank's messages (an error here has nowhere to go; the watchdog covers a dead peer).
   ~RingRequest() override {
+    try {
+      rs_->wait();
+      if (gather_buf_ && !gathering_) gather();
+    } catch (const std::exception&) {
+    }
     if (gather_ != MPI_REQUEST_NULL) MPI_Wait(&gather_, MPI_STATUS_IGNORE);
   }
   bool test() override {
