@@ -120,9 +120,7 @@ inline __mmask16 lanes_below(Index n) {
 // 16 lanes of a row as fp32 (the first n; the rest 0): fp32 as stored, bf16 widened exactly,
 // so packing either gives the same bf16 bits.
 inline __m512 load_lanes(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
-inline __m512 load_lanes(const bf16* p, __mmask16 n) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p)), 16));
-}
+inline __m512 load_lanes(const bf16* p, __mmask16 n) { return load_bf16_x16(p, n); }
 
 // dst[Tp][hsp] = bf16(src[t·ld + d]) for t < T, d < hs; zeros elsewhere.
 template <typename S>

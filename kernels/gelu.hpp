@@ -23,20 +23,6 @@ inline void gelu_forward(O* out, const I* inp, Index n) {
 }
 
 #ifdef ZERO3D_AVX512
-// 16 lanes of bf16 (n of them; the rest read as 0) widened to fp32.
-inline __m512 load_bf16_x16(const bf16* p, __mmask16 n) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p)), 16));
-}
-// 16 lanes rounded to bf16 (RNE): the CPU's own conversion where it has one, as the fused
-// attention uses (one instruction where to_bf16_x16 takes nine; it differs from to_bf16 only
-// in flushing fp32 subnormals, below 1.2e-38, to zero).
-inline __m256i round_bf16_x16(__m512 x) {
-#ifdef __AVX512BF16__
-  return (__m256i)_mm512_cvtneps_pbh(x);
-#else
-  return to_bf16_x16(x);
-#endif
-}
 // σ(2u), u = sqrt(2/π)(x + 0.044715x³): the tanh GELU is x·σ(2u), since 0.5(1 + tanh u) = σ(2u).
 // One base-2 exponential and one division where the scalar form takes tanh through e^{2u}.
 inline __m512 gelu_sigmoid_x16(__m512 x) {

@@ -118,6 +118,21 @@ inline __m256i to_bf16_x16(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
 }
 
+// 16 lanes of bf16 (n of them; the rest read as 0) widened to fp32.
+inline __m512 load_bf16_x16(const bf16* p, __mmask16 n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p)), 16));
+}
+// 16 lanes rounded to bf16 (RNE): the CPU's own conversion where it has one, as the fused
+// attention uses (one instruction where to_bf16_x16 takes nine; it differs from to_bf16 only
+// in flushing fp32 subnormals, below 1.2e-38, to zero).
+inline __m256i round_bf16_x16(__m512 x) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  return to_bf16_x16(x);
+#endif
+}
+
 // A 16×16 block of src (row stride lds) rounded into dst transposed (row stride ldd): four
 // unpack/shuffle stages in registers, so both sides move whole cache lines.
 inline void convert_transposed_16x16(bf16* dst, Index ldd, const float* src, Index lds) {

@@ -55,14 +55,6 @@ MPI_Op mpi_op(ReduceOp op, DType type = DType::F32) {
   return MPI_OP_NULL;
 }
 
-void check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char msg[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, msg, &len);
-  throw SystemError(std::string("MPI ") + what + " failed: " + std::string(msg, len));
-}
-
 using Clock = std::chrono::steady_clock;
 double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
@@ -74,6 +66,12 @@ struct Observed {
   CommOp op = CommOp::AllReduce;
   int64_t bytes = 0;
   Clock::time_point posted;
+  // Completion, seen once: latency from posting, and the time blocked waiting for it.
+  void complete(double blocked_ms) {
+    if (!log) return;
+    log->record(op, bytes, ms_between(posted, Clock::now()), blocked_ms);
+    log = nullptr;
+  }
 };
 Observed observe_op(CommsLog* log, CommOp op, int64_t elements, DType type) {
   if (!log || !log->observed()) return {};
@@ -110,31 +108,25 @@ class MpiRequest : public CommRequest {
       : req_(r), watchdog_(w), what_(what), o_(o) {}
   ~MpiRequest() override {
     if (req_ != MPI_REQUEST_NULL) MPI_Wait(&req_, MPI_STATUS_IGNORE);
-    done(0.0);
+    o_.complete(0.0);
   }
   bool test() override {
     int flag = 0;
-    check(MPI_Test(&req_, &flag, MPI_STATUS_IGNORE), "Test");
-    if (flag) done(0.0);
+    check_mpi(MPI_Test(&req_, &flag, MPI_STATUS_IGNORE), "Test");
+    if (flag) o_.complete(0.0);
     return flag != 0;
   }
   void wait() override {
     Watchdog::Scope watch(watchdog_, what_);
-    if (!o_.log) return check(MPI_Wait(&req_, MPI_STATUS_IGNORE), "Wait");
+    if (!o_.log) return check_mpi(MPI_Wait(&req_, MPI_STATUS_IGNORE), "Wait");
     std::optional<obs::TraceScope> trace;
     if (obs::g_hooks.trace) trace.emplace(o_.log->trace_prefix() + "/" + comm_op_name(o_.op));
     const Clock::time_point t0 = Clock::now();
-    check(MPI_Wait(&req_, MPI_STATUS_IGNORE), "Wait");
-    done(ms_between(t0, Clock::now()));
+    check_mpi(MPI_Wait(&req_, MPI_STATUS_IGNORE), "Wait");
+    o_.complete(ms_between(t0, Clock::now()));
   }
 
  private:
-  // Completion, seen once: latency from posting, and the time blocked waiting for it.
-  void done(double blocked_ms) {
-    if (!o_.log) return;
-    o_.log->record(o_.op, o_.bytes, ms_between(o_.posted, Clock::now()), blocked_ms);
-    o_.log = nullptr;
-  }
   MPI_Request req_;
   Watchdog* watchdog_;
   const char* what_;
@@ -164,10 +156,10 @@ class RingRequest : public CommRequest {
     if (gather_buf_ && !gathering_) start_gather();
     if (gather_ != MPI_REQUEST_NULL) {
       int flag = 0;
-      check(MPI_Test(&gather_, &flag, MPI_STATUS_IGNORE), "Test");
+      check_mpi(MPI_Test(&gather_, &flag, MPI_STATUS_IGNORE), "Test");
       if (!flag) return false;
     }
-    done(0.0);
+    o_.complete(0.0);
     return true;
   }
   void wait() override {
@@ -177,8 +169,8 @@ class RingRequest : public CommRequest {
     const Clock::time_point t0 = Clock::now();
     rs_->wait();
     if (gather_buf_ && !gathering_) gather();
-    if (gather_ != MPI_REQUEST_NULL) check(MPI_Wait(&gather_, MPI_STATUS_IGNORE), "Wait");
-    done(ms_between(t0, Clock::now()));
+    if (gather_ != MPI_REQUEST_NULL) check_mpi(MPI_Wait(&gather_, MPI_STATUS_IGNORE), "Wait");
+    o_.complete(ms_between(t0, Clock::now()));
   }
 
  private:
@@ -190,20 +182,15 @@ class RingRequest : public CommRequest {
     std::vector<MPI_Aint> d(counts_.size());
     for (size_t r = 1; r < d.size(); ++r) d[r] = d[r - 1] + static_cast<MPI_Aint>(c[r - 1]);
     if (blocking) {
-      check(MPI_Allgatherv_c(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, gather_buf_, c.data(), d.data(), mpi_type(type_), comm_),
+      check_mpi(MPI_Allgatherv_c(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, gather_buf_, c.data(), d.data(), mpi_type(type_), comm_),
             "Allgatherv");
       return;
     }
-    check(MPI_Iallgatherv_c(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, gather_buf_, c.data(), d.data(), mpi_type(type_), comm_,
+    check_mpi(MPI_Iallgatherv_c(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, gather_buf_, c.data(), d.data(), mpi_type(type_), comm_,
                             &gather_),
           "Iallgatherv");
   }
   void gather() { start_gather(/*blocking=*/true); }
-  void done(double blocked_ms) {
-    if (!o_.log) return;
-    o_.log->record(o_.op, o_.bytes, ms_between(o_.posted, Clock::now()), blocked_ms);
-    o_.log = nullptr;
-  }
   std::unique_ptr<RingReduceScatter> rs_;
   MPI_Comm comm_;
   void* gather_buf_;  // null for a reduce-scatter
@@ -272,7 +259,7 @@ void MpiCommunicator::all_reduce(void* buf, int64_t count, DType type, ReduceOp 
   }
   const BlockingCall observed(log_.get(), CommOp::AllReduce, count, type);
   Watchdog::Scope watch(watchdog_, "all_reduce");
-  check(MPI_Allreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op, type), comm_), "Allreduce");
+  check_mpi(MPI_Allreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op, type), comm_), "Allreduce");
 }
 
 std::unique_ptr<CommRequest> MpiCommunicator::all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) {
@@ -281,7 +268,7 @@ std::unique_ptr<CommRequest> MpiCommunicator::all_reduce_async(void* buf, int64_
   if (op == ReduceOp::Sum && size_ > 1 && ring_reduces(RingCall::AllReduce, type, count))
     return ring_all_reduce(comm_, next_ring_tag(), *ring_scratch_, buf, count, type, watchdog_, o);
   MPI_Request req;
-  check(MPI_Iallreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op, type), comm_, &req), "Iallreduce");
+  check_mpi(MPI_Iallreduce_c(MPI_IN_PLACE, buf, count, mpi_type(type), mpi_op(op, type), comm_, &req), "Iallreduce");
   return std::make_unique<MpiRequest>(req, watchdog_, "all_reduce(wait)", o);
 }
 
@@ -294,14 +281,14 @@ void MpiCommunicator::reduce_scatter(const void* send, void* recv, int64_t recv_
   }
   const BlockingCall observed(log_.get(), CommOp::ReduceScatter, recv_count * size_, type);
   Watchdog::Scope watch(watchdog_, "reduce_scatter");
-  check(MPI_Reduce_scatter_block_c(send, recv, recv_count, mpi_type(type), mpi_op(op, type), comm_), "Reduce_scatter_block");
+  check_mpi(MPI_Reduce_scatter_block_c(send, recv, recv_count, mpi_type(type), mpi_op(op, type), comm_), "Reduce_scatter_block");
 }
 
 void MpiCommunicator::all_gather(const void* send, void* recv, int64_t send_count, DType type) {
   count_bus_bytes(ring_factor(), send_count * size_, type);
   const BlockingCall observed(log_.get(), CommOp::AllGather, send_count * size_, type);
   Watchdog::Scope watch(watchdog_, "all_gather");
-  check(MPI_Allgather_c(send, send_count, mpi_type(type), recv, send_count, mpi_type(type), comm_), "Allgather");
+  check_mpi(MPI_Allgather_c(send, send_count, mpi_type(type), recv, send_count, mpi_type(type), comm_), "Allgather");
 }
 
 std::unique_ptr<CommRequest> MpiCommunicator::reduce_scatter_v_async(const void* send, void* recv,
@@ -316,7 +303,7 @@ std::unique_ptr<CommRequest> MpiCommunicator::reduce_scatter_v_async(const void*
     return ring_reduce_scatter(comm_, next_ring_tag(), *ring_scratch_, send, recv, counts, type, watchdog_, o);
   static float empty;  // a valid address for an empty block
   MPI_Request req;
-  check(MPI_Ireduce_scatter_c(send, counts[rank_] > 0 ? recv : &empty, c.data(), mpi_type(type), mpi_op(op, type), comm_,
+  check_mpi(MPI_Ireduce_scatter_c(send, counts[rank_] > 0 ? recv : &empty, c.data(), mpi_type(type), mpi_op(op, type), comm_,
                               &req),
         "Ireduce_scatter");
   return std::make_unique<MpiRequest>(req, watchdog_, "reduce_scatter(wait)", o);
@@ -345,14 +332,14 @@ std::unique_ptr<CommRequest> MpiCommunicator::all_gather_v_async(void* buf, cons
     for (int r = 0; r < size_; ++r) c[r] = static_cast<int>(counts[r]), d[r] = static_cast<int>(displs[r]);
     const BlockingCall observed(log_.get(), CommOp::AllGather, total, type);
     Watchdog::Scope watch(watchdog_, "all_gather");
-    check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, c, d, mpi_type(type), comm_), "Allgatherv");
+    check_mpi(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, c, d, mpi_type(type), comm_), "Allgatherv");
     return std::make_unique<CompletedRequest>();
   }
   std::vector<MPI_Count> c(counts.begin(), counts.end());
   std::vector<MPI_Aint> d(displs.begin(), displs.end());
   MPI_Request req;
   const Observed o = observe_op(log_.get(), CommOp::AllGather, total, type);
-  check(MPI_Iallgatherv_c(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, c.data(), d.data(), mpi_type(type), comm_, &req),
+  check_mpi(MPI_Iallgatherv_c(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, c.data(), d.data(), mpi_type(type), comm_, &req),
         "Iallgatherv");
   return std::make_unique<MpiRequest>(req, watchdog_, "all_gather(wait)", o);
 }
@@ -361,21 +348,21 @@ void MpiCommunicator::broadcast(void* buf, int64_t count, DType type, int root) 
   count_bus_bytes(1.0, count, type);
   const BlockingCall observed(log_.get(), CommOp::Broadcast, count, type);
   Watchdog::Scope watch(watchdog_, "broadcast");
-  check(MPI_Bcast_c(buf, count, mpi_type(type), root, comm_), "Bcast");
+  check_mpi(MPI_Bcast_c(buf, count, mpi_type(type), root, comm_), "Bcast");
 }
 
 std::unique_ptr<CommRequest> MpiCommunicator::isend(const void* buf, int64_t count, DType type, int peer, int tag) {
   count_bus_bytes(1.0, count, type);
   MPI_Request req;
   const Observed o = observe_op(log_.get(), CommOp::Send, count, type);
-  check(MPI_Isend_c(buf, count, mpi_type(type), peer, tag, comm_, &req), "Isend");
+  check_mpi(MPI_Isend_c(buf, count, mpi_type(type), peer, tag, comm_, &req), "Isend");
   return std::make_unique<MpiRequest>(req, watchdog_, "send(wait)", o);
 }
 
 std::unique_ptr<CommRequest> MpiCommunicator::irecv(void* buf, int64_t count, DType type, int peer, int tag) {
   MPI_Request req;
   const Observed o = observe_op(log_.get(), CommOp::Recv, count, type);
-  check(MPI_Irecv_c(buf, count, mpi_type(type), peer, tag, comm_, &req), "Irecv");
+  check_mpi(MPI_Irecv_c(buf, count, mpi_type(type), peer, tag, comm_, &req), "Irecv");
   return std::make_unique<MpiRequest>(req, watchdog_, "recv(wait)", o);
 }
 
@@ -383,26 +370,26 @@ void MpiCommunicator::send(const void* buf, int64_t count, DType type, int peer,
   count_bus_bytes(1.0, count, type);
   const BlockingCall observed(log_.get(), CommOp::Send, count, type);
   Watchdog::Scope watch(watchdog_, "send");
-  check(MPI_Send_c(buf, count, mpi_type(type), peer, tag, comm_), "Send");
+  check_mpi(MPI_Send_c(buf, count, mpi_type(type), peer, tag, comm_), "Send");
 }
 
 void MpiCommunicator::recv(void* buf, int64_t count, DType type, int peer, int tag) {
   const BlockingCall observed(log_.get(), CommOp::Recv, count, type);
   Watchdog::Scope watch(watchdog_, "recv");
-  check(MPI_Recv_c(buf, count, mpi_type(type), peer, tag, comm_, MPI_STATUS_IGNORE), "Recv");
+  check_mpi(MPI_Recv_c(buf, count, mpi_type(type), peer, tag, comm_, MPI_STATUS_IGNORE), "Recv");
 }
 
 void MpiCommunicator::barrier() {
   const BlockingCall observed(log_.get(), CommOp::Barrier, 0, DType::U8);
   Watchdog::Scope watch(watchdog_, "barrier");
-  check(MPI_Barrier(comm_), "Barrier");
+  check_mpi(MPI_Barrier(comm_), "Barrier");
 }
 
 void MpiCommunicator::all_to_all(const void* send, void* recv, int64_t count, DType type) {
   count_bus_bytes(ring_factor(), count * size_, type);  // what leaves this rank: all blocks but its own
   const BlockingCall observed(log_.get(), CommOp::AllToAll, count * size_, type);
   Watchdog::Scope watch(watchdog_, "all_to_all");
-  check(MPI_Alltoall_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_), "Alltoall");
+  check_mpi(MPI_Alltoall_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_), "Alltoall");
 }
 
 void MpiCommunicator::all_to_all_v(const void* send, const std::vector<int64_t>& send_counts, void* recv,
@@ -420,7 +407,7 @@ void MpiCommunicator::all_to_all_v(const void* send, const std::vector<int64_t>&
   const BlockingCall observed(log_.get(), CommOp::AllToAll, total, type);
   Watchdog::Scope watch(watchdog_, "all_to_all_v");
   static float empty;  // a valid address when this rank sends or receives nothing
-  check(MPI_Alltoallv_c(total > 0 ? send : &empty, sc.data(), sd.data(), mpi_type(type),
+  check_mpi(MPI_Alltoallv_c(total > 0 ? send : &empty, sc.data(), sd.data(), mpi_type(type),
                         recv ? recv : &empty, rc.data(), rd.data(), mpi_type(type), comm_),
         "Alltoallv");
 }

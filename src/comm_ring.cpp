@@ -39,11 +39,15 @@ void add_any(DType type, void* dst, const void* own, const void* arrived, int64_
   }
 }
 
-void check(int rc, const char* what) {
-  if (rc != MPI_SUCCESS) throw SystemError(std::string("MPI ") + what + " failed in the ring reduction");
-}
-
 }  // namespace
+
+void check_mpi(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  throw SystemError(std::string("MPI ") + what + " failed: " + std::string(msg, len));
+}
 
 std::vector<char> RingScratch::take(int64_t bytes) {
   std::vector<char> b;
@@ -95,10 +99,10 @@ void RingReduceScatter::post() {
   const int step = static_cast<int>(round_ % (size_ - 1));
   const int out = wrap(rank_ - step - 1, size_), in = wrap(rank_ - step - 2, size_);
   const char* data = step == 0 ? send_ + (displs_[out] + chunk * chunk_elems_) * esize_ : partial_.data();
-  check(MPI_Irecv(incoming_.data(), static_cast<int>(chunk_length(in, chunk) * esize_), MPI_BYTE,
+  check_mpi(MPI_Irecv(incoming_.data(), static_cast<int>(chunk_length(in, chunk) * esize_), MPI_BYTE,
                   wrap(rank_ - 1, size_), tag_, comm_, &reqs_[0]),
         "Irecv");
-  check(MPI_Isend(data, static_cast<int>(chunk_length(out, chunk) * esize_), MPI_BYTE, wrap(rank_ + 1, size_), tag_,
+  check_mpi(MPI_Isend(data, static_cast<int>(chunk_length(out, chunk) * esize_), MPI_BYTE, wrap(rank_ + 1, size_), tag_,
                   comm_, &reqs_[1]),
         "Isend");
   posted_ = true;
@@ -119,7 +123,7 @@ bool RingReduceScatter::test() {
   while (!done()) {
     if (!posted_) post();
     int flag = 0;
-    check(MPI_Testall(2, reqs_, &flag, MPI_STATUSES_IGNORE), "Testall");
+    check_mpi(MPI_Testall(2, reqs_, &flag, MPI_STATUSES_IGNORE), "Testall");
     if (!flag) return false;
     finish();
   }
@@ -129,7 +133,7 @@ bool RingReduceScatter::test() {
 void RingReduceScatter::wait() {
   while (!done()) {
     if (!posted_) post();
-    check(MPI_Waitall(2, reqs_, MPI_STATUSES_IGNORE), "Waitall");
+    check_mpi(MPI_Waitall(2, reqs_, MPI_STATUSES_IGNORE), "Waitall");
     finish();
   }
 }

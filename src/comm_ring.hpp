@@ -27,6 +27,9 @@ constexpr int64_t kRingChunkBytes = 1 << 20;
 enum class RingCall { AllReduce, ReduceScatter };
 bool ring_reduces(RingCall call, DType type, int64_t elements);
 
+// Throws SystemError naming the call and MPI's own message unless rc is MPI_SUCCESS.
+void check_mpi(int rc, const char* what);
+
 // The rings' scratch buffers, kept between calls: a fresh buffer per call costs more than a
 // 256 KiB reduction itself (page faults, and the transport pinning new pages each time).
 class RingScratch {

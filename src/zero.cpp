@@ -207,19 +207,24 @@ void ZeroOptimizer::cast_master_to_params() {
     }
     return;
   }
-  if (stage_ == 0) {
-    convert_any(params_.data(), types_.param, master_.data(), DType::F32, layout_.total());
-    return;
-  }
-  const int64_t pb = part_.begin(rank_);
-  const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
-  if (param_swap_) {  // the 16-bit partition lies in its swap files: written back a bounded chunk at a time
+  if (param_swap_ && stage_ > 0) {  // the 16-bit partition lies in its swap files: written back a bounded chunk at a time
+    const int64_t pb = part_.begin(rank_);
+    const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
     for (int64_t a = lo; a < hi; a += kInitFillElems)
       cast_range_to_params(a - pb, std::min(hi, a + kInitFillElems) - a, master_.data() + (a - pb));
     return;
   }
-  if (hi > lo)
-    convert_any(params_.at(stage_ == 3 ? lo - pb : lo), types_.param, master_.data() + (lo - pb), DType::F32, hi - lo);
+  const MasterCast c = master_cast();
+  if (c.count > 0) convert_any(c.params.data, c.params.type, master_.data() + c.master_offset, DType::F32, c.count);
+}
+
+// Where the fp32 master's elements go in the in-memory 16-bit parameters: all of them at stage
+// 0, this rank's owned range of its partition otherwise.
+ZeroOptimizer::MasterCast ZeroOptimizer::master_cast() {
+  if (stage_ == 0) return {{params_.data(), types_.param}, 0, layout_.total()};
+  const int64_t pb = part_.begin(rank_);
+  const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
+  return {{params_.at(stage_ == 3 ? lo - pb : lo), types_.param}, lo - pb, std::max<int64_t>(0, hi - lo)};
 }
 
 void ZeroOptimizer::start_gather(int u) {
@@ -477,19 +482,12 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
                              : TypedSpan{params_.at(stage_ == 1 || stage_ == 2 ? part_.begin(rank_) : 0), types_.param};
   // fp32 master weights: the model's 16-bit copy is cast in the optimizer's own pass (chunk by
   // chunk in cache) where it lies in memory; with its partition in swap files, afterwards.
-  TypedSpan cast_to;
-  int64_t cast_n = 0;
-  if (mixed_ && !param_swap_) {
-    const int64_t pb = part_.begin(rank_);
-    const auto [lo, hi] = stage_ == 0 ? std::pair<int64_t, int64_t>{0, layout_.total()}
-                                      : part_.owned(rank_, 0, layout_.total());
-    if (stage_ == 0 || lo == pb) {  // the master's first element is the first one cast
-      cast_to = {params_.at(stage_ == 0 ? 0 : stage_ == 3 ? lo - pb : lo), types_.param};
-      cast_n = std::max<int64_t>(0, hi - lo);
-    }
-  }
-  optimizer_->step(p, grad_partition(), types_.grad, mul, lr, betas, cast_to, cast_n);
-  if (mixed_ && !cast_to.data) cast_master_to_params();
+  MasterCast cast;
+  if (mixed_ && !param_swap_) cast = master_cast();
+  const bool fused = cast.params.data && cast.master_offset == 0;  // the step's chunks start at the master's first element
+  optimizer_->step(p, grad_partition(), types_.grad, mul, lr, betas, fused ? cast.params : TypedSpan{},
+                   fused ? cast.count : 0);
+  if (mixed_ && !fused) cast_master_to_params();
   if (stage_ == 1 || stage_ == 2) gather_updated_params();
   drop_gathered_params();
 }

@@ -173,6 +173,12 @@ class ZeroOptimizer : public ParamStore {
   void gather_updated_params();
   void all_gather_replicated(void* full, DType type);  // every rank's owned(r, 0, Ψ) range of a full buffer
   void cast_master_to_params();  // this rank's owned range, rounded to the parameter type
+  struct MasterCast {
+    TypedSpan params;           // where the first cast element goes (null: nothing to cast)
+    int64_t master_offset = 0;  // the first cast element in master_
+    int64_t count = 0;
+  };
+  MasterCast master_cast();
   // Rounds fp32 values of partition-local [begin, begin + n) into the parameters (owned part only).
   void cast_range_to_params(int64_t begin, int64_t n, const float* values);
   void drop_gathered_params();   // stage 3, end of a step: gathered copies are stale or unneeded
