@@ -90,6 +90,20 @@ inline void attention_backward(float* dqkv, float*, const float* dout, const bf1
   attention_backward_bf16(dqkv, dout, qkv, att, B, T, C, H);
 }
 
+// The backward for c_attn's bf16 products: dqkv rounded to bf16, and c_attn's bias gradient
+// added to dbias, the bits gemm_operand makes from an fp32 dqkv. The fused kernel writes them
+// as it goes; the tiled one writes fp32 into scratch (B·T·3C floats), converted after.
+inline void attention_backward_summing_columns(bf16* dqkv, float* dbias, float* scratch, const float* dout,
+                                               const bf16* qkv, const float* att, Index B, Index T, Index C, Index H) {
+  obs::add_macs(4.0 * B * T * T * C);
+  const ProfileRegion region("attention_backward");
+#ifdef ZERO3D_FLASH_ATTENTION
+  if (attention_flash_chosen(B * H, T, C / H)) return flash::backward(dqkv, dbias, dout, qkv, att, B, T, C, H);
+#endif
+  attention_backward_tiled_bf16(scratch, dout, qkv, att, B, T, C, H);
+  convert_summing_columns(dqkv, dbias, scratch, B * T, 3 * C);
+}
+
 // dqkv written (all of it); scratch needs kRowBlock*T floats (fp32 only).
 inline void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
                                Index B, Index T, Index C, Index H, DType compute = DType::F32) {

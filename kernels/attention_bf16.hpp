@@ -337,7 +337,7 @@ template <typename Q>
 inline void attention_backward_bf16(float* dqkv, const float* dout, const Q* qkv, const float* att, Index B, Index T,
                                     Index C, Index H) {
 #ifdef ZERO3D_FLASH_ATTENTION
-  if (attention_flash_chosen(B * H, T, C / H)) return flash::backward(dqkv, dout, qkv, att, B, T, C, H);
+  if (attention_flash_chosen(B * H, T, C / H)) return flash::backward(dqkv, nullptr, dout, qkv, att, B, T, C, H);
 #endif
   attention_backward_tiled_bf16(dqkv, dout, qkv, att, B, T, C, H);
 }

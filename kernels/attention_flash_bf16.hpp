@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <new>
+#include <type_traits>
 
 #include "common.hpp"
 #include "fastmath.hpp"
@@ -118,18 +119,34 @@ inline __mmask16 lanes_below(Index n) {
 }
 
 // 16 lanes of a row as fp32 (the first n; the rest 0): fp32 as stored, bf16 widened exactly,
-// so packing either gives the same bf16 bits.
-inline __m512 load_lanes(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
-inline __m512 load_lanes(const bf16* p, __mmask16 n) { return load_bf16_x16(p, n); }
+// so packing either gives the same bf16 bits. A whole vector is a plain load: Zen 4 runs
+// masked loads, the 16-bit ones above all, several times slower.
+inline __m512 load_lanes(const float* p, Index n) { return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes_below(n), p); }
+inline __m512 load_lanes(const bf16* p, Index n) {
+  return n >= 16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))
+                 : load_bf16_x16(p, lanes_below(n));
+}
+
+// Whether row t of a packing is a straight copy: a bf16 source row inside T, whole 32-lane
+// vectors, no padding to write.
+template <typename S>
+inline bool copies_whole_lanes(Index t, Index T, Index hs, Index hsp) {
+  return std::is_same_v<S, bf16> && t < T && hs == hsp && hs % 32 == 0;
+}
 
 // dst[Tp][hsp] = bf16(src[t·ld + d]) for t < T, d < hs; zeros elsewhere.
 template <typename S>
 inline void pack_rows(bf16* dst, const S* src, Index ld, Index T, Index hs, Index Tp, Index hsp) {
-  for (Index t = 0; t < Tp; ++t)
+  for (Index t = 0; t < Tp; ++t) {
+    if (copies_whole_lanes<S>(t, T, hs, hsp)) {
+      for (Index d = 0; d < hs; d += 32) _mm512_storeu_si512(dst + t * hsp + d, _mm512_loadu_si512(src + t * ld + d));
+      continue;
+    }
     for (Index d = 0; d < hsp; d += 16) {
-      const __m512 x = t < T ? load_lanes(src + t * ld + d, lanes_below(hs - d)) : _mm512_setzero_ps();
+      const __m512 x = t < T ? load_lanes(src + t * ld + d, hs - d) : _mm512_setzero_ps();
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * hsp + d), (__m256i)_mm512_cvtneps_pbh(x));
     }
+  }
 }
 
 // Rows 2t and 2t+1 interleaved: dst[Tp/2][hsp][2], dst[t/2][d][t%2] = bf16(src[t·ld + d]).
@@ -139,7 +156,7 @@ inline void pack_row_pairs(bf16* dst, const S* src, Index ld, Index T, Index hs,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (Index t = 0; t < Tp; t += 2)
     for (Index d = 0; d < hsp; d += 16) {
-      const __mmask16 m = lanes_below(hs - d);
+      const Index m = hs - d;
       const __m512 x0 = t < T ? load_lanes(src + t * ld + d, m) : _mm512_setzero_ps();
       const __m512 x1 = t + 1 < T ? load_lanes(src + (t + 1) * ld + d, m) : _mm512_setzero_ps();
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);  // x0 in the low half
@@ -157,8 +174,13 @@ inline void pack_heads(bf16* dst, const S* src, Index ld, Index T, Index H, Inde
     for (Index h = 0; h < H; ++h) {
       const S* row = src + t * ld + h * hs;
       bf16* out = dst + (h * Tp + t) * hsp;
+      if (copies_whole_lanes<S>(t, T, hs, hsp)) {
+        // bf16 already: a plain copy (Zen 4 runs a masked 16-bit load several times slower)
+        for (Index d = 0; d < hs; d += 32) _mm512_storeu_si512(out + d, _mm512_loadu_si512(row + d));
+        continue;
+      }
       for (Index d = 0; d < hsp; d += 16) {
-        const __m512 x = t < T ? load_lanes(row + d, lanes_below(hs - d)) : _mm512_setzero_ps();
+        const __m512 x = t < T ? load_lanes(row + d, hs - d) : _mm512_setzero_ps();
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(x));
       }
     }
@@ -241,7 +263,7 @@ struct Scratch {
   ~Scratch() { ::operator delete(p, std::align_val_t(64)); }
 };
 struct Workspace {
-  Scratch a, b, c, d, e, f, g, tmp, dqt, rows, tiles, heads;
+  Scratch a, b, c, d, e, f, g, tmp, dqt, dq, sums, rows, tiles, heads;
 };
 inline Workspace& workspace() {
   static Workspace w;
@@ -353,10 +375,29 @@ inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C,
   }
 }
 
+// One row of a gradient written as D (when out is set), its values added to the column sums
+// (when sums is set).
+template <typename D>
+inline void write_row(D* out, float* sums, const float* x, Index n) {
+  if (out) {
+#pragma omp simd
+    for (Index d = 0; d < n; ++d) out[d] = from_float<D>(x[d]);
+  }
+  if (sums) {
+#pragma omp simd
+    for (Index d = 0; d < n; ++d) sums[d] += x[d];
+  }
+}
+
 // ---- backward ---------------------------------------------------------------------------------
-// dqkv written (all of it) from dout, the forward's qkv and what the forward left in att.
-template <typename Q>
-inline void backward(float* dqkv, const float* dout, const Q* qkv, const float* att, Index B, Index T, Index C, Index H) {
+// dqkv written (all of it) from dout, the forward's qkv and what the forward left in att. D: fp32,
+// or bf16 for c_attn's products (rounded to nearest even, as converting the fp32 dqkv rounds);
+// column_sums (nullable, 3C) then gets c_attn's bias gradient added: each column's fp32 values
+// summed over the B·T rows in order into a fresh sum, as convert_summing_columns sums them (same
+// bits), without writing and re-reading an fp32 dqkv.
+template <typename D, typename Q>
+inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qkv, const float* att, Index B, Index T,
+                     Index C, Index H) {
   const Index hs = C / H, C3 = 3 * C, BH = B * H, Tp = round_up(T, 16), hsp = round_up(hs, 16), hp = hsp / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const __m512 vscale = _mm512_set1_ps(scale), vscale2 = _mm512_set1_ps(scale * kLog2e);
@@ -389,6 +430,9 @@ inline void backward(float* dqkv, const float* dout, const Q* qkv, const float* 
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const Index head = Tp * hsp;
   bf16* heads = w.heads.take<bf16>(4 * H * head);  // one sequence's dO, Q, K and V, every head packed
+  float* sums = column_sums ? w.sums.take<float>(C3) : nullptr;  // the bias gradient's fresh sums
+  if (sums) std::fill(sums, sums + C3, 0.0f);
+  float* dq = std::is_same_v<D, float> ? nullptr : w.dq.take<float>(Tp * hsp);  // dQ rows, on the way to bf16
   for (Index bh = 0; bh < BH; ++bh) {
     const Index b = bh / H, h = bh % H;
     // each input read once, in memory order: packed to bf16 rows, the other layouts made from those
@@ -466,22 +510,28 @@ inline void backward(float* dqkv, const float* dout, const Q* qkv, const float* 
         }
       }
       for (Index r = 0; r < nk && k0 + r < T; ++r) {
-        float* g = dqkv + (b * T + k0 + r) * C3 + h * hs;
-#pragma omp simd
-        for (Index d = 0; d < hs; ++d) {
-          g[C + d] = dka[r * hsp + d];
-          g[2 * C + d] = dva[r * hsp + d];
-        }
+        D* g = dqkv + (b * T + k0 + r) * C3 + h * hs;
+        write_row(g + C, sums ? sums + C + h * hs : nullptr, dka + r * hsp, hs);
+        write_row(g + 2 * C, sums ? sums + 2 * C + h * hs : nullptr, dva + r * hsp, hs);
       }
     }
     // dQ = (dQᵀ)ᵀ
-    float* g = dqkv + b * T * C3 + h * hs;
-    const Index T16 = T / 16 * 16, hs16 = hs / 16 * 16;
-    for (Index t0 = 0; t0 < T16; t0 += 16)
-      for (Index d0 = 0; d0 < hs16; d0 += 16) transpose_16x16(g + t0 * C3 + d0, C3, dqt + d0 * Tp + t0, Tp);
-    for (Index t = 0; t < T; ++t)
-      for (Index d = t < T16 ? hs16 : 0; d < hs; ++d) g[t * C3 + d] = dqt[d * Tp + t];
+    D* g = dqkv + b * T * C3 + h * hs;
+    if constexpr (std::is_same_v<D, float>) {
+      const Index T16 = T / 16 * 16, hs16 = hs / 16 * 16;
+      for (Index t0 = 0; t0 < T16; t0 += 16)
+        for (Index d0 = 0; d0 < hs16; d0 += 16) transpose_16x16(g + t0 * C3 + d0, C3, dqt + d0 * Tp + t0, Tp);
+      for (Index t = 0; t < T; ++t)
+        for (Index d = t < T16 ? hs16 : 0; d < hs; ++d) g[t * C3 + d] = dqt[d * Tp + t];
+      if (sums)
+        for (Index t = 0; t < T; ++t) write_row<float>(nullptr, sums + h * hs, g + t * C3, hs);
+    } else {
+      transpose32(dq, dqt, hsp, Tp);
+      for (Index t = 0; t < T; ++t) write_row(g + t * C3, sums ? sums + h * hs : nullptr, dq + t * hsp, hs);
+    }
   }
+  if (sums)
+    for (Index o = 0; o < C3; ++o) column_sums[o] += sums[o];
 }
 
 }  // namespace flash

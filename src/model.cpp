@@ -505,13 +505,21 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
                       d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp);
     store.progress();
+    // a whole backward makes dqkv in the products' bf16 directly, c_attn's bias gradient beside it
+    const bool dqkv_bf16 = lp && part == BackwardPart::Full;
+    const GemmOperand dqkv_slot = dqkv_bf16 ? gemm_operand_slot(BT, 3 * Cl) : GemmOperand{};
     if (input && shape_.sparse.enabled)
       sparse_attention_backward(d_qkv, datty_, a.qkv, a.att, sparse_att_stride_, sparse_layouts_[c.first_block + l].data(),
                                 shape_.sparse.block, B, T, Cl, H);
+    else if (dqkv_bf16)
+      attention_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(dqkv_slot.data)), dw.c_attn_b, d_qkv,
+                                         datty_, as_bf16(a.qkv), a.att, B, T, Cl, H);
     else if (input && lp) attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, Cl, H, cmp);
     else if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp);
     store.progress();
-    if (lp) {
+    if (dqkv_bf16) {
+      matmul_backward(d_ln_1, dw.c_attn_w, dqkv_slot, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp);
+    } else if (lp) {
       matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
                       d_qkv, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp);
     } else if (!tp) {

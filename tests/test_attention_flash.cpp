@@ -208,6 +208,31 @@ TEST(BfloatAttention, ABf16QkvGivesTheBitsOfTheSameValuesInFp32) {
   }
 }
 
+// The backward that feeds c_attn's bf16 products writes dqkv in bf16 with c_attn's bias gradient
+// beside it: the same bits as rounding the fp32 dqkv and summing its columns (what gemm_operand
+// does), added to the bias gradient already there. The fused kernel (T = 40, 77 with hs = 24,
+// and 300 with a ragged last tile) and the tiled one (T = 4).
+TEST(BfloatAttention, Bf16GradientWithBiasSumsGivesTheBitsOfConvertingTheFp32One) {
+  struct Case { Index B, T, C, H; };
+  for (const Case k : {Case{2, 4, 128, 2}, Case{2, 40, 128, 2}, Case{2, 77, 96, 4}, Case{1, 300, 192, 3}}) {
+    const Index N = k.B * k.T, C3 = 3 * k.C;
+    const auto qkv = rounded_to_bf16(random_vector(N * C3, 12));
+    const auto dout = random_vector(N * k.C, 13);
+    std::vector<bf16> qkv16(qkv.size());
+    for (size_t i = 0; i < qkv.size(); ++i) qkv16[i] = to_bf16(qkv[i]);
+    std::vector<float> out(N * k.C), att(k.B * k.H * k.T * k.T), dqkv(N * C3), scratch(N * C3);
+    attention_forward(out.data(), att.data(), qkv16.data(), k.B, k.T, k.C, k.H, DType::BF16);
+    attention_backward(dqkv.data(), nullptr, dout.data(), qkv16.data(), att.data(), k.B, k.T, k.C, k.H, DType::BF16);
+    std::vector<bf16> want(N * C3), got(N * C3);
+    std::vector<float> want_bias(C3, 0.5f), got_bias(C3, 0.5f);  // a gradient already there: added to
+    convert_summing_columns(want.data(), want_bias.data(), dqkv.data(), N, C3);
+    attention_backward_summing_columns(got.data(), got_bias.data(), scratch.data(), dout.data(), qkv16.data(), att.data(),
+                                       k.B, k.T, k.C, k.H);
+    for (Index i = 0; i < N * C3; ++i) ASSERT_EQ(want[i].bits, got[i].bits) << "T " << k.T << " element " << i;
+    EXPECT_EQ(want_bias, got_bias) << "T " << k.T;
+  }
+}
+
 #ifdef ZERO3D_FLASH_ATTENTION
 // The fused and the tiled kernels agree with each other as closely as each agrees with exact
 // arithmetic (they round different intermediates), and the model's shapes take the fused one.
@@ -220,7 +245,7 @@ TEST(FlashAttentionKernel, AgreesWithTheTiledKernelAtGptSmallsShape) {
   std::vector<float> out(B * T * C), tiled_out(B * T * C), att(B * H * T * T), tiled_att(B * H * T * T);
   std::vector<float> dqkv(B * T * 3 * C), tiled_dqkv(B * T * 3 * C);
   flash::forward(out.data(), att.data(), qkv.data(), B, T, C, H);
-  flash::backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
+  flash::backward(dqkv.data(), nullptr, dout.data(), qkv.data(), att.data(), B, T, C, H);
   attention_forward_tiled_bf16(tiled_out.data(), tiled_att.data(), qkv.data(), B, T, C, H);
   attention_backward_tiled_bf16(tiled_dqkv.data(), dout.data(), qkv.data(), tiled_att.data(), B, T, C, H);
   const std::vector<double> ref_out(tiled_out.begin(), tiled_out.end()), ref_dqkv(tiled_dqkv.begin(), tiled_dqkv.end());
