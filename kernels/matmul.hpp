@@ -63,6 +63,15 @@ inline void matmul_forward(float* out, const bf16* inp, const P* weight, const P
        dtype_of<P>());
 }
 
+// out = inp · weight + bias + residual: a block's residual add in the product's epilogue
+// (gemm_adding), the bits of copying residual into out and accumulating. compute is BF16.
+template <typename P>
+inline void matmul_forward_adding(float* out, const float* residual, const bf16* inp, const P* weight, const P* bias,
+                                  Index N, Index IC, Index OC) {
+  gemm_adding(N, OC, IC, {inp, DType::BF16, false, IC}, {weight, dtype_of<P>(), false, OC}, out, residual, bias,
+              dtype_of<P>());
+}
+
 // out = bf16(inp · weight + bias): the product rounds its own result (gemm_bf16_output) when
 // its only reader takes bf16, as the MLP's GELU does. compute is BF16.
 template <typename P>

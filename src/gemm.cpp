@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "base.hpp"
@@ -67,7 +68,7 @@ const bf16* as_bf16(const GemmOperand& x, int64_t n, std::vector<uint16_t>& scra
 struct Dnnl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
-  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, bool, int, bool>;
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, bool, int, bool, bool>;
   std::map<Key, dnnl::matmul> primitives;
   using BatchedKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, bool>;
   std::map<BatchedKey, dnnl::matmul> batched;
@@ -89,34 +90,40 @@ dnnl::memory::data_type dnnl_type(DType t) {
 }
 
 // bias: [N] of bias_type, or null. c is fp32, or bf16 when c_bf16 (rounded in the epilogue).
+// addend (fp32 [M][N] with c's row stride, or null): added to the result in the epilogue (a
+// binary post-op), for a residual that would otherwise be copied into c and accumulated onto.
 void gemm_onednn(int64_t M, int64_t N, int64_t K, const bf16* a, bool ta, int64_t lda, const bf16* b, bool tb,
                  int64_t ldb, void* c, int64_t ldc, bool accumulate, const void* bias, DType bias_type,
-                 bool c_bf16 = false) {
+                 bool c_bf16 = false, const float* addend = nullptr) {
   using namespace dnnl;
   Dnnl& d = dnnl_state();
   const memory::desc ad({M, K}, memory::data_type::bf16, ta ? memory::dims{1, lda} : memory::dims{lda, 1});
   const memory::desc bd({K, N}, memory::data_type::bf16, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
   const memory::desc cd({M, N}, c_bf16 ? memory::data_type::bf16 : memory::data_type::f32, memory::dims{ldc, 1});
   const memory::desc biasd = bias ? memory::desc({1, N}, dnnl_type(bias_type), memory::dims{N, 1}) : memory::desc();
-  const Dnnl::Key key{M, N, K, ta, tb, lda, ldb, ldc, accumulate, bias ? static_cast<int>(bias_type) : -1, c_bf16};
+  const memory::desc addd = addend ? memory::desc({M, N}, memory::data_type::f32, memory::dims{ldc, 1}) : memory::desc();
+  const Dnnl::Key key{M,      N,      K,           ta,
+                      tb,     lda,    ldb,         ldc,
+                      accumulate, bias ? static_cast<int>(bias_type) : -1, c_bf16, addend != nullptr};
   auto it = d.primitives.find(key);
   if (it == d.primitives.end()) {
     primitive_attr attr;
-    if (accumulate) {
+    if (accumulate || addend) {
       post_ops po;
-      po.append_sum(1.0f);
+      if (accumulate) po.append_sum(1.0f);
+      if (addend) po.append_binary(algorithm::binary_add, addd);
       attr.set_post_ops(po);
     }
     const matmul::desc md = bias ? matmul::desc(ad, bd, biasd, cd) : matmul::desc(ad, bd, cd);
     it = d.primitives.emplace(key, matmul(matmul::primitive_desc(md, attr, d.engine))).first;
   }
   memory am(ad, d.engine, const_cast<bf16*>(a)), bm(bd, d.engine, const_cast<bf16*>(b)), cm(cd, d.engine, c);
-  if (bias) {
-    memory biasm(biasd, d.engine, const_cast<void*>(bias));
-    it->second.execute(d.stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_BIAS, biasm}, {DNNL_ARG_DST, cm}});
-  } else {
-    it->second.execute(d.stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
-  }
+  std::unordered_map<int, memory> args{{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (bias) args.emplace(DNNL_ARG_BIAS, memory(biasd, d.engine, const_cast<void*>(bias)));
+  if (addend)
+    args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(accumulate ? 1 : 0) | DNNL_ARG_SRC_1,
+                 memory(addd, d.engine, const_cast<float*>(addend)));
+  it->second.execute(d.stream, args);
   d.stream.wait();
 }
 
@@ -227,6 +234,26 @@ void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperan
   float* c32 = w.take(w.c32, M * N);
   gemm(M, N, K, A, B, c32, N, false, DType::BF16, bias, bias_type);
   kernels::convert(C, c32, M * N);
+}
+
+void gemm_adding(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, const float* R,
+                 const void* bias, DType bias_type) {
+#ifdef ZERO3D_HAVE_ONEDNN
+  if (!A.trans && !B.trans && A.type != DType::F32) {
+    obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
+    const kernels::ProfileRegion region("gemm_bf16");
+    Workspace& w = workspace();
+    const bf16* a = as_bf16(A, stored_elems(M, A), w.a16);
+    const bf16* b = as_bf16(B, stored_elems(K, B), w.b16);
+    gemm_onednn(M, N, K, a, false, A.ld, b, false, B.ld, C, N, false, bias, bias_type, /*c_bf16=*/false, R);
+    return;
+  }
+#endif
+  // Without oneDNN (or for operand layouts it is not asked for here): R copied into C, the
+  // product accumulated onto it.
+  using Unmanaged = Kokkos::View<float*, Kokkos::MemoryUnmanaged>;
+  Kokkos::deep_copy(Unmanaged(C, M * N), Unmanaged(const_cast<float*>(R), M * N));
+  gemm(M, N, K, A, B, C, N, true, DType::BF16, bias, bias_type);
 }
 
 GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute, float* column_sums) {

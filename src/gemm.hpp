@@ -39,6 +39,13 @@ void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* 
 void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, kernels::bf16* C,
                       const void* bias = nullptr, DType bias_type = DType::F32);
 
+// C[M,N] = A·B + bias + R (R fp32 [M][N], C dense fp32): a residual added in the product's
+// epilogue (oneDNN's binary post-op) where copying R into C and accumulating the product onto
+// it made an extra pass over C; the same bits (the epilogue adds R to the same A·B + bias).
+// A is bf16, neither operand transposed; compute is BF16.
+void gemm_adding(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, const float* R,
+                 const void* bias = nullptr, DType bias_type = DType::F32);
+
 // `batch` independent products over dense bf16 operands with fp32 results, for attention's
 // tiles: C_b = op(A_b)·op(B_b) (+ C_b when accumulate), where A_b starts at A + b·M·K (stored
 // M×K, or K×M when ta), B_b at B + b·K·N (K×N, or N×K when tb) and C_b at C + b·M·N (M×N),

@@ -188,8 +188,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     if (attention_ms) *attention_ms += sw.ms();
   }
   if (lp) {
-    copy(a.res_2, residual, BT * C);
-    matmul_forward(a.res_2, as_bf16(a.atty), w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
+    matmul_forward_adding(a.res_2, residual, as_bf16(a.atty), w.attn_proj_w, w.attn_proj_b, BT, C, C);
   } else if (!tp) {
     copy(a.res_2, residual, BT * C);
     matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
@@ -225,8 +224,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   if (lp_mlp) {  // c_fc writes bf16 (as autocast's linear does): GELU reads half the bytes
     matmul_forward(as_bf16(a.fch), as_bf16(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl);
     gelu_forward(as_bf16(a.fch_gelu), as_bf16(a.fch), BT * 4 * Cl);
-    copy(a.res_3, a.res_2, BT * C);
-    matmul_forward(a.res_3, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
+    matmul_forward_adding(a.res_3, a.res_2, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C);
     if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
     store.release(u);
     store.progress();

@@ -88,6 +88,24 @@ TEST(Bf16Gemm, TheBiasInTheEpilogueEqualsAddingItAfterTheProduct) {
   }
 }
 
+// A block's residual add in the projection's epilogue gives the bits of copying the residual
+// into the output and accumulating the product (with its bias) onto it.
+TEST(Bf16Gemm, TheResidualInTheEpilogueEqualsCopyingItAndAccumulating) {
+  const Index M = 37, N = 48, K = 72;
+  const auto a = random_vector(M * K, 20), w = random_vector(K * N, 21), b = random_vector(N, 22);
+  const auto residual = random_vector(M * N, 23, 3.0f);
+  std::vector<bf16> a16(M * K), w16(K * N), b16(N);
+  convert(a16.data(), a.data(), M * K);
+  convert(w16.data(), w.data(), K * N);
+  convert(b16.data(), b.data(), N);
+  for (const bf16* bias : {static_cast<const bf16*>(nullptr), static_cast<const bf16*>(b16.data())}) {
+    std::vector<float> fused(M * N, 7.0f), copied = residual;  // fused's old contents must not count
+    matmul_forward_adding(fused.data(), residual.data(), a16.data(), w16.data(), bias, M, K, N);
+    matmul_forward(copied.data(), a16.data(), w16.data(), bias, M, K, N, /*accumulate=*/true);
+    EXPECT_EQ(fused, copied) << (bias ? "with" : "without") << " a bias";
+  }
+}
+
 TEST(Bf16Gemm, AnFp32OperandReadTransposedGivesThePlainProduct) {
   const Index M = 30, N = 20, K = 50;
   const auto at = random_vector(K * M, 7), b = random_vector(K * N, 8);  // A stored transposed: [K, M]
