@@ -83,32 +83,35 @@ inline void matmul_forward(bf16* out, const bf16* inp, const P* weight, const P*
 // dinp = dout · weightᵀ (written, skipped when null); dweight += inpᵀ · dout (skipped when null:
 // the input-gradient pass of a zero-bubble schedule); dbias += Σ rows (skipped when null).
 // dout feeds two products and is converted to `compute` once, its column sums (the bias
-// gradient) taken in the same pass.
+// gradient) taken in the same pass. add_dweight = false writes dweight instead of adding to it,
+// for a gradient buffer known to hold zeros (the product then reads no old values).
 template <typename P>
 inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                            const P* weight, Index N, Index IC, Index OC, DType compute = DType::F32) {
+                            const P* weight, Index N, Index IC, Index OC, DType compute = DType::F32,
+                            bool add_dweight = true) {
   const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
   if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  if (dweight) gemm(IC, OC, N, {inp, DType::F32, true, IC}, d, dweight, OC, true, compute);
+  if (dweight) gemm(IC, OC, N, {inp, DType::F32, true, IC}, d, dweight, OC, add_dweight, compute);
 }
 
 // With a bf16 input (see the bf16 matmul_forward): the weight product reads it transposed as
 // it is (oneDNN's transposed-A kernel; a transposing pass would cost what it saves).
 template <typename P>
 inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const bf16* inp,
-                            const P* weight, Index N, Index IC, Index OC, DType compute = DType::BF16) {
+                            const P* weight, Index N, Index IC, Index OC, DType compute = DType::BF16,
+                            bool add_dweight = true) {
   const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
   if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, d, dweight, OC, true, compute);
+  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, d, dweight, OC, add_dweight, compute);
 }
 
 // The same with dout already in the products' form (a bf16 gemm_operand_slot its producer
 // filled, the bias gradient taken in that same pass).
 template <typename P>
 inline void matmul_backward(float* dinp, float* dweight, const GemmOperand& dout, const bf16* inp, const P* weight,
-                            Index N, Index IC, Index OC, DType compute = DType::BF16) {
+                            Index N, Index IC, Index OC, DType compute = DType::BF16, bool add_dweight = true) {
   if (dinp) gemm(N, IC, OC, dout, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, dout, dweight, OC, true, compute);
+  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, dout, dweight, OC, add_dweight, compute);
 }
 
 }  // namespace zero3d::kernels

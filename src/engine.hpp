@@ -166,6 +166,7 @@ class Engine {
     const void* fetch(int u) override { return owner(u).fetch(local(u)); }
     void release(int u) override { owner(u).release(local(u)); }
     float* grad_target(int u) override { return owner(u).grad_target(local(u)); }
+    bool grads_start_at_zero(int u) override { return owner(u).grads_start_at_zero(local(u)); }
     void grads_done(int u) override { owner(u).grads_done(local(u)); }
     void progress() override;
 

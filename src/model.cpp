@@ -423,6 +423,8 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     const BlockTensors<const P> w =
         input ? block(static_cast<const P*>(store.fetch(u)), global_block) : BlockTensors<const P>{};
     const BlockTensors<float> dw = weights ? block(store.grad_target(u), global_block) : BlockTensors<float>{};
+    // each weight's gradient is one product: into a zeroed window it is written, not added
+    const bool add_dw = !(weights && store.grads_start_at_zero(u));
     // Where the output gradients of the five products and two LayerNorms live.
     const bool saved = part != BackwardPart::Full;
     const BlockGradOperands& g = saved ? buf.grad_operands[l] : BlockGradOperands{};
@@ -447,26 +449,26 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
                lp_mlp = activations_bf16(cmp, tp, moe, true);
     if (lp_mlp) {  // the forward kept c_fc's output, the GELU output and ln_2 in bf16
       matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
-                      d_mlp, as_bf16(a.fch_gelu), w.mlp_proj_w, BT, 4 * Cl, C, cmp);
+                      d_mlp, as_bf16(a.fch_gelu), w.mlp_proj_w, BT, 4 * Cl, C, cmp, add_dw);
       store.progress();
       if (part == BackwardPart::Full) {  // GELU's gradient made in the products' bf16, c_fc's bias gradient beside it
         const GemmOperand d = gemm_operand_slot(BT, 4 * Cl);
         gelu_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(d.data)), dw.c_fc_b, as_bf16(a.fch), d_fch,
                                       BT, 4 * Cl);
-        matmul_backward(d_ln_2, dw.c_fc_w, d, as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp);
+        matmul_backward(d_ln_2, dw.c_fc_w, d, as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp, add_dw);
       } else {  // a split backward keeps the fp32 gradient for its weight pass
         if (input) gelu_backward(d_fch, as_bf16(a.fch), d_fch, BT * 4 * Cl);
         matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
-                        as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp);
+                        as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp, add_dw);
       }
     } else if (!moe || shape_.moe.use_residual) {
       matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
-                      d_mlp, a.fch_gelu, w.mlp_proj_w, BT, 4 * Cl, C, cmp);
+                      d_mlp, a.fch_gelu, w.mlp_proj_w, BT, 4 * Cl, C, cmp, add_dw);
       store.progress();
       if (input) gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
       if (!tp) {
         matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
-                        a.ln_2, w.c_fc_w, BT, C, 4 * Cl, cmp);
+                        a.ln_2, w.c_fc_w, BT, C, 4 * Cl, cmp, add_dw);
       } else {
         column_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
                         a.ln_2, w.c_fc_w, C, 4 * Cl);
@@ -498,10 +500,10 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     }
     if (lp)
       matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
-                      d_res_2, as_bf16(a.atty), w.attn_proj_w, BT, Cl, C, cmp);
+                      d_res_2, as_bf16(a.atty), w.attn_proj_w, BT, Cl, C, cmp, add_dw);
     else
       matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
-                      d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp);
+                      d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp, add_dw);
     store.progress();
     // a whole backward makes dqkv in the products' bf16 directly, c_attn's bias gradient beside it
     const bool dqkv_bf16 = lp && part == BackwardPart::Full;
@@ -516,13 +518,13 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     else if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp);
     store.progress();
     if (dqkv_bf16) {
-      matmul_backward(d_ln_1, dw.c_attn_w, dqkv_slot, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp);
+      matmul_backward(d_ln_1, dw.c_attn_w, dqkv_slot, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);
     } else if (lp) {
       matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
-                      d_qkv, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp);
+                      d_qkv, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);
     } else if (!tp) {
       matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
-                      d_qkv, a.ln_1, w.c_attn_w, BT, C, 3 * Cl, cmp);
+                      d_qkv, a.ln_1, w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);
     } else {
       column_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
                       d_qkv, a.ln_1, w.c_attn_w, C, 3 * Cl);

@@ -172,6 +172,9 @@ class ParamStore {
   virtual void release(int u) = 0;
   // Gradients of unit u accumulate here (+=, always fp32) during backward, until grads_done(u).
   virtual float* grad_target(int u) = 0;
+  // Whether grad_target(u) hands zeros, filled afresh for this backward (a gradient window):
+  // a weight whose gradient is one product may then be written rather than added to.
+  virtual bool grads_start_at_zero(int) { return false; }
   // Unit u's gradients are final for this backward pass. Within one chunk's backward units
   // finish from the chunk's last down to its first; the embedding or tied-head unit (the
   // layout's unit 0 on the first and last stage) finishes last.

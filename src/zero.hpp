@@ -157,6 +157,7 @@ class ZeroOptimizer : public ParamStore {
   const void* fetch(int u) override;
   void release(int u) override;
   float* grad_target(int u) override;
+  bool grads_start_at_zero(int) override { return use_windows_; }
   void grads_done(int u) override;
   void progress() override;
 
