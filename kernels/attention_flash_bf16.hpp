@@ -119,8 +119,8 @@ inline __mmask16 lanes_below(Index n) {
 }
 
 // 16 lanes of a row as fp32 (the first n; the rest 0): fp32 as stored, bf16 widened exactly,
-// so packing either gives the same bf16 bits. A whole vector is a plain load: Zen 4 runs
-// masked loads, the 16-bit ones above all, several times slower.
+// so packing either gives the same bf16 bits. A whole vector is a plain load: the AMD EPYC
+// cores this was measured on run masked loads, the 16-bit ones above all, several times slower.
 inline __m512 load_lanes(const float* p, Index n) { return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes_below(n), p); }
 inline __m512 load_lanes(const bf16* p, Index n) {
   return n >= 16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))
@@ -134,40 +134,10 @@ inline bool copies_whole_lanes(Index t, Index T, Index hs, Index hsp) {
   return std::is_same_v<S, bf16> && t < T && hs == hsp && hs % 32 == 0;
 }
 
-// dst[Tp][hsp] = bf16(src[t·ld + d]) for t < T, d < hs; zeros elsewhere.
-template <typename S>
-inline void pack_rows(bf16* dst, const S* src, Index ld, Index T, Index hs, Index Tp, Index hsp) {
-  for (Index t = 0; t < Tp; ++t) {
-    if (copies_whole_lanes<S>(t, T, hs, hsp)) {
-      for (Index d = 0; d < hs; d += 32) _mm512_storeu_si512(dst + t * hsp + d, _mm512_loadu_si512(src + t * ld + d));
-      continue;
-    }
-    for (Index d = 0; d < hsp; d += 16) {
-      const __m512 x = t < T ? load_lanes(src + t * ld + d, hs - d) : _mm512_setzero_ps();
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * hsp + d), (__m256i)_mm512_cvtneps_pbh(x));
-    }
-  }
-}
-
-// Rows 2t and 2t+1 interleaved: dst[Tp/2][hsp][2], dst[t/2][d][t%2] = bf16(src[t·ld + d]).
-template <typename S>
-inline void pack_row_pairs(bf16* dst, const S* src, Index ld, Index T, Index hs, Index Tp, Index hsp) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (Index t = 0; t < Tp; t += 2)
-    for (Index d = 0; d < hsp; d += 16) {
-      const Index m = hs - d;
-      const __m512 x0 = t < T ? load_lanes(src + t * ld + d, m) : _mm512_setzero_ps();
-      const __m512 x1 = t + 1 < T ? load_lanes(src + (t + 1) * ld + d, m) : _mm512_setzero_ps();
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);  // x0 in the low half
-      _mm512_storeu_si512(dst + (t * hsp + 2 * d), _mm512_permutexvar_epi16(interleave, both));
-    }
-}
-
 // Every head's rows at once: dst[h][Tp][hsp] = bf16(src[t·ld + h·hs + d]) (zeros past T and hs),
-// reading src's rows in memory order, for the backward, which packs four inputs per head (dO,
-// Q, K, V): there one pass beats four per-head gathers of hs-wide slivers 3C apart (attention
-// backward 5.8 -> 5.55 ms at gpt-small's shape), where the forward's three are faster per head.
+// reading src's rows front to back. Both passes pack a whole sequence this way (q, k and v as
+// 3H heads of one qkv row) rather than gathering hs-wide slivers 3C apart per head: attention
+// at gpt-small's shape, in a training step, forward 11.8 -> 10.6 ms, backward 24.2 -> 23.4 ms.
 template <typename S>
 inline void pack_heads(bf16* dst, const S* src, Index ld, Index T, Index H, Index hs, Index Tp, Index hsp) {
   for (Index t = 0; t < Tp; ++t)
@@ -175,7 +145,7 @@ inline void pack_heads(bf16* dst, const S* src, Index ld, Index T, Index H, Inde
       const S* row = src + t * ld + h * hs;
       bf16* out = dst + (h * Tp + t) * hsp;
       if (copies_whole_lanes<S>(t, T, hs, hsp)) {
-        // bf16 already: a plain copy (Zen 4 runs a masked 16-bit load several times slower)
+        // bf16 already: a plain copy (attention 48.9 -> 35.5 ms per gpt-small step)
         for (Index d = 0; d < hs; d += 32) _mm512_storeu_si512(out + d, _mm512_loadu_si512(row + d));
         continue;
       }
@@ -186,8 +156,8 @@ inline void pack_heads(bf16* dst, const S* src, Index ld, Index T, Index H, Inde
     }
 }
 
-// Rows 2t and 2t+1 of a packed bf16 [Tp][hsp] interleaved into dst[Tp/2][hsp][2] (as pack_row_pairs
-// makes them from fp32, without reading the fp32 source again).
+// Rows 2t and 2t+1 of a packed bf16 [Tp][hsp] interleaved into dst[Tp/2][hsp][2]: the pairs
+// over positions that a product reducing over positions reads.
 inline void row_pairs(bf16* dst, const bf16* src, Index Tp, Index hsp) {
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
                                       36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -263,7 +233,7 @@ struct Scratch {
   ~Scratch() { ::operator delete(p, std::align_val_t(64)); }
 };
 struct Workspace {
-  Scratch a, b, c, d, e, f, g, tmp, dqt, dq, sums, rows, tiles, heads;
+  Scratch b, c, d, e, f, g, tmp, dqt, dq, sums, rows, tiles, heads;
 };
 inline Workspace& workspace() {
   static Workspace w;
@@ -324,23 +294,24 @@ inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C,
   float* lse = att;
   bf16* osave = reinterpret_cast<bf16*>(att + attention_flash_o_offset(BH, T));
   Workspace& w = workspace();
-  bf16* qn = w.a.take<bf16>(Tp * hsp);   // Q rows [Tp][hsp]
+  const bf16* qn = nullptr;              // Q rows [Tp][hsp] (in `heads` below)
   bf16* kv = w.b.take<bf16>(hsp * Tp);   // K pairs over hs [hsp/2][Tp][2]: the B operand of Q·Kᵀ
   bf16* vk = w.c.take<bf16>(Tp * hsp);   // V pairs over keys [Tp/2][hsp][2]: the B operand of P·V
-  bf16* tmp = w.tmp.take<bf16>(Tp * hsp);
   float* tiles = w.tiles.take<float>(kFwdQ * kFwdK + kFwdQ * kFwdK / 2 + kFwdQ * hsp + 2 * kFwdQ);
   float* s = tiles;                                              // scores [kFwdQ][kFwdK]
   bf16* p = reinterpret_cast<bf16*>(s + kFwdQ * kFwdK);          // probabilities [kFwdQ][kFwdK]
   float* o = s + kFwdQ * kFwdK + kFwdQ * kFwdK / 2;              // output [kFwdQ][hsp]
   float* m = o + kFwdQ * hsp;                                    // running max (raw scores)
   float* l = m + kFwdQ;                                          // running sum
+  const Index head = Tp * hsp;
+  bf16* heads = w.heads.take<bf16>(3 * H * head);  // one sequence's Q, K and V, every head packed
   for (Index bh = 0; bh < BH; ++bh) {
     const Index b = bh / H, h = bh % H;
-    const Q* q = qkv + b * T * C3 + h * hs;
-    pack_rows(qn, q, C3, T, hs, Tp, hsp);
-    pack_rows(tmp, q + C, C3, T, hs, Tp, hsp);
-    transpose32(kv, tmp, Tp, hp);
-    pack_row_pairs(vk, q + 2 * C, C3, T, hs, Tp, hsp);
+    // q, k and v as 3H heads of one row: each qkv row read whole, front to back
+    if (h == 0) pack_heads(heads, qkv + b * T * C3, C3, T, 3 * H, hs, Tp, hsp);
+    qn = heads + h * head;
+    transpose32(kv, heads + (H + h) * head, Tp, hp);
+    row_pairs(vk, heads + (2 * H + h) * head, Tp, hsp);
     for (Index q0 = 0; q0 < T; q0 += kFwdQ) {
       const Index nq = std::min(kFwdQ, T - q0), qend = q0 + nq;
       for (Index r = 0; r < nq * hsp; ++r) o[r] = 0.0f;
@@ -438,8 +409,8 @@ inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qk
     // each input read once, in memory order: packed to bf16 rows, the other layouts made from those
     if (h == 0) {
       pack_heads(heads, dout + b * T * C, C, T, H, hs, Tp, hsp);
-      for (Index part = 0; part < 3; ++part)
-        pack_heads(heads + (1 + part) * H * head, qkv + b * T * C3 + part * C, C3, T, H, hs, Tp, hsp);
+      // q, k and v as 3H heads of one row: each qkv row read whole, front to back
+      pack_heads(heads + H * head, qkv + b * T * C3, C3, T, 3 * H, hs, Tp, hsp);
     }
     tmp = heads + h * head;  // dO rows
     const bf16* qh = heads + (H + h) * head;
