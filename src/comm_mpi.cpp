@@ -134,31 +134,24 @@ class MpiRequest : public CommRequest {
 };
 
 // A ring reduction in flight (comm_ring.hpp): the reduce-scatter round by round, then, for an
-// all-reduce, MPI's in-place all-gather of the summed blocks. test() advances it without blocking.
+// all-reduce, the ring all-gather of the summed blocks. test() advances it without blocking.
 class RingRequest : public CommRequest {
  public:
-  RingRequest(std::unique_ptr<RingReduceScatter> rs, MPI_Comm comm, void* gather_buf, std::vector<int64_t> counts,
-              DType type, Watchdog* w, const char* what, Observed o)
-      : rs_(std::move(rs)), comm_(comm), gather_buf_(gather_buf), counts_(std::move(counts)), type_(type),
-        watchdog_(w), what_(what), o_(o) {}
+  RingRequest(std::unique_ptr<RingReduceScatter> rs, std::unique_ptr<RingAllGather> gather, Watchdog* w,
+              const char* what, Observed o)
+      : rs_(std::move(rs)), gather_(std::move(gather)), watchdog_(w), what_(what), o_(o) {}
   // Finished before it goes, as MpiRequest waits for its request: the other ranks' rounds need
   // this rank's messages (an error here has nowhere to go; the watchdog covers a dead peer).
   ~RingRequest() override {
     try {
       rs_->wait();
-      if (gather_buf_ && !gathering_) gather();
+      if (gather_) gather_->wait();
     } catch (const std::exception&) {
     }
-    if (gather_ != MPI_REQUEST_NULL) MPI_Wait(&gather_, MPI_STATUS_IGNORE);
   }
   bool test() override {
     if (!rs_->test()) return false;
-    if (gather_buf_ && !gathering_) start_gather();
-    if (gather_ != MPI_REQUEST_NULL) {
-      int flag = 0;
-      check_mpi(MPI_Test(&gather_, &flag, MPI_STATUS_IGNORE), "Test");
-      if (!flag) return false;
-    }
+    if (gather_ && !gather_->test()) return false;
     o_.complete(0.0);
     return true;
   }
@@ -168,39 +161,16 @@ class RingRequest : public CommRequest {
     if (o_.log && obs::g_hooks.trace) trace.emplace(o_.log->trace_prefix() + "/" + comm_op_name(o_.op));
     const Clock::time_point t0 = Clock::now();
     rs_->wait();
-    if (gather_buf_ && !gathering_) gather();
-    if (gather_ != MPI_REQUEST_NULL) check_mpi(MPI_Wait(&gather_, MPI_STATUS_IGNORE), "Wait");
+    if (gather_) gather_->wait();
     o_.complete(ms_between(t0, Clock::now()));
   }
 
  private:
-  // The all-gather half: nonblocking when test() reaches it, blocking from wait(), where
-  // MPICH's blocking algorithm is the faster (2x at 256 KiB, bench_comm all_gather_v).
-  void start_gather(bool blocking = false) {
-    gathering_ = true;
-    std::vector<MPI_Count> c(counts_.begin(), counts_.end());
-    std::vector<MPI_Aint> d(counts_.size());
-    for (size_t r = 1; r < d.size(); ++r) d[r] = d[r - 1] + static_cast<MPI_Aint>(c[r - 1]);
-    if (blocking) {
-      check_mpi(MPI_Allgatherv_c(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, gather_buf_, c.data(), d.data(), mpi_type(type_), comm_),
-            "Allgatherv");
-      return;
-    }
-    check_mpi(MPI_Iallgatherv_c(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, gather_buf_, c.data(), d.data(), mpi_type(type_), comm_,
-                            &gather_),
-          "Iallgatherv");
-  }
-  void gather() { start_gather(/*blocking=*/true); }
   std::unique_ptr<RingReduceScatter> rs_;
-  MPI_Comm comm_;
-  void* gather_buf_;  // null for a reduce-scatter
-  std::vector<int64_t> counts_;
-  DType type_;
+  std::unique_ptr<RingAllGather> gather_;  // null for a reduce-scatter
   Watchdog* watchdog_;
   const char* what_;
   Observed o_;
-  MPI_Request gather_ = MPI_REQUEST_NULL;
-  bool gathering_ = false;
 };
 
 // An all-reduce's blocks: as even as the count allows, the first count % n one larger.
@@ -223,8 +193,10 @@ std::unique_ptr<CommRequest> ring_all_reduce(MPI_Comm comm, int tag, RingScratch
   std::vector<int64_t> displs = block_starts(counts);
   char* mine = static_cast<char*>(buf) + displs[rank] * static_cast<int64_t>(dtype_size(type));
   auto rs = std::make_unique<RingReduceScatter>(comm, tag, buf, mine, counts, displs, type, scratch);
-  return std::make_unique<RingRequest>(std::move(rs), comm, buf, std::move(counts), type, watchdog, "all_reduce(wait)",
-                                       o);
+  // the same tag: a pair's messages arrive in the order sent, so the gather's never meet the
+  // reduce-scatter's receives
+  auto gather = std::make_unique<RingAllGather>(comm, tag, buf, counts, displs, type);
+  return std::make_unique<RingRequest>(std::move(rs), std::move(gather), watchdog, "all_reduce(wait)", o);
 }
 
 std::unique_ptr<CommRequest> ring_reduce_scatter(MPI_Comm comm, int tag, RingScratch& scratch, const void* send,
@@ -232,7 +204,7 @@ std::unique_ptr<CommRequest> ring_reduce_scatter(MPI_Comm comm, int tag, RingScr
                                                  Watchdog* watchdog, Observed o) {
   auto rs =
       std::make_unique<RingReduceScatter>(comm, tag, send, recv, counts, block_starts(counts), type, scratch);
-  return std::make_unique<RingRequest>(std::move(rs), comm, nullptr, counts, type, watchdog, "reduce_scatter(wait)", o);
+  return std::make_unique<RingRequest>(std::move(rs), nullptr, watchdog, "reduce_scatter(wait)", o);
 }
 }  // namespace
 

@@ -138,4 +138,65 @@ void RingReduceScatter::wait() {
   }
 }
 
+RingAllGather::RingAllGather(MPI_Comm comm, int tag, void* buf, std::vector<int64_t> counts, std::vector<int64_t> displs,
+                             DType type)
+    : comm_(comm),
+      tag_(tag),
+      buf_(static_cast<char*>(buf)),
+      counts_(std::move(counts)),
+      displs_(std::move(displs)),
+      esize_(static_cast<int64_t>(dtype_size(type))) {
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+  chunk_elems_ = std::max<int64_t>(1, kRingChunkBytes / esize_);
+  int64_t widest = 0;
+  for (int64_t c : counts_) widest = std::max(widest, c);
+  rounds_ = size_ > 1 ? (widest + chunk_elems_ - 1) / chunk_elems_ * (size_ - 1) : 0;
+}
+
+RingAllGather::~RingAllGather() {
+  if (posted_) MPI_Waitall(2, reqs_, MPI_STATUSES_IGNORE);
+}
+
+int64_t RingAllGather::chunk_length(int block, int64_t chunk) const {
+  return std::clamp<int64_t>(counts_[block] - chunk * chunk_elems_, 0, chunk_elems_);
+}
+
+// Round i is chunk i / (n-1) at ring step s = i % (n-1): rank r passes block r-s (its own at
+// step 0, the one it took the round before after that) to rank r+1 and takes block r-s-1 from
+// rank r-1, straight into place.
+void RingAllGather::post() {
+  const int64_t chunk = round_ / (size_ - 1);
+  const int step = static_cast<int>(round_ % (size_ - 1));
+  const int out = wrap(rank_ - step, size_), in = wrap(rank_ - step - 1, size_);
+  check_mpi(MPI_Irecv(buf_ + (displs_[in] + chunk * chunk_elems_) * esize_, static_cast<int>(chunk_length(in, chunk) * esize_),
+                      MPI_BYTE, wrap(rank_ - 1, size_), tag_, comm_, &reqs_[0]),
+            "Irecv");
+  check_mpi(MPI_Isend(buf_ + (displs_[out] + chunk * chunk_elems_) * esize_, static_cast<int>(chunk_length(out, chunk) * esize_),
+                      MPI_BYTE, wrap(rank_ + 1, size_), tag_, comm_, &reqs_[1]),
+            "Isend");
+  posted_ = true;
+}
+
+bool RingAllGather::test() {
+  while (!done()) {
+    if (!posted_) post();
+    int flag = 0;
+    check_mpi(MPI_Testall(2, reqs_, &flag, MPI_STATUSES_IGNORE), "Testall");
+    if (!flag) return false;
+    posted_ = false;
+    ++round_;
+  }
+  return true;
+}
+
+void RingAllGather::wait() {
+  while (!done()) {
+    if (!posted_) post();
+    check_mpi(MPI_Waitall(2, reqs_, MPI_STATUSES_IGNORE), "Waitall");
+    posted_ = false;
+    ++round_;
+  }
+}
+
 }  // namespace zero3d

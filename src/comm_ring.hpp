@@ -77,4 +77,32 @@ class RingReduceScatter {
   bool posted_ = false;
 };
 
+// One all-gather in place, round by round: block b = [displs[b], displs[b] + counts[b]) of buf
+// holds rank b's part on entry and every rank's on exit. Block b travels b+1, b+2, ..., b-1, a
+// chunk at a time, point to point under the caller's tag. An all-reduce's second half: unlike
+// an MPI collective it matches by tag, so reductions in flight may reach it in any order on
+// different ranks (collectives must start in one order everywhere, blocking or not alike).
+class RingAllGather {
+ public:
+  RingAllGather(MPI_Comm comm, int tag, void* buf, std::vector<int64_t> counts, std::vector<int64_t> displs, DType type);
+  RingAllGather(const RingAllGather&) = delete;
+  RingAllGather& operator=(const RingAllGather&) = delete;
+  ~RingAllGather();
+  bool done() const { return round_ >= rounds_; }
+  bool test();
+  void wait();
+
+ private:
+  void post();
+  int64_t chunk_length(int block, int64_t chunk) const;
+
+  MPI_Comm comm_;
+  int tag_, rank_ = 0, size_ = 1;
+  char* buf_;
+  std::vector<int64_t> counts_, displs_;
+  int64_t esize_, chunk_elems_, rounds_ = 0, round_ = 0;
+  MPI_Request reqs_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  bool posted_ = false;
+};
+
 }  // namespace zero3d

@@ -120,7 +120,6 @@ bool activations_bf16(DType compute, bool tensor_parallel, bool moe_block, bool 
   return compute == DType::BF16 && !tensor_parallel && !(mlp_half && moe_block);
 }
 bf16* as_bf16(float* x) { return reinterpret_cast<bf16*>(x); }
-const bf16* as_bf16(const float* x) { return reinterpret_cast<const bf16*>(x); }
 
 // res = residual + partial + bias: a row-parallel layer's output once its partial products are
 // summed over the tensor group (Megatron RowParallelLinear adds the bias after the all-reduce).

@@ -4,6 +4,7 @@
 
 #include <dirent.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -56,7 +57,11 @@ struct BackgroundJob {
     return -1;
   }
 
-  size_t metrics_rows() const { return read_metrics(dir).size(); }
+  // Complete rows only: rank 0 may be writing the next one while the job runs.
+  size_t metrics_rows() const {
+    const std::string text = read_file(dir + "/metrics.jsonl");
+    return static_cast<size_t>(std::count(text.begin(), text.end(), '\n'));
+  }
 
   // Waits until rank 0 has logged `rows` steps (false after `seconds`).
   bool wait_for_rows(size_t rows, double seconds) const {

@@ -77,10 +77,19 @@ TEST_P(Preemption, SigtermSavesTheStepReachedAndTheRequeuedJobContinuesBitForBit
   std::mt19937 rng(std::random_device{}());
   const size_t at = 2 + rng() % 10;  // the signal arrives after step `at` (or a little later)
   BackgroundJob first(name, job_config(steps), "", 2, sets);
-  ASSERT_TRUE(first.wait_for_rows(at, 60)) << read_file(first.err_file);
-  const int pid = first.rank_pid(1);  // Slurm may signal one task before the other
-  ASSERT_GT(pid, 0);
-  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  ASSERT_TRUE(first.wait_for_rows(1, 60)) << read_file(first.err_file);
+  const int r0 = first.rank_pid(0), r1 = first.rank_pid(1);
+  ASSERT_GT(r0, 0);
+  ASSERT_GT(r1, 0);
+  // Both ranks are frozen the moment step `at` is logged, so a fast build cannot train past the
+  // last step before the signal lands; the signal waits, pending, until they continue.
+  const auto end = Clock::now() + std::chrono::seconds(60);
+  while (first.metrics_rows() < at && Clock::now() < end) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  ASSERT_EQ(kill(r0, SIGSTOP), 0);
+  ASSERT_EQ(kill(r1, SIGSTOP), 0);
+  ASSERT_EQ(kill(r1, SIGTERM), 0);  // Slurm may signal one task before the other
+  ASSERT_EQ(kill(r0, SIGCONT), 0);
+  ASSERT_EQ(kill(r1, SIGCONT), 0);
   ASSERT_EQ(first.wait(60), 75) << read_file(first.err_file) << read_file(first.out_file);
   const std::vector<json> before = read_metrics(first.dir);
   ASSERT_GE(before.size(), at);
