@@ -59,35 +59,43 @@ void BM_MatmulBackward(benchmark::State& state) {
 BENCHMARK(BM_MatmulBackward)->Args({C, 3 * C})->Args({C, C})->Args({C, 4 * C})->Args({4 * C, C})->Unit(benchmark::kMillisecond);
 
 // One linear layer's training products (forward, then backward's two products) with the
-// weight stored as fp32 (sgemm) or bf16 (the bf16 path, oneDNN when built with it), as the
-// model runs them, operand conversions included: args = (IC, OC, bf16).
+// weight stored as fp32 (sgemm), bf16 (the bf16 path, oneDNN when built with it) or fp16
+// (sgemm on the widened weight, as fp16 mixed precision runs them), as the model runs them,
+// operand conversions included: args = (IC, OC, weight dtype: 0 fp32, 1 bf16, 2 fp16).
 void BM_LinearTrainingProducts(benchmark::State& state) {
   const Index IC = state.range(0), OC = state.range(1);
-  const bool bf = state.range(2) != 0;
+  const int64_t kind = state.range(2);
   auto inp = randn(BT * IC, 1), w = randn(IC * OC, 2), b = randn(OC, 3), dout = randn(BT * OC, 4);
   std::vector<bf16> w16(w.size()), b16(b.size());
+  std::vector<fp16> wh(w.size()), bh(b.size());
   convert(w16.data(), w.data(), static_cast<Index>(w.size()));
   convert(b16.data(), b.data(), static_cast<Index>(b.size()));
-  const DType compute = bf ? DType::BF16 : DType::F32;
+  convert(wh.data(), w.data(), static_cast<Index>(w.size()));
+  convert(bh.data(), b.data(), static_cast<Index>(b.size()));
+  const DType compute = kind == 1 ? DType::BF16 : DType::F32;
   std::vector<float> out(BT * OC), dinp(BT * IC), dw(IC * OC), db(OC);
   for (auto _ : state) {
-    if (bf) {
+    if (kind == 1) {
       matmul_forward(out.data(), inp.data(), w16.data(), b16.data(), BT, IC, OC, false, compute);
       matmul_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w16.data(), BT, IC, OC, compute);
+    } else if (kind == 2) {
+      matmul_forward(out.data(), inp.data(), wh.data(), bh.data(), BT, IC, OC);
+      matmul_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), wh.data(), BT, IC, OC);
     } else {
       matmul_forward(out.data(), inp.data(), w.data(), b.data(), BT, IC, OC);
       matmul_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), BT, IC, OC);
     }
     benchmark::ClobberMemory();
   }
-  state.SetLabel(gemm_path(compute));
+  state.SetLabel(kind == 2 ? "fp16 weights, sgemm" : gemm_path(compute));
   state.counters["GFLOP/s"] = benchmark::Counter(6.0 * BT * IC * OC, benchmark::Counter::kIsIterationInvariantRate,
                                                  benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_LinearTrainingProducts)
-    ->ArgsProduct({{C}, {3 * C, 4 * C}, {0, 1}})
+    ->ArgsProduct({{C}, {3 * C, 4 * C}, {0, 1, 2}})
     ->Args({4 * C, C, 0})
     ->Args({4 * C, C, 1})
+    ->Args({4 * C, C, 2})
     ->Unit(benchmark::kMillisecond);
 
 // The bf16 products alone, operands already bf16 (what the model's linear layers run once

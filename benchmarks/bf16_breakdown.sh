@@ -7,7 +7,8 @@
 # the 512³ bf16 product (what zero3d's MFU peak measures), GB/s against a plain copy.
 # Usage: benchmarks/bf16_breakdown.sh [BUILD_DIR] [CONFIG] [WORKDIR]   (one rank, 1 BLAS thread)
 # SKIP_BENCH=1 prints the step's table only; ZERO3D_ATTENTION_KERNEL=tiled runs the tiled bf16
-# attention instead of the fused one (A/B pairs in one binary).
+# attention instead of the fused one (A/B pairs in one binary); DTYPE=fp16 or fp32 times the same
+# step in that precision.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -15,14 +16,17 @@ CONFIG=${2:-input/gpt-small-cpu.json}
 DIR=${3:-output/bf16_breakdown}
 S1=${S1:-2}
 S2=${S2:-8}
+DTYPE=${DTYPE:-bf16}
+precision=()
+[ "$DTYPE" != fp32 ] && precision=(--set "$DTYPE.enabled=true")
 mkdir -p "$DIR"
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 for steps in "$S1" "$S2"; do
   KOKKOS_PROFILE_LIBRARY="$BUILD/benchmarks/libzero3d_kernel_timer.so" ZERO3D_KERNEL_TIMER_OUT="$DIR/timer_s$steps" \
-    "$BUILD/zero3d" train "$CONFIG" --set bf16.enabled=true --set training.steps="$steps" --output "$DIR/run_s$steps" \
+    "$BUILD/zero3d" train "$CONFIG" "${precision[@]}" --set training.steps="$steps" --output "$DIR/run_s$steps" \
     > "$DIR/run_s$steps.log" 2>&1
 done
-python3 - "$DIR/timer_s$S1.0.tsv" "$DIR/timer_s$S2.0.tsv" $((S2 - S1)) "$CONFIG" <<'PY'
+python3 - "$DIR/timer_s$S1.0.tsv" "$DIR/timer_s$S2.0.tsv" $((S2 - S1)) "$CONFIG" "$DTYPE" <<'PY'
 import csv, sys
 def load(path):
     return {r["name"]: (int(r["calls"]), float(r["exclusive_ms"])) for r in csv.DictReader(open(path), delimiter="\t")}
@@ -36,7 +40,7 @@ rows = sorted((r for r in rows if r[0] != "(process)" and not r[0].startswith("K
 named = sum(ms for _, _, ms in rows)
 groups = {"products": ("gemm_",), "attention": ("attention_",), "casts": ("convert",),
           "optimizer": ("adam", "lion", "adagrad", "sgd", "lamb", "sum_of_squares", "scale_in_place", "Kokkos::ViewFill")}
-print(f"bf16 step of {sys.argv[4]}, one rank: {step:.1f} ms of CPU per step (steady state)\n")
+print(f"{sys.argv[5]} step of {sys.argv[4]}, one rank: {step:.1f} ms of CPU per step (steady state)\n")
 print(f"{'kernel':<34}{'calls':>8}{'ms/step':>10}{'share':>8}")
 for name, calls, ms in rows:
     if ms >= 0.05:
