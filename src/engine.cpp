@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <limits>
@@ -210,8 +211,10 @@ void Engine::setup_local() {
 }
 
 // Fault injection for the failure tests: ZERO3D_FAULT="KIND:RANK[:STEP]" with KIND one of
-// input (bad input at setup), throw (a system error at STEP), stall (hang at STEP), replica
-// (perturb one tensor-replicated parameter before STEP).
+// input (bad input at setup), throw (a system error at STEP), stall (hang at STEP), pause (the
+// rank stops itself with SIGSTOP as STEP begins, for a test to signal it there and continue it:
+// a fast build cannot run past the step first), replica (perturb one tensor-replicated
+// parameter before STEP).
 void Engine::inject_fault(int64_t step) const {
   const char* spec = std::getenv("ZERO3D_FAULT");
   if (!spec) return;
@@ -223,6 +226,7 @@ void Engine::inject_fault(int64_t step) const {
   if (k == "input") throw InputError("injected bad input (ZERO3D_FAULT=" + std::string(spec) + ")");
   if (k == "throw") throw SystemError("injected failure at step " + std::to_string(step));
   if (k == "stall") std::this_thread::sleep_for(std::chrono::hours(1));
+  if (k == "pause") std::raise(SIGSTOP);
   if (k == "replica") {  // nudge this rank's copy of the first tensor-replicated parameter it holds
     const auto [b, e] = zero_->checkpoint_range();
     float* params = const_cast<float*>(zero_->checkpoint_arrays().front().second);

@@ -38,7 +38,7 @@ struct BackgroundJob {
     err_file = dir + ".err";
     std::remove(rc_file.c_str());
     const std::string cfg = write_config(name + ".json", config);
-    const std::string cmd = "(" + env + (env.empty() ? "" : " ") + "timeout 120 " + kMpiexec + " -np " +
+    const std::string cmd = "(" + env + (env.empty() ? "" : " ") + "timeout -k 10 120 " + kMpiexec + " -np " +
                             std::to_string(np) + " " + kExe + " train " + cfg + " --output " + dir + " " + args + " >" +
                             out_file + " 2>" + err_file + "; echo $? >" + rc_file + ".tmp; mv " + rc_file + ".tmp " +
                             rc_file + ") &";
