@@ -19,7 +19,9 @@ using namespace zero3d;
 namespace {
 
 // The _v forms are what ZeRO uses: per-rank counts (equal here) through the async path.
-enum Op { AllReduce, ReduceScatter, AllGather, ReduceScatterV, AllGatherV };
+// AllReduceBf16: the same bytes summed as bf16 (the ring's path from 256 KiB; no raw MPI peer,
+// MPI has no bf16 type).
+enum Op { AllReduce, ReduceScatter, AllGather, ReduceScatterV, AllGatherV, AllReduceBf16 };
 enum Impl { Communicator_, RawMpi };
 
 void run_op(Op op, Impl impl, MpiCommunicator& comm, float* a, float* b, int64_t elems) {
@@ -28,6 +30,9 @@ void run_op(Op op, Impl impl, MpiCommunicator& comm, float* a, float* b, int64_t
     case AllReduce:
       if (impl == RawMpi) MPI_Allreduce(MPI_IN_PLACE, a, static_cast<int>(elems), MPI_FLOAT, MPI_SUM, comm.comm());
       else comm.all_reduce(a, elems, DType::F32, ReduceOp::Sum);
+      break;
+    case AllReduceBf16:
+      comm.all_reduce(a, elems * 2, DType::BF16, ReduceOp::Sum);
       break;
     case ReduceScatter:
       if (impl == RawMpi) MPI_Reduce_scatter_block(a, b, static_cast<int>(elems / n), MPI_FLOAT, MPI_SUM, comm.comm());
@@ -71,7 +76,7 @@ void BM_Collective(benchmark::State& state, Op op, Impl impl) {
     MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     state.SetIterationTime(t);
   }
-  const double factor = n == 1 ? 1.0 : (op == AllReduce ? 2.0 * (n - 1) / n : double(n - 1) / n);  // nccl-tests
+  const double factor = n == 1 ? 1.0 : (op == AllReduce || op == AllReduceBf16 ? 2.0 * (n - 1) / n : double(n - 1) / n);  // nccl-tests
   state.counters["busbw_GB/s"] = benchmark::Counter(double(elems) * 4 * factor / 1e9,
                                                     benchmark::Counter::kIsIterationInvariantRate);
   state.SetBytesProcessed(state.iterations() * elems * 4);
@@ -84,10 +89,11 @@ void register_all() {
     const char* name;
     Op op;
   } ops[] = {{"all_reduce", AllReduce},           {"reduce_scatter", ReduceScatter}, {"all_gather", AllGather},
-             {"reduce_scatter_v", ReduceScatterV}, {"all_gather_v", AllGatherV}};
+             {"reduce_scatter_v", ReduceScatterV}, {"all_gather_v", AllGatherV}, {"all_reduce_bf16", AllReduceBf16}};
   for (const auto& o : ops)
     for (int64_t bytes = 1 << 10; bytes <= (int64_t(256) << 20); bytes *= 4)
       for (Impl impl : {Communicator_, RawMpi}) {
+        if (o.op == AllReduceBf16 && impl == RawMpi) continue;
         const std::string name = std::string(o.name) + (impl == RawMpi ? "/raw_mpi" : "/communicator");
         benchmark::RegisterBenchmark(name.c_str(), BM_Collective, o.op, impl)
             ->Arg(bytes)
