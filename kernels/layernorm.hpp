@@ -15,8 +15,11 @@ constexpr float kLayerNormEps = 1e-5f;
 // memory once: the statistics' second pass and the output pass find it in L1. The sums are
 // `omp simd` reductions so they vectorise (a plain float sum must keep its order, and stays scalar).
 template <typename P, typename O = float>
-inline void layernorm_forward(O* out, float* mean, float* rstd, const float* inp, const P* weight, const P* bias,
+inline void layernorm_forward(O* out, float* mean, float* rstd, const float* inp, const P* weight16, const P* bias16,
                               Index N, Index C) {
+  WidenedParams widen;
+  const float* weight = widen(weight16, C);
+  const float* bias = widen(bias16, C);
   Kokkos::parallel_for("layernorm_forward", range(N), KOKKOS_LAMBDA(Index i) {
     const float* x = inp + i * C;
     float m = 0.0f;
@@ -30,7 +33,7 @@ inline void layernorm_forward(O* out, float* mean, float* rstd, const float* inp
     const float s = 1.0f / std::sqrt(v + kLayerNormEps);
     O* o = out + i * C;
 #pragma omp simd
-    for (Index c = 0; c < C; ++c) o[c] = from_float<O>((x[c] - m) * s * to_float(weight[c]) + to_float(bias[c]));
+    for (Index c = 0; c < C; ++c) o[c] = from_float<O>((x[c] - m) * s * weight[c] + bias[c]);
     mean[i] = m;
     rstd[i] = s;
   });
@@ -41,7 +44,8 @@ inline void layernorm_forward(O* out, float* mean, float* rstd, const float* inp
 // run them at different times (Qi et al. 2023, "B" and "W"), with the same arithmetic.
 template <typename P>
 inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                               const P* weight, const float* mean, const float* rstd, Index N, Index C) {
+                               const P* weight16, const float* mean, const float* rstd, Index N, Index C) {
+  const P* weight = weight16;
   if (dinp) Kokkos::parallel_for("layernorm_backward_input", range(N), KOKKOS_LAMBDA(Index i) {
     const float* x = inp + i * C;
     const float* dy = dout + i * C;

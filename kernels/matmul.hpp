@@ -21,10 +21,12 @@ constexpr DType dtype_of<fp16>() { return DType::F16; }
 
 // Adds bias[OC] (stored as P) to every row of out[N,OC].
 template <typename P>
-inline void add_bias_rows(float* out, const P* bias, Index N, Index OC) {
+inline void add_bias_rows(float* out, const P* bias16, Index N, Index OC) {
+  WidenedParams widen;
+  const float* bias = widen(bias16, OC);
   Kokkos::parallel_for("add_bias_rows", range(N), KOKKOS_LAMBDA(Index i) {
     float* row = out + i * OC;
-    for (Index o = 0; o < OC; ++o) row[o] += to_float(bias[o]);
+    for (Index o = 0; o < OC; ++o) row[o] += bias[o];
   });
 }
 
