@@ -114,3 +114,45 @@ TEST(HalfConversion, Fp16ConversionsGiveTheHardwareConversionsBits) {
     ASSERT_EQ(ours.bits, hb) << "rounding float 0x" << std::hex << v;
   }
 }
+
+// The convert kernel's fp16 paths (hardware conversions where built with AVX-512) give, element
+// by element, the bits of the scalar to_float / to_fp16, also when accumulating; NaN stays NaN.
+// Lengths are odd so the 16-lane loops' tails are met.
+TEST(HalfConversion, ConvertKernelFp16PathsGiveTheScalarConversionsBits) {
+  std::vector<fp16> halves(65536 + 7);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i].bits = static_cast<uint16_t>(i * 40503u);  // every half (odd stride)
+  std::vector<float> wide(halves.size());
+  convert(wide.data(), halves.data(), static_cast<Index>(halves.size()));
+  for (size_t i = 0; i < halves.size(); ++i) {
+    const float want = to_float(halves[i]);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(wide[i])) << i;
+      continue;
+    }
+    uint32_t a, b;
+    std::memcpy(&a, &want, 4);
+    std::memcpy(&b, &wide[i], 4);
+    ASSERT_EQ(b, a) << "widening half 0x" << std::hex << halves[i].bits;
+  }
+  std::vector<float> floats;
+  for (uint64_t u = 0; u <= 0xFFFFFFFFull; u += 4099) {
+    const uint32_t v = static_cast<uint32_t>(u);
+    float x;
+    std::memcpy(&x, &v, 4);
+    floats.push_back(x);
+  }
+  std::vector<fp16> narrow(floats.size()), acc(floats.size());
+  convert(narrow.data(), floats.data(), static_cast<Index>(floats.size()));
+  for (size_t i = 0; i < floats.size(); ++i) acc[i] = to_fp16(float(i % 97) - 48.0f);
+  std::vector<fp16> acc_want = acc;
+  convert(acc.data(), floats.data(), static_cast<Index>(floats.size()), 1.0f, /*accumulate=*/true);
+  for (size_t i = 0; i < floats.size(); ++i) {
+    acc_want[i] = to_fp16(to_float(acc_want[i]) + floats[i]);
+    if (std::isnan(floats[i])) {
+      EXPECT_TRUE(std::isnan(to_float(narrow[i])) && std::isnan(to_float(acc[i]))) << i;
+      continue;
+    }
+    ASSERT_EQ(narrow[i].bits, to_fp16(floats[i]).bits) << "rounding float " << floats[i];
+    if (!std::isnan(to_float(acc_want[i]))) ASSERT_EQ(acc[i].bits, acc_want[i].bits) << "accumulating " << floats[i];
+  }
+}
