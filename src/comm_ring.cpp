@@ -39,6 +39,17 @@ void add_any(DType type, void* dst, const void* own, const void* arrived, int64_
   }
 }
 
+int64_t widest_block(const std::vector<int64_t>& counts) {
+  int64_t widest = 0;
+  for (int64_t c : counts) widest = std::max(widest, c);
+  return widest;
+}
+
+// A ring pass's rounds: every chunk of the widest block goes n-1 steps round the ring.
+int64_t ring_rounds(const std::vector<int64_t>& counts, int64_t chunk_elems, int n) {
+  return n > 1 ? (widest_block(counts) + chunk_elems - 1) / chunk_elems * (n - 1) : 0;
+}
+
 }  // namespace
 
 void check_mpi(int rc, const char* what) {
@@ -72,10 +83,8 @@ RingReduceScatter::RingReduceScatter(MPI_Comm comm, int tag, const void* send, v
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   chunk_elems_ = std::max<int64_t>(1, kRingChunkBytes / esize_);
-  int64_t widest = 0;
-  for (int64_t c : counts_) widest = std::max(widest, c);
-  const int64_t chunks = (widest + chunk_elems_ - 1) / chunk_elems_;
-  rounds_ = size_ > 1 ? chunks * (size_ - 1) : 0;
+  rounds_ = ring_rounds(counts_, chunk_elems_, size_);
+  const int64_t widest = widest_block(counts_);
   if (size_ == 1 && recv_ != send_ + displs_[0] * esize_) std::memcpy(recv_, send_ + displs_[0] * esize_, counts_[0] * esize_);
   const int64_t buffer = std::min(widest, chunk_elems_) * esize_;
   partial_ = scratch_.take(buffer);
@@ -149,9 +158,7 @@ RingAllGather::RingAllGather(MPI_Comm comm, int tag, void* buf, std::vector<int6
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   chunk_elems_ = std::max<int64_t>(1, kRingChunkBytes / esize_);
-  int64_t widest = 0;
-  for (int64_t c : counts_) widest = std::max(widest, c);
-  rounds_ = size_ > 1 ? (widest + chunk_elems_ - 1) / chunk_elems_ * (size_ - 1) : 0;
+  rounds_ = ring_rounds(counts_, chunk_elems_, size_);
 }
 
 RingAllGather::~RingAllGather() {

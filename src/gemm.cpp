@@ -216,19 +216,31 @@ void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* 
   if (bias) add_bias(C, M, N, ldc, bias, bias_type);
 }
 
+namespace {
+// The bf16 product with its epilogue in oneDNN (output rounded to bf16, or a residual added)
+// for untransposed 16-bit-input operands; false where it does not apply (no oneDNN, or other
+// layouts), for the caller's fp32 route.
+bool gemm_epilogue_in_onednn(int64_t M, int64_t N, int64_t K, const GemmOperand& A, const GemmOperand& B, void* C,
+                             bool c_bf16, const float* addend, const void* bias, DType bias_type) {
+#ifdef ZERO3D_HAVE_ONEDNN
+  if (A.trans || B.trans || A.type == DType::F32) return false;
+  obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
+  const kernels::ProfileRegion region("gemm_bf16");
+  Workspace& w = workspace();
+  const bf16* a = as_bf16(A, stored_elems(M, A), w.a16);
+  const bf16* b = as_bf16(B, stored_elems(K, B), w.b16);
+  gemm_onednn(M, N, K, a, false, A.ld, b, false, B.ld, C, N, false, bias, bias_type, c_bf16, addend);
+  return true;
+#else
+  (void)M, (void)N, (void)K, (void)A, (void)B, (void)C, (void)c_bf16, (void)addend, (void)bias, (void)bias_type;
+  return false;
+#endif
+}
+}  // namespace
+
 void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, kernels::bf16* C,
                       const void* bias, DType bias_type) {
-#ifdef ZERO3D_HAVE_ONEDNN
-  if (!A.trans && !B.trans && A.type != DType::F32) {
-    obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
-    const kernels::ProfileRegion region("gemm_bf16");
-    Workspace& w = workspace();
-    const bf16* a = as_bf16(A, stored_elems(M, A), w.a16);
-    const bf16* b = as_bf16(B, stored_elems(K, B), w.b16);
-    gemm_onednn(M, N, K, a, false, A.ld, b, false, B.ld, C, N, false, bias, bias_type, /*c_bf16=*/true);
-    return;
-  }
-#endif
+  if (gemm_epilogue_in_onednn(M, N, K, A, B, C, /*c_bf16=*/true, nullptr, bias, bias_type)) return;
   // Without oneDNN (or for operand layouts it is not asked for here): the fp32 product, rounded.
   Workspace& w = workspace();
   float* c32 = w.take(w.c32, M * N);
@@ -238,17 +250,7 @@ void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperan
 
 void gemm_adding(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, const float* R,
                  const void* bias, DType bias_type) {
-#ifdef ZERO3D_HAVE_ONEDNN
-  if (!A.trans && !B.trans && A.type != DType::F32) {
-    obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
-    const kernels::ProfileRegion region("gemm_bf16");
-    Workspace& w = workspace();
-    const bf16* a = as_bf16(A, stored_elems(M, A), w.a16);
-    const bf16* b = as_bf16(B, stored_elems(K, B), w.b16);
-    gemm_onednn(M, N, K, a, false, A.ld, b, false, B.ld, C, N, false, bias, bias_type, /*c_bf16=*/false, R);
-    return;
-  }
-#endif
+  if (gemm_epilogue_in_onednn(M, N, K, A, B, C, /*c_bf16=*/false, R, bias, bias_type)) return;
   // Without oneDNN (or for operand layouts it is not asked for here): R copied into C, the
   // product accumulated onto it.
   using Unmanaged = Kokkos::View<float*, Kokkos::MemoryUnmanaged>;
