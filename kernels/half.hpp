@@ -92,8 +92,6 @@ KOKKOS_INLINE_FUNCTION bf16 from_float<bf16>(float f) { return to_bf16(f); }
 template <>
 KOKKOS_INLINE_FUNCTION fp16 from_float<fp16>(float f) { return to_fp16(f); }
 
-// dst[i] = src[i]·scale (accumulate: dst[i] += src[i]·scale), computed in fp32 and stored
-// in dst's type.
 #ifdef ZERO3D_AVX512
 // fp16 <-> fp32 for convert(): the hardware's own conversions (AVX512F vcvtph2ps, and vcvtps2ph
 // rounding to nearest even), 16 lanes an instruction where the integer forms above take a dozen
@@ -108,6 +106,8 @@ inline void store16_from_float(fp16* p, __m512 x) {
 }
 #endif
 
+// dst[i] = src[i]·scale (accumulate: dst[i] += src[i]·scale), computed in fp32 and stored
+// in dst's type.
 template <typename D, typename S>
 inline void convert(D* dst, const S* src, Index n, float scale = 1.0f, bool accumulate = false) {
 #ifdef ZERO3D_AVX512
@@ -152,7 +152,7 @@ class WidenedParams {
       if (!x) return nullptr;
       views_.emplace_back(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("widened_params")), n);
       float* w = views_.back().data();
-      Kokkos::parallel_for("widen_params", range(n), KOKKOS_LAMBDA(Index i) { w[i] = to_float(x[i]); });
+      convert(w, x, n);
       return w;
     }
   }

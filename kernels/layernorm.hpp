@@ -44,8 +44,7 @@ inline void layernorm_forward(O* out, float* mean, float* rstd, const float* inp
 // run them at different times (Qi et al. 2023, "B" and "W"), with the same arithmetic.
 template <typename P>
 inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                               const P* weight16, const float* mean, const float* rstd, Index N, Index C) {
-  const P* weight = weight16;
+                               const P* weight, const float* mean, const float* rstd, Index N, Index C) {
   if (dinp) Kokkos::parallel_for("layernorm_backward_input", range(N), KOKKOS_LAMBDA(Index i) {
     const float* x = inp + i * C;
     const float* dy = dout + i * C;
