@@ -40,9 +40,32 @@ void GradientReducer::begin(void* flat_grads) {
   launched_ = 0;
 }
 
-void GradientReducer::track(int64_t bytes) {
-  staging_live_ += bytes;
-  staging_peak_ = std::max(staging_peak_, staging_live_);
+std::vector<char> GradientReducer::take_buffer(size_t bytes) {
+  if (bytes == 0) return {};
+  auto fit = spare_.end(), largest = spare_.end();
+  for (auto it = spare_.begin(); it != spare_.end(); ++it) {
+    if (it->size() >= bytes && (fit == spare_.end() || it->size() < fit->size())) fit = it;
+    if (largest == spare_.end() || it->size() > largest->size()) largest = it;
+  }
+  if (fit != spare_.end()) {
+    std::vector<char> buffer = std::move(*fit);
+    spare_.erase(fit);
+    return buffer;
+  }
+  // None is large enough: the largest spare is replaced, so the spares never outnumber the
+  // buckets once in flight together.
+  if (largest != spare_.end()) {
+    staging_held_ -= static_cast<int64_t>(largest->size());
+    spare_.erase(largest);
+  }
+  staging_held_ += static_cast<int64_t>(bytes);
+  staging_peak_ = std::max(staging_peak_, staging_held_);
+  return std::vector<char>(bytes);
+}
+
+void GradientReducer::give_back(std::vector<char>& buffer) {
+  if (!buffer.empty()) spare_.push_back(std::move(buffer));
+  buffer = {};
 }
 
 void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int64_t end, int tag) {
@@ -51,9 +74,8 @@ void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int
   InFlight f{nullptr, begin, end, tag, const_cast<void*>(src), src_type, {}, {}};
   const void* send = src;
   if (src_type != comm_type_) {
-    f.send.resize(static_cast<size_t>(end - begin) * esize);
+    f.send = take_buffer(static_cast<size_t>(end - begin) * esize);
     convert_any(f.send.data(), comm_type_, src, src_type, end - begin, pre_);
-    track(static_cast<int64_t>(f.send.size()));
     send = f.send.data();
   } else if (pre_ != 1.0f) {
     convert_any(const_cast<void*>(src), src_type, src, src_type, end - begin, pre_);  // in place, as DeepSpeed's mul_
@@ -66,8 +88,7 @@ void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int
       const auto [lo, hi] = partition_.owned(r, begin, end);
       counts[r] = hi - lo;
     }
-    f.staging.resize(static_cast<size_t>(counts[comm_.rank()]) * esize);
-    track(static_cast<int64_t>(f.staging.size()));
+    f.staging = take_buffer(static_cast<size_t>(counts[comm_.rank()]) * esize);
     f.request = comm_.reduce_scatter_v_async(send, f.staging.data(), counts, comm_type_, ReduceOp::Sum);
   }
   inflight_.push_back(std::move(f));
@@ -82,16 +103,17 @@ void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int
 // ReduceScatter into this rank's partition.
 void GradientReducer::complete(InFlight& f) {
   const float inv = post_;
-  staging_live_ -= static_cast<int64_t>(f.send.size() + f.staging.size());
   if (mode_ == Mode::AllReduce) {
     const void* result = f.send.empty() ? f.src : f.send.data();
     convert_any(f.src, f.src_type, result, comm_type_, f.end - f.begin, inv);
-    return;
+  } else {
+    const int r = comm_.rank();
+    const auto [lo, hi] = partition_.owned(r, f.begin, f.end);
+    void* d = static_cast<char*>(dest_) + (lo - partition_.begin(r)) * static_cast<int64_t>(dtype_size(dest_type_));
+    convert_any(d, dest_type_, f.staging.data(), comm_type_, hi - lo, inv, accumulate_);
   }
-  const int r = comm_.rank();
-  const auto [lo, hi] = partition_.owned(r, f.begin, f.end);
-  void* d = static_cast<char*>(dest_) + (lo - partition_.begin(r)) * static_cast<int64_t>(dtype_size(dest_type_));
-  convert_any(d, dest_type_, f.staging.data(), comm_type_, hi - lo, inv, accumulate_);
+  give_back(f.send);
+  give_back(f.staging);
 }
 
 void GradientReducer::grads_ready(int64_t offset) {
@@ -104,8 +126,8 @@ void GradientReducer::grads_ready(int64_t offset) {
   progress();
 }
 
-// Advances every bucket in flight; finished buckets are applied and their staging freed
-// right away, so staging holds only what is really in flight.
+// Advances every bucket in flight; finished buckets are applied and their staging goes back to
+// the spares right away, for the next bucket to reuse.
 void GradientReducer::progress() {
   for (auto it = inflight_.begin(); it != inflight_.end();) {
     if (it->request->test()) {
