@@ -82,18 +82,23 @@ inline void matmul_forward(bf16* out, const bf16* inp, const P* weight, const P*
                    dtype_of<P>());
 }
 
+// Whether the weight-gradient product adds into dweight: writing saves oneDNN's read of the old
+// values, but sgemm's beta = 0 first zeroes C in a pass of its own, and adding to the zeros
+// there gives the same bits without it.
+inline bool dweight_accumulates(bool add_dweight, DType compute) { return add_dweight || compute != DType::BF16; }
+
 // dinp = dout · weightᵀ (written, skipped when null); dweight += inpᵀ · dout (skipped when null:
 // the input-gradient pass of a zero-bubble schedule); dbias += Σ rows (skipped when null).
 // dout feeds two products and is converted to `compute` once, its column sums (the bias
-// gradient) taken in the same pass. add_dweight = false writes dweight instead of adding to it,
-// for a gradient buffer known to hold zeros (the product then reads no old values).
+// gradient) taken in the same pass. add_dweight = false says dweight holds zeros (a zeroed
+// gradient window), so the product may write it instead of adding (dweight_accumulates).
 template <typename P>
 inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                             const P* weight, Index N, Index IC, Index OC, DType compute = DType::F32,
                             bool add_dweight = true) {
   const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
   if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  if (dweight) gemm(IC, OC, N, {inp, DType::F32, true, IC}, d, dweight, OC, add_dweight, compute);
+  if (dweight) gemm(IC, OC, N, {inp, DType::F32, true, IC}, d, dweight, OC, dweight_accumulates(add_dweight, compute), compute);
 }
 
 // With a bf16 input (see the bf16 matmul_forward): the weight product reads it transposed as
@@ -104,7 +109,7 @@ inline void matmul_backward(float* dinp, float* dweight, float* dbias, const flo
                             bool add_dweight = true) {
   const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
   if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, d, dweight, OC, add_dweight, compute);
+  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, d, dweight, OC, dweight_accumulates(add_dweight, compute), compute);
 }
 
 // The same with dout already in the products' form (a bf16 gemm_operand_slot its producer
@@ -113,7 +118,7 @@ template <typename P>
 inline void matmul_backward(float* dinp, float* dweight, const GemmOperand& dout, const bf16* inp, const P* weight,
                             Index N, Index IC, Index OC, DType compute = DType::BF16, bool add_dweight = true) {
   if (dinp) gemm(N, IC, OC, dout, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, dout, dweight, OC, add_dweight, compute);
+  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, dout, dweight, OC, dweight_accumulates(add_dweight, compute), compute);
 }
 
 }  // namespace zero3d::kernels
