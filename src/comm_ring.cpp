@@ -60,15 +60,6 @@ void check_mpi(int rc, const char* what) {
   throw SystemError(std::string("MPI ") + what + " failed: " + std::string(msg, len));
 }
 
-std::vector<char> RingScratch::take(int64_t bytes) {
-  std::vector<char> b;
-  if (!free_.empty()) b = std::move(free_.back()), free_.pop_back();
-  if (static_cast<int64_t>(b.size()) < bytes) b.resize(static_cast<size_t>(bytes));
-  return b;
-}
-
-void RingScratch::give_back(std::vector<char> buffer) { free_.push_back(std::move(buffer)); }
-
 RingReduceScatter::RingReduceScatter(MPI_Comm comm, int tag, const void* send, void* recv, std::vector<int64_t> counts,
                                      std::vector<int64_t> displs, DType type, RingScratch& scratch)
     : comm_(comm),

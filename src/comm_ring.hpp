@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "byte_pool.hpp"
 #include "dtype.hpp"
 
 namespace zero3d {
@@ -32,14 +33,7 @@ void check_mpi(int rc, const char* what);
 
 // The rings' scratch buffers, kept between calls: a fresh buffer per call costs more than a
 // 256 KiB reduction itself (page faults, and the transport pinning new pages each time).
-class RingScratch {
- public:
-  std::vector<char> take(int64_t bytes);
-  void give_back(std::vector<char> buffer);
-
- private:
-  std::vector<std::vector<char>> free_;
-};
+class RingScratch : public BytePool {};
 
 // One reduce-scatter round by round: block b = [displs[b], displs[b] + counts[b]) of `send`
 // summed over the group ends in `recv` on rank b (recv may alias send's own block). Block b's

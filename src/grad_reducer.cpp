@@ -40,41 +40,13 @@ void GradientReducer::begin(void* flat_grads) {
   launched_ = 0;
 }
 
-std::vector<char> GradientReducer::take_buffer(size_t bytes) {
-  if (bytes == 0) return {};
-  auto fit = spare_.end(), largest = spare_.end();
-  for (auto it = spare_.begin(); it != spare_.end(); ++it) {
-    if (it->size() >= bytes && (fit == spare_.end() || it->size() < fit->size())) fit = it;
-    if (largest == spare_.end() || it->size() > largest->size()) largest = it;
-  }
-  if (fit != spare_.end()) {
-    std::vector<char> buffer = std::move(*fit);
-    spare_.erase(fit);
-    return buffer;
-  }
-  // None is large enough: the largest spare is replaced, so the spares never outnumber the
-  // buckets once in flight together.
-  if (largest != spare_.end()) {
-    staging_held_ -= static_cast<int64_t>(largest->size());
-    spare_.erase(largest);
-  }
-  staging_held_ += static_cast<int64_t>(bytes);
-  staging_peak_ = std::max(staging_peak_, staging_held_);
-  return std::vector<char>(bytes);
-}
-
-void GradientReducer::give_back(std::vector<char>& buffer) {
-  if (!buffer.empty()) spare_.push_back(std::move(buffer));
-  buffer = {};
-}
-
 void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int64_t end, int tag) {
   ++launched_;
   const size_t esize = dtype_size(comm_type_);
   InFlight f{nullptr, begin, end, tag, const_cast<void*>(src), src_type, {}, {}};
   const void* send = src;
   if (src_type != comm_type_) {
-    f.send = take_buffer(static_cast<size_t>(end - begin) * esize);
+    f.send = staging_.take((end - begin) * static_cast<int64_t>(esize));
     convert_any(f.send.data(), comm_type_, src, src_type, end - begin, pre_);
     send = f.send.data();
   } else if (pre_ != 1.0f) {
@@ -88,7 +60,7 @@ void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int
       const auto [lo, hi] = partition_.owned(r, begin, end);
       counts[r] = hi - lo;
     }
-    f.staging = take_buffer(static_cast<size_t>(counts[comm_.rank()]) * esize);
+    f.staging = staging_.take(counts[comm_.rank()] * static_cast<int64_t>(esize));
     f.request = comm_.reduce_scatter_v_async(send, f.staging.data(), counts, comm_type_, ReduceOp::Sum);
   }
   inflight_.push_back(std::move(f));
@@ -112,8 +84,8 @@ void GradientReducer::complete(InFlight& f) {
     void* d = static_cast<char*>(dest_) + (lo - partition_.begin(r)) * static_cast<int64_t>(dtype_size(dest_type_));
     convert_any(d, dest_type_, f.staging.data(), comm_type_, hi - lo, inv, accumulate_);
   }
-  give_back(f.send);
-  give_back(f.staging);
+  staging_.give_back(std::move(f.send));
+  staging_.give_back(std::move(f.staging));
 }
 
 void GradientReducer::grads_ready(int64_t offset) {

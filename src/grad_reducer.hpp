@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "buffer.hpp"
+#include "byte_pool.hpp"
 #include "comm.hpp"
 #include "model.hpp"
 #include "typed.hpp"
@@ -70,7 +71,7 @@ class GradientReducer {
 
   // Peak bytes of staging held at once: received parts, and send buffers of converted buckets
   // (in flight, or kept for the next bucket).
-  int64_t staging_peak_bytes() const { return staging_peak_; }
+  int64_t staging_peak_bytes() const { return staging_.peak_bytes(); }
 
   // The factors around the sum (default: pre 1, post 1/W). A source in the communication type
   // is scaled where it lies before the collective reads it (DeepSpeed scales its bucket in place).
@@ -87,10 +88,6 @@ class GradientReducer {
     std::vector<char> send;     // the bucket in comm_type_ when the source has another type (else empty)
     std::vector<char> staging;  // ReduceScatter: receives this rank's part of the bucket
   };
-  // Staging buffers are kept for the next bucket of their size: a fresh vector of megabytes
-  // costs a zero fill and its page faults on every bucket (stage 3 windows launch one per unit).
-  std::vector<char> take_buffer(size_t bytes);
-  void give_back(std::vector<char>& buffer);
   void launch(const void* src, DType src_type, int64_t begin, int64_t end, int tag);
   void complete(InFlight& f);
 
@@ -101,8 +98,7 @@ class GradientReducer {
   void* flat_ = nullptr;  // AllReduce / flat-buffer source
   void* dest_ = nullptr;  // ReduceScatter destination (partition)
   bool accumulate_ = false;
-  std::vector<std::vector<char>> spare_;        // staging no bucket uses now, kept for reuse
-  int64_t staging_held_ = 0, staging_peak_ = 0;  // bytes of staging allocated (in flight + spare)
+  BytePool staging_;  // send and receive buffers of the buckets, kept for the next ones
   int64_t n_ = 0, bucket_;
   bool overlap_;
   int64_t frontier_ = 0;  // [frontier_, n_) has been launched
