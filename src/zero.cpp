@@ -361,7 +361,7 @@ void ZeroOptimizer::grads_done(int u) {
   const int key = window_key(u);
   const ParamUnit& unit = units_[u];
   reducer_->reduce_range(windows_.at(key).data(), unit.offset, unit.offset + unit.numel, key);
-  if (u == 0) reducer_->wait_all();  // the backward pass is over: windows and staging free again
+  if (u == 0) reducer_->wait_all();  // the backward pass is over: windows free again, staging back in its pool
 }
 
 void ZeroOptimizer::progress() {
