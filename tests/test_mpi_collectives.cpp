@@ -89,31 +89,44 @@ TEST(MpiCommunicator, SendRecvPassesAlongARing) {
 }
 
 // Large sums go round a ring (comm_ring.hpp) instead of through MPI. Rank r's element i is a
-// pseudo-random bf16 value known to every rank, so each test recomputes the ring's own order:
-// block b's sum starts at rank b+1 and ends at rank b, rounding to bf16 after every addition.
+// pseudo-random 16-bit value (T: bf16 or fp16) known to every rank, so each test recomputes the
+// ring's own order: block b's sum starts at rank b+1 and ends at rank b, rounding to T after
+// every addition.
+template <typename T = kernels::bf16>
 float ring_value(int rank, int64_t i) {
   const uint32_t h = static_cast<uint32_t>(i * 2654435761u) ^ static_cast<uint32_t>(rank * 40503u + 17u);
-  return kernels::to_float(kernels::to_bf16(static_cast<float>(h % 20011u) / 997.0f - 10.0f));
+  return kernels::to_float(kernels::from_float<T>(static_cast<float>(h % 20011u) / 997.0f - 10.0f));
 }
-float ring_sum_bf16(int n, int block, int64_t i) {
-  float acc = ring_value((block + 1) % n, i);
-  for (int k = 2; k <= n; ++k) acc = kernels::to_float(kernels::to_bf16(ring_value((block + k) % n, i) + acc));
+template <typename T>
+float ring_sum(int n, int block, int64_t i) {
+  float acc = ring_value<T>((block + 1) % n, i);
+  for (int k = 2; k <= n; ++k) acc = kernels::to_float(kernels::from_float<T>(ring_value<T>((block + k) % n, i) + acc));
   return acc;
 }
 
-// 300 001 bf16 elements: above the ring's threshold, not a multiple of the group size or of
-// the 1 MiB chunk, so uneven blocks and a short last chunk are both exercised.
-TEST(MpiCommunicator, LargeBf16AllReduceSumsInTheRingsFixedOrderOnEveryRank) {
+// 300 001 elements: above the ring's threshold, not a multiple of the group size, of the 1 MiB
+// chunk or of a 16-lane vector, so uneven blocks, a short last chunk and the additions' scalar
+// tail are all exercised. fp16 adds with the hardware's conversions where it has them.
+template <typename T>
+void expect_ring_all_reduce_bits(DType type) {
   World w;
   const int64_t n = 300001;
-  std::vector<kernels::bf16> x(n);
-  for (int64_t i = 0; i < n; ++i) x[i] = kernels::to_bf16(ring_value(w.r, i));
-  w.comm.all_reduce(x.data(), n, DType::BF16, ReduceOp::Sum);
+  std::vector<T> x(n);
+  for (int64_t i = 0; i < n; ++i) x[i] = kernels::from_float<T>(ring_value<T>(w.r, i));
+  w.comm.all_reduce(x.data(), n, type, ReduceOp::Sum);
   const int64_t base = n / w.n, extra = n % w.n;
   for (int64_t i = 0, b = 0, end = base + (extra > 0); i < n; ++i) {
     if (i == end) ++b, end += base + (b < extra);
-    ASSERT_EQ(kernels::to_float(x[i]), w.n == 1 ? ring_value(0, i) : ring_sum_bf16(w.n, int(b), i)) << i;
+    ASSERT_EQ(kernels::to_float(x[i]), w.n == 1 ? ring_value<T>(0, i) : ring_sum<T>(w.n, int(b), i))
+        << dtype_name(type) << " element " << i;
   }
+}
+
+TEST(MpiCommunicator, LargeBf16AllReduceSumsInTheRingsFixedOrderOnEveryRank) {
+  expect_ring_all_reduce_bits<kernels::bf16>(DType::BF16);
+}
+TEST(MpiCommunicator, LargeFp16AllReduceSumsInTheRingsFixedOrderOnEveryRank) {
+  expect_ring_all_reduce_bits<kernels::fp16>(DType::F16);
 }
 
 // Several large sums in flight at once, as overlapped gradient buckets are: each keeps its
