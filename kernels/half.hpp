@@ -138,6 +138,18 @@ inline void convert(D* dst, const S* src, Index n, float scale = 1.0f, bool accu
     });
 }
 
+// dst[i] = T(a[i] + b[i]): the sum in fp32, rounded once (RNE), the arithmetic of NCCL's 16-bit
+// sums, which the communicator's MPI operation and its rings both use. dst may alias a or b.
+template <typename T>
+inline void sum_rounded(T* dst, const T* a, const T* b, Index n) {
+  Index i = 0;
+#ifdef ZERO3D_AVX512
+  if constexpr (std::is_same_v<T, fp16>)  // the hardware's conversions, the same bits (above)
+    for (; i + 16 <= n; i += 16) store16_from_float(dst + i, _mm512_add_ps(load16_as_float(a + i), load16_as_float(b + i)));
+#endif
+  for (; i < n; ++i) dst[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+}
+
 // A short parameter vector (a bias, a LayerNorm's weight) as fp32 for a kernel that reads it
 // once per row: widened once here instead of N times there (fp16's widening is integer
 // arithmetic; gpt-small's fp16 bias adds and LayerNorms took 1.5-1.8x their fp32 time).

@@ -29,9 +29,8 @@ MPI_Datatype mpi_type(DType t) {
 // rounds once (RNE), the same arithmetic as NCCL's bf16/fp16 sum.
 template <typename T>
 void half_sum(void* in, void* inout, int* len, MPI_Datatype*) {
-  const T* a = static_cast<const T*>(in);
   T* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) b[i] = kernels::from_float<T>(kernels::to_float(a[i]) + kernels::to_float(b[i]));
+  kernels::sum_rounded(b, static_cast<const T*>(in), b, *len);
 }
 
 MPI_Op half_sum_op(DType t) {

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 
 #include "base.hpp"
 #include "half.hpp"
@@ -21,20 +20,11 @@ namespace {
 
 int wrap(int r, int n) { return ((r % n) + n) % n; }
 
-// dst = own + arrived, in fp32 with one rounding for the 16-bit types: the arithmetic of the
-// MPI user operation (comm_mpi.cpp half_sum) and of NCCL's bf16/fp16 sum.
+// dst = own + arrived, in fp32 with one rounding for the 16-bit types (kernels::sum_rounded: the
+// arithmetic of the MPI user operation, comm_mpi.cpp half_sum, and of NCCL's bf16/fp16 sum).
 template <typename T>
 void add(void* dst, const void* own, const void* arrived, int64_t n) {
-  T* d = static_cast<T*>(dst);
-  const T* a = static_cast<const T*>(own);
-  const T* b = static_cast<const T*>(arrived);
-  int64_t i = 0;
-#ifdef ZERO3D_AVX512
-  if constexpr (std::is_same_v<T, kernels::fp16>)  // the hardware's conversions, the same bits (half.hpp)
-    for (; i + 16 <= n; i += 16)
-      kernels::store16_from_float(d + i, _mm512_add_ps(kernels::load16_as_float(a + i), kernels::load16_as_float(b + i)));
-#endif
-  for (; i < n; ++i) d[i] = kernels::from_float<T>(kernels::to_float(a[i]) + kernels::to_float(b[i]));
+  kernels::sum_rounded(static_cast<T*>(dst), static_cast<const T*>(own), static_cast<const T*>(arrived), n);
 }
 
 void add_any(DType type, void* dst, const void* own, const void* arrived, int64_t n) {

@@ -153,6 +153,8 @@ TEST(HalfConversion, ConvertKernelFp16PathsGiveTheScalarConversionsBits) {
       continue;
     }
     ASSERT_EQ(narrow[i].bits, to_fp16(floats[i]).bits) << "rounding float " << floats[i];
-    if (!std::isnan(to_float(acc_want[i]))) ASSERT_EQ(acc[i].bits, acc_want[i].bits) << "accumulating " << floats[i];
+    if (!std::isnan(to_float(acc_want[i]))) {
+      ASSERT_EQ(acc[i].bits, acc_want[i].bits) << "accumulating " << floats[i];
+    }
   }
 }
