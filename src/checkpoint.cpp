@@ -19,6 +19,7 @@
 #include "checkpoint_format.hpp"
 #include "failure.hpp"
 #include "h5.hpp"
+#include "input_file.hpp"
 
 namespace fs = std::filesystem;
 
@@ -153,11 +154,11 @@ void write_shard(const std::string& path, const CheckpointMeta& meta, const std:
   h5::File f = h5::File::create(path, reserve);
   h5::write_attribute(f.id(), "format_version", kCheckpointFormatVersion);
   h5::write_attribute(f.id(), "rank", rank);
-  h5::write_attribute(f.id(), "segments", segments_json(ranges).dump());
+  h5::write_text(f.id(), "segments", segments_json(ranges).dump());
   h5::write_attribute(f.id(), "tag_id", meta.tag_id);
   h5::write_attribute(f.id(), "step", meta.step);
   h5::write_attribute(f.id(), "zero_stage", meta.zero_stage);
-  const hsize_t chunk = std::max<hsize_t>(1, std::min<hsize_t>(n, hsize_t(1) << 20));  // 4 MiB chunks
+  const hsize_t chunk = std::max<hsize_t>(1, std::min<hsize_t>(n, kShardChunk));
   for (const std::string& name : meta.states) {
     Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
     Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
@@ -166,7 +167,8 @@ void write_shard(const std::string& path, const CheckpointMeta& meta, const std:
       h5::check(H5Pset_chunk(dcpl.get(), 1, &chunk), f.id(), "cannot set chunking of " + name);
       h5::check(H5Pset_fletcher32(dcpl.get()), f.id(), "cannot enable Fletcher32 on " + name);
     }
-    Handle ds(H5Dcreate2(f.id(), name.c_str(), H5T_IEEE_F32LE, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
+    const Handle dapl = h5::chunk_cache_access(2 * kShardChunk * sizeof(float));
+    Handle ds(H5Dcreate2(f.id(), name.c_str(), H5T_IEEE_F32LE, space.get(), H5P_DEFAULT, dcpl.get(), dapl.get()),
               H5Dclose);
     if (!ds.valid()) throw SystemError(path + ": cannot create dataset " + name);
     hsize_t at = 0;
@@ -200,7 +202,7 @@ void write_shard(const std::string& path, const CheckpointMeta& meta, const std:
 // failed write then fails only our write, never an HDF5 flush.
 void write_index(const std::string& path, const CheckpointMeta& meta, const ParamLayout& layout) {
   h5::File f = h5::File::create_in_memory(path);
-  h5::write_attribute(f.id(), "meta", meta_to_json(meta).dump());
+  h5::write_text(f.id(), "meta", meta_to_json(meta).dump());
   h5::write_attribute(f.id(), "format_version", kCheckpointFormatVersion);
   h5::write_attribute(f.id(), "tag_id", meta.tag_id);
   h5::write_attribute(f.id(), "step", meta.step);
@@ -219,16 +221,15 @@ void write_index(const std::string& path, const CheckpointMeta& meta, const Para
       Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
       h5::check(vspace.valid() && dcpl.valid() ? 0 : -1, f.id(), "cannot create dataspace for " + t.name);
       for (const Mapping& mp : mappings_of(meta, offsets, t.shape, t.offset, t.numel)) {
-        hsize_t count = 1;
-        for (hsize_t c : mp.piece.count) count *= c;
-        const hsize_t src_dims = static_cast<hsize_t>(mp.src_len), s0 = static_cast<hsize_t>(mp.piece.src);
+        const SourceSlab src = source_slab(mp.piece);
+        const hsize_t src_dims = static_cast<hsize_t>(mp.src_len);
         Handle sspace(H5Screate_simple(1, &src_dims, nullptr), H5Sclose);
         // Relative file names resolve against the index file's directory.
         const std::string src_file = shard_name(mp.shard);
         if (!sspace.valid() ||
             H5Sselect_hyperslab(vspace.get(), H5S_SELECT_SET, mp.piece.start.data(), nullptr, mp.piece.count.data(),
                                 nullptr) < 0 ||
-            H5Sselect_hyperslab(sspace.get(), H5S_SELECT_SET, &s0, nullptr, &count, nullptr) < 0 ||
+            H5Sselect_hyperslab(sspace.get(), H5S_SELECT_SET, &src.start, &src.stride, &src.count, &src.block) < 0 ||
             H5Pset_virtual(dcpl.get(), vspace.get(), src_file.c_str(), state.c_str(), sspace.get()) < 0)
           throw SystemError(path + ": cannot map virtual dataset " + prefix + t.name + " onto " + src_file);
       }
@@ -243,32 +244,27 @@ void write_index(const std::string& path, const CheckpointMeta& meta, const Para
   write_small_file(path, std::string(image.begin(), image.end()));
 }
 
-int64_t tag_step(const std::string& tag) {
-  const std::string prefix = "global_step";
-  if (tag.rfind(prefix, 0) != 0) return -1;
-  try {
-    return std::stoll(tag.substr(prefix.size()));
-  } catch (...) {
-    return -1;
-  }
-}
-
 // ---- ownership: run family and marker -----------------------------------------------------------
 
 bool is_hex_id(const std::string& s) {
   return s.size() == 32 && std::all_of(s.begin(), s.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); });
 }
 
-// The save directory's run-family id, created by its first save.
-std::string load_or_create_family(const fs::path& dir) {
+// The save directory's run-family id; empty when it has none yet.
+std::string read_family(const fs::path& dir) {
   const fs::path path = dir / kFamilyFile;
   std::error_code ec;
-  if (fs::exists(fs::symlink_status(path, ec))) {
-    std::string id = read_small_file(path.string(), 256);
-    while (!id.empty() && (id.back() == '\n' || id.back() == '\r')) id.pop_back();
-    if (!is_hex_id(id)) throw InputError(path.string() + ": not a zero3d run-family file (expected 32 hex digits)");
-    return id;
-  }
+  if (!fs::exists(fs::symlink_status(path, ec))) return "";
+  std::string id = read_small_file(path.string(), 256);
+  while (!id.empty() && (id.back() == '\n' || id.back() == '\r')) id.pop_back();
+  if (!is_hex_id(id)) throw InputError(path.string() + ": not a zero3d run-family file (expected 32 hex digits)");
+  return id;
+}
+
+// The save directory's run-family id, created by its first save.
+std::string load_or_create_family(const fs::path& dir) {
+  if (std::string id = read_family(dir); !id.empty()) return id;
+  const fs::path path = dir / kFamilyFile;
   const std::string id = random_id();
   const std::string tmp = path.string() + ".tmp";
   write_small_file(tmp, id + "\n");
@@ -322,26 +318,37 @@ void warn(const std::string& msg) {
 // makes a leftover recognisably this family's even when the kill came before the marker.
 std::string staging_prefix(const std::string& family) { return ".zero3d-" + family + "-"; }
 
+// A re-save killed between moving the old tag aside (<tag>.old.tmp) and publishing the new one
+// leaves `latest` naming a directory that is not there: the complete old tag goes back in place.
+void restore_moved_aside(const fs::path& dir, const std::string& family) {
+  std::error_code ec;
+  std::vector<fs::path> aside;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (ends_with(name, ".old.tmp") && is_ours(entry.path(), family)) aside.push_back(entry.path());
+  }
+  for (const fs::path& p : aside) {
+    const std::string name = p.filename().string();
+    const fs::path base = dir / name.substr(0, name.size() - 8);
+    if (!fs::exists(fs::symlink_status(base, ec)) && looks_complete(p)) {
+      rename_path(p, base);
+      fsync_path(dir.string());
+    }
+  }
+}
+
 // Rank 0 before a save: recover a re-save interrupted between its renames, remove this family's
 // stale saves (and nothing else), then make <tag>.tmp with its marker (made as a staging
 // directory, marked, then renamed: <tag>.tmp never exists without the marker).
 void prepare_save(const fs::path& dir, const fs::path& tmp, const std::string& family, const std::string& tag,
                   const std::string& tag_id) {
   std::error_code ec;
+  restore_moved_aside(dir, family);
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     if (!ends_with(name, ".tmp")) continue;
     const bool staging = name.rfind(staging_prefix(family), 0) == 0;
     if (!staging && !is_ours(entry.path(), family)) continue;
-    if (!staging && ends_with(name, ".old.tmp")) {
-      const fs::path base = dir / name.substr(0, name.size() - 8);
-      std::error_code ec2;
-      if (!fs::exists(fs::symlink_status(base, ec2)) && looks_complete(entry.path())) {
-        rename_path(entry.path(), base);  // the kill came between moving it aside and publishing
-        fsync_path(dir.string());
-        continue;
-      }
-    }
     std::error_code ec2;
     fs::remove_all(entry.path(), ec2);
     if (ec2) throw SystemError(entry.path().string() + ": cannot remove this run's stale save: " + ec2.message());
@@ -427,6 +434,53 @@ void bcast_string(std::string& s, MPI_Comm world) {
 nlohmann::json file_entry(const std::pair<int64_t, uint64_t>& d) { return {{"bytes", d.first}, {"xxh64", hex64(d.second)}}; }
 
 }  // namespace
+
+int64_t tag_step(const std::string& tag) {
+  const std::string prefix = "global_step";
+  if (tag.rfind(prefix, 0) != 0) return -1;
+  try {
+    return std::stoll(tag.substr(prefix.size()));
+  } catch (...) {
+    return -1;
+  }
+}
+
+void check_save_dir_before_run(const std::string& save_dir, int64_t resumed_step, int64_t last_step) {
+  const fs::path dir(save_dir);
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return;
+  const std::string family = read_family(dir);
+  const std::string fix = ". Resume it (training.resume \"auto\") or give this run its own output directory or training.save_dir";
+  if (resumed_step < 0 && fs::exists(fs::symlink_status(dir / "latest", ec))) {
+    std::string latest = read_small_file((dir / "latest").string(), 4096);
+    while (!latest.empty() && (latest.back() == '\n' || latest.back() == '\r')) latest.pop_back();
+    throw InputError((dir / "latest").string() + ": names " + echo(latest, 200) +
+                     ", a checkpoint of an earlier run; this run starts fresh, and its saves would overwrite that "
+                     "run's checkpoints and move `latest` back" + fix);
+  }
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const int64_t step = tag_step(name);
+    // Only the tags this run will save: global_step<N> for N past its first step, up to its last.
+    if (step <= std::max<int64_t>(resumed_step, 0) || step > last_step || name != "global_step" + std::to_string(step))
+      continue;
+    if (!family.empty() && is_ours(entry.path(), family)) {
+      if (resumed_step >= 0) continue;  // resuming an earlier tag saves the later ones again (a rewind)
+      throw InputError(entry.path().string() + ": a checkpoint of an earlier run, which this run's save at step " +
+                       std::to_string(step) + " would overwrite" + fix);
+    }
+    throw InputError(entry.path().string() + ": exists and no zero3d run of this save_dir wrote it (no " + kMarker +
+                     " marker of its run family), and this run saves a tag of that name at step " + std::to_string(step) +
+                     ". Move it away or give this run its own output directory or training.save_dir");
+  }
+  if (ec) throw InputError("training.save_dir " + echo(save_dir, 200) + ": cannot list it: " + ec.message());
+}
+
+void restore_interrupted_resave(const std::string& save_dir) {
+  std::error_code ec;
+  if (!fs::is_directory(save_dir, ec)) return;
+  if (const std::string family = read_family(save_dir); !family.empty()) restore_moved_aside(save_dir, family);
+}
 
 bool checkpoint_exists(const std::string& save_dir) {
   std::error_code ec;

@@ -52,6 +52,7 @@ struct CheckpointMeta {
   int64_t global_samples = 0;
   int64_t zero_stage = 0;
   int64_t dp_world_size = 1;
+  int64_t pipe_size = 1, tensor_size = 1;  // the saving run's pipeline stages and tensor-parallel size
   int64_t optimizer_step = 0;  // Adam's bias-correction counter
   int64_t lr_last_batch_iteration = -1;
   int64_t micro_batch = 0, gradient_accumulation_steps = 0;
@@ -140,6 +141,22 @@ bool is_first_rank_of_node(MPI_Comm world);
 
 // Names of complete tags in save_dir, oldest first (by step).
 std::vector<std::string> list_checkpoint_tags(const std::string& save_dir);
+
+// N of a tag named global_step<N> (what saves are named); -1 for any other name.
+int64_t tag_step(const std::string& tag);
+
+// Before a run writes anything (train and validate call it): InputError when its saves would
+// replace what is not theirs to replace. resumed_step: the step of the tag the run resumes from,
+// or -1 for a run that starts fresh; last_step: training.steps. Rejected: a global_step<N> the
+// run will save (N past resumed_step, up to last_step) that carries no zero3d.tag marker of
+// save_dir's run family (found now, not at step N's save); for a fresh run, an earlier run's
+// checkpoints (`latest`, its tags), which its saves would overwrite.
+void check_save_dir_before_run(const std::string& save_dir, int64_t resumed_step, int64_t last_step);
+
+// Rank 0 at start-up: a re-save killed between moving its tag aside and publishing leaves
+// `latest` naming a missing directory (zero3d reads the copy aside; other tools do not): the
+// complete copy of this save_dir's run family goes back in place. Nothing else is touched.
+void restore_interrupted_resave(const std::string& save_dir);
 
 // Whether save_dir holds a `latest` (what training.resume "auto" resumes from).
 bool checkpoint_exists(const std::string& save_dir);

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <map>
 
 #include "base.hpp"
 #include "failure.hpp"
@@ -89,7 +90,7 @@ nlohmann::json meta_to_json(const CheckpointMeta& m) {
           {"global_samples", m.global_samples},
           {"zero_stage", m.zero_stage},
           {"dp_world_size", m.dp_world_size},
-          {"topology", {{"pipe", 1}, {"data", m.dp_world_size}, {"model", 1}}},
+          {"topology", {{"pipe", m.pipe_size}, {"data", m.dp_world_size}, {"model", m.tensor_size}}},
           {"optimizer_type", m.optimizer_type},
           {"optimizer_update_rule", m.update_rule},
           {"optimizer_name", m.optimizer_name},
@@ -143,6 +144,10 @@ CheckpointMeta meta_from_json(const nlohmann::json& j, const std::string& where)
     m.global_samples = j.at("global_samples");
     m.zero_stage = j.at("zero_stage");
     m.dp_world_size = j.at("dp_world_size");
+    if (j.contains("topology")) {  // pipe and model were recorded as 1 before they were filled in
+      m.pipe_size = j["topology"].value("pipe", int64_t(1));
+      m.tensor_size = j["topology"].value("model", int64_t(1));
+    }
     m.optimizer_type = j.at("optimizer_type");
     m.update_rule = j.value("optimizer_update_rule", std::string());
     m.optimizer_name = j.value("optimizer_name", std::string());
@@ -233,17 +238,53 @@ std::vector<Piece> pieces_of(const std::vector<int64_t>& shape, int64_t off, int
 }
 }  // namespace
 
-// Every piece of tensor t, in shard and segment order: what index.h5 maps and what open() expects.
+SourceSlab source_slab(const Piece& p) {
+  if (p.count.size() == 1) return {hsize_t(p.src), 1, 1, p.count[0]};
+  const hsize_t width = p.count[1], stride = p.row_stride > 0 ? hsize_t(p.row_stride) : width;
+  // Packed rows are one contiguous run: one block, as HDF5 stores the simplest selection.
+  if (stride == width) return {hsize_t(p.src), 1, 1, p.count[0] * width};
+  return {hsize_t(p.src), stride, p.count[0], width};
+}
+
+namespace {
+// Extends `block` (an earlier piece of the same shard) by the single-row piece p when p is the
+// next row of the same columns at a constant source distance: rows of a column block become one
+// rectangular piece (the source a strided selection) instead of one piece per row.
+bool extend_column_block(Piece& block, const Piece& p) {
+  if (p.count.size() != 2 || p.count[0] != 1 || block.start[1] != p.start[1] || block.count[1] != p.count[1] ||
+      block.start[0] + block.count[0] != p.start[0])
+    return false;
+  const int64_t step = p.src - block.src;
+  if (block.count[0] == 1) {
+    if (step < int64_t(p.count[1])) return false;  // source rows must not overlap
+    block.row_stride = step;
+  } else if (step != int64_t(block.count[0]) * (block.row_stride > 0 ? block.row_stride : int64_t(block.count[1]))) {
+    return false;
+  }
+  block.count[0] += 1;
+  return true;
+}
+}  // namespace
+
 std::vector<Mapping> mappings_of(const CheckpointMeta& m, const std::vector<std::vector<int64_t>>& offsets,
-                                 const std::vector<int64_t>& shape, int64_t off, int64_t numel) {
+                                 const std::vector<int64_t>& shape, int64_t off, int64_t numel, bool coalesce) {
   std::vector<Mapping> out;
   for (size_t q = 0; q < m.ranges.size(); ++q) {
     const int64_t len = offsets[q].empty() ? 0 : offsets[q].back() + (m.ranges[q].back().second - m.ranges[q].back().first);
+    std::map<std::pair<hsize_t, hsize_t>, size_t> open_block;  // (first column, width) -> its piece in `out`
     for (size_t k = 0; k < m.ranges[q].size(); ++k) {
       const auto [b, e] = m.ranges[q][k];
       const int64_t lo = std::max(b, off), hi = std::min(e, off + numel);
       if (lo < hi)
-        for (Piece& p : pieces_of(shape, off, lo, hi, offsets[q][k] + (lo - b))) out.push_back({int64_t(q), p, len});
+        for (Piece& p : pieces_of(shape, off, lo, hi, offsets[q][k] + (lo - b))) {
+          if (coalesce && p.count.size() == 2) {
+            const auto key = std::make_pair(p.start[1], p.count[1]);
+            const auto it = open_block.find(key);
+            if (it != open_block.end() && extend_column_block(out[it->second].piece, p)) continue;
+            if (p.count[0] == 1) open_block[key] = out.size();
+          }
+          out.push_back({int64_t(q), p, len});
+        }
     }
   }
   return out;

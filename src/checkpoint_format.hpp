@@ -33,12 +33,23 @@ nlohmann::json segments_json(const SegmentList& segs);
 // The manifest's own digest: over its JSON without the "xxh64" member.
 std::string manifest_digest(nlohmann::json man);
 
-// One hyperslab of a virtual dataset: [start, start + count) of the tensor, from source
-// elements [src, src + prod(count)) of a shard's 1-D dataset.
+// Elements per chunk of a shard's datasets (4 MiB of fp32), each chunk Fletcher32-checksummed.
+constexpr hsize_t kShardChunk = hsize_t(1) << 20;
+
+// One hyperslab of a virtual dataset: [start, start + count) of the tensor, from a shard's 1-D
+// dataset: row i of the block (a matrix's) from source elements [src + i·row_stride,
+// src + i·row_stride + count[1]); row_stride 0 means rows packed one after the other.
 struct Piece {
   std::vector<hsize_t> start, count;
   int64_t src;
+  int64_t row_stride = 0;
 };
+
+// The source elements of a piece as a (possibly strided) 1-D hyperslab: start, stride, count, block.
+struct SourceSlab {
+  hsize_t start, stride, count, block;
+};
+SourceSlab source_slab(const Piece& p);
 
 struct Mapping {
   int64_t shard;
@@ -47,8 +58,10 @@ struct Mapping {
 };
 
 // Every piece of tensor t, in shard and segment order: what index.h5 maps and what open() expects.
+// coalesce: the rows of one column block of a shard make one piece (a tensor-parallel shard holds
+// a column block as one segment per row); without it, one piece per row, as earlier saves mapped.
 std::vector<Mapping> mappings_of(const CheckpointMeta& m, const std::vector<std::vector<int64_t>>& offsets,
-                                 const std::vector<int64_t>& shape, int64_t off, int64_t numel);
+                                 const std::vector<int64_t>& shape, int64_t off, int64_t numel, bool coalesce = true);
 // Per shard, per segment: where the segment starts in the shard's concatenated datasets.
 std::vector<std::vector<int64_t>> local_offsets(const std::vector<SegmentList>& ranges);
 

@@ -34,6 +34,16 @@ bool resumable_checkpoint_exists(const std::string& save_dir, const CheckpointOp
   return checkpoint_exists(save_dir) || (o.load_universal && fs::exists(fs::path(save_dir) / kLatestUniversal, ec));
 }
 
+int64_t resumed_step(const std::string& resume, const std::string& save_dir, const CheckpointOptions& o) {
+  if (resume.empty() || (resume == "auto" && !resumable_checkpoint_exists(save_dir, o))) return -1;
+  std::string tag = resume_target(resume, save_dir, o).spec;
+  std::error_code ec;
+  if (tag == "latest" && fs::is_regular_file(fs::path(save_dir) / "latest", ec))
+    tag = read_regular_file((fs::path(save_dir) / "latest").string(), "checkpoint tag file", 4096);
+  while (!tag.empty() && (tag.back() == '\n' || tag.back() == '\r' || tag.back() == '/')) tag.pop_back();
+  return std::max<int64_t>(0, tag_step(fs::path(tag).filename().string()));
+}
+
 bool is_first_rank_of_node(MPI_Comm world) {
   int rank = 0, node_rank = 0;
   MPI_Comm_rank(world, &rank);

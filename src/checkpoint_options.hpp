@@ -27,4 +27,8 @@ ResumeTarget resume_target(const std::string& resume, const std::string& save_di
 // under load_universal).
 bool resumable_checkpoint_exists(const std::string& save_dir, const CheckpointOptions& o);
 
+// The step of the tag training.resume opens, from its name (global_step<N>); -1 for a run that
+// starts fresh (no resume, or "auto" with nothing to resume), 0 when the name does not say.
+int64_t resumed_step(const std::string& resume, const std::string& save_dir, const CheckpointOptions& o);
+
 }  // namespace zero3d

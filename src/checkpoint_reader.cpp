@@ -39,6 +39,7 @@ CheckpointReader CheckpointReader::open(const std::string& spec, const std::stri
   else if (tag_like(spec)) dir = spec;
   else if (exists(fs::path(spec) / "latest")) dir = from_latest(spec);
   else if (!save_dir.empty() && tag_like(fs::path(save_dir) / spec)) dir = fs::path(save_dir) / spec;
+  else if (save_dir.empty()) throw InputError("\"" + spec + "\": neither `latest` nor a checkpoint directory");
   else throw InputError("training.resume: \"" + spec + "\" is neither `latest`, a tag in " + save_dir + ", nor a checkpoint directory");
   // A kill between a re-save's two renames: the previous save waits, complete, in .old.tmp.
   const fs::path aside(dir.string() + ".old.tmp");
@@ -84,7 +85,7 @@ CheckpointReader CheckpointReader::open(const std::string& spec, const std::stri
   }
   h5::File f = h5::File::open_read(index);
   std::string text;
-  if (!h5::read_attribute(f.id(), "meta", text)) throw InputError(index + ": no checkpoint metadata (corrupted?)");
+  if (!h5::read_text(f.id(), "meta", text)) throw InputError(index + ": no checkpoint metadata (corrupted?)");
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
@@ -140,7 +141,9 @@ CheckpointReader CheckpointReader::open(const std::string& spec, const std::stri
         throw damaged("is not a virtual dataset");
       int64_t numel = 1;
       for (int64_t d : shape) numel *= d;
-      const auto expect = mappings_of(r.meta_, r.local_offsets_, shape, t.at("offset").get<int64_t>(), numel);
+      auto expect = mappings_of(r.meta_, r.local_offsets_, shape, t.at("offset").get<int64_t>(), numel);
+      if (count != expect.size())  // a save from before row blocks were coalesced
+        expect = mappings_of(r.meta_, r.local_offsets_, shape, t.at("offset").get<int64_t>(), numel, false);
       if (count != expect.size())
         throw damaged("maps " + std::to_string(count) + " pieces, the shard segments make " + std::to_string(expect.size()));
       for (size_t i = 0; i < count; ++i) {
@@ -154,9 +157,10 @@ CheckpointReader CheckpointReader::open(const std::string& spec, const std::stri
                   ss.valid() && H5Sget_select_bounds(vs.get(), vlo, vhi) >= 0 && H5Sget_select_bounds(ss.get(), slo, shi) >= 0;
         for (size_t d = 0; ok && d < shape.size(); ++d)
           ok = vlo[d] == m.piece.start[d] && vhi[d] + 1 == m.piece.start[d] + m.piece.count[d];
-        hsize_t n = 1;
-        for (hsize_t c : m.piece.count) n *= c;
-        ok = ok && slo[0] == static_cast<hsize_t>(m.piece.src) && shi[0] + 1 == static_cast<hsize_t>(m.piece.src) + n;
+        // The source selection: its first and last element and its element count.
+        const SourceSlab src = source_slab(m.piece);
+        ok = ok && slo[0] == src.start && shi[0] + 1 == src.start + (src.count - 1) * src.stride + src.block &&
+             H5Sget_select_npoints(ss.get()) == hssize_t(src.count * src.block);
         if (!ok) throw damaged("maps piece " + std::to_string(i) + " differently from the shard segments");
       }
     }
@@ -210,13 +214,14 @@ void CheckpointReader::read_range(const std::string& state, int64_t begin, int64
              (segs.empty() ? rb == re : (rb == segs[0].first && re == segs[0].second));
     } else {
       std::string seg_text, tag_id;
-      same = h5::read_attribute(fid, "segments", seg_text) && h5::read_attribute(fid, "tag_id", tag_id) &&
+      same = h5::read_text(fid, "segments", seg_text) && h5::read_attribute(fid, "tag_id", tag_id) &&
              tag_id == meta_.tag_id && seg_text == segments_json(segs).dump();
     }
     int64_t step = -1;
     if (!same || !h5::read_attribute(fid, "step", step) || step != meta_.step)
       throw InputError(path + ": shard does not belong to this checkpoint (segments, tag id or step differ from index.h5)");
-    Handle ds(H5Dopen2(fid, state.c_str(), H5P_DEFAULT), H5Dclose);
+    const Handle dapl = h5::chunk_cache_access(2 * kShardChunk * sizeof(float));
+    Handle ds(H5Dopen2(fid, state.c_str(), dapl.get()), H5Dclose);
     if (!ds.valid()) throw InputError(path + ": dataset `" + state + "` missing");
     Handle fspace(H5Dget_space(ds.get()), H5Sclose);
     hsize_t len = 0;

@@ -66,7 +66,16 @@ class Progress {
 std::string resolve_tag_dir(const std::string& path, const std::string& tag) {
   if (fs::exists(fs::path(path) / "index.h5")) return path;
   if (!fs::is_directory(path)) throw InputError(path + ": no such checkpoint directory");
-  if (!tag.empty()) return (fs::path(path) / tag).string();
+  if (!tag.empty()) {
+    const fs::path dir = fs::path(path) / tag;
+    std::error_code ec;
+    if (fs::exists(dir / "index.h5", ec) || fs::exists(fs::path(dir.string() + ".old.tmp") / "index.h5", ec))
+      return dir.string();
+    std::string tags;
+    for (const std::string& t : list_checkpoint_tags(path)) tags += (tags.empty() ? "" : ", ") + t;
+    throw InputError("--tag " + echo(tag, 200) + ": " + path + " holds no such tag (" +
+                     (tags.empty() ? std::string("it holds none") : "it holds " + echo(tags, 400)) + ")");
+  }
   if (fs::exists(fs::path(path) / "latest")) return path;  // CheckpointReader follows `latest`
   throw InputError(path + ": neither a checkpoint tag directory nor a directory with `latest`");
 }
@@ -113,7 +122,7 @@ nlohmann::json inspect_checkpoint(const std::string& path, const std::string& ta
                            {"step", m.step},
                            {"global_samples", m.global_samples},
                            {"zero_stage", m.zero_stage},
-                           {"topology", {{"pipe", 1}, {"data", m.dp_world_size}, {"model", 1}}},
+                           {"topology", {{"pipe", m.pipe_size}, {"data", m.dp_world_size}, {"model", m.tensor_size}}},
                            {"dtypes", {{"master", m.dtype}, {"optimizer_states", "fp32"}}},
                            // the update rule (AdamW vs Adam) where the checkpoint records it
                            {"optimizer", m.update_rule.empty() ? m.optimizer_type : m.update_rule},
@@ -138,15 +147,16 @@ nlohmann::json inspect_checkpoint(const std::string& path, const std::string& ta
   reader.verify_files();
   constexpr int64_t kChunk = int64_t(1) << 22;
   std::vector<float> buf, via_index;
+  // The segments tile the buffers: reading them whole, a few MiB at a time, reads every segment
+  // of every shard (one read per segment would reopen a shard thousands of times under tensor
+  // parallelism, whose shards hold a segment per matrix row).
   for (const std::string& state : m.states)
-    for (size_t shard = 0; shard < m.ranges.size(); ++shard)
-      for (const auto& [b, e] : m.ranges[shard])
-        for (int64_t lo = b; lo < e; lo += kChunk) {
-          const int64_t hi = std::min(e, lo + kChunk);
-          buf.resize(static_cast<size_t>(hi - lo));
-          reader.read_range(state, lo, hi, buf.data());
-          progress.advance(4 * (hi - lo), "checksums of " + state + " in shard " + std::to_string(shard));
-        }
+    for (int64_t lo = 0; lo < layout.total(); lo += kChunk) {
+      const int64_t hi = std::min(layout.total(), lo + kChunk);
+      buf.resize(static_cast<size_t>(hi - lo));
+      reader.read_range(state, lo, hi, buf.data());
+      progress.advance(4 * (hi - lo), "checksums of " + state);
+    }
   const std::string index_path = (fs::path(reader.dir()) / "index.h5").string();
   h5::File index = h5::File::open_read(index_path);
   for (const std::string& state : m.states)
@@ -297,10 +307,12 @@ nlohmann::json hugging_face_config(const ModelShape& s, const OutputDType& dtype
   return out;
 }
 
+constexpr const char* kConvertSource = "zero3d convert";  // "source" in every output: what marks ours
+
 // What every output file records about its model (safetensors __metadata__, HDF5 attributes).
 std::vector<std::pair<std::string, std::string>> file_metadata(const ModelShape& s, const OutputDType& dtype,
                                                                int64_t step) {
-  return {{"source", "zero3d convert"},
+  return {{"source", kConvertSource},
           {"model_type", "gpt2"},
           {"vocab_size", std::to_string(s.vocab_size)},
           {"n_positions", std::to_string(s.n_positions)},
@@ -392,9 +404,39 @@ std::string output_format(const fs::path& out, const std::string& format) {
                    ": name a .safetensors, .h5 or .hdf5 file, or give --format hdf5|safetensors");
 }
 
+// Whether `path` records that `zero3d convert` wrote it (file_metadata's "source"): the
+// safetensors header's __metadata__, the HDF5 file's attribute, the shard index's metadata.
+bool written_by_convert(const fs::path& path) {
+  try {
+    const std::string ext = path.extension().string();
+    if (ext == ".json") {
+      const nlohmann::json j = nlohmann::json::parse(read_regular_file(path.string(), "index", int64_t(64) << 20));
+      return j.is_object() && j.contains("metadata") && j["metadata"].value("source", "") == kConvertSource;
+    }
+    if (ext == ".safetensors") {
+      std::ifstream f(path, std::ios::binary);
+      uint64_t len = 0;
+      if (!f.read(reinterpret_cast<char*>(&len), 8) || len > (uint64_t(100) << 20)) return false;
+      std::string header(static_cast<size_t>(len), '\0');
+      if (!f.read(header.data(), static_cast<std::streamsize>(len))) return false;
+      const nlohmann::json j = nlohmann::json::parse(header);
+      return j.contains("__metadata__") && j["__metadata__"].value("source", "") == kConvertSource;
+    }
+    h5::quiet_errors();
+    const hid_t id = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    if (id < 0) return false;
+    h5::Handle file(id, H5Fclose);
+    std::string source;
+    return h5::read_attribute(id, "source", source) && source == kConvertSource;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // Files an earlier convert to the same name left that this one does not write: shards
 // <stem>-NNNNN-of-MMMMM<ext> of another count, the index when this output is one file, the
-// single file when it is sharded. Nothing else in the directory is touched.
+// single file when it is sharded — each only when it records that convert wrote it. Nothing
+// else in the directory is touched.
 std::vector<fs::path> stale_outputs(const fs::path& dir, const std::string& stem, const std::string& ext,
                                     const std::string& single, const std::string& index,
                                     const std::set<std::string>& written) {
@@ -415,7 +457,7 @@ std::vector<fs::path> stale_outputs(const fs::path& dir, const std::string& stem
       shard = mid.size() > 1 && mid[0] == '-' && of != std::string::npos && digits(mid.substr(1, of - 1)) &&
               digits(mid.substr(of + 4));
     }
-    if (shard || name == single || name == index) stale.push_back(dir / name);
+    if ((shard || name == single || name == index) && written_by_convert(it->path())) stale.push_back(dir / name);
   }
   return stale;
 }

@@ -326,9 +326,11 @@ void Engine::resume_from_checkpoint() {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double mb = 4.0 * m.states.size() * m.total_params / 1e6;
     if (!target.from.empty()) std::printf("resume  %s names %s (checkpoint.load_universal)\n", target.from.c_str(), reader->dir().c_str());
-    std::printf("resume  %s: step %lld, saved by %lld rank%s at ZeRO stage %lld; loaded %.1f MB in %.2f s (%.0f MB/s)\n",
-                reader->dir().c_str(), (long long)m.step, (long long)m.dp_world_size, m.dp_world_size == 1 ? "" : "s",
-                (long long)m.zero_stage, mb, s, mb / s);
+    const int64_t ranks = m.pipe_size * m.dp_world_size * m.tensor_size;
+    std::printf("resume  %s: step %lld, saved by %lld rank%s (pipe %lld x data %lld x model %lld) at ZeRO stage %lld; "
+                "loaded %.1f MB in %.2f s (%.0f MB/s)\n",
+                reader->dir().c_str(), (long long)m.step, (long long)ranks, ranks == 1 ? "" : "s", (long long)m.pipe_size,
+                (long long)m.dp_world_size, (long long)m.tensor_size, (long long)m.zero_stage, mb, s, mb / s);
     if (m.global_samples != step_ * cfg_.batch.train_batch_size)
       std::printf("resume  note: train_batch_size differs from the saved run's (%lld samples in %lld steps); the data "
                   "continues at sample %lld, where that run stopped\n", (long long)m.global_samples, (long long)m.step,
@@ -347,6 +349,8 @@ void Engine::save(bool final_step, bool forced) {
   m.global_samples = samples_;
   m.zero_stage = zero_->stage();
   m.dp_world_size = world_;
+  m.pipe_size = cfg_.pipeline.stages;
+  m.tensor_size = cfg_.tensor.size;
   m.optimizer_step = zero_->optimizer_step();
   m.lr_last_batch_iteration = schedule_->last_batch_iteration();
   m.micro_batch = cfg_.batch.micro_batch;
@@ -725,7 +729,6 @@ std::vector<StepResult> Engine::train() {
     nlohmann::json moe;
     double dropped = 0.0;
     if (cfg_.model.moe.enabled()) moe = moe_metrics(&dropped);  // collective
-    save(s + 1 == cfg_.training.steps);
     evaluate_if_due(r);
     // The plan's check (collective): the peak resident memory of the largest rank so far.
     const bool last_step = s + 1 == cfg_.training.steps;
@@ -737,6 +740,10 @@ std::vector<StepResult> Engine::train() {
     observer_->after_step(r, samples_, timers_.ms());  // collective
     if (results.size() > 1 || cfg_.training.steps == 1) total_ms += r.elapsed_ms;  // the first step warms caches
     if (groups_.rank() == 0) report_step(r, moe, dropped, last_step);
+    // After the step's record: a kill between publishing the tag and writing the record would
+    // lose the record for good (resume continues after the tag); a record past the last save is
+    // dropped on resume instead.
+    save(last_step);
   }
   if (groups_.rank() == 0 && !results.empty()) print_summary(results, total_ms);
   observer_->finish();  // collective: the comms logger's table, a trace not yet written

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <exception>
+#include <functional>
 
 #include "base.hpp"
 
@@ -184,6 +185,26 @@ void File::write_floats(const std::string& name, const float* data, const std::v
   write_as(*this, name, data, shape, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT);
 }
 
+namespace {
+// A fixed-length UTF-8 string type of n bytes (n >= 1).
+Handle string_type(size_t n) {
+  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
+  if (!type.valid() || H5Tset_size(type.get(), n) < 0 || H5Tset_cset(type.get(), H5T_CSET_UTF8) < 0) type.reset();
+  return type;
+}
+
+// A string of at most 1 GiB from a fixed-length string type (a corrupted size must not become a huge allocation).
+bool read_string(hid_t type, const std::function<herr_t(hid_t, char*)>& read, std::string& value) {
+  if (H5Tget_class(type) != H5T_STRING || H5Tis_variable_str(type) != 0) return false;
+  const size_t n = H5Tget_size(type);
+  if (n == 0 || n > (size_t(1) << 30)) return false;
+  std::string buf(n, '\0');
+  if (read(type, buf.data()) < 0) return false;
+  value = std::string(buf.c_str());
+  return true;
+}
+}  // namespace
+
 void write_attribute(hid_t obj, const std::string& name, int64_t value) {
   Handle space(H5Screate(H5S_SCALAR), H5Sclose);
   Handle attr(space.valid() ? H5Acreate2(obj, name.c_str(), H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT) : -1,
@@ -193,11 +214,9 @@ void write_attribute(hid_t obj, const std::string& name, int64_t value) {
 }
 
 void write_attribute(hid_t obj, const std::string& name, const std::string& value) {
-  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
-  const bool ok = type.valid() && H5Tset_size(type.get(), value.empty() ? 1 : value.size()) >= 0 &&
-                  H5Tset_cset(type.get(), H5T_CSET_UTF8) >= 0;
+  Handle type = string_type(value.empty() ? 1 : value.size());
   Handle space(H5Screate(H5S_SCALAR), H5Sclose);
-  Handle attr(ok && space.valid() ? H5Acreate2(obj, name.c_str(), type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT) : -1,
+  Handle attr(type.valid() && space.valid() ? H5Acreate2(obj, name.c_str(), type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT) : -1,
               H5Aclose);
   const std::string padded = value.empty() ? std::string(1, '\0') : value;
   if (!attr.valid() || H5Awrite(attr.get(), type.get(), padded.data()) < 0 || !attr.close())
@@ -215,13 +234,39 @@ bool read_attribute(hid_t obj, const std::string& name, std::string& value) {
   Handle attr(H5Aopen(obj, name.c_str(), H5P_DEFAULT), H5Aclose);
   if (!attr.valid()) return false;
   Handle type(H5Aget_type(attr.get()), H5Tclose);
-  if (!type.valid() || H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) != 0) return false;
-  const size_t n = H5Tget_size(type.get());
-  if (n == 0 || n > (size_t(1) << 30)) return false;  // a corrupted size must not become a huge allocation
-  std::string buf(n, '\0');
-  if (H5Aread(attr.get(), type.get(), buf.data()) < 0) return false;
-  value = std::string(buf.c_str());
-  return true;
+  return type.valid() && read_string(type.get(), [&](hid_t t, char* buf) { return H5Aread(attr.get(), t, buf); }, value);
+}
+
+
+void write_text(hid_t obj, const std::string& name, const std::string& value) {
+  constexpr size_t kAttributeLimit = 60000;  // below the 64 KiB header message limit, with room for the rest
+  if (value.size() < kAttributeLimit) return write_attribute(obj, name, value);
+  Handle type = string_type(value.size());
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle ds(type.valid() && space.valid()
+                ? H5Dcreate2(obj, name.c_str(), type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)
+                : -1,
+            H5Dclose);
+  if (!ds.valid() || H5Dwrite(ds.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, value.data()) < 0 || !ds.close())
+    throw SystemError(file_name(obj) + ": cannot write HDF5 dataset " + name);
+}
+
+bool read_text(hid_t obj, const std::string& name, std::string& value) {
+  if (read_attribute(obj, name, value)) return true;
+  if (H5Lexists(obj, name.c_str(), H5P_DEFAULT) <= 0) return false;
+  Handle ds(H5Dopen2(obj, name.c_str(), H5P_DEFAULT), H5Dclose);
+  if (!ds.valid()) return false;
+  Handle type(H5Dget_type(ds.get()), H5Tclose);
+  return type.valid() && read_string(type.get(), [&](hid_t t, char* buf) {
+    return H5Dread(ds.get(), t, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf);
+  }, value);
+}
+
+Handle chunk_cache_access(size_t bytes) {
+  Handle dapl(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose);
+  if (!dapl.valid() || H5Pset_chunk_cache(dapl.get(), 521, bytes, 1.0) < 0)
+    throw SystemError("cannot set up an HDF5 chunk cache of " + std::to_string(bytes) + " bytes");
+  return dapl;
 }
 
 Handle bf16_type() {

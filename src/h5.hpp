@@ -100,6 +100,18 @@ void write_attribute(hid_t obj, const std::string& name, const std::string& valu
 bool read_attribute(hid_t obj, const std::string& name, int64_t& value);
 bool read_attribute(hid_t obj, const std::string& name, std::string& value);
 
+// A text of any size under `name` of `obj` (a file or group): an attribute while it fits one
+// (HDF5 object headers hold at most 64 KiB), else a scalar string dataset of that name. Both
+// read as a string in h5dump/h5py; read_text returns false when neither is there or readable.
+void write_text(hid_t obj, const std::string& name, const std::string& value);
+bool read_text(hid_t obj, const std::string& name, std::string& value);
+
+// Dataset access properties whose chunk cache holds `bytes` (two chunks, say): segments far
+// smaller than a chunk (a tensor-parallel shard has one per matrix row) are then read or written
+// in memory, where HDF5's default 1 MiB cache would read, checksum and rewrite a bigger chunk
+// once per segment.
+Handle chunk_cache_access(size_t bytes);
+
 // A 16-bit brain-float type (8-bit exponent, 7-bit mantissa) that HDF5 converts to and from
 // native float itself, so h5py/h5dump read bf16 datasets as numbers.
 Handle bf16_type();

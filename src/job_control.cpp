@@ -113,8 +113,22 @@ void check_writable_directory(const std::string& path, const std::string& key) {
   ::unlink(buf.data());
 }
 
+namespace {
+constexpr const char* kLockFile = ".zero3d.lock";
+}  // namespace
+
+void check_output_directory_is_ours(const std::string& dir) {
+  struct stat st {};
+  if (::stat((dir + "/" + kLockFile).c_str(), &st) == 0) return;  // a zero3d run's directory: its files are runs'
+  for (const char* name : {"config.json", "metrics.jsonl", "flops_profile.json", "trace.json", "comms_logger.json"})
+    if (::lstat((dir + "/" + name).c_str(), &st) == 0)
+      throw InputError("output directory " + echo(dir, 200) + ": holds " + name + ", but no zero3d run wrote there (no " +
+                       kLockFile + "), and a run writes its own " + name +
+                       " there. Give this run a new or empty directory (--output or training.output_dir)");
+}
+
 OutputDirLock::OutputDirLock(const std::string& dir) {
-  const std::string path = dir + "/.zero3d.lock";
+  const std::string path = dir + "/" + kLockFile;
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0) throw InputError(echo(path, 200) + ": cannot open the output directory's lock: " + std::strerror(errno));
   struct flock fl = {};

@@ -36,6 +36,11 @@ void check_launch(int mpi_ranks);
 // nearest existing ancestor, from which it would be created). `key` names the setting.
 void check_writable_directory(const std::string& path, const std::string& key);
 
+// InputError when `dir` holds a file a run replaces there (config.json, metrics.jsonl,
+// flops_profile.json, trace.json, comms_logger.json) but no zero3d run has held it (no
+// .zero3d.lock): those files are not the run's own. (save_dir has its own check.)
+void check_output_directory_is_ours(const std::string& dir);
+
 // Holds `<dir>/.zero3d.lock` (an fcntl write lock, released by the kernel whenever the
 // process ends, even by SIGKILL) for the run's lifetime; the file names the holder. A second
 // run into the same directory gets an InputError naming that holder. Where the filesystem

@@ -87,6 +87,10 @@ std::string check_run_files(const Config& cfg, const std::string& out) {
     check_weights(mc.init_from, gpt_layout(gpt_shape_of(mc)));
   check_writable_directory(out, "output directory");
   check_writable_directory(cfg.training.save_dir, "training.save_dir");
+  check_output_directory_is_ours(out);
+  check_save_dir_before_run(cfg.training.save_dir,
+                            resumed_step(cfg.training.resume, cfg.training.save_dir, cfg.checkpoint),
+                            cfg.training.steps);
   const std::string& resume = cfg.training.resume;
   if (resume.empty()) return "";
   if (resume == "auto" && !resumable_checkpoint_exists(cfg.training.save_dir, cfg.checkpoint))
@@ -197,9 +201,14 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
     check_memory_fits(cfg, ranks_here, avail);
     out = resolve_run_paths(cfg, a.path, output_override);
     // Found now, not at the first save: every rank writes its shard into save_dir.
+    if (rank == 0) check_writable_directory(out, "output directory");  // named first: save_dir may lie inside
     check_writable_directory(cfg.training.save_dir, "training.save_dir");
     if (rank == 0) {
-      check_writable_directory(out, "output directory");
+      check_output_directory_is_ours(out);
+      restore_interrupted_resave(cfg.training.save_dir);
+      check_save_dir_before_run(cfg.training.save_dir,
+                                resumed_step(cfg.training.resume, cfg.training.save_dir, cfg.checkpoint),
+                                cfg.training.steps);
       make_directories(out);
       lock = std::make_unique<OutputDirLock>(out);  // a second job into `out` stops here, naming this one
     }
@@ -321,10 +330,11 @@ int cmd_inspect(const std::string& dir, const std::string& tag, const std::strin
     for (const auto& t : r["tags"]) tags += (tags.empty() ? "" : ", ") + t.get<std::string>();
     std::printf("tags       %s (latest: %s)\n", tags.c_str(), r["latest"].get<std::string>().c_str());
   }
-  std::printf("step %lld | samples %lld | ZeRO stage %lld | topology pipe 1 x data %lld x model 1 | %zu shards | "
+  std::printf("step %lld | samples %lld | ZeRO stage %lld | topology pipe %lld x data %lld x model %lld | %zu shards | "
               "master %s | optimizer %s | checksums verified\n",
               r["step"].get<long long>(), r["global_samples"].get<long long>(), r["zero_stage"].get<long long>(),
-              r["topology"]["data"].get<long long>(), r["shards"].get<size_t>(),
+              r["topology"]["pipe"].get<long long>(), r["topology"]["data"].get<long long>(),
+              r["topology"]["model"].get<long long>(), r["shards"].get<size_t>(),
               r["dtypes"]["master"].get<std::string>().c_str(), r["optimizer"].get<std::string>().c_str());
   std::printf("%-28s %-14s %-5s %12s %12s %12s %12s\n", "tensor", "shape", "dtype", "min", "max", "mean", "l2_norm");
   for (const auto& t : r["tensors"])

@@ -149,6 +149,10 @@ int walk_faults(const std::string& base, const std::string& args, const std::str
             << at << ": stale " << name << " left behind";
       }
       expect_foreign(ck, at + ", after the next run");
+      // The step's record is written before its save: a kill anywhere in the save loses no record.
+      std::vector<int64_t> steps;
+      for (const json& row : read_metrics(work)) steps.push_back(row.at("step").get<int64_t>());
+      EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4})) << at << ": every step's record, once";
     }
     if (n > 200) {
       ADD_FAILURE() << "ZERO3D_IO_FAULT never ran out of points";
@@ -207,6 +211,20 @@ TEST(CheckpointFaults, ReSavingAnExistingTagKilledAtEveryPointKeepsLatestLoadabl
   }();
   const std::string args = "--set training.steps=3 --set training.resume=global_step2";
   EXPECT_GE(walk_faults(base, args, "rename", "kill"), 4);
+}
+
+// A re-save killed between moving its tag aside and publishing leaves `latest` naming a missing
+// directory: the next start puts the complete copy back, even when it has nothing to train,
+// so tools that follow `latest` (h5dump) read it again.
+TEST(CheckpointFaults, TheNextStartPutsATagMovedAsideByAKilledReSaveBackInPlace) {
+  const std::string out = fresh("ckfault_aside"), ck = out + "/checkpoints";
+  ASSERT_EQ(train(out, "--set training.steps=3").code, 0);
+  sh("mv " + ck + "/global_step3 " + ck + "/global_step3.old.tmp");  // the state such a kill leaves
+  const Result r = train(out, "--set training.steps=3 --set training.resume=latest");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("nothing to do"), std::string::npos) << r.out;
+  EXPECT_TRUE(fs::exists(ck + "/global_step3/index.h5"));
+  EXPECT_FALSE(fs::exists(ck + "/global_step3.old.tmp"));
 }
 
 // Item 1 across ranks: one rank's failed or killed write fails the whole save; the failure is
@@ -280,6 +298,51 @@ TEST(CheckpointCleanup, ForeignDirectoriesAndOtherRunsTagsSurviveSavesAndRotatio
   EXPECT_EQ(clash.code, 2) << clash.err;
   EXPECT_NE(clash.err.find(out + "/x/global_step1"), std::string::npos) << clash.err;
   EXPECT_TRUE(fs::exists(out + "/x/global_step1/manifest.json"));
+}
+
+// A run writes only what is its own: a fresh run into the save_dir of an earlier run, a save_dir
+// holding a foreign tag the run would save, or an output directory holding files no zero3d run
+// wrote, all stop at start-up (exit 2, naming the path) with nothing written; `validate` says the same.
+TEST(CheckpointOwnership, RunsThatWouldOverwriteWhatIsNotTheirsStopBeforeWritingAnything) {
+  const std::string earlier = fresh("own_earlier"), ck = earlier + "/checkpoints";
+  ASSERT_EQ(train(earlier, "--set training.steps=3").code, 0);
+  const std::string before = slurp(ck + "/global_step2/manifest.json"), metrics = slurp(earlier + "/metrics.jsonl");
+  for (const std::string& cmd : {"train " + t_json() + " --output " + earlier + " --set training.seed=5",
+                                 "validate " + t_json() + " --set training.output_dir=" + earlier}) {
+    const Result r = run(cmd);
+    EXPECT_EQ(r.code, 2) << cmd << ": " << r.err;
+    EXPECT_NE(r.err.find(ck + "/latest"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("training.resume \"auto\""), std::string::npos) << "the message names the way on: " << r.err;
+    EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  }
+  EXPECT_EQ(trim(slurp(ck + "/latest")), "global_step3");
+  EXPECT_EQ(slurp(ck + "/global_step2/manifest.json"), before);
+  EXPECT_EQ(slurp(earlier + "/metrics.jsonl"), metrics);
+  const Result resumed = train(earlier, "--set training.steps=4 --set training.resume=auto");  // the way on
+  EXPECT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_EQ(trim(slurp(ck + "/latest")), "global_step4");
+
+  // A foreign global_step1 in save_dir is found before step 1 trains, not at its save.
+  const std::string clash = fresh("own_clash");
+  sh("mkdir -p " + clash + "/checkpoints/global_step1 && echo theirs > " + clash + "/checkpoints/global_step1/model.pt");
+  const Result c = train(clash, "");
+  EXPECT_EQ(c.code, 2) << c.err;
+  EXPECT_NE(c.err.find(clash + "/checkpoints/global_step1"), std::string::npos) << c.err;
+  EXPECT_FALSE(fs::exists(clash + "/metrics.jsonl")) << "the clash was found only after training began";
+  EXPECT_EQ(slurp(clash + "/checkpoints/global_step1/model.pt"), "theirs\n");
+  // ...but one the run will never save (step 0, or past training.steps) is left alone.
+  sh("mv " + clash + "/checkpoints/global_step1 " + clash + "/checkpoints/global_step100");
+  EXPECT_EQ(train(clash, "").code, 0);
+  EXPECT_EQ(slurp(clash + "/checkpoints/global_step100/model.pt"), "theirs\n");
+
+  // An output directory with someone's config.json and no zero3d run's lock.
+  const std::string theirs = fresh("own_foreign_out");
+  sh("mkdir -p " + theirs + " && echo '{\"mine\": 1}' > " + theirs + "/config.json");
+  const Result f = train(theirs, "");
+  EXPECT_EQ(f.code, 2) << f.err;
+  EXPECT_NE(f.err.find(theirs + ": holds config.json"), std::string::npos) << f.err;
+  EXPECT_EQ(slurp(theirs + "/config.json"), "{\"mine\": 1}\n");
+  EXPECT_FALSE(fs::exists(theirs + "/checkpoints"));
 }
 
 // --- corruption suite (items 5 and 7): each defect is found by resume and by inspect ---------

@@ -324,6 +324,16 @@ TEST(Convert, StaleOutputsOfAnEarlierConvertToTheSameNameAreRemovedAndNothingEls
   ASSERT_EQ(run("convert " + trained().checkpoints() + " " + out + " --max-shard-size 80KB").code, 0);
   EXPECT_EQ(ours(), (std::set<std::string>{"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                                            "model.safetensors.index.json", "config.json"}));
+
+  // A file with an output's name stays unless it records that convert wrote it ("source").
+  std::ofstream(dir + "/model.safetensors.index.json") << "{\"weight_map\": {}}\n";
+  std::ofstream(dir + "/model-00004-of-00005.safetensors") << "keep";
+  const Result one = run("convert " + trained().checkpoints() + " " + out);
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_EQ(ours(), (std::set<std::string>{"model.safetensors", "config.json", "model.safetensors.index.json",
+                                           "model-00004-of-00005.safetensors"}));
+  EXPECT_EQ(slurp(dir + "/model-00004-of-00005.safetensors"), "keep");
+  EXPECT_EQ(count(one.out, "removed "), 2u) << one.out;
 }
 
 // --- progress -----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli_helpers.hpp"
+#include "h5.hpp"
 
 using namespace cli;
 
@@ -165,6 +166,48 @@ TEST(TensorParallel, ResumesAcrossPipeDataTensorLayoutsWithinOneInAMillion) {
   EXPECT_EQ(shapes["wte.weight"], json::array({61, 32}));
   EXPECT_EQ(shapes["h.0.attn.c_attn.weight"], json::array({32, 96}));
   EXPECT_EQ(shapes["h.5.mlp.c_proj.weight"], json::array({128, 32}));
+}
+
+// A tensor-parallel shard holds each column-split matrix as one segment per row: at 12 layers
+// of width 64 the metadata outgrows an HDF5 attribute (64 KiB), and index.h5 must still map each
+// column block (c_attn's q, k and v of a shard) as one rectangle, not one piece per row.
+TEST(TensorParallel, SavesShardsOfThousandsOfRowSegmentsMappingEachColumnBlockOnce) {
+  json cfg = tp_config();
+  cfg["model"]["n_layer"] = 12;
+  cfg["model"]["n_embd"] = 64;
+  cfg["training"]["steps"] = 3;
+  cfg["training"]["save_interval"] = 2;
+  const std::string config = write_config("tp_rows.json", cfg), dir = temp_path("tp_rows");
+  const Result saved = run("train " + config + " --output " + dir + " --set tensor_parallel.autotp_size=2", 2);
+  ASSERT_EQ(saved.code, 0) << saved.out << saved.err;
+  const std::vector<double> losses = losses_of(read_metrics(dir));
+  ASSERT_EQ(losses.size(), 3u);
+  const std::string tag = dir + "/checkpoints/global_step2";
+  {
+    hid_t f = H5Fopen((tag + "/index.h5").c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    ASSERT_GE(f, 0);
+    std::string meta;
+    EXPECT_TRUE(zero3d::h5::read_text(f, "meta", meta));
+    EXPECT_GT(meta.size(), 65536u) << "the case this test is for: metadata beyond an attribute's limit";
+    hid_t ds = H5Dopen2(f, "/h.0.attn.c_attn.weight", H5P_DEFAULT), dcpl = H5Dget_create_plist(ds);
+    size_t pieces = 0;
+    ASSERT_GE(H5Pget_virtual_count(dcpl, &pieces), 0);
+    EXPECT_EQ(pieces, 6u) << "2 shards x (q, k, v) column blocks of 64 rows each";
+    H5Pclose(dcpl);
+    H5Dclose(ds);
+    H5Fclose(f);
+  }
+  const Result inspect = run("inspect " + dir + "/checkpoints --tag global_step2 --json");
+  ASSERT_EQ(inspect.code, 0) << inspect.err;
+  EXPECT_EQ(json::parse(inspect.out).at("topology"), (json{{"pipe", 1}, {"data", 1}, {"model", 2}}));
+  const Result none = run("inspect " + dir + "/checkpoints --tag global_step9");
+  EXPECT_EQ(none.code, 2);
+  EXPECT_NE(none.err.find("--tag global_step9: " + dir + "/checkpoints holds no such tag (it holds global_step2, "
+                          "global_step3)"), std::string::npos) << none.err;
+  const std::string resumed = temp_path("tp_rows_resumed");
+  const Result r = run("train " + config + " --output " + resumed + " --set training.resume=" + tag, 1);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  expect_losses_close(losses_of(read_metrics(resumed)), {losses[2]}, 1e-6, "resumed at one rank");
 }
 
 struct Misconfig {
