@@ -202,6 +202,10 @@ DataSourceConfig read_data_source(Section& top, Section& sec, const ModelConfig&
   d.shuffle = sec.boolean("shuffle", false);
   if (d.source != DataSource::Synthetic && d.path.empty())
     sec.report_key("path", "is required when " + sec.key_path("source") + " is \"" + src + "\"");
+  if (d.source == DataSource::Synthetic && !d.path.empty())  // never read: training on it would be a silent substitute
+    sec.report_key("path", "value " + show(json(d.path)) + " is not read: " + sec.key_path("source") +
+                               " is \"synthetic\"" + (sec.has("source") ? "" : " (the default)") +
+                               "; set it to \"text\" (bytes) or \"tokens\" (llm.c .bin shards)");
   if (d.source == DataSource::Text && model.vocab_size < 256)
     top.report("model.vocab_size", "byte-level text needs vocab_size >= 256, got " + std::to_string(model.vocab_size));
   return d;
@@ -284,6 +288,10 @@ PipelineConfig read_pipeline(Section& top, std::optional<int>& checkpoint_interv
   if (p.virtual_stages > 1 && p.schedule != pipe::ScheduleKind::Interleaved)
     sec.report_key("virtual_stages", "virtual_stages " + std::to_string(p.virtual_stages) +
                                        " needs \"schedule\": \"interleaved\" (the schedule is " + sched + ")");
+  if (p.schedule == pipe::ScheduleKind::Interleaved && p.virtual_stages < 2)  // v = 1 would run plain 1F1B
+    sec.report_key("virtual_stages", std::string(sec.has("virtual_stages") ? "value 1" : "absent (1)") +
+                                       ": \"schedule\": \"interleaved\" needs virtual_stages >= 2 chunks per stage; "
+                                       "with one chunk it is \"1f1b\"");
   // seed_layers: parameters are drawn from (seed, tensor name) whatever the layout, which is
   // what seed_layers buys in DeepSpeed; both values give the same model here.
   sec.boolean("seed_layers", false);

@@ -109,8 +109,9 @@ json parse_json_text(const std::string& text, const std::string& file) {
       else ++col;
     }
     std::string what = e.what();
-    auto cut = what.find("syntax error while parsing ");
-    std::string detail = cut == std::string::npos ? what : what.substr(cut + 20);
+    const std::string lead = "syntax error while ";  // nlohmann's words before "parsing <what> - <why>"
+    auto cut = what.find(lead + "parsing ");
+    std::string detail = cut == std::string::npos ? what : what.substr(cut + lead.size());
     throw InputError(file + ":" + std::to_string(line) + ":" + std::to_string(col) +
                      ": JSON syntax error: " + echo(detail, 160));
   } catch (const json::exception& e) {

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <new>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -415,7 +416,29 @@ struct EstimateArgs {
   bool json = false;
   bool largest_layer_given = false;
   bool world_size_given = false;  // without --world-size the budget is for one rank, and says so
+  std::set<std::string> given;     // the options on the command line
 };
+
+// Each mode reads its own options; one given to the other mode would be ignored, so it is an error.
+void check_estimate_mode(const EstimateArgs& a) {
+  const bool table = a.kind == "zero2" || a.kind == "zero3";
+  const std::set<std::string> table_only = {"--params", "--largest-layer-params", "--gpus-per-node", "--nodes",
+                                            "--additional-buffer-factor", "--model"};
+  const std::set<std::string> budget_only = {"--config", "--world-size", "--memory-per-rank", "--report", "--json"};
+  for (const std::string& o : a.given) {
+    if (table && budget_only.count(o))
+      throw InputError("estimate " + a.kind + " " + o + ": DeepSpeed's " + a.kind +
+                       " table does not use it; it belongs to `zero3d estimate --config CONFIG`");
+    if (!table && a.kind.empty() && table_only.count(o))
+      throw InputError("estimate " + o + ": used by DeepSpeed's tables (`zero3d estimate zero2|zero3`), not by the "
+                       "budget of --config");
+  }
+  if (table && a.given.count("--params") && a.given.count("--model"))
+    throw InputError("estimate " + a.kind + ": give --params (a cold estimate) or --model CONFIG (counts from its "
+                     "model), not both");
+  if (a.kind == "zero2" && a.given.count("--largest-layer-params"))
+    throw InputError("estimate zero2 --largest-layer-params: only zero3's table uses the largest layer");
+}
 
 // Options of DeepSpeed's cold estimators: finite, in range, and GPU counts whose product fits.
 void check_estimate_options(const EstimateArgs& a) {
@@ -426,8 +449,14 @@ void check_estimate_options(const EstimateArgs& a) {
       throw InputError(buf);
     }
   };
-  if (a.params != 0) number("--params", a.params, 1, 1e15);
+  if (a.given.count("--params")) number("--params", a.params, 1, 1e15);
   if (a.largest_layer_given) number("--largest-layer-params", a.largest_layer, 0, 1e15);
+  if (a.given.count("--params") && a.largest_layer_given && a.largest_layer > a.params) {
+    char buf[200];
+    std::snprintf(buf, sizeof(buf), "estimate --largest-layer-params %g: more than the whole model (--params %g)",
+                  a.largest_layer, a.params);
+    throw InputError(buf);
+  }
   number("--additional-buffer-factor", a.buffer_factor, 1, 100);
   if (int64_t(a.gpus_per_node) * a.nodes > kMaxRanks)
     throw InputError("estimate --gpus-per-node " + std::to_string(a.gpus_per_node) + " --nodes " +
@@ -442,6 +471,7 @@ std::string mib(int64_t bytes) {
 
 int cmd_estimate(EstimateArgs a, int rank) {
   if (rank != 0) return kExitOk;
+  check_estimate_mode(a);
   check_estimate_options(a);
   if (a.kind == "zero2" || a.kind == "zero3") {
     // Cold (--params) or live (--model CONFIG, with --set applied: counts from the model definition).
@@ -474,6 +504,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
   std::vector<FitAnswer> fits;  // --memory-per-rank: what fits at each ZeRO stage
   if (!a.memory_per_rank.empty()) {
     limit = size_option("--memory-per-rank", a.memory_per_rank);
+    if (limit <= 0) throw InputError("estimate --memory-per-rank " + echo(a.memory_per_rank) + ": expected a size above 0");
     for (int stage = 0; stage <= 3; ++stage) fits.push_back(what_fits(cfg, a.world_size, stage, limit));
   }
   if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets, fits, limit);
@@ -688,6 +719,8 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     est.largest_layer_given = estimate->count("--largest-layer-params") > 0;
     est.world_size_given = estimate->count("--world-size") > 0;
+    for (const CLI::Option* o : estimate->get_options())
+      if (o->count() > 0 && !o->get_name().empty() && o->get_name()[0] == '-') est.given.insert(o->get_name());
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
     else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
     else if (tune->parsed())
@@ -712,8 +745,15 @@ int main(int argc, char** argv) {
     // --help and --version are "errors" with exit code 0 in CLI11.
     if (rank == 0) {
       // CLI11 echoes the offending argument raw: escape and cap it like every other message.
+      // A mistyped command reaches CLI11 as a stray positional: name it and the commands.
+      const bool unknown_command = argc > 1 && argv[1][0] != '-' && app.get_subcommands().empty();
       if (e.get_exit_code() == 0) app.exit(e);
-      else std::fprintf(stderr, "zero3d: error: %s (see --help)\n", echo(e.what(), 300).c_str());
+      else if (unknown_command) {
+        std::string names;
+        for (const CLI::App* sub : app.get_subcommands({})) names += (names.empty() ? "" : ", ") + sub->get_name();
+        std::fprintf(stderr, "zero3d: error: unknown command `%s` (commands: %s; see --help)\n",
+                     echo(argv[1], 80).c_str(), names.c_str());
+      } else std::fprintf(stderr, "zero3d: error: %s (see --help)\n", echo(e.what(), 300).c_str());
     }
     code = e.get_exit_code() == 0 ? kExitOk : kExitBadInput;
   } catch (const AgreedFailure& e) {

@@ -747,4 +747,32 @@ TEST(Estimate, MemoryPerRankSaysWhatFits) {
   EXPECT_NE(none.out.find("none (model states alone"), std::string::npos) << none.out;
 }
 
+// Each mode reads its own options: one the chosen mode would ignore is an error naming it, as
+// are values it would take as "not given" (--params 0, --memory-per-rank 0) or that contradict.
+TEST(Estimate, OptionsTheChosenModeWouldIgnoreAreRejectedByName) {
+  const std::string cfg = kSource + "/input/quickstart.json";
+  for (const auto& [args, named] : std::vector<std::pair<std::string, std::string>>{
+           {"zero2 --params 1e9 --world-size 4", "--world-size"},
+           {"zero3 --params 1e9 --largest-layer-params 1e6 --report r.h5", "--report"},
+           {"zero2 --params 1e9 --json", "--json"},
+           {"zero2 --params 1e9 --model " + cfg, "not both"},
+           {"zero2 --params 1e9 --largest-layer-params 1e6", "--largest-layer-params"},
+           {"--config " + cfg + " --nodes 2", "--nodes"},
+           {"--config " + cfg + " --params 1e9", "--params"},
+           {"--config " + cfg + " --memory-per-rank 0", "--memory-per-rank 0"},
+           {"zero2 --params 0", "--params 0"},
+           {"zero3 --params 1e9 --largest-layer-params 2e9", "more than the whole model"}}) {
+    const Result r = run("estimate " + args);
+    EXPECT_EQ(r.code, 2) << args << ": " << r.out << r.err;
+    EXPECT_NE(r.err.find(named), std::string::npos) << args << ": " << r.err;
+    EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  }
+}
+
+TEST(Cli, MistypedCommandIsNamedWithTheCommands) {
+  const Result r = run("trian " + kSource + "/input/quickstart.json");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("unknown command `trian` (commands: train,"), std::string::npos) << r.err;
+}
+
 }  // namespace

@@ -226,12 +226,37 @@ TEST(ConfigValidation, EmbeddingMustSplitIntoHeads) {
   EXPECT_NE(error_of(j).find("`model.n_embd`"), std::string::npos);
 }
 
+// A key that is read nowhere would be a silent substitute: a data path under the synthetic
+// source (the default), an interleaved schedule with one chunk per stage (which is 1F1B).
+TEST(ConfigValidation, DataPathWithTheSyntheticSourceIsRejectedNotIgnored) {
+  json j = minimal();
+  j["data"] = {{"path", "corpus.txt"}};
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("`data.path`"), std::string::npos) << e;
+  EXPECT_NE(e.find("(the default)"), std::string::npos) << e;
+  j["data"]["source"] = "text";
+  EXPECT_EQ(error_of(j).find("`data.path`"), std::string::npos);
+  j["data"] = {{"source", "text"}, {"path", "a.txt"}, {"validation", {{"source", "synthetic"}, {"path", "b.txt"}}}};
+  EXPECT_NE(error_of(j).find("`data.validation.path`"), std::string::npos) << error_of(j);
+}
+
+TEST(ConfigValidation, InterleavedScheduleNeedsTwoOrMoreVirtualStages) {
+  json j = minimal();
+  j["pipeline"] = {{"stages", 2}, {"schedule", "interleaved"}};
+  EXPECT_NE(error_of(j, 2).find("`pipeline.virtual_stages`"), std::string::npos) << error_of(j, 2);
+  j["pipeline"]["virtual_stages"] = 1;
+  EXPECT_NE(error_of(j, 2).find("needs virtual_stages >= 2"), std::string::npos) << error_of(j, 2);
+  j["pipeline"]["virtual_stages"] = 2;
+  EXPECT_EQ(error_of(j, 2).find("virtual_stages"), std::string::npos) << error_of(j, 2);
+}
+
 TEST(JsonParsing, SyntaxErrorGivesFileLineAndColumn) {
   try {
     parse_json_text("{\n  \"a\": 1,\n  \"b\": ,\n}", "bad.json");
     FAIL() << "accepted invalid JSON";
   } catch (const InputError& e) {
     EXPECT_EQ(std::string(e.what()).rfind("bad.json:3:8:", 0), 0u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("JSON syntax error: parsing value"), std::string::npos) << e.what();
   }
 }
 
