@@ -188,6 +188,8 @@ SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t
   fill("warmup_min_lr", 0.0, "Hugging Face's value");
   fill("warmup_max_lr", opt.lr, "the optimizer's lr, as Hugging Face fills it");
   fill("warmup_num_steps", 0, "Hugging Face's warmup_steps/warmup_ratio default 0");
+  // "auto" from training.steps: a bad value is training.steps's, so the message names that key.
+  const bool total_from_steps = p.is_auto("total_num_steps") || !p.has("total_num_steps");
   fill("total_num_steps", total_steps, "training.steps");
   fill("cycle_max_lr", opt.lr, "the optimizer's lr");
   auto warmup = [&](double default_max) {
@@ -197,6 +199,12 @@ SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t
     s.warmup_log = p.choice("warmup_type", "log", {"log", "linear"}) == "log";
   };
   auto total = [&]() {
+    if (total_from_steps && total_steps < 1) {
+      p.mark_known("total_num_steps");
+      p.report("training.steps", "value " + std::to_string(total_steps) + " leaves " + p.key_path("total_num_steps") +
+                                     " (taken from it) without a step; " + type + " needs at least 1");
+      return;
+    }
     s.total_num_steps = p.integer("total_num_steps", total_steps, 1, kMaxInt * 1000LL);
   };
   // DeepSpeed's WarmupDecayLR/WarmupCosineLR only warn when warmup outlasts the schedule.

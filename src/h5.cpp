@@ -42,8 +42,10 @@ File File::open_read(const std::string& path) {
 
 File File::create(const std::string& path, int64_t reserve_bytes) {
   quiet_errors();
+  errno = 0;
   hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
-  if (id < 0) throw SystemError(path + ": cannot create HDF5 file");
+  // HDF5's sec2 driver leaves the open(2) error in errno: the reason a user can act on.
+  if (id < 0) throw SystemError(path + ": cannot create HDF5 file" + (errno != 0 ? std::string(": ") + std::strerror(errno) : ""));
   File f(id, path, true);
   void* vfd = nullptr;
   if (reserve_bytes > 0 && H5Fget_vfd_handle(id, H5P_DEFAULT, &vfd) >= 0 && vfd) {

@@ -173,6 +173,9 @@ TEST(ConfigValidation, AutoTotalStepsResolvesToTrainingSteps) {
   Config c = read_config(j, "cfg.json", 2);
   EXPECT_EQ(c.scheduler.total_num_steps, 77);
   EXPECT_EQ(c.resolved["scheduler"]["params"]["total_num_steps"], 77);
+  // training.steps 0 leaves the "auto" schedule without a step: the message names the key set.
+  j["training"]["steps"] = 0;
+  EXPECT_NE(error_of(j).find("`training.steps`: value 0"), std::string::npos) << error_of(j);
 }
 
 TEST(ConfigValidation, ResolvedConfigHoldsEveryDefault) {
