@@ -50,8 +50,9 @@ std::vector<int32_t> read_token_shard(const std::string& path, const std::string
     throw InputError(name + ": unsupported token shard version " + std::to_string(header[1]) + " (expected 1)");
   const int64_t n = header[2];
   if (n < 0) throw InputError(name + ": header says " + std::to_string(n) + " tokens (a count cannot be negative)");
-  // Checked against the file before allocating: a header may promise gigabytes.
-  if (2 * n > size - kShardHeaderBytes)
+  // Checked against the file before allocating: a header may promise gigabytes. A longer file
+  // (a shard with something appended) is rejected as llm.c rejects it: its tail would go unread.
+  if (2 * n != size - kShardHeaderBytes)
     throw InputError(name + ": header promises " + std::to_string(n) + " tokens (" + std::to_string(2 * n) +
                      " bytes) but the file holds " + std::to_string(size - kShardHeaderBytes) + " bytes after it");
   std::vector<uint16_t> raw(static_cast<size_t>(n));
@@ -62,7 +63,6 @@ std::vector<int32_t> read_token_shard(const std::string& path, const std::string
 
 DataLoader::DataLoader(const DataSourceConfig& cfg, int64_t vocab_size, int64_t B, int64_t T, uint64_t seed)
     : cfg_(cfg), V_(vocab_size), B_(B), T_(T), seed_(seed) {
-  const int64_t window = B * T;
   // Validation samples: the same successor permutation (the same task), a stream of their own.
   if (cfg.role == DataRole::Validation) stream_ = hash_name("data.validation");
   const std::string path_key = std::string(key()) + ".path";
@@ -96,18 +96,21 @@ DataLoader::DataLoader(const DataSourceConfig& cfg, int64_t vocab_size, int64_t 
                            " is outside model.vocab_size " + std::to_string(V_));
     }
     const int64_t n = static_cast<int64_t>(toks.size());
-    if (n < window + 1)
-      throw InputError(echo(f, 200) + ": has " + std::to_string(n) + " tokens; one micro-batch needs B*T+1 = " +
-                       std::to_string(window + 1));
-    // llm.c moves on to the next shard when a window of B*T+1 would run past the end.
+    if (n < T + 1)
+      throw InputError(echo(f, 200) + ": has " + std::to_string(n) + " tokens; one sample needs n_positions+1 = " +
+                       std::to_string(T + 1));
+    // Sample k of a file: its tokens [k·T, k·T + T + 1), as long as they fit. Inside a file this
+    // is llm.c's order (a micro-batch of B samples is its window of B·T+1 tokens); at a file's
+    // end every whole sample is read (llm.c drops the tail shorter than B·T+1), so which tokens a
+    // sample number reads never depends on the micro-batch size, hence on the data-parallel size.
     const int64_t base = static_cast<int64_t>(tokens_.size());
-    for (int64_t pos = 0; pos + window + 1 <= n; pos += window) window_starts_.push_back(base + pos);
+    for (int64_t pos = 0; pos + T + 1 <= n; pos += T) sample_starts_.push_back(base + pos);
     tokens_.insert(tokens_.end(), toks.begin(), toks.end());
   }
   description_ = std::string(cfg.source == DataSource::Text ? "byte-level text" : "llm.c token shards") + " (" +
                  std::to_string(files.size()) + " file" + (files.size() > 1 ? "s" : "") + ", " +
                  std::to_string(tokens_.size()) + " tokens, " +
-                 (cfg.shuffle ? "shuffled windows" : std::to_string(window_starts_.size()) + " sequential windows") +
+                 (cfg.shuffle ? "shuffled samples" : std::to_string(sample_starts_.size()) + " sequential samples") +
                  ")";
 }
 
@@ -115,7 +118,7 @@ std::string DataLoader::describe() const { return description_; }
 
 int64_t DataLoader::samples_per_epoch() const {
   if (cfg_.source == DataSource::Synthetic || cfg_.shuffle) return 0;
-  return static_cast<int64_t>(window_starts_.size()) * B_;
+  return static_cast<int64_t>(sample_starts_.size());
 }
 
 void DataLoader::synthetic_sample(int64_t s, int32_t* inputs, int32_t* targets) const {
@@ -130,7 +133,7 @@ void DataLoader::synthetic_sample(int64_t s, int32_t* inputs, int32_t* targets) 
 
 void DataLoader::micro_batch(int64_t first_sample, int32_t* inputs, int32_t* targets) const {
   const int64_t n = static_cast<int64_t>(tokens_.size());
-  const int64_t samples_per_epoch = static_cast<int64_t>(window_starts_.size()) * B_;
+  const int64_t samples_per_epoch = static_cast<int64_t>(sample_starts_.size());
   for (int64_t b = 0; b < B_; ++b) {
     const int64_t s = first_sample + b;
     int32_t* in = inputs + b * T_;
@@ -143,9 +146,8 @@ void DataLoader::micro_batch(int64_t first_sample, int32_t* inputs, int32_t* tar
     if (cfg_.shuffle) {  // a seeded random offset per sample
       Rng rng(seed_, static_cast<uint64_t>(s) ^ 0x5EFF1Eull ^ stream_);
       start = static_cast<int64_t>(rng.below(static_cast<uint64_t>(n - T_)));
-    } else {  // row b of llm.c's window: window s / B, wrapping after the last full window
-      const int64_t e = s % samples_per_epoch;
-      start = window_starts_[static_cast<size_t>(e / B_)] + (e % B_) * T_;
+    } else {  // the next whole sample, wrapping after the last one
+      start = sample_starts_[static_cast<size_t>(s % samples_per_epoch)];
     }
     std::copy_n(tokens_.begin() + start, T_, in);
     std::copy_n(tokens_.begin() + start + 1, T_, tgt);

@@ -4,9 +4,11 @@
 //
 // The engine gives the micro-batch of (step, micro_step, dp_rank) the B samples starting at
 // s = step·train_batch_size + (micro_step·W + dp_rank)·B: the same global batch whatever
-// the split into ranks and accumulation steps. With llm.c token shards and shuffle off, B
-// consecutive samples starting at a multiple of B are the window of B·T+1 consecutive tokens
-// llm.c's DataLoader reads (process_rank = dp_rank, num_processes = W).
+// the split into ranks and accumulation steps. Sample s never depends on B. With llm.c token
+// shards and shuffle off, B consecutive samples starting at a multiple of B inside a shard are
+// the window of B·T+1 consecutive tokens llm.c's DataLoader reads (process_rank = dp_rank,
+// num_processes = W); at a shard's end zero3d reads every whole sample where llm.c skips the
+// tail shorter than a window.
 #pragma once
 
 #include <cstdint>
@@ -26,7 +28,7 @@ class DataLoader {
 
   std::string describe() const;
   int64_t num_tokens() const { return static_cast<int64_t>(tokens_.size()); }
-  // Distinct samples before the order repeats (sequential windows); 0 when unbounded
+  // Distinct samples before the order repeats (sequential samples); 0 when unbounded
   // (synthetic, or shuffled offsets).
   int64_t samples_per_epoch() const;
   // Where the source comes from in the config: "data" or "data.validation".
@@ -40,7 +42,7 @@ class DataLoader {
   uint64_t seed_;
   uint64_t stream_ = 0;                // xor-ed into every sample's random stream: 0 for training data
   std::vector<int32_t> tokens_;        // text bytes or shard tokens, concatenated
-  std::vector<int64_t> window_starts_; // sequential windows (llm.c order), across shards
+  std::vector<int64_t> sample_starts_; // sequential samples (T+1 tokens, T apart), file by file
   std::vector<int32_t> successor_;     // synthetic task: the likely next token of each token
   std::string description_;
 };

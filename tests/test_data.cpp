@@ -44,14 +44,55 @@ TEST(TokenShards, MicroBatchKIsTheWindowStartingAtKTimesBT) {
   }
 }
 
-TEST(TokenShards, WindowsWrapAroundAfterTheLastFullOne) {
-  // 100 tokens, B*T = 8: windows start at 0, 8, ..., 88 (88 + 9 <= 100) -> 12 windows.
-  DataLoader data(tokens_config(write_shard("shard_b.bin", 100)), 50, 2, 4, 1);
+TEST(TokenShards, SamplesWrapAroundAfterTheLastWholeOne) {
+  // 103 tokens, T = 4: samples start at 0, 4, ..., 96 (96 + 5 <= 103) -> 25 samples.
+  DataLoader data(tokens_config(write_shard("shard_b.bin", 103)), 50, 2, 4, 1);
+  EXPECT_EQ(data.samples_per_epoch(), 25);
   std::vector<int32_t> in(8), tgt(8);
-  data.micro_batch(12 * 2, in.data(), tgt.data());
-  EXPECT_EQ(in[0], 0);
-  data.micro_batch(11 * 2, in.data(), tgt.data());
-  EXPECT_EQ(in[0], 88 % 50);
+  data.micro_batch(24, in.data(), tgt.data());  // the last sample, then the first again
+  EXPECT_EQ(in[0], 96 % 50);
+  EXPECT_EQ(in[4], 0);
+}
+
+// Which tokens sample s reads depends on (seed, s) only: micro-batches of 1, 2 or 3 samples see
+// the same samples across a shard's end and the wrap-around (a global batch split over more
+// data-parallel ranks has smaller micro-batches).
+TEST(TokenShards, ASampleIsTheSameWhateverMicroBatchItIsPartOf) {
+  const std::string glob = ::testing::TempDir() + "shard_e_*.bin";
+  write_shard("shard_e_0.bin", 31);
+  write_shard("shard_e_1.bin", 23);
+  auto samples = [&](int64_t B) {
+    DataLoader data(tokens_config(glob), 50, B, 4, 1);
+    std::vector<int32_t> all, in(4 * B), tgt(4 * B);
+    for (int64_t s = 0; s < 24; s += B) {
+      data.micro_batch(s, in.data(), tgt.data());
+      all.insert(all.end(), in.begin(), in.end());
+      all.insert(all.end(), tgt.begin(), tgt.end());
+    }
+    return std::make_pair(data.samples_per_epoch(), all);
+  };
+  const auto one = samples(1);
+  EXPECT_EQ(one.first, 7 + 5);  // (31 - 1) / 4 and (23 - 1) / 4 whole samples
+  for (int64_t B : {2, 3}) {
+    const auto b = samples(B);
+    EXPECT_EQ(b.first, one.first) << "B = " << B;
+    for (size_t s = 0; s < 24; s += size_t(B))  // samples s..s+B-1: inputs then targets
+      for (int64_t k = 0; k < B; ++k)
+        EXPECT_EQ(std::vector<int32_t>(b.second.begin() + (s * 8 + k * 4), b.second.begin() + (s * 8 + k * 4 + 4)),
+                  std::vector<int32_t>(one.second.begin() + (s + k) * 8, one.second.begin() + (s + k) * 8 + 4))
+            << "sample " << s + k << " at B = " << B;
+  }
+}
+
+TEST(TokenShards, BytesBeyondTheHeadersCountAreRejectedNamingTheFile) {
+  const std::string path = write_shard("shard_f.bin", 100);
+  std::ofstream(path, std::ios::binary | std::ios::app) << "xyz";
+  try {
+    DataLoader data(tokens_config(path), 50, 2, 4, 1);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
 }
 
 TEST(TokenShards, WrongMagicIsRejectedNamingTheFile) {
@@ -69,8 +110,9 @@ TEST(TokenShards, TokenOutsideVocabularyIsRejected) {
   EXPECT_THROW(DataLoader(tokens_config(write_shard("shard_c.bin", 100)), 40, 2, 4, 1), InputError);
 }
 
-TEST(TokenShards, ShardTooSmallForOneMicroBatchIsRejected) {
-  EXPECT_THROW(DataLoader(tokens_config(write_shard("shard_d.bin", 8)), 50, 2, 4, 1), InputError);
+TEST(TokenShards, ShardTooSmallForOneSampleIsRejected) {
+  EXPECT_THROW(DataLoader(tokens_config(write_shard("shard_d.bin", 4)), 50, 2, 4, 1), InputError);
+  EXPECT_NO_THROW(DataLoader(tokens_config(write_shard("shard_d5.bin", 5)), 50, 2, 4, 1));
 }
 
 TEST(TextData, BytesAreTokens) {
