@@ -286,14 +286,16 @@ void check_offload(Section& top, const Config& c) {
 // data-parallel gradient sum divides (grad_reducer.hpp reduce_scaling). DeepSpeed applies them
 // in its non-ZeRO all-reduce and in ZeRO-1/2's all-reduce path; its ZeRO-2/3 reduce-scatter
 // asserts them off and its ZeRO-1 reduce-scatter always divides first. zero3d's reduce-scatter
-// is the all-reduce restricted to each rank's part, so it applies them at every stage.
+// is the all-reduce restricted to each rank's part, so it applies them at every stage (without
+// them, stages 1-3 divide first as DeepSpeed's reduce-scatter does).
 void read_gradient_averaging(Section& top, Config& c) {
   const double inf = std::numeric_limits<double>::infinity();
   c.zero.prescale_gradients = top.boolean("prescale_gradients", false);
   c.zero.gradient_predivide_factor = top.number("gradient_predivide_factor", 1.0, 0.0, inf, /*lo_open=*/true);
   if (!c.zero.prescale_gradients && c.zero.gradient_predivide_factor == 1.0) return;
   const int64_t W = c.batch.world_size;
-  const ReduceScaling r = reduce_scaling(c.zero.prescale_gradients, c.zero.gradient_predivide_factor, static_cast<int>(W));
+  const ReduceScaling r = reduce_scaling(c.zero.prescale_gradients, c.zero.gradient_predivide_factor, static_cast<int>(W),
+                                         c.zero.stage >= 1);
   std::ostringstream os;
   os << "note    gradient averaging over " << W << " data-parallel rank" << (W == 1 ? "" : "s") << ": x" << r.pre
      << " before the sum, x" << r.post << " after ("

@@ -620,6 +620,10 @@ void Engine::optimizer_step(StepResult& r) {
   const GradStats& stats = stats_;
   const bool overflow = check_overflow_ && !stats.finite;
   std::string scaler_log;
+  // The norm reported: ZeRO-1/2 divide the scaled norm by the scale before this update
+  // (stage_1_and_2.py step: prev_scale), stage 0 and 3 by the updated one; the update
+  // itself unscales by the updated scale at every stage, as DeepSpeed does.
+  const double report_scale = cfg_.zero.stage == 1 || cfg_.zero.stage == 2 ? scaler_->scale() : 0.0;
   try {
     scaler_log = scaler_->update(overflow, r.step);
   } catch (const SystemError& e) {  // every rank saw the same overflow: agreed, one report
@@ -634,7 +638,7 @@ void Engine::optimizer_step(StepResult& r) {
     r.grad_norm = -1.0;
     ++skipped_steps_;
   } else {
-    r.grad_norm = stats.norm_scaled / scaler_->scale();
+    r.grad_norm = stats.norm_scaled / (report_scale > 0.0 ? report_scale : scaler_->scale());
     zero_->apply_step(r.lr, schedule_->betas(), cfg_.gradient_clipping, scaler_->scale(), stats);
     expert_step(r.lr, cfg_.gradient_clipping, scaler_->scale(), /*skip=*/false);
     schedule_->step();

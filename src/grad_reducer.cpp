@@ -5,9 +5,10 @@
 
 namespace zero3d {
 
-ReduceScaling reduce_scaling(bool prescale_gradients, double gradient_predivide_factor, int world) {
+ReduceScaling reduce_scaling(bool prescale_gradients, double gradient_predivide_factor, int world,
+                             bool zero_partitioned) {
   const double w = static_cast<double>(world), f = gradient_predivide_factor;
-  if (prescale_gradients) return {1.0 / w, 1.0};
+  if (prescale_gradients || (zero_partitioned && f == 1.0)) return {1.0 / w, 1.0};
   return {f != 1.0 ? 1.0 / f : 1.0, f != w ? f / w : 1.0};
 }
 

@@ -42,7 +42,11 @@ struct ReduceScaling {
 };
 // prescale: 1/W before, nothing after. Otherwise (DeepSpeed's postscale) 1/f before when the
 // predivide factor f is not 1, and f/W after when f is not W: (Σ g/f)·f/W, the mean either way.
-ReduceScaling reduce_scaling(bool prescale_gradients, double gradient_predivide_factor, int world);
+// zero_partitioned (ZeRO stage 1-3) with neither set: 1/W before, as DeepSpeed's ZeRO reduce-
+// scatter divides every bucket before the collective (FACTS §5.3, §5.4), so W fp16 gradients
+// that fit one by one never overflow in their sum; stage 0 sums first, as its all-reduce does.
+ReduceScaling reduce_scaling(bool prescale_gradients, double gradient_predivide_factor, int world,
+                             bool zero_partitioned = false);
 
 class GradientReducer {
  public:

@@ -82,7 +82,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
     reducer_ = std::make_unique<GradientReducer>(dp_, part_, dest, types_.grad, stage_ >= 2, cfg_.reduce_bucket_size,
                                                  cfg_.overlap_comm, types_.comm, types_.grad);
   }
-  reducer_->set_scaling(reduce_scaling(zero.prescale_gradients, zero.gradient_predivide_factor, world_));
+  reducer_->set_scaling(reduce_scaling(zero.prescale_gradients, zero.gradient_predivide_factor, world_, stage_ >= 1));
   if (stage_ == 3) {
     // Persistent units stay gathered (DeepSpeed: numel <= param_persistence_threshold while
     // the persistent total stays within model_persistence_threshold; here per unit).

@@ -34,6 +34,14 @@ TEST(ReduceScaling, DeepSpeedsFactorsAroundTheSum) {
   EXPECT_EQ(f8.post, 2.0);
   EXPECT_EQ(fw.pre, 0.25);
   EXPECT_EQ(fw.post, 1.0);  // f == W: nothing after
+  // ZeRO 1-3 with neither key: DeepSpeed's reduce-scatter divides every bucket by W first
+  // (stage_1_and_2.py, stage3.py); stage 0 keeps the all-reduce's sum-then-divide above.
+  const ReduceScaling zero = reduce_scaling(false, 1.0, 4, /*zero_partitioned=*/true);
+  EXPECT_EQ(zero.pre, 0.25);
+  EXPECT_EQ(zero.post, 1.0);
+  const ReduceScaling zero_f8 = reduce_scaling(false, 8.0, 4, true);  // a factor given is applied as given
+  EXPECT_EQ(zero_f8.pre, 0.125);
+  EXPECT_EQ(zero_f8.post, 2.0);
 }
 
 // Every rank holds 49152 (= 1536·32, exact in fp16) per element and the reduction runs in fp16:
