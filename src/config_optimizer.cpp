@@ -205,6 +205,9 @@ SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t
                                      " (taken from it) without a step; " + type + " needs at least 1");
       return;
     }
+    if (!p.has("total_num_steps"))  // DeepSpeed requires it; zero3d takes the run's length, and says so
+      p.note("default " + p.key_path("total_num_steps") + " = " + std::to_string(total_steps) +
+             " (training.steps; DeepSpeed's " + type + " requires the key)");
     s.total_num_steps = p.integer("total_num_steps", total_steps, 1, kMaxInt * 1000LL);
   };
   // DeepSpeed's WarmupDecayLR/WarmupCosineLR only warn when warmup outlasts the schedule.
