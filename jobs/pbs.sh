@@ -20,9 +20,14 @@ fi
 # One directory per job name (PBS_JOBNAME), so that a rerun continues the same run.
 OUTPUT=${OUTPUT:-output/${PBS_JOBNAME:-zero3d}}
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
+# PBS signals every process of the job, this shell too: a trap keeps it alive (bash runs it once
+# mpiexec returns) so that it can requeue. The ranks get the default disposition and save.
+trap 'echo "jobs/pbs.sh: SIGTERM received; waiting for the ranks to save"' TERM
+rm -f "$OUTPUT/requeue"
 mpiexec -np "$NP" "$ZERO3D" train "$CONFIG" --output "$OUTPUT" --set training.resume=auto ${ZERO3D_ARGS:-}
 rc=$?
-if [ "$rc" -eq 75 ] && [ -n "${PBS_JOBID:-}" ]; then  # preempted after a save: run again from it
+# 75, or the note zero3d leaves beside it (mpiexec signalled with its ranks may exit 0 instead).
+if { [ "$rc" -eq 75 ] || [ -e "$OUTPUT/requeue" ]; } && [ -n "${PBS_JOBID:-}" ]; then  # preempted after a save: run again from it
   echo "zero3d saved on the scheduler's signal; rerunning job $PBS_JOBID"
   qrerun "$PBS_JOBID"
   exit 0

@@ -29,5 +29,7 @@ constexpr int kExitBadInput = 2;
 // checkpoint at the step it reached: the job script should requeue it (sysexits.h EX_TEMPFAIL,
 // "a temporary failure; the user is invited to retry").
 constexpr int kExitRequeue = 75;
+// <output>/requeue: written beside exit 75 (the preemption line), removed when a run starts.
+constexpr const char* kRequeueFile = "requeue";
 
 }  // namespace zero3d

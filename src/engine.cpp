@@ -411,11 +411,20 @@ void Engine::stop_for_preemption(int signal, bool stepped) {
   if (stepped) save(false, /*forced=*/true);
   if (groups_.rank() != 0) return;
   const std::string tag = cfg_.training.save_dir + "/global_step" + std::to_string(step_);
-  std::printf("preempted: %s received; %s at step %lld of %lld; exit %d so that the job is requeued (training.resume "
-              "\"auto\" continues from it)\n",
-              signal_name(signal).c_str(), stepped ? ("saved " + tag).c_str() : "no step taken since start-up, nothing new to save",
-              (long long)step_, (long long)cfg_.training.steps, kExitRequeue);
+  char line[1024];
+  std::snprintf(line, sizeof line,
+                "preempted: %s received; %s at step %lld of %lld; exit %d so that the job is requeued (training.resume "
+                "\"auto\" continues from it)\n",
+                signal_name(signal).c_str(), stepped ? ("saved " + tag).c_str() : "no step taken since start-up, nothing new to save",
+                (long long)step_, (long long)cfg_.training.steps, kExitRequeue);
+  std::fputs(line, stdout);
   std::fflush(stdout);
+  // The exit status can be lost on the way out: a launcher signalled with its ranks (mpirun
+  // under a scheduler's job-wide SIGTERM) may report 0. <output>/requeue tells the job script.
+  if (std::FILE* f = std::fopen((output_dir_ + "/" + kRequeueFile).c_str(), "w")) {
+    std::fputs(line, f);
+    std::fclose(f);
+  }
 }
 
 int Engine::peer_stage(int chunk, int delta) const {

@@ -212,6 +212,7 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
                                 cfg.training.steps);
       make_directories(out);
       lock = std::make_unique<OutputDirLock>(out);  // a second job into `out` stops here, naming this one
+      std::remove((out + "/" + kRequeueFile).c_str());  // the last preemption's note: this run is its requeue
     }
   });
   agree_on_configuration(world, cfg);  // agreement.hpp: exit 2 naming the first key on which ranks differ

@@ -116,9 +116,12 @@ TEST_P(Preemption, SigtermSavesTheStepReachedAndTheRequeuedJobContinuesBitForBit
       << out;
   EXPECT_EQ(read_file(first.dir + "/checkpoints/latest"), tag + "\n");
   EXPECT_EQ(run("inspect " + first.dir + "/checkpoints").code, 0);  // complete and verified
+  // The same line in <output>/requeue, for job scripts whose launcher reports 0 instead of 75.
+  EXPECT_EQ(read_file(first.dir + "/requeue").rfind("preempted: SIGTERM received; saved ", 0), 0u);
 
   BackgroundJob requeued(name, job_config(steps), "", 2, sets, /*keep_dir=*/true);
   ASSERT_EQ(requeued.wait(60), 0) << read_file(requeued.err_file);
+  EXPECT_FALSE(std::ifstream(requeued.dir + "/requeue").good()) << "the requeued run removes the last note";
   const std::vector<json> rows = read_metrics(requeued.dir);
   std::vector<int64_t> expect_steps(steps);
   for (int64_t i = 0; i < steps; ++i) expect_steps[i] = i + 1;
@@ -339,8 +342,11 @@ std::string run_job_script(const std::string& name, const std::string& script, c
   std::system(("mkdir -p " + bin + " && rm -f " + log).c_str());
   for (const char* tool : {"mpiexec", "srun", "scontrol", "qrerun"}) {
     const bool launcher = std::string(tool) == "mpiexec" || std::string(tool) == "srun";
+    // FAKE_REQUEUE: leave zero3d's preemption note in $OUTPUT, as a preempted run does.
     std::ofstream(bin + "/" + tool) << "#!/bin/sh\necho \"" << tool << " $*\" >> " << log << "\n"
-                                    << (launcher ? "exit ${FAKE_RC:-0}\n" : "exit 0\n");
+                                    << (launcher ? "[ -n \"$FAKE_REQUEUE\" ] && mkdir -p \"$OUTPUT\" && "
+                                                   "echo preempted > \"$OUTPUT/requeue\"\nexit ${FAKE_RC:-0}\n"
+                                                 : "exit 0\n");
     std::system(("chmod +x " + bin + "/" + tool).c_str());
   }
   const int status = std::system(("cd " + kSource + " && env -u PBS_NODEFILE -u NP -u PBS_JOBID -u SLURM_JOB_ID " + env +
@@ -375,4 +381,42 @@ TEST(JobScripts, PreemptedJobsAreRequeuedAndResumeAutomatically) {
   log = run_job_script("pbs_rerun", "jobs/pbs.sh", "FAKE_RC=75 PBS_JOBID=7.server", &rc);
   EXPECT_EQ(rc, 0);
   EXPECT_NE(log.find("qrerun 7.server"), std::string::npos) << log;
+  // A launcher signalled together with its ranks may exit 0: the note in <output> still requeues,
+  // and a run that finished (no note) is not requeued.
+  const std::string out = temp_path("requeue_note");
+  for (const char* script : {"jobs/slurm.sbatch", "jobs/pbs.sh"}) {
+    log = run_job_script("rc0_note", script, "FAKE_RC=0 FAKE_REQUEUE=1 SLURM_JOB_ID=43 PBS_JOBID=43 OUTPUT=" + out, &rc);
+    EXPECT_EQ(rc, 0) << script;
+    EXPECT_TRUE(log.find("scontrol requeue 43") != std::string::npos || log.find("qrerun 43") != std::string::npos)
+        << script << ": " << log;
+    log = run_job_script("rc0_done", script, "FAKE_RC=0 SLURM_JOB_ID=44 PBS_JOBID=44 OUTPUT=" + out, &rc);
+    EXPECT_EQ(rc, 0) << script;
+    EXPECT_TRUE(log.find("scontrol") == std::string::npos && log.find("qrerun") == std::string::npos)
+        << script << ": a finished run was requeued: " << log;
+  }
+}
+
+// The scheduler signals the job script's own shell too: it must live to requeue.
+TEST(JobScripts, TheScriptSurvivesTheSchedulersSignalToRequeue) {
+  int rc = 0;
+  // A launcher that signals the script (its parent) the way PBS signals the session, then exits 75.
+  const std::string bin = temp_path("sig_bin"), log = temp_path("sig.log");
+  std::system(("mkdir -p " + bin + " && rm -f " + log).c_str());
+  for (const char* tool : {"mpiexec", "srun"}) {
+    std::ofstream(bin + "/" + tool) << "#!/bin/sh\nkill -TERM $PPID\nsleep 1\nexit 75\n";
+    std::system(("chmod +x " + bin + "/" + tool).c_str());
+  }
+  for (const char* tool : {"scontrol", "qrerun"}) {
+    std::ofstream(bin + "/" + tool) << "#!/bin/sh\necho \"" << tool << " $*\" >> " << log << "\nexit 0\n";
+    std::system(("chmod +x " + bin + "/" + tool).c_str());
+  }
+  for (const char* script : {"jobs/slurm.sbatch", "jobs/pbs.sh"}) {
+    std::system(("rm -f " + log).c_str());
+    const int status = std::system(("cd " + kSource + " && env SLURM_JOB_ID=45 PBS_JOBID=45 OUTPUT=" +
+                                    temp_path("sig_out") + " PATH=" + bin + ":$PATH bash " + script + " >/dev/null 2>&1")
+                                       .c_str());
+    rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    EXPECT_EQ(rc, 0) << script << " died of the signal instead of requeueing";
+    EXPECT_NE(read_file(log), "") << script;
+  }
 }
