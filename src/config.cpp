@@ -443,11 +443,13 @@ void read_unsupported_top_level(Section& top) {
 const std::vector<std::string> kDeepSpeedOnlyTopLevel = {
     "seq_parallel_communication_data_type", "zenflow", "train_data", "data_sampling"};
 
-Config read_config_unguarded(const json& given, const std::string& file, int64_t world_size) {
+Config read_config_unguarded(const json& given, const std::string& file, int64_t world_size,
+                             const std::vector<std::string>& set_keys) {
   Config c;
   c.file = file;
   c.resolved = json::object();
   ReadContext ctx;
+  ctx.set_keys = set_keys;
   const json root = with_strategy_preset(given, file, ctx);
   Section top(&root, "", file, &c.resolved, &ctx);
   // The autotuner's input (autotune.cpp autotuning_enabled): its search space and batch may be open.
@@ -564,9 +566,10 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
 }
 }  // namespace
 
-Config read_config(const json& root, const std::string& file, int64_t world_size) {
+Config read_config(const json& root, const std::string& file, int64_t world_size,
+                   const std::vector<std::string>& set_keys) {
   try {
-    return read_config_unguarded(root, file, world_size);
+    return read_config_unguarded(root, file, world_size, set_keys);
   } catch (const json::exception& e) {
     // A value of a type a reader did not expect: bad input, never an internal error.
     throw InputError(file + ": " + json_detail(e));

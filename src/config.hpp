@@ -299,7 +299,10 @@ void apply_override(nlohmann::json& root, const std::string& assignment);
 // data-parallel ranks × tensor ranks; the batch triad is derived over the data-parallel size).
 // Reads the whole config in one pass: throws InputError naming the file, key and value of each
 // problem (one line for one problem; "N problems in FILE:" and one line each for several).
-Config read_config(const nlohmann::json& root, const std::string& file, int64_t world_size);
+// set_keys: the key paths command-line --set overrides gave, so that a problem with one names
+// --set rather than the file.
+Config read_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
+                   const std::vector<std::string>& set_keys = {});
 
 // Lightning's DeepSpeed strategy names (deepspeed, deepspeed_stage_1 … deepspeed_stage_3_offload_nvme)
 // and the config each expands to: DeepSpeedStrategy's defaults. A config's `strategy` key (or

@@ -66,12 +66,20 @@ inline std::string show(const json& v) {
 struct ReadContext {
   std::vector<std::string> problems;  // "`key.path`: why", in the order found
   std::vector<std::string> notes;     // start-up lines: "auto" resolutions, keys with no effect here
+  std::vector<std::string> set_keys;  // key paths the command line's --set gave (not the file)
   // One problem per key: a second one about the same key is a consequence of the first (a
-  // default stood in for the bad value), not news.
+  // default stood in for the bad value), not news. A key --set gave (or lies on the path of)
+  // is named as the command line's, since the file does not hold it.
   void problem(const std::string& line) {
     const std::string key = line.rfind("`", 0) == 0 ? line.substr(0, line.find('`', 1) + 1) : line;
     for (const std::string& p : problems)
       if (p.rfind(key, 0) == 0) return;
+    const std::string path = key.size() > 2 && key[0] == '`' ? key.substr(1, key.size() - 2) : "";
+    for (const std::string& s : set_keys)
+      if (!path.empty() && (s == path || s.rfind(path + ".", 0) == 0)) {
+        problems.push_back(line + " (given by --set " + s + ")");
+        return;
+      }
     problems.push_back(line);
   }
 };

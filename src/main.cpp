@@ -48,6 +48,13 @@ struct ConfigArgs {
   std::string strategy;  // --strategy: a Lightning DeepSpeed preset beneath the config's keys
 };
 
+// The key paths of the --set overrides ("a.b=1" gives "a.b"), for read_config's messages.
+std::vector<std::string> set_keys(const ConfigArgs& a) {
+  std::vector<std::string> keys;
+  for (const std::string& o : a.overrides) keys.push_back(o.substr(0, o.find('=')));
+  return keys;
+}
+
 // Loads the JSON (file or built-in quick-start) and applies --set overrides in order.
 nlohmann::json load_with_overrides(const ConfigArgs& a, std::string& name) {
   nlohmann::json root = a.path.empty() ? quickstart_json() : load_json_file(a.path);
@@ -111,7 +118,7 @@ int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {
   MemoryBudget budget;
   const AvailableMemory avail = available_memory();
   run_collectively(world, [&] {
-    cfg = read_config(load_with_overrides(a, name), name, world_size);
+    cfg = read_config(load_with_overrides(a, name), name, world_size, set_keys(a));
     // The same check as train's, for one rank on this machine: a plan that cannot start here is not valid here.
     budget = check_memory_fits(cfg, 1, avail);
     resume_note = check_run_files(cfg, resolve_run_paths(cfg, a.path, ""));
@@ -198,7 +205,7 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
   run_collectively(world, [&] { check_launch(size); });  // job_control.hpp: N scheduler tasks seen by MPI as N one-rank jobs
   const nlohmann::json tuned = tune_first(a, name, ranks_here, avail, world);
   run_collectively(world, [&] {
-    cfg = read_config(tuned.is_null() ? load_with_overrides(a, name) : tuned, name, size);
+    cfg = read_config(tuned.is_null() ? load_with_overrides(a, name) : tuned, name, size, set_keys(a));
     check_memory_fits(cfg, ranks_here, avail);
     out = resolve_run_paths(cfg, a.path, output_override);
     // Found now, not at the first save: every rank writes its shard into save_dir.
@@ -360,7 +367,7 @@ int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::stri
   run_collectively(world, [&] {
     check_launch(size);
     if (!tag.empty() && checkpoint.empty()) throw InputError("eval --tag " + echo(tag, 100) + ": needs --checkpoint");
-    cfg = read_config(load_with_overrides(a, name), name, size);
+    cfg = read_config(load_with_overrides(a, name), name, size, set_keys(a));
     if (!cfg.data.validation)
       throw InputError(name + ": `data.validation` is not given: zero3d eval evaluates on the validation data");
     check_memory_fits(cfg, ranks_here, avail);
@@ -480,7 +487,8 @@ int cmd_estimate(EstimateArgs a, int rank) {
       throw InputError("estimate " + a.kind + ": --set changes a config; give it with --model CONFIG");
     if (!a.model.empty()) {
       std::string model_name;
-      const Config c = read_config(load_with_overrides({a.model, a.config.overrides, a.config.strategy}, model_name), model_name, 1);
+      const Config c = read_config(load_with_overrides({a.model, a.config.overrides, a.config.strategy}, model_name),
+                                   model_name, 1, set_keys(a.config));
       const ModelCounts counts = count_model(c.model);
       a.params = double(counts.params);
       a.largest_layer = double(counts.largest_layer);
@@ -498,7 +506,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
   if (!a.kind.empty()) throw InputError("estimate: unknown kind \"" + a.kind + "\" (zero2, zero3, or --config)");
   if (a.config.path.empty()) throw InputError("estimate: give zero2/zero3 with --params, or --config CONFIG");
   std::string name;
-  const Config cfg = read_config(load_with_overrides(a.config, name), name, a.world_size);
+  const Config cfg = read_config(load_with_overrides(a.config, name), name, a.world_size, set_keys(a.config));
   std::vector<MemoryBudget> budgets;
   for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage));
   int64_t limit = 0;

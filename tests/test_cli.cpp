@@ -50,6 +50,23 @@ TEST(Cli, UnknownKeyExitsTwoWithOneLineNamingFileAndKey) {
   EXPECT_NE(r.err.find("did you mean `gradient_clipping`"), std::string::npos) << r.err;
 }
 
+// A key the file does not hold is named as the command line's: `--set foo.bar=1` is not a
+// problem the user can find in the file.
+TEST(Cli, AProblemWithAKeyGivenBySetNamesTheSet) {
+  const std::string path = write_config("set_key.json", tiny_config());
+  const Result r = run("validate " + path + " --set foo.bar=1");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("`foo`: unknown key"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("(given by --set foo.bar)"), std::string::npos) << r.err;
+  const Result value = run("validate " + path + " --set optimizer.params.lr=-1");
+  EXPECT_NE(value.err.find("`optimizer.params.lr`: value -1"), std::string::npos) << value.err;
+  EXPECT_NE(value.err.find("(given by --set optimizer.params.lr)"), std::string::npos) << value.err;
+  json j = tiny_config();
+  j["gradient_clipin"] = 1.0;  // a problem in the file itself is not attributed to an unrelated --set
+  const Result file = run("validate " + write_config("set_key2.json", j) + " --set training.steps=3");
+  EXPECT_EQ(file.err.find("given by --set"), std::string::npos) << file.err;
+}
+
 TEST(Cli, BadConfigOnTwoRanksIsReportedOnce) {
   json j = tiny_config();
   j["optimizer"]["params"]["lr"] = "fast";
