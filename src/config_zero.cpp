@@ -78,9 +78,16 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
     o.pipeline_read = off.boolean("pipeline_read", false);
     o.pipeline_write = off.boolean("pipeline_write", false);
     o.fast_init = off.boolean("fast_init", false);
+    if (o.fast_init)  // DeepSpeed skips writing initial swap files with it; results are the same either way
+      off.note("no effect on this build: `" + off.key_path("fast_init") +
+               "` = true (zero3d reserves each swap file once with fallocate, which is as fast)");
     o.ratio = off.number("ratio", 1.0, 0.0, 1.0);
     off.accept_default_only("super_offload", false);
-    off.number("cpuadam_cores_perc", 0.8, 0.0, 1.0, /*lo_open=*/true);  // one Adam thread per rank here
+    if (off.has("cpuadam_cores_perc")) {  // validated, then listed: one Adam thread per rank here
+      const double perc = off.number("cpuadam_cores_perc", 0.8, 0.0, 1.0, /*lo_open=*/true);
+      off.note("no effect on this build: `" + off.key_path("cpuadam_cores_perc") + "` = " + show(json(perc)) +
+               " (DeepSpeed's CPU Adam thread share; zero3d runs the offloaded step on each rank's own thread)");
+    }
     off.finish();
     if (old_opt) off.record("device", "cpu");
   }

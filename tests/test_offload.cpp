@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -118,6 +119,16 @@ TEST(OffloadConfig, NvmeKeysAndTheAioSectionAreRead) {
   EXPECT_EQ(c.zero.aio.intra_op_parallelism, 2);  // thread_count is the old name
   EXPECT_TRUE(c.zero.aio.single_submit);
   EXPECT_FALSE(c.zero.aio.overlap_events);
+  // Keys accepted without an effect here are listed at start-up, never silently taken.
+  auto noted = [&](const Config& cfg, const std::string& key) {
+    for (const std::string& n : cfg.notes)
+      if (n.rfind("no effect on this build: `" + key + "`", 0) == 0) return true;
+    return false;
+  };
+  EXPECT_TRUE(noted(c, "zero_optimization.offload_optimizer.fast_init"));
+  json k = j;
+  k["zero_optimization"]["offload_optimizer"]["cpuadam_cores_perc"] = 0.5;
+  EXPECT_TRUE(noted(read_config(k, "cfg.json", 2), "zero_optimization.offload_optimizer.cpuadam_cores_perc"));
 }
 
 TEST(OffloadConfig, TheAioSectionIsReadWithTheDeprecatedBooleanZeroForm) {
@@ -275,6 +286,21 @@ TEST(SwapDir, AnUncreatableNvmePathIsBadInputNamingKeyAndPath) {
     EXPECT_NE(std::string(e.what()).find("`zero_optimization.offload_optimizer.nvme_path`"), std::string::npos);
     EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
   }
+}
+
+// A memory file system (Linux 6.x gives tmpfs O_DIRECT, so the direct-I/O probe passes) would
+// keep the "offloaded" state in memory: refused, naming the key. /dev/shm is tmpfs on Linux.
+TEST(SwapDir, AMemoryFileSystemIsRefusedThoughItTakesODirect) {
+  const std::string dir = "/dev/shm/zero3d_test_swap_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  try {
+    require_direct_io(dir, "zero_optimization.offload_param.nvme_path");
+    FAIL() << "tmpfs was accepted as NVMe";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("`zero_optimization.offload_param.nvme_path`"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("is in memory"), std::string::npos) << e.what();
+  }
+  std::system(("rm -rf " + dir).c_str());
 }
 
 TEST(SwapDir, NotEnoughFreeSpaceIsBadInputWithTheNumbers) {

@@ -2,6 +2,8 @@
 #include "offload/aio.hpp"
 
 #include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/vfs.h>
 #include <liburing.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -290,6 +292,11 @@ bool directory_supports_direct_io(const std::string& dir) {
 }
 
 void require_direct_io(const std::string& dir, const std::string& key) {
+  // Newer kernels give tmpfs O_DIRECT: the probe passes, yet the "swapped" state stays in memory.
+  struct statfs fs {};
+  if (::statfs(dir.c_str(), &fs) == 0 && (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC))
+    throw InputError("`" + key + "`: " + echo(dir) + " is in memory (tmpfs or ramfs): NVMe offload to it would free "
+                     "no memory; give a directory on a disk (ext4, xfs, ...)");
   if (!directory_supports_direct_io(dir))
     throw InputError("`" + key + "`: " + echo(dir) + " is on a file system without direct I/O (O_DIRECT); NVMe offload "
                      "needs one that has it (ext4, xfs, ...): through the page cache the swapped state would stay in "
