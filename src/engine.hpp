@@ -95,6 +95,7 @@ class Engine {
   // Rank 0's reporting (engine_report.cpp): the start-up lines, each step's metrics record and
   // report line, the end-of-run summary.
   void print_startup() const;
+  MemoryBytes model_state_memory() const;
   void report_step(const StepResult& r, const nlohmann::json& moe, double dropped, bool last_step);
   void print_summary(const std::vector<StepResult>& results, double total_ms) const;
   void resume_from_checkpoint();

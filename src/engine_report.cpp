@@ -129,7 +129,7 @@ void Engine::print_startup() const {
               pc.param == DType::F32 ? "" : ", fp32 master and optimizer states", scaling.c_str(),
               check_overflow_ ? "inf/NaN gradients skip the step" : "no overflow check",
               gemm_path(model_->compute_type()).c_str());
-  const MemoryBytes m = zero_->memory();
+  const MemoryBytes m = model_state_memory();
   std::printf("zero    stage %d over %d data-parallel ranks (%s), reduce buckets of %lld elements, overlap_comm %s%s\n",
               zero_->stage(), world_, dp_comm_->backend().c_str(), (long long)cfg_.zero.reduce_bucket_size,
               cfg_.zero.overlap_comm ? "on" : "off",
@@ -171,17 +171,25 @@ void Engine::print_startup() const {
   std::fflush(stdout);
 }
 
+// The model states of this rank in every tier: the dense optimizer's and, with MoE, the experts'
+// own optimizer's partition (in memory, in host memory, in swap files).
+MemoryBytes Engine::model_state_memory() const {
+  MemoryBytes m = zero_->memory();
+  if (expert_zero_) {
+    const MemoryBytes x = expert_zero_->memory();
+    m.params += x.params, m.grads += x.grads, m.master += x.master, m.optimizer_states += x.optimizer_states;
+    m.comm_buffers += x.comm_buffers, m.live_params_peak += x.live_params_peak;
+    m.host += x.host, m.nvme += x.nvme, m.swap_buffers += x.swap_buffers;
+  }
+  return m;
+}
+
 // One step's record in metrics.jsonl and, at steps_per_print, its report line (rank 0).
 // moe, dropped: moe_metrics() of the step (null, 0 on a dense model); last_step: the run's
 // last, whose record carries the memory plan's check.
 void Engine::report_step(const StepResult& r, const nlohmann::json& moe, double dropped, bool last_step) {
   const auto& ms = timers_.ms();
-  MemoryBytes m = zero_->memory();
-  if (expert_zero_) {  // the experts' states: their own optimizer's partition
-    const MemoryBytes x = expert_zero_->memory();
-    m.params += x.params, m.grads += x.grads, m.master += x.master, m.optimizer_states += x.optimizer_states;
-    m.comm_buffers += x.comm_buffers, m.live_params_peak += x.live_params_peak;
-  }
+  const MemoryBytes m = model_state_memory();
   if (metrics_) {
     nlohmann::json rec = {{"step", r.step},
                           {"loss", r.loss},
@@ -209,7 +217,11 @@ void Engine::report_step(const StepResult& r, const nlohmann::json& moe, double 
                      {"comm_buffers", m.comm_buffers}, {"live_params_peak", m.live_params_peak},
                      {"activations", activation_bytes()}};
     if (has_tiers(cfg_.zero)) {  // tiers, and this step's swap traffic
-      const offload::IoStats io = zero_->take_swap_stats();
+      offload::IoStats io = zero_->take_swap_stats();
+      if (expert_zero_) {  // the experts' optimizer swaps in its own step, after the dense one
+        const offload::IoStats x = expert_zero_->take_swap_stats();
+        io.read_bytes += x.read_bytes, io.read_s += x.read_s, io.write_bytes += x.write_bytes, io.write_s += x.write_s;
+      }
       rec["memory"].update({{"host", m.host}, {"nvme", m.nvme}, {"swap_buffers", m.swap_buffers},
                             {"host_is_device", true}});
       rec["swap"] = {{"read_bytes", io.read_bytes}, {"read_ms", 1e3 * io.read_s},
