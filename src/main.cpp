@@ -422,9 +422,8 @@ struct EstimateArgs {
   ConfigArgs config;
   int64_t world_size = 1;
   bool json = false;
-  bool largest_layer_given = false;
-  bool world_size_given = false;  // without --world-size the budget is for one rank, and says so
-  std::set<std::string> given;     // the options on the command line
+  std::set<std::string> given;  // the options on the command line
+  bool has(const char* option) const { return given.count(option) > 0; }
 };
 
 // Each mode reads its own options; one given to the other mode would be ignored, so it is an error.
@@ -441,10 +440,10 @@ void check_estimate_mode(const EstimateArgs& a) {
       throw InputError("estimate " + o + ": used by DeepSpeed's tables (`zero3d estimate zero2|zero3`), not by the "
                        "budget of --config");
   }
-  if (table && a.given.count("--params") && a.given.count("--model"))
+  if (table && a.has("--params") && a.has("--model"))
     throw InputError("estimate " + a.kind + ": give --params (a cold estimate) or --model CONFIG (counts from its "
                      "model), not both");
-  if (a.kind == "zero2" && a.given.count("--largest-layer-params"))
+  if (a.kind == "zero2" && a.has("--largest-layer-params"))
     throw InputError("estimate zero2 --largest-layer-params: only zero3's table uses the largest layer");
 }
 
@@ -457,9 +456,9 @@ void check_estimate_options(const EstimateArgs& a) {
       throw InputError(buf);
     }
   };
-  if (a.given.count("--params")) number("--params", a.params, 1, 1e15);
-  if (a.largest_layer_given) number("--largest-layer-params", a.largest_layer, 0, 1e15);
-  if (a.given.count("--params") && a.largest_layer_given && a.largest_layer > a.params) {
+  if (a.has("--params")) number("--params", a.params, 1, 1e15);
+  if (a.has("--largest-layer-params")) number("--largest-layer-params", a.largest_layer, 0, 1e15);
+  if (a.has("--params") && a.has("--largest-layer-params") && a.largest_layer > a.params) {
     char buf[200];
     std::snprintf(buf, sizeof(buf), "estimate --largest-layer-params %g: more than the whole model (--params %g)",
                   a.largest_layer, a.params);
@@ -517,7 +516,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
     for (int stage = 0; stage <= 3; ++stage) fits.push_back(what_fits(cfg, a.world_size, stage, limit));
   }
   if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets, fits, limit);
-  nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"world_size_given", a.world_size_given},
+  nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"world_size_given", a.has("--world-size")},
                         {"configured_stage", cfg.zero.stage},
                         {"parameters", count_model(cfg.model).params},
                         {"dtypes", {{"params", dtype_name(cfg.precision.param)},
@@ -556,7 +555,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
               (long long)a.world_size, layout.stages, (long long)layout.data, layout.tensor, (long long)cfg.zero.stage,
               dtype_name(cfg.precision.param).c_str(), dtype_name(cfg.precision.grad_accum).c_str(),
               dtype_name(cfg.precision.comm).c_str());
-  if (!a.world_size_given)
+  if (!a.has("--world-size"))  // without --world-size the budget is for one rank, and says so
     std::printf("(--world-size not given: the budget is for %lld rank(s); give --world-size N for N ranks in all)\n",
                 (long long)a.world_size);
   std::printf("bytes per rank (the largest: pipeline stage, tensor rank)");
@@ -726,8 +725,6 @@ int main(int argc, char** argv) {
   int code = kExitOk;
   try {
     app.parse(argc, argv);
-    est.largest_layer_given = estimate->count("--largest-layer-params") > 0;
-    est.world_size_given = estimate->count("--world-size") > 0;
     for (const CLI::Option* o : estimate->get_options())
       if (o->count() > 0 && !o->get_name().empty() && o->get_name()[0] == '-') est.given.insert(o->get_name());
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
