@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "comm.hpp"
+#include "parallel/comm.hpp"
 
 using namespace zero3d;
 

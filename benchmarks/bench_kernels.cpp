@@ -7,15 +7,15 @@
 #include <Kokkos_Core.hpp>
 #include <vector>
 
-#include "attention.hpp"
-#include "crossentropy.hpp"
-#include "gelu.hpp"
-#include "gemm.hpp"
-#include "half.hpp"
-#include "layernorm.hpp"
-#include "matmul.hpp"
-#include "optimizers.hpp"
-#include "rng.hpp"
+#include "base/rng.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/crossentropy.hpp"
+#include "kernels/gelu.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/half.hpp"
+#include "kernels/layernorm.hpp"
+#include "kernels/matmul.hpp"
+#include "kernels/optimizers.hpp"
 
 using namespace zero3d;
 using namespace zero3d::kernels;

@@ -15,11 +15,11 @@
 #include <stdexcept>
 #include <type_traits>
 
-#include "attention_bf16.hpp"
-#include "common.hpp"
-#include "dtype.hpp"
-#include "fastmath.hpp"
-#include "profiler.hpp"
+#include "base/dtype.hpp"
+#include "base/profiler.hpp"
+#include "kernels/attention_bf16.hpp"
+#include "kernels/common.hpp"
+#include "kernels/fastmath.hpp"
 
 namespace zero3d::kernels {
 

@@ -24,12 +24,12 @@
 #include <cstdlib>
 #include <string>
 
-#include "attention_flash_bf16.hpp"
-#include "common.hpp"
-#include "fastmath.hpp"
-#include "gemm.hpp"
-#include "half.hpp"
-#include "profiler.hpp"
+#include "base/profiler.hpp"
+#include "kernels/common.hpp"
+#include "kernels/cpu/attention_flash_bf16.hpp"
+#include "kernels/fastmath.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/half.hpp"
 
 namespace zero3d::kernels {
 

@@ -15,9 +15,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "common.hpp"
-#include "fastmath.hpp"
-#include "profiler.hpp"
+#include "base/profiler.hpp"
+#include "kernels/common.hpp"
+#include "kernels/fastmath.hpp"
 
 namespace zero3d::kernels {
 

@@ -19,7 +19,14 @@
 #define ZERO3D_SERIAL_HOST 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define ZERO3D_AVX512 1
+// GCC 12's AVX-512 headers initialise their "undefined" vectors from themselves (__Y = __Y),
+// which -Wuninitialized / -Wmaybe-uninitialized then report wherever an intrinsic is inlined
+// (GCC bug 105593, fixed in GCC 13): silenced for those header lines only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #endif
 #endif
 

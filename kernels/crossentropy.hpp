@@ -6,8 +6,8 @@
 
 #include <cmath>
 
-#include "common.hpp"
-#include "fastmath.hpp"
+#include "kernels/common.hpp"
+#include "kernels/fastmath.hpp"
 
 namespace zero3d::kernels {
 

@@ -1,8 +1,8 @@
 // encoder.hpp — GPT-2 input embedding: out[b,t,:] = wte[token[b,t],:] + wpe[t,:].
 #pragma once
 
-#include "common.hpp"
-#include "half.hpp"
+#include "kernels/common.hpp"
+#include "kernels/half.hpp"
 
 namespace zero3d::kernels {
 

@@ -3,13 +3,13 @@
 // libm's expf/tanhf are opaque calls that keep GELU and softmax loops scalar (GELU alone
 // was a third of a gpt-small-cpu step). Cody-Waite reduction x = n·ln2 + r, |r| <= ln2/2,
 // then a degree-6 polynomial for e^r and 2^n assembled in the exponent bits: max relative
-// error ~2 ulp over the whole float range (tests/test_kernels.cpp checks it against std::exp).
+// error ~2 ulp over the whole float range (tests/kernels/test_kernels.cpp checks it against std::exp).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
-#include "common.hpp"
+#include "kernels/common.hpp"
 
 namespace zero3d::kernels {
 

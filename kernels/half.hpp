@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "common.hpp"
+#include "kernels/common.hpp"
 
 namespace zero3d::kernels {
 

@@ -4,9 +4,9 @@
 // through gemm() in the `compute` dtype (gemm.hpp: sgemm, or bf16 through oneDNN).
 #pragma once
 
-#include "common.hpp"
-#include "gemm.hpp"
-#include "half.hpp"
+#include "kernels/common.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/half.hpp"
 
 namespace zero3d::kernels {
 

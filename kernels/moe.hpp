@@ -7,7 +7,7 @@
 // two forward phases), moves the dispatched rows between ranks and runs the experts.
 //
 // Routing is kept sparse — per token and choice an expert, a slot and a weight — where DeepSpeed
-// builds a dense [S, E, C] combine tensor; the two are the same map (tests/test_moe_gating.cpp
+// builds a dense [S, E, C] combine tensor; the two are the same map (tests/kernels/test_moe_gating.cpp
 // checks it against a dense PyTorch reference, tests/golden/make_moe_goldens.py).
 //
 // Orders DeepSpeed leaves to torch.topk's tie-breaking are fixed here, and the reference
@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
-#include "base.hpp"
-#include "common.hpp"
+#include "base/errors.hpp"
+#include "kernels/common.hpp"
 
 namespace zero3d::kernels::moe {
 

@@ -9,8 +9,8 @@
 
 #include <cmath>
 
-#include "common.hpp"
-#include "half.hpp"
+#include "kernels/common.hpp"
+#include "kernels/half.hpp"
 
 namespace zero3d::kernels {
 

@@ -1,8 +1,8 @@
 // reduce.hpp — whole-buffer reductions and scalings used around the optimizer step.
 #pragma once
 
-#include "common.hpp"
-#include "half.hpp"
+#include "kernels/common.hpp"
+#include "kernels/half.hpp"
 
 namespace zero3d::kernels {
 

@@ -7,9 +7,9 @@
 
 #include <cmath>
 
-#include "common.hpp"
-#include "fastmath.hpp"
-#include "half.hpp"
+#include "kernels/common.hpp"
+#include "kernels/fastmath.hpp"
+#include "kernels/half.hpp"
 
 namespace zero3d::kernels {
 

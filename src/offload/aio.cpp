@@ -14,8 +14,8 @@
 #include <cstring>
 #include <filesystem>
 
-#include "base.hpp"
-#include "input_file.hpp"
+#include "base/errors.hpp"
+#include "base/input_file.hpp"
 
 namespace zero3d::offload {
 

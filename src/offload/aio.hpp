@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "config.hpp"
+#include "config/config.hpp"
 
 namespace zero3d::offload {
 

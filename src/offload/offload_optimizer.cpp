@@ -10,10 +10,10 @@
 #include <filesystem>
 #include <stdexcept>
 
-#include "base.hpp"
-#include "input_file.hpp"
-#include "optimizers.hpp"
-#include "typed.hpp"
+#include "base/errors.hpp"
+#include "base/input_file.hpp"
+#include "kernels/optimizers.hpp"
+#include "kernels/typed.hpp"
 
 namespace zero3d::offload {
 

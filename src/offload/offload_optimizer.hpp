@@ -23,12 +23,12 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "buffer.hpp"
-#include "config.hpp"
-#include "dtype.hpp"
+#include "base/dtype.hpp"
+#include "config/config.hpp"
+#include "kernels/typed.hpp"
+#include "model/buffer.hpp"
 #include "offload/aio.hpp"
-#include "optimizer.hpp"
-#include "typed.hpp"
+#include "optim/optimizer.hpp"
 
 namespace zero3d::offload {
 

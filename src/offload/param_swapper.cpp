@@ -10,8 +10,8 @@
 #include <filesystem>
 #include <functional>
 
-#include "base.hpp"
-#include "input_file.hpp"
+#include "base/errors.hpp"
+#include "base/input_file.hpp"
 
 namespace zero3d::offload {
 

@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "config.hpp"
-#include "dtype.hpp"
+#include "base/dtype.hpp"
+#include "config/config.hpp"
 #include "offload/aio.hpp"
 
 namespace zero3d::offload {

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Writes the golden HDF5 files the C++ tests compare against (tests/test_golden.cpp).
+"""Writes the golden HDF5 files the C++ tests compare against (tests/model/test_golden.cpp).
 
 Independent reference: a GPT-2 written here in plain PyTorch (Debian's python3-torch 1.13),
 computed in float64 and stored as float32. Each file holds
@@ -10,7 +10,7 @@ computed in float64 and stored as float32. Each file holds
   /golden/adamw_losses [10]     loss before each of 10 AdamW steps on the same batch
   /golden/hparams               [lr, beta1, beta2, eps, weight_decay, gradient_clipping]
   attributes vocab_size, n_positions, n_layer, n_head, n_embd, batch
-gpt_eval.h5 and gpt_eval_val.bin (evaluation, tests/test_cli_eval.cpp): weights as above, the
+gpt_eval.h5 and gpt_eval_val.bin (evaluation, tests/cli/test_cli_eval.cpp): weights as above, the
 validation tokens as an llm.c token shard (S·T + 1 tokens: S samples of T, targets shifted by
 one), and /golden/eval_loss, the mean cross-entropy over all S·T tokens (forward only, no_grad);
 and half_conversions.h5: /fp32 values (ties, subnormals, overflow, inf, NaN, random) with the

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Writes tests/golden/moe_gating.h5, the reference tests/test_moe_gating.cpp compares the MoE
+"""Writes tests/golden/moe_gating.h5, the reference tests/kernels/test_moe_gating.cpp compares the MoE
 kernels (kernels/moe.hpp) against.
 
 An independent PyTorch model of DeepSpeed's MoE layer, written from the facts

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Writes pld.h5, the progressive-layer-drop goldens tests/test_pld.cpp compares against.
+"""Writes pld.h5, the progressive-layer-drop goldens tests/model/test_pld.cpp compares against.
 
 Independent references, written here without zero3d's code:
   * DeepSpeed's ProgressiveLayerDrop (runtime/progressive_layer_drop.py; DEEPSPEED-FACTS-2 §7.2):
@@ -68,7 +68,7 @@ def mix(z):
 
 
 def uniform(seed, stream):
-    """The first uniform() of zero3d's Rng(seed, stream) (src/rng.hpp: SplitMix64)."""
+    """The first uniform() of zero3d's Rng(seed, stream) (src/base/rng.hpp: SplitMix64)."""
     state = ((seed * 0x9E3779B97F4A7C15) & MASK) ^ mix((stream + 1) & MASK)
     state = (state + 0x9E3779B97F4A7C15) & MASK
     return (mix(state) >> 11) * (1.0 / 9007199254740992.0)

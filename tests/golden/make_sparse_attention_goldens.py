@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""Writes tests/golden/sparse_attention.h5, the reference tests/test_sparse_attention.cpp compares
-zero3d's sparse attention (src/sparse_attention.cpp layouts, kernels/attention_sparse.hpp) against.
+"""Writes tests/golden/sparse_attention.h5, the reference tests/model/test_sparse_attention.cpp compares
+zero3d's sparse attention (src/model/sparse_attention.cpp layouts, kernels/attention_sparse.hpp) against.
 
 Independent of zero3d and of DeepSpeed's code: the layouts are rebuilt here in NumPy from the
 rules of DeepSpeed's SparsityConfig classes as DEEPSPEED-FACTS-2 §8.2 states them (dense, fixed,

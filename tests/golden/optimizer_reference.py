@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""References for tests/test_optimizers_lion_adagrad.cpp (issue 18).
+"""References for tests/optim/test_optimizers_lion_adagrad.cpp (issue 18).
 
 Adagrad: torch.optim.Adagrad (torch 1.13, /usr/bin/python3), which DeepSpeed's "adagrad" runs
 without offload, and DeepSpeedCPUAdagrad (numpy), which it runs with offload_optimizer. Lion: torch 1.13 has none, so DeepSpeed's FusedLion update

@@ -1,0 +1,42 @@
+// typed.hpp — flat buffers whose element type is chosen at run time (fp32, bf16, fp16), and
+// the element-wise operations ZeRO needs on them. Kernels stay templates over the type;
+// these functions dispatch once per call, not per element.
+#pragma once
+
+#include <Kokkos_Core.hpp>
+#include <cstdint>
+#include <string>
+
+#include "base/dtype.hpp"
+
+namespace zero3d {
+
+class TypedBuffer {
+ public:
+  TypedBuffer() = default;
+  TypedBuffer(const std::string& label, DType type, int64_t n, bool zero = true);
+  void* data() const { return bytes_.data(); }
+  DType type() const { return type_; }
+  int64_t size() const { return n_; }
+  int64_t bytes() const { return n_ * static_cast<int64_t>(dtype_size(type_)); }
+  // Address of element i.
+  void* at(int64_t i) const { return bytes_.data() + i * static_cast<int64_t>(dtype_size(type_)); }
+  template <typename T>
+  T* as() const {
+    return reinterpret_cast<T*>(bytes_.data());
+  }
+
+ private:
+  Kokkos::View<char*> bytes_;
+  DType type_ = DType::F32;
+  int64_t n_ = 0;
+};
+
+// dst[i] (=|+=) src[i]·scale, computed in fp32, rounded once to dst's type (RNE).
+void convert_any(void* dst, DType dst_type, const void* src, DType src_type, int64_t n, float scale = 1.0f,
+                 bool accumulate = false);
+// Σ x² in fp64 (inf/NaN propagate).
+double sum_of_squares_any(const void* x, DType type, int64_t n);
+void zero_any(void* x, DType type, int64_t n);
+
+}  // namespace zero3d

@@ -1,0 +1,62 @@
+// commands.hpp — zero3d's subcommands, one function each, and the arguments they share.
+// main.cpp parses the command line, calls one, and is the one place that turns what it throws
+// into an exit code and a message.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace zero3d::cli {
+
+// The most ranks a size given on the command line may describe: far above any job, and low
+// enough that per-rank tables (topology, estimates) stay small and every product fits an int.
+constexpr int64_t kMaxRanks = int64_t(1) << 20;
+
+struct ConfigArgs {
+  std::string path;  // empty = the built-in quick-start
+  std::vector<std::string> overrides;
+  std::string strategy;  // --strategy: a Lightning DeepSpeed preset beneath the config's keys
+};
+
+struct EstimateArgs {
+  std::string kind;  // zero2 | zero3 | empty (the complete budget of --config)
+  double params = 0, largest_layer = -1, buffer_factor = 1.5;
+  int gpus_per_node = 1, nodes = 1;
+  std::string model, report, memory_per_rank;
+  ConfigArgs config;
+  int64_t world_size = 1;
+  bool json = false;
+  std::set<std::string> given;  // the options on the command line
+  bool has(const char* option) const { return given.count(option) > 0; }
+};
+
+// The key paths of the --set overrides ("a.b=1" gives "a.b"), for read_config's messages.
+std::vector<std::string> set_keys(const ConfigArgs& a);
+// Loads the JSON (file or built-in quick-start) and applies --set overrides in order; `name`
+// becomes the name every message gives the config.
+nlohmann::json load_with_overrides(const ConfigArgs& a, std::string& name);
+// Ranks sharing this machine's memory (MPI_COMM_TYPE_SHARED).
+int ranks_on_this_node(MPI_Comm world);
+// A byte size option such as 16GiB (parse_byte_size says what is wrong; the option is named).
+int64_t size_option(const std::string& option, const std::string& text);
+
+// Commands that read a config and run the engine (train.cpp).
+int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world);
+int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm world);
+int cmd_autotune(const ConfigArgs& a, int64_t world_size, bool world_size_given, const std::string& memory_per_rank,
+                 MPI_Comm world);
+int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::string& tag, bool as_json, MPI_Comm world);
+// Sizing before a run (estimate.cpp).
+int cmd_estimate(EstimateArgs a, int rank);
+// Layouts and checkpoints, one process (tools.cpp).
+int cmd_topology(int64_t pp, int64_t dp, int64_t tp, bool as_json, int rank);
+int cmd_inspect(const std::string& dir, const std::string& tag, const std::string& tensor, bool as_json, int rank);
+int cmd_convert(const std::string& dir, const std::string& out, const std::string& tag, const std::string& format,
+                const std::string& dtype, const std::string& max_shard, int rank);
+
+}  // namespace zero3d::cli

@@ -1,0 +1,203 @@
+// estimate.cpp — `zero3d estimate`: DeepSpeed's model-state tables, or the full per-rank budget
+// of a config and what fits in a given memory.
+#include <cmath>
+#include <cstdio>
+#include <set>
+#include <string>
+
+#include "base/errors.hpp"
+#include "base/input_file.hpp"
+#include "cli/commands.hpp"
+#include "config/config.hpp"
+#include "train/estimator.hpp"
+
+namespace zero3d::cli {
+
+namespace {
+
+// Each mode reads its own options; one given to the other mode would be ignored, so it is an error.
+void check_estimate_mode(const EstimateArgs& a) {
+  const bool table = a.kind == "zero2" || a.kind == "zero3";
+  const std::set<std::string> table_only = {"--params", "--largest-layer-params", "--gpus-per-node", "--nodes",
+                                            "--additional-buffer-factor", "--model"};
+  const std::set<std::string> budget_only = {"--config", "--world-size", "--memory-per-rank", "--report", "--json"};
+  for (const std::string& o : a.given) {
+    if (table && budget_only.count(o))
+      throw InputError("estimate " + a.kind + " " + o + ": DeepSpeed's " + a.kind +
+                       " table does not use it; it belongs to `zero3d estimate --config CONFIG`");
+    if (!table && a.kind.empty() && table_only.count(o))
+      throw InputError("estimate " + o + ": used by DeepSpeed's tables (`zero3d estimate zero2|zero3`), not by the "
+                       "budget of --config");
+  }
+  if (table && a.has("--params") && a.has("--model"))
+    throw InputError("estimate " + a.kind + ": give --params (a cold estimate) or --model CONFIG (counts from its "
+                     "model), not both");
+  if (a.kind == "zero2" && a.has("--largest-layer-params"))
+    throw InputError("estimate zero2 --largest-layer-params: only zero3's table uses the largest layer");
+}
+
+// Options of DeepSpeed's cold estimators: finite, in range, and GPU counts whose product fits.
+void check_estimate_options(const EstimateArgs& a) {
+  auto number = [](const char* option, double v, double lo, double hi) {
+    if (!(std::isfinite(v) && v >= lo && v <= hi)) {
+      char buf[160];
+      std::snprintf(buf, sizeof(buf), "estimate %s %g: expected a finite number in [%g, %g]", option, v, lo, hi);
+      throw InputError(buf);
+    }
+  };
+  if (a.has("--params")) number("--params", a.params, 1, 1e15);
+  if (a.has("--largest-layer-params")) number("--largest-layer-params", a.largest_layer, 0, 1e15);
+  if (a.has("--params") && a.has("--largest-layer-params") && a.largest_layer > a.params) {
+    char buf[200];
+    std::snprintf(buf, sizeof(buf), "estimate --largest-layer-params %g: more than the whole model (--params %g)",
+                  a.largest_layer, a.params);
+    throw InputError(buf);
+  }
+  number("--additional-buffer-factor", a.buffer_factor, 1, 100);
+  if (int64_t(a.gpus_per_node) * a.nodes > kMaxRanks)
+    throw InputError("estimate --gpus-per-node " + std::to_string(a.gpus_per_node) + " --nodes " +
+                     std::to_string(a.nodes) + ": more than " + std::to_string(kMaxRanks) + " GPUs in all");
+}
+
+std::string mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%10.1f MiB", bytes / 1048576.0);
+  return buf;
+}
+
+}  // namespace
+
+int cmd_estimate(EstimateArgs a, int rank) {
+  if (rank != 0) return kExitOk;
+  check_estimate_mode(a);
+  check_estimate_options(a);
+  if (a.kind == "zero2" || a.kind == "zero3") {
+    // Cold (--params) or live (--model CONFIG, with --set applied: counts from the model definition).
+    if (!a.config.overrides.empty() && a.model.empty())
+      throw InputError("estimate " + a.kind + ": --set changes a config; give it with --model CONFIG");
+    if (!a.model.empty()) {
+      std::string model_name;
+      const Config c = resolve_config(load_with_overrides({a.model, a.config.overrides, a.config.strategy}, model_name),
+                                   model_name, 1, set_keys(a.config));
+      const ModelCounts counts = count_model(c.model);
+      a.params = double(counts.params);
+      a.largest_layer = double(counts.largest_layer);
+    }
+    if (a.params <= 0) throw InputError("estimate " + a.kind + ": give --params P or --model CONFIG");
+    if (a.kind == "zero3" && a.largest_layer < 0)
+      throw InputError("estimate zero3: give --largest-layer-params L or --model CONFIG");
+    const auto rows = a.kind == "zero2"
+                          ? deepspeed_zero2_rows(a.params, a.gpus_per_node, a.nodes, a.buffer_factor)
+                          : deepspeed_zero3_rows(a.params, a.largest_layer, a.gpus_per_node, a.nodes, a.buffer_factor);
+    std::printf("%s", deepspeed_table(rows, a.params, a.kind == "zero3" ? a.largest_layer : -1, a.gpus_per_node,
+                                      a.nodes).c_str());
+    return kExitOk;
+  }
+  if (!a.kind.empty()) throw InputError("estimate: unknown kind \"" + a.kind + "\" (zero2, zero3, or --config)");
+  if (a.config.path.empty()) throw InputError("estimate: give zero2/zero3 with --params, or --config CONFIG");
+  std::string name;
+  const Config cfg = resolve_config(load_with_overrides(a.config, name), name, a.world_size, set_keys(a.config));
+  std::vector<MemoryBudget> budgets;
+  for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage));
+  int64_t limit = 0;
+  std::vector<FitAnswer> fits;  // --memory-per-rank: what fits at each ZeRO stage
+  if (!a.memory_per_rank.empty()) {
+    limit = size_option("--memory-per-rank", a.memory_per_rank);
+    if (limit <= 0) throw InputError("estimate --memory-per-rank " + echo(a.memory_per_rank) + ": expected a size above 0");
+    for (int stage = 0; stage <= 3; ++stage) fits.push_back(what_fits(cfg, a.world_size, stage, limit));
+  }
+  if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets, fits, limit);
+  nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"world_size_given", a.has("--world-size")},
+                        {"configured_stage", cfg.zero.stage},
+                        {"parameters", count_model(cfg.model).params},
+                        {"dtypes", {{"params", dtype_name(cfg.precision.param)},
+                                    {"grad_accum", dtype_name(cfg.precision.grad_accum)},
+                                    {"communication", dtype_name(cfg.precision.comm)}}},
+                        {"budgets", nlohmann::json::array()}};
+  for (const auto& b : budgets) doc["budgets"].push_back(b.to_json());
+  const RankLayout layout = rank_layout(cfg, a.world_size);
+  doc["pipeline_stages"] = layout.stages;
+  doc["tensor_parallel_size"] = layout.tensor;
+  doc["data_parallel_size"] = layout.data;
+  doc["ranks"] = nlohmann::json::array();  // every pipeline stage's budgets (tensor rank 0 stands for its group)
+  for (int stage = 0; stage <= 3; ++stage) {
+    const std::vector<MemoryBudget> per_rank = estimate_rank_budgets(cfg, a.world_size, stage);
+    for (size_t s = 0; s < per_rank.size(); ++s) {
+      if (stage == 0) doc["ranks"].push_back({{"pipe_stage", per_rank[s].pipe_stage},
+                                              {"tensor_rank", per_rank[s].tensor_rank},
+                                              {"budgets", nlohmann::json::array()}});
+      doc["ranks"][s]["budgets"].push_back(per_rank[s].to_json());
+    }
+  }
+  if (limit > 0) {
+    doc["memory_per_rank"] = limit;
+    for (const FitAnswer& f : fits) {
+      doc["largest_micro_batch"].push_back(f.configured);
+      doc["fits"].push_back(f.to_json());
+    }
+  }
+  if (a.json) {
+    std::printf("%s\n", doc.dump(2).c_str());
+    return kExitOk;
+  }
+  std::printf("%s: %lld parameters, micro-batch %lld, %lld ranks = %d pipeline stages x %lld data-parallel x %d "
+              "tensor-parallel (configured stage %lld), %s parameters, %s gradients, %s communication\n",
+              name.c_str(), (long long)doc["parameters"].get<int64_t>(), (long long)cfg.batch.micro_batch,
+              (long long)a.world_size, layout.stages, (long long)layout.data, layout.tensor, (long long)cfg.zero.stage,
+              dtype_name(cfg.precision.param).c_str(), dtype_name(cfg.precision.grad_accum).c_str(),
+              dtype_name(cfg.precision.comm).c_str());
+  if (!a.has("--world-size"))  // without --world-size the budget is for one rank, and says so
+    std::printf("(--world-size not given: the budget is for %lld rank(s); give --world-size N for N ranks in all)\n",
+                (long long)a.world_size);
+  std::printf("bytes per rank (the largest: pipeline stage, tensor rank)");
+  for (const auto& b : budgets) std::printf("  stage %d: (%d, %d)", b.stage, b.pipe_stage, b.tensor_rank);
+  std::printf("\n");
+  std::printf("bytes per rank            %14s %14s %14s %14s\n", "stage 0", "stage 1", "stage 2", "stage 3");
+  const char* rows[] = {"params", "grads", "master", "optimizer_states", "comm_reduce", "comm_gather", "comm_prefetch",
+                        "live_params", "activations", "workspace", "runtime", "total"};
+  for (const char* row : rows) {
+    std::printf("%-25s", row);
+    for (const auto& b : budgets) std::printf(" %s", mib(b.to_json()[row].get<int64_t>()).c_str());
+    std::printf("\n");
+  }
+  const std::pair<const char*, int64_t MemoryBudget::*> alternatives[] = {
+      {"(activations in host mem)", &MemoryBudget::activations_host},
+      {"(activations, none)", &MemoryBudget::activations_none},
+      {"(activations, selective)", &MemoryBudget::activations_selective},
+      {"(activations, full)", &MemoryBudget::activations_checkpointed}};
+  for (const auto& [label, field] : alternatives) {
+    std::printf("%-25s", label);
+    for (const auto& b : budgets) std::printf(" %s", mib(b.*field).c_str());
+    std::printf("\n");
+  }
+  if (limit > 0) {
+    std::printf("largest micro-batch within %s per rank:", a.memory_per_rank.c_str());
+    for (int stage = 0; stage <= 3; ++stage) {
+      const int64_t mb = doc["largest_micro_batch"][stage];
+      if (mb > 0) {
+        std::printf("  stage %d: %lld", stage, (long long)mb);
+      } else {
+        Config one = cfg;
+        one.batch.micro_batch = 1;
+        const MemoryBudget b = estimate_budget(one, a.world_size, stage);
+        std::printf("  stage %d: none (model states alone %.1f MiB, total at micro-batch 1 %.1f MiB)", stage,
+                    b.model_states() / 1048576.0, b.total() / 1048576.0);
+      }
+    }
+    std::printf("\n");
+    const long long mb = cfg.batch.micro_batch;
+    for (const FitAnswer& f : fits) {
+      const char* verdict = mb <= f.none        ? "fits without checkpointing"
+                            : mb <= f.selective ? "needs checkpointing: selective recompute is enough"
+                            : mb <= f.full      ? "needs checkpointing: full recompute"
+                                                : "does not fit even with full recompute";
+      std::printf("  stage %d: largest micro-batch without checkpointing %lld, selective %lld, full (interval 1) %lld; "
+                  "micro-batch %lld %s\n",
+                  f.stage, (long long)f.none, (long long)f.selective, (long long)f.full, mb, verdict);
+    }
+  }
+  if (!a.report.empty()) std::printf("report  %s\n", a.report.c_str());
+  return kExitOk;
+}
+
+}  // namespace zero3d::cli

@@ -1,0 +1,205 @@
+// main.cpp — the command line (CLI11): parses it, runs one subcommand (commands.hpp), and is the
+// one place that catches errors and sets the exit code.
+//
+// Exit codes: 0 success, 2 bad input (one message, from rank 0), 1 system/internal failure
+// (message names the failing rank; the job is aborted so that no rank hangs).
+#include <mpi.h>
+
+#include <CLI/CLI.hpp>
+#include <Kokkos_Core.hpp>
+#include <chrono>
+#include <cstdio>
+#include <new>
+#include <string>
+#include <thread>
+
+#include "base/errors.hpp"
+#include "base/failure.hpp"
+#include "base/input_file.hpp"
+#include "cli/commands.hpp"
+#include "io/h5.hpp"
+
+using namespace zero3d;
+using namespace zero3d::cli;
+
+namespace {
+
+// A failure's message for the user: allocation failures (std::bad_alloc, Kokkos's "Allocation
+// of size … failed" over several lines) say so plainly in one line.
+std::string failure_text(const std::string& what) {
+  const bool kokkos = what.find("Allocation of size") != std::string::npos;
+  if (!kokkos && what != std::bad_alloc().what() && what != std::bad_array_new_length().what()) return what;
+  std::string line;
+  for (char c : what) line += (c == '\n' || c == '\t') ? ' ' : c;
+  return "out of memory: an allocation failed (" + echo(line, 240) + "); `zero3d estimate --config` shows what "
+         "the run needs per rank";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  supervise_rank(argv);  // failure.hpp: names this rank if it is killed; before MPI_Init
+  // The watchdog thread may call MPI_Abort while the main thread waits in a collective.
+  int thread_level = MPI_THREAD_SINGLE;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &thread_level);
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  install_mpi_error_handler(MPI_COMM_WORLD);  // failure.hpp: an MPI error is one line, exit 1
+  // Kokkos takes its settings from its environment variables only: given the command line it
+  // would answer `--help` with its own 40-line banner before ours.
+  int kokkos_argc = 1;
+  Kokkos::initialize(kokkos_argc, argv);
+  h5::quiet_errors();
+
+  CLI::App app{"zero3d — DeepSpeed-style ZeRO training of GPT models, without Python", "zero3d"};
+  app.set_version_flag("--version", std::string("zero3d ") + ZERO3D_VERSION);
+  app.require_subcommand(1);
+
+  ConfigArgs train_args, validate_args;
+  std::string output_dir;
+  int64_t world_size = world;
+  auto* train = app.add_subcommand("train", "Train a model described by a DeepSpeed-style JSON config");
+  train->add_option("config", train_args.path, "config file (default: the built-in quick-start)");
+  train->add_option("--set", train_args.overrides, "override a key: --set optimizer.params.lr=1e-3")->take_all();
+  const std::string strategy_help = "a Lightning DeepSpeed strategy preset beneath the config's keys (deepspeed, "
+                                    "deepspeed_stage_1, _2, _2_offload, _3, _3_offload, _3_offload_nvme)";
+  train->add_option("--strategy", train_args.strategy, strategy_help);
+  train->add_option("--output", output_dir, "output directory (default: training.output_dir or output/<config name>)");
+  ConfigArgs tune_args;
+  int64_t tune_world = world;
+  std::string tune_memory;
+  auto* tune = app.add_subcommand("autotune", "DeepSpeed's autotuner on this job's ranks: writes results_dir, exps_dir "
+                                              "and ds_config_optimal.json");
+  tune->add_option("config", tune_args.path, "config file (its autotuning section)")->required();
+  tune->add_option("--world-size", tune_world, "ranks in all: must be the job's (experiments run on them)")
+      ->check(CLI::Range(int64_t(1), kMaxRanks));
+  tune->add_option("--set", tune_args.overrides, "override a key")->take_all();
+  tune->add_option("--strategy", tune_args.strategy, "a Lightning DeepSpeed strategy preset beneath the config's keys");
+  tune->add_option("--memory-per-rank", tune_memory, "memory each rank may use (e.g. 4GiB; default: available memory "
+                                                     "÷ ranks on the node): the planner prunes what does not fit");
+  auto* validate = app.add_subcommand("validate", "Check a config without training; exit 0 or 2");
+  validate->add_option("config", validate_args.path, "config file")->required();
+  validate->add_option("--world-size", world_size, "ranks in all (pipeline stages x data-parallel x tensor-parallel) to check the config against")
+      ->check(CLI::Range(int64_t(1), kMaxRanks));
+  validate->add_option("--set", validate_args.overrides, "override a key")->take_all();
+  validate->add_option("--strategy", validate_args.strategy, strategy_help);
+  int64_t pp = 1, dp = 1, tp = 1;
+  bool as_json = false;
+  auto* topology = app.add_subcommand("topology", "Print each rank's coordinates and process groups");
+  topology->add_option("--pp", pp, "pipeline-parallel size")->check(CLI::Range(int64_t(1), kMaxRanks));
+  topology->add_option("--dp", dp, "data-parallel size")->check(CLI::Range(int64_t(1), kMaxRanks));
+  topology->add_option("--tp", tp, "tensor-parallel size")->check(CLI::Range(int64_t(1), kMaxRanks));
+  topology->add_flag("--json", as_json, "machine-readable output");
+
+  std::string ck_dir, ck_tag, ck_tensor, ck_out, ck_format, ck_dtype = "fp32", ck_shard;
+  bool ck_json = false;
+  auto* inspect = app.add_subcommand("inspect", "Show a checkpoint's tags, metadata and tensors; verify checksums");
+  inspect->add_option("dir", ck_dir, "checkpoint directory (save_dir or one tag)")->required();
+  inspect->add_option("--tag", ck_tag, "tag to inspect (default: latest)");
+  inspect->add_option("--tensor", ck_tensor, "only this tensor (Hugging Face name)");
+  inspect->add_flag("--json", ck_json, "machine-readable output");
+  ConfigArgs eval_args;
+  std::string eval_checkpoint, eval_tag;
+  bool eval_json = false;
+  auto* eval = app.add_subcommand("eval", "Validation loss and perplexity of a checkpoint (data.validation)");
+  eval->add_option("config", eval_args.path, "config file (its data.validation is evaluated)")->required();
+  eval->add_option("--checkpoint", eval_checkpoint, "save directory (its latest tag) or tag directory; default: "
+                                                    "the config's initial weights");
+  eval->add_option("--tag", eval_tag, "tag in --checkpoint (default: latest)");
+  eval->add_option("--set", eval_args.overrides, "override a key")->take_all();
+  eval->add_flag("--json", eval_json, "end with one JSON line: step, eval_loss, eval_ppl, samples, tokens");
+  auto* convert = app.add_subcommand("convert", "Consolidate a checkpoint into Hugging Face-named weights");
+  convert->add_option("dir", ck_dir, "checkpoint directory (save_dir or one tag)")->required();
+  convert->add_option("out", ck_out, "output file: .safetensors, .h5 or .hdf5 (config.json goes beside it)")->required();
+  convert->add_option("--tag", ck_tag, "tag to convert (default: latest)");
+  convert->add_option("--format", ck_format, "hdf5 or safetensors (default: from the output file's extension)")
+      ->check(CLI::IsMember({"hdf5", "safetensors"}));
+  convert->add_option("--dtype", ck_dtype, "fp32, bf16 or fp16")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  convert->add_option("--max-shard-size", ck_shard, "split into files of at most this size (e.g. 5GB)");
+
+  EstimateArgs est;
+  est.world_size = world;
+  auto* estimate = app.add_subcommand("estimate", "Memory per rank: DeepSpeed's tables (zero2/zero3) or a full budget");
+  estimate->add_option("kind", est.kind, "zero2 or zero3 for DeepSpeed's model-state tables");
+  estimate->add_option("--params", est.params, "total parameters (cold estimate)");
+  estimate->add_option("--largest-layer-params", est.largest_layer, "parameters of the largest layer (zero3)");
+  estimate->add_option("--gpus-per-node", est.gpus_per_node, "GPUs per node")->check(CLI::Range(1, int(kMaxRanks)));
+  estimate->add_option("--nodes", est.nodes, "nodes")->check(CLI::Range(1, int(kMaxRanks)));
+  estimate->add_option("--additional-buffer-factor", est.buffer_factor, "DeepSpeed's buffer factor (1.5)");
+  estimate->add_option("--model", est.model, "take the counts from this config's model (live estimate)");
+  estimate->add_option("--config", est.config.path, "the full per-rank budget of this configuration");
+  estimate->add_option("--set", est.config.overrides, "override a key of --config (or of --model)")->take_all();
+  estimate->add_option("--strategy", est.config.strategy, strategy_help);
+  estimate->add_option("--world-size", est.world_size, "ranks in all (pipeline stages x data-parallel x tensor-parallel)")
+      ->check(CLI::Range(int64_t(1), kMaxRanks));
+  estimate->add_option("--memory-per-rank", est.memory_per_rank, "find the largest micro-batch that fits (e.g. 16GiB)");
+  estimate->add_option("--report", est.report, "write the budget to this HDF5 file");
+  estimate->add_flag("--json", est.json, "machine-readable output");
+
+  int code = kExitOk;
+  try {
+    app.parse(argc, argv);
+    for (const CLI::Option* o : estimate->get_options())
+      if (o->count() > 0 && !o->get_name().empty() && o->get_name()[0] == '-') est.given.insert(o->get_name());
+    if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
+    else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
+    else if (tune->parsed())
+      code = cmd_autotune(tune_args, tune_world, tune->count("--world-size") > 0, tune_memory, MPI_COMM_WORLD);
+    else if (topology->parsed()) {
+      // Under `mpirun -np N` the data-parallel size defaults to what the job's ranks leave.
+      if (topology->count("--dp") == 0 && world > 1)
+        run_collectively(MPI_COMM_WORLD, [&] {  // one message, from rank 0
+          if (world % (pp * tp) != 0)
+            throw InputError("topology: " + std::to_string(world) + " ranks do not divide into --pp " +
+                             std::to_string(pp) + " x --tp " + std::to_string(tp));
+          dp = world / (pp * tp);
+        });
+      code = cmd_topology(pp, dp, tp, as_json, rank);
+    }
+    else if (estimate->parsed()) code = cmd_estimate(est, rank);
+    else if (inspect->parsed()) code = cmd_inspect(ck_dir, ck_tag, ck_tensor, ck_json, rank);
+    else if (eval->parsed()) code = cmd_eval(eval_args, eval_checkpoint, eval_tag, eval_json, MPI_COMM_WORLD);
+    else if (convert->parsed())
+      code = cmd_convert(ck_dir, ck_out, ck_tag, ck_format, ck_dtype, ck_shard, rank);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version are "errors" with exit code 0 in CLI11.
+    if (rank == 0) {
+      // CLI11 echoes the offending argument raw: escape and cap it like every other message.
+      // A mistyped command reaches CLI11 as a stray positional: name it and the commands.
+      const bool unknown_command = argc > 1 && argv[1][0] != '-' && app.get_subcommands().empty();
+      if (e.get_exit_code() == 0) app.exit(e);
+      else if (unknown_command) {
+        std::string names;
+        for (const CLI::App* sub : app.get_subcommands({})) names += (names.empty() ? "" : ", ") + sub->get_name();
+        std::fprintf(stderr, "zero3d: error: unknown command `%s` (commands: %s; see --help)\n",
+                     echo(argv[1], 80).c_str(), names.c_str());
+      } else std::fprintf(stderr, "zero3d: error: %s (see --help)\n", echo(e.what(), 300).c_str());
+    }
+    code = e.get_exit_code() == 0 ? kExitOk : kExitBadInput;
+  } catch (const AgreedFailure& e) {
+    // Every rank knows; one reports. (Bad config: all ranks fail alike and rank 0 reports.)
+    if (e.report()) {
+      const char* kind = e.code() == kExitBadInput ? "error" : "fatal";
+      const std::string what = failure_text(e.what());
+      if (e.failed_rank() == 0) std::fprintf(stderr, "zero3d: %s: %s\n", kind, what.c_str());
+      else std::fprintf(stderr, "zero3d: rank %d: %s: %s\n", e.failed_rank(), kind, what.c_str());
+    }
+    code = e.code();
+  } catch (const std::exception& e) {
+    // Not agreed: the other ranks may be waiting for this one, so take the job down.
+    const bool bad_input = dynamic_cast<const InputError*>(&e) != nullptr;
+    code = bad_input ? kExitBadInput : kExitSystem;
+    std::fprintf(stderr, "zero3d: rank %d: %s: %s\n", rank, bad_input ? "error" : "fatal", failure_text(e.what()).c_str());
+    std::fflush(stderr);
+    if (world > 1) {
+      // Give the launcher a moment to forward the message before it tears the job down.
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      MPI_Abort(MPI_COMM_WORLD, code);
+    }
+  }
+  std::fflush(stdout);
+  Kokkos::finalize();
+  MPI_Finalize();
+  return code;
+}

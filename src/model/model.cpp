@@ -1,0 +1,625 @@
+// model.cpp — GPT-2 forward and backward: the layer loop, read top-down then bottom-up.
+#include "model/model.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+
+#include "base/profiler.hpp"
+#include "base/rng.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/attention_sparse.hpp"
+#include "kernels/crossentropy.hpp"
+#include "kernels/encoder.hpp"
+#include "kernels/gelu.hpp"
+#include "kernels/layernorm.hpp"
+#include "kernels/matmul.hpp"
+#include "kernels/vocab_parallel.hpp"
+#include "model/pld.hpp"
+#include "parallel/comm.hpp"
+
+namespace zero3d {
+
+using namespace kernels;
+
+namespace {
+
+void copy(float* dst, const float* src, int64_t n) {
+  Kokkos::parallel_for("copy", range(n), KOKKOS_LAMBDA(Index i) { dst[i] = src[i]; });
+}
+
+// dst <- src (n floats), each in host memory (cpu_checkpointing) or in the device's. On a CPU
+// build both are the same memory and this is a plain copy.
+void copy_spaces(float* dst, bool dst_host, const float* src, bool src_host, int64_t n) {
+  using Host = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>;
+  using Device = Kokkos::View<float*, Kokkos::MemoryUnmanaged>;
+  float* from = const_cast<float*>(src);
+  if (dst_host && src_host) Kokkos::deep_copy(Host(dst, n), Host(from, n));
+  else if (dst_host) Kokkos::deep_copy(Host(dst, n), Device(from, n));
+  else if (src_host) Kokkos::deep_copy(Device(dst, n), Host(from, n));
+  else Kokkos::deep_copy(Device(dst, n), Device(from, n));
+}
+
+
+// Milliseconds of a region, fenced so device work is counted (profile only; free otherwise).
+struct Stopwatch {
+  bool on;
+  std::chrono::steady_clock::time_point t0;
+  explicit Stopwatch(bool on_) : on(on_) {
+    if (on) Kokkos::fence(), t0 = std::chrono::steady_clock::now();
+  }
+  double ms() const {
+    if (!on) return 0.0;
+    Kokkos::fence();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+
+}  // namespace
+
+template <typename T>
+BlockTensors<T> GPT::block(T* unit, int global_block) const {
+  const int64_t C = shape_.n_embd, Cl = Cl_;
+  T* p = unit;
+  BlockTensors<T> b;
+  T** fields[] = {&b.ln_1_w, &b.ln_1_b, &b.c_attn_w, &b.c_attn_b, &b.attn_proj_w, &b.attn_proj_b,
+                  &b.ln_2_w, &b.ln_2_b, &b.c_fc_w,   &b.c_fc_b,   &b.mlp_proj_w,  &b.mlp_proj_b};
+  // local shapes (model_part's splits): c_attn [C, 3C/t], attn.c_proj [C/t, C], c_fc [C, 4C/t], mlp.c_proj [4C/t, C]
+  const int64_t sizes[] = {C, C, 3 * C * Cl, 3 * Cl, Cl * C, C, C, C, 4 * C * Cl, 4 * Cl, 4 * Cl * C, C};
+  const bool moe = shape_.moe.is_moe_block(global_block), dense_mlp = !moe || shape_.moe.use_residual;
+  for (int k = 0; k < 12; ++k) {
+    if (k >= 8 && !dense_mlp) break;
+    *fields[k] = p;
+    p += sizes[k];
+  }
+  if (moe && shape_.moe.use_residual) {  // mlp.coefficient [C, 2] + [2] (block_tensors' order)
+    b.coef_w = p;
+    b.coef_b = p + 2 * C;
+    p += 2 * C + 2;
+  }
+  if (moe) b.gate_w = p;  // mlp.gate.weight [C, E]
+  return b;
+}
+
+float GPT::forward(int chunk, ActivationBuffer& buf, ParamStore& store) {
+  const obs::PassScope pass(obs::Pass::Forward);
+  const ModelChunk& c = part_.chunks[chunk];
+  switch (param_type_) {
+    case DType::BF16: return forward_impl<bf16>(c, buf, store);
+    case DType::F16: return forward_impl<fp16>(c, buf, store);
+    default: return forward_impl<float>(c, buf, store);
+  }
+}
+
+void GPT::backward(int chunk, ActivationBuffer& buf, float grad_scale, ParamStore& store, BackwardPart part) {
+  const obs::PassScope pass(obs::Pass::Backward);
+  const ModelChunk& c = part_.chunks[chunk];
+  switch (param_type_) {
+    case DType::BF16: return backward_impl<bf16>(c, buf, grad_scale, store, part);
+    case DType::F16: return backward_impl<fp16>(c, buf, grad_scale, store, part);
+    default: return backward_impl<float>(c, buf, grad_scale, store, part);
+  }
+}
+
+float GPT::forward(const int32_t* tokens, const int32_t* targets, ParamStore& store) {
+  if (own_.storage.extent(0) == 0) own_ = make_buffer(false);
+  own_.tokens = tokens;
+  own_.targets = targets;
+  return forward(0, own_, store);
+}
+
+void GPT::backward(float grad_scale, ParamStore& store) { backward(0, own_, grad_scale, store); }
+
+namespace {
+// bf16 compute without tensor parallelism keeps the inputs of the bf16 products (ln_1, the
+// attention output, ln_2, the GELU output) in bf16 in their float-sized buffers; an MoE block's
+// MLP half keeps fp32 (its gate and experts read ln_2). Forward and backward ask the same question.
+bool activations_bf16(DType compute, bool tensor_parallel, bool moe_block, bool mlp_half) {
+  return compute == DType::BF16 && !tensor_parallel && !(mlp_half && moe_block);
+}
+bf16* as_bf16(float* x) { return reinterpret_cast<bf16*>(x); }
+
+// res = residual + partial + bias: a row-parallel layer's output once its partial products are
+// summed over the tensor group (Megatron RowParallelLinear adds the bias after the all-reduce).
+template <typename P>
+void add_residual_and_bias(float* res, const float* residual, const float* partial, const P* bias, Index N, Index C) {
+  Kokkos::parallel_for("residual_bias", range(N), KOKKOS_LAMBDA(Index i) {
+    for (Index c = 0; c < C; ++c) res[i * C + c] = residual[i * C + c] + partial[i * C + c] + to_float(bias[c]);
+  });
+}
+}  // namespace
+
+template <typename P>
+void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
+                        double* attention_ms, ActivationBuffer* buf, float scale) {
+  if (scale == 0.0f) return dropped_block_forward(a, residual);  // progressive layer drop: the identity
+  const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, BT = B * T, Ns = Ns_;
+  const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
+  const DType cmp = compute_type();
+  // The input of a column-parallel product: this rank's tokens, or all of them gathered.
+  const auto column_input = [&](const float* x) -> const float* {
+    if (!sp) {
+      copy_to_tp_region_forward(tp_, x, BT * C);
+      return x;
+    }
+    gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns * C);
+    return gathered_;
+  };
+  // A row-parallel product's partial sums (row_out_, all tokens) summed over the group into
+  // this rank's tokens, then the bias once and the residual: res = residual + Σ partial + bias.
+  const auto row_output = [&](float* res, const float* res_in, const P* bias) {
+    if (!sp) {
+      reduce_from_tp_region_forward(tp_, row_out_, BT * C);
+      add_residual_and_bias(res, res_in, row_out_, bias, BT, C);
+    } else {
+      reduce_scatter_to_sequence_parallel_region_forward(tp_, row_out_, shard_, Ns * C);
+      add_residual_and_bias(res, res_in, shard_, bias, Ns, C);
+    }
+  };
+  const int u = c.first_block_unit + l;
+  const int global_block = c.first_block + l;
+  const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)), global_block);
+  // Inputs of bf16 products kept in bf16 where they are made (activations_bf16): the products
+  // round them anyway, so the rounding passes go and the backward reads half the bytes.
+  const bool moe_block = shape_.moe.is_moe_block(global_block);
+  // (sparse attention runs in fp32 and hands the product an fp32 input)
+  const bool lp = !shape_.sparse.enabled && activations_bf16(cmp, tp, moe_block, false),
+             lp_mlp = activations_bf16(cmp, tp, moe_block, true);
+  obs::Region region(obs::attention_module(c.first_block + l));  // the flops profiler's and trace's module
+  // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
+  if (lp) {
+    layernorm_forward(as_bf16(a.ln_1), a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
+    // c_attn rounds its own output: attention rounds q, k and v to bf16 anyway (same bits)
+    matmul_forward(as_bf16(a.qkv), as_bf16(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl);
+  } else {
+    layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
+    matmul_forward(a.qkv, column_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+  }
+  {
+    const Stopwatch sw(attention_ms != nullptr);
+    if (shape_.sparse.enabled)
+      sparse_attention_forward(a.atty, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[global_block].data(),
+                               shape_.sparse.block, B, T, Cl, H);
+    else if (lp) attention_forward(as_bf16(a.atty), a.att, as_bf16(a.qkv), B, T, Cl, H, cmp);
+    else attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp);
+    if (attention_ms) *attention_ms += sw.ms();
+  }
+  if (lp) {
+    matmul_forward_adding(a.res_2, residual, as_bf16(a.atty), w.attn_proj_w, w.attn_proj_b, BT, C, C);
+  } else if (!tp) {
+    copy(a.res_2, residual, BT * C);
+    matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
+  } else {
+    matmul_forward(row_out_, a.atty, w.attn_proj_w, static_cast<const P*>(nullptr), BT, Cl, C, false, cmp);
+    row_output(a.res_2, residual, w.attn_proj_b);
+  }
+  if (scale != 1.0f) scale_residual_branch(a.res_2, residual, scale, Ns * C);  // progressive layer drop's 1/p
+  // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
+  region.next(obs::mlp_module(c.first_block + l));
+  if (lp_mlp) layernorm_forward(as_bf16(a.ln_2), a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
+  else layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
+  if (shape_.moe.is_moe_block(global_block)) {
+    MoeActivations& m = *moe_saves(c, l, *buf);
+    if (shape_.moe.use_residual) {  // PR-MoE's dense branch: mlp_out = mlp(ln_2), no residual yet
+      matmul_forward(a.fch, column_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
+      gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
+      if (!tp) {
+        matmul_forward(m.mlp_out, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/false, cmp);
+      } else {
+        matmul_forward(row_out_, a.fch_gelu, w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false, cmp);
+        reduce_from_tp_region_forward(tp_, row_out_, BT * C);
+        copy(m.mlp_out, row_out_, BT * C);
+        add_bias_rows(m.mlp_out, w.mlp_proj_b, BT, C);
+      }
+    }
+    moe_forward<P>(global_block, a, m, w, *buf, store);
+    if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
+    store.release(u);
+    store.progress();
+    return;
+  }
+  if (lp_mlp) {  // c_fc writes bf16 (as autocast's linear does): GELU reads half the bytes
+    matmul_forward(as_bf16(a.fch), as_bf16(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl);
+    gelu_forward(as_bf16(a.fch_gelu), as_bf16(a.fch), BT * 4 * Cl);
+    matmul_forward_adding(a.res_3, a.res_2, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C);
+    if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
+    store.release(u);
+    store.progress();
+    return;
+  }
+  matmul_forward(a.fch, column_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
+  gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
+  if (!tp) {
+    copy(a.res_3, a.res_2, BT * C);
+    matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
+  } else {
+    matmul_forward(row_out_, a.fch_gelu, w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false, cmp);
+    row_output(a.res_3, a.res_2, w.mlp_proj_b);
+  }
+  if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
+  store.release(u);
+  store.progress();
+}
+
+template <typename P>
+float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store) {
+  const int64_t B = B_, T = T_, C = shape_.n_embd, V = Vl_, BT = B * T, Ns = Ns_;
+  const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
+  const DType cmp = compute_type();
+  buf.aux_loss = 0.0;
+  if (c.embedding) {
+    const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V(/t),C] then wpe [T,C]
+    const obs::Region region(obs::embedding_module());
+    if (!tp) {
+      encoder_forward(buf.input, buf.tokens, E, E + V * C, B, T, C);
+    } else {  // vocab-parallel: each rank looks up the ids it owns, the group sums, then + wpe
+      float* lookup = sp ? row_out_ : buf.input;
+      vocab_embedding_forward(lookup, buf.tokens, E, part_.vocab_begin, V, BT, C);
+      if (!sp) reduce_from_tp_region_forward(tp_, buf.input, BT * C);
+      else reduce_scatter_to_sequence_parallel_region_forward(tp_, row_out_, buf.input, Ns * C);
+      add_position_embedding(buf.input, E + V * C, sp ? tp_.rank * Ns : 0, Ns, T, C);
+    }
+    store.release(c.embed_unit);
+  }
+  if (ac_.full()) {
+    // Checkpoints of `interval` blocks: each saves its input, runs its blocks in the shared
+    // recompute workspace and keeps only its output (the next checkpoint's input).
+    const int N = ac_.interval;
+    for (int g = 0, g0 = 0; g0 < c.num_blocks; ++g, g0 += N) {
+      const int n = std::min(N, c.num_blocks - g0);
+      const float* in = g == 0 ? buf.input : ckpt_input_;
+      checkpoint_boundary();
+      const Stopwatch sw(ac_.profile);
+      save_checkpoint(buf, g, in);
+      for (int i = 0; i < n; ++i)
+        block_forward<P>(c, g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3, store, nullptr,
+                         nullptr, block_scale(buf, c, g0 + i));
+      copy(g0 + n == c.num_blocks ? buf.output : ckpt_input_, recompute_blocks_[n - 1].res_3, Ns * C);
+      if (ac_.profile) time_of(c.first_block + g0, n).forward_ms += sw.ms();
+      checkpoint_boundary();
+    }
+  } else {
+    const bool timed = ac_.selective() && ac_.profile;
+    for (int l = 0; l < c.num_blocks; ++l) {
+      if (ac_.selective()) checkpoint_boundary();
+      double attention_ms = 0.0;
+      block_forward<P>(c, l, buf.blocks[l], l == 0 ? buf.input : buf.blocks[l - 1].res_3, store,
+                       timed ? &attention_ms : nullptr, &buf, block_scale(buf, c, l));
+      if (timed) time_of(c.first_block + l, 1).forward_ms += attention_ms;
+    }
+  }
+  if (!c.final) return 0.0f;
+  const float* x = chunk_output(c, buf);
+  const P* F = static_cast<const P*>(store.fetch(c.final_unit));  // weight [C] then bias [C]
+  obs::Region head(obs::ln_f_module(static_cast<int>(shape_.n_layer)));
+  // ln_f over this rank's tokens; the head reads all tokens (gathered with sequence parallelism)
+  layernorm_forward(sp ? shard_ : buf.ln_f, buf.ln_f_mean, buf.ln_f_rstd, x, F, F + C, Ns, C);
+  store.release(c.final_unit);
+  if (sp) gather_from_sequence_parallel_region_forward(tp_, shard_, buf.ln_f, Ns * C);
+  else copy_to_tp_region_forward(tp_, buf.ln_f, BT * C);
+  // LM head tied to wte: logits = ln_f · wteᵀ (this rank's vocabulary rows with tensor parallelism)
+  const P* E = static_cast<const P*>(store.fetch(c.head_unit));
+  head.next(obs::lm_head_module(static_cast<int>(shape_.n_layer)));
+  gemm(BT, V, C, {buf.ln_f, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, buf.logits, V, false, cmp);
+  store.release(c.head_unit);
+  if (!tp) {
+    crossentropy_forward(buf.losses, buf.lse, buf.logits, buf.targets, BT, V);
+  } else {  // vocab-parallel cross-entropy: max, then sum-exp and target logit, over the group
+    const int64_t real = part_.vocab_real, v0 = part_.vocab_begin;
+    vocab_ce_local_max(ce_max_, buf.logits, BT, V, real);
+    tp_.all_reduce_max(ce_max_, BT);
+    vocab_ce_local_sums(ce_sum_, ce_target_, buf.logits, ce_max_, buf.targets, v0, BT, V, real);
+    tp_.all_reduce_sum(ce_sum_, 2 * BT);  // ce_sum_ and ce_target_ are adjacent
+    vocab_ce_finish(buf.losses, buf.lse, ce_max_, ce_sum_, ce_target_, BT);
+  }
+  float sum = 0.0f;
+  const float* losses = buf.losses;
+  Kokkos::parallel_reduce("mean_loss", range(BT), KOKKOS_LAMBDA(Index i, float& acc) { acc += losses[i]; }, sum);
+  return sum / static_cast<float>(BT);
+}
+
+// One backward over a chunk. Full: today's fused pass, every layer's input and weight
+// gradients together, operands in scratch. Input (zero-bubble B): input gradients only, the
+// output gradients the weight products need kept in buf.grad_operands. Weight (W): the weight
+// products from those operands and the forward saves, with no parameters fetched. Every
+// kernel call is the same in all three, with the skipped part's pointers null, so a split
+// backward computes the same numbers as a fused one. Tensor-parallel regions sit on the lines
+// mirroring the forward's.
+template <typename P>
+void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_scale, ParamStore& store,
+                        BackwardPart part) {
+  const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, V = Vl_, BT = B * T, Ns = Ns_;
+  const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
+  const DType cmp = compute_type();
+  const bool input = part != BackwardPart::Weight, weights = part != BackwardPart::Input;
+  const bool keep = part == BackwardPart::Input;  // save operands for the later W pass
+  float* dres = buf.d_input;  // the residual stream's gradient (this rank's tokens), from the chunk's end down
+  float* dE = nullptr;        // the head's wte gradient stays open until the chunk is done
+  // A column-parallel layer's backward: dinp (all tokens, partial over the group) is summed —
+  // all-reduced ("f"), or reduce-scattered into dinp_shard with sequence parallelism. The
+  // weight product reads the layer input over all tokens (re-gathered from x's shard). With
+  // tp_overlap_comm the all-reduce runs under the weight product (Megatron's async dgrad).
+  const auto column_backward = [&](float* dinp_shard, float* dweight, float* dbias, const float* dout, const float* x,
+                                   const P* weight, int64_t IC, int64_t OC) {
+    const float* inp = x;
+    if (sp && dweight) {
+      gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns * IC);
+      inp = gathered_;
+    }
+    float* dinp = sp && dinp_shard ? row_out_ : dinp_shard;
+    if (tp && tp_.overlap && !sp && dinp && dweight) {
+      matmul_backward(dinp, static_cast<float*>(nullptr), static_cast<float*>(nullptr), dout, inp, weight, BT, IC, OC,
+                      cmp);
+      const std::unique_ptr<CommRequest> pending = tp_.all_reduce_sum_async(dinp, BT * IC);
+      matmul_backward(static_cast<float*>(nullptr), dweight, dbias, dout, inp, weight, BT, IC, OC, cmp);
+      store.progress();
+      pending->wait();
+      return;
+    }
+    matmul_backward(dinp, dweight, dbias, dout, inp, weight, BT, IC, OC, cmp);
+    if (!dinp) return;
+    if (sp) gather_from_sequence_parallel_region_backward(tp_, dinp, dinp_shard, Ns * IC);
+    else copy_to_tp_region_backward(tp_, dinp, BT * IC);
+  };
+  // A row-parallel layer's output gradient over all tokens: this rank's tokens' gradient
+  // all-gathered with sequence parallelism (into `full`), else the same array.
+  const auto row_output_grad = [&](const float* d_shard, float* full) -> const float* {
+    if (!sp) {
+      reduce_from_tp_region_backward(tp_, d_shard, BT * C);
+      return d_shard;
+    }
+    reduce_scatter_to_sequence_parallel_region_backward(tp_, d_shard, full, Ns * C);
+    return full;
+  };
+
+  if (c.final) {
+    obs::Region head(obs::lm_head_module(static_cast<int>(shape_.n_layer)));
+    const float* x = chunk_output(c, buf);
+    float* dlnf = keep || part == BackwardPart::Weight ? buf.d_ln_f : dln_;  // this rank's tokens
+    if (input) {
+      // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
+      const float dloss = grad_scale / static_cast<float>(BT);
+      if (!tp) crossentropy_backward(buf.logits, buf.lse, buf.targets, dloss, BT, V);
+      else vocab_ce_backward(buf.logits, buf.lse, buf.targets, dloss, part_.vocab_begin, BT, V, part_.vocab_real);
+    }
+    const float* dlogits = buf.logits;
+    // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f
+    if (weights) dE = store.grad_target(c.head_unit);
+    if (input) {
+      const P* E = static_cast<const P*>(store.fetch(c.head_unit));
+      const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);  // converted once for both
+      float* dlnf_all = sp ? row_out_ : dlnf;
+      gemm(BT, C, V, d, {E, dtype_of<P>(), false, C}, dlnf_all, C, false, cmp);
+      if (weights) gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);
+      store.release(c.head_unit);
+      if (sp) gather_from_sequence_parallel_region_backward(tp_, dlnf_all, dlnf, Ns * C);
+      else copy_to_tp_region_backward(tp_, dlnf, BT * C);
+    } else {
+      const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);
+      gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);
+    }
+    head.next(obs::ln_f_module(static_cast<int>(shape_.n_layer)));
+    if (input) Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres, Ns * C), 0.0f);
+    const P* F = input ? static_cast<const P*>(store.fetch(c.final_unit)) : nullptr;
+    float* dF = weights ? store.grad_target(c.final_unit) : nullptr;
+    layernorm_backward(input ? dres : nullptr, dF, dF ? dF + C : nullptr, dlnf, x, F, buf.ln_f_mean, buf.ln_f_rstd,
+                       Ns, C);
+    if (input) store.release(c.final_unit);
+    if (weights) store.grads_done(c.final_unit);
+  } else if (input) {
+    copy(dres, buf.d_output, Ns * C);
+  }
+
+  // One block's backward from its saves `a` and its input `residual`; dres holds d(res_3) on entry
+  // and d(residual) on exit.
+  const auto block_backward = [&](int l, const BlockActivations& a, const float* residual) {
+    const float s = block_scale(buf, c, l);  // progressive layer drop: 0 dropped, else the branches' 1/p
+    if (s == 0.0f) return dropped_block_backward(c, l, store, part);
+    const int u = c.first_block_unit + l, global_block = c.first_block + l;
+    obs::Region region(obs::mlp_module(c.first_block + l));
+    const BlockTensors<const P> w =
+        input ? block(static_cast<const P*>(store.fetch(u)), global_block) : BlockTensors<const P>{};
+    const BlockTensors<float> dw = weights ? block(store.grad_target(u), global_block) : BlockTensors<float>{};
+    // each weight's gradient is one product: into a zeroed window it is written, not added
+    const bool add_dw = !(weights && store.grads_start_at_zero(u));
+    // Where the output gradients of the five products and two LayerNorms live.
+    const bool saved = part != BackwardPart::Full;
+    const BlockGradOperands& g = saved ? buf.grad_operands[l] : BlockGradOperands{};
+    float* d_fch = saved ? g.d_fch : dfch_;
+    float* d_ln_2 = saved ? g.d_ln_2 : dln_;
+    float* d_qkv = saved ? g.d_qkv : dqkv_;
+    float* d_ln_1 = saved ? g.d_ln_1 : dln_;
+    // MLP half: dres holds d(res_3); the row-parallel product's output gradient covers all tokens
+    if (input && s != 1.0f) scaled_branch_backward_begin(dres, s);
+    const float* d_res_3 = part == BackwardPart::Weight ? g.d_res_3 : row_output_grad(dres, saved ? g.d_res_3 : gathered_);
+    if (keep && !sp) copy(g.d_res_3, dres, BT * C);
+    // An MoE block (full backward only: model.moe excludes split schedules): the dense branch of
+    // residual MoE reads d(mlp_out), the MoE part then adds its input gradients into d(ln_2).
+    const bool moe = shape_.moe.is_moe_block(global_block);
+    const MoeActivations* m = moe ? moe_saves(c, l, buf) : nullptr;
+    const float* d_mlp = d_res_3;
+    if (moe && shape_.moe.use_residual) {
+      moe_mix_backward(*m, d_res_3, moe_tokens_c_);
+      d_mlp = moe_tokens_c_;
+    }
+    const bool lp = !shape_.sparse.enabled && activations_bf16(cmp, tp, moe, false),
+               lp_mlp = activations_bf16(cmp, tp, moe, true);
+    if (lp_mlp) {  // the forward kept c_fc's output, the GELU output and ln_2 in bf16
+      matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
+                      d_mlp, as_bf16(a.fch_gelu), w.mlp_proj_w, BT, 4 * Cl, C, cmp, add_dw);
+      store.progress();
+      if (part == BackwardPart::Full) {  // GELU's gradient made in the products' bf16, c_fc's bias gradient beside it
+        const GemmOperand d = gemm_operand_slot(BT, 4 * Cl);
+        gelu_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(d.data)), dw.c_fc_b, as_bf16(a.fch), d_fch,
+                                      BT, 4 * Cl);
+        matmul_backward(d_ln_2, dw.c_fc_w, d, as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp, add_dw);
+      } else {  // a split backward keeps the fp32 gradient for its weight pass
+        if (input) gelu_backward(d_fch, as_bf16(a.fch), d_fch, BT * 4 * Cl);
+        matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                        as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp, add_dw);
+      }
+    } else if (!moe || shape_.moe.use_residual) {
+      matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
+                      d_mlp, a.fch_gelu, w.mlp_proj_w, BT, 4 * Cl, C, cmp, add_dw);
+      store.progress();
+      if (input) gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
+      if (!tp) {
+        matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                        a.ln_2, w.c_fc_w, BT, C, 4 * Cl, cmp, add_dw);
+      } else {
+        column_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
+                        a.ln_2, w.c_fc_w, C, 4 * Cl);
+      }
+    } else {
+      Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(d_ln_2, BT * C), 0.0f);
+    }
+    if (moe) moe_backward<P>(global_block, a, *m, w, dw, d_res_3, d_ln_2, grad_scale, store);
+    store.progress();
+    layernorm_backward(input ? dres : nullptr, weights ? dw.ln_2_w : nullptr, weights ? dw.ln_2_b : nullptr, d_ln_2,
+                       a.res_2, w.ln_2_w, a.ln_2_mean, a.ln_2_rstd, Ns, C);
+    if (input && s != 1.0f) scaled_branch_backward_end(dres, s);
+    // attention half: dres now holds d(res_2)
+    region.next(obs::attention_module(c.first_block + l));
+    if (input && s != 1.0f) scaled_branch_backward_begin(dres, s);
+    const float* d_res_2 = part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(dres, saved ? g.d_res_2 : gathered_);
+    if (keep && !sp) copy(g.d_res_2, dres, BT * C);
+    if (input && ac_.selective()) {  // the attention probabilities were not kept: recompute them
+      const obs::PassScope recompute(obs::Pass::Recompute);
+      checkpoint_boundary();
+      const Stopwatch sw(ac_.profile);
+      if (shape_.sparse.enabled)  // datty_ is free until the product below
+        sparse_attention_forward(datty_, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[c.first_block + l].data(),
+                                 shape_.sparse.block, B, T, Cl, H);
+      else if (lp) attention_forward(datty_, a.att, as_bf16(a.qkv), B, T, Cl, H, cmp);
+      else attention_forward(datty_, a.att, a.qkv, B, T, Cl, H, cmp);
+      if (ac_.profile) time_of(c.first_block + l, 1).recompute_ms += sw.ms();
+      checkpoint_boundary();
+    }
+    if (lp)
+      matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
+                      d_res_2, as_bf16(a.atty), w.attn_proj_w, BT, Cl, C, cmp, add_dw);
+    else
+      matmul_backward(input ? datty_ : nullptr, weights ? dw.attn_proj_w : nullptr, weights ? dw.attn_proj_b : nullptr,
+                      d_res_2, a.atty, w.attn_proj_w, BT, Cl, C, cmp, add_dw);
+    store.progress();
+    // a whole backward makes dqkv in the products' bf16 directly, c_attn's bias gradient beside it
+    const bool dqkv_bf16 = lp && part == BackwardPart::Full;
+    const GemmOperand dqkv_slot = dqkv_bf16 ? gemm_operand_slot(BT, 3 * Cl) : GemmOperand{};
+    if (input && shape_.sparse.enabled)
+      sparse_attention_backward(d_qkv, datty_, a.qkv, a.att, sparse_att_stride_, sparse_layouts_[c.first_block + l].data(),
+                                shape_.sparse.block, B, T, Cl, H);
+    else if (dqkv_bf16)
+      attention_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(dqkv_slot.data)), dw.c_attn_b, d_qkv,
+                                         datty_, as_bf16(a.qkv), a.att, B, T, Cl, H);
+    else if (input && lp) attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, Cl, H, cmp);
+    else if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp);
+    store.progress();
+    if (dqkv_bf16) {
+      matmul_backward(d_ln_1, dw.c_attn_w, dqkv_slot, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);
+    } else if (lp) {
+      matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
+                      d_qkv, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);
+    } else if (!tp) {
+      matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
+                      d_qkv, a.ln_1, w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);
+    } else {
+      column_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
+                      d_qkv, a.ln_1, w.c_attn_w, C, 3 * Cl);
+    }
+    layernorm_backward(input ? dres : nullptr, weights ? dw.ln_1_w : nullptr, weights ? dw.ln_1_b : nullptr, d_ln_1,
+                       residual, w.ln_1_w, a.ln_1_mean, a.ln_1_rstd, Ns, C);
+    if (input && s != 1.0f) scaled_branch_backward_end(dres, s);
+    if (input) store.release(u);
+    if (weights) store.grads_done(u);
+  };
+  if (!ac_.full()) {
+    for (int l = c.num_blocks - 1; l >= 0; --l)
+      block_backward(l, buf.blocks[l], l == 0 ? buf.input : buf.blocks[l - 1].res_3);
+  } else {
+    // Each checkpoint, last first: restore its input, recompute its blocks with the forward's
+    // code into the workspace, then run their backward (DeepSpeed CheckpointFunction.backward).
+    const int N = ac_.interval;
+    for (int g = (c.num_blocks - 1) / N, g0 = g * N; g0 >= 0 && c.num_blocks > 0; --g, g0 -= N) {
+      const int n = std::min(N, c.num_blocks - g0);
+      checkpoint_boundary();
+      const Stopwatch sw(ac_.profile);
+      const float* in = restore_checkpoint(buf, g);
+      obs::PassScope recompute(obs::Pass::Recompute);
+      for (int i = 0; i < n; ++i)
+        block_forward<P>(c, g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3, store, nullptr,
+                         nullptr, block_scale(buf, c, g0 + i));
+      recompute.end();
+      if (ac_.profile) time_of(c.first_block + g0, n).recompute_ms += sw.ms();
+      checkpoint_boundary();
+      for (int i = n - 1; i >= 0; --i)
+        block_backward(g0 + i, recompute_blocks_[i], i == 0 ? in : recompute_blocks_[i - 1].res_3);
+    }
+  }
+  if (c.embedding && weights) {
+    const obs::Region region(obs::embedding_module());
+    // one stage: the head already opened the embedding unit's gradients (asking again would reset them)
+    float* dEmb = dE && c.head_unit == c.embed_unit ? dE : store.grad_target(c.embed_unit);
+    // the embedding's output gradient over all tokens (gathered from the shards with sequence parallelism)
+    const float* d_embedded = dres;
+    if (sp) {
+      reduce_scatter_to_sequence_parallel_region_backward(tp_, dres, gathered_, Ns * C);
+      d_embedded = gathered_;
+    } else {
+      reduce_from_tp_region_backward(tp_, dres, BT * C);
+    }
+    if (!tp) encoder_backward(dEmb, dEmb + V * C, d_embedded, buf.tokens, B, T, C);  // no parameters needed
+    else vocab_embedding_backward(dEmb, dEmb + V * C, d_embedded, buf.tokens, part_.vocab_begin, V, B, T, C);
+    store.grads_done(c.embed_unit);
+  } else if (c.final && weights) {
+    store.grads_done(c.head_unit);  // the tied copy: complete once the chunk is done
+  }
+}
+
+// Checkpoint g's input into its slot: this rank's contiguous 1/t of the flattened tensor when
+// partitioned (DeepSpeed's partition: start = numel/t · rank, FACTS-2 §6.2), else all of it.
+void GPT::save_checkpoint(ActivationBuffer& buf, int g, const float* input) const {
+  const bool split = ac_.partition_activations && part_.tp_size > 1;
+  copy_spaces(buf.checkpoints[g], ac_.cpu_checkpointing, split ? input + part_.tp_rank * ckpt_slot_ : input, false,
+              ckpt_slot_);
+}
+
+// Checkpoint g's whole input on the device: the slot itself, or rebuilt in the workspace
+// (brought from host memory; partitions all-gathered over the tensor group, FACTS-2 §6.3).
+const float* GPT::restore_checkpoint(ActivationBuffer& buf, int g) {
+  const bool split = ac_.partition_activations && part_.tp_size > 1, host = ac_.cpu_checkpointing;
+  const float* saved = buf.checkpoints[g];
+  if (!split && !host) return saved;
+  if (!split) {
+    copy_spaces(ckpt_input_, false, saved, true, ckpt_slot_);
+    return ckpt_input_;
+  }
+  if (host) {
+    copy_spaces(ckpt_staging_, false, saved, true, ckpt_slot_);
+    saved = ckpt_staging_;
+  }
+  tp_.all_gather_tokens(saved, ckpt_input_, ckpt_slot_);
+  return ckpt_input_;
+}
+
+// synchronize_checkpoint_boundary: DeepSpeed synchronises the device at each boundary; here
+// also the tensor group, the ranks that run the same checkpoints in step.
+void GPT::checkpoint_boundary() const {
+  if (!ac_.synchronize_checkpoint_boundary) return;
+  Kokkos::fence();
+  if (tp_.comm && tp_.size > 1) tp_.comm->barrier();
+}
+
+GPT::CheckpointTime& GPT::time_of(int first_block, int num_blocks) {
+  for (CheckpointTime& t : times_)
+    if (t.first_block == first_block) return t;
+  times_.push_back({first_block, num_blocks, 0.0, 0.0});
+  return times_.back();
+}
+
+void GPT::reset_checkpoint_times() {
+  for (CheckpointTime& t : times_) t.forward_ms = t.recompute_ms = 0.0;
+}
+
+}  // namespace zero3d

@@ -1,0 +1,389 @@
+// model_layout.cpp — what a GPT is made of, apart from running it: the Hugging Face parameter
+// layout (MoE experts included), each rank's part of it over pipeline, tensor and expert ranks,
+// the deterministic initialisation, FLOPs, and the activation plan that both the model's
+// allocations and the memory planner read.
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "base/rng.hpp"
+#include "kernels/attention.hpp"  // kRowBlock: the attention backward's row block (its scratch)
+#include "model/model.hpp"
+
+namespace zero3d {
+
+namespace {
+const char* kBlockTensorNames[] = {"ln_1.weight",       "ln_1.bias",       "attn.c_attn.weight", "attn.c_attn.bias",
+                                   "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight",        "ln_2.bias",
+                                   "mlp.c_fc.weight",    "mlp.c_fc.bias",    "mlp.c_proj.weight",  "mlp.c_proj.bias"};
+}  // namespace
+
+const char* const kExpertTensorNames[4] = {"c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"};
+
+namespace {
+// One block's tensors in layout order, with their global shapes. An MoE block (FACTS-2 §4.5)
+// keeps the dense MLP only as PR-MoE's residual branch, adds its coefficient Linear(C, 2) then,
+// and the gate Linear(C, E, bias=False) (stored input-major like every Conv1D weight here).
+std::vector<std::pair<std::string, std::vector<int64_t>>> block_tensors(const GPTShape& s, int64_t l) {
+  const int64_t C = s.n_embd;
+  const std::vector<std::vector<int64_t>> shapes = {{C}, {C}, {C, 3 * C}, {3 * C}, {C, C},     {C},
+                                                    {C}, {C}, {C, 4 * C}, {4 * C}, {4 * C, C}, {C}};
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  const bool moe = s.moe.is_moe_block(l), dense_mlp = !moe || s.moe.use_residual;
+  for (size_t k = 0; k < shapes.size(); ++k)
+    if (k < 8 || dense_mlp) out.emplace_back(kBlockTensorNames[k], shapes[k]);
+  if (moe && s.moe.use_residual) {
+    out.emplace_back("mlp.coefficient.weight", std::vector<int64_t>{C, 2});
+    out.emplace_back("mlp.coefficient.bias", std::vector<int64_t>{2});
+  }
+  if (moe) out.emplace_back("mlp.gate.weight", std::vector<int64_t>{C, s.moe.num_experts});
+  return out;
+}
+std::vector<std::vector<int64_t>> expert_shapes(int64_t C) { return {{C, 4 * C}, {4 * C}, {4 * C, C}, {C}}; }
+std::string expert_prefix(int64_t l, int64_t e) {
+  return "h." + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".";
+}
+}  // namespace
+
+ParamLayout gpt_layout(const GPTShape& s) {
+  const int64_t V = s.vocab_size, T = s.n_positions, C = s.n_embd;
+  ParamLayout layout;
+  layout.add("wte.weight", {V, C});
+  layout.add("wpe.weight", {T, C});
+  for (int64_t l = 0; l < s.n_layer; ++l) {
+    const std::string p = "h." + std::to_string(l) + ".";
+    for (const auto& [name, shape] : block_tensors(s, l)) layout.add(p + name, shape);
+  }
+  layout.add("ln_f.weight", {C});
+  layout.add("ln_f.bias", {C});
+  for (int64_t l = 0; l < s.n_layer; ++l)
+    if (s.moe.is_moe_block(l))
+      for (int64_t e = 0; e < s.moe.num_experts; ++e)
+        for (int k = 0; k < 4; ++k) layout.add(expert_prefix(l, e) + kExpertTensorNames[k], expert_shapes(C)[k]);
+  return layout;
+}
+
+int64_t gpt_active_params(const GPTShape& s, int64_t k) {
+  const ParamLayout layout = gpt_layout(s);
+  if (!s.moe.enabled()) return layout.total();
+  const int64_t C = s.n_embd, expert = 8 * C * C + 5 * C;
+  int64_t moe_blocks = 0;
+  for (int64_t l = 0; l < s.n_layer; ++l) moe_blocks += s.moe.is_moe_block(l) ? 1 : 0;
+  // every expert is stored; a token meets k of them per MoE block
+  return layout.total() - moe_blocks * (s.moe.num_experts - k) * expert;
+}
+
+std::vector<ParamUnit> gpt_units(const ParamLayout& layout, int64_t n_layer) {
+  std::vector<int64_t> starts = {0};
+  for (int64_t l = 0; l < n_layer; ++l) starts.push_back(layout.find("h." + std::to_string(l) + ".ln_1.weight")->offset);
+  starts.push_back(layout.find("ln_f.weight")->offset);
+  starts.push_back(layout.find("ln_f.bias")->offset + layout.find("ln_f.bias")->numel);  // experts follow (their own units)
+  std::vector<ParamUnit> units;
+  for (size_t u = 0; u + 1 < starts.size(); ++u) {
+    const UnitKind kind = u == 0 ? UnitKind::Embedding : u + 2 == starts.size() ? UnitKind::FinalNorm : UnitKind::Block;
+    units.push_back({starts[u], starts[u + 1] - starts[u], kind, kind == UnitKind::Block ? static_cast<int>(u) - 1 : -1});
+  }
+  return units;
+}
+
+std::vector<LayoutSegment> ModelPart::global_runs(int64_t begin, int64_t end, bool saving) const {
+  std::vector<LayoutSegment> out;
+  auto it = std::lower_bound(runs.begin(), runs.end(), begin,
+                             [](const LayoutSegment& r, int64_t x) { return r.local_end <= x; });
+  for (; it != runs.end() && it->local_begin < end; ++it) {
+    if (saving && !it->saved) continue;
+    const int64_t lo = std::max(begin, it->local_begin), hi = std::min(end, it->local_end);
+    if (lo < hi) out.push_back({lo, hi, it->global_begin + (lo - it->local_begin), it->saved});
+  }
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> ModelPart::replicated_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (tp_size == 1) return out;
+  for (size_t k = 0; k < splits.size(); ++k)
+    if (splits[k].replicated()) {
+      const TensorSpec& t = layout.tensors()[k];
+      if (!out.empty() && out.back().second == t.offset) out.back().second += t.numel;
+      else out.emplace_back(t.offset, t.offset + t.numel);
+    }
+  return out;
+}
+
+ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int stages, int stage, int tp_size,
+                         int tp_rank, int ep_size, int ep_rank) {
+  const int64_t t = tp_size;
+  const ParamLayout global = gpt_layout(s);
+  const int parts = static_cast<int>(bounds.size()) - 1;
+  const int layers = static_cast<int>(s.n_layer) + 2;  // embedding, blocks, final
+  ModelPart part;
+  part.tp_size = tp_size;
+  part.tp_rank = tp_rank;
+  // Megatron pads the vocabulary to a multiple of the tensor size; padded rows hold zeros,
+  // are never looked up, and their logits are masked, so they change no loss.
+  part.vocab_padded = (s.vocab_size + t - 1) / t * t;
+  part.vocab_local = part.vocab_padded / t;
+  part.vocab_begin = tp_rank * part.vocab_local;
+  part.vocab_real = std::max<int64_t>(0, std::min(part.vocab_local, s.vocab_size - part.vocab_begin));
+  ParamLayout& layout = part.layout;
+  auto add_unit = [&](UnitKind kind, int block, int64_t begin) {
+    part.units.push_back({begin, layout.total() - begin, kind, block});
+    return static_cast<int>(part.units.size()) - 1;
+  };
+  // Adds `name` cut by `split` and the runs of its local elements in the global layout.
+  auto add = [&](const std::string& name, TensorSplit split, bool saved) {
+    const TensorSpec* g = global.find(name);
+    std::vector<int64_t> shape = g->shape;
+    const bool vocab = name == "wte.weight";
+    if (vocab) shape[0] = part.vocab_padded;
+    const int64_t full = shape[split.dim];
+    shape[split.dim] = full / split.parts;
+    const int64_t local = layout.total();
+    layout.add(name, shape);
+    part.global_shapes.push_back(g->shape);
+    part.splits.push_back(split);
+    saved = saved && (!split.replicated() || tp_rank == 0);
+    auto run = [&](int64_t lb, int64_t n, int64_t gb) {
+      LayoutSegment& last = part.runs.empty() ? part.runs.emplace_back(LayoutSegment{lb, lb, gb, saved}) : part.runs.back();
+      if (last.local_end == lb && last.saved == saved && last.global_begin + (lb - last.local_begin) == gb)
+        last.local_end += n;
+      else
+        part.runs.push_back({lb, lb + n, gb, saved});
+    };
+    if (split.replicated()) {
+      run(local, g->numel, g->offset);
+    } else if (split.dim == 0) {  // whole rows: one run per stride chunk (vocab rows past V are padding)
+      const int64_t row = g->numel / g->shape[0], chunk = full / (split.stride * split.parts);
+      for (int j = 0; j < split.stride; ++j) {
+        const int64_t first = j * (full / split.stride) + split.index * chunk;
+        const int64_t rows = std::max<int64_t>(0, std::min(chunk, g->shape[0] - first));
+        if (rows > 0) run(local + j * chunk * row, rows * row, g->offset + first * row);
+      }
+    } else {  // columns of a [rows, cols] matrix: stride runs per row
+      const int64_t rows = g->shape[0], cols = g->shape[1], chunk = cols / (split.stride * split.parts);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int j = 0; j < split.stride; ++j)
+          run(local + i * (cols / split.parts) + j * chunk, chunk,
+              g->offset + i * cols + j * (cols / split.stride) + split.index * chunk);
+    }
+  };
+  const TensorSplit replicated{}, rows{0, 1, tp_size, tp_rank}, cols{1, 1, tp_size, tp_rank},
+      qkv_cols{1, 3, tp_size, tp_rank}, qkv_bias{0, 3, tp_size, tp_rank};
+  const bool holds_embedding = stage == 0, holds_final = stage == (parts - 1) % stages;
+  if (holds_final && !holds_embedding) {  // the LM head's wte: DeepSpeed's TiedLayerSpec on the last stage
+    add("wte.weight", rows, /*saved=*/false);
+    part.tied_unit = add_unit(UnitKind::TiedHead, -1, 0);
+  }
+  for (int k = stage; k < parts; k += stages) {
+    ModelChunk c;
+    for (int layer = bounds[k]; layer < bounds[k + 1]; ++layer) {
+      const int64_t begin = layout.total();
+      if (layer == 0) {
+        add("wte.weight", rows, true);  // vocab-parallel (Megatron VocabParallelEmbedding)
+        add("wpe.weight", replicated, true);
+        c.embedding = true;
+        c.embed_unit = add_unit(UnitKind::Embedding, -1, begin);
+      } else if (layer == layers - 1) {
+        add("ln_f.weight", replicated, true);
+        add("ln_f.bias", replicated, true);
+        c.final = true;
+        c.final_unit = add_unit(UnitKind::FinalNorm, -1, begin);
+      } else {
+        const int l = layer - 1;
+        const std::string p = "h." + std::to_string(l) + ".";
+        // Megatron's block: c_attn and c_fc column-parallel, the two c_proj row-parallel with
+        // their biases replicated (added once, after the all-reduce); LayerNorms replicated.
+        // MoE additions (gate, coefficient) are replicated: every tensor rank routes the same tokens.
+        const TensorSplit how[] = {replicated, replicated, qkv_cols, qkv_bias, rows, replicated,
+                                   replicated, replicated, cols,     rows,     rows, replicated};
+        const auto tensors = block_tensors(s, l);
+        for (const auto& [name, shape] : tensors) {
+          TensorSplit split = replicated;
+          for (int j = 0; j < 12; ++j)
+            if (name == kBlockTensorNames[j]) split = how[j];
+          add(p + name, split, true);
+        }
+        if (c.num_blocks == 0) {
+          c.first_block = l;
+          c.first_block_unit = static_cast<int>(part.units.size());
+        }
+        ++c.num_blocks;
+        add_unit(UnitKind::Block, l, begin);
+      }
+    }
+    if (c.final) c.head_unit = c.embedding || part.tied_unit < 0 ? 0 : part.tied_unit;
+    part.chunks.push_back(c);
+  }
+  // the head of a one-stage model reads the embedding unit's wte
+  for (ModelChunk& c : part.chunks)
+    if (c.final && part.tied_unit < 0) c.head_unit = part.chunks.front().embed_unit;
+  // MoE: this rank's experts of each MoE block it holds, after every dense tensor: experts
+  // ep_rank·E/ep ... (DeepSpeed's global expert id), replicated over the tensor group.
+  part.ep_size = ep_size;
+  part.ep_rank = ep_rank;
+  part.expert_begin = layout.total();
+  part.expert_unit.assign(static_cast<size_t>(s.n_layer), -1);
+  const int64_t local_experts = s.moe.enabled() ? s.moe.num_experts / ep_size : 0;
+  std::vector<int> held;
+  for (const ModelChunk& c : part.chunks)
+    for (int b = c.first_block; b < c.first_block + c.num_blocks; ++b)
+      if (s.moe.is_moe_block(b)) held.push_back(b);
+  std::sort(held.begin(), held.end());
+  // Expert tensor parallelism: c_fc column-parallel, c_proj row-parallel with its bias replicated.
+  const bool split_experts = s.moe.expert_tensor_parallel && tp_size > 1;
+  const TensorSplit expert_how[] = {split_experts ? cols : replicated, split_experts ? rows : replicated,
+                                    split_experts ? rows : replicated, replicated};
+  for (int b : held) {
+    const int64_t begin = layout.total();
+    for (int64_t i = 0; i < local_experts; ++i)
+      for (int k = 0; k < 4; ++k)
+        add(expert_prefix(b, ep_rank * local_experts + i) + kExpertTensorNames[k], expert_how[k], true);
+    if (part.first_expert_unit < 0) part.first_expert_unit = static_cast<int>(part.units.size());
+    part.expert_unit[static_cast<size_t>(b)] = add_unit(UnitKind::Experts, b, begin);
+  }
+  for (const TensorSpec& ts : layout.tensors())
+    (ts.offset < part.expert_begin ? part.dense_layout : part.expert_layout).add(ts.name, ts.shape);
+  for (ParamUnit u : part.units) {
+    if (u.kind != UnitKind::Experts) {
+      part.dense_units.push_back(u);
+      continue;
+    }
+    u.offset -= part.expert_begin;
+    part.expert_units.push_back(u);
+  }
+  return part;
+}
+
+int64_t moe_rows_bound(const MoeShape& shape, const MoeRouting& r, int64_t S) {
+  if (!shape.enabled()) return 0;
+  const double E = static_cast<double>(shape.num_experts);
+  // DeepSpeed's _capacity: ceil(S/E · cf · k) raised to min_capacity (FACTS-2 §4.2); no-drop: up to S
+  const auto capacity = [&](double cf) {
+    return std::max<int64_t>(static_cast<int64_t>(std::ceil(static_cast<double>(S) / E * cf * r.k)), r.min_capacity);
+  };
+  const int64_t cap = r.drop_tokens ? std::max(capacity(r.capacity_factor), capacity(r.eval_capacity_factor)) : S;
+  return shape.num_experts * std::min(cap, S);
+}
+
+double gpt_flops_per_token(const GPTShape& s, int64_t num_params) {
+  double attention_share = 1.0;
+  if (s.sparse.enabled) {
+    const int64_t nb = s.n_positions / s.sparse.block;
+    attention_share = 0.0;
+    for (int64_t l = 0; l < s.n_layer; ++l)
+      attention_share += causal_block_share(sparse_block_layout(s.sparse, s.n_head, s.n_positions, l), s.n_head, nb);
+    attention_share /= static_cast<double>(s.n_layer);
+  }
+  return 6.0 * static_cast<double>(num_params) + 12.0 * static_cast<double>(s.n_layer) *
+                                                     static_cast<double>(s.n_positions) *
+                                                     static_cast<double>(s.n_embd) * attention_share;
+}
+
+int64_t gpt_params_outside_blocks(const GPTShape& s) {
+  return s.vocab_size * s.n_embd + s.n_positions * s.n_embd + 2 * s.n_embd;
+}
+
+int64_t attention_probs_size(const GPTShape& s, int64_t B, int64_t H, int64_t T) {
+  if (!s.sparse.enabled) return B * H * T * T;
+  return B * H * sparse_probs_per_head(s.sparse, s.n_head, T, s.n_layer);
+}
+
+void init_gpt_params_range(float* out, const ParamLayout& layout, const GPTShape& shape, uint64_t seed, int64_t begin,
+                           int64_t end) {
+  const double proj_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(shape.n_layer));
+  for (const TensorSpec& t : layout.tensors()) {
+    const int64_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.numel);
+    if (lo >= hi) continue;
+    float* p = out + (lo - begin);
+    const auto ends_with = [&](const char* suffix) {
+      const std::string s(suffix);
+      return t.name.size() >= s.size() && t.name.compare(t.name.size() - s.size(), s.size(), s) == 0;
+    };
+    const bool is_layernorm = t.name.find("ln_") != std::string::npos;
+    if (ends_with(".bias") || is_layernorm) {
+      const float value = ends_with(".bias") ? 0.0f : 1.0f;
+      for (int64_t i = lo; i < hi; ++i) p[i - lo] = value;
+    } else {
+      // GPT-2 scales the residual projections by 1/sqrt(2L) (Radford et al. 2019, §2.3).
+      const double std = 0.02 * (ends_with("c_proj.weight") ? proj_scale : 1.0);
+      Rng rng(seed, hash_name(t.name));
+      for (int64_t i = t.offset; i < lo; ++i) rng.normal();  // the draws of elements before the range
+      for (int64_t i = lo; i < hi; ++i) p[i - lo] = static_cast<float>(std * rng.normal());
+    }
+  }
+}
+
+void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& shape, uint64_t seed) {
+  init_gpt_params_range(params, layout, shape, seed, 0, layout.total());
+}
+
+ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
+                                   bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac,
+                                   const MoeRouting& moe) {
+  const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, H = shape.n_head / t, V = part.vocab_local,
+                BT = B * T, Ns = sequence_parallel && t > 1 ? BT / t : BT;
+  const bool sp = sequence_parallel && t > 1;
+  int64_t max_blocks = 0, max_checkpoints = 0;
+  bool any_final = false, receives_grad = false;
+  for (const ModelChunk& c : part.chunks) {
+    max_blocks = std::max<int64_t>(max_blocks, c.num_blocks);
+    if (ac.full()) max_checkpoints = std::max<int64_t>(max_checkpoints, (c.num_blocks + ac.interval - 1) / ac.interval);
+    any_final = any_final || c.final;
+    receives_grad = receives_grad || !c.final;
+  }
+  const int64_t att = attention_probs_size(shape, B, H, T);  // one block's attention probabilities
+  // ln_1, res_2, ln_2, res_3 and the LayerNorm statistics over this rank's tokens; qkv, the
+  // attention output, fc and its GELU over all tokens at this rank's width; the probabilities
+  const int64_t block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + att;
+  const bool full = ac.full() && max_blocks > 0;
+  ActivationPlan p;
+  p.tokens = BT;
+  p.stream = Ns * C + (full ? Ns * C : 0) + Ns * C + (receives_grad ? Ns * C : 0);
+  p.per_block = ac.selective() ? block - att : block;
+  p.blocks = ac.full() ? 0 : max_blocks;
+  p.head = any_final ? BT * C + 2 * Ns + BT * V + 2 * BT + (split_backward ? Ns * C : 0) : 0;
+  p.grad_operands = split_backward ? max_blocks * (2 * BT * C + 2 * Ns * C + 7 * BT * Cl) : 0;
+  if (full) {
+    const bool split = ac.partition_activations && t > 1;
+    p.checkpoint_slot = split ? Ns * C / t : Ns * C;
+    p.checkpoint_slots = ac.contiguous_memory_optimization ? ac.number_checkpoints : max_checkpoints;
+    p.checkpoint_allocations = ac.contiguous_memory_optimization ? 1 : p.checkpoint_slots;
+    p.checkpoints_on_host = ac.cpu_checkpointing;
+    p.recompute = Ns * C + (split && ac.cpu_checkpointing ? p.checkpoint_slot : 0) +
+                  std::min<int64_t>(ac.interval, max_blocks) * block;
+  } else if (ac.selective() && max_blocks > 0) {
+    p.recompute = att;
+  }
+  const int64_t tp_extra = t > 1 ? BT * C + 3 * BT + (sp ? BT * C + Ns * C : 0) : 0;
+  p.scratch = BT * C + 8 * BT * Cl + kernels::kRowBlock * T + tp_extra;
+  if (shape.moe.enabled()) {
+    // MoE saves per block (S = B·T tokens, R rows received, k choices each): the experts' input,
+    // fc and GELU rows, the returned outputs, Jitter's factors; residual MoE its two branches and
+    // coefficients. The shared workspace: dispatch and return rows, gate logits and gradients.
+    const int64_t S = BT, R = moe_rows_bound(shape.moe, moe, S), k = moe.k, E = shape.moe.num_experts;
+    for (const ModelChunk& c : part.chunks) {
+      int64_t n = 0;
+      for (int b = c.first_block; b < c.first_block + c.num_blocks; ++b) n += shape.moe.is_moe_block(b) ? 1 : 0;
+      p.moe_blocks = std::max(p.moe_blocks, n);
+    }
+    const int64_t F = shape.moe.expert_tensor_parallel ? 4 * C / t : 4 * C;  // an expert's hidden width here
+    p.per_moe_block = (moe.noise == kernels::moe::NoisyGate::Jitter ? S * C : 0) + R * C + 2 * R * F + S * k * C +
+                      (shape.moe.use_residual ? 2 * S * C + 2 * S : 0);
+    p.scratch += S * k * C + 2 * R * C + R * F + 2 * S * E + S * k + S * C +
+                 (shape.moe.use_residual ? S * C + 2 * S : 0);
+  }
+  return p;
+}
+
+GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
+                                        bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac,
+                                        const MoeRouting& moe) {
+  const ActivationPlan p = gpt_activation_plan(shape, part, B, T, sequence_parallel, split_backward, ac, moe);
+  GPTActivationBytes out;
+  out.buffer = p.buffer_bytes();  // ActivationBuffer::bytes()
+  out.scratch = p.shared_bytes();
+  out.host = p.checkpoints_on_host ? p.checkpoint_bytes() : 0;
+  return out;
+}
+
+}  // namespace zero3d

@@ -1,0 +1,315 @@
+// moe_layer.cpp — an MoE block's MLP half (DEEPSPEED-FACTS-2 §4.5, DeepSpeed MOELayer; Megatron
+// moe_layer.py): route → dispatch (all-to-all over the expert group) → experts → return
+// (all-to-all back) → combine, and its backward on the mirrored lines.
+//
+// Tokens leave in dispatch order: experts ascending, each expert's kept tokens by slot. Expert e
+// lives on expert rank e / (E/ep), so dispatch order is already grouped by destination rank. A
+// rank receives, from each source in rank order, the rows of its local experts (expert by
+// expert); the experts run on an expert-major copy of them.
+//
+// Expert gradients are reduced by the expert-data-parallel optimizer (the engine); everything
+// here is local to the rank except the two all-to-alls (and, without drop_tokens, one MAX).
+#include <algorithm>
+#include <cmath>
+
+#include "base/profiler.hpp"
+#include "base/rng.hpp"
+#include "kernels/gelu.hpp"
+#include "kernels/matmul.hpp"
+#include "kernels/moe.hpp"
+#include "model/model.hpp"
+#include "parallel/comm.hpp"
+
+namespace zero3d {
+
+using namespace kernels;
+
+namespace {
+
+moe::GateConfig gate_config(const MoeShape& shape, const MoeRouting& r, bool training) {
+  moe::GateConfig g;
+  g.num_experts = static_cast<int>(shape.num_experts);
+  g.k = r.k;
+  g.capacity_factor = r.capacity_factor;
+  g.eval_capacity_factor = r.eval_capacity_factor;
+  g.min_capacity = r.min_capacity;
+  g.drop_tokens = r.drop_tokens;
+  g.use_rts = r.use_rts;
+  g.top2_2nd_expert_sampling = r.top2_2nd_expert_sampling;
+  g.noise = r.noise;
+  g.training = training;
+  return g;
+}
+
+// The gate's random draws for one block of one micro-batch: a stream of their own per (seed,
+// micro-batch key, block, kind), so any layout that trains the same micro-batch draws the same.
+enum class Draw : uint64_t { Jitter = 1, Uniform = 2, Gumbel = 3 };
+void draw(std::vector<float>& out, int64_t n, const MoeRouting& r, uint64_t key, int block, Draw kind) {
+  out.resize(static_cast<size_t>(n));
+  Rng rng(r.seed ^ 0x6d6f65ull, Rng(key, static_cast<uint64_t>(block) * 4 + static_cast<uint64_t>(kind)).next_u64());
+  for (int64_t i = 0; i < n; ++i) {
+    const double u = rng.uniform();
+    switch (kind) {
+      case Draw::Jitter: out[i] = static_cast<float>(1.0 - 0.01 + 0.02 * u); break;  // U(1-eps, 1+eps), eps 1e-2
+      case Draw::Uniform: out[i] = static_cast<float>(u); break;
+      case Draw::Gumbel: out[i] = static_cast<float>(-std::log(-std::log(std::max(u, 1e-20)))); break;
+    }
+  }
+}
+
+// One expert's weights inside its unit: c_fc [C, F], c_fc.b [F], c_proj [F, C], c_proj.b [C], with
+// F = 4C, or 4C/t of it under expert tensor parallelism.
+template <typename T>
+struct ExpertTensors {
+  T *fc_w, *fc_b, *proj_w, *proj_b;
+};
+template <typename T>
+ExpertTensors<T> expert_tensors(T* unit, int64_t i, int64_t C, int64_t F) {
+  T* p = unit + i * (2 * C * F + F + C);
+  return {p, p + C * F, p + C * F + F, p + 2 * C * F + F};
+}
+
+void copy_rows(float* dst, const float* src, int64_t rows, int64_t width) {
+  const int64_t n = rows * width;
+  Kokkos::parallel_for("moe_copy_rows", range(n), KOKKOS_LAMBDA(Index i) { dst[i] = src[i]; });
+}
+
+// Received rows (source-major: per source, its rows for each local expert) <-> expert-major (per
+// local expert, its rows from each source), one block copy per (source, expert).
+void permute_rows(float* dst, const float* src, const std::vector<int64_t>& recv_counts, int ep, int64_t local,
+                  int64_t width, bool to_expert_major) {
+  std::vector<int64_t> src_off(static_cast<size_t>(ep * local)), exp_off(static_cast<size_t>(ep * local));
+  int64_t at = 0;
+  for (int s = 0; s < ep; ++s)
+    for (int64_t i = 0; i < local; ++i) src_off[s * local + i] = at, at += recv_counts[s * local + i];
+  at = 0;
+  for (int64_t i = 0; i < local; ++i)
+    for (int s = 0; s < ep; ++s) exp_off[s * local + i] = at, at += recv_counts[s * local + i];
+  for (int64_t j = 0; j < ep * local; ++j) {
+    const int64_t from = to_expert_major ? src_off[j] : exp_off[j], to = to_expert_major ? exp_off[j] : src_off[j];
+    copy_rows(dst + to * width, src + from * width, recv_counts[j], width);
+  }
+}
+
+// Rows per local expert, summed over sources, and their first expert-major row.
+std::vector<int64_t> expert_row_offsets(const std::vector<int64_t>& recv_counts, int ep, int64_t local) {
+  std::vector<int64_t> off(static_cast<size_t>(local + 1), 0);
+  for (int64_t i = 0; i < local; ++i) {
+    int64_t n = 0;
+    for (int s = 0; s < ep; ++s) n += recv_counts[s * local + i];
+    off[i + 1] = off[i] + n;
+  }
+  return off;
+}
+
+// Rows per source rank from the per-(source, expert) counts.
+std::vector<int64_t> rows_per_rank(const std::vector<int64_t>& counts, int ep, int64_t local, int64_t width) {
+  std::vector<int64_t> out(static_cast<size_t>(ep), 0);
+  for (int s = 0; s < ep; ++s)
+    for (int64_t i = 0; i < local; ++i) out[s] += counts[s * local + i] * width;
+  return out;
+}
+
+}  // namespace
+
+template <typename P>
+void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const BlockTensors<const P>& w,
+                      ActivationBuffer& buf, ParamStore& store) {
+  const int64_t S = B_ * T_, C = shape_.n_embd, E = shape_.moe.num_experts;
+  const int ep = part_.ep_size;
+  const int64_t local = E / ep;
+  const DType cmp = compute_type();
+  const moe::GateConfig gc = gate_config(shape_.moe, moe_, buf.training);
+  // The gate in fp32 (TopKGate casts input and wg to fp32): logits = (ln_2 ∘ jitter) · wg
+  const float* gate_in = a.ln_2;
+  std::vector<float> draws_a, draws_b;
+  if (moe::uses_jitter(gc)) {
+    draw(draws_a, S * C, moe_, buf.draw_key, block, Draw::Jitter);
+    copy_rows(m.gate_noise, draws_a.data(), S, C);
+    moe::jitter_forward(moe_tokens_c_, a.ln_2, m.gate_noise, S * C);
+    gate_in = moe_tokens_c_;
+  }
+  matmul_forward(moe_logits_, gate_in, w.gate_w, static_cast<const P*>(nullptr), S, C, E, false, DType::F32);
+  moe::GateDraws draws;
+  if (moe::uses_rts_uniform(gc)) draw(draws_a, S * E, moe_, buf.draw_key, block, Draw::Uniform), draws.rts_uniform = draws_a.data();
+  if (moe::uses_gumbel(gc)) draw(draws_b, S * E, moe_, buf.draw_key, block, Draw::Gumbel), draws.gumbel = draws_b.data();
+  if (!m.routing) m.routing = std::make_shared<moe::Routing>();
+  moe::Routing& r = *m.routing;
+  moe::gate_forward_choose(moe_logits_, S, gc, draws, r);
+  int64_t capacity = 0;
+  if (gc.drop_tokens) {
+    capacity = moe::capacity(S, gc);
+  } else {  // DeepSpeed: the largest expert load, agreed over the expert group (all-reduce MAX)
+    int64_t most = *std::max_element(r.exp_counts.begin(), r.exp_counts.end());
+    if (ep > 1) moe_.expert->all_reduce(&most, 1, DType::I64, ReduceOp::Max);
+    capacity = moe::capacity_without_drops(most, S, 1, gc);
+  }
+  moe::gate_forward_assign(capacity, gc, draws, r);
+  buf.aux_loss += r.l_aux;
+  // Dispatch: rows in expert order are grouped by expert rank; counts travel first.
+  moe::dispatch_forward(moe_send_, a.ln_2, r, C);
+  m.send_rows.assign(static_cast<size_t>(ep), 0);
+  for (int j = 0; j < ep; ++j) m.send_rows[j] = r.row_offset[(j + 1) * local] - r.row_offset[j * local];
+  m.recv_counts.assign(static_cast<size_t>(ep * local), 0);
+  if (ep > 1) {
+    moe_.expert->all_to_all(r.kept_per_expert.data(), m.recv_counts.data(), local, DType::I64);
+  } else {
+    std::copy(r.kept_per_expert.begin(), r.kept_per_expert.end(), m.recv_counts.begin());
+  }
+  const std::vector<int64_t> offsets = expert_row_offsets(m.recv_counts, ep, local);
+  const int64_t R = offsets.back();
+  if (R > moe_rows_) throw std::logic_error("MoE rows received exceed the planned bound");
+  std::vector<int64_t> send_elems(static_cast<size_t>(ep));
+  for (int j = 0; j < ep; ++j) send_elems[j] = m.send_rows[j] * C;
+  const std::vector<int64_t> recv_elems = rows_per_rank(m.recv_counts, ep, local, C);
+  const float* received = moe_send_;
+  if (ep > 1) {
+    moe_.expert->all_to_all_v(moe_send_, send_elems, moe_recv_, recv_elems, DType::F32);
+    received = moe_recv_;
+  }
+  permute_rows(m.expert_in, received, m.recv_counts, ep, local, C, /*to_expert_major=*/true);
+  // The experts: GPT-2 MLPs over their rows
+  // The experts: GPT-2 MLPs over their rows. Expert tensor parallelism (Megatron's MLP per
+  // expert): each tensor rank computes F = 4C/t of the hidden units, the partial outputs are
+  // summed over the tensor group once for all rows, then each expert's c_proj bias is added.
+  const int eu = part_.expert_unit[static_cast<size_t>(block)];
+  const int64_t F = moe_hidden();
+  const bool split = F != 4 * C;
+  const P* experts = static_cast<const P*>(store.fetch(eu));
+  for (int64_t i = 0; i < local; ++i) {
+    const int64_t n = offsets[i + 1] - offsets[i], o = offsets[i];
+    if (n == 0) continue;
+    const ExpertTensors<const P> x = expert_tensors(experts, i, C, F);
+    matmul_forward(m.expert_fch + o * F, m.expert_in + o * C, x.fc_w, x.fc_b, n, C, F, false, cmp);
+    gelu_forward(m.expert_fch_gelu + o * F, m.expert_fch + o * F, n * F);
+    matmul_forward(moe_rows_c_ + o * C, m.expert_fch_gelu + o * F, x.proj_w, split ? static_cast<const P*>(nullptr) : x.proj_b,
+                   n, F, C, false, cmp);
+  }
+  if (split) {
+    reduce_from_tp_region_forward(tp_, moe_rows_c_, R * C);
+    for (int64_t i = 0; i < local; ++i)
+      add_bias_rows(moe_rows_c_ + offsets[i] * C, expert_tensors(experts, i, C, F).proj_b, offsets[i + 1] - offsets[i], C);
+  }
+  store.release(eu);
+  // Return: expert-major outputs back to source-major, then to the tokens' ranks (dispatch order)
+  permute_rows(moe_recv_, moe_rows_c_, m.recv_counts, ep, local, C, /*to_expert_major=*/false);
+  if (ep > 1) moe_.expert->all_to_all_v(moe_recv_, recv_elems, m.returned, send_elems, DType::F32);
+  else copy_rows(m.returned, moe_recv_, r.num_rows(), C);
+  // Combine, then the block's residual: res_3 = res_2 + moe_out (PR-MoE: the coefficient mix)
+  float* out = shape_.moe.use_residual ? m.moe_out : moe_tokens_c_;
+  moe::combine_forward(out, m.returned, r, C);
+  if (shape_.moe.use_residual) {
+    float* coef_logits = moe_logits_;  // free again: the gate is done
+    matmul_forward(coef_logits, a.ln_2, w.coef_w, w.coef_b, S, C, 2, false, cmp);
+    moe::residual_mix_forward(moe_tokens_c_, m.coef, m.moe_out, m.mlp_out, coef_logits, S, C);
+  }
+  const float* mixed = moe_tokens_c_;
+  float* res_3 = a.res_3;
+  const float* res_2 = a.res_2;
+  Kokkos::parallel_for("moe_residual", range(S * C), KOKKOS_LAMBDA(Index i) { res_3[i] = res_2[i] + mixed[i]; });
+  if (buf.training) {
+    for (MoeLayerStats& st : moe_stats_)
+      if (st.block == block) {
+        for (int64_t e = 0; e < E; ++e) st.tokens_per_expert[e] += r.exp_counts[e];
+        st.routed += S * r.k;
+        st.dropped += r.dropped();
+        st.l_aux += r.l_aux;
+        ++st.forwards;
+      }
+  }
+}
+
+void GPT::moe_mix_backward(const MoeActivations& m, const float* d_res_3, float* d_mlp_out) {
+  moe::residual_mix_backward(moe_dmoe_, d_mlp_out, moe_dcoef_, d_res_3, m.moe_out, m.mlp_out, m.coef, B_ * T_,
+                             shape_.n_embd);
+}
+
+template <typename P>
+void GPT::moe_backward(int block, const BlockActivations& a, const MoeActivations& m, const BlockTensors<const P>& w,
+                       const BlockTensors<float>& dw, const float* d_res_3, float* d_ln_2, float grad_scale,
+                       ParamStore& store) {
+  const int64_t S = B_ * T_, C = shape_.n_embd, E = shape_.moe.num_experts;
+  const int ep = part_.ep_size;
+  const int64_t local = E / ep;
+  const DType cmp = compute_type();
+  const moe::Routing& r = *m.routing;
+  const auto add_into = [](float* dst, const float* src, int64_t n) {
+    Kokkos::parallel_for("moe_add", range(n), KOKKOS_LAMBDA(Index i) { dst[i] += src[i]; });
+  };
+  // PR-MoE's coefficient: d(ln_2) += d(coef_logits) · Wcᵀ
+  if (shape_.moe.use_residual) {
+    matmul_backward(moe_tokens_c_, dw.coef_w, dw.coef_b, moe_dcoef_, a.ln_2, w.coef_w, S, C, 2, cmp);
+    add_into(d_ln_2, moe_tokens_c_, S * C);
+  }
+  // Combine backward: d(returned rows) in dispatch order, d(combine weights)
+  const float* d_moe_out = shape_.moe.use_residual ? moe_dmoe_ : d_res_3;
+  moe::combine_backward(moe_send_, moe_dweight_, d_moe_out, m.returned, r, C);
+  // The rows' gradients travel the dispatch's way to the experts
+  std::vector<int64_t> send_elems(static_cast<size_t>(ep));
+  for (int j = 0; j < ep; ++j) send_elems[j] = m.send_rows[j] * C;
+  const std::vector<int64_t> recv_elems = rows_per_rank(m.recv_counts, ep, local, C);
+  const std::vector<int64_t> offsets = expert_row_offsets(m.recv_counts, ep, local);
+  const float* received = moe_send_;
+  if (ep > 1) {
+    moe_.expert->all_to_all_v(moe_send_, send_elems, moe_recv_, recv_elems, DType::F32);
+    received = moe_recv_;
+  }
+  permute_rows(moe_rows_c_, received, m.recv_counts, ep, local, C, /*to_expert_major=*/true);
+  // The experts' backward: d(rows) expert-major into moe_recv_ (free once permuted)
+  const int eu = part_.expert_unit[static_cast<size_t>(block)];
+  const int64_t F = moe_hidden();
+  const P* experts = static_cast<const P*>(store.fetch(eu));
+  float* grads = store.grad_target(eu);
+  for (int64_t i = 0; i < local; ++i) {
+    const int64_t n = offsets[i + 1] - offsets[i], o = offsets[i];
+    if (n == 0) continue;
+    const ExpertTensors<const P> x = expert_tensors(experts, i, C, F);
+    const ExpertTensors<float> dx = expert_tensors(grads, i, C, F);
+    float* d_fch = moe_rows_4c_ + o * F;
+    matmul_backward(d_fch, dx.proj_w, dx.proj_b, moe_rows_c_ + o * C, m.expert_fch_gelu + o * F, x.proj_w, n, F, C, cmp);
+    gelu_backward(d_fch, m.expert_fch + o * F, d_fch, n * F);
+    matmul_backward(moe_recv_ + o * C, dx.fc_w, dx.fc_b, d_fch, m.expert_in + o * C, x.fc_w, n, C, F, cmp);
+    store.progress();
+  }
+  // expert tensor parallelism: each rank's input gradient is partial over the hidden units
+  if (F != 4 * C) copy_to_tp_region_backward(tp_, moe_recv_, offsets.back() * C);
+  store.release(eu);
+  store.grads_done(eu);
+  // ... and back to the tokens' ranks, then summed per token into d(ln_2)
+  permute_rows(moe_rows_c_, moe_recv_, m.recv_counts, ep, local, C, /*to_expert_major=*/false);
+  if (ep > 1) moe_.expert->all_to_all_v(moe_rows_c_, recv_elems, moe_send_, send_elems, DType::F32);
+  else copy_rows(moe_send_, moe_rows_c_, r.num_rows(), C);
+  moe::dispatch_backward(moe_tokens_c_, moe_send_, r, C);
+  add_into(d_ln_2, moe_tokens_c_, S * C);
+  // The gate: d(logits) from the combine weights and l_aux (weighted by aux_loss_coef in the
+  // loss, scaled as the loss is), then the fp32 product's backward; Jitter scales d(input).
+  const float d_l_aux = static_cast<float>(moe_.aux_loss_coef) * grad_scale;
+  moe::gate_backward(r, moe_dweight_, d_l_aux, moe_dlogits_);
+  const float* gate_in = a.ln_2;
+  if (m.gate_noise) {
+    moe::jitter_forward(moe_rows_c_, a.ln_2, m.gate_noise, S * C);  // the gate's input again (its rows are free)
+    gate_in = moe_rows_c_;
+  }
+  matmul_backward(moe_tokens_c_, dw.gate_w, static_cast<float*>(nullptr), moe_dlogits_, gate_in, w.gate_w, S, C, E,
+                  DType::F32);
+  if (m.gate_noise) moe::jitter_backward(moe_tokens_c_, moe_tokens_c_, m.gate_noise, S * C);
+  add_into(d_ln_2, moe_tokens_c_, S * C);
+}
+
+template void GPT::moe_forward<float>(int, BlockActivations&, MoeActivations&, const BlockTensors<const float>&,
+                                      ActivationBuffer&, ParamStore&);
+template void GPT::moe_forward<bf16>(int, BlockActivations&, MoeActivations&, const BlockTensors<const bf16>&,
+                                     ActivationBuffer&, ParamStore&);
+template void GPT::moe_forward<fp16>(int, BlockActivations&, MoeActivations&, const BlockTensors<const fp16>&,
+                                     ActivationBuffer&, ParamStore&);
+template void GPT::moe_backward<float>(int, const BlockActivations&, const MoeActivations&,
+                                       const BlockTensors<const float>&, const BlockTensors<float>&, const float*,
+                                       float*, float, ParamStore&);
+template void GPT::moe_backward<bf16>(int, const BlockActivations&, const MoeActivations&,
+                                      const BlockTensors<const bf16>&, const BlockTensors<float>&, const float*, float*,
+                                      float, ParamStore&);
+template void GPT::moe_backward<fp16>(int, const BlockActivations&, const MoeActivations&,
+                                      const BlockTensors<const fp16>&, const BlockTensors<float>&, const float*, float*,
+                                      float, ParamStore&);
+
+}  // namespace zero3d

@@ -1,0 +1,117 @@
+// optimizer.hpp — the optimizer over one flat parameter buffer and its state.
+//
+// Adam keeps m and v, Lion m, Adagrad the sum of squares, SGD a momentum buffer, LAMB m and v
+// plus per-tensor trust ratios (LAMB normalises each named tensor on its own, hence the
+// ParamLayout). Every optimizer but LAMB updates element by element: ElementwiseUpdater runs
+// one step of it over any range, with parameters and states in fp32 or 16 bits (DeepSpeed's
+// bf16_master_weights_and_grads / bf16_optimizer_states), for the device and for the offloaded
+// CPU optimizer alike.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/dtype.hpp"
+#include "config/config.hpp"
+#include "kernels/optimizers.hpp"
+#include "kernels/typed.hpp"
+#include "model/buffer.hpp"
+
+namespace zero3d {
+
+// An array whose element type is chosen at run time.
+struct TypedSpan {
+  void* data = nullptr;
+  DType type = DType::F32;
+};
+
+// The constants of one step of an elementwise optimizer (all but Lamb).
+struct ElementwiseStep {
+  OptimizerType type = OptimizerType::Adam;
+  kernels::AdamStep adam{};
+  kernels::LionStep lion{};
+  kernels::AdagradStep adagrad{};
+  kernels::SgdStep sgd{};
+};
+
+// Step `step` (1-based) at learning rate lr; betas override (beta1, beta2) for this step
+// (OneCycle). cpu_optimizer: the update of DeepSpeed's CPU optimizer class that offload runs
+// (DeepSpeedCPUAdagrad's weight decay; the others compute what their device kernels compute).
+ElementwiseStep make_elementwise_step(const OptimizerConfig& cfg, int64_t step, double lr,
+                                      std::optional<std::pair<double, double>> betas, bool cpu_optimizer);
+
+// The states an optimizer keeps, as checkpoints name them: "exp_avg" and "exp_avg_sq" (Adam,
+// Lamb), "exp_avg" (Lion), "exp_avg_sq" (Adagrad's sum, DeepSpeedCPUAdagrad's name),
+// "momentum_buffer" (SGD with momentum) or none.
+std::vector<std::string> optimizer_state_names(const OptimizerConfig& cfg);
+
+// Runs one elementwise step over n elements in place. Gradients of grad_type are multiplied by
+// grad_mul on the way in (mixed precision: DeepSpeed's combined unscale-and-clip factor).
+// 16-bit parameters or states are widened into fp32 in cache-sized chunks, updated by the
+// kernels' fp32 arithmetic and rounded back (RNE), as DeepSpeed's FusedAdam and CPU optimizers
+// treat bf16 tensors; all-fp32 arrays are updated where they lie. on_host: the CPU
+// optimizer's loop (offloaded state) instead of the device kernel; both run the same element
+// functions, so they agree bit for bit.
+class ElementwiseUpdater {
+ public:
+  // rounded (when not null): the first rounded_n updated parameters also written there in its
+  // type, chunk by chunk while they are in cache (the 16-bit model copy of fp32 master weights).
+  void run(const ElementwiseStep& s, TypedSpan params, const void* grads, DType grad_type, float grad_mul,
+           const std::vector<TypedSpan>& states, int64_t n, bool on_host, TypedSpan rounded = {},
+           int64_t rounded_n = 0);
+
+ private:
+  std::vector<float> g_, p_, st_[2];  // widened chunks
+};
+
+class Optimizer {
+ public:
+  // state_type: the element type of the states (bf16 with bf16_optimizer_states), fp32 otherwise.
+  Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DType state_type = DType::F32);
+
+  // One update with learning rate `lr`; `betas` overrides (beta1, beta2) for this step (OneCycle).
+  void step(float* params, const float* grads, double lr,
+            std::optional<std::pair<double, double>> betas = std::nullopt);
+  // The same with gradients stored as grad_type and multiplied by grad_mul on the way in
+  // (mixed precision: 16-bit gradients, DeepSpeed's combined unscale-and-clip factor).
+  // They are widened in cache-sized chunks, so no fp32 copy of the gradient is kept.
+  void step(float* params, const void* grads, DType grad_type, float grad_mul, double lr,
+            std::optional<std::pair<double, double>> betas = std::nullopt);
+  // The same over parameters of any type: bf16 master weights are updated where they lie.
+  // rounded/rounded_n: as ElementwiseUpdater::run's (fp32 master weights cast to the model's
+  // 16-bit parameters in the same pass).
+  void step(TypedSpan params, const void* grads, DType grad_type, float grad_mul, double lr,
+            std::optional<std::pair<double, double>> betas = std::nullopt, TypedSpan rounded = {},
+            int64_t rounded_n = 0);
+
+  int64_t step_count() const { return step_count_; }
+  void set_step_count(int64_t n) { step_count_ = n; }
+  // Names of the state buffers, as checkpoints store them (optimizer_state_names), and the
+  // buffers themselves in the same order, each of state_type().
+  std::vector<std::string> state_names() const;
+  std::vector<TypedBuffer*> state_buffers();
+  DType state_type() const { return state_type_; }
+  const OptimizerConfig& config() const { return cfg_; }
+  // Bytes of optimizer state held (m, v, the sum or momentum).
+  int64_t state_bytes() const;
+
+ private:
+  OptimizerConfig cfg_;
+  const ParamLayout& layout_;
+  DType state_type_;
+  std::vector<std::string> names_;
+  std::vector<TypedBuffer> states_;  // in names_' order
+  int64_t step_count_ = 0;
+  ElementwiseUpdater updater_;
+  std::vector<float> widened_;  // LAMB: one tensor's widened gradients
+};
+
+// Global L2-norm clipping as torch.nn.utils.clip_grad_norm_ (DeepSpeed's fp32 path, FACTS §3):
+// the factor max_norm / (norm + 1e-6) when that is < 1, else 1 (also when max_norm is 0: off).
+double clip_coefficient(double norm, double max_norm);
+// Clips a whole local gradient buffer; returns the norm before clipping.
+double clip_grad_norm(float* grads, int64_t n, double max_norm);
+
+}  // namespace zero3d

@@ -1,0 +1,624 @@
+// estimator.cpp
+#include "train/estimator.hpp"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "base/errors.hpp"
+#include "base/input_file.hpp"
+#include "io/h5.hpp"
+#include "kernels/attention.hpp"
+#include "model/model.hpp"
+#include "parallel/pipe_schedule.hpp"
+#include "zero/zero.hpp"
+
+namespace zero3d {
+
+namespace {
+constexpr double kGiB = 1073741824.0;  // DeepSpeed prints GB = bytes / 2^30
+// Fixed resident memory of a zero3d rank before any model: MPI, Kokkos, HDF5, OpenBLAS
+// buffers and the executable, measured as the peak RSS of a 28k-parameter run (np 2).
+constexpr int64_t kRuntimeBytes = 30 * 1000 * 1000;
+
+// Products of user-sized dimensions (B·T·V, B·H·T²) can leave int64: such terms are computed
+// in double and capped here, far above any machine and low enough that sums stay in int64.
+constexpr double kBytesCap = 1152921504606846976.0;  // 2^60
+int64_t capped(double bytes) { return static_cast<int64_t>(std::min(bytes, kBytesCap)); }
+
+std::string plural(int n, const char* word) { return std::to_string(n) + " " + word + (n > 1 ? "s" : ""); }
+}  // namespace
+
+std::vector<DeepSpeedEstimateRow> deepspeed_zero2_rows(double P, int g, int n, double f) {
+  const double total_gpus = double(g) * n;
+  std::vector<DeepSpeedEstimateRow> rows;
+  // offload_optimizer=cpu: gpu = 2P, cpu = P·max(4·total_gpus, 16)·f (DeepSpeed uses total_gpus)
+  rows.push_back({std::trunc(P * std::max(4.0 * total_gpus, 16.0) * f), std::trunc(2 * P), "offload_optimizer=cpu "});
+  // none: gpu = 2P + int(18P/total_gpus) (DeepSpeed since Jun-2024; its docs print the older 4P + 16P/N)
+  rows.push_back({std::trunc(P * 4 * g * f), std::trunc(2 * P + std::trunc(18 * P / total_gpus)),
+                  "offload_optimizer=none"});
+  return rows;
+}
+
+std::vector<DeepSpeedEstimateRow> deepspeed_zero3_rows(double P, double L, int g, int n, double f) {
+  const double total_gpus = double(g) * n, gf = 1.0 / n, llm = 4 * L;
+  auto opts = [](bool opt, bool param, bool zero_init) {
+    return std::string("offload_param=") + (param ? "cpu " : "none") + ", offload_optimizer=" + (opt ? "cpu " : "none") +
+           ", zero_init=" + (zero_init ? "1" : "0");
+  };
+  auto i64 = [](double x) { return std::trunc(x); };  // DeepSpeed's int(): truncation
+  std::vector<DeepSpeedEstimateRow> rows;
+  rows.push_back({i64(P * 18 * gf * f), i64(llm), opts(true, true, true)});
+  rows.push_back({i64(P * std::max(4.0 * g, 18 * gf) * f), i64(llm), opts(true, true, false)});
+  const double gpu_opt = llm + std::trunc(2 * P / total_gpus);
+  rows.push_back({i64(P * 16 * gf * f), i64(gpu_opt), opts(true, false, true)});
+  rows.push_back({i64(P * std::max(4.0 * g, 16 * gf) * f), i64(gpu_opt), opts(true, false, false)});
+  const double gpu_none = llm + std::trunc(18 * P / total_gpus);
+  rows.push_back({i64(L * 4 * g * f), i64(gpu_none), opts(false, false, true)});
+  rows.push_back({i64(P * 4 * g * f), i64(gpu_none), opts(false, false, false)});
+  return rows;
+}
+
+std::string deepspeed_table(const std::vector<DeepSpeedEstimateRow>& rows, double P, double L, int g, int n) {
+  char line[256];
+  std::string out = "Estimated memory needed for params, optim states and gradients for a:\n";
+  out += "HW: Setup with " + plural(n, "node") + ", " + plural(g, "GPU") + " per node.\n";
+  std::snprintf(line, sizeof(line), "SW: Model with %lldM total params", (long long)int64_t(P / 1e6));
+  out += line;
+  if (L >= 0) {
+    std::snprintf(line, sizeof(line), ", %lldM largest layer params", (long long)int64_t(L / 1e6));
+    out += line;
+  }
+  out += ".\n  per CPU  |  per GPU |   Options\n";
+  for (const auto& r : rows) {
+    std::snprintf(line, sizeof(line), " %7.2fGB | %6.2fGB | %s\n", r.cpu_bytes / kGiB, r.gpu_bytes / kGiB, r.options.c_str());
+    out += line;
+  }
+  return out;
+}
+
+GPTShape gpt_shape_of(const ModelConfig& m) {
+  GPTShape s{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
+  s.moe = MoeShape{m.moe.num_experts, m.moe.every, m.moe.use_residual, m.moe.enable_expert_tensor_parallelism};
+  s.sparse = m.sparse_attention;
+  return s;
+}
+
+MoeRouting moe_routing_of(const MoeConfig& m, uint64_t seed) {
+  MoeRouting r;
+  if (!m.enabled()) return r;
+  r.k = static_cast<int>(m.k);
+  r.capacity_factor = m.capacity_factor;
+  r.eval_capacity_factor = m.eval_capacity_factor;
+  r.min_capacity = m.min_capacity;
+  r.drop_tokens = m.drop_tokens;
+  r.use_rts = m.use_rts;
+  r.top2_2nd_expert_sampling = m.top2_2nd_expert_sampling;
+  r.noise = m.noisy_gate_policy == "Jitter"    ? kernels::moe::NoisyGate::Jitter
+            : m.noisy_gate_policy == "RSample" ? kernels::moe::NoisyGate::RSample
+                                               : kernels::moe::NoisyGate::None;
+  r.aux_loss_coef = m.aux_loss_coef;
+  r.seed = seed;
+  return r;
+}
+
+ModelCounts count_model(const ModelConfig& m) {
+  const ParamLayout layout = gpt_layout(gpt_shape_of(m));
+  ModelCounts c;
+  c.params = layout.total();  // wte counted once: the LM head shares it
+  // A "layer" is a module's own parameters: weight and bias together (DeepSpeed's L).
+  std::map<std::string, int64_t> modules;
+  for (const TensorSpec& t : layout.tensors()) modules[t.name.substr(0, t.name.find_last_of('.'))] += t.numel;
+  for (const auto& [name, n] : modules)
+    if (n > c.largest_layer) c.largest_layer = n, c.largest_layer_name = name;
+  return c;
+}
+
+nlohmann::json MemoryBudget::to_json() const {
+  return {{"stage", stage},
+          {"pipe_stage", pipe_stage},
+          {"tensor_rank", tensor_rank},
+          {"micro_batch", micro_batch},
+          {"in_flight", in_flight},
+          {"params", params},
+          {"grads", grads},
+          {"master", master},
+          {"optimizer_states", optimizer_states},
+          {"host", offload_host},
+          {"nvme", offload_nvme},
+          {"comm_reduce", comm_reduce},
+          {"comm_gather", comm_gather},
+          {"comm_prefetch", comm_prefetch},
+          {"live_params", live_params},
+          {"activations", activations},
+          {"activations_host", activations_host},
+          {"activations_none", activations_none},
+          {"activations_selective", activations_selective},
+          {"activations_checkpointed", activations_checkpointed},
+          {"workspace", workspace},
+          {"runtime", runtime},
+          {"model_states", model_states()},
+          {"total", total()}};
+}
+
+RankLayout rank_layout(const Config& cfg, int64_t world) {
+  RankLayout r;
+  r.stages = std::max(1, cfg.pipeline.stages);
+  r.tensor = std::max(1, cfg.tensor.size);
+  r.data = std::max<int64_t>(1, world / (int64_t(r.stages) * r.tensor));
+  return r;
+}
+
+namespace {
+// What the engine builds on one (pipeline stage, tensor rank): Engine::setup_local.
+struct RankPlan {
+  int pipe_stage = 0, tensor_rank = 0;
+  ModelPart part;
+  int64_t partition_numel = 0;  // every stage partitions the largest stage's element count
+  int num_buffers = 1;          // activation buffers the schedule keeps in flight
+  bool split = false;           // zb-h1: buffers keep the weight-gradient operands
+};
+
+// Tensor ranks hold equal element counts (every split is even, the vocabulary padded to a
+// multiple of t), so tensor rank 0 stands for its stage's whole tensor group.
+std::vector<RankPlan> plan_ranks(const Config& cfg) {
+  const ModelConfig& m = cfg.model;
+  const GPTShape shape = gpt_shape_of(m);
+  const int stages = std::max(1, cfg.pipeline.stages), t = std::max(1, cfg.tensor.size);
+  const int ep = static_cast<int>(std::max<int64_t>(1, m.moe.ep_size));
+  const std::vector<int> bounds =
+      cfg.pipe_bounds.size() >= 2 ? cfg.pipe_bounds : std::vector<int>{0, static_cast<int>(m.n_layer) + 2};
+  std::vector<RankPlan> plans(static_cast<size_t>(stages));
+  int64_t largest = 0;
+  for (int s = 0; s < stages; ++s) {
+    RankPlan& p = plans[s];
+    p.pipe_stage = s;
+    p.part = gpt_model_part(shape, bounds, stages, s, t, 0, ep, 0);  // every expert rank holds E/ep experts
+    largest = std::max(largest, p.part.expert_begin);
+    // Buffers in flight stop growing once m reaches the warm-up (at most (v+1)·p forwards), so
+    // a long accumulation is planned with (2v+2)·p micro-batches (a multiple of p, as
+    // interleaving needs): same num_buffers and split, without materialising a huge schedule.
+    const int64_t v = std::max(1, cfg.pipeline.virtual_stages), saturated = (2 * v + 2) * stages;
+    const int64_t micro = std::max<int64_t>(1, cfg.batch.gradient_accumulation_steps);
+    const pipe::ScheduleSpec spec{cfg.pipeline.schedule, stages, static_cast<int>(std::min(micro, saturated)),
+                                  cfg.pipeline.virtual_stages};
+    const pipe::StageSchedule schedule = pipe::make_schedule(spec, s);
+    p.num_buffers = schedule.num_buffers;
+    for (const auto& step : schedule.steps)
+      for (const pipe::Instruction& in : step) p.split = p.split || in.op == pipe::Op::BackwardInput;
+  }
+  for (RankPlan& p : plans) p.partition_numel = stages > 1 ? largest : p.part.expert_begin;
+  return plans;
+}
+
+// MoE experts: their own ZeroOptimizer over the expert-data group (dp/ep ranks) allocates the
+// same table's buffers for the rank's E/ep experts per MoE block (Engine::setup_expert_optimizer),
+// plus one fp32 gradient window of an Experts unit (stages 2-3, 16-bit gradients), its reduction
+// staging (stages 1-3) and, at stage 3, the gathered unit in use.
+void add_expert_states(const Config& cfg, const RankPlan& plan, int64_t dp, MemoryBudget& b) {
+  const int64_t xe = plan.part.expert_layout.total();
+  if (xe == 0) return;
+  const PrecisionConfig& pc = cfg.precision;
+  const int64_t ps = static_cast<int64_t>(dtype_size(pc.param)), gs = static_cast<int64_t>(dtype_size(pc.grad_accum)),
+                cs = static_cast<int64_t>(dtype_size(pc.comm));
+  const Partition part(xe, static_cast<int>(std::max<int64_t>(1, dp / std::max<int64_t>(1, cfg.model.moe.ep_size))));
+  const ZeroStateElems x = zero_state_elems(b.stage, xe, part);
+  const int64_t moments = static_cast<int64_t>(optimizer_state_names(cfg.optimizer).size());
+  b.params += ps * x.params;
+  b.grads += gs * x.grads;
+  // As the dense state: no fp32 master under bf16_master_weights_and_grads, bf16 moments under
+  // bf16_optimizer_states.
+  b.master += pc.param != DType::F32 && cfg.zero.master_weights == DType::F32 ? 4 * x.state : 0;
+  b.optimizer_states += static_cast<int64_t>(dtype_size(cfg.zero.optimizer_states)) * moments * x.state;
+  int64_t unit = 0;
+  for (const ParamUnit& u : plan.part.expert_units) unit = std::max(unit, u.numel);
+  if (b.stage >= 2 || pc.grad_accum != DType::F32) b.comm_reduce += 4 * unit;
+  if (b.stage >= 1) b.comm_reduce += cs * (cfg.zero.overlap_comm ? part.part : std::min(cfg.zero.reduce_bucket_size, part.part));
+  if (b.stage == 3) b.comm_gather += ps * unit;
+}
+
+MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, int stage) {
+  const ModelConfig& m = cfg.model;
+  const GPTShape shape = gpt_shape_of(m);
+  // The dense state; MoE experts have an optimizer of their own (add_expert_states below).
+  const ParamLayout& layout = plan.part.dense_layout;
+  const std::vector<ParamUnit>& units = plan.part.dense_units;
+  const int64_t psi = layout.total();  // what this rank's model holds (tied wte copy, vocab padding included)
+  const Partition part(plan.partition_numel, static_cast<int>(dp));
+  MemoryBudget b;
+  b.stage = stage < 0 ? static_cast<int>(cfg.zero.stage) : stage;
+  b.pipe_stage = plan.pipe_stage;
+  b.tensor_rank = plan.tensor_rank;
+  b.micro_batch = cfg.batch.micro_batch;
+  b.in_flight = plan.num_buffers;
+  // Model states: what ZeroOptimizer allocates (zero.hpp's table) in the configured dtypes.
+  const PrecisionConfig& pc = cfg.precision;
+  const int64_t ps = static_cast<int64_t>(dtype_size(pc.param)), gs = static_cast<int64_t>(dtype_size(pc.grad_accum)),
+                cs = static_cast<int64_t>(dtype_size(pc.comm));
+  const bool mixed = pc.param != DType::F32;
+  const ZeroStateElems elems = zero_state_elems(b.stage, psi, part);  // what ZeroOptimizer allocates
+  b.params = ps * elems.params;
+  b.grads = gs * elems.grads;
+  const int64_t state_elems = elems.state;
+  // fp32 parameters are their own master copy, and so are bf16 ones under
+  // bf16_master_weights_and_grads; bf16_optimizer_states halves each moment.
+  const bool fp32_master = mixed && cfg.zero.master_weights == DType::F32;
+  b.master = fp32_master ? 4 * state_elems : 0;
+  const int64_t ss = static_cast<int64_t>(dtype_size(cfg.zero.optimizer_states));
+  const int64_t moments = static_cast<int64_t>(optimizer_state_names(cfg.optimizer).size());
+  b.optimizer_states = ss * moments * state_elems;
+  // Offload tiers as ZeroOptimizer places them: sub-groups from int((1 - ratio)·G) on leave
+  // device memory; NVMe ones go to swap files through buffer slots (workspace), as do stage-3
+  // parameters with offload_param nvme (at most max_in_cpu elements cached).
+  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
+  int64_t swap_workspace = 0;  // swap buffers and cached parameter slices, added to the workspace below
+  if (oo.device != OffloadDevice::None && b.stage >= 1 && state_elems > 0) {
+    const int64_t sg = std::max<int64_t>(1, cfg.zero.sub_group_size), groups = (state_elems + sg - 1) / sg;
+    const int64_t cut = std::min(groups, static_cast<int64_t>((1.0 - oo.ratio) * static_cast<double>(groups)));
+    const int64_t offloaded = state_elems - std::min(state_elems, cut * sg), states = moments + (fp32_master ? 1 : 0);
+    const int64_t master_moved = fp32_master ? 4 * offloaded : 0, moments_moved = ss * moments * offloaded;
+    if (oo.device == OffloadDevice::Cpu) {
+      b.offload_host = master_moved + moments_moved;
+    } else if (offloaded > 0) {
+      b.offload_nvme = master_moved + moments_moved;
+      b.master -= master_moved;
+      b.optimizer_states -= moments_moved;
+      const int64_t slots = std::max<int64_t>(1, std::min({oo.buffer_count / states,
+                                                           int64_t(1 + oo.pipeline_read + oo.pipeline_write),
+                                                           groups - cut}));
+      const auto pages = [](int64_t bytes) { return (bytes + 4095) / 4096 * 4096; };
+      const int64_t largest = std::min(sg, offloaded);  // the largest offloaded sub-group
+      swap_workspace += slots * ((fp32_master ? pages(largest * 4) : 0) + moments * pages(largest * ss));
+    }
+    if (b.stage == 3 && cfg.zero.offload_param.device == OffloadDevice::Cpu) b.offload_host += b.params;
+  }
+  const OffloadParamConfig& op = cfg.zero.offload_param;
+  if (b.stage == 3 && op.device == OffloadDevice::Nvme) {
+    b.offload_nvme += b.params;
+    swap_workspace += ps * std::min(op.max_in_cpu, part.part);
+    // The in-memory optimizer updating the parameters themselves (no fp32 master copy) reads
+    // the whole partition back for the step (zero.cpp apply_step).
+    if (oo.device == OffloadDevice::None && !fp32_master) swap_workspace += b.params;
+    b.params = 0;
+  }
+  // Communication: reduce-scatter staging (rank 0's part of the buckets in flight, in the
+  // communication dtype), send buffers for buckets converted to that dtype, and the fp32
+  // gradient windows (the units that are not blocks: embeddings, ln_f, the tied wte copy;
+  // one block, two with overlap_comm) that stages 2-3 and 16-bit gradients use. Parameter
+  // all-gathers are in place (stages 1-2) or land in the gathered units (stage 3).
+  int64_t largest_block = 0, largest_unit = 0, largest_tensor = 0, non_block = 0;
+  for (const ParamUnit& u : units) {
+    largest_unit = std::max(largest_unit, u.numel);
+    if (u.kind == UnitKind::Block) largest_block = std::max(largest_block, u.numel);
+    else non_block += u.numel;
+  }
+  for (const TensorSpec& t : layout.tensors()) largest_tensor = std::max(largest_tensor, t.numel);
+  const bool overlap = cfg.zero.overlap_comm;
+  if (b.stage >= 1) b.comm_reduce = cs * (overlap ? part.part : std::min(cfg.zero.reduce_bucket_size, part.part));
+  const bool windows = b.stage >= 2 || pc.grad_accum != DType::F32;
+  if (windows) b.comm_reduce += 4 * (non_block + largest_block * (overlap ? 2 : 1));
+  const DType source = b.stage >= 2 ? DType::F32 : pc.grad_accum;  // what the buckets are cut from
+  if (source != pc.comm) {
+    const int64_t one_call = b.stage >= 2 ? largest_unit : psi;  // what one reduction covers
+    const int64_t in_flight =
+        overlap ? (b.stage >= 2 ? 2 * largest_unit : psi) : std::min(cfg.zero.reduce_bucket_size, one_call);
+    b.comm_reduce += cs * in_flight;
+  }
+  // MPI's own temporary for a whole-bucket reduction at stages 0-1: (N-1)/N of the message
+  // (measured on gpt-small-cpu at np 2: the peak grows by half the gradient bytes; the per-unit
+  // reductions of stages 2-3 showed no such growth).
+  if (dp > 1 && b.stage <= 1) b.comm_reduce += cs * std::min(cfg.zero.reduce_bucket_size, psi) * (dp - 1) / dp;
+  if (b.stage == 3) {
+    // Gathered units: everything, when units are kept for reuse within the step (DeepSpeed's
+    // defaults), else at most max_live_parameters plus the unit being fetched. Split by
+    // purpose: the unit in use (the largest), the prefetch bucket along the trace, the rest
+    // kept for reuse.
+    const bool keep_all = cfg.zero.max_reuse_distance >= 2 * psi && cfg.zero.max_live_parameters >= psi;
+    const int64_t gathered = keep_all ? psi : std::min(psi, cfg.zero.max_live_parameters + largest_unit);
+    const int64_t prefetch = std::min(cfg.zero.prefetch_bucket_size, gathered - largest_unit);
+    b.comm_gather = ps * largest_unit;
+    b.comm_prefetch = ps * prefetch;
+    b.live_params = ps * (gathered - largest_unit - prefetch);
+  }
+  add_expert_states(cfg, plan, dp, b);
+  // Activations: exactly what the engine allocates (Engine::activation_bytes), from the
+  // function GPT carves its buffers with (gpt_activation_plan): the schedule's in-flight
+  // buffers plus the shared backward scratch and recompute workspace. Local widths C/t, H/t,
+  // Vp/t; tokens outside tensor-parallel regions B·T, or B·T/t with sequence parallelism.
+  const int64_t Bm = cfg.batch.micro_batch, Tm = m.n_positions;
+  // (the plan multiplies in int64: user-sized products past 2^55, bounded here in double with
+  // the whole widths, are capped instead.)
+  const double B = double(Bm), T = double(Tm), C = double(m.n_embd), BT = B * T, L = double(m.n_layer);
+  const double bound =
+      4 * (double(plan.num_buffers) * (6 * BT * C + L * (27 * BT * C + 4 * BT + B * double(m.n_head) * T * T) +
+                                       BT * double(plan.part.vocab_padded) + 6 * BT +
+                                       double(cfg.activation_checkpointing.number_checkpoints) * BT * C) +
+           12 * BT * C + double(kernels::kRowBlock) * T + 3 * BT + L * (27 * BT * C + 4 * BT + B * double(m.n_head) * T * T));
+  const auto activations = [&](const ActivationCheckpointing& ac, int64_t* host) -> int64_t {
+    if (bound >= 36028797018963968.0) return capped(bound);  // 2^55
+    const GPTActivationBytes act =
+        gpt_activation_bytes(shape, plan.part, Bm, Tm, cfg.tensor.sequence_parallel, plan.split, ac,
+                             moe_routing_of(m.moe, cfg.training.seed));
+    if (host) *host = plan.num_buffers * act.host;
+    return plan.num_buffers * act.buffer + act.scratch;
+  };
+  ActivationCheckpointing selective, every_block;
+  selective.interval = every_block.interval = 1;
+  selective.granularity = RecomputeGranularity::Selective;
+  b.activations = activations(cfg.activation_checkpointing, &b.activations_host);
+  b.activations_none = activations(ActivationCheckpointing{}, nullptr);
+  b.activations_selective = activations(selective, nullptr);
+  b.activations_checkpointed = activations(every_block, nullptr);
+  // Workspace: token ids, the start-up product that measures peak GFLOP/s, initial weights
+  // read whole by init_from, data held in memory (text bytes and token shards as int32).
+  const double V = double(plan.part.vocab_local);
+  double workspace = 2 * 4 * BT + 3 * 512 * 512 * 4;
+  // 16-bit runs: operand conversions of the matrix products (gemm.cpp) and the tensor groups
+  // that fill the 16-bit copy at start-up (stages 1-2). (oneDNN's own code and caches measured
+  // within ±5 MB of nothing: kRuntimeBytes covers them.)
+  if (pc.param == DType::BF16) workspace += 2 * std::max(4 * BT * C, BT * V) + 2 * 4 * BT * C;
+  if (pc.param == DType::F16) workspace += 4 * std::max(V * C, 4 * C * C);
+  b.workspace = capped(workspace) + swap_workspace;
+  if (mixed && (b.stage == 1 || b.stage == 2)) b.workspace += 4 * std::min(psi, ZeroOptimizer::kInitFillElems + largest_tensor);
+  if (!m.init_from.empty()) b.workspace += 4 * psi;
+  struct stat st {};
+  if (cfg.data.source == DataSource::Text && ::stat(cfg.data.path.c_str(), &st) == 0) b.workspace += 5 * st.st_size;
+  if (cfg.data.source == DataSource::Tokens && ::stat(cfg.data.path.c_str(), &st) == 0) b.workspace += 3 * st.st_size;
+  b.runtime = kRuntimeBytes;
+  return b;
+}
+
+MemoryBudget largest_of(const std::vector<MemoryBudget>& budgets) {
+  const MemoryBudget* best = &budgets.front();
+  for (const MemoryBudget& b : budgets)
+    if (b.total() > best->total()) best = &b;  // ties: the lowest stage
+  return *best;
+}
+}  // namespace
+
+std::vector<MemoryBudget> estimate_rank_budgets(const Config& cfg, int64_t world, int stage) {
+  const int64_t dp = rank_layout(cfg, world).data;
+  std::vector<MemoryBudget> out;
+  for (const RankPlan& p : plan_ranks(cfg)) out.push_back(rank_budget(cfg, p, dp, stage));
+  return out;
+}
+
+MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
+  return largest_of(estimate_rank_budgets(cfg, world, stage));
+}
+
+int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank) {
+  return largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, cfg.activation_checkpointing);
+}
+
+int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank,
+                                    const ActivationCheckpointing& checkpointing) {
+  Config c = cfg;
+  c.activation_checkpointing = checkpointing;
+  const std::vector<RankPlan> plans = plan_ranks(cfg);  // independent of the micro-batch
+  const int64_t dp = rank_layout(cfg, world).data;
+  auto fits = [&](int64_t micro) {
+    c.batch.micro_batch = micro;
+    for (const RankPlan& p : plans)
+      if (rank_budget(c, p, dp, stage).total() > bytes_per_rank) return false;
+    return true;
+  };
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi = 2;
+  while (hi <= (int64_t(1) << 24) && fits(hi)) lo = hi, hi *= 2;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+nlohmann::json FitAnswer::to_json() const {
+  return {{"stage", stage},
+          {"largest_micro_batch", configured},
+          {"without_checkpointing", none},
+          {"with_selective_recompute", selective},
+          {"with_full_recompute", full},
+          {"configured_micro_batch_fits", configured_fits},
+          {"needs_checkpointing", needs_checkpointing}};
+}
+
+FitAnswer what_fits(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank) {
+  ActivationCheckpointing selective, full;
+  selective.interval = full.interval = 1;
+  selective.granularity = RecomputeGranularity::Selective;
+  FitAnswer a;
+  a.stage = stage;
+  a.configured = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank);
+  a.none = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, ActivationCheckpointing{});
+  a.selective = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, selective);
+  a.full = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, full);
+  a.configured_fits = cfg.batch.micro_batch <= a.configured;
+  a.needs_checkpointing = cfg.batch.micro_batch > a.none && cfg.batch.micro_batch <= std::max(a.selective, a.full);
+  return a;
+}
+
+void write_budget_report(const std::string& path, const Config& cfg, int64_t world,
+                         const std::vector<MemoryBudget>& budgets, const std::vector<FitAnswer>& fits,
+                         int64_t bytes_per_rank) {
+  // The path is the user's (--report): a file that cannot be created there is bad input.
+  auto create = [&] {
+    try {
+      return h5::File::create(path);
+    } catch (const SystemError& e) {
+      throw InputError("--report " + echo(path) + ": cannot create the report file (" + echo(e.what(), 120) + ")");
+    }
+  };
+  h5::File f = create();
+  h5::write_attribute(f.id(), "config", cfg.resolved.dump());
+  h5::write_attribute(f.id(), "config_file", cfg.file);
+  h5::write_attribute(f.id(), "world_size", world);
+  const RankLayout layout = rank_layout(cfg, world);
+  h5::write_attribute(f.id(), "pipeline_stages", int64_t(layout.stages));
+  h5::write_attribute(f.id(), "tensor_parallel_size", int64_t(layout.tensor));
+  h5::write_attribute(f.id(), "data_parallel_size", layout.data);
+  h5::write_attribute(f.id(), "micro_batch", cfg.batch.micro_batch);
+  h5::write_attribute(f.id(), "param_dtype", dtype_name(cfg.precision.param));
+  h5::write_attribute(f.id(), "grad_accum_dtype", dtype_name(cfg.precision.grad_accum));
+  h5::write_attribute(f.id(), "communication_data_type", dtype_name(cfg.precision.comm));
+  h5::write_attribute(f.id(), "parameters", count_model(cfg.model).params);
+  h5::write_attribute(f.id(), "units", "bytes per rank; element k of each dataset is ZeRO stage k");
+  const nlohmann::json first = budgets.front().to_json();
+  for (auto it = first.begin(); it != first.end(); ++it) {
+    if (it.key() == "stage") continue;
+    std::vector<double> values;
+    for (const auto& b : budgets) values.push_back(b.to_json()[it.key()].get<double>());
+    const hsize_t n = values.size();
+    h5::Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+    h5::Handle ds(H5Dcreate2(f.id(), it.key().c_str(), H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                  H5Dclose);
+    std::vector<int64_t> ints(values.begin(), values.end());
+    if (ds.get() < 0 || H5Dwrite(ds.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, ints.data()) < 0)
+      throw SystemError(path + ": cannot write " + it.key());
+  }
+  if (fits.empty()) return;
+  // --memory-per-rank: one dataset per answer, element k for ZeRO stage k (booleans as 0/1)
+  h5::write_attribute(f.id(), "memory_per_rank", bytes_per_rank);
+  const nlohmann::json names = fits.front().to_json();
+  for (auto it = names.begin(); it != names.end(); ++it) {
+    if (it.key() == "stage") continue;
+    std::vector<int64_t> ints;
+    for (const FitAnswer& a : fits) {
+      const nlohmann::json v = a.to_json()[it.key()];
+      ints.push_back(v.is_boolean() ? int64_t(v.get<bool>()) : v.get<int64_t>());
+    }
+    const hsize_t n = ints.size();
+    h5::Handle space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+    h5::Handle ds(H5Dcreate2(f.id(), it.key().c_str(), H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                  H5Dclose);
+    if (ds.get() < 0 || H5Dwrite(ds.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, ints.data()) < 0)
+      throw SystemError(path + ": cannot write " + it.key());
+  }
+}
+
+}  // namespace zero3d
+
+namespace zero3d {
+
+namespace {
+// The first number on the line of `file` that starts with `key` (meminfo: kB), or -1.
+int64_t read_number(const std::string& file, const std::string& key) {
+  std::ifstream in(file);
+  for (std::string line; std::getline(in, line);) {
+    if (line.compare(0, key.size(), key) != 0) continue;
+    try {
+      return std::stoll(line.substr(key.size()));
+    } catch (const std::exception&) {
+      return -1;  // "max" (no limit) and anything unreadable
+    }
+  }
+  return -1;
+}
+}  // namespace
+
+AvailableMemory available_memory() {
+  AvailableMemory a;
+  const int64_t kb = read_number("/proc/meminfo", "MemAvailable:");
+  if (kb >= 0) a = {kb * 1024, "MemAvailable"};
+  // cgroup v2, then v1: the limit minus what the group already uses.
+  const std::pair<const char*, const char*> groups[] = {
+      {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"},
+      {"/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"}};
+  for (const auto& [limit_file, usage_file] : groups) {
+    const int64_t limit = read_number(limit_file, ""), usage = read_number(usage_file, "");
+    if (limit <= 0 || usage < 0 || limit >= (int64_t(1) << 60)) continue;
+    const int64_t left = std::max<int64_t>(0, limit - usage);
+    if (a.bytes < 0 || left < a.bytes) a = {left, "cgroup memory limit"};
+  }
+  return a;
+}
+
+MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const AvailableMemory& avail) {
+  const int64_t ranks = cfg.batch.world_size * std::max(1, cfg.pipeline.stages) * std::max(1, cfg.tensor.size);
+  const MemoryBudget b = estimate_budget(cfg, ranks, cfg.zero.stage);
+  if (avail.bytes < 0) return b;
+  const double need = double(b.total()) * std::max(1, ranks_here);
+  if (need <= double(avail.bytes)) return b;
+  // Name the two largest categories with the keys that size them.
+  const ModelConfig& m = cfg.model;
+  const std::string model_keys = "model.vocab_size " + std::to_string(m.vocab_size) + ", model.n_embd " +
+                                 std::to_string(m.n_embd) + ", model.n_layer " + std::to_string(m.n_layer);
+  struct Part {
+    double bytes;
+    std::string text;
+  };
+  std::vector<Part> parts = {
+      {double(b.model_states()), "model states " + human_bytes(double(b.model_states())) + " (" +
+                                     std::to_string(count_model(m).params) + " parameters: " + model_keys +
+                                     "; zero_optimization.stage " + std::to_string(b.stage) + ")"},
+      {double(b.activations), "activations " + human_bytes(double(b.activations)) +
+                                  " (train_micro_batch_size_per_gpu " + std::to_string(cfg.batch.micro_batch) +
+                                  ", model.n_positions " + std::to_string(m.n_positions) + ", " + model_keys +
+                                  ", model.n_head " + std::to_string(m.n_head) + ")"},
+      {double(b.comm_reduce + b.comm_gather + b.comm_prefetch + b.live_params),
+       "communication buffers " + human_bytes(double(b.comm_reduce + b.comm_gather + b.comm_prefetch + b.live_params)) +
+           " (zero_optimization.reduce_bucket_size, max_live_parameters)"},
+      {double(b.workspace), "workspace " + human_bytes(double(b.workspace)) + " (data.path, model.init_from)"}};
+  std::sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) { return x.bytes > y.bytes; });
+  throw InputError(cfg.file + ": the run needs " + human_bytes(double(b.total())) + " per rank" +
+                   (ranks_here > 1 ? " x " + std::to_string(ranks_here) + " ranks on this machine" : "") +
+                   " but " + human_bytes(double(avail.bytes)) + " is available (" + avail.source + "), short by " +
+                   human_bytes(need - double(avail.bytes)) + "; largest: " + parts[0].text + ", " + parts[1].text);
+}
+
+namespace {
+
+// "auto" micro-batch with nothing to derive it from: the largest that the memory planner says
+// fits this machine's available memory shared by `world_size` ranks, at most HF's default of 8.
+void plan_auto_micro_batch(Config& c, int64_t world_size) {
+  const AvailableMemory avail = available_memory();
+  int64_t micro = kHfPerDeviceBatch;
+  std::string why = "Hugging Face's per_device_train_batch_size default; available memory unknown";
+  if (avail.bytes > 0) {
+    const int64_t per_rank = avail.bytes / std::max<int64_t>(1, world_size);
+    const int64_t fits = largest_fitting_micro_batch(c, world_size, c.zero.stage, per_rank);
+    micro = std::max<int64_t>(1, std::min(kHfPerDeviceBatch, fits));
+    why = "the memory planner fits " + std::to_string(fits) + " per rank in " + human_bytes(double(per_rank)) +
+          " (" + avail.source + " / " + std::to_string(world_size) + " ranks); at most Hugging Face's "
+          "per_device_train_batch_size default of " + std::to_string(kHfPerDeviceBatch);
+  }
+  BatchConfig& b = c.batch;
+  b.micro_batch = micro;
+  b.train_batch_size = micro * b.gradient_accumulation_steps * b.world_size;
+  std::ostringstream out;
+  out << "train_batch_size " << b.train_batch_size << " = micro_batch " << micro << " x gradient_accumulation_steps "
+      << b.gradient_accumulation_steps << " x data-parallel size " << b.world_size << " (micro-batch \"auto\")";
+  b.derivation = out.str();
+  c.notes.push_back("auto    train_micro_batch_size_per_gpu = " + std::to_string(micro) + " (" + why + ")");
+  if (b.accumulation_auto)
+    c.notes.push_back("auto    gradient_accumulation_steps = 1 (Hugging Face's gradient_accumulation_steps default)");
+  if (b.train_batch_auto)
+    c.notes.push_back("auto    train_batch_size = " + std::to_string(b.train_batch_size) +
+                        " (micro-batch x gradient_accumulation_steps x data-parallel size, as Hugging Face fills it)");
+}
+
+}  // namespace
+
+Config resolve_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
+                      const std::vector<std::string>& set_keys) {
+  Config c = read_config(root, file, world_size, set_keys);
+  if (!c.batch.micro_batch_from_memory) return c;
+  try {
+    plan_auto_micro_batch(c, world_size);
+  } catch (const InputError& e) {
+    const std::string what = e.what();
+    throw InputError(what.rfind(file + ": ", 0) == 0 ? what : file + ": " + what);
+  }
+  c.batch.micro_batch_from_memory = false;
+  c.resolved["train_batch_size"] = c.batch.train_batch_size;
+  c.resolved["train_micro_batch_size_per_gpu"] = c.batch.micro_batch;
+  c.resolved["gradient_accumulation_steps"] = c.batch.gradient_accumulation_steps;
+  return c;
+}
+
+}  // namespace zero3d

@@ -1,0 +1,711 @@
+// zero.cpp — see zero.hpp for the stage table.
+#include "zero/zero.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "base/errors.hpp"
+#include "kernels/reduce.hpp"
+
+namespace zero3d {
+
+namespace {
+constexpr int kEmbedWindow = -1, kLastWindow = -2;  // window keys besides the two block windows 0/1
+
+ParamLayout partition_layout(int64_t part) {
+  ParamLayout l;
+  l.add("partition", {part});
+  return l;
+}
+}  // namespace
+
+double unscale_clip_multiplier(double norm_scaled, double loss_scale, double clip) {
+  double combined = loss_scale;
+  if (clip > 0.0) {
+    const double c = ((norm_scaled / loss_scale) + 1e-6) / clip;
+    if (c > 1.0) combined = c * loss_scale;
+  }
+  return 1.0 / combined;
+}
+
+ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types,
+                             const ParamLayout& layout, std::vector<ParamUnit> units, Communicator& dp,
+                             int64_t partition_numel, bool ordered_backward, int global_rank)
+    : cfg_(zero), types_(types), mixed_(types.param != DType::F32 && zero.master_weights == DType::F32),
+      master16_(types.param != DType::F32 && zero.master_weights != DType::F32),
+      use_windows_(zero.stage >= 2 || types.grad != DType::F32), layout_(layout), units_(std::move(units)), dp_(dp),
+      rank_(dp.rank()), world_(dp.size()), stage_(zero.stage),
+      part_(partition_numel < 0 ? layout.total() : partition_numel, dp.size()) {
+  ordered_backward_ = ordered_backward;
+  const ZeroStateElems elems = zero_state_elems(stage_, layout.total(), part_);
+  const bool params_on_nvme = stage_ == 3 && zero.offload_param.device == OffloadDevice::Nvme;
+  params_ = TypedBuffer("params", types_.param, params_on_nvme ? 0 : elems.params);
+  if (params_on_nvme) {
+    std::vector<std::pair<int64_t, int64_t>> slices;
+    const int64_t pb = part_.begin(rank_);
+    for (const ParamUnit& u : units_) {
+      const auto [lo, hi] = part_.owned(rank_, u.offset, u.offset + u.numel);
+      slices.emplace_back(std::max<int64_t>(lo - pb, 0), std::max<int64_t>(hi - pb, 0));
+    }
+    const std::string dtype = types_.param == DType::F32 ? "float32" : types_.param == DType::BF16 ? "bfloat16" : "float16";
+    param_swap_ = std::make_unique<offload::ParamSwapper>(
+        zero.offload_param, zero.aio, types_.param, std::move(slices),
+        zero.offload_param.nvme_path + "/zero_stage_3/" + dtype + "params/rank" +
+            std::to_string(global_rank < 0 ? rank_ : global_rank));
+  }
+  grads_ = TypedBuffer("grads", types_.grad, elems.grads);
+  const bool offload = zero.offload_optimizer.device != OffloadDevice::None && stage_ >= 1;
+  if (mixed_ && !offload) master_ = make_flat_buffer("master_params", elems.state);
+  if (master16_ && (stage_ == 0 || types_.param != zero.master_weights))
+    throw std::logic_error("bf16 master weights need ZeRO stage 1-3 and bf16 parameters");
+  if (stage_ == 0) {
+    optimizer_ = std::make_unique<Optimizer>(opt, layout_, zero.optimizer_states);
+    reducer_ = std::make_unique<GradientReducer>(dp_, grads_.data(), types_.grad, layout.total(),
+                                                 cfg_.reduce_bucket_size, cfg_.overlap_comm, types_.comm);
+  } else {
+    state_layout_ = partition_layout(part_.part);
+    if (offload) {
+      // DeepSpeed's folder for this rank's optimizer swap files (FACTS-2 §3.3)
+      const std::string dir = zero.offload_optimizer.device != OffloadDevice::Nvme ? std::string()
+                              : zero.offload_optimizer.nvme_path + "/zero_stage_" + std::to_string(stage_) +
+                                    "/optimizer/rank" + std::to_string(global_rank < 0 ? rank_ : global_rank);
+      offloaded_ = std::make_unique<offload::OffloadedOptimizer>(zero.offload_optimizer, zero.aio, opt, part_.part,
+                                                                 zero.sub_group_size, mixed_, dir,
+                                                                 zero.optimizer_states);
+    } else {
+      optimizer_ = std::make_unique<Optimizer>(opt, state_layout_, zero.optimizer_states);
+    }
+    // Stage 1 writes the averaged partition into the full gradient buffer; 2-3 accumulate
+    // every micro-batch into the partition buffer.
+    void* dest = stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data();
+    reducer_ = std::make_unique<GradientReducer>(dp_, part_, dest, types_.grad, stage_ >= 2, cfg_.reduce_bucket_size,
+                                                 cfg_.overlap_comm, types_.comm, types_.grad);
+  }
+  reducer_->set_scaling(reduce_scaling(zero.prescale_gradients, zero.gradient_predivide_factor, world_, stage_ >= 1));
+  if (stage_ == 3) {
+    // Persistent units stay gathered (DeepSpeed: numel <= param_persistence_threshold while
+    // the persistent total stays within model_persistence_threshold; here per unit).
+    int64_t persistent_total = 0;
+    for (const ParamUnit& u : units_) {
+      const bool keep = u.numel <= cfg_.param_persistence_threshold &&
+                        persistent_total + u.numel <= cfg_.model_persistence_threshold;
+      if (keep) persistent_total += u.numel;
+      persistent_.push_back(keep);
+    }
+  }
+  if (use_windows_) {  // gradient windows, allocated up front so the start-up table is complete
+    const int last = static_cast<int>(units_.size()) - 1;
+    // embeddings, ln_f and one block window; a second one lets overlap_comm reduce block l
+    // while block l-1 computes
+    for (int u : {0, last, 1, 2})
+      if (u <= last && (u != 2 || cfg_.overlap_comm)) window_for(u);
+  }
+  if (stage_ == 3) {
+    // The order in which one micro-batch of a one-stage model fetches units: forward
+    // (embeddings, blocks, ln_f, tied head) then backward (tied head, ln_f, blocks in reverse).
+    const int last = static_cast<int>(units_.size()) - 1;
+    for (int u = 0; u <= last; ++u) trace_.push_back(u);
+    trace_.push_back(0);
+    trace_.push_back(0);
+    for (int u = last; u >= 1; --u) trace_.push_back(u);
+  }
+}
+
+void ZeroOptimizer::set_fetch_trace(std::vector<int> trace) {
+  drop_gathered_params();
+  trace_ = std::move(trace);
+  trace_pos_ = 0;
+}
+
+// --- parameters ----------------------------------------------------------------------------
+
+void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_t)>& fill) {
+  const int64_t total = layout_.total(), pb = part_.begin(rank_);
+  const auto [lo, hi] = part_.owned(rank_, 0, total);
+  if (!mixed_ && !master16_) {
+    if (stage_ < 3) {
+      fill(params_.as<float>(), 0, total);
+    } else if (param_swap_) {
+      std::vector<float> chunk;
+      for (int64_t a = lo; a < hi; a += kInitFillElems) {
+        const int64_t b = std::min(hi, a + kInitFillElems);
+        chunk.resize(static_cast<size_t>(b - a));
+        fill(chunk.data(), a, b);
+        write_params(a - pb, b - a, chunk.data());
+      }
+    } else if (hi > lo) {
+      fill(params_.as<float>(), lo, hi);  // the partition buffer starts at part.begin(rank)
+    }
+    return;
+  }
+  if (offloaded_ || master16_) {
+    // The master copy goes straight to its tier (bf16 master weights: none but the parameters),
+    // a bounded chunk at a time.
+    std::vector<float> chunk;
+    for (int64_t a = lo; a < hi; a += kInitFillElems) {
+      const int64_t b = std::min(hi, a + kInitFillElems);
+      chunk.resize(static_cast<size_t>(b - a));
+      fill(chunk.data(), a, b);
+      if (mixed_) offloaded_->write("master", a - pb, b - a, chunk.data());
+      cast_range_to_params(a - pb, b - a, chunk.data());
+    }
+  } else {
+    if (stage_ == 0) fill(master_.data(), 0, total);
+    else if (hi > lo) fill(master_.data() + (lo - pb), lo, hi);
+    cast_master_to_params();
+  }
+  if (stage_ == 1 || stage_ == 2) {
+    // The other ranks' ranges of the 16-bit copy, filled tensor group by tensor group so that
+    // no full fp32 copy ever exists (and no collective is needed at start-up).
+    std::vector<float> chunk;
+    int64_t a = 0;
+    for (const TensorSpec& t : layout_.tensors()) {
+      const int64_t b = t.offset + t.numel;
+      if (b - a < kInitFillElems && b < total) continue;
+      chunk.resize(static_cast<size_t>(b - a));
+      fill(chunk.data(), a, b);
+      convert_any(params_.at(a), types_.param, chunk.data(), DType::F32, b - a);
+      a = b;
+    }
+  }
+}
+
+void ZeroOptimizer::cast_range_to_params(int64_t begin, int64_t n, const float* values) {
+  const int64_t pb = part_.begin(rank_);
+  const auto [lo, hi] = part_.owned(rank_, pb + begin, pb + begin + n);
+  if (hi <= lo) return;
+  if (param_swap_) {
+    std::vector<char> rounded(static_cast<size_t>(hi - lo) * dtype_size(types_.param));
+    convert_any(rounded.data(), types_.param, values + (lo - pb - begin), DType::F32, hi - lo);
+    write_params(lo - pb, hi - lo, rounded.data());
+    return;
+  }
+  convert_any(params_.at(stage_ == 3 ? lo - pb : lo), types_.param, values + (lo - pb - begin), DType::F32, hi - lo);
+}
+
+void ZeroOptimizer::read_params(int64_t begin, int64_t n, void* out) {
+  if (param_swap_) param_swap_->read(begin, n, out);
+  else std::memcpy(out, params_.at(stage_ == 3 ? begin : part_.begin(rank_) + begin), n * dtype_size(types_.param));
+}
+
+void ZeroOptimizer::write_params(int64_t begin, int64_t n, const void* in) {
+  if (param_swap_) param_swap_->write(begin, n, in);
+  else std::memcpy(params_.at(stage_ == 3 ? begin : part_.begin(rank_) + begin), in, n * dtype_size(types_.param));
+}
+
+void ZeroOptimizer::cast_master_to_params() {
+  if (offloaded_) {
+    const int64_t pb = part_.begin(rank_);
+    const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
+    std::vector<float> chunk;
+    for (int64_t a = lo; a < hi; a += kInitFillElems) {
+      const int64_t b = std::min(hi, a + kInitFillElems);
+      chunk.resize(static_cast<size_t>(b - a));
+      offloaded_->read("master", a - pb, b - a, chunk.data());
+      cast_range_to_params(a - pb, b - a, chunk.data());
+    }
+    return;
+  }
+  if (param_swap_ && stage_ > 0) {  // the 16-bit partition lies in its swap files: written back a bounded chunk at a time
+    const int64_t pb = part_.begin(rank_);
+    const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
+    for (int64_t a = lo; a < hi; a += kInitFillElems)
+      cast_range_to_params(a - pb, std::min(hi, a + kInitFillElems) - a, master_.data() + (a - pb));
+    return;
+  }
+  const MasterCast c = master_cast();
+  if (c.count > 0) convert_any(c.params.data, c.params.type, master_.data() + c.master_offset, DType::F32, c.count);
+}
+
+// Where the fp32 master's elements go in the in-memory 16-bit parameters: all of them at stage
+// 0, this rank's owned range of its partition otherwise.
+ZeroOptimizer::MasterCast ZeroOptimizer::master_cast() {
+  if (stage_ == 0) return {{params_.data(), types_.param}, 0, layout_.total()};
+  const int64_t pb = part_.begin(rank_);
+  const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
+  return {{params_.at(stage_ == 3 ? lo - pb : lo), types_.param}, lo - pb, std::max<int64_t>(0, hi - lo)};
+}
+
+void ZeroOptimizer::start_gather(int u) {
+  const ParamUnit& unit = units_[u];
+  Gathered g;
+  // A freed buffer of the unit's size when there is one (blocks all have the same): a fresh
+  // allocation of megabytes costs its page faults on every gather.
+  const auto spare = std::find_if(spare_gathers_.begin(), spare_gathers_.end(), [&](const TypedBuffer& b) {
+    return b.size() == unit.numel && b.type() == types_.param;
+  });
+  if (spare != spare_gathers_.end()) {
+    g.buffer = std::move(*spare);
+    spare_gathers_.erase(spare);
+  } else {
+    g.buffer = TypedBuffer("gathered_unit", types_.param, unit.numel, /*zero=*/false);
+  }
+  std::vector<int64_t> counts(world_), displs(world_);
+  for (int r = 0; r < world_; ++r) {
+    const auto [lo, hi] = part_.owned(r, unit.offset, unit.offset + unit.numel);
+    counts[r] = hi - lo;
+    displs[r] = lo - unit.offset;
+  }
+  const auto [lo, hi] = part_.owned(rank_, unit.offset, unit.offset + unit.numel);
+  const void* own = param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_));
+  convert_any(g.buffer.at(lo - unit.offset), types_.param, own, types_.param, hi - lo);
+  g.pending = dp_.all_gather_v_async(g.buffer.data(), counts, displs, types_.param);
+  live_elems_ += unit.numel;
+  live_peak_elems_ = std::max(live_peak_elems_, live_elems_);
+  gathered_[u] = std::move(g);
+}
+
+void ZeroOptimizer::free_gathered(int u) {
+  auto it = gathered_.find(u);
+  if (it == gathered_.end()) return;
+  if (it->second.pending) it->second.pending->wait();
+  live_elems_ -= units_[u].numel;
+  spare_gathers_.push_back(std::move(it->second.buffer));
+  gathered_.erase(it);
+}
+
+const void* ZeroOptimizer::fetch(int u) {
+  if (stage_ < 3) return params_.at(units_[u].offset);
+  // Where are we in the trace? Normally exactly at u; otherwise its next occurrence.
+  size_t k = trace_pos_;
+  while (k < trace_.size() && trace_[k] != u) ++k;
+  if (k == trace_.size()) k = std::find(trace_.begin(), trace_.end(), u) - trace_.begin();
+  trace_pos_ = k;
+  if (!gathered_.count(u)) {
+    // Make room: drop kept (non-persistent) units before exceeding max_live_parameters.
+    for (auto it = gathered_.begin(); it != gathered_.end() && live_elems_ + units_[u].numel > cfg_.max_live_parameters;) {
+      const int v = (it++)->first;
+      if (!persistent_[v] && !gathered_[v].pending) free_gathered(v);
+    }
+    start_gather(u);
+  }
+  Gathered& g = gathered_[u];
+  if (g.pending) {
+    g.pending->wait();
+    g.pending.reset();
+  }
+  // NVMe parameters: the reads of the units the trace needs next run ahead of compute.
+  if (param_swap_)
+    for (size_t k = trace_pos_ + 1; k < trace_.size(); ++k)
+      if (!gathered_.count(trace_[k]) && !param_swap_->prefetch(trace_[k])) break;
+  // Prefetch what the trace needs next, within min(free live budget, prefetch_bucket_size).
+  int64_t budget = std::min(cfg_.max_live_parameters - live_elems_, cfg_.prefetch_bucket_size);
+  for (size_t k = trace_pos_ + 1; k < trace_.size() && budget > 0; ++k) {
+    const int next = trace_[k];
+    if (gathered_.count(next)) continue;
+    if (units_[next].numel > budget) break;
+    // (No wait for NVMe reads here: whether a read has landed differs from rank to rank, and the
+    // gathers are collectives every rank must start in the same order; start_gather waits.)
+    start_gather(next);
+    budget -= units_[next].numel;
+  }
+  return g.buffer.data();
+}
+
+bool ZeroOptimizer::keep_after_use(int u) const {
+  if (persistent_[u]) return true;
+  if (live_elems_ > cfg_.max_live_parameters) return false;
+  // Used again within max_reuse_distance parameter elements of the trace? (DeepSpeed's rule)
+  int64_t distance = 0;
+  for (size_t k = trace_pos_ + 1; k < trace_.size(); ++k) {
+    if (trace_[k] == u) return true;
+    distance += units_[trace_[k]].numel;
+    if (distance > cfg_.max_reuse_distance) return false;
+  }
+  return false;
+}
+
+void ZeroOptimizer::release(int u) {
+  if (stage_ < 3) return;
+  if (!keep_after_use(u)) free_gathered(u);
+  ++trace_pos_;
+}
+
+// --- gradients -----------------------------------------------------------------------------
+
+// Blocks alternate between two windows with overlap_comm, else share one.
+int ZeroOptimizer::window_key(int u) const {
+  const int last = static_cast<int>(units_.size()) - 1;
+  return u == 0 ? kEmbedWindow : u == last ? kLastWindow : cfg_.overlap_comm ? u % 2 : 1;
+}
+
+float* ZeroOptimizer::window_for(int u) {
+  const int last = static_cast<int>(units_.size()) - 1;
+  const int key = window_key(u);
+  auto it = windows_.find(key);
+  if (it == windows_.end()) {
+    int64_t size = units_[u].numel;
+    if (key == 0 || key == 1)  // block windows are shared by every block
+      for (int b = 1; b < last; ++b) size = std::max(size, units_[b].numel);
+    it = windows_.emplace(key, make_flat_buffer("grad_window", size)).first;
+  }
+  if (stage_ >= 2) reducer_->wait_tag(key);  // the window's previous reduction must be done before reuse
+  Kokkos::deep_copy(Kokkos::subview(it->second, std::make_pair(int64_t(0), units_[u].numel)), 0.0f);
+  return it->second.data();
+}
+
+float* ZeroOptimizer::grad_target(int u) {
+  if (!use_windows_) return grads_.as<float>() + units_[u].offset;
+  return window_for(u);
+}
+
+void ZeroOptimizer::grads_done(int u) {
+  if (stage_ < 2) {
+    if (use_windows_)  // round the unit's fp32 gradients into the accumulation buffer
+      convert_any(grads_.at(units_[u].offset), types_.grad, windows_.at(window_key(u)).data(), DType::F32,
+                  units_[u].numel, 1.0f, /*accumulate=*/true);
+    if (boundary_ && world_ > 1 && ordered_backward_) reducer_->grads_ready(units_[u].offset);
+    return;
+  }
+  const int key = window_key(u);
+  const ParamUnit& unit = units_[u];
+  reducer_->reduce_range(windows_.at(key).data(), unit.offset, unit.offset + unit.numel, key);
+  if (u == 0) reducer_->wait_all();  // the backward pass is over: windows free again, staging back in its pool
+}
+
+void ZeroOptimizer::progress() {
+  if (stage_ >= 2 || (reduction_begun_ && world_ > 1)) reducer_->progress();
+  for (auto& [u, g] : gathered_)
+    if (g.pending) g.pending->test();
+}
+
+void ZeroOptimizer::begin_micro_step(bool boundary) {
+  boundary_ = boundary;
+  if (stage_ < 2 && boundary && world_ > 1 && ordered_backward_ && !reduction_begun_) {
+    reducer_->begin(grads_.data());
+    reduction_begun_ = true;
+  }
+}
+
+void ZeroOptimizer::finish_reduction() {
+  if (stage_ < 2) {
+    // Stage 1 reduce-scatters even on one rank: its optimizer reads the partition written here.
+    if (world_ > 1 || stage_ == 1) {
+      if (!reduction_begun_) reducer_->begin(grads_.data());
+      reducer_->finish();
+    }
+    reduction_begun_ = false;
+  } else {
+    reducer_->wait_all();
+  }
+}
+
+// --- the step ------------------------------------------------------------------------------
+
+void ZeroOptimizer::gather_updated_params() {
+  std::vector<std::unique_ptr<CommRequest>> inflight;
+  const int64_t bucket = std::max<int64_t>(2 * world_, cfg_.allgather_bucket_size);
+  for (int64_t a = 0; a < part_.padded; a += bucket) {
+    const int64_t b = std::min(part_.padded, a + bucket);
+    std::vector<int64_t> counts(world_), displs(world_);
+    for (int r = 0; r < world_; ++r) {
+      const auto [lo, hi] = part_.owned(r, a, b);
+      counts[r] = hi - lo;
+      displs[r] = lo - a;
+    }
+    inflight.push_back(dp_.all_gather_v_async(params_.at(a), counts, displs, types_.param));
+  }
+  for (auto& r : inflight) r->wait();
+}
+
+GradStats ZeroOptimizer::grad_stats(Communicator* sq_group, const std::vector<std::pair<int64_t, int64_t>>& skip) {
+  // The held gradients cover local [first, first + n): the whole buffer (stage 0) or the partition.
+  const int64_t first = stage_ == 0 ? 0 : part_.begin(rank_);
+  const int64_t n = stage_ == 0 ? layout_.total() : std::max<int64_t>(0, std::min(part_.part, layout_.total() - first));
+  const char* g = static_cast<const char*>(grad_partition());
+  const size_t es = dtype_size(types_.grad);
+  double sq = 0.0;
+  int64_t at = 0;  // sum the pieces between the skipped ranges
+  for (const auto& [b, e] : skip) {
+    const int64_t lo = std::clamp(b - first, at, n), hi = std::clamp(e - first, lo, n);
+    sq += sum_of_squares_any(g + at * es, types_.grad, lo - at);
+    at = hi;
+  }
+  sq += sum_of_squares_any(g + at * es, types_.grad, n - at);
+  // Stage 0 gradients are already identical on every rank; partitions need the sum over the
+  // group. inf/NaN survive the sum, so the result is also the group's agreed overflow flag.
+  if (stage_ > 0) dp_.all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);
+  if (sq_group && sq_group->size() > 1) sq_group->all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);
+  return GradStats{std::sqrt(sq), std::isfinite(sq)};
+}
+
+void ZeroOptimizer::sum_grad_range(int64_t begin, int64_t end, Communicator& group) {
+  if (group.size() <= 1) return;
+  if (stage_ == 0) {
+    group.all_reduce(grads_.at(begin), end - begin, types_.grad, ReduceOp::Sum);
+    return;
+  }
+  const auto [lo, hi] = part_.owned(rank_, begin, end);
+  if (hi <= lo) return;
+  // stage 1 keeps the full buffer (its partition region holds the reduced values); 2-3 the partition
+  group.all_reduce(grads_.at(stage_ == 1 ? lo : lo - part_.begin(rank_)), hi - lo, types_.grad, ReduceOp::Sum);
+}
+
+void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double>> betas, double clip,
+                               double loss_scale, const GradStats& stats) {
+  const float mul = static_cast<float>(unscale_clip_multiplier(stats.norm_scaled, loss_scale, clip));
+  ckpt_staging_.clear();
+  if (offloaded_) {
+    offload::ParamAccess params;
+    const int64_t own = stage_ == 3 ? 0 : part_.begin(rank_);  // the partition's first element in params_
+    std::vector<char> staging;  // parameters of one sub-group read from their swap files
+    params.acquire = [&](int64_t begin, int64_t n) -> TypedSpan {
+      if (mixed_) return {};
+      if (!param_swap_) return {params_.at(own + begin), types_.param};
+      staging.resize(static_cast<size_t>(n) * dtype_size(types_.param));
+      read_params(begin, n, staging.data());
+      return {staging.data(), types_.param};
+    };
+    params.release = [&](int64_t begin, int64_t n, TypedSpan updated) {
+      if (mixed_) cast_range_to_params(begin, n, static_cast<const float*>(updated.data));
+      else if (param_swap_) write_params(begin, n, updated.data);
+    };
+    offloaded_->step(params, grad_partition(), types_.grad, mul, lr, betas);
+    if (stage_ == 1 || stage_ == 2) gather_updated_params();
+    drop_gathered_params();
+    return;
+  }
+  if (param_swap_ && !mixed_) {
+    // The parameters are the optimizer's (fp32, or bf16 master weights) and lie in swap files:
+    // read into memory for the step, updated, written back (DeepSpeed likewise keeps the
+    // partition it updates in device memory while the parameters live on NVMe, FACTS-2 §3).
+    TypedBuffer staged("params_step", types_.param, part_.part, /*zero=*/false);
+    read_params(0, part_.part, staged.data());
+    optimizer_->step(TypedSpan{staged.data(), types_.param}, grad_partition(), types_.grad, mul, lr, betas);
+    write_params(0, part_.part, staged.data());
+    drop_gathered_params();
+    return;
+  }
+  // The fp32 master copy, or the parameters themselves (fp32, or bf16 master weights).
+  const TypedSpan p = mixed_ ? TypedSpan{master_.data(), DType::F32}
+                             : TypedSpan{params_.at(stage_ == 1 || stage_ == 2 ? part_.begin(rank_) : 0), types_.param};
+  // fp32 master weights: the model's 16-bit copy is cast in the optimizer's own pass (chunk by
+  // chunk in cache) where it lies in memory; with its partition in swap files, afterwards.
+  MasterCast cast;
+  if (mixed_ && !param_swap_) cast = master_cast();
+  const bool fused = cast.params.data && cast.master_offset == 0;  // the step's chunks start at the master's first element
+  optimizer_->step(p, grad_partition(), types_.grad, mul, lr, betas, fused ? cast.params : TypedSpan{},
+                   fused ? cast.count : 0);
+  if (mixed_ && !fused) cast_master_to_params();
+  if (stage_ == 1 || stage_ == 2) gather_updated_params();
+  drop_gathered_params();
+}
+
+void ZeroOptimizer::skip_step() { drop_gathered_params(); }
+
+// At stage 3 the gathered copies go either way at the end of a step (after an update they are
+// stale) and the next micro-batch replays the trace from its start.
+void ZeroOptimizer::drop_gathered_params() {
+  if (stage_ == 3) {
+    while (!gathered_.empty()) free_gathered(gathered_.begin()->first);
+    trace_pos_ = 0;
+  }
+}
+
+void ZeroOptimizer::zero_grad() {
+  zero_any(grads_.data(), grads_.type(), grads_.size());
+  trace_pos_ = 0;  // a step replays the fetch trace from its start
+}
+
+std::vector<std::string> ZeroOptimizer::checkpoint_states() const {
+  std::vector<std::string> names = {"params"};
+  for (const std::string& n : offloaded_ ? offloaded_->optimizer_states() : optimizer_->state_names()) names.push_back(n);
+  return names;
+}
+
+// Stage 0 holds full moments (index = flat offset); stages 1-3 hold partitions (index 0 =
+// part.begin(rank)). Parameters are full except at stage 3.
+std::pair<int64_t, int64_t> ZeroOptimizer::checkpoint_range() const { return part_.owned(rank_, 0, layout_.total()); }
+
+std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arrays() {
+  const auto [b, e] = checkpoint_range();
+  const int64_t pb = part_.begin(rank_), n = e - b;
+  const int64_t at = stage_ == 0 ? b : b - pb;  // element b in a buffer held whole (stage 0) or as the partition
+  // Checkpoints hold fp32, loadable at any precision: the master copy when mixed. What lies
+  // elsewhere or in 16 bits (offloaded state, bf16 master weights, bf16 optimizer states) is
+  // read back or widened into staging kept until the next step.
+  ckpt_staging_.clear();
+  ckpt_staging_.reserve(8);
+  auto staging = [&]() {
+    ckpt_staging_.emplace_back(static_cast<size_t>(n));
+    return ckpt_staging_.back().data();
+  };
+  std::vector<std::pair<std::string, const float*>> arrays;
+  if (mixed_ && offloaded_) {
+    float* s = staging();
+    offloaded_->read("master", b - pb, n, s);
+    arrays.emplace_back("params", s);
+  } else if (mixed_) {
+    arrays.emplace_back("params", master_.data() + at);
+  } else if (master16_ || param_swap_) {
+    float* s = staging();
+    std::vector<char> bits(static_cast<size_t>(n) * dtype_size(types_.param));
+    read_params(b - pb, n, bits.data());
+    convert_any(s, DType::F32, bits.data(), types_.param, n);
+    arrays.emplace_back("params", s);
+  } else {
+    arrays.emplace_back("params", params_.as<float>() + (stage_ == 3 ? b - pb : b));
+  }
+  if (offloaded_) {
+    for (const std::string& state : offloaded_->optimizer_states()) {
+      float* s = staging();
+      offloaded_->read(state, b - pb, n, s);
+      arrays.emplace_back(state, s);
+    }
+    return arrays;
+  }
+  const auto names = optimizer_->state_names();
+  const auto buffers = optimizer_->state_buffers();
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (buffers[k]->type() == DType::F32) {
+      arrays.emplace_back(names[k], buffers[k]->as<float>() + at);
+      continue;
+    }
+    float* s = staging();
+    convert_any(s, DType::F32, buffers[k]->at(at), buffers[k]->type(), n);
+    arrays.emplace_back(names[k], s);
+  }
+  return arrays;
+}
+
+void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_step) {
+  const auto [b, e] = checkpoint_range();
+  const int64_t pb = part_.begin(rank_), n = e - b;
+  const int64_t at = stage_ == 0 ? b : b - pb;
+  // State that does not lie in fp32 where this rank holds it goes through a staging range.
+  std::vector<float> staging;
+  auto staged = [&](const std::string& state) {
+    staging.resize(static_cast<size_t>(n));
+    read(state, b, e, staging.data());
+    return staging.data();
+  };
+  if (mixed_ && offloaded_) {
+    offloaded_->write("master", b - pb, n, staged("params"));
+  } else if (mixed_) {
+    read("params", b, e, master_.data() + at);
+  } else if (master16_ || param_swap_) {
+    const float* values = staged("params");
+    std::vector<char> bits(static_cast<size_t>(n) * dtype_size(types_.param));
+    convert_any(bits.data(), types_.param, values, DType::F32, n);
+    write_params(b - pb, n, bits.data());
+  } else {
+    read("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
+  }
+  if (offloaded_) {
+    for (const std::string& state : offloaded_->optimizer_states()) offloaded_->write(state, b - pb, n, staged(state));
+    offloaded_->set_step_count(optimizer_step);
+    return;
+  }
+  const auto names = optimizer_->state_names();
+  const auto buffers = optimizer_->state_buffers();
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (buffers[k]->type() == DType::F32) read(names[k], b, e, buffers[k]->as<float>() + at);
+    else convert_any(buffers[k]->at(at), buffers[k]->type(), staged(names[k]), DType::F32, n);
+  }
+  optimizer_->set_step_count(optimizer_step);
+}
+
+void ZeroOptimizer::all_gather_replicated(void* full, DType type) {
+  std::vector<int64_t> counts(world_), displs(world_);
+  for (int r = 0; r < world_; ++r) {
+    const auto [lo, hi] = part_.owned(r, 0, layout_.total());
+    counts[r] = hi - lo;
+    displs[r] = lo;
+  }
+  dp_.all_gather_v_async(full, counts, displs, type)->wait();
+}
+
+void ZeroOptimizer::finish_checkpoint_load() {
+  if (!mixed_) {  // fp32 parameters, or bf16 master weights: the parameters themselves
+    if (stage_ < 3) all_gather_replicated(params_.data(), types_.param);
+  } else if (stage_ == 0) {
+    all_gather_replicated(master_.data(), DType::F32);
+    cast_master_to_params();
+  } else {
+    cast_master_to_params();
+    if (stage_ < 3) all_gather_replicated(params_.data(), types_.param);
+  }
+  if (stage_ == 0 && optimizer_)
+    for (TypedBuffer* m : optimizer_->state_buffers()) all_gather_replicated(m->data(), m->type());
+  dp_.reset_bus_bytes();
+}
+
+MemoryBytes ZeroOptimizer::memory() const {
+  MemoryBytes m;
+  m.params = params_.bytes();
+  m.grads = grads_.bytes();
+  m.master = static_cast<int64_t>(master_.extent(0) * sizeof(float));  // 0 in fp32: the parameters are the master
+  if (offloaded_) {
+    const offload::TierBytes t = offloaded_->bytes();
+    m.master = t.master;  // the fp32 master copy in memory (0 when swapped out, or without one)
+    m.optimizer_states = t.moments;
+    m.host = t.host;
+    m.nvme = t.nvme;
+    m.swap_buffers = t.swap_buffers;
+    if (cfg_.offload_param.device == OffloadDevice::Cpu) m.host += m.params;
+    if (param_swap_) {
+      m.nvme += param_swap_->nvme_bytes();
+      m.swap_buffers += param_swap_->cached_peak_bytes();
+    }
+  } else {
+    m.optimizer_states = optimizer_->state_bytes();
+    if (param_swap_) {  // parameters on NVMe with the optimizer in memory
+      m.nvme = param_swap_->nvme_bytes();
+      m.swap_buffers = param_swap_->cached_peak_bytes();
+    }
+  }
+  m.comm_buffers = reducer_->staging_peak_bytes();
+  for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
+  m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(dtype_size(types_.param));
+  return m;
+}
+
+std::string ZeroOptimizer::offload_summary() const {
+  const ZeroConfig& z = cfg_;
+  if (!offloaded_ && !param_swap_) return "";
+  if (!offloaded_)
+    return "parameter partition on nvme: " + std::to_string(param_swap_->nvme_bytes()) + " bytes, " +
+           std::to_string(z.offload_param.buffer_count) + " reads ahead, at most " +
+           std::to_string(z.offload_param.max_in_cpu) + " elements cached; optimizer state in device memory, the " +
+           "step reads the partition, updates it and writes it back; CPU-only build: host and device memory are the "
+           "same memory";
+  const bool nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
+  const offload::TierBytes t = offloaded_->bytes();
+  std::string names;
+  for (const std::string& n : offloaded_->state_names()) names += (names.empty() ? "" : ", ") + (n == "master" ? "fp32 master" : n);
+  std::string s = "optimizer state (" + names + ") on " +
+                  (nvme ? "nvme" : "cpu") + ": " + std::to_string(offloaded_->sub_groups()) + " sub-group" +
+                  (offloaded_->sub_groups() == 1 ? "" : "s") + " of <= " + std::to_string(z.sub_group_size) +
+                  " elements, " + std::to_string(offloaded_->resident_sub_groups()) + " kept in device memory (ratio " +
+                  std::to_string(z.offload_optimizer.ratio).substr(0, 4) + "); bytes per rank: device " +
+                  std::to_string(t.device) + ", host " + std::to_string(t.host) + ", nvme " + std::to_string(t.nvme);
+  if (nvme)
+    s += ", swap buffers " + std::to_string(t.swap_buffers) + " (" + std::to_string(offloaded_->sub_groups_in_flight()) +
+         " sub-group" + (offloaded_->sub_groups_in_flight() == 1 ? "" : "s") + " in flight); " +
+         (offloaded_->direct_io() ? "O_DIRECT io_uring"
+                                  : "io_uring through the page cache (the file system refuses O_DIRECT)") +
+         ", block " + std::to_string(z.aio.block_size) + " B, queue depth " + std::to_string(z.aio.queue_depth) + " x " +
+         std::to_string(z.aio.intra_op_parallelism) + " thread" + (z.aio.intra_op_parallelism == 1 ? "" : "s");
+  if (z.offload_param.device == OffloadDevice::Cpu) s += "; parameter partition in host memory";
+  if (param_swap_)
+    s += "; parameter partition on nvme: " + std::to_string(param_swap_->nvme_bytes()) + " bytes, " +
+         std::to_string(z.offload_param.buffer_count) + " reads ahead, at most " +
+         std::to_string(z.offload_param.max_in_cpu) + " elements cached";
+  s += "; CPU-only build: host and device memory are the same memory";
+  return s;
+}
+
+offload::IoStats ZeroOptimizer::take_swap_stats() {
+  offload::IoStats s = offloaded_ ? offloaded_->take_io_stats() : offload::IoStats{};
+  if (param_swap_) {
+    const offload::IoStats p = param_swap_->take_io_stats();
+    s.read_bytes += p.read_bytes;
+    s.write_bytes += p.write_bytes;
+    s.read_s += p.read_s;
+    s.write_s += p.write_s;
+  }
+  return s;
+}
+
+}  // namespace zero3d

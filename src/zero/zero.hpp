@@ -1,0 +1,231 @@
+// zero.hpp — ZeRO stages 0-3 as one object (DEEPSPEED-FACTS §5; Rajbhandari et al. 2020).
+//
+// It owns the model state (parameters, gradients, optimizer moments) and serves it to the
+// model unit by unit through ParamStore. Everything is a range of ONE flat layout, padded to
+// a multiple of 2·W and split into W equal partitions (Partition); the stages differ only in
+// what stays partitioned:
+//
+//   stage | parameters          | gradients                        | optimizer moments
+//   0     | full                | full, all-reduced                | full
+//   1     | full, all-gathered  | full, reduce-scattered at GAS end| partition
+//   2     | full, all-gathered  | partition (+ per-unit windows)   | partition
+//   3     | partition, gathered | partition (+ per-unit windows)   | partition
+//         | per unit when used  |                                  |
+//
+// fp32 Adam bytes per rank for Ψ parameters over N ranks (up to padding): 16Ψ; 4Ψ+4Ψ+8Ψ/N;
+// 4Ψ+12Ψ/N; 16Ψ/N — plus communication buffers and, at stage 3, the gathered units.
+//
+// Mixed precision (bf16/fp16, DEEPSPEED-FACTS §2): parameters and gradients are 16-bit
+// (2 bytes) in the same places; the optimizer partition adds an fp32 master copy next to the
+// moments (12 bytes per owned parameter), so stage 3 holds (2 + 2 + 12)Ψ/N. After the update
+// the master partition is rounded to 16 bits (RNE) and gathered. With
+// data_types.grad_accum_dtype = fp32 the gradients stay 4 bytes. Backward always
+// accumulates one unit's gradients in an fp32 window; they are rounded when they leave it.
+// bf16.bf16_master_weights_and_grads drops the fp32 master copy (the bf16 partition is updated
+// in fp32 arithmetic and rounded where it lies) and bf16_optimizer_states halves the moments:
+// (2 + 2 + 4)Ψ/N, then (2 + 2 + 8)Ψ/N without the second option, for Adam at stage 3.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "config/config.hpp"
+#include "io/checkpoint.hpp"
+#include "kernels/typed.hpp"
+#include "model/buffer.hpp"
+#include "model/model.hpp"
+#include "offload/offload_optimizer.hpp"
+#include "offload/param_swapper.hpp"
+#include "optim/optimizer.hpp"
+#include "parallel/comm.hpp"
+#include "parallel/grad_reducer.hpp"
+#include "parallel/partition.hpp"
+
+namespace zero3d {
+
+// Elements of the model-state buffers a ZeRO stage allocates (the table above) for `numel` local
+// parameters split as `part`: ZeroOptimizer's constructor allocates these and the memory planner
+// (estimator.cpp) counts them, so the plan cannot drift from the allocation.
+struct ZeroStateElems {
+  int64_t params = 0, grads = 0;
+  int64_t state = 0;  // the fp32 master copy (mixed precision) and each optimizer moment
+};
+inline ZeroStateElems zero_state_elems(int stage, int64_t numel, const Partition& part) {
+  const int64_t full = stage == 0 ? numel : part.padded;  // stages 1-2 pad the full buffers to 2·W
+  return {stage == 3 ? part.part : full, stage >= 2 ? part.part : full, stage == 0 ? numel : part.part};
+}
+
+// Bytes held by this rank, by category (what metrics.jsonl reports as "memory").
+// params..optimizer_states are bytes in memory; with offload, `host` says how many of them the
+// engine placed in host memory (on a CPU-only build the same memory as the device's) and
+// `nvme` counts what lies in swap files instead, moved through `swap_buffers`.
+struct MemoryBytes {
+  int64_t params = 0, grads = 0, master = 0, optimizer_states = 0, comm_buffers = 0, live_params_peak = 0;
+  int64_t host = 0, nvme = 0, swap_buffers = 0;
+  int64_t model_states() const { return params + grads + master + optimizer_states; }
+};
+
+// What the step needs to know about the reduced gradients before touching them.
+struct GradStats {
+  double norm_scaled = 0.0;  // L2 norm of the averaged gradient as held (still loss-scaled)
+  bool finite = true;        // no inf/NaN on any rank (the overflow check, agreed by the group)
+};
+
+// The element types of the model state (DeepSpeed's model dtype, grad_accum_dtype and
+// communication_data_type).
+struct StateTypes {
+  DType param = DType::F32, grad = DType::F32, comm = DType::F32;
+};
+
+// DeepSpeed's unscale-and-clip in one factor (FACTS §3; stage_1_and_2.py
+// unscale_and_clip_grads): c = ((norm_scaled/scale) + 1e-6)/clip, c = max(c, 1); the
+// gradients are multiplied by 1/(c·scale). clip <= 0: no clipping, only unscaling.
+double unscale_clip_multiplier(double norm_scaled, double loss_scale, double clip);
+
+class ZeroOptimizer : public ParamStore {
+ public:
+  // partition_numel: the element count Partition splits (default: the layout's). Pipeline
+  // stages pass their common maximum so that the tied wte, at local offset 0 on the first and
+  // the last stage, is split identically there and its gradient can be summed slice by slice.
+  // ordered_backward: in each accumulation-boundary backward, units complete from the layout's
+  // end down to 0 (one chunk per rank), so stages 0-1 can launch buckets during backward;
+  // otherwise (interleaved chunks) the reduction starts at finish_reduction().
+  // global_rank names this rank's swap folder (rank<global_rank>, as DeepSpeed); default: the
+  // data-parallel rank.
+  ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types, const ParamLayout& layout,
+                std::vector<ParamUnit> units, Communicator& dp, int64_t partition_numel = -1,
+                bool ordered_backward = true, int global_rank = -1);
+
+  // Mixed precision at stages 1-2 fills the 16-bit copy at start-up in tensor groups of at
+  // least this many elements (plus at most one tensor): the transient fp32 staging.
+  static constexpr int64_t kInitFillElems = int64_t(1) << 22;
+
+  // Sets the parameters from a function that writes elements [begin, end) of the full flat
+  // buffer in fp32 (every rank produces identical values); each rank keeps what its stage
+  // needs. No collectives.
+  void init_params(const std::function<void(float*, int64_t, int64_t)>& fill);
+
+  // The order in which one optimizer step fetches units (stage 3 prefetches along it); the
+  // default is one micro-batch's forward and backward of a one-stage model, repeated. Units
+  // gathered for the previous trace are released (an evaluation's, say: a new pass starts clean).
+  void set_fetch_trace(std::vector<int> trace);
+  const std::vector<int>& fetch_trace() const { return trace_; }
+  // Before each backward pass; `boundary`: the last backward of this step that touches the
+  // units it completes (their accumulation ends with it).
+  void begin_micro_step(bool boundary);
+  // Waits for the gradient reduction still in flight (the exposed communication).
+  void finish_reduction();
+  // The step in DeepSpeed's order: grad_stats() (collective), then the caller updates its
+  // loss scale, then apply_step() with the new scale, or skip_step() on overflow.
+  // sq_group: also sums the squares over this group (pipeline × tensor: the model group);
+  // skip: sorted local ranges left out of the norm (replicas counted on another rank).
+  GradStats grad_stats(Communicator* sq_group = nullptr, const std::vector<std::pair<int64_t, int64_t>>& skip = {});
+  // Sums the reduced gradients of local elements [begin, end) over `group` (the tied wte over
+  // the embedding group); only this rank's owned part where gradients are partitioned.
+  void sum_grad_range(int64_t begin, int64_t end, Communicator& group);
+  void apply_step(double lr, std::optional<std::pair<double, double>> betas, double clip, double loss_scale,
+                  const GradStats& stats);
+  void skip_step();
+  void zero_grad();
+  const StateTypes& types() const { return types_; }
+
+  MemoryBytes memory() const;
+  // Offload: the start-up line (empty without offload) and the swap traffic since the last call.
+  std::string offload_summary() const;
+  offload::IoStats take_swap_stats();
+
+  // --- checkpoints: every stage saves and loads the same thing, the flat buffers cut by
+  // partition() (each rank its own range), so any stage and world size can load any save.
+  // This rank's local range [begin, end) and, per state ("params" then the optimizer's), a
+  // pointer to its element `begin`.
+  std::pair<int64_t, int64_t> checkpoint_range() const;
+  std::vector<std::pair<std::string, const float*>> checkpoint_arrays();
+  std::vector<std::string> checkpoint_states() const;  // "params" then the optimizer's
+  int64_t optimizer_step() const { return offloaded_ ? offloaded_->step_count() : optimizer_->step_count(); }
+  // Local part of a load: fills this rank's range of each state through
+  // read(state, local_begin, local_end, out) (no collectives; may throw InputError).
+  using RangeReader = std::function<void(const std::string&, int64_t, int64_t, float*)>;
+  void read_checkpoint(const RangeReader& read, int64_t optimizer_step);
+  // Collective part: rebuilds replicated buffers from the ranks' ranges.
+  void finish_checkpoint_load();
+  int stage() const { return stage_; }
+  const Partition& partition() const { return part_; }
+
+  // ParamStore
+  const void* fetch(int u) override;
+  void release(int u) override;
+  float* grad_target(int u) override;
+  bool grads_start_at_zero(int) override { return use_windows_; }
+  void grads_done(int u) override;
+  void progress() override;
+
+ private:
+  struct Gathered {
+    TypedBuffer buffer;
+    std::unique_ptr<CommRequest> pending;  // prefetch in flight
+  };
+  void start_gather(int u);
+  void free_gathered(int u);
+  bool keep_after_use(int u) const;  // stage 3: persistent, or reused soon enough
+  float* window_for(int u);
+  int window_key(int u) const;
+  void gather_updated_params();
+  void all_gather_replicated(void* full, DType type);  // every rank's owned(r, 0, Ψ) range of a full buffer
+  void cast_master_to_params();  // this rank's owned range, rounded to the parameter type
+  struct MasterCast {
+    TypedSpan params;           // where the first cast element goes (null: nothing to cast)
+    int64_t master_offset = 0;  // the first cast element in master_
+    int64_t count = 0;
+  };
+  MasterCast master_cast();
+  // Rounds fp32 values of partition-local [begin, begin + n) into the parameters (owned part only).
+  void cast_range_to_params(int64_t begin, int64_t n, const float* values);
+  void drop_gathered_params();   // stage 3, end of a step: gathered copies are stale or unneeded
+  // This rank's averaged gradients: the partition (stages 1-3) or the whole buffer (stage 0).
+  const void* grad_partition() const { return stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data(); }
+
+  ZeroConfig cfg_;
+  StateTypes types_;
+  const bool mixed_;        // 16-bit parameters with an fp32 master copy
+  // bf16_master_weights_and_grads: the bf16 parameter partition is the master, updated where it
+  // lies (no fp32 copy; DeepSpeed's stage 3 shares it likewise). Stages 1-3 only.
+  const bool master16_;
+  const bool use_windows_;  // backward writes fp32 unit windows instead of the gradient buffer
+  const ParamLayout& layout_;
+  std::vector<ParamUnit> units_;
+  Communicator& dp_;
+  int rank_, world_, stage_;
+  Partition part_;
+
+  TypedBuffer params_;      // full (stages 0-2) or this rank's partition (stage 3)
+  TypedBuffer grads_;       // full (stages 0-1) or this rank's partition (stages 2-3)
+  FlatBuffer master_;       // mixed only: fp32 params, full (stage 0) or this rank's partition
+  ParamLayout state_layout_;  // stages 1-3: the optimizer sees one tensor, the partition
+  std::unique_ptr<Optimizer> optimizer_;          // state in device memory, or:
+  std::unique_ptr<offload::OffloadedOptimizer> offloaded_;  // offload_optimizer cpu / nvme
+  std::vector<std::vector<float>> ckpt_staging_;  // offloaded state read back for a save
+  std::unique_ptr<offload::ParamSwapper> param_swap_;  // stage 3, offload_param nvme: params_ is empty
+  // Partition-local parameters [begin, begin + n) in the parameter type, wherever they lie.
+  void read_params(int64_t begin, int64_t n, void* out);
+  void write_params(int64_t begin, int64_t n, const void* in);
+  std::unique_ptr<GradientReducer> reducer_;
+  bool boundary_ = false;
+  bool ordered_backward_ = true;
+  bool reduction_begun_ = false;  // stages 0-1: the boundary reduction has its frontier set
+
+  // gradient windows (unit 0, the last unit, and two alternating block windows)
+  std::map<int, FlatBuffer> windows_;
+
+  // stage 3: gathered units and the fetch trace
+  std::map<int, Gathered> gathered_;
+  std::vector<TypedBuffer> spare_gathers_;  // freed gather buffers, reused: no allocation or page faults per gather
+  std::vector<bool> persistent_;
+  std::vector<int> trace_;
+  size_t trace_pos_ = 0;  // index in trace_ of the current (or next) fetch
+  int64_t live_elems_ = 0, live_peak_elems_ = 0;
+};
+
+}  // namespace zero3d

@@ -1,0 +1,109 @@
+// test_estimator.cpp — DeepSpeed's tables digit for digit (FACTS §6), hand-computed cases,
+// live counts, the HDF5 report and the fit search.
+#include <gtest/gtest.h>
+
+#include "config/config.hpp"
+#include "io/h5.hpp"
+#include "model/model.hpp"
+#include "train/estimator.hpp"
+
+using namespace zero3d;
+
+namespace {
+
+TEST(DeepSpeedEstimator, Zero2TableFor2851MParamsOn8Gpus) {
+  const auto rows = deepspeed_zero2_rows(2851e6, 8, 1);
+  EXPECT_EQ(deepspeed_table(rows, 2851e6, -1, 8, 1),
+            "Estimated memory needed for params, optim states and gradients for a:\n"
+            "HW: Setup with 1 node, 8 GPUs per node.\n"
+            "SW: Model with 2851M total params.\n"
+            "  per CPU  |  per GPU |   Options\n"
+            "  127.45GB |   5.31GB | offload_optimizer=cpu \n"
+            "  127.45GB |  11.28GB | offload_optimizer=none\n");
+}
+
+TEST(DeepSpeedEstimator, Zero3TableFor2851MParamsAnd32MLargestLayer) {
+  const auto rows = deepspeed_zero3_rows(2851e6, 32e6, 8, 1);
+  EXPECT_EQ(deepspeed_table(rows, 2851e6, 32e6, 8, 1),
+            "Estimated memory needed for params, optim states and gradients for a:\n"
+            "HW: Setup with 1 node, 8 GPUs per node.\n"
+            "SW: Model with 2851M total params, 32M largest layer params.\n"
+            "  per CPU  |  per GPU |   Options\n"
+            "   71.69GB |   0.12GB | offload_param=cpu , offload_optimizer=cpu , zero_init=1\n"
+            "  127.45GB |   0.12GB | offload_param=cpu , offload_optimizer=cpu , zero_init=0\n"
+            "   63.72GB |   0.78GB | offload_param=none, offload_optimizer=cpu , zero_init=1\n"
+            "  127.45GB |   0.78GB | offload_param=none, offload_optimizer=cpu , zero_init=0\n"
+            "    1.43GB |   6.09GB | offload_param=none, offload_optimizer=none, zero_init=1\n"
+            "  127.45GB |   6.09GB | offload_param=none, offload_optimizer=none, zero_init=0\n");
+}
+
+TEST(DeepSpeedEstimator, Zero2For7BOnFourNodesOfEightComputedByHand) {
+  // total 32 GPUs: offload gpu 2P = 14e9 B; cpu P·max(4·32, 16)·1.5 = 1.344e12 B;
+  // none gpu 2P + 18P/32 = 17.9375e9 B; cpu P·4·8·1.5 = 336e9 B (GiB = 2^30).
+  const std::string t = deepspeed_table(deepspeed_zero2_rows(7e9, 8, 4), 7e9, -1, 8, 4);
+  EXPECT_NE(t.find("HW: Setup with 4 nodes, 8 GPUs per node."), std::string::npos) << t;
+  EXPECT_NE(t.find(" 1251.70GB |  13.04GB | offload_optimizer=cpu "), std::string::npos) << t;
+  EXPECT_NE(t.find("  312.92GB |  16.71GB | offload_optimizer=none"), std::string::npos) << t;
+}
+
+TEST(DeepSpeedEstimator, SingularNounsForOneNodeAndOneGpu) {
+  const std::string t = deepspeed_table(deepspeed_zero2_rows(1e9, 1, 1), 1e9, -1, 1, 1);
+  EXPECT_NE(t.find("HW: Setup with 1 node, 1 GPU per node."), std::string::npos) << t;
+}
+
+TEST(LiveCounts, QuickstartCountsEqualTheModelsParameters) {
+  const Config c = read_config(quickstart_json(), "quickstart", 2);
+  const ModelCounts counts = count_model(c.model);
+  const GPTShape s{c.model.vocab_size, c.model.n_positions, c.model.n_layer, c.model.n_head, c.model.n_embd};
+  EXPECT_EQ(counts.params, gpt_layout(s).total());
+  // Largest module: mlp.c_fc (4C^2 + 4C) of C = 128, bigger than wte (256·128).
+  EXPECT_EQ(counts.largest_layer, 4 * 128 * 128 + 4 * 128);
+  EXPECT_EQ(counts.largest_layer_name, "h.0.mlp.c_fc");
+}
+
+Config small_config(int stage) {
+  nlohmann::json j = quickstart_json();
+  j["zero_optimization"] = {{"stage", stage}};
+  return read_config(j, "quickstart", 2);
+}
+
+TEST(Budget, ModelStatesFollowTheZeroFormulas) {
+  const int64_t psi = count_model(small_config(0).model).params;
+  const int64_t padded = (psi + 3) / 4 * 4, part = padded / 2;
+  EXPECT_EQ(estimate_budget(small_config(0), 2).model_states(), 16 * psi);
+  EXPECT_EQ(estimate_budget(small_config(1), 2).model_states(), 8 * padded + 8 * part);
+  EXPECT_EQ(estimate_budget(small_config(2), 2).model_states(), 4 * padded + 12 * part);
+  EXPECT_EQ(estimate_budget(small_config(3), 2).model_states(), 16 * part);
+}
+
+TEST(Budget, LargestFittingMicroBatchFitsAndOneMoreDoesNot) {
+  Config c = small_config(2);
+  const int64_t limit = 200 * 1000 * 1000;
+  const int64_t mb = largest_fitting_micro_batch(c, 2, 2, limit);
+  ASSERT_GT(mb, 0);
+  c.batch.micro_batch = mb;
+  EXPECT_LE(estimate_budget(c, 2, 2).total(), limit);
+  c.batch.micro_batch = mb + 1;
+  EXPECT_GT(estimate_budget(c, 2, 2).total(), limit);
+  EXPECT_EQ(largest_fitting_micro_batch(c, 2, 2, 1000), 0);
+}
+
+TEST(Budget, ReportRoundTripsThroughHdf5) {
+  const Config c = small_config(1);
+  std::vector<MemoryBudget> budgets;
+  for (int s = 0; s <= 3; ++s) budgets.push_back(estimate_budget(c, 2, s));
+  const std::string path = ::testing::TempDir() + "budget.h5";
+  write_budget_report(path, c, 2, budgets);
+  h5::File f = h5::File::open_read(path);
+  int64_t world = 0;
+  ASSERT_TRUE(h5::read_attribute(f.id(), "world_size", world));
+  EXPECT_EQ(world, 2);
+  for (const char* category : {"params", "optimizer_states", "activations", "total"}) {
+    const auto values = f.read_floats(category);  // int64 bytes, read back as numbers
+    ASSERT_EQ(values.size(), 4u) << category;
+    for (int s = 0; s <= 3; ++s)
+      EXPECT_FLOAT_EQ(values[s], float(budgets[s].to_json()[category].get<int64_t>())) << category << " stage " << s;
+  }
+}
+
+}  // namespace
