@@ -30,6 +30,12 @@
 #endif
 #endif
 
+// A device backend (CUDA): kernels choose their GPU forms (a team per row, column reductions
+// in two stages) where the CPU forms walk memory serially.
+#if defined(KOKKOS_ENABLE_CUDA)
+#define ZERO3D_DEVICE 1
+#endif
+
 namespace zero3d::kernels {
 
 using ExecSpace = Kokkos::DefaultExecutionSpace;
@@ -37,6 +43,13 @@ using Index = int64_t;
 
 inline Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<Index>> range(Index n) {
   return Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<Index>>(0, n);
+}
+
+// Work over host memory (routing tables in std::vector, say) that uses host algorithms: the host
+// execution space, which on a CPU build is the default one.
+using HostExecSpace = Kokkos::DefaultHostExecutionSpace;
+inline Kokkos::RangePolicy<HostExecSpace, Kokkos::IndexType<Index>> host_range(Index n) {
+  return Kokkos::RangePolicy<HostExecSpace, Kokkos::IndexType<Index>>(0, n);
 }
 
 // A named region for Kokkos Tools (benchmarks/kernel_timer.cpp): products and other work that

@@ -54,6 +54,11 @@ void gemm_adding(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, 
 void gemm_batched_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const void* A, bool ta, const void* B, bool tb,
                        float* C, bool accumulate);
 
+// The same over dense fp32 operands, each product in fp32 (the fp32 attention's batched form):
+// sgemm per problem on the CPU, one strided-batched cuBLASLt call on the GPU.
+void gemm_batched(int64_t batch, int64_t M, int64_t N, int64_t K, const float* A, bool ta, const float* B, bool tb,
+                  float* C, bool accumulate);
+
 // x as the products in `compute` read it (bf16 operands for BF16; x itself for F32),
 // converted once into a workspace slot of its own: an operand that feeds two products (dout
 // in a linear layer's backward) is converted once. Valid until the next gemm_operand call.

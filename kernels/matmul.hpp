@@ -30,6 +30,23 @@ inline void add_bias_rows(float* out, const P* bias16, Index N, Index OC) {
   });
 }
 
+// res = residual + partial + bias: a row-parallel layer's output once its partial products are
+// summed over the tensor group (Megatron RowParallelLinear adds the bias after the all-reduce).
+template <typename P>
+inline void add_residual_and_bias(float* res, const float* residual, const float* partial, const P* bias, Index N,
+                                  Index C) {
+#ifdef ZERO3D_DEVICE
+  // One thread per element (coalesced); the same sum per element as the row loop's.
+  Kokkos::parallel_for("residual_bias", range(N * C), KOKKOS_LAMBDA(Index j) {
+    res[j] = residual[j] + partial[j] + to_float(bias[j % C]);
+  });
+#else
+  Kokkos::parallel_for("residual_bias", range(N), KOKKOS_LAMBDA(Index i) {
+    for (Index c = 0; c < C; ++c) res[i * C + c] = residual[i * C + c] + partial[i * C + c] + to_float(bias[c]);
+  });
+#endif
+}
+
 // Column sums: dbias[OC] += sum over rows of dout[N,OC] (each column owned by one iteration).
 inline void accumulate_column_sums(float* dbias, const float* dout, Index N, Index OC) {
   constexpr Index kBlock = 16;  // 16 columns = one cache line per row visit

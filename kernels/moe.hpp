@@ -256,7 +256,8 @@ inline void gate_forward_assign(int64_t C, const GateConfig& c, const GateDraws&
   const float* uniform = draws.rts_uniform;
   float* key = r.scratch_key.data();
   int64_t* order = r.scratch_order.data();
-  Kokkos::parallel_for("moe_gate_assign", range(E), KOKKOS_LAMBDA(Index e) {
+  // On the host: it sorts with std::stable_sort, over the routing tables (host vectors).
+  Kokkos::parallel_for("moe_gate_assign", host_range(E), [=](Index e) {
     const int64_t n = off[e + 1] - off[e];
     const int64_t keep = n < C ? n : C;
     kept[e] = keep;

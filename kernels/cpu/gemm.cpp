@@ -178,6 +178,14 @@ void gemm_batched_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const voi
 #endif
 }
 
+void gemm_batched(int64_t batch, int64_t M, int64_t N, int64_t K, const float* A, bool ta, const float* B, bool tb,
+                  float* C, bool accumulate) {
+  const kernels::ProfileRegion region("attention_products");
+  for (int64_t i = 0; i < batch; ++i)
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K, 1.0f,
+                A + i * M * K, ta ? M : K, B + i * K * N, tb ? K : N, accumulate ? 1.0f : 0.0f, C + i * M * N, N);
+}
+
 void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
           DType compute, const void* bias, DType bias_type) {
   obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));  // the flops profiler's count

@@ -1,33 +1,30 @@
 // model.cpp — GPT-2 forward and backward: the layer loop, read top-down then bottom-up.
-#include "model/model.hpp"
 
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <stdexcept>
 
 #include "base/profiler.hpp"
 #include "base/rng.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/attention_sparse.hpp"
 #include "kernels/crossentropy.hpp"
+#include "kernels/elementwise.hpp"
 #include "kernels/encoder.hpp"
 #include "kernels/gelu.hpp"
 #include "kernels/layernorm.hpp"
 #include "kernels/matmul.hpp"
 #include "kernels/vocab_parallel.hpp"
+#include "model/model.hpp"
 #include "model/pld.hpp"
 #include "parallel/comm.hpp"
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
 
 namespace zero3d {
 
 using namespace kernels;
 
 namespace {
-
-void copy(float* dst, const float* src, int64_t n) {
-  Kokkos::parallel_for("copy", range(n), KOKKOS_LAMBDA(Index i) { dst[i] = src[i]; });
-}
 
 // dst <- src (n floats), each in host memory (cpu_checkpointing) or in the device's. On a CPU
 // build both are the same memory and this is a plain copy.
@@ -121,14 +118,6 @@ bool activations_bf16(DType compute, bool tensor_parallel, bool moe_block, bool 
 }
 bf16* as_bf16(float* x) { return reinterpret_cast<bf16*>(x); }
 
-// res = residual + partial + bias: a row-parallel layer's output once its partial products are
-// summed over the tensor group (Megatron RowParallelLinear adds the bias after the all-reduce).
-template <typename P>
-void add_residual_and_bias(float* res, const float* residual, const float* partial, const P* bias, Index N, Index C) {
-  Kokkos::parallel_for("residual_bias", range(N), KOKKOS_LAMBDA(Index i) {
-    for (Index c = 0; c < C; ++c) res[i * C + c] = residual[i * C + c] + partial[i * C + c] + to_float(bias[c]);
-  });
-}
 }  // namespace
 
 template <typename P>
@@ -314,10 +303,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
     tp_.all_reduce_sum(ce_sum_, 2 * BT);  // ce_sum_ and ce_target_ are adjacent
     vocab_ce_finish(buf.losses, buf.lse, ce_max_, ce_sum_, ce_target_, BT);
   }
-  float sum = 0.0f;
-  const float* losses = buf.losses;
-  Kokkos::parallel_reduce("mean_loss", range(BT), KOKKOS_LAMBDA(Index i, float& acc) { acc += losses[i]; }, sum);
-  return sum / static_cast<float>(BT);
+  return sum(buf.losses, BT, "mean_loss") / static_cast<float>(BT);
 }
 
 // One backward over a chunk. Full: today's fused pass, every layer's input and weight

@@ -8,6 +8,7 @@
 // through unchanged and its parameters get none. Every rank decides alike (pld.hpp), so the
 // communication it skips (a tensor-parallel all-reduce, an MoE all-to-all, a ZeRO-3 gather)
 // is skipped by every rank of the group at once.
+#include "kernels/elementwise.hpp"
 #include "model/model.hpp"
 #include "parallel/comm.hpp"
 
@@ -22,8 +23,7 @@ float GPT::block_scale(const ActivationBuffer& buf, const ModelChunk& c, int l) 
 
 void GPT::dropped_block_forward(BlockActivations& a, const float* residual) const {
   // The identity: the next block (or the chunk's output) reads res_3.
-  float* out = a.res_3;
-  Kokkos::parallel_for("pld_identity", range(Ns_ * shape_.n_embd), KOKKOS_LAMBDA(Index i) { out[i] = residual[i]; });
+  copy(a.res_3, residual, Ns_ * shape_.n_embd, "pld_identity");
 }
 
 void GPT::dropped_block_backward(const ModelChunk& c, int l, ParamStore& store, BackwardPart part) const {
@@ -44,23 +44,16 @@ void GPT::dropped_block_backward(const ModelChunk& c, int l, ParamStore& store, 
 void GPT::scaled_branch_backward_begin(float* dres, float s) {
   const int64_t n = Ns_ * shape_.n_embd;
   if (pld_grad_.extent(0) < static_cast<size_t>(n)) pld_grad_ = make_scratch_buffer("pld_grad", n);
-  float* keep = pld_grad_.data();
-  Kokkos::parallel_for("pld_scale_grad", range(n), KOKKOS_LAMBDA(Index i) {
-    keep[i] = dres[i];
-    dres[i] *= s;
-  });
+  keep_and_scale(pld_grad_.data(), dres, s, n, "pld_scale_grad");
 }
 
 void GPT::scaled_branch_backward_end(float* dres, float s) const {
-  const float* keep = pld_grad_.data();
-  const float rest = 1.0f - s;
-  Kokkos::parallel_for("pld_unscale_residual", range(Ns_ * shape_.n_embd),
-                       KOKKOS_LAMBDA(Index i) { dres[i] += rest * keep[i]; });
+  add_scaled_into(dres, pld_grad_.data(), 1.0f - s, Ns_ * shape_.n_embd, "pld_unscale_residual");
 }
 
 // out = in + s·(out − in): the branch out − in that block_forward added, scaled by s.
 void scale_residual_branch(float* out, const float* in, float s, int64_t n) {
-  Kokkos::parallel_for("pld_scale_branch", range(n), KOKKOS_LAMBDA(Index i) { out[i] = in[i] + s * (out[i] - in[i]); });
+  scale_towards(out, in, s, n, "pld_scale_branch");
 }
 
 }  // namespace zero3d

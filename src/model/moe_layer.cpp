@@ -14,6 +14,7 @@
 
 #include "base/profiler.hpp"
 #include "base/rng.hpp"
+#include "kernels/elementwise.hpp"
 #include "kernels/gelu.hpp"
 #include "kernels/matmul.hpp"
 #include "kernels/moe.hpp"
@@ -70,8 +71,7 @@ ExpertTensors<T> expert_tensors(T* unit, int64_t i, int64_t C, int64_t F) {
 }
 
 void copy_rows(float* dst, const float* src, int64_t rows, int64_t width) {
-  const int64_t n = rows * width;
-  Kokkos::parallel_for("moe_copy_rows", range(n), KOKKOS_LAMBDA(Index i) { dst[i] = src[i]; });
+  kernels::copy(dst, src, rows * width, "moe_copy_rows");
 }
 
 // Received rows (source-major: per source, its rows for each local expert) <-> expert-major (per
@@ -203,10 +203,7 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
     matmul_forward(coef_logits, a.ln_2, w.coef_w, w.coef_b, S, C, 2, false, cmp);
     moe::residual_mix_forward(moe_tokens_c_, m.coef, m.moe_out, m.mlp_out, coef_logits, S, C);
   }
-  const float* mixed = moe_tokens_c_;
-  float* res_3 = a.res_3;
-  const float* res_2 = a.res_2;
-  Kokkos::parallel_for("moe_residual", range(S * C), KOKKOS_LAMBDA(Index i) { res_3[i] = res_2[i] + mixed[i]; });
+  add(a.res_3, a.res_2, moe_tokens_c_, S * C, "moe_residual");
   if (buf.training) {
     for (MoeLayerStats& st : moe_stats_)
       if (st.block == block) {
@@ -233,9 +230,7 @@ void GPT::moe_backward(int block, const BlockActivations& a, const MoeActivation
   const int64_t local = E / ep;
   const DType cmp = compute_type();
   const moe::Routing& r = *m.routing;
-  const auto add_into = [](float* dst, const float* src, int64_t n) {
-    Kokkos::parallel_for("moe_add", range(n), KOKKOS_LAMBDA(Index i) { dst[i] += src[i]; });
-  };
+  const auto add_into = [](float* dst, const float* src, int64_t n) { kernels::add_into(dst, src, n, "moe_add"); };
   // PR-MoE's coefficient: d(ln_2) += d(coef_logits) · Wcᵀ
   if (shape_.moe.use_residual) {
     matmul_backward(moe_tokens_c_, dw.coef_w, dw.coef_b, moe_dcoef_, a.ln_2, w.coef_w, S, C, 2, cmp);

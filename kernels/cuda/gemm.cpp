@@ -1,0 +1,271 @@
+// gemm.cpp (CUDA) — gemm.hpp's products through cuBLASLt, on the Kokkos default instance's
+// stream so that they are ordered with the kernels around them. Operands are converted into
+// device scratch (never host memory); the bias, the bf16 rounding of the output and a residual
+// ride in the product's epilogue where cuBLASLt offers one (llm.c matmul.cuh: matmul_cublaslt).
+//
+// Row-major C[M,N] = op(A)·op(B) is column-major Cᵀ[N,M] = op(B)ᵀ·op(A)ᵀ: cuBLASLt's first
+// operand is B and its second A, each described as the column-major view of its storage.
+// fp32 products use CUBLAS_COMPUTE_32F (no TF32: the CPU build's fp32 is IEEE fp32 too); bf16
+// products read bf16 operands and accumulate in fp32, as oneDNN's do on the CPU.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "base/errors.hpp"
+#include "base/profiler.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/half.hpp"
+#include "kernels/matmul.hpp"
+#include "kernels/memory.hpp"
+
+namespace zero3d {
+
+namespace {
+using kernels::bf16;
+using kernels::fp16;
+using kernels::DeviceScratch;
+
+void check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw SystemError(std::string("cuBLASLt: ") + what + " failed (status " + std::to_string(static_cast<int>(s)) + ")");
+}
+
+// llm.c's choice (cublas_common.h): 32 MiB lets cuBLASLt pick its fastest Hopper kernels.
+constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
+
+struct Workspace {
+  DeviceScratch a16{"gemm_a16"}, b16{"gemm_b16"}, shared16{"gemm_shared16"};
+  DeviceScratch a32{"gemm_a32"}, b32{"gemm_b32"}, c32{"gemm_c32"}, bias32{"gemm_bias32"};
+  DeviceScratch lt{"gemm_cublaslt"};
+  int64_t peak_bytes = 0;
+  void note() {
+    const int64_t bytes = a16.capacity() + b16.capacity() + shared16.capacity() + a32.capacity() + b32.capacity() +
+                          c32.capacity() + bias32.capacity() + lt.capacity();
+    if (bytes > peak_bytes) peak_bytes = bytes;
+  }
+};
+Workspace& workspace() {
+  static Workspace w;
+  return w;
+}
+
+struct Lt {
+  cublasLtHandle_t handle = nullptr;
+  Lt() { check(cublasLtCreate(&handle), "cublasLtCreate"); }
+  // Destroyed with the process (after Kokkos::finalize the context may be gone: never destroyed here).
+};
+Lt& lt() {
+  static Lt l;
+  return l;
+}
+
+cudaStream_t compute_stream() { return Kokkos::DefaultExecutionSpace().cuda_stream(); }
+
+cudaDataType_t cuda_type(DType t) {
+  return t == DType::BF16 ? CUDA_R_16BF : t == DType::F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+// Elements a stored operand of `rows` rows spans (the model's operands are dense).
+int64_t stored_elems(int64_t rows, const GemmOperand& x) { return rows * x.ld; }
+
+// x in `want` (F32 or BF16), converted into scratch when stored otherwise.
+GemmOperand in_type(const GemmOperand& x, int64_t n, DType want, DeviceScratch& s16, DeviceScratch& s32) {
+  if (x.type == want) return x;
+  GemmOperand out = x;
+  out.type = want;
+  if (want == DType::BF16) {
+    bf16* dst = s16.take<bf16>(n);
+    if (x.type == DType::F32) kernels::convert(dst, static_cast<const float*>(x.data), n);
+    else kernels::convert(dst, static_cast<const fp16*>(x.data), n);
+    out.data = dst;
+  } else {
+    float* dst = s32.take<float>(n);
+    if (x.type == DType::BF16) kernels::convert(dst, static_cast<const bf16*>(x.data), n);
+    else kernels::convert(dst, static_cast<const fp16*>(x.data), n);
+    out.data = dst;
+  }
+  workspace().note();
+  return out;
+}
+
+// The bias widened to fp32 (cuBLASLt's epilogue adds an fp32 bias to an fp32 accumulator).
+const float* bias_f32(const void* bias, DType type, int64_t n) {
+  if (!bias || type == DType::F32) return static_cast<const float*>(bias);
+  float* dst = workspace().bias32.take<float>(n);
+  if (type == DType::BF16) kernels::convert(dst, static_cast<const bf16*>(bias), n);
+  else kernels::convert(dst, static_cast<const fp16*>(bias), n);
+  workspace().note();
+  return dst;
+}
+
+// One cuBLASLt product, row-major: D[M,N] = op(A)·op(B) + beta·C (+ bias[n] on every row),
+// with `batch` strided problems. C may differ from D (a residual); D is fp32 or bf16.
+struct Product {
+  int64_t M, N, K;
+  GemmOperand A, B;  // both F32 or both BF16
+  const float* C;    // null: beta = 0
+  void* D;
+  int64_t ldd;
+  DType d_type;           // F32 or BF16
+  const float* bias;      // fp32 [N] or null
+  int64_t batch = 1;      // problems; A, B, D advance by their dense sizes
+};
+
+// Returns false when cuBLASLt offers no algorithm for the epilogue asked for, so the caller can
+// run the product without it and apply the epilogue as kernels.
+bool run_lt(const Product& p) {
+  const DType ab = p.A.type;
+  cublasLtMatmulDesc_t desc = nullptr;
+  check(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate");
+  // First operand: op(B)ᵀ from B's storage; second: op(A)ᵀ from A's (see the file comment).
+  const cublasOperation_t ta = p.B.trans ? CUBLAS_OP_T : CUBLAS_OP_N, tb = p.A.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta), "TRANSA");
+  check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), "TRANSB");
+  if (p.bias) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    const int32_t bias_type = CUDA_R_32F;
+    check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "EPILOGUE");
+    check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof p.bias), "BIAS");
+    check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
+          "BIAS_DATA_TYPE");
+  }
+  // Storage views: B is (trans ? N×K : K×N) row-major = column-major (trans ? K×N : N×K), ld B.ld.
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr, ld = nullptr;
+  const uint64_t a_rows = p.B.trans ? p.K : p.N, a_cols = p.B.trans ? p.N : p.K;
+  const uint64_t b_rows = p.A.trans ? p.M : p.K, b_cols = p.A.trans ? p.K : p.M;
+  check(cublasLtMatrixLayoutCreate(&la, cuda_type(ab), a_rows, a_cols, p.B.ld), "layout B");
+  check(cublasLtMatrixLayoutCreate(&lb, cuda_type(ab), b_rows, b_cols, p.A.ld), "layout A");
+  check(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, p.N, p.M, p.ldd), "layout C");
+  check(cublasLtMatrixLayoutCreate(&ld, cuda_type(p.d_type), p.N, p.M, p.ldd), "layout D");
+  if (p.batch > 1) {
+    const int32_t count = static_cast<int32_t>(p.batch);
+    const int64_t sa = p.K * p.N, sb = p.M * p.K, sd = p.M * p.N;
+    for (auto [l, stride] : {std::pair{la, sa}, std::pair{lb, sb}, std::pair{lc, sd}, std::pair{ld, sd}}) {
+      check(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count), "BATCH");
+      check(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride),
+            "BATCH_OFFSET");
+    }
+  }
+  Workspace& w = workspace();
+  void* ws = w.lt.take(static_cast<int64_t>(kLtWorkspaceBytes));
+  w.note();
+  cublasLtMatmulPreference_t pref = nullptr;
+  check(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
+  const size_t ws_bytes = kLtWorkspaceBytes;
+  check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes),
+        "MAX_WORKSPACE");
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  const cublasStatus_t hs =
+      cublasLtMatmulAlgoGetHeuristic(lt().handle, desc, la, lb, lc, ld, pref, 1, &heuristic, &found);
+  bool ran = false;
+  if (hs == CUBLAS_STATUS_SUCCESS && found > 0) {
+    const float alpha = 1.0f, beta = p.C ? 1.0f : 0.0f;
+    const void* c = p.C ? static_cast<const void*>(p.C) : p.D;
+    check(cublasLtMatmul(lt().handle, desc, &alpha, p.B.data, la, p.A.data, lb, &beta, c, lc, p.D, ld,
+                         &heuristic.algo, ws, kLtWorkspaceBytes, compute_stream()),
+          "Matmul");
+    ran = true;
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  for (cublasLtMatrixLayout_t l : {la, lb, lc, ld}) cublasLtMatrixLayoutDestroy(l);
+  cublasLtMatmulDescDestroy(desc);
+  if (!ran && !p.bias && p.d_type == DType::F32)
+    throw SystemError("cuBLASLt has no algorithm for a " + std::to_string(p.M) + "x" + std::to_string(p.N) + "x" +
+                      std::to_string(p.K) + " " + dtype_name(ab) + " product");
+  return ran;
+}
+
+// The product with its bias, trying the epilogue first and falling back to a bias pass.
+void product(Product p) {
+  if (run_lt(p)) return;
+  const float* bias = p.bias;
+  p.bias = nullptr;
+  run_lt(p);
+  if (bias) kernels::add_bias_rows(static_cast<float*>(p.D), bias, p.M, p.N);
+}
+}  // namespace
+
+void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
+          DType compute, const void* bias, DType bias_type) {
+  obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));  // the flops profiler's count
+  const kernels::ProfileRegion region(compute == DType::BF16 ? "gemm_bf16" : "gemm_f32");
+  if (bias && ldc != N) throw SystemError("gemm: a bias needs a dense output");
+  Workspace& w = workspace();
+  const DType t = compute == DType::BF16 ? DType::BF16 : DType::F32;
+  const GemmOperand a = in_type(A, stored_elems(A.trans ? K : M, A), t, w.a16, w.a32);
+  const GemmOperand b = in_type(B, stored_elems(B.trans ? N : K, B), t, w.b16, w.b32);
+  product({M, N, K, a, b, accumulate ? C : nullptr, C, ldc, DType::F32, bias_f32(bias, bias_type, N)});
+}
+
+void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, kernels::bf16* C,
+                      const void* bias, DType bias_type) {
+  obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
+  const kernels::ProfileRegion region("gemm_bf16");
+  Workspace& w = workspace();
+  const GemmOperand a = in_type(A, stored_elems(A.trans ? K : M, A), DType::BF16, w.a16, w.a32);
+  const GemmOperand b = in_type(B, stored_elems(B.trans ? N : K, B), DType::BF16, w.b16, w.b32);
+  const float* bias32 = bias_f32(bias, bias_type, N);
+  // The bf16 output rounded in the epilogue; where cuBLASLt has none for it, the fp32 product rounded.
+  if (run_lt({M, N, K, a, b, nullptr, C, N, DType::BF16, bias32})) return;
+  float* c32 = w.c32.take<float>(M * N);
+  w.note();
+  product({M, N, K, a, b, nullptr, c32, N, DType::F32, bias32});
+  kernels::convert(C, c32, M * N);
+}
+
+void gemm_adding(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, const float* R,
+                 const void* bias, DType bias_type) {
+  obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
+  const kernels::ProfileRegion region("gemm_bf16");
+  Workspace& w = workspace();
+  const GemmOperand a = in_type(A, stored_elems(A.trans ? K : M, A), DType::BF16, w.a16, w.a32);
+  const GemmOperand b = in_type(B, stored_elems(B.trans ? N : K, B), DType::BF16, w.b16, w.b32);
+  // D = A·B + 1·R + bias: cuBLASLt reads C (here R) and writes D (here C) separately.
+  product({M, N, K, a, b, R, C, N, DType::F32, bias_f32(bias, bias_type, N)});
+}
+
+void gemm_batched_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const void* A, bool ta, const void* B, bool tb,
+                       float* C, bool accumulate) {
+  const kernels::ProfileRegion region("attention_products");
+  const GemmOperand a{A, DType::BF16, ta, ta ? M : K}, b{B, DType::BF16, tb, tb ? K : N};
+  product({M, N, K, a, b, accumulate ? C : nullptr, C, N, DType::F32, nullptr, batch});
+}
+
+void gemm_batched(int64_t batch, int64_t M, int64_t N, int64_t K, const float* A, bool ta, const float* B, bool tb,
+                  float* C, bool accumulate) {
+  const kernels::ProfileRegion region("attention_products");
+  const GemmOperand a{A, DType::F32, ta, ta ? M : K}, b{B, DType::F32, tb, tb ? K : N};
+  product({M, N, K, a, b, accumulate ? C : nullptr, C, N, DType::F32, nullptr, batch});
+}
+
+GemmOperand gemm_operand(GemmOperand x, int64_t elems, DType compute, float* column_sums) {
+  if (column_sums && (x.type != DType::F32 || x.trans)) throw SystemError("gemm_operand: column sums of a plain fp32 operand only");
+  if (compute != DType::BF16 || x.type == DType::BF16) {
+    if (column_sums) kernels::accumulate_column_sums(column_sums, static_cast<const float*>(x.data), elems / x.ld, x.ld);
+    return x;
+  }
+  bf16* out = workspace().shared16.take<bf16>(elems);
+  workspace().note();
+  kernels::convert_summing_columns(out, column_sums, static_cast<const float*>(x.data), elems / x.ld, x.ld);
+  x.data = out;
+  x.type = DType::BF16;
+  return x;
+}
+
+GemmOperand gemm_operand_slot(int64_t rows, int64_t ld) {
+  GemmOperand slot{workspace().shared16.take<bf16>(rows * ld), DType::BF16, false, ld};
+  workspace().note();
+  return slot;
+}
+
+std::string gemm_path(DType compute) {
+  return compute == DType::BF16 ? "cuBLASLt bf16 (fp32 accumulation)" : "cuBLASLt fp32 (IEEE, no TF32)";
+}
+
+int64_t gemm_workspace_bytes() { return workspace().peak_bytes; }
+
+}  // namespace zero3d

@@ -1,0 +1,76 @@
+// memory.hpp — model memory seen from the host. Every model buffer lives in the default
+// execution space's memory (device memory on a GPU build, host memory on a CPU build); host
+// code reads or writes one only through these copies, and scratch that a kernel reads is
+// device scratch, never a std::vector. On a CPU build the copies are memcpy, so nothing moves.
+#pragma once
+
+#include <Kokkos_Core.hpp>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/common.hpp"
+
+namespace zero3d::kernels {
+
+using DeviceSpace = ExecSpace::memory_space;
+// Whether model memory is host memory (a CPU build): host staging can then alias it.
+constexpr bool kHostIsDevice = std::is_same<DeviceSpace, Kokkos::HostSpace>::value;
+
+namespace detail {
+using HostBytes = Kokkos::View<char*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>;
+using DeviceBytes = Kokkos::View<char*, DeviceSpace, Kokkos::MemoryUnmanaged>;
+}  // namespace detail
+
+// bytes from model memory into host memory (blocking: the host reads it next).
+inline void copy_to_host(void* host, const void* device, size_t bytes) {
+  if (bytes == 0) return;
+  Kokkos::deep_copy(detail::HostBytes(static_cast<char*>(host), bytes),
+                    detail::DeviceBytes(static_cast<char*>(const_cast<void*>(device)), bytes));
+}
+
+// bytes from host memory into model memory (blocking: the host may reuse its buffer next).
+inline void copy_to_device(void* device, const void* host, size_t bytes) {
+  if (bytes == 0) return;
+  Kokkos::deep_copy(detail::DeviceBytes(static_cast<char*>(device), bytes),
+                    detail::HostBytes(static_cast<char*>(const_cast<void*>(host)), bytes));
+}
+
+// bytes within model memory.
+inline void copy_on_device(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0 || dst == src) return;
+  Kokkos::deep_copy(detail::DeviceBytes(static_cast<char*>(dst), bytes),
+                    detail::DeviceBytes(static_cast<char*>(const_cast<void*>(src)), bytes));
+}
+
+// One value of model memory, for the host (a loss, a norm, a flag a kernel wrote).
+template <typename T>
+inline T read_one(const T* device) {
+  T v{};
+  copy_to_host(&v, device, sizeof(T));
+  return v;
+}
+
+// Scratch in model memory that grows to the largest request and is then reused, so a training
+// step allocates nothing. take() may move it: a pointer is valid until the next take().
+class DeviceScratch {
+ public:
+  explicit DeviceScratch(const char* label) : label_(label) {}
+  void* take(int64_t bytes) {
+    if (bytes > static_cast<int64_t>(bytes_.extent(0)))
+      bytes_ = Kokkos::View<char*, DeviceSpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, label_),
+                                                static_cast<size_t>(bytes));
+    return bytes_.data();
+  }
+  template <typename T>
+  T* take(int64_t n) {
+    return static_cast<T*>(take(n * static_cast<int64_t>(sizeof(T))));
+  }
+  int64_t capacity() const { return static_cast<int64_t>(bytes_.extent(0)); }
+
+ private:
+  const char* label_;
+  Kokkos::View<char*, DeviceSpace> bytes_;
+};
+
+}  // namespace zero3d::kernels
