@@ -20,6 +20,8 @@
 #include "kernels/attention_bf16.hpp"
 #include "kernels/common.hpp"
 #include "kernels/fastmath.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/memory.hpp"
 
 namespace zero3d::kernels {
 
@@ -69,6 +71,132 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
     }
 }
 
+// The device form of the fp32 attention (llm.c attention.cuh): q, k and v split per (batch,
+// head) into dense [B·H][T][hs], the four products batched over all B·H pairs (gemm_batched:
+// one cuBLASLt call each on a GPU), the causal softmax a team per row. Products cover the whole
+// T×T square; the softmax writes zeros above the diagonal, so P·V and the backward read only the
+// causal part. Compiled on every build: on the CPU the tests hold it against the form above.
+namespace gpu {
+
+struct Fp32AttentionScratch {
+  DeviceScratch heads{"attention_heads"};  // q, k, v, and y / dy, dq, dk, dv: 7 · B·T·C floats
+  DeviceScratch dscores{"attention_dscores"};  // dP, then dS: B·H·T·T floats
+};
+inline Fp32AttentionScratch& fp32_attention_scratch() {
+  static Fp32AttentionScratch* w = [] {
+    static Fp32AttentionScratch scratch;
+    Kokkos::push_finalize_hook([] { scratch = Fp32AttentionScratch{}; });  // freed before Kokkos is
+    return &scratch;
+  }();
+  return *w;
+}
+
+// part (0 q, 1 k, 2 v) of qkv[B,T,3C] -> dst[B·H][T][hs]; one thread per element.
+inline void split_heads(float* dst, const float* qkv, int part, Index B, Index T, Index C, Index H) {
+  const Index hs = C / H;
+  Kokkos::parallel_for("attention_split_heads", range(B * T * C), KOKKOS_LAMBDA(Index e) {
+    const Index x = e % hs, t = (e / hs) % T, bh = e / (hs * T), b = bh / H, h = bh % H;
+    dst[e] = qkv[(b * T + t) * 3 * C + part * C + h * hs + x];
+  });
+}
+
+// src[B·H][T][hs] -> dst[B,T,·] at channel offset c0 (row stride ld); one thread per element.
+inline void merge_heads(float* dst, Index ld, Index c0, const float* src, Index B, Index T, Index C, Index H) {
+  const Index hs = C / H;
+  Kokkos::parallel_for("attention_merge_heads", range(B * T * C), KOKKOS_LAMBDA(Index e) {
+    const Index x = e % hs, t = (e / hs) % T, bh = e / (hs * T), b = bh / H, h = bh % H;
+    dst[(b * T + t) * ld + c0 + h * hs + x] = src[e];
+  });
+}
+
+// Rows of the scores per team (a 32-lane vector each on a GPU; one row, one lane on the host).
+#ifdef ZERO3D_DEVICE
+constexpr int kSoftmaxRowsPerTeam = 4, kSoftmaxLanes = 32;
+#else
+constexpr int kSoftmaxRowsPerTeam = 1, kSoftmaxLanes = 1;
+#endif
+using SoftmaxPolicy = Kokkos::TeamPolicy<ExecSpace>;
+
+// s[B·H·T][T] <- softmax over keys j <= i of scale·s (row i of each head), zero above the diagonal.
+inline void causal_softmax(float* s, Index BH, Index T, float scale) {
+  const Index rows = BH * T;
+  const SoftmaxPolicy policy((rows + kSoftmaxRowsPerTeam - 1) / kSoftmaxRowsPerTeam, kSoftmaxRowsPerTeam, kSoftmaxLanes);
+  Kokkos::parallel_for("attention_causal_softmax", policy, KOKKOS_LAMBDA(const SoftmaxPolicy::member_type& team) {
+    const Index row = team.league_rank() * kSoftmaxRowsPerTeam + team.team_rank();
+    if (row >= rows) return;
+    const Index i = row % T;
+    float* x = s + row * T;
+    float mx = 0.0f;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, i + 1),
+                            [&](Index j, float& m) { m = scale * x[j] > m ? scale * x[j] : m; }, Kokkos::Max<float>(mx));
+    float sum = 0.0f;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, i + 1), [&](Index j, float& acc) {
+      const float e = fast_exp(scale * x[j] - mx);
+      x[j] = e;
+      acc += e;
+    }, sum);
+    const float inv = 1.0f / sum;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, T), [&](Index j) { x[j] = j <= i ? x[j] * inv : 0.0f; });
+  });
+}
+
+// ds[B·H·T][T] <- scale · P ∘ (dP − Σ_j P·dP) (ds holds dP on entry), zero above the diagonal.
+inline void causal_softmax_backward(float* ds, const float* p, Index BH, Index T, float scale) {
+  const Index rows = BH * T;
+  const SoftmaxPolicy policy((rows + kSoftmaxRowsPerTeam - 1) / kSoftmaxRowsPerTeam, kSoftmaxRowsPerTeam, kSoftmaxLanes);
+  Kokkos::parallel_for("attention_softmax_backward", policy, KOKKOS_LAMBDA(const SoftmaxPolicy::member_type& team) {
+    const Index row = team.league_rank() * kSoftmaxRowsPerTeam + team.team_rank();
+    if (row >= rows) return;
+    const Index i = row % T;
+    const float* pr = p + row * T;
+    float* d = ds + row * T;
+    float dot = 0.0f;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, i + 1), [&](Index j, float& acc) { acc += pr[j] * d[j]; },
+                            dot);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, T),
+                         [&](Index j) { d[j] = j <= i ? scale * pr[j] * (d[j] - dot) : 0.0f; });
+  });
+}
+
+inline void attention_forward_fp32(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+  const Index hs = C / H, BH = B * H, n = B * T * C;
+  float* q = fp32_attention_scratch().heads.take<float>(7 * n);
+  float *k = q + n, *v = k + n, *y = v + n;
+  split_heads(q, qkv, 0, B, T, C, H);
+  split_heads(k, qkv, 1, B, T, C, H);
+  split_heads(v, qkv, 2, B, T, C, H);
+  gemm_batched(BH, T, T, hs, q, false, k, true, att, false);  // S = Q·Kᵀ
+  causal_softmax(att, BH, T, 1.0f / std::sqrt(static_cast<float>(hs)));
+  gemm_batched(BH, T, hs, T, att, false, v, false, y, false);  // Y = P·V
+  merge_heads(out, C, 0, y, B, T, C, H);
+}
+
+inline void attention_backward_fp32(float* dqkv, const float* dout, const float* qkv, const float* att, Index B,
+                                    Index T, Index C, Index H) {
+  const Index hs = C / H, BH = B * H, n = B * T * C;
+  Fp32AttentionScratch& w = fp32_attention_scratch();
+  float* q = w.heads.take<float>(7 * n);
+  float *k = q + n, *v = k + n, *dy = v + n, *dq = dy + n, *dk = dq + n, *dv = dk + n;
+  float* ds = w.dscores.take<float>(BH * T * T);
+  split_heads(q, qkv, 0, B, T, C, H);
+  split_heads(k, qkv, 1, B, T, C, H);
+  split_heads(v, qkv, 2, B, T, C, H);
+  Kokkos::parallel_for("attention_split_dout", range(n), KOKKOS_LAMBDA(Index e) {
+    const Index x = e % hs, t = (e / hs) % T, bh = e / (hs * T), b = bh / H, h = bh % H;
+    dy[e] = dout[(b * T + t) * C + h * hs + x];
+  });
+  gemm_batched(BH, T, T, hs, dy, false, v, true, ds, false);   // dP = dY·Vᵀ
+  gemm_batched(BH, T, hs, T, att, true, dy, false, dv, false);  // dV = Pᵀ·dY
+  causal_softmax_backward(ds, att, BH, T, 1.0f / std::sqrt(static_cast<float>(hs)));
+  gemm_batched(BH, T, hs, T, ds, false, k, false, dq, false);   // dQ = dS·K
+  gemm_batched(BH, T, hs, T, ds, true, q, false, dk, false);    // dK = dSᵀ·Q
+  merge_heads(dqkv, 3 * C, 0, dq, B, T, C, H);
+  merge_heads(dqkv, 3 * C, C, dk, B, T, C, H);
+  merge_heads(dqkv, 3 * C, 2 * C, dv, B, T, C, H);
+}
+
+}  // namespace gpu
+
 // O: the output's type; Q: qkv's. bf16 (an output that only feeds a bf16 product, a qkv its
 // product already rounded) needs compute = BF16.
 template <typename O = float, typename Q = float>
@@ -77,7 +205,11 @@ inline void attention_forward(O* out, float* att, const Q* qkv, Index B, Index T
   obs::add_macs(2.0 * B * T * T * C);  // q·kᵀ and p·v, counted densely as the FLOPs formula does
   const ProfileRegion region("attention_forward");
   if (compute == DType::BF16) return attention_forward_bf16(out, att, qkv, B, T, C, H);
+#ifdef ZERO3D_DEVICE
+  if constexpr (std::is_same_v<O, float> && std::is_same_v<Q, float>) gpu::attention_forward_fp32(out, att, qkv, B, T, C, H);
+#else
   if constexpr (std::is_same_v<O, float> && std::is_same_v<Q, float>) attention_forward_fp32(out, att, qkv, B, T, C, H);
+#endif
   else throw std::invalid_argument("attention_forward: bf16 operands need bf16 compute");
 }
 
@@ -112,6 +244,10 @@ inline void attention_backward(float* dqkv, float* scratch, const float* dout, c
   obs::add_macs(4.0 * B * T * T * C);  // dp, dv, dq, dk: twice the forward's products
   const ProfileRegion region("attention_backward");
   if (compute == DType::BF16) return attention_backward_bf16(dqkv, dout, qkv, att, B, T, C, H);
+#ifdef ZERO3D_DEVICE
+  (void)scratch, (void)C3, (void)scale;
+  gpu::attention_backward_fp32(dqkv, dout, qkv, att, B, T, C, H);
+#else
   // dk and dv accumulate over row blocks: start from zero.
   Kokkos::parallel_for("zero_dkv", range(B * T), KOKKOS_LAMBDA(Index bt) {
     float* d = dqkv + bt * C3 + C;
@@ -156,6 +292,7 @@ inline void attention_backward(float* dqkv, float* scratch, const float* dout, c
                     dk, C3);
       }
     }
+#endif
 }
 
 }  // namespace zero3d::kernels

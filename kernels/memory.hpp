@@ -7,6 +7,7 @@
 #include <Kokkos_Core.hpp>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "kernels/common.hpp"
@@ -58,7 +59,7 @@ class DeviceScratch {
   explicit DeviceScratch(const char* label) : label_(label) {}
   void* take(int64_t bytes) {
     if (bytes > static_cast<int64_t>(bytes_.extent(0)))
-      bytes_ = Kokkos::View<char*, DeviceSpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, label_),
+      bytes_ = Kokkos::View<char*, DeviceSpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label_)),
                                                 static_cast<size_t>(bytes));
     return bytes_.data();
   }

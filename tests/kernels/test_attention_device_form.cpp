@@ -1,0 +1,80 @@
+// test_attention_device_form.cpp — the fp32 attention's device form (kernels/attention.hpp
+// gpu::, what a GPU build runs: heads split, batched products, a team per softmax row) against
+// the CPU form, on the CPU. The two sum in different orders (whole rows in one product against
+// 64-row blocks; the scale applied after the product instead of inside it), so they agree to
+// a few fp32 roundings, not in every bit; the device form agrees with itself in every bit.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "base/rng.hpp"
+#include "kernels/attention.hpp"
+
+using namespace zero3d;
+using namespace zero3d::kernels;
+
+namespace {
+
+std::vector<float> random_vector(size_t n, uint64_t stream) {
+  Rng rng(11, stream);
+  std::vector<float> v(n);
+  for (auto& x : v) x = static_cast<float>(rng.normal());
+  return v;
+}
+
+// max |a - b| / max(1, |b|)
+double worst_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0.0;
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, std::fabs(double(a[i]) - b[i]) / std::max(1.0, std::fabs(double(b[i]))));
+  return worst;
+}
+
+struct Shape {
+  Index B, T, C, H;
+};
+
+class Fp32AttentionDeviceForm : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(Fp32AttentionDeviceForm, ForwardAndBackwardAgreeWithTheCpuForm) {
+  const auto [B, T, C, H] = GetParam();
+  const auto qkv = random_vector(B * T * 3 * C, 1), dout = random_vector(B * T * C, 2);
+  std::vector<float> out_cpu(B * T * C), att_cpu(B * H * T * T), dqkv_cpu(B * T * 3 * C), scratch(kRowBlock * T);
+  attention_forward_fp32(out_cpu.data(), att_cpu.data(), qkv.data(), B, T, C, H);
+  attention_backward(dqkv_cpu.data(), scratch.data(), dout.data(), qkv.data(), att_cpu.data(), B, T, C, H);
+
+  std::vector<float> out(B * T * C), att(B * H * T * T, -1.0f), dqkv(B * T * 3 * C, -1.0f);
+  gpu::attention_forward_fp32(out.data(), att.data(), qkv.data(), B, T, C, H);
+  gpu::attention_backward_fp32(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
+  EXPECT_LE(worst_error(out, out_cpu), 2e-6) << "output";
+  EXPECT_LE(worst_error(dqkv, dqkv_cpu), 1e-5) << "dqkv";
+  // The probabilities: equal below the diagonal, zero above it in both (the backward reads them).
+  EXPECT_LE(worst_error(att, att_cpu), 1e-6) << "probabilities";
+  for (Index bh = 0; bh < B * H; ++bh)
+    for (Index i = 0; i < T; ++i)
+      for (Index j = i + 1; j < T; ++j) ASSERT_EQ(att[(bh * T + i) * T + j], 0.0f) << bh << " " << i << " " << j;
+}
+
+TEST_P(Fp32AttentionDeviceForm, TwoRunsGiveTheSameBits) {
+  const auto [B, T, C, H] = GetParam();
+  const auto qkv = random_vector(B * T * 3 * C, 3), dout = random_vector(B * T * C, 4);
+  std::vector<float> out1(B * T * C), out2(B * T * C), att(B * H * T * T), d1(B * T * 3 * C), d2(B * T * 3 * C);
+  gpu::attention_forward_fp32(out1.data(), att.data(), qkv.data(), B, T, C, H);
+  gpu::attention_backward_fp32(d1.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
+  gpu::attention_forward_fp32(out2.data(), att.data(), qkv.data(), B, T, C, H);
+  gpu::attention_backward_fp32(d2.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
+  EXPECT_EQ(out1, out2);
+  EXPECT_EQ(d1, d2);
+}
+
+// T = 70 crosses the CPU form's 64-row blocks; hs 16 and 64 (GPT-2's).
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp32AttentionDeviceForm,
+                         ::testing::Values(Shape{2, 70, 48, 3}, Shape{1, 33, 128, 2}, Shape{2, 16, 64, 1}),
+                         [](const ::testing::TestParamInfo<Shape>& i) {
+                           return "B" + std::to_string(i.param.B) + "_T" + std::to_string(i.param.T) + "_C" +
+                                  std::to_string(i.param.C) + "_H" + std::to_string(i.param.H);
+                         });
+
+}  // namespace
