@@ -40,8 +40,9 @@ std::vector<std::string> set_keys(const ConfigArgs& a);
 // Loads the JSON (file or built-in quick-start) and applies --set overrides in order; `name`
 // becomes the name every message gives the config.
 nlohmann::json load_with_overrides(const ConfigArgs& a, std::string& name);
-// Ranks sharing this machine's memory (MPI_COMM_TYPE_SHARED).
+// Ranks sharing this machine's memory (MPI_COMM_TYPE_SHARED), and this rank's place among them.
 int ranks_on_this_node(MPI_Comm world);
+int local_rank(MPI_Comm world);
 // A byte size option such as 16GiB (parse_byte_size says what is wrong; the option is named).
 int64_t size_option(const std::string& option, const std::string& text);
 

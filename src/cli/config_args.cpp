@@ -35,6 +35,17 @@ int ranks_on_this_node(MPI_Comm world) {
   return ranks_here;
 }
 
+int local_rank(MPI_Comm world) {
+  int rank = 0, here = 0;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm node = MPI_COMM_NULL;
+  if (MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+    MPI_Comm_rank(node, &here);
+    MPI_Comm_free(&node);
+  }
+  return here;
+}
+
 int64_t size_option(const std::string& option, const std::string& text) { return parse_byte_size(text, option); }
 
 }  // namespace zero3d::cli

@@ -18,6 +18,7 @@
 #include "base/input_file.hpp"
 #include "cli/commands.hpp"
 #include "io/h5.hpp"
+#include "kernels/device.hpp"
 
 using namespace zero3d;
 using namespace zero3d::cli;
@@ -46,14 +47,10 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   install_mpi_error_handler(MPI_COMM_WORLD);  // failure.hpp: an MPI error is one line, exit 1
-  // Kokkos takes its settings from its environment variables only: given the command line it
-  // would answer `--help` with its own 40-line banner before ours.
-  int kokkos_argc = 1;
-  Kokkos::initialize(kokkos_argc, argv);
   h5::quiet_errors();
 
   CLI::App app{"zero3d — DeepSpeed-style ZeRO training of GPT models, without Python", "zero3d"};
-  app.set_version_flag("--version", std::string("zero3d ") + ZERO3D_VERSION);
+  app.set_version_flag("--version", std::string("zero3d ") + ZERO3D_VERSION + " (" + kernels::backend_name() + ")");
   app.require_subcommand(1);
 
   ConfigArgs train_args, validate_args;
@@ -138,10 +135,19 @@ int main(int argc, char** argv) {
   estimate->add_flag("--json", est.json, "machine-readable output");
 
   int code = kExitOk;
+  bool kokkos_started = false;
   try {
     app.parse(argc, argv);
     for (const CLI::Option* o : estimate->get_options())
       if (o->count() > 0 && !o->get_name().empty() && o->get_name()[0] == '-') est.given.insert(o->get_name());
+    // The kernels' backend starts once the command line is known (--help and --version need
+    // none): a GPU build without a visible GPU stops here, exit 2, one message.
+    run_collectively(MPI_COMM_WORLD, [] {
+      const std::string why = kernels::device_problem();
+      if (!why.empty()) throw InputError(why);
+    });
+    kernels::initialize_backend(local_rank(MPI_COMM_WORLD), argv);
+    kokkos_started = true;
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
     else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
     else if (tune->parsed())
@@ -199,7 +205,7 @@ int main(int argc, char** argv) {
     }
   }
   std::fflush(stdout);
-  Kokkos::finalize();
+  if (kokkos_started) Kokkos::finalize();
   MPI_Finalize();
   return code;
 }

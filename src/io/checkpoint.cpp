@@ -1,10 +1,14 @@
 // checkpoint.cpp — see checkpoint.hpp for the layout and the guarantees.
+
+
+
+#include "base/errors.hpp"
+#include "base/failure.hpp"
+#include "base/input_file.hpp"
 #include "io/checkpoint.hpp"
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
+#include "io/checkpoint_format.hpp"
+#include "io/h5.hpp"
+#include "kernels/memory.hpp"
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -12,14 +16,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fcntl.h>
 #include <filesystem>
 #include <random>
-
-#include "base/errors.hpp"
-#include "base/failure.hpp"
-#include "base/input_file.hpp"
-#include "io/checkpoint_format.hpp"
-#include "io/h5.hpp"
+#include <sys/stat.h>
+#include <unistd.h>
 
 namespace fs = std::filesystem;
 
@@ -172,11 +173,17 @@ void write_shard(const std::string& path, const CheckpointMeta& meta, const std:
               H5Dclose);
     if (!ds.valid()) throw SystemError(path + ": cannot create dataset " + name);
     hsize_t at = 0;
+    std::vector<float> bounce;  // a GPU build's segment, copied out of device memory for HDF5
     for (const ShardSegment* s : segs) {
       const float* data = nullptr;
       for (const auto& [array, ptr] : s->arrays)
         if (array == name) data = ptr;
       const hsize_t len = static_cast<hsize_t>(s->end - s->begin);
+      if constexpr (!kernels::kHostIsDevice) {
+        bounce.resize(static_cast<size_t>(len));
+        kernels::copy_to_host(bounce.data(), data, bounce.size() * sizeof(float));
+        data = bounce.data();
+      }
       if (const int e = io_point("write")) throw SystemError(path + ": cannot write dataset " + name + ": " + errstr(e));
       Handle fspace(H5Dget_space(ds.get()), H5Sclose);
       Handle mspace(H5Screate_simple(1, &len, nullptr), H5Sclose);

@@ -79,7 +79,8 @@ struct CheckpointMeta {
 // One global range [begin, end) of the flat buffers and where this rank holds it.
 struct ShardSegment {
   int64_t begin = 0, end = 0;
-  std::vector<std::pair<std::string, const float*>> arrays;  // name -> first element of [begin, end)
+  // name -> first element of [begin, end), in model memory (device memory on a GPU build)
+  std::vector<std::pair<std::string, const float*>> arrays;
 };
 
 // One rank's part of a save: any number of segments (none is allowed). Every segment names the

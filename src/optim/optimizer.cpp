@@ -94,12 +94,12 @@ void ElementwiseUpdater::run(const ElementwiseStep& s, TypedSpan params, const v
                            (grad_type == DType::BF16 || grad_type == DType::F16);
   const int64_t chunk = all_fp32 && !rounded.data ? std::max<int64_t>(n, 1) : kChunk;
   // Elements [a, a + c) of an array as fp32: the array itself, or a widened copy in `scratch`.
-  auto fp32 = [&](TypedSpan t, int64_t a, int64_t c, std::vector<float>& scratch, float mul = 1.0f) -> float* {
+  auto fp32 = [&](TypedSpan t, int64_t a, int64_t c, WidenScratch& scratch, float mul = 1.0f) -> float* {
     char* at = static_cast<char*>(t.data) + a * static_cast<int64_t>(dtype_size(t.type));
     if (t.type == DType::F32 && mul == 1.0f) return reinterpret_cast<float*>(at);
-    if (scratch.size() < static_cast<size_t>(c)) scratch.resize(static_cast<size_t>(c));
-    convert_any(scratch.data(), DType::F32, at, t.type, c, mul);
-    return scratch.data();
+    float* widened = scratch.take(c, on_host);
+    convert_any(widened, DType::F32, at, t.type, c, mul);
+    return widened;
   };
   auto narrow = [&](TypedSpan t, int64_t a, int64_t c, const float* values) {
     if (t.type == DType::F32) return;  // updated where it lies
@@ -134,7 +134,8 @@ Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DTyp
   const int64_t n = layout.total();
   for (const std::string& name : names_) states_.emplace_back(name, state_type, n);
   if (cfg.type == OptimizerType::Adagrad && cfg.initial_accumulator_value != 0.0) {
-    const std::vector<float> init(static_cast<size_t>(n), static_cast<float>(cfg.initial_accumulator_value));
+    FlatBuffer init = make_scratch_buffer("adagrad_initial_accumulator", n);  // in model memory, as the state
+    Kokkos::deep_copy(init, static_cast<float>(cfg.initial_accumulator_value));
     convert_any(states_[0].data(), state_type, init.data(), DType::F32, n);
   }
 }
@@ -185,10 +186,9 @@ void Optimizer::step(TypedSpan params, const void* grads, DType grad_type, float
   for (const TensorSpec& t : layout_.tensors()) {  // the trust ratio needs whole tensors
     const float* g = static_cast<const float*>(grads) + t.offset;
     if (grad_type != DType::F32 || grad_mul != 1.0f) {
-      if (widened_.size() < static_cast<size_t>(t.numel)) widened_.resize(static_cast<size_t>(t.numel));
-      convert_any(widened_.data(), DType::F32, static_cast<const char*>(grads) + t.offset * esize, grad_type, t.numel,
-                  grad_mul);
-      g = widened_.data();
+      float* widened = widened_.take(t.numel, /*on_host=*/false);
+      convert_any(widened, DType::F32, static_cast<const char*>(grads) + t.offset * esize, grad_type, t.numel, grad_mul);
+      g = widened;
     }
     kernels::lamb_update(p + t.offset, g, m + t.offset, v + t.offset, t.numel, s);
   }

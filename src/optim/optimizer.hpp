@@ -15,6 +15,7 @@
 
 #include "base/dtype.hpp"
 #include "config/config.hpp"
+#include "kernels/memory.hpp"
 #include "kernels/optimizers.hpp"
 #include "kernels/typed.hpp"
 #include "model/buffer.hpp"
@@ -54,6 +55,24 @@ std::vector<std::string> optimizer_state_names(const OptimizerConfig& cfg);
 // treat bf16 tensors; all-fp32 arrays are updated where they lie. on_host: the CPU
 // optimizer's loop (offloaded state) instead of the device kernel; both run the same element
 // functions, so they agree bit for bit.
+// Chunks widened for an update, where the update runs: host vectors for the CPU optimizer (and
+// every update of a CPU build, whose model memory is host memory), device scratch for a GPU
+// build's device update.
+class WidenScratch {
+ public:
+  float* take(int64_t n, bool on_host) {
+    if (kernels::kHostIsDevice || on_host) {
+      if (host_.size() < static_cast<size_t>(n)) host_.resize(static_cast<size_t>(n));
+      return host_.data();
+    }
+    return device_.take<float>(n);
+  }
+
+ private:
+  std::vector<float> host_;
+  kernels::DeviceScratch device_{"optimizer_widened"};
+};
+
 class ElementwiseUpdater {
  public:
   // rounded (when not null): the first rounded_n updated parameters also written there in its
@@ -63,7 +82,7 @@ class ElementwiseUpdater {
            int64_t rounded_n = 0);
 
  private:
-  std::vector<float> g_, p_, st_[2];  // widened chunks
+  WidenScratch g_, p_, st_[2];  // widened chunks
 };
 
 class Optimizer {
@@ -105,7 +124,7 @@ class Optimizer {
   std::vector<TypedBuffer> states_;  // in names_' order
   int64_t step_count_ = 0;
   ElementwiseUpdater updater_;
-  std::vector<float> widened_;  // LAMB: one tensor's widened gradients
+  WidenScratch widened_;  // LAMB: one tensor's widened gradients
 };
 
 // Global L2-norm clipping as torch.nn.utils.clip_grad_norm_ (DeepSpeed's fp32 path, FACTS §3):

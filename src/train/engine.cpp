@@ -1,17 +1,7 @@
 // engine.cpp — the training loop. Reads like the algorithm (DEEPSPEED-FACTS §1.2, §3, §4).
-#include "train/engine.hpp"
 
-#include <algorithm>
-#include <cmath>
-#include <csignal>
-#include <cstdio>
-#include <fstream>
-#include <limits>
 
-#include <sys/resource.h>
 
-#include <cstdlib>
-#include <thread>
 
 #include "base/errors.hpp"
 #include "base/failure.hpp"
@@ -19,10 +9,21 @@
 #include "io/checkpoint_options.hpp"
 #include "io/weights.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/memory.hpp"
 #include "kernels/reduce.hpp"
+#include "train/engine.hpp"
 #include "train/estimator.hpp"
 #include "train/job_control.hpp"
 #include "train/memory_breakdown.hpp"
+#include <algorithm>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <sys/resource.h>
+#include <thread>
 
 namespace zero3d {
 
@@ -229,10 +230,12 @@ void Engine::inject_fault(int64_t step) const {
   if (k == "pause") std::raise(SIGSTOP);
   if (k == "replica") {  // nudge this rank's copy of the first tensor-replicated parameter it holds
     const auto [b, e] = zero_->checkpoint_range();
-    float* params = const_cast<float*>(zero_->checkpoint_arrays().front().second);
+    float* params = const_cast<float*>(zero_->checkpoint_arrays().front().second);  // model memory
     for (const auto& [lo, hi] : model_->part().replicated_ranges())
       if (std::max(lo, b) < std::min(hi, e)) {
-        params[std::max(lo, b) - b] += 1e-3f;
+        float* p = params + (std::max(lo, b) - b);
+        const float nudged = kernels::read_one(p) + 1e-3f;
+        kernels::copy_to_device(p, &nudged, sizeof nudged);
         break;
       }
   }
@@ -604,11 +607,19 @@ void Engine::finalize_grads() {
 void Engine::check_tensor_replicas() {
   if (tp_comm_->size() == 1) return;
   const auto [b, e] = zero_->checkpoint_range();
-  const float* params = zero_->checkpoint_arrays().front().second;  // "params": element b
+  const float* params = zero_->checkpoint_arrays().front().second;  // "params": element b, in model memory
   Xxh64 digest;
+  std::vector<float> bounce;  // a GPU build's range, copied to the host to be hashed
   for (const auto& [lo, hi] : model_->part().replicated_ranges()) {
     const int64_t a = std::max(lo, b), z = std::min(hi, e);
-    if (a < z) digest.update(params + (a - b), static_cast<size_t>(z - a) * sizeof(float));
+    if (a >= z) continue;
+    const float* range = params + (a - b);
+    if constexpr (!kernels::kHostIsDevice) {
+      bounce.resize(static_cast<size_t>(z - a));
+      kernels::copy_to_host(bounce.data(), range, bounce.size() * sizeof(float));
+      range = bounce.data();
+    }
+    digest.update(range, static_cast<size_t>(z - a) * sizeof(float));
   }
   const uint64_t h = digest.digest();
   int64_t lo = static_cast<int64_t>(h >> 1), hi = lo;

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "base/errors.hpp"
+#include "kernels/memory.hpp"
 #include "kernels/reduce.hpp"
 
 namespace zero3d {
@@ -17,6 +18,50 @@ ParamLayout partition_layout(int64_t part) {
   ParamLayout l;
   l.add("partition", {part});
   return l;
+}
+
+// Model memory is device memory on a GPU build: what the host draws, reads from a checkpoint or
+// converts crosses kernels/memory.hpp's copies, a bounded chunk at a time. On a CPU build it is
+// host memory, and the host writes and reads it in place (no copy, no extra memory).
+constexpr int64_t kHostChunk = ZeroOptimizer::kInitFillElems;
+
+// fill(out, a, b) writes [a, b) as the host draws it, into model memory at dst.
+void fill_model(float* dst, int64_t a, int64_t b, const std::function<void(float*, int64_t, int64_t)>& fill) {
+  if constexpr (kernels::kHostIsDevice) {
+    fill(dst, a, b);
+  } else {
+    std::vector<float> chunk;
+    for (int64_t x = a; x < b; x += kHostChunk) {
+      const int64_t y = std::min(b, x + kHostChunk);
+      chunk.resize(static_cast<size_t>(y - x));
+      fill(chunk.data(), x, y);
+      kernels::copy_to_device(dst + (x - a), chunk.data(), chunk.size() * sizeof(float));
+    }
+  }
+}
+
+// read(state, b, e, out) writes host memory: into model memory at dst.
+void read_model(const ZeroOptimizer::RangeReader& read, const std::string& state, int64_t b, int64_t e, float* dst) {
+  if constexpr (kernels::kHostIsDevice) {
+    read(state, b, e, dst);
+  } else {
+    std::vector<float> chunk;
+    for (int64_t x = b; x < e; x += kHostChunk) {
+      const int64_t y = std::min(e, x + kHostChunk);
+      chunk.resize(static_cast<size_t>(y - x));
+      read(state, x, y, chunk.data());
+      kernels::copy_to_device(dst + (x - b), chunk.data(), chunk.size() * sizeof(float));
+    }
+  }
+}
+
+// n host floats where a kernel can read them: the values themselves on a CPU build, a copy in
+// the device scratch otherwise (valid until the scratch's next use).
+const float* in_model_memory(const float* host, int64_t n, kernels::DeviceScratch& scratch) {
+  if constexpr (kernels::kHostIsDevice) return host;
+  float* d = scratch.take<float>(n);
+  kernels::copy_to_device(d, host, static_cast<size_t>(n) * sizeof(float));
+  return d;
 }
 }  // namespace
 
@@ -125,7 +170,7 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
   const auto [lo, hi] = part_.owned(rank_, 0, total);
   if (!mixed_ && !master16_) {
     if (stage_ < 3) {
-      fill(params_.as<float>(), 0, total);
+      fill_model(params_.as<float>(), 0, total, fill);
     } else if (param_swap_) {
       std::vector<float> chunk;
       for (int64_t a = lo; a < hi; a += kInitFillElems) {
@@ -135,7 +180,7 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
         write_params(a - pb, b - a, chunk.data());
       }
     } else if (hi > lo) {
-      fill(params_.as<float>(), lo, hi);  // the partition buffer starts at part.begin(rank)
+      fill_model(params_.as<float>(), lo, hi, fill);  // the partition buffer starts at part.begin(rank)
     }
     return;
   }
@@ -151,8 +196,8 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
       cast_range_to_params(a - pb, b - a, chunk.data());
     }
   } else {
-    if (stage_ == 0) fill(master_.data(), 0, total);
-    else if (hi > lo) fill(master_.data() + (lo - pb), lo, hi);
+    if (stage_ == 0) fill_model(master_.data(), 0, total, fill);
+    else if (hi > lo) fill_model(master_.data() + (lo - pb), lo, hi, fill);
     cast_master_to_params();
   }
   if (stage_ == 1 || stage_ == 2) {
@@ -165,7 +210,7 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
       if (b - a < kInitFillElems && b < total) continue;
       chunk.resize(static_cast<size_t>(b - a));
       fill(chunk.data(), a, b);
-      convert_any(params_.at(a), types_.param, chunk.data(), DType::F32, b - a);
+      convert_any(params_.at(a), types_.param, in_model_memory(chunk.data(), b - a, staging_), DType::F32, b - a);
       a = b;
     }
   }
@@ -181,17 +226,18 @@ void ZeroOptimizer::cast_range_to_params(int64_t begin, int64_t n, const float* 
     write_params(lo - pb, hi - lo, rounded.data());
     return;
   }
-  convert_any(params_.at(stage_ == 3 ? lo - pb : lo), types_.param, values + (lo - pb - begin), DType::F32, hi - lo);
+  convert_any(params_.at(stage_ == 3 ? lo - pb : lo), types_.param,
+              in_model_memory(values + (lo - pb - begin), hi - lo, staging_), DType::F32, hi - lo);
 }
 
 void ZeroOptimizer::read_params(int64_t begin, int64_t n, void* out) {
   if (param_swap_) param_swap_->read(begin, n, out);
-  else std::memcpy(out, params_.at(stage_ == 3 ? begin : part_.begin(rank_) + begin), n * dtype_size(types_.param));
+  else kernels::copy_to_host(out, params_.at(stage_ == 3 ? begin : part_.begin(rank_) + begin), n * dtype_size(types_.param));
 }
 
 void ZeroOptimizer::write_params(int64_t begin, int64_t n, const void* in) {
   if (param_swap_) param_swap_->write(begin, n, in);
-  else std::memcpy(params_.at(stage_ == 3 ? begin : part_.begin(rank_) + begin), in, n * dtype_size(types_.param));
+  else kernels::copy_to_device(params_.at(stage_ == 3 ? begin : part_.begin(rank_) + begin), in, n * dtype_size(types_.param));
 }
 
 void ZeroOptimizer::cast_master_to_params() {
@@ -524,11 +570,11 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
   const int64_t at = stage_ == 0 ? b : b - pb;  // element b in a buffer held whole (stage 0) or as the partition
   // Checkpoints hold fp32, loadable at any precision: the master copy when mixed. What lies
   // elsewhere or in 16 bits (offloaded state, bf16 master weights, bf16 optimizer states) is
-  // read back or widened into staging kept until the next step.
+  // read back or widened into staging (model memory) kept until the next step.
   ckpt_staging_.clear();
   ckpt_staging_.reserve(8);
   auto staging = [&]() {
-    ckpt_staging_.emplace_back(static_cast<size_t>(n));
+    ckpt_staging_.push_back(make_flat_buffer("checkpoint_staging", n));
     return ckpt_staging_.back().data();
   };
   std::vector<std::pair<std::string, const float*>> arrays;
@@ -538,11 +584,15 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
     arrays.emplace_back("params", s);
   } else if (mixed_) {
     arrays.emplace_back("params", master_.data() + at);
-  } else if (master16_ || param_swap_) {
+  } else if (param_swap_) {  // the partition lies in its swap files (host memory; CPU build)
     float* s = staging();
     std::vector<char> bits(static_cast<size_t>(n) * dtype_size(types_.param));
     read_params(b - pb, n, bits.data());
     convert_any(s, DType::F32, bits.data(), types_.param, n);
+    arrays.emplace_back("params", s);
+  } else if (master16_) {  // bf16 master weights: the parameters, widened
+    float* s = staging();
+    convert_any(s, DType::F32, params_.at(stage_ == 3 ? b - pb : b), types_.param, n);
     arrays.emplace_back("params", s);
   } else {
     arrays.emplace_back("params", params_.as<float>() + (stage_ == 3 ? b - pb : b));
@@ -583,14 +633,17 @@ void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_s
   if (mixed_ && offloaded_) {
     offloaded_->write("master", b - pb, n, staged("params"));
   } else if (mixed_) {
-    read("params", b, e, master_.data() + at);
-  } else if (master16_ || param_swap_) {
+    read_model(read, "params", b, e, master_.data() + at);
+  } else if (param_swap_) {  // into the swap files (host memory; CPU build)
     const float* values = staged("params");
     std::vector<char> bits(static_cast<size_t>(n) * dtype_size(types_.param));
     convert_any(bits.data(), types_.param, values, DType::F32, n);
     write_params(b - pb, n, bits.data());
+  } else if (master16_) {  // bf16 master weights: the parameters, rounded
+    convert_any(params_.at(stage_ == 3 ? b - pb : b), types_.param, in_model_memory(staged("params"), n, staging_),
+                DType::F32, n);
   } else {
-    read("params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
+    read_model(read, "params", b, e, params_.as<float>() + (stage_ == 3 ? b - pb : b));
   }
   if (offloaded_) {
     for (const std::string& state : offloaded_->optimizer_states()) offloaded_->write(state, b - pb, n, staged(state));
@@ -600,8 +653,8 @@ void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_s
   const auto names = optimizer_->state_names();
   const auto buffers = optimizer_->state_buffers();
   for (size_t k = 0; k < names.size(); ++k) {
-    if (buffers[k]->type() == DType::F32) read(names[k], b, e, buffers[k]->as<float>() + at);
-    else convert_any(buffers[k]->at(at), buffers[k]->type(), staged(names[k]), DType::F32, n);
+    if (buffers[k]->type() == DType::F32) read_model(read, names[k], b, e, buffers[k]->as<float>() + at);
+    else convert_any(buffers[k]->at(at), buffers[k]->type(), in_model_memory(staged(names[k]), n, staging_), DType::F32, n);
   }
   optimizer_->set_step_count(optimizer_step);
 }

@@ -34,6 +34,7 @@
 
 #include "config/config.hpp"
 #include "io/checkpoint.hpp"
+#include "kernels/memory.hpp"
 #include "kernels/typed.hpp"
 #include "model/buffer.hpp"
 #include "model/model.hpp"
@@ -104,8 +105,8 @@ class ZeroOptimizer : public ParamStore {
   static constexpr int64_t kInitFillElems = int64_t(1) << 22;
 
   // Sets the parameters from a function that writes elements [begin, end) of the full flat
-  // buffer in fp32 (every rank produces identical values); each rank keeps what its stage
-  // needs. No collectives.
+  // buffer in fp32 into host memory (every rank produces identical values); each rank keeps
+  // what its stage needs. No collectives.
   void init_params(const std::function<void(float*, int64_t, int64_t)>& fill);
 
   // The order in which one optimizer step fetches units (stage 3 prefetches along it); the
@@ -142,11 +143,14 @@ class ZeroOptimizer : public ParamStore {
   // This rank's local range [begin, end) and, per state ("params" then the optimizer's), a
   // pointer to its element `begin`.
   std::pair<int64_t, int64_t> checkpoint_range() const;
+  // This rank's range of each state in fp32, in model memory (device memory on a GPU build:
+  // the checkpoint writer copies it to the host as it writes).
   std::vector<std::pair<std::string, const float*>> checkpoint_arrays();
   std::vector<std::string> checkpoint_states() const;  // "params" then the optimizer's
   int64_t optimizer_step() const { return offloaded_ ? offloaded_->step_count() : optimizer_->step_count(); }
   // Local part of a load: fills this rank's range of each state through
-  // read(state, local_begin, local_end, out) (no collectives; may throw InputError).
+  // read(state, local_begin, local_end, out), which writes host memory (no collectives; may
+  // throw InputError).
   using RangeReader = std::function<void(const std::string&, int64_t, int64_t, float*)>;
   void read_checkpoint(const RangeReader& read, int64_t optimizer_step);
   // Collective part: rebuilds replicated buffers from the ranks' ranges.
@@ -206,7 +210,8 @@ class ZeroOptimizer : public ParamStore {
   ParamLayout state_layout_;  // stages 1-3: the optimizer sees one tensor, the partition
   std::unique_ptr<Optimizer> optimizer_;          // state in device memory, or:
   std::unique_ptr<offload::OffloadedOptimizer> offloaded_;  // offload_optimizer cpu / nvme
-  std::vector<std::vector<float>> ckpt_staging_;  // offloaded state read back for a save
+  std::vector<FlatBuffer> ckpt_staging_;  // state read back or widened for a save (model memory)
+  kernels::DeviceScratch staging_{"zero_host_values"};  // host values a kernel reads (GPU build; unused on a CPU build)
   std::unique_ptr<offload::ParamSwapper> param_swap_;  // stage 3, offload_param nvme: params_ is empty
   // Partition-local parameters [begin, begin + n) in the parameter type, wherever they lie.
   void read_params(int64_t begin, int64_t n, void* out);

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/device.hpp"
 #include "support/cli_helpers.hpp"
 
 using json = nlohmann::json;
@@ -20,10 +21,11 @@ using namespace cli;
 
 namespace {
 
-TEST(Cli, VersionFlagPrintsTheVersion) {
+TEST(Cli, VersionFlagPrintsTheVersionAndTheBackend) {
   Result r = run("--version");
   EXPECT_EQ(r.code, 0);
   EXPECT_NE(r.out.find("zero3d "), std::string::npos);
+  EXPECT_NE(r.out.find(kernels::backend_name()), std::string::npos) << r.out;  // "CPU: Kokkos Serial, ..." here
 }
 
 TEST(Cli, ValidateAcceptsTheQuickstartAtWorldSizeTwo) {

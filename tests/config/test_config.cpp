@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 
 #include "base/errors.hpp"
 #include "config/config.hpp"
@@ -384,4 +385,23 @@ TEST(PrecisionConfig, Bf16ChecksGradientOverflowByDefault) {
   EXPECT_TRUE(read_config(j, "c.json", 2).precision.check_grad_overflow);
   j["bf16"]["check_grad_overflow"] = false;
   EXPECT_FALSE(read_config(j, "c.json", 2).precision.check_grad_overflow);
+}
+
+// What the GPU build refuses (kernels::kGpuBuild): each with its key and the reason, so a run
+// on a GPU stops at validation. The CPU build refuses none of it (read_config above accepts it).
+TEST(GpuBuild, WhatItDoesNotRunYetIsNamedByKey) {
+  json j = minimal();
+  j["model"]["moe"] = {{"num_experts", 2}};
+  j["sparse_attention"] = {{"mode", "fixed"}, {"block", 16}};
+  j["zero_optimization"] = {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}};
+  const Config c = read_config(j, "c.json", 2);
+  std::map<std::string, std::string> found;
+  for (const auto& [key, why] : gpu_build_problems(c, 2)) found[key] = why;
+  EXPECT_NE(found[""].find("2 ranks: zero3d's GPU build runs one rank per job so far"), std::string::npos) << found[""];
+  EXPECT_NE(found["model.moe.num_experts"].find("Mixture of Experts does not run on zero3d's GPU build yet"),
+            std::string::npos);
+  EXPECT_NE(found["sparse_attention"].find("block-sparse attention"), std::string::npos);
+  EXPECT_NE(found["zero_optimization.offload_optimizer.device"].find("ZeRO-Offload"), std::string::npos);
+  EXPECT_EQ(found.size(), 4u);
+  EXPECT_TRUE(gpu_build_problems(read_config(minimal(), "c.json", 1), 1).empty()) << "a dense one-rank run is fine";
 }

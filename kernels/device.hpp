@@ -1,0 +1,46 @@
+// device.hpp — the device the kernels run on, one implementation per backend (kernels/cpu/,
+// kernels/cuda/): which device a rank takes when Kokkos starts, what it is, how much memory
+// it has. On a CPU build the "device" is the host and Kokkos starts as it always has.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace zero3d::kernels {
+
+// Whether this binary is the GPU build (CMake's ZERO3D_GPU: a Kokkos with CUDA), for code that
+// decides without including Kokkos (the config's checks).
+#ifdef ZERO3D_GPU_BUILD
+constexpr bool kGpuBuild = true;
+#else
+constexpr bool kGpuBuild = false;
+#endif
+
+struct DeviceInfo {
+  std::string backend;  // "CPU: Kokkos Serial, OpenBLAS, oneDNN" or "CUDA 13.0: Kokkos 4.6 Cuda, cuBLASLt, NCCL"
+  std::string name;     // the GPU's name; empty on a CPU build
+  int id = -1;          // the device this rank uses (-1: the host)
+  int visible = 0;      // devices this process sees
+  int64_t total_bytes = 0, free_bytes = 0;  // device memory (0 on a CPU build: see available_memory)
+};
+
+// The backend this binary was built for, for --version and the start-up lines.
+std::string backend_name();
+
+// Why this process cannot run its kernels (a GPU build that sees no GPU), or empty. Asked
+// before Kokkos starts, so that every rank can agree on one message.
+std::string device_problem();
+
+// Starts Kokkos. A GPU build gives each rank the device of its rank on this node, local_rank
+// mod the visible devices (several ranks share a device when there are more ranks than
+// devices), before Kokkos would pick one itself.
+void initialize_backend(int local_rank, char** argv);
+
+// What the device is now (memory free at the time of the call).
+DeviceInfo device_info();
+
+// The device's memory high-water mark since start-up, as the allocator saw it (0 on a CPU
+// build, where the process's peak resident memory is the measure).
+int64_t device_peak_bytes();
+
+}  // namespace zero3d::kernels
