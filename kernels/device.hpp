@@ -39,6 +39,14 @@ void initialize_backend(int local_rank, char** argv);
 // What the device is now (memory free at the time of the call).
 DeviceInfo device_info();
 
+// Waits until the device has run everything queued so far: a timer's boundary (kernel launches
+// return before the kernels run). Nothing to wait for on a CPU build.
+void fence();
+
+// Whether p lies in memory only the device may touch (host code must copy it: kernels/memory.hpp).
+// Never on a CPU build, whose model memory is host memory.
+bool is_device_memory(const void* p);
+
 // The device's memory high-water mark since start-up, as the allocator saw it (0 on a CPU
 // build, where the process's peak resident memory is the measure).
 int64_t device_peak_bytes();

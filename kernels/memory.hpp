@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "kernels/common.hpp"
 
@@ -51,6 +53,31 @@ inline T read_one(const T* device) {
   copy_to_host(&v, device, sizeof(T));
   return v;
 }
+
+// Bytes in model memory that move like a std::vector<char> (a staging pool's buffers,
+// base/byte_pool.hpp). Contents start undefined, as a reused staging buffer's are.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes)
+      : bytes_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("staging")), bytes) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { std::swap(bytes_, other.bytes_); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    DeviceBuffer gone(std::move(other));
+    std::swap(bytes_, gone.bytes_);
+    return *this;
+  }
+  char* data() const { return bytes_.data(); }
+  size_t size() const { return bytes_.extent(0); }
+  bool empty() const { return size() == 0; }
+
+ private:
+  Kokkos::View<char*, DeviceSpace> bytes_;
+};
+
+// Staging for buffers that kernels convert: host bytes on a CPU build (what it always used),
+// device bytes on a GPU build.
+using StagingBuffer = std::conditional_t<kHostIsDevice, std::vector<char>, DeviceBuffer>;
 
 // Scratch in model memory that grows to the largest request and is then reused, so a training
 // step allocates nothing. take() may move it: a pointer is valid until the next take().

@@ -26,4 +26,8 @@ DeviceInfo device_info() { return DeviceInfo{backend_name(), "", -1, 0, 0, 0}; }
 
 int64_t device_peak_bytes() { return 0; }
 
+bool is_device_memory(const void*) { return false; }
+
+void fence() {}
+
 }  // namespace zero3d::kernels

@@ -56,6 +56,17 @@ DeviceInfo device_info() {
   return d;
 }
 
+void fence() { Kokkos::fence("zero3d timer"); }
+
+bool is_device_memory(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // a pointer the runtime does not know is host memory; clear the error
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice;
+}
+
 int64_t device_peak_bytes() {
   device_info();
   return g_peak_bytes;

@@ -317,6 +317,7 @@ Config read_config(const nlohmann::json& root, const std::string& file, int64_t 
 // What the GPU build does not run yet, each with the key that asks for it ("" for the launch
 // itself) and why: read_config reports them on a GPU build (kernels::kGpuBuild), so that a run
 // stops at validation, never mid-run. Each goes when its device path lands (issue 31).
+// world_size: the ranks of the job (every layout runs today).
 std::vector<std::pair<std::string, std::string>> gpu_build_problems(const Config& c, int64_t world_size);
 
 // Lightning's DeepSpeed strategy names (deepspeed, deepspeed_stage_1 … deepspeed_stage_3_offload_nvme)

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "base/dtype.hpp"
+#include "kernels/device.hpp"
 
 #include <chrono>
 #include <fstream>
@@ -13,14 +14,17 @@ namespace zero3d {
 
 // Wall-clock milliseconds accumulated per named phase; reset once per optimizer step.
 // Names follow DeepSpeed's wall_clock_breakdown timers: forward, backward, backward_inner,
-// backward_allreduce, step.
+// backward_allreduce, step. On a GPU build each boundary waits for the device first, as
+// DeepSpeed's timers synchronise CUDA, so a phase counts the work it queued, not the queueing.
 class PhaseTimers {
  public:
   class Scope {
    public:
-    Scope(PhaseTimers& t, const char* name) : t_(t), name_(name), start_(std::chrono::steady_clock::now()) {}
-    ~Scope() {
-      t_.ms_[name_] += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+    Scope(PhaseTimers& t, const char* name) : t_(t), name_(name), start_(now()) {}
+    ~Scope() { t_.ms_[name_] += std::chrono::duration<double, std::milli>(now() - start_).count(); }
+    static std::chrono::steady_clock::time_point now() {
+      if constexpr (kernels::kGpuBuild) kernels::fence();
+      return std::chrono::steady_clock::now();
     }
 
    private:
@@ -42,9 +46,9 @@ class PhaseTimers {
   std::map<std::string, double> ms_;
 };
 
-// Peak single-rank GFLOP/s of a short square matrix product in the model's compute dtype
-// (sgemm, or the bf16 path): the MFU denominator when training.peak_gflops is not given.
-// Takes about a quarter of a second.
+// Peak single-rank GFLOP/s of a square matrix product in the model's compute dtype (sgemm, or
+// the bf16 path; cuBLASLt at 8192³ on a GPU build): the MFU denominator when
+// training.peak_gflops is not given. Takes about a quarter of a second.
 double measure_gemm_peak_gflops(DType compute = DType::F32);
 
 // Appends one JSON object per line; flushed after each so a killed run keeps its history.

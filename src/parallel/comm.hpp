@@ -73,17 +73,18 @@ class Communicator {
 
   // Bytes this rank moved, counted as nccl-tests' bus bytes: all_reduce 2(W-1)/W·n,
   // reduce_scatter and all_gather (W-1)/W of the whole buffer, broadcast/send n.
-  int64_t bus_bytes() const { return bus_bytes_; }
-  void reset_bus_bytes() { bus_bytes_ = 0; }
+  // (Virtual so that a communicator wrapping another, comm_staged.hpp, reports the one it calls.)
+  virtual int64_t bus_bytes() const { return bus_bytes_; }
+  virtual void reset_bus_bytes() { bus_bytes_ = 0; }
   // The same count since construction, never reset (what the comms logger's table must add up to).
-  int64_t total_bus_bytes() const { return total_bus_bytes_; }
+  virtual int64_t total_bus_bytes() const { return total_bus_bytes_; }
 
   // Per-operation records for the comms logger, the breakdown's blocked time and the trace;
   // null (nothing measured) until observe() names the group.
-  void observe(const std::string& axis, const std::string& trace_prefix) {
+  virtual void observe(const std::string& axis, const std::string& trace_prefix) {
     if (!log_) log_ = std::make_unique<CommsLog>(axis, trace_prefix, size(), rank(), total_bus_bytes_);
   }
-  CommsLog* log() const { return log_.get(); }
+  virtual CommsLog* log() const { return log_.get(); }
 
  protected:
   void count_bus_bytes(double factor, int64_t elements, DType type) {

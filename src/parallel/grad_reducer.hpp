@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "base/byte_pool.hpp"
+#include "kernels/memory.hpp"
 #include "kernels/typed.hpp"
 #include "parallel/comm.hpp"
 #include "parallel/partition.hpp"
@@ -88,8 +89,8 @@ class GradientReducer {
     int tag;
     void* src;             // the bucket's first element in the source
     DType src_type;
-    std::vector<char> send;     // the bucket in comm_type_ when the source has another type (else empty)
-    std::vector<char> staging;  // ReduceScatter: receives this rank's part of the bucket
+    kernels::StagingBuffer send;     // the bucket in comm_type_ when the source has another type (else empty)
+    kernels::StagingBuffer staging;  // ReduceScatter: receives this rank's part of the bucket
   };
   void launch(const void* src, DType src_type, int64_t begin, int64_t end, int tag);
   void complete(InFlight& f);
@@ -101,7 +102,9 @@ class GradientReducer {
   void* flat_ = nullptr;  // AllReduce / flat-buffer source
   void* dest_ = nullptr;  // ReduceScatter destination (partition)
   bool accumulate_ = false;
-  BytePool staging_;  // send and receive buffers of the buckets, kept for the next ones
+  // Send and receive buffers of the buckets, kept for the next ones; in model memory, where the
+  // conversions that fill and drain them run.
+  BasicPool<kernels::StagingBuffer> staging_;
   int64_t n_ = 0, bucket_;
   bool overlap_;
   int64_t frontier_ = 0;  // [frontier_, n_) has been launched

@@ -112,7 +112,7 @@ void Engine::setup_local() {
   const int ep = ep_comm_ ? ep_comm_->size() : 1, ep_rank = ep_comm_ ? ep_comm_->rank() : 0;
   model_ = std::make_unique<GPT>(shape, B, T, pc.param,
                                  gpt_model_part(shape, cfg_.pipe_bounds, stages_, stage_, t, tp_rank, ep, ep_rank),
-                                 TensorGroup{tp_comm_.get(), t, tp_rank, cfg_.tensor.overlap_comm,
+                                 TensorGroup{&model_comms_.of(*tp_comm_), t, tp_rank, cfg_.tensor.overlap_comm,
                                              cfg_.tensor.sequence_parallel, &tensor_comm_ms_},
                                  cfg_.activation_checkpointing, moe_routing());
   // Every stage partitions the same element count (the largest stage's), so the tied wte at
@@ -123,7 +123,8 @@ void Engine::setup_local() {
         std::max(partition_numel, gpt_model_part(shape, cfg_.pipe_bounds, stages_, s, t, tp_rank, ep, ep_rank).expert_begin);
   if (stages_ > 1 && (stage_ == 0 || stage_ == stages_ - 1)) tied_numel_ = model_->part().vocab_local * shape.n_embd;
   zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, StateTypes{pc.param, pc.grad_accum, pc.comm},
-                                          model_->part().dense_layout, model_->part().dense_units, *dp_comm_, partition_numel,
+                                          model_->part().dense_layout, model_->part().dense_units,
+                                          model_comms_.of(*dp_comm_), partition_numel,
                                           /*ordered_backward=*/model_->num_chunks() == 1, groups_.rank());
   // The schedule is fixed for the run (micro-batches = gradient_accumulation_steps).
   const pipe::ScheduleSpec spec{cfg_.pipeline.schedule, stages_, static_cast<int>(cfg_.batch.gradient_accumulation_steps),
@@ -504,19 +505,19 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
     }
     case Op::RecvActivation:
       wait_sends(in.buffer);
-      pending_[in.buffer].act_recv = pipe_comm_->irecv(buffers_[in.buffer].input, BTC, DType::F32,
+      pending_[in.buffer].act_recv = model_comms_.of(*pipe_comm_).irecv(buffers_[in.buffer].input, BTC, DType::F32,
                                                       peer_stage(in.chunk, -1), tag(in.chunk, 0, 0));
       break;
     case Op::SendActivation:
-      pending_[in.buffer].act_send = pipe_comm_->isend(model_->output(in.chunk, buffers_[in.buffer]), BTC, DType::F32,
+      pending_[in.buffer].act_send = model_comms_.of(*pipe_comm_).isend(model_->output(in.chunk, buffers_[in.buffer]), BTC, DType::F32,
                                                       peer_stage(in.chunk, +1), tag(in.chunk, +1, 0));
       break;
     case Op::RecvGrad:
-      pending_[in.buffer].grad_recv = pipe_comm_->irecv(buffers_[in.buffer].d_output, BTC, DType::F32,
+      pending_[in.buffer].grad_recv = model_comms_.of(*pipe_comm_).irecv(buffers_[in.buffer].d_output, BTC, DType::F32,
                                                        peer_stage(in.chunk, +1), tag(in.chunk, 0, 1));
       break;
     case Op::SendGrad:
-      pending_[in.buffer].grad_send = pipe_comm_->isend(buffers_[in.buffer].d_input, BTC, DType::F32,
+      pending_[in.buffer].grad_send = model_comms_.of(*pipe_comm_).isend(buffers_[in.buffer].d_input, BTC, DType::F32,
                                                        peer_stage(in.chunk, -1), tag(in.chunk, -1, 1));
       break;
     case Op::Forward: {
@@ -582,13 +583,13 @@ void Engine::finalize_grads() {
     zero_->finish_reduction();
     if (expert_zero_) expert_zero_->finish_reduction();
     // The tied wte (DeepSpeed ReduceTiedGrads, FACTS-2 §2.5): both copies hold the summed gradient.
-    if (tied_numel_ > 0 && emb_comm_) zero_->sum_grad_range(0, tied_numel_, *emb_comm_);
+    if (tied_numel_ > 0 && emb_comm_) zero_->sum_grad_range(0, tied_numel_, model_comms_.of(*emb_comm_));
     // Sequence parallelism: each tensor rank's LayerNorms saw only its token shard, so their
     // gradients are summed over the tensor group (Megatron _allreduce_non_tensor_model_parallel_grads).
     if (cfg_.tensor.sequence_parallel)
       for (const TensorSpec& ts : model_->layout().tensors())
         if (ts.name.rfind("ln_f.", 0) == 0 || ts.name.find(".ln_") != std::string::npos)
-          zero_->sum_grad_range(ts.offset, ts.offset + ts.numel, *tp_comm_);
+          zero_->sum_grad_range(ts.offset, ts.offset + ts.numel, model_comms_.of(*tp_comm_));
   }
   // The norm counts every parameter once (Megatron _filter_grads_for_norm): the tied copy on the
   // first stage only, tensor-replicated ones (LayerNorms, row-parallel biases, wpe) on tensor rank 0.

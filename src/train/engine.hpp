@@ -22,6 +22,7 @@
 #include "optim/lr_schedule.hpp"
 #include "optim/optimizer.hpp"
 #include "parallel/comm.hpp"
+#include "parallel/comm_staged.hpp"
 #include "parallel/pipe_schedule.hpp"
 #include "parallel/topology.hpp"
 #include "train/observer.hpp"
@@ -131,6 +132,9 @@ class Engine {
   Config cfg_;
   const ProcessGroups& groups_;
   std::unique_ptr<MpiCommunicator> dp_comm_, pipe_comm_, tp_comm_, mp_comm_, emb_comm_, world_comm_;
+  // What each group uses for buffers in model memory (the MPI communicators above on a CPU
+  // build); declared before everything that holds one, so that it goes after them.
+  mutable ModelMemoryComms model_comms_;  // a cache: of() makes a group's on first use
   std::unique_ptr<ZeroOptimizer> zero_;
   // MoE (engine_moe.cpp): the expert groups, and the experts' own ZeRO optimizer over the
   // expert-data group (DESIGN-3D: no MoE branch inside ZeRO); null on a dense model or on a

@@ -11,7 +11,7 @@ namespace zero3d {
 
 MoeRouting Engine::moe_routing() const {
   MoeRouting r = moe_routing_of(cfg_.model.moe, cfg_.training.seed);
-  r.expert = ep_comm_.get();
+  r.expert = ep_comm_ ? &model_comms_.of(*ep_comm_) : nullptr;
   return r;
 }
 
@@ -23,7 +23,7 @@ void Engine::setup_expert_optimizer(const std::function<void(float*, int64_t, in
   if (!zero.offload_optimizer.nvme_path.empty()) zero.offload_optimizer.nvme_path += "/moe_experts";
   if (!zero.offload_param.nvme_path.empty()) zero.offload_param.nvme_path += "/moe_experts";
   expert_zero_ = std::make_unique<ZeroOptimizer>(zero, cfg_.optimizer, StateTypes{pc.param, pc.grad_accum, pc.comm},
-                                                 part.expert_layout, part.expert_units, *edp_comm_, -1,
+                                                 part.expert_layout, part.expert_units, model_comms_.of(*edp_comm_), -1,
                                                  /*ordered_backward=*/model_->num_chunks() == 1, groups_.rank());
   expert_zero_->set_fetch_trace(expert_trace_);
   // Each expert starts from its own draw (seed, h.{l}.mlp.experts.{e}...), whatever ep_size.

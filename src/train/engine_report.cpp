@@ -1,16 +1,17 @@
 // engine_report.cpp — what rank 0 prints and writes about a run: the start-up lines, each
 // step's metrics.jsonl record and report line, and the end-of-run summary.
-#include "train/engine.hpp"
 
-#include <algorithm>
-#include <cstdio>
 
 #include "base/errors.hpp"
 #include "io/checkpoint.hpp"
+#include "kernels/device.hpp"
 #include "kernels/gemm.hpp"
+#include "train/engine.hpp"
 #include "train/estimator.hpp"
 #include "train/job_control.hpp"
 #include "train/memory_breakdown.hpp"
+#include <algorithm>
+#include <cstdio>
 
 namespace zero3d {
 
@@ -54,6 +55,11 @@ void Engine::print_startup() const {
   std::printf("zero3d %s | world size %d | topology pipe=%d data=%d model=%d | Kokkos %s | %s\n", ZERO3D_VERSION,
               topo.world_size(), topo.get_dim("pipe"), topo.get_dim("data"), topo.get_dim("model"),
               Kokkos::DefaultExecutionSpace::name(), node_summary_.c_str());
+  if constexpr (kernels::kGpuBuild) {  // rank 0's device; every rank took the one of its rank on its node
+    const kernels::DeviceInfo d = kernels::device_info();
+    std::printf("device  %s (device %d of %d visible) | %.1f GiB, %.1f GiB free | %s\n", d.name.c_str(), d.id,
+                d.visible, d.total_bytes / 1073741824.0, d.free_bytes / 1073741824.0, d.backend.c_str());
+  }
   const int64_t total_params = gpt_layout(s).total();
   std::printf("model   GPT-2 V=%lld T=%lld L=%lld H=%lld C=%lld: %lld parameters (%.2f MB fp32), %s\n",
               (long long)s.vocab_size, (long long)s.n_positions, (long long)s.n_layer, (long long)s.n_head,
