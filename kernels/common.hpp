@@ -31,7 +31,9 @@
 #endif
 
 // A device backend (CUDA): kernels choose their GPU forms (a team per row, column reductions
-// in two stages) where the CPU forms walk memory serially.
+// in two stages) where the CPU forms walk memory serially. The GPU forms sit in namespace gpu
+// beside the CPU forms and compile on every build, so the CPU suite runs them on Kokkos Serial
+// against the CPU forms (tests/kernels/test_kernels_device_forms.cpp).
 #if defined(KOKKOS_ENABLE_CUDA)
 #define ZERO3D_DEVICE 1
 #endif
@@ -43,6 +45,29 @@ using Index = int64_t;
 
 inline Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<Index>> range(Index n) {
   return Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<Index>>(0, n);
+}
+
+// A row to each vector of lanes, for the device forms of row kernels (LayerNorm, softmax rows):
+// on a device a team is a block of kRowsPerTeam warps and each warp takes a row, llm.c's warp
+// per row (layernorm.cuh kernel 3, warpReduceSum; GPU-GAP §3); on the host a team is one row and
+// one lane, all Kokkos Serial allows. A row's lanes stride over its columns and a ThreadVectorRange
+// reduction adds their sums in a fixed tree: no atomics, the same bits on every run.
+#ifdef ZERO3D_DEVICE
+constexpr int kRowLanes = 32;
+constexpr int kRowsPerTeam = 4;
+#else
+constexpr int kRowLanes = 1;
+constexpr int kRowsPerTeam = 1;
+#endif
+using RowTeams = Kokkos::TeamPolicy<ExecSpace>;
+using RowTeam = RowTeams::member_type;
+
+inline RowTeams row_teams(Index rows) {
+  return RowTeams(static_cast<int>((rows + kRowsPerTeam - 1) / kRowsPerTeam), kRowsPerTeam, kRowLanes);
+}
+// The row a team member's lanes work on; past the last row when rows do not fill the last team.
+KOKKOS_INLINE_FUNCTION Index team_row(const RowTeam& team) {
+  return static_cast<Index>(team.league_rank()) * team.team_size() + team.team_rank();
 }
 
 // Work over host memory (routing tables in std::vector, say) that uses host algorithms: the host

@@ -11,9 +11,50 @@
 
 namespace zero3d::kernels {
 
+namespace gpu {
+
+// A row to a warp (common.hpp row_teams) where a thread walked a whole 200 KB row of GPT-2's
+// vocabulary: the max and the sum of exponentials are lane-strided reductions (llm.c
+// fused_classifier.cuh:68-140 takes a block per row; 8192 rows of warps already fill an H100).
+inline void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, Index N,
+                                 Index V) {
+  Kokkos::parallel_for("crossentropy_forward", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index i = team_row(team);
+    if (i >= N) return;
+    const float* z = logits + i * V;
+    float mx;  // the reducer's result; its identity, -FLT_MAX, leaves finite logits the CPU form's max
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, V), [&](Index v, float& m) { m = z[v] > m ? z[v] : m; }, Kokkos::Max<float>(mx));
+    float sum = 0.0f;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, V), [&](Index v, float& s) { s += fast_exp(z[v] - mx); }, sum);
+    Kokkos::single(Kokkos::PerThread(team), [&] {
+      const float l = mx + std::log(sum);
+      lse[i] = l;
+      losses[i] = l - z[targets[i]];
+    });
+  });
+}
+
+// A thread per logit, then a thread per row takes dloss off its target: each element's
+// arithmetic, and the rounding between the two steps, are the CPU form's (the same bits).
+inline void crossentropy_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index N,
+                                  Index V) {
+  Kokkos::parallel_for("crossentropy_backward", range(N * V), KOKKOS_LAMBDA(Index j) {
+    logits[j] = fast_exp(logits[j] - lse[j / V]) * dloss;
+  });
+  Kokkos::parallel_for("crossentropy_backward_target", range(N), KOKKOS_LAMBDA(Index i) {
+    logits[i * V + targets[i]] -= dloss;
+  });
+}
+
+}  // namespace gpu
+
 // losses[i] = logsumexp(logits[i,:]) - logits[i, target[i]]; lse[i] saved for the backward.
 inline void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, Index N,
                                  Index V) {
+#ifdef ZERO3D_DEVICE
+  gpu::crossentropy_forward(losses, lse, logits, targets, N, V);
+#else
   Kokkos::parallel_for("crossentropy_forward", range(N), KOKKOS_LAMBDA(Index i) {
     const float* z = logits + i * V;
     float mx = z[0];
@@ -26,17 +67,22 @@ inline void crossentropy_forward(float* losses, float* lse, const float* logits,
     lse[i] = l;
     losses[i] = l - z[targets[i]];
   });
+#endif
 }
 
 // logits[i,:] <- dloss * (softmax(logits[i,:]) - onehot(target[i])); dloss = d(total)/d(loss_i).
 inline void crossentropy_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index N,
                                   Index V) {
+#ifdef ZERO3D_DEVICE
+  gpu::crossentropy_backward(logits, lse, targets, dloss, N, V);
+#else
   Kokkos::parallel_for("crossentropy_backward", range(N), KOKKOS_LAMBDA(Index i) {
     float* z = logits + i * V;
     const float l = lse[i];
     for (Index v = 0; v < V; ++v) z[v] = fast_exp(z[v] - l) * dloss;
     z[targets[i]] -= dloss;
   });
+#endif
 }
 
 }  // namespace zero3d::kernels

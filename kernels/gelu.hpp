@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/common.hpp"
+#include "kernels/device_forms.hpp"
 #include "kernels/fastmath.hpp"
 #include "kernels/half.hpp"
 
@@ -73,13 +74,39 @@ inline void gelu_backward(float* dinp, const I* inp, const float* dout, Index n)
   Kokkos::parallel_for("gelu_backward", range(n), KOKKOS_LAMBDA(Index i) { dinp[i] = gelu_grad(to_float(inp[i]), dout[i]); });
 }
 
+namespace gpu {
+
+// Stage 1 of a two-stage column sum (device_forms.hpp) does the element-wise work of the
+// elements it sums: a thread per (chunk of rows, column) writes its chunk's dinp and adds its
+// unrounded values in row order; stage 2 adds the chunks in order. One pass over memory, no atomics.
+inline void gelu_backward_summing_columns(bf16* dinp, float* column_sums, const bf16* inp, const float* dout, Index N,
+                                          Index OC) {
+  const Index chunks = column_chunks(N);
+  float* partial = kernel_scratch<float>(chunks * OC);
+  Kokkos::parallel_for("gelu_backward", range(chunks * OC), KOKKOS_LAMBDA(Index j) {
+    const Index o = j % OC, i0 = j / OC * kColumnChunkRows, i1 = i0 + kColumnChunkRows < N ? i0 + kColumnChunkRows : N;
+    float acc = 0.0f;
+    for (Index i = i0; i < i1; ++i) {
+      const float g = gelu_grad(to_float(inp[i * OC + o]), dout[i * OC + o]);
+      acc += g;
+      dinp[i * OC + o] = to_bf16(g);
+    }
+    partial[j] = acc;
+  });
+  add_chunk_sums(column_sums, partial, chunks, OC);
+}
+
+}  // namespace gpu
+
 // The same for a gradient whose readers are the next linear layer's two bf16 products and its
 // bias gradient: dinp = bf16(gelu'(inp)·dout) for [N, OC], and column_sums[o] += Σ_i of the
 // unrounded values, in one pass (no fp32 gradient written and read back). The sums add each
 // column's rows in order into a fresh sum, as convert_summing_columns does (same bits).
 inline void gelu_backward_summing_columns(bf16* dinp, float* column_sums, const bf16* inp, const float* dout, Index N,
                                           Index OC) {
-#ifdef ZERO3D_SERIAL_HOST
+#if defined(ZERO3D_DEVICE)
+  gpu::gelu_backward_summing_columns(dinp, column_sums, inp, dout, N, OC);
+#elif defined(ZERO3D_SERIAL_HOST)
   // one thread: stream the rows in memory order, the sums (OC floats) stay in L1; 16 lanes at a
   // time with AVX-512, the rest (or all, without it) one by one
   const ProfileRegion region("gelu_backward");

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/common.hpp"
+#include "kernels/device_forms.hpp"
 
 namespace zero3d::kernels {
 
@@ -154,6 +155,8 @@ inline void sum_rounded(T* dst, const T* a, const T* b, Index n) {
 // once per row: widened once here instead of N times there (fp16's widening is integer
 // arithmetic; gpt-small's fp16 bias adds and LayerNorms took 1.5-1.8x their fp32 time).
 // Exact, so the kernels' bits do not change. fp32 parameters are used where they lie.
+// The CPU forms only: on a device a View per call would be a cudaMalloc and a synchronising
+// cudaFree, so the device forms (LayerNorm, add_bias_rows) widen each value as they read it.
 class WidenedParams {
  public:
   template <typename P>
@@ -259,13 +262,37 @@ inline void convert_transposed(bf16* dst, const float* src, Index rows, Index co
 #endif
 }
 
+namespace gpu {
+
+// Stage 1 of the two-stage column sum (device_forms.hpp) also rounds the elements it sums: a
+// thread per (chunk of rows, column), neighbouring threads on neighbouring columns, one pass.
+inline void convert_summing_columns(bf16* dst, float* column_sums, const float* src, Index N, Index OC) {
+  if (!column_sums) return convert(dst, src, N * OC);
+  const Index chunks = column_chunks(N);
+  float* partial = kernel_scratch<float>(chunks * OC);
+  Kokkos::parallel_for("convert_summing_columns", range(chunks * OC), KOKKOS_LAMBDA(Index j) {
+    const Index o = j % OC, i0 = j / OC * kColumnChunkRows, i1 = i0 + kColumnChunkRows < N ? i0 + kColumnChunkRows : N;
+    float acc = 0.0f;
+    for (Index i = i0; i < i1; ++i) {
+      acc += src[i * OC + o];
+      dst[i * OC + o] = to_bf16(src[i * OC + o]);
+    }
+    partial[j] = acc;
+  });
+  add_chunk_sums(column_sums, partial, chunks, OC);
+}
+
+}  // namespace gpu
+
 // dst = bf16(src) for src[N, OC] (dense), and column_sums[o] += Σ_i src[i, o] when column_sums
 // is not null: a linear layer's output gradient is rounded for its two products and summed for
 // its bias gradient in one pass over memory. Each column's rows are added in order into a
 // fresh sum that then joins column_sums, as accumulate_column_sums adds them (same bits).
 inline void convert_summing_columns(bf16* dst, float* column_sums, const float* src, Index N, Index OC) {
   if (!column_sums) return convert(dst, src, N * OC);
-#ifdef ZERO3D_SERIAL_HOST
+#if defined(ZERO3D_DEVICE)
+  gpu::convert_summing_columns(dst, column_sums, src, N, OC);
+#elif defined(ZERO3D_SERIAL_HOST)
   // one thread: stream the rows in memory order, the sums (OC floats) stay in L1
   const ProfileRegion region("convert_summing_columns");
   std::vector<float> acc(static_cast<size_t>(OC), 0.0f);

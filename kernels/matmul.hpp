@@ -5,6 +5,7 @@
 #pragma once
 
 #include "kernels/common.hpp"
+#include "kernels/device_forms.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/half.hpp"
 
@@ -19,15 +20,42 @@ constexpr DType dtype_of<bf16>() { return DType::BF16; }
 template <>
 constexpr DType dtype_of<fp16>() { return DType::F16; }
 
+namespace gpu {
+
+// A thread per element (coalesced) where a thread walked a row; the same sum per element.
+template <typename P>
+inline void add_bias_rows(float* out, const P* bias, Index N, Index OC) {
+  Kokkos::parallel_for("add_bias_rows", range(N * OC), KOKKOS_LAMBDA(Index j) { out[j] += to_float(bias[j % OC]); });
+}
+
+// Two stages (device_forms.hpp) where 16-column blocks gave 48 threads at OC = 768.
+inline void accumulate_column_sums(float* dbias, const float* dout, Index N, Index OC) {
+  const Index chunks = column_chunks(N);
+  float* partial = kernel_scratch<float>(chunks * OC);
+  Kokkos::parallel_for("column_sums", range(chunks * OC), KOKKOS_LAMBDA(Index j) {
+    const Index o = j % OC, i0 = j / OC * kColumnChunkRows, i1 = i0 + kColumnChunkRows < N ? i0 + kColumnChunkRows : N;
+    float acc = 0.0f;
+    for (Index i = i0; i < i1; ++i) acc += dout[i * OC + o];
+    partial[j] = acc;
+  });
+  add_chunk_sums(dbias, partial, chunks, OC);
+}
+
+}  // namespace gpu
+
 // Adds bias[OC] (stored as P) to every row of out[N,OC].
 template <typename P>
 inline void add_bias_rows(float* out, const P* bias16, Index N, Index OC) {
+#ifdef ZERO3D_DEVICE
+  gpu::add_bias_rows(out, bias16, N, OC);
+#else
   WidenedParams widen;
   const float* bias = widen(bias16, OC);
   Kokkos::parallel_for("add_bias_rows", range(N), KOKKOS_LAMBDA(Index i) {
     float* row = out + i * OC;
     for (Index o = 0; o < OC; ++o) row[o] += bias[o];
   });
+#endif
 }
 
 // res = residual + partial + bias: a row-parallel layer's output once its partial products are
@@ -49,6 +77,9 @@ inline void add_residual_and_bias(float* res, const float* residual, const float
 
 // Column sums: dbias[OC] += sum over rows of dout[N,OC] (each column owned by one iteration).
 inline void accumulate_column_sums(float* dbias, const float* dout, Index N, Index OC) {
+#ifdef ZERO3D_DEVICE
+  gpu::accumulate_column_sums(dbias, dout, N, OC);
+#else
   constexpr Index kBlock = 16;  // 16 columns = one cache line per row visit
   Kokkos::parallel_for("column_sums", range((OC + kBlock - 1) / kBlock), KOKKOS_LAMBDA(Index blk) {
     const Index o0 = blk * kBlock, o1 = o0 + kBlock < OC ? o0 + kBlock : OC;
@@ -57,6 +88,7 @@ inline void accumulate_column_sums(float* dbias, const float* dout, Index N, Ind
       for (Index o = o0; o < o1; ++o) acc[o - o0] += dout[i * OC + o];
     for (Index o = o0; o < o1; ++o) dbias[o] += acc[o - o0];
   });
+#endif
 }
 
 // accumulate=true adds into out (used to fold the residual add into the projection).

@@ -1,0 +1,438 @@
+// test_kernels_device_forms.cpp — each row or column kernel's device form (namespace gpu, what a
+// GPU build runs) against the CPU form on the same inputs, here on Kokkos Serial, and two runs of
+// each device form that adds across threads (rows, columns, sorted runs, the norm) against each
+// other bit for bit (no atomics: runs are deterministic). Element-wise forms, one value a thread,
+// have no order to vary.
+//
+// Where the forms add in the same order (element-wise work, the embedding gradients, plain column sums
+// of at most one chunk of rows) they must agree bit for bit; where the device form adds in another
+// order (a row's reduction in lane-strided pieces, column sums in chunks) each tolerance says why.
+// On a GPU build the plain names are the device forms themselves, so there only the run-to-run
+// checks say something; the CPU comparison is this build's.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "base/rng.hpp"
+#include "kernels/crossentropy.hpp"
+#include "kernels/encoder.hpp"
+#include "kernels/gelu.hpp"
+#include "kernels/half.hpp"
+#include "kernels/layernorm.hpp"
+#include "kernels/matmul.hpp"
+#include "kernels/reduce.hpp"
+#include "kernels/vocab_parallel.hpp"
+
+using namespace zero3d;
+using namespace zero3d::kernels;
+
+namespace {
+
+// Model memory (device memory on a GPU build) filled from, and read back into, host vectors.
+template <typename T>
+class Buffer {
+ public:
+  explicit Buffer(const std::vector<T>& host)
+      : view_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("test_buffer")), host.size()) {
+    Kokkos::deep_copy(view_,
+                      Kokkos::View<const T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(host.data(), host.size()));
+  }
+  explicit Buffer(size_t n) : Buffer(std::vector<T>(n)) {}  // zeros
+  T* data() { return view_.data(); }
+  std::vector<T> host() const {
+    std::vector<T> out(view_.extent(0));
+    Kokkos::deep_copy(Kokkos::View<T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(out.data(), out.size()), view_);
+    return out;
+  }
+
+ private:
+  Kokkos::View<T*> view_;
+};
+
+std::vector<float> random_vector(size_t n, uint64_t stream, float scale = 1.0f, float shift = 0.0f) {
+  Rng rng(31, stream);
+  std::vector<float> v(n);
+  for (auto& x : v) x = shift + static_cast<float>(scale * rng.normal());
+  return v;
+}
+
+std::vector<bf16> rounded(const std::vector<float>& x) {
+  std::vector<bf16> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = to_bf16(x[i]);
+  return out;
+}
+
+double value(float x) { return x; }
+double value(bf16 x) { return to_float(x); }
+
+// |got - want| <= abs + rel·|want| for every element; the worst element is reported.
+template <typename T>
+void expect_close(const std::string& what, const std::vector<T>& got, const std::vector<T>& want, double abs,
+                  double rel) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t worst = 0;
+  double worst_excess = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double excess = std::fabs(value(got[i]) - value(want[i])) - (abs + rel * std::fabs(value(want[i])));
+    if (!(excess <= worst_excess)) {  // NaN counts as a failure
+      worst = i;
+      worst_excess = excess;
+    }
+  }
+  EXPECT_LE(worst_excess, 0.0) << what << ": element " << worst << " is " << value(got[worst]) << ", expected "
+                               << value(want[worst]) << " within " << abs << " + " << rel << "·|expected|";
+}
+
+template <typename T>
+void expect_same_bits(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      ADD_FAILURE() << what << ": element " << i << " is " << value(got[i]) << ", expected " << value(want[i])
+                    << " bit for bit";
+      return;
+    }
+}
+
+std::string shape(Index rows, Index cols) { return " [" + std::to_string(rows) + " x " + std::to_string(cols) + "]"; }
+
+// LayerNorm rows of a non-zero mean (as a residual stream has), parameters P, output O.
+template <typename P, typename O>
+void check_layernorm_forward(Index N, Index C) {
+  const std::string at = shape(N, C);
+  const auto x = random_vector(N * C, 1, 1.0f, 0.5f), w32 = random_vector(C, 2, 0.2f, 1.0f);
+  const auto b32 = random_vector(C, 3, 0.1f);
+  std::vector<P> w(C), b(C);
+  for (Index c = 0; c < C; ++c) w[c] = from_float<P>(w32[c]), b[c] = from_float<P>(b32[c]);
+  Buffer<float> in(x);
+  Buffer<P> weight(w), bias(b);
+  auto run = [&](bool device) {
+    Buffer<O> out(N * C);
+    Buffer<float> mean(N), rstd(N);
+    if (device) gpu::layernorm_forward(out.data(), mean.data(), rstd.data(), in.data(), weight.data(), bias.data(), N, C);
+    else layernorm_forward(out.data(), mean.data(), rstd.data(), in.data(), weight.data(), bias.data(), N, C);
+    return std::make_tuple(out.host(), mean.host(), rstd.host());
+  };
+  const auto [out, mean, rstd] = run(true);
+  const auto [cpu_out, cpu_mean, cpu_rstd] = run(false);
+  // A row's C terms are added in another order (here one at a time, the host's single lane; the
+  // CPU form in SIMD pieces): the mean moves by a few ulp of Σ|x|/C (~1.2), rstd by a few ulp of
+  // itself, the output by those through (x - m)·s, and a bf16 rounding may flip (one bf16 ulp).
+  expect_close("mean" + at, mean, cpu_mean, 2e-6, 0.0);
+  expect_close("rstd" + at, rstd, cpu_rstd, 0.0, 2e-6);
+  const double out_rel = std::is_same_v<O, bf16> ? 1.0 / 128 : 0.0;  // a bf16 ulp is at most 2⁻⁷ relative
+  expect_close("out" + at, out, cpu_out, 2e-5, out_rel);
+  const auto [again_out, again_mean, again_rstd] = run(true);
+  expect_same_bits("out, second run" + at, again_out, out);
+  expect_same_bits("mean, second run" + at, again_mean, mean);
+  expect_same_bits("rstd, second run" + at, again_rstd, rstd);
+}
+
+template <typename P>
+void check_layernorm_backward(Index N, Index C) {
+  const std::string at = shape(N, C);
+  const auto x = random_vector(N * C, 4, 1.0f, 0.5f), dy = random_vector(N * C, 5), w32 = random_vector(C, 6, 0.2f, 1.0f);
+  std::vector<P> w(C);
+  for (Index c = 0; c < C; ++c) w[c] = from_float<P>(w32[c]);
+  const auto dx0 = random_vector(N * C, 7), dw0 = random_vector(C, 8), db0 = random_vector(C, 9);
+  Buffer<float> in(x), dout(dy), mean(N), rstd(N);
+  Buffer<P> weight(w);
+  Buffer<float> normed(N * C);  // the forward's statistics (the weight serves as bias)
+  layernorm_forward(normed.data(), mean.data(), rstd.data(), in.data(), weight.data(), weight.data(), N, C);
+  auto run = [&](bool device) {
+    Buffer<float> dx(dx0), dw(dw0), db(db0);
+    if (device)
+      gpu::layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), in.data(), weight.data(), mean.data(),
+                              rstd.data(), N, C);
+    else
+      layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), in.data(), weight.data(), mean.data(),
+                         rstd.data(), N, C);
+    return std::make_tuple(dx.host(), dw.host(), db.host());
+  };
+  const auto [dx, dw, db] = run(true);
+  const auto [cpu_dx, cpu_dw, cpu_db] = run(false);
+  // The row's two means are added in another order (as the forward's): a few ulp of Σ|dnorm|/C.
+  expect_close("dinp" + at, dx, cpu_dx, 2e-5, 2e-6);
+  // One chunk of rows adds them in the CPU form's order: dbias's pure sums agree bit for bit, and
+  // dweight's but for the compiler fusing a term's product into its add in one form and not the
+  // other (one rounding a term). More chunks add 64-row sums in order: a few ulp of the N-term
+  // Σ|dy| or Σ|dy·norm| (~0.8 N).
+  expect_close("dweight" + at, dw, cpu_dw, 2e-6 * N, 0.0);
+  if (N <= gpu::kColumnChunkRows) expect_same_bits("dbias" + at, db, cpu_db);
+  else expect_close("dbias" + at, db, cpu_db, 2e-6 * N, 0.0);
+  const auto [again_dx, again_dw, again_db] = run(true);
+  expect_same_bits("dinp, second run" + at, again_dx, dx);
+  expect_same_bits("dweight, second run" + at, again_dw, dw);
+  expect_same_bits("dbias, second run" + at, again_db, db);
+}
+
+// Token ids with repeats: ids below `distinct`, and one frequent id at every third position.
+std::vector<int32_t> repeating_tokens(Index n, Index distinct, uint64_t stream) {
+  Rng rng(31, stream);
+  std::vector<int32_t> t(n);
+  for (Index i = 0; i < n; ++i) t[i] = i % 3 == 0 ? 3 : static_cast<int32_t>(rng.below(distinct));
+  return t;
+}
+
+void check_encoder(Index B, Index T, Index C, Index V, Index distinct) {
+  const std::string at = " [B " + std::to_string(B) + ", T " + std::to_string(T) + ", C " + std::to_string(C) + "]";
+  Buffer<int32_t> tokens(repeating_tokens(B * T, distinct, 10));
+  Buffer<float> wte(random_vector(V * C, 11)), wpe(random_vector(T * C, 12)), dout(random_vector(B * T * C, 13));
+  Buffer<float> out(B * T * C), cpu_out(B * T * C);
+  gpu::encoder_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+  encoder_forward(cpu_out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+  expect_same_bits("encoder_forward" + at, out.host(), cpu_out.host());  // one sum per element
+  const auto dwte0 = random_vector(V * C, 14), dwpe0 = random_vector(T * C, 15);
+  auto run = [&](bool device) {
+    Buffer<float> dwte(dwte0), dwpe(dwpe0);
+    if (device) gpu::encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C);
+    else encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C);
+    return std::make_pair(dwte.host(), dwpe.host());
+  };
+  const auto [dwte, dwpe] = run(true);
+  const auto [cpu_dwte, cpu_dwpe] = run(false);
+  // Each token's positions, and each position's batch, are added in position order, as the CPU form adds them.
+  expect_same_bits("dwte" + at, dwte, cpu_dwte);
+  expect_same_bits("dwpe" + at, dwpe, cpu_dwpe);
+  const auto [again_dwte, again_dwpe] = run(true);
+  expect_same_bits("dwte, second run" + at, again_dwte, dwte);
+  expect_same_bits("dwpe, second run" + at, again_dwpe, dwpe);
+}
+
+}  // namespace
+
+TEST(KernelDeviceForms, LayerNormForwardMatchesTheCpuForm) {
+  for (const auto& size : {std::pair<Index, Index>{5, 37}, {64, 768}, {257, 768}}) {
+    const Index N = size.first, C = size.second;
+    check_layernorm_forward<float, float>(N, C);
+    check_layernorm_forward<bf16, bf16>(N, C);
+  }
+}
+
+TEST(KernelDeviceForms, LayerNormBackwardMatchesTheCpuForm) {
+  for (const auto& size : {std::pair<Index, Index>{5, 37}, {64, 768}, {257, 768}}) {
+    const Index N = size.first, C = size.second;
+    check_layernorm_backward<float>(N, C);
+    check_layernorm_backward<bf16>(N, C);
+  }
+}
+
+TEST(KernelDeviceForms, EncoderMatchesTheCpuFormBitForBitWithRepeatedTokens) {
+  check_encoder(2, 3, 5, 7, 7);        // 6 positions, 3 distinct ids at most
+  check_encoder(4, 64, 768, 1000, 50);  // GPT-2's width; token 3 at a third of the positions
+  check_encoder(1, 16, 9, 4, 1);        // ids 0 and 3 only: two long runs
+}
+
+TEST(KernelDeviceForms, EncoderBackwardGivesATokenEveryRepeatOfIt) {
+  // Every position the same token: its row gets the whole sum, every other row stays zero.
+  const Index B = 2, T = 4, C = 3, V = 5;
+  Buffer<int32_t> tokens(std::vector<int32_t>(B * T, 2));
+  std::vector<float> d(B * T * C);
+  for (Index i = 0; i < B * T * C; ++i) d[i] = static_cast<float>(i % C + 1);
+  Buffer<float> dout(d), dwte(V * C), dwpe(T * C);
+  gpu::encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C);
+  std::vector<float> want(V * C, 0.0f);
+  for (Index c = 0; c < C; ++c) want[2 * C + c] = static_cast<float>(B * T * (c + 1));
+  expect_same_bits("dwte", dwte.host(), want);
+}
+
+TEST(KernelDeviceForms, VocabParallelEmbeddingMatchesTheCpuForm) {
+  const Index B = 4, T = 64, C = 768, v0 = 0, Vl = 20;  // this rank owns ids 0..19 of the 50 in use
+  Buffer<int32_t> tokens(repeating_tokens(B * T, 50, 16));
+  Buffer<float> wte(random_vector(Vl * C, 17)), wpe(random_vector(T * C, 18)), dout(random_vector(B * T * C, 19));
+  Buffer<float> out(B * T * C), cpu_out(B * T * C);
+  gpu::vocab_embedding_forward(out.data(), tokens.data(), wte.data(), v0, Vl, B * T, C);
+  vocab_embedding_forward(cpu_out.data(), tokens.data(), wte.data(), v0, Vl, B * T, C);
+  gpu::add_position_embedding(out.data(), wpe.data(), 5, B * T, T, C);
+  add_position_embedding(cpu_out.data(), wpe.data(), 5, B * T, T, C);
+  expect_same_bits("embedding forward", out.host(), cpu_out.host());
+  const auto dwte0 = random_vector(Vl * C, 20), dwpe0 = random_vector(T * C, 21);
+  for (const Index first : {Index{0}, Index{10}}) {  // a shard starting at id 0, and one owning ids 10..29
+    auto run = [&](bool device) {
+      Buffer<float> dwte(dwte0), dwpe(dwpe0);
+      if (device) gpu::vocab_embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), first, Vl, B, T, C);
+      else vocab_embedding_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), first, Vl, B, T, C);
+      return std::make_pair(dwte.host(), dwpe.host());
+    };
+    const auto [dwte, dwpe] = run(true);
+    const auto [cpu_dwte, cpu_dwpe] = run(false);
+    const std::string at = " (ids from " + std::to_string(first) + ")";
+    expect_same_bits("dwte_local" + at, dwte, cpu_dwte);  // the CPU form's order (see check_encoder)
+    expect_same_bits("dwpe" + at, dwpe, cpu_dwpe);
+    expect_same_bits("dwte_local, second run" + at, run(true).first, dwte);
+  }
+}
+
+TEST(KernelDeviceForms, CrossEntropyMatchesTheCpuForm) {
+  for (const auto& size : {std::pair<Index, Index>{3, 17}, {64, 1000}, {4, 50257}}) {
+    const Index N = size.first, V = size.second;
+    const std::string at = shape(N, V);
+    const auto z = random_vector(N * V, 22, 3.0f);
+    std::vector<int32_t> t(N);
+    for (Index i = 0; i < N; ++i) t[i] = static_cast<int32_t>((i * 7919) % V);
+    Buffer<float> logits(z);
+    Buffer<int32_t> targets(t);
+    auto forward = [&](bool device) {
+      Buffer<float> losses(N), lse(N);
+      if (device) gpu::crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+      else crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+      return std::make_pair(losses.host(), lse.host());
+    };
+    const auto [losses, lse] = forward(true);
+    const auto [cpu_losses, cpu_lse] = forward(false);
+    // The max is exact; the sum of V positive exponentials is added in another order (here one
+    // term at a time, the host's single lane; the CPU form in 16-lane pieces), its rounding errors
+    // growing like √V ulp of the sum (V ulp at the very worst), and lse = max + log(sum) moves
+    // by that relative error, absolutely: 16·√V·2⁻²⁴ allows for it.
+    const double lse_tolerance = 16.0 * std::sqrt(static_cast<double>(V)) * std::ldexp(1.0, -24);
+    expect_close("lse" + at, lse, cpu_lse, lse_tolerance, 0.0);
+    expect_close("losses" + at, losses, cpu_losses, lse_tolerance, 0.0);
+    expect_same_bits("losses, second run" + at, forward(true).first, losses);
+    // The backward from the same lse: each logit's arithmetic is the CPU form's.
+    Buffer<float> lse_in(cpu_lse);
+    auto backward = [&](bool device) {
+      Buffer<float> grad(z);
+      if (device) gpu::crossentropy_backward(grad.data(), lse_in.data(), targets.data(), 0.125f, N, V);
+      else crossentropy_backward(grad.data(), lse_in.data(), targets.data(), 0.125f, N, V);
+      return grad.host();
+    };
+    expect_same_bits("crossentropy_backward" + at, backward(true), backward(false));
+  }
+}
+
+TEST(KernelDeviceForms, VocabParallelCrossEntropyMatchesTheCpuForm) {
+  const Index N = 64, Vl = 1000, real = 990, v0 = 500;  // the last shard: 10 padding columns
+  const auto z = random_vector(N * Vl, 23, 3.0f);
+  std::vector<int32_t> t(N);
+  for (Index i = 0; i < N; ++i) t[i] = static_cast<int32_t>(450 + (i * 37) % 1050);  // some ids on other ranks
+  // the shard's edges: its first and last real ids, the id before it and its first padding column
+  t[0] = static_cast<int32_t>(v0), t[1] = static_cast<int32_t>(v0 + real - 1);
+  t[2] = static_cast<int32_t>(v0 - 1), t[3] = static_cast<int32_t>(v0 + real);
+  Buffer<float> logits(z);
+  Buffer<int32_t> targets(t);
+  auto forward = [&](bool device, Index real_cols) {
+    Buffer<float> mx(N), sum(N), target(N);
+    if (device) {
+      gpu::vocab_ce_local_max(mx.data(), logits.data(), N, Vl, real_cols);
+      gpu::vocab_ce_local_sums(sum.data(), target.data(), logits.data(), mx.data(), targets.data(), v0, N, Vl, real_cols);
+    } else {
+      vocab_ce_local_max(mx.data(), logits.data(), N, Vl, real_cols);
+      vocab_ce_local_sums(sum.data(), target.data(), logits.data(), mx.data(), targets.data(), v0, N, Vl, real_cols);
+    }
+    return std::make_tuple(mx.host(), sum.host(), target.host());
+  };
+  for (const Index real_cols : {real, Index{0}}) {  // and a shard that is all padding (max -inf, sum 0)
+    const std::string at = " (" + std::to_string(real_cols) + " real columns)";
+    const auto [mx, sum, target] = forward(true, real_cols);
+    const auto [cpu_mx, cpu_sum, cpu_target] = forward(false, real_cols);
+    expect_same_bits("row max" + at, mx, cpu_mx);
+    expect_close("sum of exp" + at, sum, cpu_sum, 0.0, 1e-5);  // ~1000 positive terms in another order
+    expect_same_bits("target logit" + at, target, cpu_target);
+    expect_same_bits("sum of exp, second run" + at, std::get<1>(forward(true, real_cols)), sum);
+  }
+  Buffer<float> lse(random_vector(N, 24, 1.0f, 8.0f));
+  auto backward = [&](bool device) {
+    Buffer<float> grad(z);
+    if (device) gpu::vocab_ce_backward(grad.data(), lse.data(), targets.data(), 0.5f, v0, N, Vl, real);
+    else vocab_ce_backward(grad.data(), lse.data(), targets.data(), 0.5f, v0, N, Vl, real);
+    return grad.host();
+  };
+  expect_same_bits("vocab_ce_backward", backward(true), backward(false));
+}
+
+TEST(KernelDeviceForms, BiasAndColumnSumsMatchTheCpuForm) {
+  for (const auto& size : {std::pair<Index, Index>{5, 37}, {64, 768}, {257, 3072}}) {
+    const Index N = size.first, OC = size.second;
+    const std::string at = shape(N, OC);
+    const auto x = random_vector(N * OC, 25), b32 = random_vector(OC, 26), sums0 = random_vector(OC, 27);
+    Buffer<float> src(x), bias(b32);
+    Buffer<bf16> bias16(rounded(b32));
+    // add_bias_rows: one sum per element, fp32 and bf16 biases (widened exactly either way)
+    Buffer<float> out(x), cpu_out(x);
+    gpu::add_bias_rows(out.data(), bias.data(), N, OC);
+    gpu::add_bias_rows(out.data(), bias16.data(), N, OC);
+    add_bias_rows(cpu_out.data(), bias.data(), N, OC);
+    add_bias_rows(cpu_out.data(), bias16.data(), N, OC);
+    expect_same_bits("add_bias_rows" + at, out.host(), cpu_out.host());
+
+    // One chunk of rows adds them in the CPU form's order; more chunks add 64-row sums in order:
+    // a few ulp of the N-term Σ|x| (~0.8 N).
+    auto expect_sums = [&](const std::string& what, const std::vector<float>& got, const std::vector<float>& want) {
+      if (N <= gpu::kColumnChunkRows) expect_same_bits(what, got, want);
+      else expect_close(what, got, want, 2e-6 * N, 0.0);
+    };
+    auto column_sums = [&](bool device) {
+      Buffer<float> sums(sums0);
+      if (device) gpu::accumulate_column_sums(sums.data(), src.data(), N, OC);
+      else accumulate_column_sums(sums.data(), src.data(), N, OC);
+      return sums.host();
+    };
+    const auto sums = column_sums(true);
+    expect_sums("accumulate_column_sums" + at, sums, column_sums(false));
+    expect_same_bits("accumulate_column_sums, second run" + at, column_sums(true), sums);
+
+    auto converted = [&](bool device) {
+      Buffer<float> s(sums0);
+      Buffer<bf16> dst(N * OC);
+      if (device) gpu::convert_summing_columns(dst.data(), s.data(), src.data(), N, OC);
+      else convert_summing_columns(dst.data(), s.data(), src.data(), N, OC);
+      return std::make_pair(dst.host(), s.host());
+    };
+    const auto [dst, csums] = converted(true);
+    const auto [cpu_dst, cpu_csums] = converted(false);
+    expect_same_bits("convert_summing_columns, bf16" + at, dst, cpu_dst);
+    expect_sums("convert_summing_columns, sums" + at, csums, cpu_csums);
+    expect_same_bits("convert_summing_columns sums, second run" + at, converted(true).second, csums);
+  }
+}
+
+TEST(KernelDeviceForms, GeluBackwardSummingColumnsMatchesTheCpuForm) {
+  for (const auto& size : {std::pair<Index, Index>{5, 37}, {64, 3072}, {257, 768}}) {
+    const Index N = size.first, OC = size.second;
+    const std::string at = shape(N, OC);
+    Buffer<bf16> inp(rounded(random_vector(N * OC, 28, 1.5f)));
+    Buffer<float> dout(random_vector(N * OC, 29));
+    const auto sums0 = random_vector(OC, 30);
+    auto run = [&](bool device) {
+      Buffer<float> s(sums0);
+      Buffer<bf16> dinp(N * OC);
+      if (device) gpu::gelu_backward_summing_columns(dinp.data(), s.data(), inp.data(), dout.data(), N, OC);
+      else gelu_backward_summing_columns(dinp.data(), s.data(), inp.data(), dout.data(), N, OC);
+      return std::make_pair(dinp.host(), s.host());
+    };
+    const auto [dinp, sums] = run(true);
+    const auto [cpu_dinp, cpu_sums] = run(false);
+    // The CPU form's AVX-512 lanes take gelu' through σ(2u) and a 2^x polynomial (relative error
+    // 2⁻²²), the device form through fast_tanh (absolute error ~1e-7): gelu' differs by up to
+    // ~1e-6, times |dout| (≤ ~5), and a bf16 rounding may flip (one bf16 ulp, 2⁻⁷ relative). The
+    // column sums add those over N rows, in chunks past 64 rows.
+    expect_close("dinp" + at, dinp, cpu_dinp, 1e-5, 1.0 / 128);
+    expect_close("column sums" + at, sums, cpu_sums, 2e-6 * N, 0.0);
+    const auto [again_dinp, again_sums] = run(true);
+    expect_same_bits("dinp, second run" + at, again_dinp, dinp);
+    expect_same_bits("column sums, second run" + at, again_sums, sums);
+  }
+}
+
+TEST(KernelDeviceForms, SumOfSquaresMatchesTheCpuForm) {
+  const Index n = 64 * 768 + 5;  // a ragged last chunk of the CPU form's 4096
+  const auto x = random_vector(n, 31);
+  Buffer<float> x32(x);
+  Buffer<bf16> x16(rounded(x));
+  // n positive squares summed in double in another order: n·2⁻⁵³ relative at worst.
+  const double s32 = gpu::sum_of_squares(x32.data(), n), s16 = gpu::sum_of_squares(x16.data(), n);
+  const double rel = static_cast<double>(n) * std::ldexp(1.0, -53);
+  EXPECT_NEAR(s32, sum_of_squares(x32.data(), n), rel * s32);
+  EXPECT_NEAR(s16, sum_of_squares(x16.data(), n), rel * s16);
+  EXPECT_EQ(gpu::sum_of_squares(x32.data(), n), s32);  // bit for bit on a second run
+  std::vector<float> with_nan = x;
+  with_nan[n / 2] = NAN;  // the overflow check needs a non-finite norm
+  Buffer<float> nan_buffer(with_nan);
+  EXPECT_TRUE(std::isnan(gpu::sum_of_squares(nan_buffer.data(), n)));
+}
