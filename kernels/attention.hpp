@@ -78,18 +78,9 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
 // causal part. Compiled on every build: on the CPU the tests hold it against the form above.
 namespace gpu {
 
-struct Fp32AttentionScratch {
-  DeviceScratch heads{"attention_heads"};  // q, k, v, and y / dy, dq, dk, dv: 7 · B·T·C floats
-  DeviceScratch dscores{"attention_dscores"};  // dP, then dS: B·H·T·T floats
-};
-inline Fp32AttentionScratch& fp32_attention_scratch() {
-  static Fp32AttentionScratch* w = [] {
-    static Fp32AttentionScratch scratch;
-    Kokkos::push_finalize_hook([] { scratch = Fp32AttentionScratch{}; });  // freed before Kokkos is
-    return &scratch;
-  }();
-  return *w;
-}
+// q, k, v, and y / dy, dq, dk, dv: 7 · B·T·C floats; dP, then dS: B·H·T·T floats.
+inline DeviceScratch& head_scratch() { return static_scratch<1>("attention_heads"); }
+inline DeviceScratch& score_scratch() { return static_scratch<2>("attention_dscores"); }
 
 // part (0 q, 1 k, 2 v) of qkv[B,T,3C] -> dst[B·H][T][hs]; one thread per element.
 inline void split_heads(float* dst, const float* qkv, int part, Index B, Index T, Index C, Index H) {
@@ -109,20 +100,11 @@ inline void merge_heads(float* dst, Index ld, Index c0, const float* src, Index 
   });
 }
 
-// Rows of the scores per team (a 32-lane vector each on a GPU; one row, one lane on the host).
-#ifdef ZERO3D_DEVICE
-constexpr int kSoftmaxRowsPerTeam = 4, kSoftmaxLanes = 32;
-#else
-constexpr int kSoftmaxRowsPerTeam = 1, kSoftmaxLanes = 1;
-#endif
-using SoftmaxPolicy = Kokkos::TeamPolicy<ExecSpace>;
-
 // s[B·H·T][T] <- softmax over keys j <= i of scale·s (row i of each head), zero above the diagonal.
 inline void causal_softmax(float* s, Index BH, Index T, float scale) {
   const Index rows = BH * T;
-  const SoftmaxPolicy policy((rows + kSoftmaxRowsPerTeam - 1) / kSoftmaxRowsPerTeam, kSoftmaxRowsPerTeam, kSoftmaxLanes);
-  Kokkos::parallel_for("attention_causal_softmax", policy, KOKKOS_LAMBDA(const SoftmaxPolicy::member_type& team) {
-    const Index row = team.league_rank() * kSoftmaxRowsPerTeam + team.team_rank();
+  Kokkos::parallel_for("attention_causal_softmax", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index row = team_row(team);
     if (row >= rows) return;
     const Index i = row % T;
     float* x = s + row * T;
@@ -143,9 +125,8 @@ inline void causal_softmax(float* s, Index BH, Index T, float scale) {
 // ds[B·H·T][T] <- scale · P ∘ (dP − Σ_j P·dP) (ds holds dP on entry), zero above the diagonal.
 inline void causal_softmax_backward(float* ds, const float* p, Index BH, Index T, float scale) {
   const Index rows = BH * T;
-  const SoftmaxPolicy policy((rows + kSoftmaxRowsPerTeam - 1) / kSoftmaxRowsPerTeam, kSoftmaxRowsPerTeam, kSoftmaxLanes);
-  Kokkos::parallel_for("attention_softmax_backward", policy, KOKKOS_LAMBDA(const SoftmaxPolicy::member_type& team) {
-    const Index row = team.league_rank() * kSoftmaxRowsPerTeam + team.team_rank();
+  Kokkos::parallel_for("attention_softmax_backward", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index row = team_row(team);
     if (row >= rows) return;
     const Index i = row % T;
     const float* pr = p + row * T;
@@ -160,7 +141,7 @@ inline void causal_softmax_backward(float* ds, const float* p, Index BH, Index T
 
 inline void attention_forward_fp32(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
   const Index hs = C / H, BH = B * H, n = B * T * C;
-  float* q = fp32_attention_scratch().heads.take<float>(7 * n);
+  float* q = head_scratch().take<float>(7 * n);
   float *k = q + n, *v = k + n, *y = v + n;
   split_heads(q, qkv, 0, B, T, C, H);
   split_heads(k, qkv, 1, B, T, C, H);
@@ -174,10 +155,9 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
 inline void attention_backward_fp32(float* dqkv, const float* dout, const float* qkv, const float* att, Index B,
                                     Index T, Index C, Index H) {
   const Index hs = C / H, BH = B * H, n = B * T * C;
-  Fp32AttentionScratch& w = fp32_attention_scratch();
-  float* q = w.heads.take<float>(7 * n);
+  float* q = head_scratch().take<float>(7 * n);
   float *k = q + n, *v = k + n, *dy = v + n, *dq = dy + n, *dk = dq + n, *dv = dk + n;
-  float* ds = w.dscores.take<float>(BH * T * T);
+  float* ds = score_scratch().take<float>(BH * T * T);
   split_heads(q, qkv, 0, B, T, C, H);
   split_heads(k, qkv, 1, B, T, C, H);
   split_heads(v, qkv, 2, B, T, C, H);

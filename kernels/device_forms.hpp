@@ -14,6 +14,7 @@
 #include <string>
 
 #include "kernels/common.hpp"
+#include "kernels/memory.hpp"
 
 namespace zero3d::kernels::gpu {
 
@@ -24,26 +25,12 @@ inline Index column_chunks(Index rows) { return (rows + kColumnChunkRows - 1) / 
 
 // Partial sums and sort keys of the device forms, in model memory: grown to the largest request
 // and then reused, so a step allocates nothing (a View per call would be a cudaMalloc and a
-// synchronising cudaFree), and released when Kokkos finalises, while its memory spaces still
-// exist. (memory.hpp's DeviceScratch does not compile with Debian's Kokkos 3.4, where a `const
-// char*` label reads as user memory; the CPU build compiles these forms too.) A pointer is
-// valid until the next call; the kernels of one stream run in order, so the next kernel's
-// growth cannot free what an earlier one still reads (cudaFree waits for the device).
-inline char* kernel_scratch_bytes(size_t bytes) {
-  using Bytes = Kokkos::View<char*, ExecSpace::memory_space>;
-  static std::unique_ptr<Bytes> scratch;
-  if (!scratch) {
-    scratch = std::make_unique<Bytes>();
-    Kokkos::push_finalize_hook([] { scratch.reset(); });
-  }
-  if (bytes > scratch->extent(0))
-    *scratch = Bytes(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("kernel_partials")), bytes);
-  return scratch->data();
-}
-
+// synchronising cudaFree). A pointer is valid until the next call; the kernels of one stream
+// run in order, so the next kernel's growth cannot free what an earlier one still reads
+// (cudaFree waits for the device).
 template <typename T>
 inline T* kernel_scratch(Index n) {
-  return reinterpret_cast<T*>(kernel_scratch_bytes(static_cast<size_t>(n) * sizeof(T)));
+  return static_scratch<0>("kernel_partials").take<T>(n);
 }
 
 // Stage 2: sums[o] += Σ_k partial[k·cols + o] for k = 0..chunks-1 in order, into a fresh sum as

@@ -95,10 +95,23 @@ class DeviceScratch {
     return static_cast<T*>(take(n * static_cast<int64_t>(sizeof(T))));
   }
   int64_t capacity() const { return static_cast<int64_t>(bytes_.extent(0)); }
+  void release() { bytes_ = Kokkos::View<char*, DeviceSpace>(); }
 
  private:
   const char* label_;
   Kokkos::View<char*, DeviceSpace> bytes_;
 };
+
+// A scratch that lives from call to call (one per Id): a function static, emptied when Kokkos
+// finalises, while its memory space still exists (a View freed after Kokkos::finalize aborts).
+template <int Id>
+inline DeviceScratch& static_scratch(const char* label) {
+  static DeviceScratch* s = [label] {
+    static DeviceScratch scratch(label);
+    Kokkos::push_finalize_hook([] { scratch.release(); });
+    return &scratch;
+  }();
+  return *s;
+}
 
 }  // namespace zero3d::kernels

@@ -47,9 +47,19 @@ struct Workspace {
     if (bytes > peak_bytes) peak_bytes = bytes;
   }
 };
+// Emptied when Kokkos finalises, while device memory still exists (a View freed after
+// Kokkos::finalize aborts the process).
 Workspace& workspace() {
-  static Workspace w;
-  return w;
+  static Workspace* w = [] {
+    static Workspace workspace;
+    Kokkos::push_finalize_hook([] {
+      for (DeviceScratch* s : {&workspace.a16, &workspace.b16, &workspace.shared16, &workspace.a32, &workspace.b32,
+                               &workspace.c32, &workspace.bias32, &workspace.lt})
+        s->release();
+    });
+    return &workspace;
+  }();
+  return *w;
 }
 
 struct Lt {

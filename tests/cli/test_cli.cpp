@@ -25,7 +25,7 @@ TEST(Cli, VersionFlagPrintsTheVersionAndTheBackend) {
   Result r = run("--version");
   EXPECT_EQ(r.code, 0);
   EXPECT_NE(r.out.find("zero3d "), std::string::npos);
-  EXPECT_NE(r.out.find(kernels::backend_name()), std::string::npos) << r.out;  // "CPU: Kokkos Serial, ..." here
+  EXPECT_NE(r.out.find(zero3d::kernels::backend_name()), std::string::npos) << r.out;  // "CPU: Kokkos Serial, ..." here
 }
 
 TEST(Cli, ValidateAcceptsTheQuickstartAtWorldSizeTwo) {
