@@ -18,6 +18,7 @@
 #include "base/input_file.hpp"
 #include "cli/commands.hpp"
 #include "io/h5.hpp"
+#include "train/job_control.hpp"
 
 using namespace zero3d;
 using namespace zero3d::cli;
@@ -38,7 +39,10 @@ std::string failure_text(const std::string& what) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // job_control.hpp: a scheduler's SIGTERM/SIGUSR1 during start-up is held, never fatal or lost.
+  hold_preemption_signals();
   supervise_rank(argv);  // failure.hpp: names this rank if it is killed; before MPI_Init
+  fault_pause_point("launch");  // failure.hpp: ZERO3D_FAULT=startup_pause, for the start-up signal tests
   // The watchdog thread may call MPI_Abort while the main thread waits in a collective.
   int thread_level = MPI_THREAD_SINGLE;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &thread_level);
@@ -51,9 +55,11 @@ int main(int argc, char** argv) {
   int kokkos_argc = 1;
   Kokkos::initialize(kokkos_argc, argv);
   h5::quiet_errors();
+  fault_pause_point("mpi");
+  accept_preemption_signals();  // MPI_Init may have replaced the handler; a held signal counts now
 
   CLI::App app{"zero3d — DeepSpeed-style ZeRO training of GPT models, without Python", "zero3d"};
-  app.set_version_flag("--version", std::string("zero3d ") + ZERO3D_VERSION);
+  app.set_version_flag("--version", std::string("zero3d ") + ZERO3D_VERSION + " (commit " + ZERO3D_COMMIT + ")");
   app.require_subcommand(1);
 
   ConfigArgs train_args, validate_args;
@@ -84,6 +90,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(1), kMaxRanks));
   validate->add_option("--set", validate_args.overrides, "override a key")->take_all();
   validate->add_option("--strategy", validate_args.strategy, strategy_help);
+  std::string validate_output;  // checked as train's --output would be
+  validate->add_option("--output", validate_output, "the output directory train would use (default: training.output_dir or "
+                                                    "output/<config name>)");
   int64_t pp = 1, dp = 1, tp = 1;
   bool as_json = false;
   auto* topology = app.add_subcommand("topology", "Print each rank's coordinates and process groups");
@@ -140,12 +149,14 @@ int main(int argc, char** argv) {
   int code = kExitOk;
   try {
     app.parse(argc, argv);
+    if (!train->parsed()) default_preemption_signals();  // only train stops at a step boundary
     for (const CLI::Option* o : estimate->get_options())
       if (o->count() > 0 && !o->get_name().empty() && o->get_name()[0] == '-') est.given.insert(o->get_name());
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
-    else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
+    else if (validate->parsed()) code = cmd_validate(validate_args, world_size, validate_output, MPI_COMM_WORLD);
     else if (tune->parsed())
-      code = cmd_autotune(tune_args, tune_world, tune->count("--world-size") > 0, tune_memory, MPI_COMM_WORLD);
+      code = cmd_autotune(tune_args, tune_world, tune->count("--world-size") > 0,
+                          tune->count("--memory-per-rank") > 0 ? &tune_memory : nullptr, MPI_COMM_WORLD);
     else if (topology->parsed()) {
       // Under `mpirun -np N` the data-parallel size defaults to what the job's ranks leave.
       if (topology->count("--dp") == 0 && world > 1)
@@ -163,6 +174,7 @@ int main(int argc, char** argv) {
     else if (convert->parsed())
       code = cmd_convert(ck_dir, ck_out, ck_tag, ck_format, ck_dtype, ck_shard, rank);
   } catch (const CLI::ParseError& e) {
+    default_preemption_signals();
     // --help and --version are "errors" with exit code 0 in CLI11.
     if (rank == 0) {
       // CLI11 echoes the offending argument raw: escape and cap it like every other message.
@@ -190,16 +202,20 @@ int main(int argc, char** argv) {
     // Not agreed: the other ranks may be waiting for this one, so take the job down.
     const bool bad_input = dynamic_cast<const InputError*>(&e) != nullptr;
     code = bad_input ? kExitBadInput : kExitSystem;
-    std::fprintf(stderr, "zero3d: rank %d: %s: %s\n", rank, bad_input ? "error" : "fatal", failure_text(e.what()).c_str());
+    // "zero3d: error:" as everywhere; a rank is named only where there are several to tell apart.
+    const std::string who = world > 1 ? "rank " + std::to_string(rank) + ": " : "";
+    std::fprintf(stderr, "zero3d: %s%s: %s\n", who.c_str(), bad_input ? "error" : "fatal", failure_text(e.what()).c_str());
     std::fflush(stderr);
+    note_exit(code);  // failure.hpp: the message is out; the supervisor adds none
     if (world > 1) {
       // Give the launcher a moment to forward the message before it tears the job down.
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      MPI_Abort(MPI_COMM_WORLD, code);
+      abort_job(code);  // failure.hpp: without MPICH's own abort line after ours
     }
   }
   std::fflush(stdout);
   Kokkos::finalize();
   MPI_Finalize();
+  note_exit(code);
   return code;
 }
