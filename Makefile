@@ -9,7 +9,7 @@ CONFIG    ?= input/quickstart.json
 # Packages the build needs; torch is only for regenerating golden files (tests/golden/make_goldens.py).
 DEB_PACKAGES := cmake g++ make mpich libmpich-dev libtrilinos-kokkos-dev libopenblas-dev \
                 libhdf5-mpich-dev hdf5-tools nlohmann-json3-dev libcli11-dev libgtest-dev \
-                libbenchmark-dev libdnnl-dev liburing-dev
+                libbenchmark-dev libdnnl-dev liburing-dev strace
 
 export OPENBLAS_NUM_THREADS := 1
 export OMP_NUM_THREADS := 1

@@ -4,6 +4,8 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -15,6 +17,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cstddef>
+#include <random>
 #include <fstream>
 #include <new>
 #include <thread>
@@ -81,21 +85,24 @@ struct RankRecord {
   std::atomic<bool> in_op;     // ... and still in progress
   std::atomic<int64_t> step;   // the training step in progress, or -1
   std::atomic<int64_t> ops;    // communications begun
+  std::atomic<int> reported_exit;  // the exit code main() has printed its message for, or -1
   void reset() {
     phase.set("start-up");
     last_op.set("");
     in_op = false;
     step = -1;
     ops = 0;
+    reported_exit = -1;
   }
 };
 static_assert(std::atomic<char>::is_always_lock_free && std::atomic<int64_t>::is_always_lock_free &&
-                  std::atomic<bool>::is_always_lock_free,
+                  std::atomic<bool>::is_always_lock_free && std::atomic<int>::is_always_lock_free,
               "the record is shared between processes");
 
 RankRecord g_local;                // without a supervisor (zero-initialised: "start-up")
 RankRecord* g_record = &g_local;  // or the page shared with the supervisor
 std::vector<RankIdentity> g_identities;
+uint64_t g_job_key = 0;  // exchange_rank_identities: the same on every rank of the job
 
 RankRecord& record() { return *g_record; }
 
@@ -113,6 +120,50 @@ std::string host_name() {
   return buf;
 }
 
+// Text built without allocating, for a signal handler: appends to a fixed buffer, truncating.
+struct SafeText {
+  char buf[512];
+  size_t n = 0;
+  SafeText& add(const char* s) {
+    for (; s && *s && n + 1 < sizeof buf; ++s) buf[n++] = *s;
+    buf[n] = '\0';
+    return *this;
+  }
+  SafeText& add(int64_t v) {
+    char digits[24];
+    int k = 0;
+    const bool negative = v < 0;
+    uint64_t u = negative ? uint64_t(0) - uint64_t(v) : uint64_t(v);
+    do {
+      digits[k++] = char('0' + u % 10);
+      u /= 10;
+    } while (u > 0);
+    if (negative) add("-");
+    while (k > 0 && n + 1 < sizeof buf) buf[n++] = digits[--k];
+    buf[n] = '\0';
+    return *this;
+  }
+  SafeText& add(const Text& t) {
+    for (size_t i = 0; i + 1 < kText && n + 1 < sizeof buf; ++i) {
+      const char ch = t.c[i].load(std::memory_order_relaxed);
+      if (!ch) break;
+      buf[n++] = ch;
+    }
+    buf[n] = '\0';
+    return *this;
+  }
+};
+
+// " during step 3, in all_reduce #57": what the record says the rank was doing.
+void add_where(SafeText& t, const RankRecord& r) {
+  const int64_t step = r.step.load();
+  t.add(" during ");
+  if (step > 0) t.add("step ").add(step);
+  else if (r.phase.c[0].load()) t.add(r.phase);
+  else t.add("start-up");
+  if (r.last_op.c[0].load()) t.add(r.in_op.load() ? ", in " : ", after ").add(r.last_op).add(" #").add(r.ops.load());
+}
+
 std::string where(const RankRecord& r) {
   const int64_t step = r.step.load();
   const std::string phase = r.phase.get();
@@ -122,19 +173,57 @@ std::string where(const RankRecord& r) {
   return s;
 }
 
+// Asks the launcher to end the job with `code` whatever the other ranks' statuses: exiting is
+// not enough, since hydra's proxy records the status of a survivor it SIGKILLs while it still
+// reads that survivor's output, and mpiexec then exits 9 about half of the time. An abort over
+// the rank's PMI connection (what MPI_Abort sends; a supervisor and its worker share it since
+// the fork) makes mpiexec exit with the given code. False without one. Async-signal-safe.
+bool abort_over_pmi(int code) {
+  const char* fd = std::getenv("PMI_FD");
+  if (!fd) return false;
+  SafeText cmd;
+  cmd.add("cmd=abort exitcode=").add(int64_t(code)).add("\n");
+  return write(std::atoi(fd), cmd.buf, cmd.n) == static_cast<ssize_t>(cmd.n);
+}
+
+[[noreturn]] void abort_job_over_pmi() {
+  abort_over_pmi(kExitSystem);
+  _exit(kExitSystem);
+}
+
 [[noreturn]] void supervise(pid_t worker, int rank) {
+  sigset_t forwarded;
+  sigemptyset(&forwarded);
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2}) {
     struct sigaction sa = {};
     sa.sa_handler = forward_signal;
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART;
     sigaction(sig, &sa, nullptr);
+    sigaddset(&forwarded, sig);
   }
+  // Signals held since main() began (job_control.hpp) reach the worker now.
+  sigprocmask(SIG_UNBLOCK, &forwarded, nullptr);
   int status = 0;
   while (waitpid(worker, &status, 0) < 0) {
     if (errno != EINTR) _exit(kExitSystem);
   }
-  if (WIFEXITED(status)) _exit(WEXITSTATUS(status));
+  if (WIFEXITED(status)) {
+    const int code = WEXITSTATUS(status);
+    if (code == 0 || g_record->reported_exit.load() == code) _exit(code);
+    // Ended with a failure code that no zero3d message explains. As below, a moment first, so
+    // that a rank whose death caused this one is the one named.
+    sleep(1);
+    SafeText t;
+    t.add("zero3d: rank ").add(int64_t(rank)).add(" (pid ").add(int64_t(worker)).add(", host ");
+    t.add(host_name().c_str()).add(") exited with code ").add(int64_t(code)).add(" without a message");
+    add_where(t, *g_record);
+    t.add("\n");
+    std::fputs(t.buf, stderr);
+    std::fflush(stderr);
+    usleep(300 * 1000);  // the launcher forwards output and the abort on separate paths
+    abort_job_over_pmi();
+  }
   const int sig = WIFSIGNALED(status) ? WTERMSIG(status) : SIGKILL;
   if (sig == g_forwarded) {  // a signal meant for the whole rank: die of it too, silently
     signal(sig, SIG_DFL);
@@ -151,16 +240,24 @@ std::string where(const RankRecord& r) {
                static_cast<int>(worker), host_name().c_str(), sig, name ? name : "?", where(*g_record).c_str());
   std::fflush(stderr);
   usleep(300 * 1000);  // the launcher forwards output and the abort on separate paths
-  // Exiting 1 is not enough: hydra's proxy records the status of a survivor it SIGKILLs while
-  // it still reads that survivor's output, and mpiexec then exits 9 about half of the time.
-  // An abort over the worker's PMI connection (what MPI_Abort sends; the connection is ours
-  // too since fork) makes mpiexec exit with the given code whatever the other statuses.
-  if (const char* fd = std::getenv("PMI_FD")) {
-    const char cmd[] = "cmd=abort exitcode=1\n";
-    if (write(std::atoi(fd), cmd, sizeof(cmd) - 1) < 0) {
-    }
+  abort_job_over_pmi();
+}
+
+// The worker's parent-death signal: its supervisor is gone without waiting for it, which only
+// a signal the supervisor cannot handle (SIGKILL) does. Prepared before the handler can run.
+SafeText g_orphan_line;  // "zero3d: rank 1 (pid 4242, host node7): its launched process (pid 4241), which supervises it,"
+
+void on_supervisor_gone(int) {
+  // A launcher ending the whole job kills this process within moments: then nothing is news.
+  usleep(500 * 1000);
+  SafeText t = g_orphan_line;
+  t.add(" was killed");
+  add_where(t, *g_record);
+  t.add("; ending the job\n");
+  if (write(STDERR_FILENO, t.buf, t.n) < 0) {
   }
-  _exit(kExitSystem);
+  usleep(300 * 1000);
+  abort_job_over_pmi();
 }
 
 }  // namespace
@@ -204,8 +301,28 @@ void supervise_rank(char** argv) {
     g_worker = child;
     supervise(child, std::atoi(rank));
   }
-  prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (getppid() != parent) _exit(kExitSystem);  // the supervisor died before prctl
+  g_orphan_line.add("zero3d: rank ").add(int64_t(std::atoi(rank))).add(" (pid ").add(int64_t(getpid()));
+  g_orphan_line.add(", host ").add(host_name().c_str()).add("): its launched process (pid ").add(int64_t(parent));
+  g_orphan_line.add("), which supervises it,");
+  const int orphan_signal = SIGRTMIN + 8;  // real-time: nothing else (MPI, UCX, the launcher) sends it
+  struct sigaction sa = {};
+  sa.sa_handler = on_supervisor_gone;
+  sigemptyset(&sa.sa_mask);
+  sigaction(orphan_signal, &sa, nullptr);
+  prctl(PR_SET_PDEATHSIG, orphan_signal);
+  if (getppid() != parent) on_supervisor_gone(orphan_signal);  // the supervisor died before prctl
+}
+
+void note_exit(int code) { record().reported_exit.store(code); }
+
+void fault_pause_point(const char* point) {
+  const char* spec = std::getenv("ZERO3D_FAULT");
+  if (!spec) return;
+  int rank = -1;
+  char at[16] = {};
+  if (std::sscanf(spec, "startup_pause:%d:%15[a-z]", &rank, at) != 2 || std::strcmp(at, point) != 0) return;
+  const char* mine = std::getenv("PMI_RANK");
+  if (rank == (mine ? std::atoi(mine) : 0)) raise(SIGSTOP);
 }
 
 void note_phase(const char* phase) { record().phase.set(phase); }
@@ -221,6 +338,11 @@ void note_comm_begin(const char* op) {
 void note_comm_end() { record().in_op.store(false, std::memory_order_relaxed); }
 
 void exchange_rank_identities(MPI_Comm world) {
+  // The job's name for first_to_report(): rank 0's pid, start time and a random draw.
+  uint64_t key = (uint64_t(getpid()) << 32) ^ uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+                 uint64_t(std::random_device{}());
+  MPI_Bcast(&key, 1, MPI_UINT64_T, 0, world);
+  g_job_key = key;
   constexpr int kHost = 64;
   struct Entry {
     int pid;
@@ -285,12 +407,44 @@ void on_mpi_error(MPI_Comm* comm, int* code, ...) {
   std::fprintf(stderr, "zero3d: rank %d: fatal: MPI error%s: %s%s%s\n", rank, where(record()).c_str(),
                first_line.c_str(), trouble.empty() ? "" : "; ", trouble.c_str());
   std::fflush(stderr);
+  note_exit(kExitSystem);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let the launcher forward it
-  MPI_Abort(MPI_COMM_WORLD, kExitSystem);  // a plain exit would let mpiexec report a SIGKILL
-  _exit(kExitSystem);
+  abort_job(kExitSystem);  // a plain exit would let mpiexec report a SIGKILL
 }
 
 }  // namespace
+
+void abort_job(int code) {
+  note_exit(code);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  if (abort_over_pmi(code)) _exit(code);
+  // MPI_Abort from a thread other than main's (the watchdog) needs MPI_THREAD_MULTIPLE; without
+  // it, exiting leaves the launcher to take the other ranks down.
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  if (level == MPI_THREAD_MULTIPLE) MPI_Abort(MPI_COMM_WORLD, code);
+  _exit(code);
+}
+
+bool first_to_report() {
+  if (g_job_key == 0) return true;
+  static int holder = -1;  // kept open for the process's life: the name stays taken
+  if (holder >= 0) return false;
+  const int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return true;
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  char name[64];
+  const int len = std::snprintf(name, sizeof name, "zero3d-report-%016llx", (unsigned long long)g_job_key);
+  std::memcpy(addr.sun_path + 1, name, static_cast<size_t>(len));  // sun_path[0] = 0: the abstract namespace
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), socklen_t(offsetof(sockaddr_un, sun_path) + 1 + len)) != 0) {
+    ::close(fd);
+    return errno != EADDRINUSE;  // taken: another rank of this job on this host speaks
+  }
+  holder = fd;
+  return true;
+}
 
 void install_mpi_error_handler(MPI_Comm comm) {
   MPI_Errhandler handler;

@@ -77,8 +77,9 @@ void run_collectively(MPI_Comm comm, Step&& step) {
 //     exits 1; the launcher cleans up the survivors as in 1., and mpiexec exits 1;
 //   - SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 sent to the supervisor are forwarded to the
 //     worker; if the worker dies of such a signal, the supervisor dies of it too, silently.
-// The worker dies with its supervisor (PR_SET_PDEATHSIG), and both are in the process group the
-// launcher signals. The phase in the message comes from a page shared by the two (mmap before
+//     Those held pending before the fork (job_control.hpp) are forwarded once it is set up.
+// The worker ends with its supervisor (PR_SET_PDEATHSIG, see note_exit below), and both are in
+// the process group the launcher signals. The phase in the message comes from a page shared by the two (mmap before
 // fork): note_phase(), note_step() and the communication operation marked by Watchdog::Scope.
 // Without a supervisor the same calls write to a process-local record.
 // Before forking it sets UCX_HANDLE_ERRORS=none (unless set) and re-execs itself, so that a
@@ -90,12 +91,43 @@ void run_collectively(MPI_Comm comm, Step&& step) {
 // the pid/host table exchanged at start-up (exchange_rank_identities).
 void supervise_rank(char** argv);  // argv: main's, for a re-exec that sets UCX_HANDLE_ERRORS
 
+// A worker that exits with a code other than 0 that main() did not report with a message (a
+// library's exit(), a test hook's _Exit) is named by its supervisor too:
+//   zero3d: rank 1 (pid 4242, host node7) exited with code 137 without a message during step 2
+// and the job is aborted with exit 1. main() (and the watchdog, the MPI error handler) call
+// note_exit(code) once their message is out, just before they exit or abort.
+//
+// SIGKILL of the supervisor itself (the pid the launcher knows) reaches the worker as its
+// parent-death signal, a real-time signal it handles: unless the launcher is ending the whole
+// job anyway (then it kills the worker within moments and nothing is said), the worker prints
+//   zero3d: rank 1 (pid 4242, host node7): its launched process (pid 4241), which supervises
+//   it, was killed (SIGKILL) during step 3; ending the job
+// aborts the job over PMI like a supervisor would, and exits 1.
+void note_exit(int code);
+
+// Test hook for the start-up signal tests: with ZERO3D_FAULT=startup_pause:RANK:POINT the rank
+// whose PMI_RANK (0 without a launcher) is RANK stops itself with SIGSTOP at `point`
+// ("launch": in the worker before MPI_Init; "mpi": after MPI_Init), for a test to signal it
+// there and continue it.
+void fault_pause_point(const char* point);
+
 // What the worker is doing, for the supervisor's message (texts are copied, up to 47 bytes).
 // Cheap enough for every step and every communication (a few relaxed atomic stores).
 void note_phase(const char* phase);    // "start-up" until set; then "set-up" (agreement.cpp), "training" (main.cpp)
 void note_step(int64_t step);          // the training step in progress (1-based)
 void note_comm_begin(const char* op);  // a blocking communication starts (Watchdog::Scope)
 void note_comm_end();
+
+// Ends the whole job with `code` once this rank's message is out: over the rank's PMI
+// connection where the launcher gave one (hydra's PMI_FD), which ends every rank without
+// MPICH's own "application called MPI_Abort" line after zero3d's; else MPI_Abort.
+[[noreturn]] void abort_job(int code);
+
+// True for the first caller on this host in this job, false for every later one: for a failure
+// all waiting ranks see at once (the watchdog's timeout), so that one of them speaks. Held by an
+// abstract Unix socket named after the job (exchange_rank_identities), which the kernel drops
+// when its holder ends; true before the exchange. One line per host on a multi-node job.
+bool first_to_report();
 
 // Every rank's pid and host, gathered once at start-up (collective over `world`).
 struct RankIdentity {

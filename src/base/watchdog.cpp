@@ -54,6 +54,12 @@ void Watchdog::run() {
     if (!op) continue;
     const double waited = static_cast<double>(now_ns() - started_ns_.load()) / 1e9;
     if (waited < timeout_s_) continue;
+    // Every rank waiting for a stuck one times out at about the same moment: one of them speaks
+    // (failure.hpp: first_to_report); the others wait for the abort it sends, and send their
+    // own only if none has come (then it is news).
+    if (!first_to_report()) {
+      if (wake_.wait_for(lock, std::chrono::seconds(10), [this] { return stop_.load(); })) return;
+    }
     // Which peer? Only ranks on this host can be looked at (stopped or vanished processes).
     const std::string trouble = local_peer_trouble(rank_);
     std::fprintf(stderr, "zero3d: rank %d waits in %s #%lld for %.1f s (training.comms_timeout %.1f s): %s; aborting the job\n",
@@ -61,10 +67,7 @@ void Watchdog::run() {
                  trouble.empty() ? "a peer rank is stuck or dead" : trouble.c_str());
     std::fflush(stderr);
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let the launcher forward it
-    int level = MPI_THREAD_SINGLE;
-    MPI_Query_thread(&level);
-    if (level == MPI_THREAD_MULTIPLE) MPI_Abort(MPI_COMM_WORLD, kExitSystem);
-    std::_Exit(kExitSystem);  // the launcher takes the other ranks down
+    abort_job(kExitSystem);  // failure.hpp: the launcher takes the other ranks down
   }
 }
 

@@ -47,9 +47,10 @@ int local_rank(MPI_Comm world);
 int64_t size_option(const std::string& option, const std::string& text);
 
 // Commands that read a config and run the engine (train.cpp).
-int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world);
+int cmd_validate(const ConfigArgs& a, int64_t world_size, const std::string& output_override, MPI_Comm world);
 int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm world);
-int cmd_autotune(const ConfigArgs& a, int64_t world_size, bool world_size_given, const std::string& memory_per_rank,
+// memory_per_rank: --memory-per-rank's text, null when the option is not given.
+int cmd_autotune(const ConfigArgs& a, int64_t world_size, bool world_size_given, const std::string* memory_per_rank,
                  MPI_Comm world);
 int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::string& tag, bool as_json, MPI_Comm world);
 // Sizing before a run (estimate.cpp).

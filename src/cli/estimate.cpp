@@ -101,7 +101,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
   for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage));
   int64_t limit = 0;
   std::vector<FitAnswer> fits;  // --memory-per-rank: what fits at each ZeRO stage
-  if (!a.memory_per_rank.empty()) {
+  if (a.has("--memory-per-rank")) {  // given empty is a bad size, not an absent option
     limit = size_option("--memory-per-rank", a.memory_per_rank);
     if (limit <= 0) throw InputError("estimate --memory-per-rank " + echo(a.memory_per_rank) + ": expected a size above 0");
     for (int stage = 0; stage <= 3; ++stage) fits.push_back(what_fits(cfg, a.world_size, stage, limit));
@@ -140,10 +140,10 @@ int cmd_estimate(EstimateArgs a, int rank) {
     std::printf("%s\n", doc.dump(2).c_str());
     return kExitOk;
   }
-  std::printf("%s: %lld parameters, micro-batch %lld, %lld ranks = %d pipeline stages x %lld data-parallel x %d "
-              "tensor-parallel (configured stage %lld), %s parameters, %s gradients, %s communication\n",
+  std::printf("%s: %lld parameters, micro-batch %lld, %s (configured stage %lld), %s parameters, %s gradients, %s "
+              "communication\n",
               name.c_str(), (long long)doc["parameters"].get<int64_t>(), (long long)cfg.batch.micro_batch,
-              (long long)a.world_size, layout.stages, (long long)layout.data, layout.tensor, (long long)cfg.zero.stage,
+              layout_text(layout, a.world_size).c_str(), (long long)cfg.zero.stage,
               dtype_name(cfg.precision.param).c_str(), dtype_name(cfg.precision.grad_accum).c_str(),
               dtype_name(cfg.precision.comm).c_str());
   if (!a.has("--world-size"))  // without --world-size the budget is for one rank, and says so
@@ -159,6 +159,19 @@ int cmd_estimate(EstimateArgs a, int rank) {
     std::printf("%-25s", row);
     for (const auto& b : budgets) std::printf(" %s", mib(b.to_json()[row].get<int64_t>()).c_str());
     std::printf("\n");
+  }
+  // Offload (and cpu_checkpointing): where the bytes live, as the start-up plan line says.
+  bool tiers = false;
+  for (const auto& b : budgets) tiers = tiers || b.host_total() > 0 || b.offload_nvme > 0;
+  if (tiers) {
+    std::printf("%-25s", "  in device memory");
+    for (const auto& b : budgets) std::printf(" %s", mib(b.device_total()).c_str());
+    std::printf("\n%-25s", "  in host memory");
+    for (const auto& b : budgets) std::printf(" %s", mib(b.host_total()).c_str());
+    std::printf("\n%-25s", "(in NVMe swap files)");
+    for (const auto& b : budgets) std::printf(" %s", mib(b.offload_nvme).c_str());
+    std::printf("\n(offload: `total` is device plus host memory, the same memory on this CPU-only build; `in device "
+                "memory` is what a GPU would hold; swap files are on disk and not in the total)\n");
   }
   const std::pair<const char*, int64_t MemoryBudget::*> alternatives[] = {
       {"(activations in host mem)", &MemoryBudget::activations_host},

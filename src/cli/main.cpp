@@ -19,6 +19,7 @@
 #include "cli/commands.hpp"
 #include "io/h5.hpp"
 #include "kernels/device.hpp"
+#include "train/job_control.hpp"
 
 using namespace zero3d;
 using namespace zero3d::cli;
@@ -39,7 +40,10 @@ std::string failure_text(const std::string& what) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // job_control.hpp: a scheduler's SIGTERM/SIGUSR1 during start-up is held, never fatal or lost.
+  hold_preemption_signals();
   supervise_rank(argv);  // failure.hpp: names this rank if it is killed; before MPI_Init
+  fault_pause_point("launch");  // failure.hpp: ZERO3D_FAULT=startup_pause, for the start-up signal tests
   // The watchdog thread may call MPI_Abort while the main thread waits in a collective.
   int thread_level = MPI_THREAD_SINGLE;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &thread_level);
@@ -48,9 +52,12 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   install_mpi_error_handler(MPI_COMM_WORLD);  // failure.hpp: an MPI error is one line, exit 1
   h5::quiet_errors();
+  fault_pause_point("mpi");
+  accept_preemption_signals();  // MPI_Init may have replaced the handler; a held signal counts now
 
   CLI::App app{"zero3d — DeepSpeed-style ZeRO training of GPT models, without Python", "zero3d"};
-  app.set_version_flag("--version", std::string("zero3d ") + ZERO3D_VERSION + " (" + kernels::backend_name() + ")");
+  app.set_version_flag("--version", std::string("zero3d ") + ZERO3D_VERSION + " (commit " + ZERO3D_COMMIT + "; " +
+                                        kernels::backend_name() + ")");
   app.require_subcommand(1);
 
   ConfigArgs train_args, validate_args;
@@ -81,6 +88,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t(1), kMaxRanks));
   validate->add_option("--set", validate_args.overrides, "override a key")->take_all();
   validate->add_option("--strategy", validate_args.strategy, strategy_help);
+  std::string validate_output;  // checked as train's --output would be
+  validate->add_option("--output", validate_output, "the output directory train would use (default: training.output_dir or "
+                                                    "output/<config name>)");
   int64_t pp = 1, dp = 1, tp = 1;
   bool as_json = false;
   auto* topology = app.add_subcommand("topology", "Print each rank's coordinates and process groups");
@@ -138,6 +148,7 @@ int main(int argc, char** argv) {
   bool kokkos_started = false;
   try {
     app.parse(argc, argv);
+    if (!train->parsed()) default_preemption_signals();  // only train stops at a step boundary
     for (const CLI::Option* o : estimate->get_options())
       if (o->count() > 0 && !o->get_name().empty() && o->get_name()[0] == '-') est.given.insert(o->get_name());
     // The kernels' backend starts once the command line is known (--help and --version need
@@ -149,9 +160,10 @@ int main(int argc, char** argv) {
     kernels::initialize_backend(local_rank(MPI_COMM_WORLD), argv);
     kokkos_started = true;
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
-    else if (validate->parsed()) code = cmd_validate(validate_args, world_size, MPI_COMM_WORLD);
+    else if (validate->parsed()) code = cmd_validate(validate_args, world_size, validate_output, MPI_COMM_WORLD);
     else if (tune->parsed())
-      code = cmd_autotune(tune_args, tune_world, tune->count("--world-size") > 0, tune_memory, MPI_COMM_WORLD);
+      code = cmd_autotune(tune_args, tune_world, tune->count("--world-size") > 0,
+                          tune->count("--memory-per-rank") > 0 ? &tune_memory : nullptr, MPI_COMM_WORLD);
     else if (topology->parsed()) {
       // Under `mpirun -np N` the data-parallel size defaults to what the job's ranks leave.
       if (topology->count("--dp") == 0 && world > 1)
@@ -169,6 +181,7 @@ int main(int argc, char** argv) {
     else if (convert->parsed())
       code = cmd_convert(ck_dir, ck_out, ck_tag, ck_format, ck_dtype, ck_shard, rank);
   } catch (const CLI::ParseError& e) {
+    default_preemption_signals();
     // --help and --version are "errors" with exit code 0 in CLI11.
     if (rank == 0) {
       // CLI11 echoes the offending argument raw: escape and cap it like every other message.
@@ -196,16 +209,20 @@ int main(int argc, char** argv) {
     // Not agreed: the other ranks may be waiting for this one, so take the job down.
     const bool bad_input = dynamic_cast<const InputError*>(&e) != nullptr;
     code = bad_input ? kExitBadInput : kExitSystem;
-    std::fprintf(stderr, "zero3d: rank %d: %s: %s\n", rank, bad_input ? "error" : "fatal", failure_text(e.what()).c_str());
+    // "zero3d: error:" as everywhere; a rank is named only where there are several to tell apart.
+    const std::string who = world > 1 ? "rank " + std::to_string(rank) + ": " : "";
+    std::fprintf(stderr, "zero3d: %s%s: %s\n", who.c_str(), bad_input ? "error" : "fatal", failure_text(e.what()).c_str());
     std::fflush(stderr);
+    note_exit(code);  // failure.hpp: the message is out; the supervisor adds none
     if (world > 1) {
       // Give the launcher a moment to forward the message before it tears the job down.
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      MPI_Abort(MPI_COMM_WORLD, code);
+      abort_job(code);  // failure.hpp: without MPICH's own abort line after ours
     }
   }
   std::fflush(stdout);
   if (kokkos_started) Kokkos::finalize();
   MPI_Finalize();
+  note_exit(code);
   return code;
 }

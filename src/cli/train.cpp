@@ -16,6 +16,7 @@
 #include "io/data.hpp"
 #include "io/weights.hpp"
 #include "model/model.hpp"
+#include "offload/aio.hpp"
 #include "observe/monitor.hpp"
 #include "parallel/topology.hpp"
 #include "train/autotune.hpp"
@@ -75,9 +76,21 @@ std::string check_run_files(const Config& cfg, const std::string& out) {
          (target.from.empty() ? "" : ", named by " + target.from) + ")";
 }
 
+// NVMe offload directories, checked as the engine checks them before it creates its swap files
+// (offload/aio.hpp check_swap_directory), each with the bytes of its own files.
+void check_swap_directories(const Config& cfg, const MemoryBudget& b) {
+  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
+  const OffloadParamConfig& op = cfg.zero.offload_param;
+  if (oo.device == OffloadDevice::Nvme && cfg.zero.stage >= 1)
+    offload::check_swap_directory(oo.nvme_path, b.offload_nvme - b.offload_nvme_params,
+                                  "zero_optimization.offload_optimizer.nvme_path");
+  if (op.device == OffloadDevice::Nvme && cfg.zero.stage == 3)
+    offload::check_swap_directory(op.nvme_path, b.offload_nvme_params, "zero_optimization.offload_param.nvme_path");
+}
+
 }  // namespace
 
-int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {
+int cmd_validate(const ConfigArgs& a, int64_t world_size, const std::string& output_override, MPI_Comm world) {
   std::string name, resume_note;
   Config cfg;
   MemoryBudget budget;
@@ -86,13 +99,14 @@ int cmd_validate(const ConfigArgs& a, int64_t world_size, MPI_Comm world) {
     cfg = resolve_config(load_with_overrides(a, name), name, world_size, set_keys(a));
     // The same check as train's, for one rank on this machine: a plan that cannot start here is not valid here.
     budget = check_memory_fits(cfg, 1, avail);
-    resume_note = check_run_files(cfg, resolve_run_paths(cfg, a.path, ""));
+    check_swap_directories(cfg, budget);
+    resume_note = check_run_files(cfg, resolve_run_paths(cfg, a.path, output_override));
   });
   int rank = 0;
   MPI_Comm_rank(world, &rank);
   if (rank == 0) {
-    std::printf("%s: valid for %lld ranks (%d pipeline stages x %lld data-parallel)\n", echo(name, 200).c_str(),
-                (long long)world_size, cfg.pipeline.stages, (long long)cfg.batch.world_size);
+    std::printf("%s: valid for %s\n", echo(name, 200).c_str(),
+                layout_text(rank_layout(cfg, world_size), world_size).c_str());
     std::printf("batch   %s\n", cfg.batch.derivation.c_str());
     for (const std::string& line : cfg.notes) std::printf("%s\n", line.c_str());
     std::printf("memory  %s per rank at ZeRO stage %d; %s\n", human_bytes(double(budget.total())).c_str(), budget.stage,
@@ -125,7 +139,7 @@ nlohmann::json tune_first(const ConfigArgs& a, std::string& name, int ranks_here
 
 // zero3d autotune: DeepSpeed's autotuner on this job's own ranks (autotune.hpp). Writes
 // results_dir, exps_dir and results_dir/ds_config_optimal.json; trains nothing further.
-int cmd_autotune(const ConfigArgs& a, int64_t world_size, bool world_size_given, const std::string& memory_per_rank,
+int cmd_autotune(const ConfigArgs& a, int64_t world_size, bool world_size_given, const std::string* memory_per_rank,
                  MPI_Comm world) {
   int size = 1;
   MPI_Comm_size(world, &size);
@@ -140,8 +154,7 @@ int cmd_autotune(const ConfigArgs& a, int64_t world_size, bool world_size_given,
       throw InputError("autotune --world-size " + std::to_string(world_size) + ": every experiment runs on this job's " +
                        std::to_string(size) + " rank(s); start it with mpiexec -np " + std::to_string(world_size));
     root = load_with_overrides(a, name);
-    memory = autotune_memory(memory_per_rank.empty() ? 0 : size_option("--memory-per-rank", memory_per_rank), avail,
-                             ranks_here);
+    memory = autotune_memory(memory_per_rank ? size_option("--memory-per-rank", *memory_per_rank) : 0, avail, ranks_here);
   });
   autotune(root, name, world, memory);
   return kExitOk;
@@ -187,7 +200,8 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
   }
   if (rank == 0)
     for (const std::string& line : cfg.notes) std::printf("%s\n", line.c_str());  // "auto" values, no-effect keys
-  install_preemption_handlers();  // SIGTERM/SIGUSR1: finish the step, save, exit kExitRequeue
+  // SIGTERM/SIGUSR1 set a flag from the first line of main() (job_control.hpp): the first step
+  // boundary finishes the step, saves and exits kExitRequeue.
   // DeepSpeed's PipeModelDataParallelTopology: ranks are placed exactly as `zero3d topology` prints.
   const int pp = cfg.pipeline.stages, tp = cfg.tensor.size;
   ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world,

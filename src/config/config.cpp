@@ -144,6 +144,13 @@ BatchConfig derive_batch(Section& top, int64_t world_size, bool& auto_micro, boo
   return b;
 }
 
+// "(vocab_size 256, n_positions 256, n_layer 2, n_head 2, n_embd 64)": a model's shape for a note.
+std::string default_model_text(const ModelConfig& m) {
+  return "(vocab_size " + std::to_string(m.vocab_size) + ", n_positions " + std::to_string(m.n_positions) +
+         ", n_layer " + std::to_string(m.n_layer) + ", n_head " + std::to_string(m.n_head) + ", n_embd " +
+         std::to_string(m.n_embd) + ")";
+}
+
 ModelConfig read_model(Section& top) {
   ModelConfig m;
   Section sec = top.child("model");
@@ -427,6 +434,12 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   auto step = [&](auto&& f) { attempt(ctx, file, f); };
   step([&] { c.model = read_model(top); });
   step([&] { c.data = read_data(top, c.model); });
+  // DeepSpeed's configs describe no model or data: one of them here would train zero3d's
+  // defaults, which the start-up says rather than doing it silently.
+  if (root.is_object() && !root.contains("model"))
+    top.note("default no `model` section in " + file + ": the default GPT " + default_model_text(c.model));
+  if (root.is_object() && !root.contains("data"))
+    top.note("default no `data` section in " + file + ": the built-in synthetic data (data.source \"synthetic\")");
   step([&] { c.training = read_training(top, c.data); });
   std::optional<int> checkpoint_interval;
   step([&] { c.pipeline = read_pipeline(top, checkpoint_interval); });

@@ -1,6 +1,9 @@
 // config/files.cpp — the config's JSON before it is read: files parsed (duplicate keys refused,
 // size and depth bounded), `--set` overrides, Lightning's strategy presets and their expansion,
 // the built-in quick-start configuration.
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
 #include <set>
 #include <string>
 #include <vector>
@@ -21,6 +24,75 @@ constexpr int kMaxJsonDepth = 64;
 
 [[noreturn]] void too_deep(const std::string& file) {
   throw InputError(file + ": JSON nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+}
+
+// The first number literal of a JSON text that a double cannot hold (1e400), with its 1-based
+// line and column and the key path it is the value of (`a.b[2]`); token empty when none.
+struct NumberOverflow {
+  std::string token, key;
+  size_t line = 0, column = 0;
+};
+
+NumberOverflow find_number_overflow(const std::string& text) {
+  struct Frame {
+    bool object;
+    std::string key;  // the member being read (objects)
+    size_t index;     // the element being read (arrays)
+  };
+  std::vector<Frame> stack;
+  bool expect_key = false;
+  auto key_path = [&] {
+    std::string out;
+    for (const Frame& f : stack) {
+      if (f.object) out += (out.empty() ? "" : ".") + f.key;
+      else out += "[" + std::to_string(f.index) + "]";
+    }
+    return out;
+  };
+  size_t line = 1, line_start = 0;
+  for (size_t i = 0; i < text.size();) {
+    const char c = text[i];
+    if (c == '\n') {
+      ++line, line_start = ++i;
+    } else if (c == '/' && i + 1 < text.size() && (text[i + 1] == '/' || text[i + 1] == '*')) {  // comments (allowed)
+      const bool block = text[i + 1] == '*';
+      const size_t end = block ? text.find("*/", i + 2) : text.find('\n', i);
+      const size_t stop = end == std::string::npos ? text.size() : end + (block ? 2 : 0);
+      for (size_t k = i; k < stop; ++k)
+        if (text[k] == '\n') ++line, line_start = k + 1;
+      i = stop;
+    } else if (c == '"') {
+      size_t k = i + 1;
+      while (k < text.size() && text[k] != '"') k += text[k] == '\\' ? 2 : 1;
+      if (expect_key && !stack.empty()) stack.back().key = text.substr(i + 1, k - i - 1);
+      i = k + 1;
+    } else if (c == '{' || c == '[') {
+      stack.push_back({c == '{', "", 0});
+      expect_key = c == '{';
+      ++i;
+    } else if (c == '}' || c == ']') {
+      if (!stack.empty()) stack.pop_back();
+      ++i;
+    } else if (c == ':') {
+      expect_key = false;
+      ++i;
+    } else if (c == ',') {
+      if (!stack.empty() && !stack.back().object) ++stack.back().index;
+      expect_key = !stack.empty() && stack.back().object;
+      ++i;
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      size_t k = i + 1;
+      while (k < text.size() && (std::isdigit(static_cast<unsigned char>(text[k])) || text[k] == '.' || text[k] == 'e' ||
+                                 text[k] == 'E' || text[k] == '+' || text[k] == '-'))
+        ++k;
+      const std::string token = text.substr(i, k - i);
+      if (std::isinf(std::strtod(token.c_str(), nullptr))) return {token, key_path(), line, i - line_start + 1};
+      i = k;
+    } else {
+      ++i;
+    }
+  }
+  return {};
 }
 
 // Keys of `over` replace those of `base`; objects merge key by key.
@@ -115,7 +187,11 @@ json parse_json_text(const std::string& text, const std::string& file) {
     throw InputError(file + ":" + std::to_string(line) + ":" + std::to_string(col) +
                      ": JSON syntax error: " + echo(detail, 160));
   } catch (const json::exception& e) {
-    // e.g. out_of_range.406: a number beyond the range of a double (1e400)
+    // out_of_range.406 carries no position: find the number the way a syntax error is named.
+    if (const NumberOverflow n = find_number_overflow(text); !n.token.empty())
+      throw InputError(file + ":" + std::to_string(n.line) + ":" + std::to_string(n.column) + ": " +
+                       (n.key.empty() ? std::string("the number ") : "`" + echo(n.key) + "`: ") + echo(n.token, 40) +
+                       " is beyond the range of a double (about 1.8e308)");
     throw InputError(file + ": " + json_detail(e));
   }
 }
@@ -154,9 +230,13 @@ void apply_override(json& root, const std::string& assignment) {
     if (!node->is_object())
       throw InputError(where + ": `" + echo(path.substr(0, start - 1)) + "` is not an object");
     if (dot == std::string::npos) {
-      (*node)[key] = value;
+      // null removes the key: it then reads as absent (its default), so a section the file
+      // turns on can be switched off from the command line.
+      if (value.is_null()) node->erase(key);
+      else (*node)[key] = value;
       return;
     }
+    if (value.is_null() && !node->contains(key)) return;  // nothing there to remove
     node = &(*node)[key];
     if (node->is_null()) *node = json::object();
     start = dot + 1;

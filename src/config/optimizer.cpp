@@ -192,11 +192,45 @@ SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t
   const bool total_from_steps = p.is_auto("total_num_steps") || !p.has("total_num_steps");
   fill("total_num_steps", total_steps, "training.steps");
   fill("cycle_max_lr", opt.lr, "the optimizer's lr");
+  // WarmupLR, WarmupDecayLR and LRRangeTest take their lr keys as one value or a list of one
+  // per parameter group (OneCycle takes none); zero3d trains one group: a list of one is its value.
+  auto one_group = [&](const char* key) {
+    const json* v = p.raw(key);
+    if (!v || !v->is_array()) return;
+    if (v->size() != 1)
+      p.fail_key(key, "expected a number or a list of one, got " + show(*v) + " (DeepSpeed takes one value per "
+                      "parameter group; zero3d trains one group)");
+    p.substitute(key, (*v)[0]);
+  };
+  // DeepSpeed warms up over max(2, warmup_num_steps) steps: 0 and 1 are 2 (lr_schedules.py).
+  auto warmup_steps = [&]() {
+    const int64_t n = p.integer("warmup_num_steps", 1000, 0, kMaxInt * 1000LL);
+    if (n < 2)
+      p.note("note    " + p.key_path("warmup_num_steps") + " = " + std::to_string(n) +
+             ": the warm-up takes max(2, " + std::to_string(n) + ") = 2 steps, as in DeepSpeed");
+    return n;
+  };
+  // DeepSpeed's WarmupLR (and WarmupDecayLR) warns on a warmup_type other than "log" or
+  // "linear" (matched exactly) and warms up by "log"; WarmupCosineLR keeps the value and fails
+  // with UnboundLocalError at its first step, which zero3d reports now instead.
+  auto warmup_type = [&](bool cosine) {
+    const std::string t = p.string("warmup_type", "log");
+    if (t == "log" || t == "linear") return t == "log";
+    if (cosine)
+      p.fail_key("warmup_type", "value " + show(json(t)) + " is not \"log\" or \"linear\": DeepSpeed's WarmupCosineLR "
+                                "accepts it and then fails at its first step (UnboundLocalError)");
+    p.record("warmup_type", "log");
+    p.note("warning " + p.key_path("warmup_type") + " = " + show(json(t)) +
+           " is not \"log\" or \"linear\": the warm-up is \"log\", as DeepSpeed's " + type + " does (it warns likewise)");
+    return true;
+  };
   auto warmup = [&](double default_max) {
+    one_group("warmup_min_lr");
+    one_group("warmup_max_lr");
     s.warmup_min_lr = p.number("warmup_min_lr", 0.0, 0.0, inf);
     s.warmup_max_lr = p.number("warmup_max_lr", default_max, 0.0, inf);
-    s.warmup_num_steps = p.integer("warmup_num_steps", 1000, 0, kMaxInt * 1000LL);
-    s.warmup_log = p.choice("warmup_type", "log", {"log", "linear"}) == "log";
+    s.warmup_num_steps = warmup_steps();
+    s.warmup_log = warmup_type(false);
   };
   auto total = [&]() {
     if (total_from_steps && total_steps < 1) {
@@ -229,9 +263,9 @@ SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t
     case SchedulerType::WarmupCosineLR:
       total();
       s.warmup_min_ratio = p.number("warmup_min_ratio", 0.0, 0.0, 1.0);
-      s.warmup_num_steps = p.integer("warmup_num_steps", 1000, 0, kMaxInt * 1000LL);
+      s.warmup_num_steps = warmup_steps();
       s.cos_min_ratio = p.number("cos_min_ratio", 1e-4, 0.0, 1.0);
-      s.warmup_log = p.choice("warmup_type", "log", {"log", "linear"}) == "log";
+      s.warmup_log = warmup_type(true);
       warn_long_warmup();
       break;
     case SchedulerType::OneCycle: {
@@ -252,6 +286,7 @@ SchedulerConfig read_scheduler(Section& top, const OptimizerConfig& opt, int64_t
       break;
     }
     case SchedulerType::LRRangeTest:
+      one_group("lr_range_test_min_lr");
       s.lr_range_test_min_lr = p.number("lr_range_test_min_lr", 1e-3, 0.0, inf);
       s.lr_range_test_step_size = p.integer("lr_range_test_step_size", 2000, 1, kMaxInt * 1000LL);
       s.lr_range_test_step_rate = p.number("lr_range_test_step_rate", 1.0, 0.0, inf);

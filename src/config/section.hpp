@@ -67,6 +67,7 @@ struct ReadContext {
   std::vector<std::string> problems;  // "`key.path`: why", in the order found
   std::vector<std::string> notes;     // start-up lines: "auto" resolutions, keys with no effect here
   std::vector<std::string> set_keys;  // key paths the command line's --set gave (not the file)
+  std::vector<std::string> known_paths;  // every key path a reader knows, for "did you mean" across sections
   // One problem per key: a second one about the same key is a consequence of the first (a
   // default stood in for the bad value), not news. A key --set gave (or lies on the path of)
   // is named as the command line's, since the file does not hold it.
@@ -122,7 +123,7 @@ class Section {
     fail(key_path(key), why);
   }
 
-  void mark_known(const std::string& key) { known_.push_back(key); }
+  void mark_known(const std::string& key) { know(key); }
   ReadContext& context() const { return *ctx_; }
   const std::string& file() const { return file_; }
   // A start-up line (an "auto" resolution, a key with no effect on this build).
@@ -140,7 +141,7 @@ class Section {
   void substitute(const std::string& key, const json& value) { substitutes_[key] = value; }
 
   const json* raw(const std::string& key) {
-    known_.push_back(key);
+    know(key);
     if (substitutes_.contains(key)) return &substitutes_[key];
     if (!has(key)) return nullptr;
     const json* v = &(*obj_)[key];
@@ -322,7 +323,7 @@ class Section {
   }
 
   Section child(const std::string& key) {
-    known_.push_back(key);
+    know(key);
     const json* v = has(key) ? &(*obj_)[key] : nullptr;
     if (!resolved_->contains(key) || !(*resolved_)[key].is_object()) (*resolved_)[key] = json::object();
     Section s(v, key_path(key), file_, &(*resolved_)[key], ctx_);
@@ -333,7 +334,7 @@ class Section {
   // A key whose meaning needs hardware this build does not drive: accepted with any value of
   // its type, recorded, and listed once at start-up with `why` (never silently ignored).
   void no_effect(const std::string& key, const std::string& why) {
-    known_.push_back(key);
+    know(key);
     if (!has(key)) return;
     const json& v = (*obj_)[key];
     (*resolved_)[key] = v;
@@ -343,7 +344,7 @@ class Section {
   // As no_effect, but only a value other than `implemented` (what zero3d always does) is noted.
   void hardware_only(const std::string& key, const json& implemented, const std::string& why) {
     if (has(key) && (*obj_)[key] == implemented) {
-      known_.push_back(key);
+      know(key);
       (*resolved_)[key] = implemented;
       return;
     }
@@ -354,7 +355,7 @@ class Section {
   // feature and what to use instead.
   void feature_missing(const std::string& key, const json& off, const std::string& feature,
                        const std::string& instead) {
-    known_.push_back(key);
+    know(key);
     if (!has(key)) return;
     const json& v = (*obj_)[key];
     if (v == "auto" && !auto_default_.empty()) {  // "auto" = DeepSpeed's default, which is off
@@ -372,7 +373,7 @@ class Section {
   // Keys DeepSpeed defines that zero3d accepts only at their DeepSpeed default (the
   // feature is off); any other value is rejected as unsupported rather than misspelt.
   void accept_default_only(const std::string& key, const json& deepspeed_default) {
-    known_.push_back(key);
+    know(key);
     if (!has(key)) return;
     const json& v = (*obj_)[key];
     if (v == deepspeed_default || (v.is_number() && deepspeed_default.is_number() &&
@@ -386,7 +387,7 @@ class Section {
 
   // A DeepSpeed section zero3d does not implement: accepted only while it is disabled.
   void accept_disabled_section(const std::string& key) {
-    known_.push_back(key);
+    know(key);
     if (!has(key)) return;
     const json& v = (*obj_)[key];
     bool enabled = true;
@@ -421,11 +422,35 @@ class Section {
         continue;
       }
       std::string hint = nearest(key, known_);
-      report_key(echo(key, 60), "unknown key" + (hint.empty() ? std::string() : " (did you mean `" + key_path(hint) + "`?)"));
+      if (!hint.empty()) hint = key_path(hint);
+      else hint = nearest_elsewhere(key);  // a key of another section given here (top-level n_positions)
+      report_key(echo(key, 60), "unknown key" + (hint.empty() ? std::string() : " (did you mean `" + hint + "`?)"));
     }
   }
 
  private:
+  void know(const std::string& key) {
+    known_.push_back(key);
+    ctx_->known_paths.push_back(key_path(key));
+  }
+  // The known key path in another section whose last name is nearest to `key` (as nearest()).
+  std::string nearest_elsewhere(const std::string& key) const {
+    std::vector<std::string> names;
+    std::vector<const std::string*> paths;
+    const std::string mine = path_.empty() ? "" : path_ + ".";
+    for (const std::string& p : ctx_->known_paths) {
+      const size_t dot = p.find_last_of('.');
+      const std::string parent = dot == std::string::npos ? "" : p.substr(0, dot + 1);
+      if (parent == mine) continue;  // this section's own keys: nearest() has looked at them
+      names.push_back(dot == std::string::npos ? p : p.substr(dot + 1));
+      paths.push_back(&p);
+    }
+    const std::string best = nearest(key, names);
+    if (best.empty()) return "";
+    for (size_t i = 0; i < names.size(); ++i)
+      if (names[i] == best) return *paths[i];
+    return "";
+  }
   int64_t as_integer(const std::string& key, const json& v) const {
     // An unsigned beyond int64 would wrap to a negative value and be reported as that.
     if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))

@@ -170,7 +170,7 @@ void write_shard(const std::string& path, const CheckpointMeta& meta, const std:
     }
     const Handle dapl = h5::chunk_cache_access(2 * kShardChunk * sizeof(float));
     Handle ds(H5Dcreate2(f.id(), name.c_str(), H5T_IEEE_F32LE, space.get(), H5P_DEFAULT, dcpl.get(), dapl.get()),
-              H5Dclose);
+              h5::close_dataset);
     if (!ds.valid()) throw SystemError(path + ": cannot create dataset " + name);
     hsize_t at = 0;
     std::vector<float> bounce;  // a GPU build's segment, copied out of device memory for HDF5
@@ -243,7 +243,7 @@ void write_index(const std::string& path, const CheckpointMeta& meta, const Para
       h5::check(H5Sselect_all(vspace.get()), f.id(), "cannot select " + t.name);
       Handle ds(H5Dcreate2(f.id(), (prefix + t.name).c_str(), H5T_IEEE_F32LE, vspace.get(), H5P_DEFAULT, dcpl.get(),
                            H5P_DEFAULT),
-                H5Dclose);
+                h5::close_dataset);
       if (!ds.valid() || !ds.close()) throw SystemError(path + ": cannot create virtual dataset " + prefix + t.name);
     }
   }

@@ -91,7 +91,10 @@ ParamLayout layout_of(const CheckpointMeta& m) {
 // One parser for every size option: a finite, non-negative number with a known unit whose
 // value fits int64 (larger values would be undefined when converted).
 int64_t parse_byte_size(const std::string& text, const std::string& option) {
-  const std::string where = option.empty() ? "size \"" + echo(text, 40) + "\"" : option + " " + echo(text, 40);
+  // An empty text shows as "" (`--memory-per-rank ""`), not as nothing after the option.
+  const std::string where = option.empty() || text.empty()
+                                ? (option.empty() ? "size" : option) + " \"" + echo(text, 40) + "\""
+                                : option + " " + echo(text, 40);
   size_t pos = 0;
   double value = 0.0;
   try {
@@ -380,7 +383,8 @@ void write_hdf5(const std::string& path, const OutputFile& out, const Checkpoint
     reader.read_range("params", t->offset, t->offset + t->numel, buf.data());
     std::vector<hsize_t> dims(t->shape.begin(), t->shape.end());
     h5::Handle space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
-    h5::Handle ds(H5Dcreate2(f.id(), t->name.c_str(), type, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
+    h5::Handle ds(H5Dcreate2(f.id(), t->name.c_str(), type, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                  h5::close_dataset);
     const herr_t rc = ds.valid() ? H5Dwrite(ds.get(), memory_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, encode(buf, dtype, half)) : -1;
     if (rc < 0 || !ds.close()) throw SystemError(path + ": cannot write " + t->name);
     progress.advance(dtype.width * t->numel, t->name + " -> " + file);

@@ -105,16 +105,25 @@ File::~File() {
   if (handle_.valid() && writable_ && std::uncaught_exceptions() > 0) release_after_failure();
 }
 
-// HDF5 keeps a file open when its final flush fails (H5Fclose returns before releasing the id),
-// and so does a dataset whose close failed; library shutdown inside MPI_Finalize then flushes
-// them again and crashes. The file is being discarded anyway: point its descriptor at an
-// anonymous memory file, so the remaining writes succeed there, close what is still open in
-// it, and close it for good.
-void File::release_after_failure() noexcept {
-  if (!handle_.valid()) return;
-  const hid_t id = handle_.get();
+namespace {
+// HDF5's retried writes of a discarded file go to memory, where they fail only while an I/O
+// error is still being delivered (a burst of EIO): a bounded number of tries outlasts one.
+constexpr int kFlushTries = 64;
+
+template <typename Flush>
+bool flush_with_retries(hid_t obj, Flush flush) {
+  for (int i = 0; i < kFlushTries; ++i)
+    if (flush(obj) >= 0) return true;
+  return false;
+}
+}  // namespace
+
+void discard_file_writes(hid_t obj) noexcept {
+  const hid_t file = H5Iget_file_id(obj);  // a new reference, closed below
+  if (file < 0) return;
+  const hid_t fapl = H5Fget_access_plist(file);
   void* vfd = nullptr;
-  if (H5Fget_vfd_handle(id, H5P_DEFAULT, &vfd) >= 0 && vfd) {
+  if (fapl >= 0 && H5Pget_driver(fapl) == H5FD_SEC2 && H5Fget_vfd_handle(file, H5P_DEFAULT, &vfd) >= 0 && vfd) {
     const int fd = *static_cast<int*>(vfd);  // the sec2 driver's descriptor
     const int mem = ::memfd_create("zero3d-discarded-hdf5", MFD_CLOEXEC);
     if (mem >= 0) {
@@ -122,6 +131,27 @@ void File::release_after_failure() noexcept {
       ::close(mem);
     }
   }
+  if (fapl >= 0) H5Pclose(fapl);
+  H5Fclose(file);  // not the last reference: nothing is flushed
+}
+
+herr_t close_dataset(hid_t ds) {
+  if (H5Dflush(ds) >= 0) return H5Dclose(ds);
+  discard_file_writes(ds);
+  flush_with_retries(ds, H5Dflush);
+  H5Dclose(ds);
+  return -1;
+}
+
+// HDF5 keeps a file open when its final flush fails (H5Fclose returns before releasing the id),
+// and frees one whose close failed later while keeping its id (then library shutdown inside
+// MPI_Finalize crashes on it). The file is being discarded anyway: point its descriptor at an
+// anonymous memory file, so the remaining writes succeed there, close what is still open in it
+// (datasets flushed first, close_dataset), flush it until that succeeds, and close it for good.
+void File::release_after_failure() noexcept {
+  if (!handle_.valid()) return;
+  const hid_t id = handle_.get();
+  discard_file_writes(id);
   const unsigned kinds = H5F_OBJ_DATASET | H5F_OBJ_GROUP | H5F_OBJ_DATATYPE | H5F_OBJ_ATTR | H5F_OBJ_LOCAL;
   const ssize_t n = H5Fget_obj_count(id, kinds);
   if (n > 0) {
@@ -129,12 +159,13 @@ void File::release_after_failure() noexcept {
     const ssize_t got = H5Fget_obj_ids(id, kinds, ids.size(), ids.data());
     for (ssize_t k = 0; k < got; ++k) {
       const H5I_type_t type = H5Iget_type(ids[k]);
-      if (type == H5I_DATASET) H5Dclose(ids[k]);
+      if (type == H5I_DATASET) close_dataset(ids[k]);
       else if (type == H5I_GROUP) H5Gclose(ids[k]);
       else if (type == H5I_DATATYPE) H5Tclose(ids[k]);
       else if (type == H5I_ATTR) H5Aclose(ids[k]);
     }
   }
+  flush_with_retries(id, [](hid_t f) { return H5Fflush(f, H5F_SCOPE_LOCAL); });
   handle_.close();
 }
 
@@ -174,7 +205,7 @@ void write_as(File& f, const std::string& name, const void* data, const std::vec
   Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
   const bool ok = space.valid() && lcpl.valid() && H5Pset_create_intermediate_group(lcpl.get(), 1) >= 0;
   Handle ds(ok ? H5Dcreate2(f.id(), name.c_str(), file_type, space.get(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT) : -1,
-            H5Dclose);
+            close_dataset);
   if (!ds.valid() || H5Dwrite(ds.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0 || !ds.close())
     throw SystemError(f.path() + ": cannot write dataset `" + name + "`");
 }
@@ -248,7 +279,7 @@ void write_text(hid_t obj, const std::string& name, const std::string& value) {
   Handle ds(type.valid() && space.valid()
                 ? H5Dcreate2(obj, name.c_str(), type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)
                 : -1,
-            H5Dclose);
+            close_dataset);
   if (!ds.valid() || H5Dwrite(ds.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, value.data()) < 0 || !ds.close())
     throw SystemError(file_name(obj) + ": cannot write HDF5 dataset " + name);
 }

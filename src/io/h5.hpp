@@ -84,6 +84,19 @@ class File {
   std::string path_;
 };
 
+// The closer for datasets being written (instead of H5Dclose). HDF5 1.10 frees a dataset whose
+// close failed to flush yet keeps its id, and library shutdown inside MPI_Finalize then closes
+// that id again and crashes (likewise a file). So the dataset is flushed first; when that fails
+// the write has failed and its file is being discarded: the file's descriptor is pointed at
+// memory (discard_file_writes) and the flush retried there, then the dataset is closed. Returns
+// H5Dclose's result, negative when the dataset's writes failed: its writer then throws.
+herr_t close_dataset(hid_t ds);
+
+// Points the descriptor of the disk file `obj` lives in (sec2 driver) at an anonymous memory
+// file: HDF5's remaining and retried writes for a file that is being discarded succeed there,
+// so that it can close it. No effect on other drivers.
+void discard_file_writes(hid_t obj) noexcept;
+
 // Silences HDF5's own error-stack printing: zero3d reports errors itself, once.
 void quiet_errors();
 

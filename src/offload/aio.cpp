@@ -5,6 +5,7 @@
 #include <linux/magic.h>
 #include <sys/vfs.h>
 #include <liburing.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -303,6 +304,40 @@ void require_direct_io(const std::string& dir, const std::string& key) {
                      "memory");
 }
 
+void check_swap_directory(const std::string& dir, int64_t bytes, const std::string& key) {
+  // Where the swap directory is, or would be created: the nearest existing ancestor.
+  std::string at = dir.empty() ? "." : dir;
+  struct stat st {};
+  while (::stat(at.c_str(), &st) != 0) {
+    if (errno != ENOENT && errno != ENOTDIR)
+      throw InputError("`" + key + "`: " + echo(dir) + ": " + echo(at) + ": " + errno_text(errno));
+    const size_t slash = at.find_last_of('/', at.size() > 1 ? at.size() - 2 : 0);
+    at = slash == std::string::npos ? "." : slash == 0 ? "/" : at.substr(0, slash);
+  }
+  if (!S_ISDIR(st.st_mode))
+    throw InputError("`" + key + "`: cannot create swap directory " + echo(dir) + ": " + echo(at) +
+                     " is not a directory");
+  struct statfs fs {};
+  if (::statfs(at.c_str(), &fs) == 0 && (fs.f_type == PROC_SUPER_MAGIC || fs.f_type == SYSFS_MAGIC))
+    throw InputError("`" + key + "`: " + echo(dir) + " is in a kernel file system (" +
+                     (fs.f_type == PROC_SUPER_MAGIC ? "/proc" : "/sys") + "), not on a drive");
+  const std::string probe = at + "/.zero3d_write_probe";
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  if (fd < 0)
+    throw InputError("`" + key + "`: swap directory " + echo(dir) + " is not writable" +
+                     (at == dir ? "" : " (creating it in " + echo(at) + ")") + ": " + errno_text(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+  struct statvfs vfs {};
+  if (::statvfs(at.c_str(), &vfs) == 0) {
+    const int64_t avail = static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize);
+    if (avail < bytes)
+      throw InputError("`" + key + "`: " + echo(dir) + " has " + std::to_string(avail) + " bytes free; this rank's swap "
+                       "files need " + std::to_string(bytes));
+  }
+  require_direct_io(at, key);
+}
+
 void reserve_swap_file(int fd, int64_t bytes, const std::string& key, const std::string& dir, const std::string& path) {
   const int rc = ::posix_fallocate(fd, 0, bytes);
   if (rc == ENOSPC)
@@ -313,6 +348,7 @@ void reserve_swap_file(int fd, int64_t bytes, const std::string& key, const std:
 }
 
 void prepare_swap_dir(const std::string& dir, int64_t bytes, const std::string& key) {
+  check_swap_directory(dir, bytes, key);  // validate's check too (one place that says what is refused)
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -325,18 +361,6 @@ void prepare_swap_dir(const std::string& dir, int64_t bytes, const std::string& 
     const std::string suffix = ".tensor.swp";
     if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
       fs::remove(e.path(), ec);
-  }
-  const std::string probe = dir + "/.zero3d_write_probe";
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  if (fd < 0) throw InputError("`" + key + "`: swap directory " + echo(dir) + " is not writable: " + errno_text(errno));
-  ::close(fd);
-  ::unlink(probe.c_str());
-  struct statvfs st {};
-  if (::statvfs(dir.c_str(), &st) == 0) {
-    const int64_t avail = static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
-    if (avail < bytes)
-      throw InputError("`" + key + "`: " + echo(dir) + " has " + std::to_string(avail) + " bytes free; this rank's swap "
-                       "files need " + std::to_string(bytes));
   }
 }
 

@@ -128,8 +128,13 @@ void require_direct_io(const std::string& dir, const std::string& key);
 // InputError naming `key`, the directory and the numbers.
 void reserve_swap_file(int fd, int64_t bytes, const std::string& key, const std::string& dir, const std::string& path);
 
-// Creates `dir` (and parents), empties it of earlier swap files, and checks that it is writable
-// and has `bytes` free. Errors are InputError naming `key`, the path and the numbers.
+// The one check of an NVMe offload directory, which `validate` and `train` share: `dir` (or,
+// while it does not exist, the nearest existing ancestor it would be created in) is a directory,
+// not in a kernel file system (/proc, /sys) or in memory (tmpfs, ramfs), writable, taking
+// O_DIRECT, with `bytes` free. Creates nothing. InputError naming `key`, the path and the numbers.
+void check_swap_directory(const std::string& dir, int64_t bytes, const std::string& key);
+
+// check_swap_directory, then creates `dir` (and parents) and empties it of earlier swap files.
 void prepare_swap_dir(const std::string& dir, int64_t bytes, const std::string& key);
 
 }  // namespace zero3d::offload

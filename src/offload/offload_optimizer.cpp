@@ -53,7 +53,6 @@ OffloadedOptimizer::OffloadedOptimizer(const OffloadOptimizerConfig& off, const 
   for (int64_t k = cut_; k < g; ++k)
     for (int s = 0; s < states(); ++s) file_bytes += align_up(groups_[k].n * esize(s));
   prepare_swap_dir(dir_, file_bytes, kNvmeKey);
-  require_direct_io(dir_, kNvmeKey);
   direct_ = true;
   fds_.assign(static_cast<size_t>(states()), {});
   for (int s = 0; s < states(); ++s)

@@ -33,7 +33,6 @@ ParamSwapper::ParamSwapper(const OffloadParamConfig& cfg, const AioConfig& aio, 
     file_bytes_ += align_up(n * static_cast<int64_t>(esize_));
   }
   prepare_swap_dir(dir_, file_bytes_, kNvmeKey);
-  require_direct_io(dir_, kNvmeKey);
   direct_ = true;
   for (size_t u = 0; u < slices_.size(); ++u) {
     const int64_t bytes = align_up(slice_elems(static_cast<int>(u)) * static_cast<int64_t>(esize_));

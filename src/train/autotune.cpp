@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -102,6 +103,7 @@ const char* outcome_name(ExperimentOutcome o) {
     case ExperimentOutcome::Measured: return "measured";
     case ExperimentOutcome::Pruned: return "pruned";
     case ExperimentOutcome::Invalid: return "invalid";
+    case ExperimentOutcome::Failed: return "failed";
     case ExperimentOutcome::NotRun: return "not run";
   }
   return "";
@@ -155,6 +157,23 @@ class StdoutTo {
 
 // Trains start_profile_step … end_profile_step steps of one experiment; every rank returns the
 // slowest rank's step times.
+// The bytes the planner gives an experiment, asked of the allocator on every rank before its
+// engine starts: a size this machine refuses outright fails that experiment alone (DeepSpeed's
+// experiments run as processes, and one that fails to allocate is recorded and passed over).
+// Agreed before any collective of the engine, so every rank passes it over together.
+bool can_allocate(int64_t bytes, MPI_Comm world) {
+  std::exception_ptr refused;
+  void* p = bytes > 0 ? std::malloc(static_cast<size_t>(bytes)) : nullptr;
+  if (bytes > 0 && !p) refused = std::make_exception_ptr(SystemError("cannot allocate"));
+  std::free(p);
+  try {
+    agree_on_failure(world, refused);
+  } catch (const AgreedFailure&) {
+    return false;
+  }
+  return true;
+}
+
 void measure(Experiment& e, const AutotuningConfig& at, MPI_Comm world, MpiCommunicator& comm,
              const std::string& log_path) {
   Config cfg = resolve_config(e.ds_config, e.name, comm.size());
@@ -378,7 +397,12 @@ AutotuneResult autotune(const json& root, const std::string& file, MPI_Comm worl
       write_json(dir + "/ds_config.json", e.ds_config);
       if (run) write_json(at.exps_dir + "/" + e.name + ".json", exp_json(e, size, memory));
     });
-    if (run) {
+    if (run && !can_allocate(e.planned_bytes, world)) {
+      e.outcome = ExperimentOutcome::Failed;
+      e.why = "cannot allocate the planned " + mib(double(e.planned_bytes)) + " per rank";
+      ++trials;
+      if (writer) std::printf("autotune %s: failed: %s\n", e.name.c_str(), e.why.c_str());
+    } else if (run) {
       if (writer) std::printf("autotune %s: running %lld steps (profiling %lld-%lld)\n", e.name.c_str(),
                               (long long)at.end_profile_step, (long long)at.start_profile_step,
                               (long long)at.end_profile_step);
@@ -427,11 +451,16 @@ AutotuneResult autotune(const json& root, const std::string& file, MPI_Comm worl
   });
   if (r.best < 0) run_collectively(world, [&] {
     const Experiment* smallest = nullptr;
-    for (const Experiment& e : r.experiments)
-      if (e.outcome == ExperimentOutcome::Pruned && (!smallest || e.planned_bytes < smallest->planned_bytes))
+    int failed = 0;
+    for (const Experiment& e : r.experiments) {
+      failed += e.outcome == ExperimentOutcome::Failed;
+      if ((e.outcome == ExperimentOutcome::Pruned || e.outcome == ExperimentOutcome::Failed) &&
+          (!smallest || e.planned_bytes < smallest->planned_bytes))
         smallest = &e;
+    }
     throw InputError(file + ": autotuning: no experiment fits " +
                      (budget < 0 ? std::string("this machine") : mib(double(budget))) + " per rank" +
+                     (failed > 0 ? " (" + std::to_string(failed) + " could not allocate their planned memory)" : "") +
                      (smallest ? "; the smallest, " + smallest->name + ", needs " +
                                      mib(double(smallest->planned_bytes)) + " (zero3d estimate --config)"
                                : std::string("")));

@@ -25,7 +25,9 @@ struct AutotuneMemory {
 };
 AutotuneMemory autotune_memory(int64_t memory_per_rank, const AvailableMemory& avail, int ranks_here);
 
-enum class ExperimentOutcome { Measured, Pruned, Invalid, NotRun };
+// Failed: the experiment could not run (its planned memory cannot be allocated); tuning goes on
+// without it, as DeepSpeed's autotuner goes on past an experiment that fails.
+enum class ExperimentOutcome { Measured, Pruned, Invalid, Failed, NotRun };
 
 struct Experiment {
   std::string name;           // z{stage}_gas{G}_tmbspg{mbs}[_pp{p}][_tp{t}][_ckpt]

@@ -143,7 +143,8 @@ nlohmann::json MemoryBudget::to_json() const {
           {"workspace", workspace},
           {"runtime", runtime},
           {"model_states", model_states()},
-          {"total", total()}};
+          {"total", total()},
+          {"device_total", device_total()}};
 }
 
 RankLayout rank_layout(const Config& cfg, int64_t world) {
@@ -152,6 +153,12 @@ RankLayout rank_layout(const Config& cfg, int64_t world) {
   r.tensor = std::max(1, cfg.tensor.size);
   r.data = std::max<int64_t>(1, world / (int64_t(r.stages) * r.tensor));
   return r;
+}
+
+std::string layout_text(const RankLayout& l, int64_t world) {
+  return std::to_string(world) + (world == 1 ? " rank = " : " ranks = ") + std::to_string(l.stages) +
+         (l.stages == 1 ? " pipeline stage x " : " pipeline stages x ") + std::to_string(l.data) + " data-parallel x " +
+         std::to_string(l.tensor) + " tensor-parallel";
 }
 
 namespace {
@@ -280,6 +287,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   const OffloadParamConfig& op = cfg.zero.offload_param;
   if (b.stage == 3 && op.device == OffloadDevice::Nvme) {
     b.offload_nvme += b.params;
+    b.offload_nvme_params = b.params;
     swap_workspace += ps * std::min(op.max_in_cpu, part.part);
     // The in-memory optimizer updating the parameters themselves (no fp32 master copy) reads
     // the whole partition back for the step (zero.cpp apply_step).

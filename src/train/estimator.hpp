@@ -57,6 +57,7 @@ struct MemoryBudget {
   // Offload: of the model states above, the bytes in host memory (device cpu: on a CPU-only build
   // the same memory, so counted in the total), and the bytes in swap files instead (not counted).
   int64_t offload_host = 0, offload_nvme = 0;
+  int64_t offload_nvme_params = 0;  // of offload_nvme, the stage-3 parameters' (offload_param nvme)
   int64_t comm_reduce = 0;    // gradient buckets, reduce-scatter staging and fp32 gradient windows
   int64_t comm_gather = 0;    // stage 3: the unit being gathered for use (the largest)
   int64_t comm_prefetch = 0;  // stage 3: units gathered ahead along the fetch trace (prefetch_bucket_size)
@@ -73,6 +74,10 @@ struct MemoryBudget {
   int64_t total() const {
     return model_states() + comm_reduce + comm_gather + comm_prefetch + live_params + activations + workspace + runtime;
   }
+  // What stays in device memory: the total less what offload and cpu_checkpointing put in host
+  // memory (the same memory on a CPU-only build, so the total counts both).
+  int64_t host_total() const { return offload_host + activations_host; }
+  int64_t device_total() const { return total() - host_total(); }
   nlohmann::json to_json() const;
 };
 
@@ -82,6 +87,9 @@ struct RankLayout {
   int64_t data = 1;
 };
 RankLayout rank_layout(const Config& cfg, int64_t world_size);
+// "8 ranks = 2 pipeline stages x 2 data-parallel x 2 tensor-parallel": how estimate and
+// validate name a layout.
+std::string layout_text(const RankLayout& layout, int64_t world_size);
 
 // The budget of every pipeline stage of `cfg` on `world_size` ranks in all (the data-parallel
 // size is world ÷ (pipeline.stages × tensor_parallel.autotp_size)) at ZeRO `stage` (cfg's own

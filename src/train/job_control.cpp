@@ -3,6 +3,7 @@
 
 #include <cblas.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -41,14 +42,41 @@ std::string parent_of(const std::string& path) {
 }
 }  // namespace
 
-void install_preemption_handlers() {
-  for (int sig : {SIGTERM, SIGUSR1}) {
+namespace {
+constexpr int kPreemptionSignals[] = {SIGTERM, SIGUSR1};
+
+void set_preemption_action(void (*handler)(int)) {
+  for (int sig : kPreemptionSignals) {
     struct sigaction sa = {};
-    sa.sa_handler = on_preemption_signal;
+    sa.sa_handler = handler;
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART;  // MPI's and the filesystem's calls go on undisturbed
     sigaction(sig, &sa, nullptr);
   }
+}
+
+void mask_preemption_signals(int how) {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : kPreemptionSignals) sigaddset(&set, sig);
+  pthread_sigmask(how, &set, nullptr);
+}
+}  // namespace
+
+void hold_preemption_signals() {
+  mask_preemption_signals(SIG_BLOCK);
+  set_preemption_action(on_preemption_signal);
+}
+
+void accept_preemption_signals() {
+  set_preemption_action(on_preemption_signal);
+  mask_preemption_signals(SIG_UNBLOCK);
+}
+
+void default_preemption_signals() {
+  set_preemption_action(SIG_DFL);
+  mask_preemption_signals(SIG_UNBLOCK);
+  if (g_signal != 0) raise(g_signal);
 }
 
 int preemption_signal() { return g_signal; }

@@ -14,7 +14,20 @@ namespace zero3d {
 // set a flag instead of ending the process; the training loop reads it at every step
 // boundary, saves and exits kExitRequeue. Further signals (a second SIGTERM during the save)
 // only count: the save is atomic either way.
-void install_preemption_handlers();
+//
+// A signal must not be lost during start-up, so main() calls, in this order:
+//   hold_preemption_signals()    first of all: the flag handler, with both signals blocked
+//                                (held pending); the mask survives the supervisor's re-exec and
+//                                fork, and threads MPI and Kokkos start inherit it;
+//   accept_preemption_signals()  after MPI_Init, which may have put its own SIGUSR1 handler in
+//                                place: the flag handler again, then unblocked, so that a signal
+//                                held meanwhile sets the flag now;
+//   default_preemption_signals() for a command that has no step boundary (all but train): the
+//                                default action again, and a signal that came during start-up
+//                                ends the process now, as it would have then.
+void hold_preemption_signals();
+void accept_preemption_signals();
+void default_preemption_signals();
 int preemption_signal();  // 0 = none yet, else the first signal received
 std::string signal_name(int sig);  // "SIGTERM", "SIGUSR1", ...
 

@@ -200,4 +200,29 @@ TEST(AutotuneConfig, BadKeysAreRejectedByName) {
   EXPECT_NE(r.err.find("--world-size 4"), std::string::npos) << r.err;
 }
 
+// Issue 35: an experiment whose planned memory cannot be allocated (--memory-per-rank far above
+// the machine) is recorded as failed and tuning goes on, as DeepSpeed's autotuner goes on past a
+// failed experiment; before, the whole tuning ended with exit 1.
+TEST(AutotuneFailures, AnExperimentThatCannotAllocateIsRecordedAndTuningGoesOn) {
+  const std::string dir = temp_path("tune_failed");
+  json c = tiny_config();
+  c.erase("train_batch_size");
+  c["train_micro_batch_size_per_gpu"] = 1;
+  c["zero_optimization"] = {{"stage", 0}};
+  c["autotuning"] = {{"enabled", false},
+                     {"results_dir", dir + "/results"},
+                     {"exps_dir", dir + "/exps"},
+                     {"start_profile_step", 1},
+                     {"end_profile_step", 2},
+                     {"num_tuning_micro_batch_sizes", 1},
+                     {"max_train_micro_batch_size_per_gpu", 2147483647}};
+  const Result r = run("autotune " + write_config("tune_failed.json", c) + " --memory-per-rank 1000TiB");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find(": failed: cannot allocate the planned "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("| failed (cannot allocate the planned "), std::string::npos) << r.out;
+  EXPECT_TRUE(std::ifstream(dir + "/results/ds_config_optimal.json").good());
+  const json optimal = json::parse(slurp(dir + "/results/ds_config_optimal.json"));
+  EXPECT_EQ(optimal["train_micro_batch_size_per_gpu"], 1) << optimal.dump();
+}
+
 }  // namespace

@@ -313,6 +313,23 @@ TEST(SwapDir, NotEnoughFreeSpaceIsBadInputWithTheNumbers) {
   }
 }
 
+// validate's check (check_swap_directory) creates nothing and looks where the directory would be
+// created; /proc and /sys are refused by name, as train refuses them.
+TEST(SwapDir, TheSharedCheckCreatesNothingAndRefusesKernelFileSystems) {
+  TempDir dir("check");
+  check_swap_directory(dir.path + "/a/b", 4096, "zero_optimization.offload_optimizer.nvme_path");
+  EXPECT_FALSE(fs::exists(dir.path + "/a"));
+  for (const std::string& path : {std::string("/proc/self/swap"), std::string("/sys/kernel")}) {
+    try {
+      check_swap_directory(path, 0, "zero_optimization.offload_param.nvme_path");
+      FAIL() << path << " was accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("is in a kernel file system"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("`zero_optimization.offload_param.nvme_path`"), std::string::npos);
+    }
+  }
+}
+
 TEST(SwapDir, SwapFilesOfAnEarlierRunAreRemovedOthersKept) {
   TempDir dir("stale");
   std::ofstream(dir.path + "/exp_avg-0_10.tensor.swp") << "stale";
