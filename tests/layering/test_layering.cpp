@@ -47,7 +47,7 @@ bool is_source(const fs::path& p) {
 
 std::vector<SourceFile> read_tree(const fs::path& root, std::vector<std::string>& problems) {
   std::vector<SourceFile> files;
-  static const std::regex include_line(R"(^\s*#\s*include\s*"([^"]+)")");
+  static const std::regex include_line(R"re(^\s*#\s*include\s*"([^"]+)")re");
   for (const char* top : {"src", "kernels"}) {
     if (!fs::exists(root / top)) continue;
     for (const auto& entry : fs::recursive_directory_iterator(root / top)) {
