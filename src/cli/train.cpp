@@ -192,11 +192,9 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
   agree_on_configuration(world, cfg);  // agreement.hpp: exit 2 naming the first key on which ranks differ
   if (rank == 0) {
     if (lock && !lock->note().empty()) std::printf("note    %s\n", lock->note().c_str());
-    const int threads = blas_threads_per_rank(), cores = static_cast<int>(std::thread::hardware_concurrency());
-    if (cores > 0 && threads * ranks_here > cores)
-      std::printf("note    BLAS uses %d threads per rank x %d ranks on this node = %d > %d cores: oversubscribed, "
-                  "which slows every matrix product; set OPENBLAS_NUM_THREADS=%d\n",
-                  threads, ranks_here, threads * ranks_here, cores, std::max(1, cores / ranks_here));
+    const std::string busy = oversubscription_note(blas_threads_per_rank(), ranks_here,
+                                                   static_cast<int>(std::thread::hardware_concurrency()));
+    if (!busy.empty()) std::printf("note    %s\n", busy.c_str());
   }
   if (rank == 0)
     for (const std::string& line : cfg.notes) std::printf("%s\n", line.c_str());  // "auto" values, no-effect keys

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -196,5 +197,19 @@ OutputDirLock::~OutputDirLock() {
 }
 
 int blas_threads_per_rank() { return openblas_get_num_threads(); }
+
+std::string oversubscription_note(int threads, int ranks, int cores) {
+  if (cores <= 0 || static_cast<int64_t>(threads) * ranks <= cores) return "";
+  const std::string head = std::to_string(ranks) + " ranks on this node";
+  if (ranks > cores)  // one BLAS thread each is still more than the cores
+    return head + " > " + std::to_string(cores) + " cores" +
+           (threads > 1 ? " (and " + std::to_string(threads) + " BLAS threads per rank)" : "") +
+           ": oversubscribed, ranks wait for a core in every matrix product and collective; run at most " +
+           std::to_string(cores) + " ranks per node" + (threads > 1 ? " with OPENBLAS_NUM_THREADS=1" : "");
+  return "BLAS uses " + std::to_string(threads) + " threads per rank x " + head + " = " +
+         std::to_string(threads * ranks) + " > " + std::to_string(cores) +
+         " cores: oversubscribed, which slows every matrix product; set OPENBLAS_NUM_THREADS=" +
+         std::to_string(std::max(1, cores / ranks));
+}
 
 }  // namespace zero3d

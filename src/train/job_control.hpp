@@ -74,4 +74,9 @@ class OutputDirLock {
 // BLAS threads per rank (OpenBLAS's own count), for the oversubscription report.
 int blas_threads_per_rank();
 
+// The start-up note when `threads` BLAS threads per rank × `ranks` ranks on a node exceed its
+// `cores` (empty when they do not), naming the cause: more ranks than cores (fewer BLAS threads
+// cannot help then), or threads per rank (then OPENBLAS_NUM_THREADS to set).
+std::string oversubscription_note(int threads, int ranks, int cores);
+
 }  // namespace zero3d

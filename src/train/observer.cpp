@@ -75,8 +75,18 @@ Observer::Observer(const Config& cfg, int world_rank, ObservedComms comms, const
   }
 }
 
+// The data group's blocked all-gathers (ZeRO-3 fetches, ZeRO-1/2's after the update) since the
+// last take.
+double Observer::take_allgather_ms() const {
+  double gather = 0.0;
+  for (Communicator* c : {comms_.data, comms_.embedding})
+    if (c && c->log()) gather += c->log()->take_blocked_ms()[static_cast<int>(CommOp::AllGather)];
+  return gather;
+}
+
 void Observer::begin_step(int64_t step) {
   step_ = step;
+  take_allgather_ms();  // what came between steps (an evaluation's fetches) is not this step's
   obs::g_hooks.flops = o_.flops_profiler.enabled && step == o_.flops_profiler.profile_step;
   if (obs::g_hooks.flops) obs::g_counters.reset(static_cast<int>(model_.shape().n_layer));
   obs::g_counters.n_layer = static_cast<int>(model_.shape().n_layer);
@@ -86,6 +96,7 @@ void Observer::begin_step(int64_t step) {
 }
 
 void Observer::end_step() {
+  step_allgather_ms_ = take_allgather_ms();  // taken before an evaluation gathers: eval_ms has its time
   if (traced_) obs::g_trace.close(step_slot_, std::chrono::steady_clock::now());
   obs::g_hooks = obs::Hooks{};
 }
@@ -108,11 +119,7 @@ std::vector<std::pair<std::string, double>> Observer::phases(const std::map<std:
 void Observer::after_step(const StepResult& r, int64_t global_samples, const std::map<std::string, double>& timers) {
   std::map<std::string, double> t = timers;
   if (cfg_.wall_clock_breakdown) {
-    // The data group's blocked all-gathers of the step (ZeRO-3 fetches, ZeRO-1/2's after the update).
-    double gather = 0.0;
-    for (Communicator* c : {comms_.data, comms_.embedding})
-      if (c && c->log()) gather += c->log()->take_blocked_ms()[static_cast<int>(CommOp::AllGather)];
-    t["allgather"] = gather;
+    t["allgather"] = step_allgather_ms_;
     t["tensor_comm"] = r.tensor_comm_ms;
     const auto p = phases(t);
     const int64_t n = static_cast<int64_t>(p.size());

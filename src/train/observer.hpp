@@ -73,6 +73,8 @@ class Observer {
     double ms = 0.0, min = 0.0, avg = 0.0, max = 0.0;
   };
   std::vector<Phase> breakdown_;
+  double take_allgather_ms() const;
+  double step_allgather_ms_ = 0.0;  // the step's blocked all-gathers, taken at its end (end_step)
 };
 
 // Blocked time in the data group's gradient reductions inside a backward pass is moved from
