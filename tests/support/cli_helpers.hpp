@@ -17,9 +17,16 @@ using json = nlohmann::json;
 
 namespace cli {
 
-inline const std::string kExe = ZERO3D_EXE;
-inline const std::string kMpiexec = ZERO3D_MPIEXEC;
-inline const std::string kSource = ZERO3D_SOURCE_DIR;
+// The build's paths, unless the environment names others (ZERO3D_TEST_EXE, ZERO3D_TEST_MPIEXEC,
+// ZERO3D_TEST_SOURCE_DIR): a test binary carried to another machine (the GPU checks,
+// benchmarks/gpu_check.sh) runs the zero3d, launcher and source tree it finds there.
+inline std::string build_path(const char* variable, const char* built) {
+  const char* given = std::getenv(variable);
+  return given != nullptr && *given != '\0' ? given : built;
+}
+inline const std::string kExe = build_path("ZERO3D_TEST_EXE", ZERO3D_EXE);
+inline const std::string kMpiexec = build_path("ZERO3D_TEST_MPIEXEC", ZERO3D_MPIEXEC);
+inline const std::string kSource = build_path("ZERO3D_TEST_SOURCE_DIR", ZERO3D_SOURCE_DIR);
 
 struct Result {
   int code;

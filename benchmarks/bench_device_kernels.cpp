@@ -1,0 +1,207 @@
+// bench_device_kernels.cpp — the per-kernel table of the GPU issue: each kernel as the build
+// selects it, on model memory, at GPT-2 124M shapes (C 768, H 12, T 1024, V 50257; micro-batch
+// 16 on a GPU build, 2 on the CPU). Memory-bound kernels report GB/s (bytes each must move once)
+// beside BM_DeviceCopy's, the device's own copy rate; products report TFLOP/s. Every timed
+// iteration ends with a device fence (launches return before kernels run).
+// Run: zero3d_device_bench --benchmark_counters_tabular=true (benchmarks/gpu_check.sh does).
+#include <benchmark/benchmark.h>
+
+#include <Kokkos_Core.hpp>
+#include <cstdio>
+#include <vector>
+
+#include "base/rng.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/crossentropy.hpp"
+#include "kernels/device.hpp"
+#include "kernels/encoder.hpp"
+#include "kernels/gelu.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/layernorm.hpp"
+#include "kernels/memory.hpp"
+#include "kernels/optimizers.hpp"
+#include "kernels/reduce.hpp"
+
+using namespace zero3d;
+using namespace zero3d::kernels;
+
+namespace {
+
+constexpr Index B = kGpuBuild ? 16 : 2, T = 1024, C = 768, H = 12, V = 50257, BT = B * T;
+constexpr Index kGpt2Params = 124439808;
+
+// n floats of model memory holding N(0, scale²) values (filled on the host, copied once).
+struct Floats {
+  DeviceBuffer bytes;
+  explicit Floats(Index n, uint64_t stream = 1, float scale = 1.0f) : bytes(static_cast<size_t>(n) * sizeof(float)) {
+    Rng rng(7, stream);
+    std::vector<float> host(static_cast<size_t>(n));
+    for (float& x : host) x = static_cast<float>(scale * rng.normal());
+    copy_to_device(bytes.data(), host.data(), host.size() * sizeof(float));
+  }
+  float* get() const { return reinterpret_cast<float*>(bytes.data()); }
+};
+
+struct Tokens {
+  DeviceBuffer bytes;
+  explicit Tokens(Index n) : bytes(static_cast<size_t>(n) * sizeof(int32_t)) {
+    std::vector<int32_t> host(static_cast<size_t>(n));
+    for (Index i = 0; i < n; ++i) host[i] = static_cast<int32_t>((i * 7919) % V);
+    copy_to_device(bytes.data(), host.data(), host.size() * sizeof(int32_t));
+  }
+  int32_t* get() const { return reinterpret_cast<int32_t*>(bytes.data()); }
+};
+
+void rate(benchmark::State& state, double bytes, double flops = 0) {
+  if (bytes > 0) state.counters["GB/s"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate,
+                                                             benchmark::Counter::kIs1000);
+  if (flops > 0) state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e3, benchmark::Counter::kIsIterationInvariantRate,
+                                                                benchmark::Counter::kIs1000);
+}
+
+void BM_DeviceCopy(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  Floats a(n), b(n);
+  for (auto _ : state) {
+    copy_on_device(b.get(), a.get(), n * sizeof(float));
+    fence();
+  }
+  rate(state, 2.0 * n * sizeof(float));
+}
+BENCHMARK(BM_DeviceCopy)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_LayerNormForward(benchmark::State& state) {
+  Floats x(BT * C), w(C, 2), b(C, 3), out(BT * C), mean(BT), rstd(BT);
+  for (auto _ : state) {
+    layernorm_forward(out.get(), mean.get(), rstd.get(), x.get(), w.get(), b.get(), BT, C);
+    fence();
+  }
+  rate(state, 2.0 * BT * C * sizeof(float));
+}
+BENCHMARK(BM_LayerNormForward)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_LayerNormBackward(benchmark::State& state) {
+  Floats x(BT * C), w(C, 2), dy(BT * C, 3), dx(BT * C), dw(C), db(C), mean(BT, 4, 0.1f), rstd(BT, 5, 0.1f);
+  for (auto _ : state) {
+    layernorm_backward(dx.get(), dw.get(), db.get(), dy.get(), x.get(), w.get(), mean.get(), rstd.get(), BT, C);
+    fence();
+  }
+  rate(state, 4.0 * BT * C * sizeof(float));  // x, dy read; dx read and written
+}
+BENCHMARK(BM_LayerNormBackward)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_EncoderBackward(benchmark::State& state) {
+  Floats dwte(V * C), dwpe(T * C), dy(BT * C);
+  Tokens tok(BT);
+  for (auto _ : state) {
+    encoder_backward(dwte.get(), dwpe.get(), dy.get(), tok.get(), B, T, C);
+    fence();
+  }
+  rate(state, 3.0 * BT * C * sizeof(float));  // dout read twice (wte, wpe), rows of dwte read and written
+}
+BENCHMARK(BM_EncoderBackward)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_GeluForward(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  Floats x(n), out(n);
+  for (auto _ : state) {
+    gelu_forward(out.get(), x.get(), n);
+    fence();
+  }
+  rate(state, 2.0 * n * sizeof(float));
+}
+BENCHMARK(BM_GeluForward)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_GeluBackward(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  Floats x(n), dy(n, 2), dx(n);
+  for (auto _ : state) {
+    gelu_backward(dx.get(), x.get(), dy.get(), n);
+    fence();
+  }
+  rate(state, 3.0 * n * sizeof(float));
+}
+BENCHMARK(BM_GeluBackward)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_CrossEntropyForwardBackward(benchmark::State& state) {
+  Floats logits(BT * V, 1, 2.0f), losses(BT), lse(BT);
+  Tokens targets(BT);
+  for (auto _ : state) {
+    crossentropy_forward(losses.get(), lse.get(), logits.get(), targets.get(), BT, V);
+    crossentropy_backward(logits.get(), lse.get(), targets.get(), 1.0f / BT, BT, V);
+    fence();
+  }
+  rate(state, 3.0 * BT * V * sizeof(float));  // logits read by the forward, read and written by the backward
+}
+BENCHMARK(BM_CrossEntropyForwardBackward)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+void BM_AdamW(benchmark::State& state) {
+  const Index n = kGpt2Params;
+  Floats p(n, 1, 0.02f), g(n, 2, 1e-3f), m(n, 3, 0.0f), v(n, 4, 0.0f);
+  const AdamStep s = make_adam_step(6e-4, 0.9, 0.95, 1e-8, 0.1, 1, true, true);
+  for (auto _ : state) {
+    adam_update(p.get(), g.get(), m.get(), v.get(), n, s);
+    fence();
+  }
+  rate(state, 7.0 * n * sizeof(float));  // p, g, m, v read; p, m, v written
+}
+BENCHMARK(BM_AdamW)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+void BM_GradNormSumOfSquares(benchmark::State& state) {
+  const Index n = kGpt2Params;
+  Floats g(n, 2, 1e-3f);
+  for (auto _ : state) benchmark::DoNotOptimize(sum_of_squares(g.get(), n));
+  rate(state, 1.0 * n * sizeof(float));
+}
+BENCHMARK(BM_GradNormSumOfSquares)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// The four linear shapes of a GPT-2 block and the classifier (args: K, N, compute 0 fp32 / 1 bf16).
+void BM_ForwardProduct(benchmark::State& state) {
+  const Index K = state.range(0), N = state.range(1);
+  const DType compute = state.range(2) ? DType::BF16 : DType::F32;
+  Floats a(BT * K), w(K * N, 2, 0.02f), bias(N, 3), out(BT * N);
+  for (auto _ : state) {
+    gemm(BT, N, K, GemmOperand{a.get(), DType::F32, false, K}, GemmOperand{w.get(), DType::F32, false, N}, out.get(), N,
+         false, compute, bias.get(), DType::F32);
+    fence();
+  }
+  rate(state, 0, 2.0 * BT * K * N);
+  state.SetLabel(gemm_path(compute));
+}
+BENCHMARK(BM_ForwardProduct)
+    ->ArgsProduct({{C}, {3 * C, C, 4 * C}, {0, 1}})
+    ->Args({4 * C, C, 0})
+    ->Args({4 * C, C, 1})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+// Causal attention at T 1024 (arg: compute 0 fp32 / 1 bf16): forward and backward.
+void BM_Attention(benchmark::State& state) {
+  const DType compute = state.range(0) ? DType::BF16 : DType::F32;
+  Floats qkv(BT * 3 * C), out(BT * C), att(B * H * T * T), dout(BT * C, 2), dqkv(BT * 3 * C), scratch(64 * T);
+  for (auto _ : state) {
+    attention_forward(out.get(), att.get(), qkv.get(), B, T, C, H, compute);
+    attention_backward(dqkv.get(), scratch.get(), dout.get(), qkv.get(), att.get(), B, T, C, H, compute);
+    fence();
+  }
+  rate(state, 0, 3.0 * 2.0 * B * T * T * C);  // forward 2·B·T²·C (dense), backward twice that
+}
+BENCHMARK(BM_Attention)->Arg(0)->Arg(1)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (kGpuBuild && !device_problem().empty()) {
+    std::fprintf(stderr, "zero3d_device_bench: %s\n", device_problem().c_str());
+    return 2;
+  }
+  initialize_backend(0, argv);
+  const DeviceInfo d = device_info();
+  benchmark::AddCustomContext("zero3d backend", d.backend);
+  if (!d.name.empty()) benchmark::AddCustomContext("device", d.name);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  Kokkos::finalize();
+  return 0;
+}

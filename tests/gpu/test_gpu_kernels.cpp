@@ -1,0 +1,310 @@
+// test_gpu_kernels.cpp — the `gpu` label's kernel checks: each kernel, as the build selects it
+// (its device form on a GPU build), on model memory at GPT-2 124M shapes (C 768, H 12, T 1024,
+// V 50257), against a plain double-precision loop on the host written here, independent of
+// kernels/. On a CPU build they run only under ZERO3D_GPU_TESTS_ON_HOST=1 (gpu_test_main.cpp),
+// which holds these references against the CPU kernels.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/attention.hpp"
+#include "kernels/crossentropy.hpp"
+#include "kernels/device.hpp"
+#include "kernels/encoder.hpp"
+#include "kernels/gelu.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/layernorm.hpp"
+#include "kernels/memory.hpp"
+#include "kernels/optimizers.hpp"
+#include "kernels/reduce.hpp"
+
+namespace {
+
+using namespace zero3d;
+using namespace zero3d::kernels;
+
+constexpr Index kC = 768, kH = 12, kT = 1024, kV = 50257;
+
+// An array in model memory, filled from and read back into host vectors through memory.hpp.
+template <typename T>
+struct ModelArray {
+  DeviceBuffer bytes;
+  Index n;
+  explicit ModelArray(Index count) : bytes(static_cast<size_t>(count) * sizeof(T)), n(count) {}
+  explicit ModelArray(const std::vector<T>& host) : ModelArray(static_cast<Index>(host.size())) { put(host); }
+  T* data() const { return reinterpret_cast<T*>(bytes.data()); }
+  void put(const std::vector<T>& host) { copy_to_device(data(), host.data(), host.size() * sizeof(T)); }
+  std::vector<T> get() const {
+    std::vector<T> host(static_cast<size_t>(n));
+    copy_to_host(host.data(), data(), host.size() * sizeof(T));
+    return host;
+  }
+};
+
+std::vector<float> normal(Index n, float sd, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, sd);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = d(rng);
+  return x;
+}
+
+std::vector<int32_t> tokens(Index n, int32_t V, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> d(0, V - 1);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& v : t) v = d(rng);
+  return t;
+}
+
+// Every element within atol + rtol·|want|; names the first that is not.
+void expect_close(const std::vector<float>& got, const std::vector<double>& want, double rtol, double atol,
+                  const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (!(std::fabs(got[i] - want[i]) <= atol + rtol * std::fabs(want[i])))
+      FAIL() << what << "[" << i << "] = " << got[i] << ", the host reference gives " << want[i];
+}
+
+// Layer norm (eps 1e-5) forward and backward, B·T 8 × 1024 rows of 768.
+TEST(GpuKernels, LayerNormForwardAndBackwardMatchTheHostAtGpt2Shapes) {
+  const Index N = 8 * kT, C = kC;
+  const std::vector<float> x = normal(N * C, 1.0f, 1), w = normal(C, 0.2f, 2), b = normal(C, 0.1f, 3),
+                           dy = normal(N * C, 1.0f, 4);
+  std::vector<double> out(N * C), dx(N * C), dw(C), db(C);
+  std::vector<double> mean(N), rstd(N);
+  for (Index i = 0; i < N; ++i) {
+    double m = 0, v = 0;
+    for (Index c = 0; c < C; ++c) m += x[i * C + c];
+    m /= C;
+    for (Index c = 0; c < C; ++c) v += (x[i * C + c] - m) * (x[i * C + c] - m);
+    const double s = 1.0 / std::sqrt(v / C + 1e-5);
+    mean[i] = m, rstd[i] = s;
+    double g_mean = 0, g_norm_mean = 0;
+    for (Index c = 0; c < C; ++c) {
+      const double norm = (x[i * C + c] - m) * s;
+      out[i * C + c] = norm * w[c] + b[c];
+      g_mean += w[c] * dy[i * C + c];
+      g_norm_mean += w[c] * dy[i * C + c] * norm;
+      dw[c] += dy[i * C + c] * norm;
+      db[c] += dy[i * C + c];
+    }
+    g_mean /= C, g_norm_mean /= C;
+    for (Index c = 0; c < C; ++c) {
+      const double norm = (x[i * C + c] - m) * s;
+      dx[i * C + c] = 1.0 + (w[c] * dy[i * C + c] - g_mean - norm * g_norm_mean) * s;  // dinp starts at 1
+    }
+  }
+  ModelArray<float> X(x), W(w), Bi(b), Dy(dy), Out(N * C), Mean(N), Rstd(N);
+  ModelArray<float> Dx(std::vector<float>(N * C, 1.0f)), Dw(std::vector<float>(C, 0.0f)), Db(std::vector<float>(C, 0.0f));
+  layernorm_forward(Out.data(), Mean.data(), Rstd.data(), X.data(), W.data(), Bi.data(), N, C);
+  layernorm_backward(Dx.data(), Dw.data(), Db.data(), Dy.data(), X.data(), W.data(), Mean.data(), Rstd.data(), N, C);
+  expect_close(Out.get(), out, 1e-5, 1e-5, "layernorm out");
+  expect_close(Mean.get(), mean, 1e-5, 1e-6, "layernorm mean");
+  expect_close(Rstd.get(), rstd, 1e-5, 1e-6, "layernorm rstd");
+  expect_close(Dx.get(), dx, 1e-4, 1e-5, "layernorm dinp");
+  expect_close(Dw.get(), dw, 1e-4, 1e-3, "layernorm dweight");  // sums of 8192 rows
+  expect_close(Db.get(), db, 1e-4, 1e-3, "layernorm dbias");
+}
+
+// GPT-2's tanh GELU over the MLP's 8·1024 × 3072 activations, and its derivative.
+TEST(GpuKernels, GeluForwardAndBackwardMatchTheHost) {
+  const Index n = 8 * kT * 4 * kC;
+  const std::vector<float> x = normal(n, 2.0f, 5), dy = normal(n, 1.0f, 6);
+  std::vector<double> out(n), dx(n);
+  const double k = std::sqrt(2.0 / M_PI);
+  for (Index i = 0; i < n; ++i) {
+    const double u = k * (x[i] + 0.044715 * x[i] * x[i] * x[i]), t = std::tanh(u);
+    out[i] = 0.5 * x[i] * (1 + t);
+    dx[i] = (0.5 * (1 + t) + 0.5 * x[i] * (1 - t * t) * k * (1 + 3 * 0.044715 * x[i] * x[i])) * dy[i];
+  }
+  ModelArray<float> X(x), Dy(dy), Out(n), Dx(n);
+  gelu_forward(Out.data(), X.data(), n);
+  gelu_backward(Dx.data(), X.data(), Dy.data(), n);
+  expect_close(Out.get(), out, 1e-5, 1e-6, "gelu out");
+  expect_close(Dx.get(), dx, 1e-4, 1e-5, "gelu dinp");
+}
+
+// The classifier's loss over the 50,257-word vocabulary: 1024 rows.
+TEST(GpuKernels, CrossEntropyForwardAndBackwardMatchTheHostOverGpt2sVocabulary) {
+  const Index N = 1024, V = kV;
+  const std::vector<float> z = normal(N * V, 3.0f, 7);
+  const std::vector<int32_t> t = tokens(N, static_cast<int32_t>(V), 8);
+  const float dloss = 1.0f / N;
+  std::vector<double> loss(N), dz(N * V);
+  for (Index i = 0; i < N; ++i) {
+    double mx = z[i * V];
+    for (Index v = 1; v < V; ++v) mx = std::max<double>(mx, z[i * V + v]);
+    double sum = 0;
+    for (Index v = 0; v < V; ++v) sum += std::exp(z[i * V + v] - mx);
+    const double lse = mx + std::log(sum);
+    loss[i] = lse - z[i * V + t[i]];
+    for (Index v = 0; v < V; ++v) dz[i * V + v] = std::exp(z[i * V + v] - lse) * dloss;
+    dz[i * V + t[i]] -= dloss;
+  }
+  ModelArray<float> Z(z), Loss(N), Lse(N);
+  ModelArray<int32_t> Tg(t);
+  crossentropy_forward(Loss.data(), Lse.data(), Z.data(), Tg.data(), N, V);
+  expect_close(Loss.get(), loss, 1e-5, 1e-5, "crossentropy losses");
+  crossentropy_backward(Z.data(), Lse.data(), Tg.data(), dloss, N, V);
+  expect_close(Z.get(), dz, 1e-4, 1e-10, "crossentropy dlogits");
+}
+
+// Token and position embeddings; the backward adds every row of a repeated token (a 64-word
+// vocabulary over 8192 positions repeats each ~128 times) in a fixed order: two runs, same bits.
+TEST(GpuKernels, EncoderForwardAndBackwardMatchTheHostAndRepeatBitForBit) {
+  const Index B = 8, T = kT, C = kC, V = 64;
+  const std::vector<float> wte = normal(V * C, 0.02f, 9), wpe = normal(T * C, 0.01f, 10), dy = normal(B * T * C, 1.0f, 11);
+  const std::vector<int32_t> tok = tokens(B * T, static_cast<int32_t>(V), 12);
+  std::vector<double> out(B * T * C), dwte(V * C), dwpe(T * C);
+  for (Index bt = 0; bt < B * T; ++bt)
+    for (Index c = 0; c < C; ++c) {
+      out[bt * C + c] = double(wte[tok[bt] * C + c]) + wpe[(bt % T) * C + c];
+      dwte[tok[bt] * C + c] += dy[bt * C + c];
+      dwpe[(bt % T) * C + c] += dy[bt * C + c];
+    }
+  ModelArray<float> Wte(wte), Wpe(wpe), Dy(dy), Out(B * T * C);
+  ModelArray<int32_t> Tok(tok);
+  encoder_forward(Out.data(), Tok.data(), Wte.data(), Wpe.data(), B, T, C);
+  expect_close(Out.get(), out, 1e-6, 1e-7, "encoder out");
+  std::vector<float> first;
+  for (int run = 0; run < 2; ++run) {
+    ModelArray<float> Dwte(std::vector<float>(V * C, 0.0f)), Dwpe(std::vector<float>(T * C, 0.0f));
+    encoder_backward(Dwte.data(), Dwpe.data(), Dy.data(), Tok.data(), B, T, C);
+    const std::vector<float> got = Dwte.get();
+    expect_close(got, dwte, 1e-4, 1e-4, "encoder dwte");
+    expect_close(Dwpe.get(), dwpe, 1e-5, 1e-5, "encoder dwpe");
+    if (run == 0) first = got;
+    else EXPECT_TRUE(got == first) << "encoder_backward's sums differ between two runs";
+  }
+}
+
+// AdamW over 16 M parameters (weight decay 0.01, step 3). The reference takes the coefficients
+// as the kernel holds them (fp32 β and 1 − β): m's two terms nearly cancel where g opposes m, so
+// each element's tolerance is a few fp32 roundings of its terms, not of the result.
+TEST(GpuKernels, AdamWUpdateMatchesTheHost) {
+  const Index n = Index(1) << 24;
+  const std::vector<float> p = normal(n, 0.02f, 13), g = normal(n, 1e-3f, 14), m = normal(n, 1e-4f, 15);
+  std::vector<float> v = normal(n, 1e-6f, 16);
+  for (float& x : v) x = std::fabs(x);
+  const double lr = 1e-3, eps = 1e-8, wd = 0.01;
+  const float b1 = 0.9f, b2 = 0.999f, omb1 = 1.0f - b1, omb2 = 1.0f - b2;
+  const int step = 3;
+  const double bc1 = 1 - std::pow(double(b1), step), bc2 = 1 - std::pow(double(b2), step);
+  ModelArray<float> P(p), G(g), M(m), Vs(v);
+  adam_update(P.data(), G.data(), M.data(), Vs.data(), n, make_adam_step(lr, b1, b2, eps, wd, step, true, true));
+  const std::vector<float> p_got = P.get(), m_got = M.get(), v_got = Vs.get();
+  constexpr double kRounding = 4 * 6e-8;  // a few fp32 roundings, relative to the terms
+  for (Index i = 0; i < n; ++i) {
+    const double m2 = double(b1) * m[i] + double(omb1) * g[i], v2 = double(b2) * v[i] + double(omb2) * g[i] * g[i];
+    const double p2 = p[i] - lr * (m2 / bc1 / (std::sqrt(v2 / bc2) + eps) + wd * p[i]);
+    ASSERT_LE(std::fabs(m_got[i] - m2), kRounding * (b1 * std::fabs(m[i]) + omb1 * std::fabs(g[i]))) << "m[" << i << "]";
+    ASSERT_LE(std::fabs(v_got[i] - v2), kRounding * (b2 * v[i] + omb2 * g[i] * g[i])) << "v[" << i << "]";
+    ASSERT_LE(std::fabs(p_got[i] - p2), kRounding * (std::fabs(p[i]) + lr * (1e3 + wd))) << "params[" << i << "]";
+  }
+}
+
+// The gradient norm's Σ g² over GPT-2 124M's 124,439,808 parameters, accumulated in double.
+TEST(GpuKernels, SumOfSquaresOverGpt2sParametersMatchesTheHostInDouble) {
+  const Index n = 124439808;
+  const std::vector<float> g = normal(n, 1e-2f, 17);
+  double want = 0;
+  for (float x : g) want += double(x) * x;
+  ModelArray<float> G(g);
+  const double got = sum_of_squares(G.data(), n);
+  EXPECT_NEAR(got, want, 1e-10 * want);
+  EXPECT_EQ(sum_of_squares(G.data(), n), got) << "two reductions of the same data differ";
+}
+
+// c_attn's product at GPT-2 shapes, fp32 and bf16, with the bias in the epilogue: 64 sampled
+// rows of C[8192, 2304] = X[8192, 768] · W[768, 2304] + b against the host (bf16: on the
+// operands rounded as the product rounds them).
+TEST(GpuProducts, ForwardProductWithBiasMatchesTheHostInFp32AndBf16) {
+  const Index M = 8 * kT, K = kC, N = 3 * kC;
+  const std::vector<float> x = normal(M * K, 1.0f, 18), w = normal(K * N, 0.02f, 19), b = normal(N, 0.1f, 20);
+  const auto round_bf16 = [](float f) {  // round to nearest even, as the conversions do
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  ModelArray<float> X(x), W(w), Bi(b), Out(M * N);
+  for (DType compute : {DType::F32, DType::BF16}) {
+    gemm(M, N, K, GemmOperand{X.data(), DType::F32, false, K}, GemmOperand{W.data(), DType::F32, false, N}, Out.data(),
+         N, false, compute, Bi.data(), DType::F32);
+    const std::vector<float> got = Out.get();
+    for (Index r = 0; r < M; r += M / 64) {
+      std::vector<float> row(got.begin() + r * N, got.begin() + (r + 1) * N);
+      std::vector<double> want(N);
+      for (Index j = 0; j < N; ++j) {
+        double acc = b[j];
+        for (Index k = 0; k < K; ++k)
+          acc += compute == DType::BF16 ? double(round_bf16(x[r * K + k])) * round_bf16(w[k * N + j])
+                                        : double(x[r * K + k]) * w[k * N + j];
+        want[j] = acc;
+      }
+      // TF32 is never allowed for fp32 (cuBLASLt's compute type is 32F); bf16 products sum in fp32.
+      expect_close(row, want, compute == DType::BF16 ? 1e-3 : 1e-5, 1e-4,
+                   compute == DType::BF16 ? "bf16 product" : "fp32 product");
+    }
+  }
+}
+
+// Causal attention in fp32, B 1, T 1024, C 768, H 12: the output, the probabilities the
+// backward reads, and dqkv against a host reference of softmax(q·kᵀ/√hs)·v and its gradient.
+TEST(GpuAttention, Fp32ForwardAndBackwardMatchTheHostAtGpt2Shapes) {
+  const Index B = 1, T = kT, C = kC, H = kH, hs = C / H, C3 = 3 * C;
+  const std::vector<float> qkv = normal(B * T * C3, 1.0f, 21), dy = normal(B * T * C, 1.0f, 22);
+  const double scale = 1.0 / std::sqrt(double(hs));
+  std::vector<double> out(B * T * C), dqkv(B * T * C3);
+  std::vector<double> p(T * T), dp(T);
+  for (Index h = 0; h < H; ++h) {
+    const auto q = [&](Index t, Index d) { return double(qkv[t * C3 + h * hs + d]); };
+    const auto k = [&](Index t, Index d) { return double(qkv[t * C3 + C + h * hs + d]); };
+    const auto v = [&](Index t, Index d) { return double(qkv[t * C3 + 2 * C + h * hs + d]); };
+    for (Index i = 0; i < T; ++i) {
+      double mx = -1e300;
+      for (Index j = 0; j <= i; ++j) {
+        double s = 0;
+        for (Index d = 0; d < hs; ++d) s += q(i, d) * k(j, d);
+        p[i * T + j] = s * scale;
+        mx = std::max(mx, p[i * T + j]);
+      }
+      double sum = 0;
+      for (Index j = 0; j <= i; ++j) sum += (p[i * T + j] = std::exp(p[i * T + j] - mx));
+      for (Index j = 0; j <= i; ++j) p[i * T + j] /= sum;
+      for (Index d = 0; d < hs; ++d) {
+        double o = 0;
+        for (Index j = 0; j <= i; ++j) o += p[i * T + j] * v(j, d);
+        out[i * C + h * hs + d] = o;
+      }
+      // dP = dY·Vᵀ; dS = P ∘ (dP − Σ P·dP); dQ = scale·dS·K; dK += scale·dSᵀ·Q; dV += Pᵀ·dY
+      double dot = 0;
+      for (Index j = 0; j <= i; ++j) {
+        dp[j] = 0;
+        for (Index d = 0; d < hs; ++d) dp[j] += dy[i * C + h * hs + d] * v(j, d);
+        dot += p[i * T + j] * dp[j];
+      }
+      for (Index j = 0; j <= i; ++j) {
+        const double ds = p[i * T + j] * (dp[j] - dot) * scale;
+        for (Index d = 0; d < hs; ++d) {
+          dqkv[i * C3 + h * hs + d] += ds * k(j, d);
+          dqkv[j * C3 + C + h * hs + d] += ds * q(i, d);
+          dqkv[j * C3 + 2 * C + h * hs + d] += p[i * T + j] * dy[i * C + h * hs + d];
+        }
+      }
+    }
+  }
+  ModelArray<float> Qkv(qkv), Dy(dy), Out(B * T * C), Att(B * H * T * T), Dqkv(B * T * C3), Scratch(64 * T);
+  attention_forward(Out.data(), Att.data(), Qkv.data(), B, T, C, H);
+  expect_close(Out.get(), out, 1e-4, 1e-5, "attention out");
+  attention_backward(Dqkv.data(), Scratch.data(), Dy.data(), Qkv.data(), Att.data(), B, T, C, H);
+  expect_close(Dqkv.get(), dqkv, 1e-3, 1e-4, "attention dqkv");
+}
+
+}  // namespace

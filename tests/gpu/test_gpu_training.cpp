@@ -1,0 +1,109 @@
+// test_gpu_training.cpp — the `gpu` label's training checks, through the executable as users
+// run it: 10-step losses against the CPU build's (committed in cpu_reference_losses.json by
+// make_cpu_reference.sh), run-to-run bit identity, two ranks sharing one GPU against one rank
+// for each layout, and a checkpoint saved on the GPU resumed by the CPU build.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "support/cli_helpers.hpp"
+
+namespace {
+
+using namespace cli;
+
+const json& reference() {
+  static const json ref = json::parse(slurp(kSource + "/tests/gpu/cpu_reference_losses.json"));
+  return ref;
+}
+
+std::vector<double> reference_losses(const std::string& model, const std::string& precision) {
+  return reference().at(model).at(precision).get<std::vector<double>>();
+}
+
+// The same 10 steps the reference script trains (its "args").
+std::vector<double> train_losses(const std::string& model, const std::string& extra, int np, const std::string& dir) {
+  const Result r = run("train " + kSource + "/input/" + model + ".json --output " + dir + " " +
+                           reference().at("args").get<std::string>() + " " + extra,
+                       np);
+  EXPECT_EQ(r.code, 0) << r.err;
+  return losses_of(read_metrics(dir));
+}
+
+// The same run by another executable (the CPU build's), without mpiexec.
+Result run_with(const std::string& exe, const std::string& args) {
+  const std::string out = temp_path("other_stdout.txt"), err = temp_path("other_stderr.txt");
+  const int status = std::system((exe + " " + args + " >" + out + " 2>" + err).c_str());
+  return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
+
+double max_distance(const std::vector<double>& a, const std::vector<double>& b) {
+  double d = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) d = std::max(d, std::fabs(a[i] - b[i]));
+  return d;
+}
+
+// fp32 within 1e-5 of the CPU build's losses, step by step.
+TEST(GpuTraining, Fp32LossesMatchTheCpuBuild) {
+  for (const std::string model : {"quickstart", "gpt-small-cpu"}) {
+    const std::vector<double> got = train_losses(model, "", 1, temp_path(model + "_fp32"));
+    expect_losses_close(got, reference_losses(model, "fp32"), 1e-5, model + " fp32");
+  }
+}
+
+// bf16 as far from the CPU's fp32 losses as the CPU's own bf16 run is (twice, for rounding
+// the device's products do in another order).
+TEST(GpuTraining, Bf16LossesStayWithinTheCpusBf16Distance) {
+  for (const std::string model : {"quickstart", "gpt-small-cpu"}) {
+    const std::vector<double> got = train_losses(model, "--set bf16.enabled=true", 1, temp_path(model + "_bf16"));
+    const std::vector<double> fp32 = reference_losses(model, "fp32"), bf16 = reference_losses(model, "bf16");
+    ASSERT_EQ(got.size(), fp32.size()) << model;
+    EXPECT_LE(max_distance(got, fp32), 2 * max_distance(bf16, fp32)) << model;
+  }
+}
+
+// Deterministic kernels: no atomics in any reduction, so two runs give the same bits.
+TEST(GpuTraining, TwoRunsGiveBitIdenticalLosses) {
+  for (const std::string precision : {"", "--set bf16.enabled=true"}) {
+    const std::vector<double> a = train_losses("quickstart", precision, 1, temp_path("repeat_a"));
+    const std::vector<double> b = train_losses("quickstart", precision, 1, temp_path("repeat_b"));
+    ASSERT_FALSE(a.empty());
+    EXPECT_TRUE(a == b) << "two runs of the quick-start" << precision << " differ";
+  }
+}
+
+// Two ranks on one GPU (collectives staged through the host) train what one rank trains.
+TEST(GpuTraining, TwoRanksSharingOneGpuEqualOneRankInEveryLayout) {
+  const std::vector<double> one = train_losses("quickstart", "", 1, temp_path("np1"));
+  for (const std::string layout :
+       {"--set zero_optimization.stage=1", "--set zero_optimization.stage=2", "--set zero_optimization.stage=3",
+        "--set pipeline.stages=2", "--set tensor_parallel.autotp_size=2"}) {
+    const std::vector<double> two = train_losses("quickstart", layout, 2, temp_path("np2"));
+    expect_losses_close(two, one, 1e-5, "np 2 " + layout);
+  }
+}
+
+// A checkpoint written by the GPU build at step 5 resumes on the CPU build (ZERO3D_CPU_EXE):
+// its first step's loss is the GPU's within 1e-6, the rest within the fp32 distance.
+TEST(GpuTraining, ACheckpointSavedOnTheGpuResumesOnTheCpu) {
+  const char* cpu_exe = std::getenv("ZERO3D_CPU_EXE");
+  if (cpu_exe == nullptr) GTEST_SKIP() << "ZERO3D_CPU_EXE (the CPU build's zero3d) is not set";
+  const std::string dir = temp_path("gpu_saves");
+  const std::vector<double> gpu = train_losses("quickstart", "--set training.save_interval=5", 1, dir);
+  ASSERT_EQ(gpu.size(), 10u);
+  const std::string out = temp_path("cpu_resumes");
+  const Result r = run_with(cpu_exe, "train " + kSource + "/input/quickstart.json --output " + out + " " +
+                                         reference().at("args").get<std::string>() +
+                                         " --set training.resume=" + dir + "/checkpoints/global_step5");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::vector<double> cpu = losses_of(read_metrics(out));
+  ASSERT_EQ(cpu.size(), 5u);
+  EXPECT_LE(std::fabs(cpu[0] - gpu[5]), 1e-6 * std::fabs(gpu[5]));
+  expect_losses_close(cpu, std::vector<double>(gpu.begin() + 5, gpu.end()), 1e-5, "resumed on the CPU");
+}
+
+}  // namespace
