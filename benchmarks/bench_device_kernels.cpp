@@ -1,7 +1,7 @@
 // bench_device_kernels.cpp — the per-kernel table of the GPU issue: each kernel as the build
 // selects it, on model memory, at GPT-2 124M shapes (C 768, H 12, T 1024, V 50257; micro-batch
-// 16 on a GPU build, 2 on the CPU). Memory-bound kernels report GB/s (bytes each must move once)
-// beside BM_DeviceCopy's, the device's own copy rate; products report TFLOP/s. Every timed
+// 16 on a GPU build, 2 on the CPU). Memory-bound kernels report bytes/s (what each must move once)
+// beside BM_DeviceCopy's, the device's own copy rate; products report FLOP/s. Every timed
 // iteration ends with a device fence (launches return before kernels run).
 // Run: zero3d_device_bench --benchmark_counters_tabular=true (benchmarks/gpu_check.sh does).
 #include <benchmark/benchmark.h>
@@ -53,10 +53,11 @@ struct Tokens {
 };
 
 void rate(benchmark::State& state, double bytes, double flops = 0) {
-  if (bytes > 0) state.counters["GB/s"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate,
-                                                             benchmark::Counter::kIs1000);
-  if (flops > 0) state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e3, benchmark::Counter::kIsIterationInvariantRate,
+  // printed with SI prefixes: "2.1T/s" bytes is 2.1 TB/s, "480T/s" FLOP is 480 TFLOP/s
+  if (bytes > 0) state.counters["bytes/s"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate,
                                                                 benchmark::Counter::kIs1000);
+  if (flops > 0) state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate,
+                                                               benchmark::Counter::kIs1000);
 }
 
 void BM_DeviceCopy(benchmark::State& state) {
