@@ -250,7 +250,7 @@ StageSchedule emit(const std::vector<Work>& order, int p, int v, int stage) {
   std::multimap<int, Instruction> after;  // flat index (-1: schedule start) -> receives posted after it
   std::map<std::pair<Op, int>, int> channel_at;
   for (const auto& [start, key] : by_start) {
-    const auto [mb, c] = key;
+    const int mb = key.first, c = key.second;  // named, not bound: a lambda below captures them (C++17)
     const int vs = c * p + stage;
     const int b = buffer_of[key];
     const auto post = [&](Op op, int at) {
