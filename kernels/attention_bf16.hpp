@@ -323,6 +323,18 @@ inline bool attention_flash_chosen(Index BH, Index T, Index hs) {
   return !tiled && attention_flash_fits(BH, T, hs);
 }
 
+// The floats of `att` the bf16 attention writes for B·H = BH heads: the fused kernel's log-sum-
+// exp and bf16 output (attention_flash_bf16.hpp), else the tiled kernel's bf16 probabilities, one
+// TB×TB tile per (query tile, key tile ≤ it) pair and head. What the model allocates for it.
+inline Index attention_bf16_saved_floats(Index BH, Index T, Index hs) {
+#ifdef ZERO3D_FLASH_ATTENTION
+  if (attention_flash_chosen(BH, T, hs)) return attention_flash_o_offset(BH, T) + (BH * T * hs + 1) / 2;
+#endif
+  (void)hs;
+  const AttentionTiles t(T);
+  return ((AttentionTiles::pair(t.n - 1, t.n - 1) + 1) * BH * t.TB * t.TB + 1) / 2;
+}
+
 // Q: qkv's type — fp32, or bf16 when the c_attn product rounded its own output (the kernels
 // round q, k and v to bf16 as they pack them, so both give the same bits).
 template <typename O, typename Q>

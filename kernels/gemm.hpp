@@ -5,7 +5,9 @@
 // arithmetic: F32 runs OpenBLAS sgemm (16-bit weights are widened first); BF16 rounds both
 // operands to bf16 and multiplies with fp32 accumulation — through oneDNN's AVX512-BF16
 // kernels when zero3d was built with oneDNN (about 4x sgemm on one Zen 4 core), otherwise
-// with sgemm on the rounded values (same inputs, slower).
+// with sgemm on the rounded values (same inputs, slower); F16 (torch_autocast's fp16 products)
+// rounds both operands to fp16 and runs sgemm on the rounded values (this CPU has no fp16
+// products). An fp32 bias of a 16-bit product is rounded to its dtype first.
 #pragma once
 
 #include <cstdint>

@@ -96,7 +96,7 @@ inline void accumulate_column_sums(float* dbias, const float* dout, Index N, Ind
 template <typename P>
 inline void matmul_forward(float* out, const float* inp, const P* weight, const P* bias, Index N, Index IC, Index OC,
                            bool accumulate = false, DType compute = DType::F32) {
-  if (compute == DType::BF16) {
+  if (compute != DType::F32) {  // 16-bit products take the bias into the product (rounded with it)
     gemm(N, OC, IC, {inp, DType::F32, false, IC}, {weight, dtype_of<P>(), false, OC}, out, OC, accumulate, compute,
          bias, dtype_of<P>());
     return;

@@ -64,6 +64,34 @@ const bf16* as_bf16(const GemmOperand& x, int64_t n, std::vector<uint16_t>& scra
   return out;
 }
 
+// An fp32 operand rounded to fp16 and widened back (F16 compute: the product of fp16 operands
+// with fp32 accumulation, on sgemm); a stored fp16 operand is only widened.
+const float* as_f16_valued(const GemmOperand& x, int64_t n, std::vector<float>& scratch, std::vector<uint16_t>& half) {
+  if (x.type == DType::BF16) throw SystemError("gemm: fp16 products of a bf16 operand");
+  float* out = workspace().take(scratch, n);
+  if (x.type == DType::F16) {
+    kernels::convert(out, static_cast<const fp16*>(x.data), n);
+    return out;
+  }
+  fp16* h = reinterpret_cast<fp16*>(workspace().take(half, n));
+  kernels::convert(h, static_cast<const float*>(x.data), n);
+  kernels::convert(out, h, n);
+  return out;
+}
+
+// An fp32 bias joining a 16-bit product is rounded to the product's dtype first, as
+// torch.autocast's linear casts its bias with its weight (the bf16/fp16 runs' biases are stored
+// in 16 bits already). Returns the bias to use and sets its type.
+const void* bias_in(DType compute, const void* bias, DType& bias_type, int64_t n) {
+  if (!bias || bias_type != DType::F32 || compute == DType::F32) return bias;
+  static std::vector<uint16_t> rounded;
+  if (static_cast<int64_t>(rounded.size()) < n) rounded.resize(static_cast<size_t>(n));
+  if (compute == DType::BF16) kernels::convert(reinterpret_cast<bf16*>(rounded.data()), static_cast<const float*>(bias), n);
+  else kernels::convert(reinterpret_cast<fp16*>(rounded.data()), static_cast<const float*>(bias), n);
+  bias_type = compute;
+  return rounded.data();
+}
+
 #ifdef ZERO3D_HAVE_ONEDNN
 struct Dnnl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
@@ -189,10 +217,15 @@ void gemm_batched(int64_t batch, int64_t M, int64_t N, int64_t K, const float* A
 void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
           DType compute, const void* bias, DType bias_type) {
   obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));  // the flops profiler's count
-  const kernels::ProfileRegion region(compute == DType::BF16 ? "gemm_bf16" : "gemm_f32");
+  const kernels::ProfileRegion region(compute == DType::BF16 ? "gemm_bf16" : compute == DType::F16 ? "gemm_f16" : "gemm_f32");
   Workspace& w = workspace();
   const int64_t na = stored_elems(A.trans ? K : M, A);
   const int64_t nb = stored_elems(B.trans ? N : K, B);
+  bias = bias_in(compute, bias, bias_type, N);
+  if (compute == DType::F16) {  // both operands rounded to fp16 (torch.autocast's fp16 products), fp32 accumulation
+    A = {as_f16_valued(A, na, w.a32, w.a16), DType::F32, A.trans, A.ld};
+    B = {as_f16_valued(B, nb, w.b32, w.b16), DType::F32, B.trans, B.ld};
+  }
   if (compute == DType::BF16) {
     const bf16* a;
     if (A.type == DType::F32 && A.trans) {  // rounded into the plain layout: op(A) = A then
@@ -232,6 +265,7 @@ bool gemm_epilogue_in_onednn(int64_t M, int64_t N, int64_t K, const GemmOperand&
                              bool c_bf16, const float* addend, const void* bias, DType bias_type) {
 #ifdef ZERO3D_HAVE_ONEDNN
   if (A.trans || B.trans || A.type == DType::F32) return false;
+  bias = bias_in(DType::BF16, bias, bias_type, N);
   obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
   const kernels::ProfileRegion region("gemm_bf16");
   Workspace& w = workspace();
@@ -284,6 +318,7 @@ GemmOperand gemm_operand_slot(int64_t rows, int64_t ld) {
 }
 
 std::string gemm_path(DType compute) {
+  if (compute == DType::F16) return "OpenBLAS sgemm on fp16-rounded operands";
   if (compute != DType::BF16) return "OpenBLAS sgemm";
 #ifdef ZERO3D_HAVE_ONEDNN
   return "oneDNN bf16 matmul";

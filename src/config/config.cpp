@@ -373,7 +373,6 @@ void read_unsupported_top_level(Section& top) {
   // Sections enabled by an "enabled" key (DeepSpeed reads each as a dict; FACTS §1.3).
   const std::vector<std::pair<const char*, const char*>> missing_sections = {
       {"amp", "NVIDIA Apex AMP: use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}"},
-      {"torch_autocast", "torch.autocast: use \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true}"},
       {"hybrid_engine", "the RLHF hybrid inference engine"},
       {"eigenvalue", "eigenvalue computation"},
       {"curriculum_learning", "curriculum learning: sequences are n_positions long throughout"},

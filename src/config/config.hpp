@@ -15,6 +15,7 @@
 
 #include "base/dtype.hpp"
 #include "model/activation_checkpointing.hpp"
+#include "model/autocast.hpp"
 #include "model/pld.hpp"
 #include "model/sparse_attention.hpp"
 #include "observe/observability_config.hpp"
@@ -207,6 +208,12 @@ struct PrecisionConfig {
   // bf16.bf16_master_weights_and_grads (BF16: no fp32 master copy) and bf16_optimizer_states
   // (BF16 moments); the reader copies both into ZeroConfig, whose optimizer applies them.
   DType master_weights = DType::F32, optimizer_states = DType::F32;
+  // torch_autocast: fp32 parameters (param F32), products in autocast.dtype, the listed modules'
+  // parameters communicated in it; the fp16 loss scaler is torch's GradScaler.
+  AutocastConfig autocast;
+  // The dtype the model's matrix products run in (GPT::compute_type): bf16 for bf16 parameters,
+  // torch_autocast's dtype, else fp32 (fp16 widens its weights for sgemm).
+  DType products() const { return param == DType::BF16 ? DType::BF16 : param == DType::F32 ? autocast.dtype : DType::F32; }
 };
 
 // tensor_parallel (DeepSpeed's AutoTP keys, DEEPSPEED-FACTS-2 §1.11; Megatron's layer splits).

@@ -62,6 +62,65 @@ void resolve_auto_enabled(Section& s) {
          " default; --set " + s.key_path("enabled") + "=true to train in it)");
 }
 
+// torch_autocast.dtype as DeepSpeed's DtypeEnum spells the two lower precisions; absent or null:
+// bf16, torch.autocast's default on the CPU, this build's device.
+DType read_autocast_dtype(Section& s) {
+  const json* v = s.raw("dtype");
+  if (!v || v->is_null()) {
+    s.record("dtype", nullptr);
+    return DType::BF16;
+  }
+  const std::string name = v->is_string() ? lower(v->get<std::string>()) : "";
+  DType out = DType::F32;
+  for (const char* n : {"bf16", "bfloat16", "bfloat", "torch.bfloat16"})
+    if (name == n) out = DType::BF16;
+  for (const char* n : {"fp16", "float16", "half", "torch.float16"})
+    if (name == n) out = DType::F16;
+  if (out == DType::F32)
+    s.fail_key("dtype", "expected the lower precision torch.autocast runs the products in, \"bfloat16\" or "
+                        "\"float16\" (also \"bf16\", \"fp16\", \"torch.bfloat16\", ...), got " + show(*v));
+  s.record("dtype", dtype_name(out));
+  return out;
+}
+
+// lower_precision_safe_modules: module classes as DeepSpeed imports them (package.Class), mapped
+// to this model's kinds (autocast.hpp). Classes this model does not have (convolutions) match
+// nothing, as in DeepSpeed; a name that is none of these is refused, where DeepSpeed's import
+// would fail or silently match nothing.
+LowPrecisionModules read_autocast_modules(Section& s) {
+  LowPrecisionModules m;
+  const json* v = s.raw("lower_precision_safe_modules");
+  if (!v || v->is_null()) {  // DeepSpeed's default: [Linear, Conv1d, Conv2d, Conv3d]
+    s.record("lower_precision_safe_modules", nullptr);
+    return m;
+  }
+  if (!v->is_array()) s.fail_key("lower_precision_safe_modules", "expected a list of module class names, got " + show(*v));
+  m.linear = false;
+  const std::vector<std::pair<std::vector<std::string>, bool LowPrecisionModules::*>> kinds = {
+      {{"torch.nn.Linear", "torch.nn.modules.linear.Linear", "transformers.pytorch_utils.Conv1D"},
+       &LowPrecisionModules::linear},
+      {{"torch.nn.Embedding", "torch.nn.modules.sparse.Embedding"}, &LowPrecisionModules::embedding},
+      {{"torch.nn.LayerNorm", "torch.nn.modules.normalization.LayerNorm"}, &LowPrecisionModules::layer_norm},
+      {{"torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d", "torch.nn.modules.conv.Conv1d",
+        "torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv3d"},
+       nullptr}};
+  for (const json& e : *v) {
+    bool known = false;
+    for (const auto& [names, flag] : kinds)
+      for (const std::string& n : names)
+        if (e.is_string() && e.get<std::string>() == n) {
+          known = true;
+          if (flag) m.*flag = true;
+        }
+    if (!known)
+      s.fail_key("lower_precision_safe_modules",
+                 "no module class " + show(e) + " in this model; it has torch.nn.Linear (the blocks' projections, "
+                 "also named transformers.pytorch_utils.Conv1D), torch.nn.Embedding (wte, wpe) and torch.nn.LayerNorm");
+  }
+  s.record("lower_precision_safe_modules", *v);
+  return m;
+}
+
 }  // namespace
 
 PrecisionConfig read_precision(Section& top, const Config& c) {
@@ -116,6 +175,25 @@ PrecisionConfig read_precision(Section& top, const Config& c) {
 
   if (fp16_on && bf16_on)
     top.report("bf16.enabled", "fp16 and bf16 are both enabled; enable one of them (DeepSpeed refuses this too)");
+
+  // torch_autocast (seed API docs, "PyTorch Automatic Mixed Precision"): fp32 parameters and
+  // optimizer, products in `dtype`, the listed modules' gradients reduced (and at ZeRO-3 their
+  // parameters gathered) in it; fp16 adds torch's GradScaler.
+  Section autocast = top.child("torch_autocast");
+  const bool autocast_on = autocast.boolean("enabled", false);
+  DType autocast_dtype = DType::BF16;
+  LowPrecisionModules autocast_modules;
+  attempt(autocast.context(), autocast.file(), [&] { autocast_dtype = read_autocast_dtype(autocast); });
+  attempt(autocast.context(), autocast.file(), [&] { autocast_modules = read_autocast_modules(autocast); });
+  autocast.finish();
+  if (autocast_on && (fp16_on || bf16_on))
+    top.report("torch_autocast.enabled",
+               std::string("cannot be combined with ") + (fp16_on ? "fp16" : where) +
+                   ".enabled: torch_autocast keeps fp32 parameters and runs the products in its dtype, the " +
+                   (fp16_on ? "fp16" : "bf16") + " section makes the parameters 16-bit (DeepSpeed asserts \"Cannot "
+                   "enable both torch autocast and " + (fp16_on ? "fp16" : "bfloat16") + "\"); enable one of them");
+  else if (autocast_on)
+    p.autocast = AutocastConfig{autocast_dtype, autocast_modules};
   p.param = fp16_on ? DType::F16 : bf16_on ? DType::BF16 : DType::F32;
   if (fp16_on && p.loss_scale > 0.0 && c.optimizer.type == OptimizerType::Lamb)
     top.report("fp16.loss_scale", "Lamb needs dynamic loss scaling in DeepSpeed; set it to 0 or remove it");

@@ -13,6 +13,7 @@
 #include "base/dtype.hpp"
 #include "kernels/moe.hpp"  // the gate's settings and routing (MPI-free kernels)
 #include "model/activation_checkpointing.hpp"
+#include "model/autocast.hpp"
 #include "model/buffer.hpp"
 #include "model/sparse_attention.hpp"
 #include "parallel/tensor_parallel.hpp"
@@ -303,8 +304,10 @@ class GPT {
   // tensor: the tensor-parallel group when part.tp_size > 1.
   // checkpointing: which blocks keep their activations and which recompute them in backward.
   // moe: how MoE blocks route (shape.moe says which blocks are MoE blocks).
+  // autocast: torch_autocast's dtype (BF16 or F16) for fp32 parameters: the matrix products run
+  // in it, as in the bf16 path for BF16 (the same saves in bf16); F32: off.
   GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part, TensorGroup tensor = {},
-      ActivationCheckpointing checkpointing = {}, MoeRouting moe = {});
+      ActivationCheckpointing checkpointing = {}, MoeRouting moe = {}, DType autocast = DType::F32);
   // The whole model on one rank.
   GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type = DType::F32);
 
@@ -316,7 +319,9 @@ class GPT {
   const ModelChunk& chunk(int c) const { return part_.chunks[c]; }
   int64_t num_params() const { return part_.layout.total(); }
   DType param_type() const { return param_type_; }
-  DType compute_type() const { return param_type_ == DType::BF16 ? DType::BF16 : DType::F32; }
+  // The products' dtype: bf16 for bf16 parameters, torch_autocast's dtype, else fp32 (fp16
+  // parameters are widened for sgemm).
+  DType compute_type() const { return param_type_ == DType::BF16 ? DType::BF16 : autocast_; }
   int64_t batch() const { return B_; }
   int64_t stream_elements() const { return Ns_ * shape_.n_embd; }  // what one pipeline message carries
   int64_t seq_len() const { return T_; }
@@ -419,6 +424,7 @@ class GPT {
 
   GPTShape shape_;
   DType param_type_ = DType::F32;
+  DType autocast_ = DType::F32;
   int64_t B_, T_;
   ModelPart part_;
   TensorGroup tp_;
@@ -473,6 +479,26 @@ struct FlatModel {
   void zero_grad() { Kokkos::deep_copy(grads, 0.0f); }
 };
 
+// One block's saves in floats, as GPT carves them (carve_block) and the plan counts them. bf16
+// compute keeps the inputs and outputs of its products in bf16 where the forward makes them that
+// way (model.cpp activations_bf16: ln_1, qkv, the attention output, ln_2, fc and its GELU), so
+// those take half the floats; `att` is what the chosen attention kernel keeps: fp32 B·H·T²
+// probabilities, the tiled bf16 kernel's bf16 tiles, or the fused kernel's log-sum-exp and bf16
+// output, never probabilities (kernels::attention_bf16_saved_floats).
+struct BlockSaveSizes {
+  int64_t ln_1 = 0, stats = 0, qkv = 0, att = 0, atty = 0, res = 0, ln_2 = 0, fch = 0;
+  // ln_1, the four LayerNorm statistics, qkv, att, atty, res_2 and res_3, ln_2, fch and fch_gelu
+  int64_t total() const { return ln_1 + 4 * stats + qkv + att + atty + 2 * res + ln_2 + 2 * fch; }
+};
+// compute: the products' dtype (GPT::compute_type()).
+BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
+                                    bool sequence_parallel, DType compute);
+
+// The units one pass over `chunk` fetches, in order (GPT::fetch_order; the memory planner
+// simulates stage 3's gathers along them).
+std::vector<int> gpt_fetch_order(const GPTShape& shape, const ModelPart& part, const ActivationCheckpointing& ac,
+                                 int chunk, bool forward, BackwardPart pass = BackwardPart::Full);
+
 // The element counts GPT carves its activations from: GPT::make_buffer and the constructor
 // allocate exactly these (and check it), and the memory planner sums them, so the plan cannot
 // drift from the allocation. Per buffer unless marked shared.
@@ -494,10 +520,11 @@ struct ActivationPlan {
   int64_t buffer_bytes() const { return 4 * storage() + checkpoint_bytes() + 8 * tokens; }
   int64_t shared_bytes() const { return 4 * (scratch + recompute); }
 };
-// moe: the routing MoE blocks use (their saves depend on k, capacity and noise).
+// moe: the routing MoE blocks use (their saves depend on k, capacity and noise). compute: the
+// products' dtype (bf16 keeps some saves in bf16, BlockSaveSizes).
 ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
                                    bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac = {},
-                                   const MoeRouting& moe = {});
+                                   const MoeRouting& moe = {}, DType compute = DType::F32);
 
 // What GPT(shape, B, T, …, part, TensorGroup{…, sequence_parallel}, ac) allocates for
 // activations, from gpt_activation_plan without allocating: `buffer` = one
@@ -507,6 +534,7 @@ struct GPTActivationBytes {
 };
 GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
                                         bool sequence_parallel, bool split_backward,
-                                        const ActivationCheckpointing& ac = {}, const MoeRouting& moe = {});
+                                        const ActivationCheckpointing& ac = {}, const MoeRouting& moe = {},
+                                        DType compute = DType::F32);
 
 }  // namespace zero3d

@@ -24,24 +24,25 @@ struct Carver {
   }
 };
 
-// One block's saves carved in a fixed order (what gpt_activation_plan counts as a block); a
-// non-null shared_att points the attention probabilities at the model's shared workspace.
+// One block's saves carved in a fixed order at gpt_block_save_sizes' sizes (what
+// gpt_activation_plan counts as a block); a non-null shared_att points the attention's saves at
+// the model's shared workspace.
 template <typename Take>
-BlockActivations carve_block(Take& take, int64_t Ns, int64_t BT, int64_t C, int64_t Cl, int64_t att, float* shared_att) {
+BlockActivations carve_block(Take& take, const BlockSaveSizes& z, float* shared_att) {
   BlockActivations a;
-  a.ln_1 = take(Ns * C);
-  a.ln_1_mean = take(Ns);
-  a.ln_1_rstd = take(Ns);
-  a.qkv = take(3 * BT * Cl);
-  a.att = shared_att ? shared_att : take(att);
-  a.atty = take(BT * Cl);
-  a.res_2 = take(Ns * C);
-  a.ln_2 = take(Ns * C);
-  a.ln_2_mean = take(Ns);
-  a.ln_2_rstd = take(Ns);
-  a.fch = take(4 * BT * Cl);
-  a.fch_gelu = take(4 * BT * Cl);
-  a.res_3 = take(Ns * C);
+  a.ln_1 = take(z.ln_1);
+  a.ln_1_mean = take(z.stats);
+  a.ln_1_rstd = take(z.stats);
+  a.qkv = take(z.qkv);
+  a.att = shared_att ? shared_att : take(z.att);
+  a.atty = take(z.atty);
+  a.res_2 = take(z.res);
+  a.ln_2 = take(z.ln_2);
+  a.ln_2_mean = take(z.stats);
+  a.ln_2_rstd = take(z.stats);
+  a.fch = take(z.fch);
+  a.fch_gelu = take(z.fch);
+  a.res_3 = take(z.res);
   return a;
 }
 
@@ -51,9 +52,9 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type)
     : GPT(shape, B, T, param_type, gpt_model_part(shape, {0, static_cast<int>(shape.n_layer) + 2}, 1, 0)) {}
 
 GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPart part, TensorGroup tensor,
-         ActivationCheckpointing checkpointing, MoeRouting moe)
-    : shape_(shape), param_type_(param_type), B_(B), T_(T), part_(std::move(part)), tp_(tensor), ac_(checkpointing),
-      moe_(moe) {
+         ActivationCheckpointing checkpointing, MoeRouting moe, DType autocast)
+    : shape_(shape), param_type_(param_type), autocast_(param_type == DType::F32 ? autocast : DType::F32), B_(B), T_(T),
+      part_(std::move(part)), tp_(tensor), ac_(checkpointing), moe_(moe) {
   const int64_t C = shape.n_embd, BT = B * T, t = part_.tp_size;
   Cl_ = C / t;
   Hl_ = shape.n_head / t;
@@ -78,7 +79,9 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
   tp_.sequence_parallel = tp_.sequence_parallel && t > 1;
   Ns_ = tp_.sequence_parallel ? BT / t : BT;
   // Backward scratch and the recompute workspace, shared by all blocks and micro-batches.
-  const ActivationPlan plan = gpt_activation_plan(shape, part_, B, T, tp_.sequence_parallel, false, ac_, moe_);
+  const ActivationPlan plan =
+      gpt_activation_plan(shape, part_, B, T, tp_.sequence_parallel, false, ac_, moe_, compute_type());
+  const BlockSaveSizes sizes = gpt_block_save_sizes(shape, part_, B, T, tp_.sequence_parallel, compute_type());
   for (const ModelChunk& c : part_.chunks)  // config validation says so first, with the numbers
     if (ac_.full() && (c.num_blocks + ac_.interval - 1) / ac_.interval > plan.checkpoint_slots)
       throw std::invalid_argument("number_checkpoints is less than the checkpoints of one forward");
@@ -90,9 +93,9 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
     ckpt_input_ = ws(Ns_ * C);
     if (ac_.cpu_checkpointing && ac_.partition_activations && t > 1) ckpt_staging_ = ws(ckpt_slot_);
     for (int i = 0; i < std::min(ac_.interval, max_blocks_); ++i)
-      recompute_blocks_.push_back(carve_block(ws, Ns_, BT, C, Cl_, attention_probs_size(shape, B, Hl_, T), nullptr));
+      recompute_blocks_.push_back(carve_block(ws, sizes, nullptr));
   } else if (ac_.selective() && max_blocks_ > 0) {
-    shared_att_ = ws(attention_probs_size(shape, B, Hl_, T));
+    shared_att_ = ws(sizes.att);
   }
   if (ws.p != recompute_.data() + plan.recompute) throw std::logic_error("recompute workspace differs from its plan");
   float* p = scratch_.data();
@@ -140,8 +143,10 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
 ActivationBuffer GPT::make_buffer(bool split_backward) const {
   if (split_backward && ac_.full())
     throw std::invalid_argument("full recompute cannot keep a block's activations for a later weight-gradient pass");
-  const int64_t C = shape_.n_embd, Cl = Cl_, H = Hl_, B = B_, T = T_, BT = B * T, Ns = Ns_;
-  const ActivationPlan plan = gpt_activation_plan(shape_, part_, B, T, tp_.sequence_parallel, split_backward, ac_, moe_);
+  const int64_t C = shape_.n_embd, Cl = Cl_, B = B_, T = T_, BT = B * T, Ns = Ns_;
+  const ActivationPlan plan =
+      gpt_activation_plan(shape_, part_, B, T, tp_.sequence_parallel, split_backward, ac_, moe_, compute_type());
+  const BlockSaveSizes sizes = gpt_block_save_sizes(shape_, part_, B, T, tp_.sequence_parallel, compute_type());
   const bool receives_grad = [&] {
     for (const ModelChunk& c : part_.chunks)
       if (!c.final) return true;
@@ -158,7 +163,7 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
   // ln_1, res_2, ln_2, res_3 over this rank's tokens (Ns: all, or a shard with sequence
   // parallelism); this rank's qkv, attention output, fc and its GELU over all tokens
   for (int l = 0; l < plan.blocks; ++l)
-    buf.blocks.push_back(carve_block(take, Ns, BT, C, Cl, attention_probs_size(shape_, B, H, T), ac_.selective() ? shared_att_ : nullptr));
+    buf.blocks.push_back(carve_block(take, sizes, ac_.selective() ? shared_att_ : nullptr));
   for (int64_t j = 0; j < plan.moe_blocks; ++j) {
     const int64_t S = BT, R = moe_rows_;
     MoeActivations m;
@@ -225,12 +230,17 @@ float* GPT::chunk_output(const ModelChunk& c, const ActivationBuffer& buf) const
 float* GPT::output(int chunk, const ActivationBuffer& buf) const { return chunk_output(part_.chunks[chunk], buf); }
 
 std::vector<int> GPT::fetch_order(int chunk, bool forward, BackwardPart part) const {
-  const ModelChunk& c = part_.chunks[chunk];
+  return gpt_fetch_order(shape_, part_, ac_, chunk, forward, part);
+}
+
+std::vector<int> gpt_fetch_order(const GPTShape& shape, const ModelPart& mp, const ActivationCheckpointing& ac,
+                                 int chunk, bool forward, BackwardPart part) {
+  const ModelChunk& c = mp.chunks[chunk];
   std::vector<int> order;
   // an MoE block fetches its experts' unit after its own (moe_forward, moe_backward)
   const auto block_units = [&](int l) {
     order.push_back(c.first_block_unit + l);
-    if (shape_.moe.is_moe_block(c.first_block + l)) order.push_back(part_.expert_unit[static_cast<size_t>(c.first_block + l)]);
+    if (shape.moe.is_moe_block(c.first_block + l)) order.push_back(mp.expert_unit[static_cast<size_t>(c.first_block + l)]);
   };
   if (forward) {
     if (c.embedding) order.push_back(c.embed_unit);
@@ -240,12 +250,12 @@ std::vector<int> GPT::fetch_order(int chunk, bool forward, BackwardPart part) co
   }
   if (part == BackwardPart::Weight) return order;  // weight gradients need activations only
   if (c.final) order.push_back(c.head_unit), order.push_back(c.final_unit);
-  if (!ac_.full()) {
+  if (!ac.full()) {
     for (int l = c.num_blocks - 1; l >= 0; --l) block_units(l);
     return order;
   }
   // full recompute: each checkpoint, last first, runs its blocks forward again, then backward
-  const int N = ac_.interval;
+  const int N = ac.interval;
   for (int g0 = (c.num_blocks - 1) / N * N; g0 >= 0; g0 -= N) {
     const int n = std::min(N, c.num_blocks - g0);
     for (int i = 0; i < n; ++i) order.push_back(c.first_block_unit + g0 + i);

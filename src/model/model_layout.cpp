@@ -317,10 +317,41 @@ void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& s
   init_gpt_params_range(params, layout, shape, seed, 0, layout.total());
 }
 
+bool low_precision_tensor(const std::string& name, const LowPrecisionModules& modules) {
+  const auto has = [&](const char* part) { return name.find(part) != std::string::npos; };
+  if (has("ln_")) return modules.layer_norm;          // ln_1, ln_2, ln_f
+  if (name == "wte.weight" || name == "wpe.weight") return modules.embedding;
+  return modules.linear;  // c_attn, attn.c_proj, c_fc, mlp.c_proj, an MoE block's gate, coefficient and experts
+}
+
+BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
+                                    bool sequence_parallel, DType compute) {
+  const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, H = shape.n_head / t, BT = B * T,
+                Ns = sequence_parallel && t > 1 ? BT / t : BT;
+  const bool bf16 = compute == DType::BF16;
+  // The halves kept in bf16 (model.cpp activations_bf16, decided per block there; here for every
+  // block of the model): no tensor parallelism, and for the attention half no sparse attention
+  // (its kernel is fp32), for the MLP half no MoE block anywhere (their MLP half keeps fp32).
+  const bool attn16 = bf16 && t == 1 && !shape.sparse.enabled, mlp16 = bf16 && t == 1 && !shape.moe.enabled();
+  const auto half = [](int64_t n) { return (n + 1) / 2; };  // n bf16 values in floats
+  BlockSaveSizes z;
+  z.ln_1 = attn16 ? half(Ns * C) : Ns * C;
+  z.stats = Ns;
+  z.qkv = attn16 ? half(3 * BT * Cl) : 3 * BT * Cl;
+  z.att = shape.sparse.enabled ? attention_probs_size(shape, B, H, T)
+          : bf16               ? kernels::attention_bf16_saved_floats(B * H, T, Cl / H)
+                               : B * H * T * T;
+  z.atty = attn16 ? half(BT * Cl) : BT * Cl;
+  z.res = Ns * C;
+  z.ln_2 = mlp16 ? half(Ns * C) : Ns * C;
+  z.fch = mlp16 ? half(4 * BT * Cl) : 4 * BT * Cl;
+  return z;
+}
+
 ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
                                    bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac,
-                                   const MoeRouting& moe) {
-  const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, H = shape.n_head / t, V = part.vocab_local,
+                                   const MoeRouting& moe, DType compute) {
+  const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, V = part.vocab_local,
                 BT = B * T, Ns = sequence_parallel && t > 1 ? BT / t : BT;
   const bool sp = sequence_parallel && t > 1;
   int64_t max_blocks = 0, max_checkpoints = 0;
@@ -331,10 +362,10 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
     any_final = any_final || c.final;
     receives_grad = receives_grad || !c.final;
   }
-  const int64_t att = attention_probs_size(shape, B, H, T);  // one block's attention probabilities
   // ln_1, res_2, ln_2, res_3 and the LayerNorm statistics over this rank's tokens; qkv, the
-  // attention output, fc and its GELU over all tokens at this rank's width; the probabilities
-  const int64_t block = 4 * Ns * C + 12 * BT * Cl + 4 * Ns + att;
+  // attention output, fc and its GELU over all tokens at this rank's width; what attention keeps
+  const BlockSaveSizes sizes = gpt_block_save_sizes(shape, part, B, T, sequence_parallel, compute);
+  const int64_t att = sizes.att, block = sizes.total();
   const bool full = ac.full() && max_blocks > 0;
   ActivationPlan p;
   p.tokens = BT;
@@ -377,8 +408,8 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
 
 GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
                                         bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac,
-                                        const MoeRouting& moe) {
-  const ActivationPlan p = gpt_activation_plan(shape, part, B, T, sequence_parallel, split_backward, ac, moe);
+                                        const MoeRouting& moe, DType compute) {
+  const ActivationPlan p = gpt_activation_plan(shape, part, B, T, sequence_parallel, split_backward, ac, moe, compute);
   GPTActivationBytes out;
   out.buffer = p.buffer_bytes();  // ActivationBuffer::bytes()
   out.scratch = p.shared_bytes();

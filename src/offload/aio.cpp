@@ -283,8 +283,19 @@ int open_swap_file(const std::string& path, bool& direct, const std::string& key
   return fd;
 }
 
+namespace {
+// A probe file of this process's own in `dir`: the ranks of a job check one shared nvme_path at
+// the same moment, and with one name a rank's O_TRUNC could empty the page another had just
+// written before that one read it back (which then refused a good directory).
+std::string probe_path(const std::string& dir, const char* what) {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  return dir + "/.zero3d_" + what + "_probe." + host + "." + std::to_string(::getpid());
+}
+}  // namespace
+
 bool directory_supports_direct_io(const std::string& dir) {
-  const std::string probe = dir + "/.zero3d_direct_io_probe";
+  const std::string probe = probe_path(dir, "direct_io");
   int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0600);
   bool ok = fd >= 0;
   if (ok) {
@@ -326,7 +337,7 @@ void check_swap_directory(const std::string& dir, int64_t bytes, const std::stri
   if (::statfs(at.c_str(), &fs) == 0 && (fs.f_type == PROC_SUPER_MAGIC || fs.f_type == SYSFS_MAGIC))
     throw InputError("`" + key + "`: " + echo(dir) + " is in a kernel file system (" +
                      (fs.f_type == PROC_SUPER_MAGIC ? "/proc" : "/sys") + "), not on a drive");
-  const std::string probe = at + "/.zero3d_write_probe";
+  const std::string probe = probe_path(at, "write");
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   if (fd < 0)
     throw InputError("`" + key + "`: swap directory " + echo(dir) + " is not writable" +

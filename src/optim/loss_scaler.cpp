@@ -28,6 +28,20 @@ std::string LossScaler::update(bool overflow, int64_t step) {
     if (overflow) log = "OVERFLOW! Skipping step " + std::to_string(step) + ". Static loss scale " + format_scale(s_.cur_scale);
     return log;
   }
+  if (cfg_.grad_scaler) {  // torch.amp.GradScaler.update: backoff 0.5, growth 2 after growth_interval clean steps
+    if (overflow) {
+      log = "OVERFLOW! Skipping step " + std::to_string(step) + ". GradScaler scale " + format_scale(s_.cur_scale) +
+            ", reducing to " + format_scale(s_.cur_scale / 2.0);
+      s_.cur_scale /= 2.0;
+      s_.last_overflow_iter = s_.cur_iter;
+    } else if ((s_.cur_iter - s_.last_overflow_iter) % cfg_.scale_window == 0) {  // this is the n-th clean step in a row
+      s_.cur_scale *= 2.0;
+      log = "loss scale raised to " + format_scale(s_.cur_scale) + " after " +
+            std::to_string(s_.cur_iter - s_.last_overflow_iter) + " clean steps";
+    }
+    ++s_.cur_iter;
+    return log;
+  }
   // DeepSpeed's non-ZeRO optimizers have no hysteresis: behave as if it were 1.
   const int delayed_shift = cfg_.zero_path ? cfg_.hysteresis : 1;
   if (overflow) {

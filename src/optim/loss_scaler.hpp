@@ -15,6 +15,10 @@
 // Growth: after an overflow at iteration o, the scale doubles at the update with
 // cur_iter - o - 1 a positive multiple of loss_scale_window (from the start, o = -1).
 // Static scaling (fp16.loss_scale > 0) and bf16/fp32 (scale 1) never change.
+// torch_autocast with fp16 uses torch.amp.GradScaler instead (DeepSpeed's engine creates one
+// with its defaults): every overflow halves the scale (no hysteresis, no floor, never an
+// error) and the scale doubles on the growth_interval-th clean step in a row (2000).
+
 #pragma once
 
 #include <cstdint>
@@ -31,6 +35,7 @@ struct LossScalerConfig {
   bool consecutive_hysteresis = false;
   double min_scale = 1.0;
   bool zero_path = true;        // hysteresis and the error at min_scale (ZeRO stages 1-3)
+  bool grad_scaler = false;     // torch.amp.GradScaler's rule (scale_window = growth_interval)
 };
 
 // Everything the scaler remembers; saved in checkpoints so that a resumed run continues

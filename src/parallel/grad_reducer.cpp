@@ -12,19 +12,90 @@ ReduceScaling reduce_scaling(bool prescale_gradients, double gradient_predivide_
   return {f != 1.0 ? 1.0 / f : 1.0, f != w ? f / w : 1.0};
 }
 
+std::vector<ReduceBucket> cut_buckets(const std::vector<CommSegment>& segments, int64_t lo, int64_t hi,
+                                      int64_t bucket_elems, DType type) {
+  const int64_t cap = std::max<int64_t>(1, bucket_elems);
+  std::vector<ReduceBucket> out;
+  if (segments.empty()) {
+    for (int64_t b = hi; b > lo; b -= cap) out.push_back({std::max(lo, b - cap), b, type});
+    return out;
+  }
+  // From the last segment down (backward's order), DeepSpeed's IPG rule: a gradient joins the
+  // open bucket if it fits and has the bucket's dtype, else the bucket is reduced and it opens
+  // the next one, however large it is.
+  ReduceBucket open{hi, hi, type};
+  for (auto it = segments.rbegin(); it != segments.rend(); ++it) {
+    const int64_t a = std::max(lo, it->begin), b = std::min(hi, it->end);
+    if (a >= b) continue;
+    if (open.begin < open.end && (it->type != open.type || open.end - a > cap)) {
+      out.push_back(open);
+      open = {b, b, it->type};
+    }
+    if (open.begin == open.end) open = {a, b, it->type};
+    else open.begin = a;
+  }
+  if (open.begin < open.end) out.push_back(open);
+  return out;
+}
+
+std::vector<StagingBytes> slot_staging_bytes(const std::vector<ReduceBucket>& buckets, DType source, bool scatter,
+                                             const Partition& partition, bool overlap) {
+  std::vector<StagingBytes> slots(overlap ? 2 : 1);
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    const ReduceBucket& b = buckets[i];
+    StagingBytes& s = slots[i % slots.size()];
+    const auto esize = static_cast<int64_t>(dtype_size(b.type));
+    if (b.type != source) s.send = std::max(s.send, (b.end - b.begin) * esize);
+    if (!scatter) continue;
+    for (int r = 0; r < partition.world; ++r) {
+      const auto [lo, hi] = partition.owned(r, b.begin, b.end);
+      s.recv = std::max(s.recv, (hi - lo) * esize);
+    }
+  }
+  return slots;
+}
+
 GradientReducer::GradientReducer(Communicator& comm, void* grads, DType grad_type, int64_t n, int64_t bucket_elems,
-                                 bool overlap, DType comm_type)
-    : comm_(comm), mode_(Mode::AllReduce), comm_type_(comm_type), flat_type_(grad_type), flat_(grads), n_(n),
-      bucket_(std::max<int64_t>(1, bucket_elems)), overlap_(overlap) {
+                                 bool overlap, DType comm_type, std::vector<CommSegment> segments)
+    : comm_(comm), mode_(Mode::AllReduce), comm_type_(comm_type), flat_type_(grad_type), flat_(grads),
+      segments_(std::move(segments)), n_(n), bucket_(std::max<int64_t>(1, bucket_elems)), overlap_(overlap) {
+  partition_ = Partition(n, 1);
+  flat_buckets_ = buckets(0, n_);
   set_scaling(reduce_scaling(false, 1.0, comm.size()));
 }
 
 GradientReducer::GradientReducer(Communicator& comm, const Partition& partition, void* dest, DType dest_type,
-                                 bool accumulate, int64_t bucket_elems, bool overlap, DType comm_type, DType flat_type)
+                                 bool accumulate, int64_t bucket_elems, bool overlap, DType comm_type, DType flat_type,
+                                 std::vector<CommSegment> segments)
     : comm_(comm), mode_(Mode::ReduceScatter), partition_(partition), comm_type_(comm_type), flat_type_(flat_type),
-      dest_type_(dest_type), dest_(dest), accumulate_(accumulate), n_(partition.padded),
+      dest_type_(dest_type), dest_(dest), accumulate_(accumulate), segments_(std::move(segments)), n_(partition.padded),
       bucket_(std::max<int64_t>(1, bucket_elems)), overlap_(overlap) {
+  flat_buckets_ = buckets(0, n_);
   set_scaling(reduce_scaling(false, 1.0, comm.size()));
+}
+
+void GradientReducer::fit(kernels::StagingBuffer& buffer, int64_t bytes) {
+  if (static_cast<int64_t>(buffer.size()) >= bytes) return;
+  buffer = kernels::StagingBuffer();  // the old one goes before the new one arrives
+  buffer = kernels::StagingBuffer(static_cast<size_t>(bytes));
+}
+
+void GradientReducer::reserve_staging(const std::vector<std::pair<int64_t, int64_t>>& ranges, DType source) {
+  std::vector<ReduceBucket> sequence;
+  for (const auto& [lo, hi] : ranges)
+    for (const ReduceBucket& b : buckets(lo, hi)) sequence.push_back(b);
+  const std::vector<StagingBytes> need =
+      slot_staging_bytes(sequence, source, mode_ == Mode::ReduceScatter, partition_, overlap_);
+  for (size_t k = 0; k < need.size(); ++k) {
+    fit(slots_[k].send, need[k].send);
+    fit(slots_[k].recv, need[k].recv);
+  }
+}
+
+int64_t GradientReducer::staging_peak_bytes() const {
+  int64_t n = 0;
+  for (const Slot& s : slots_) n += static_cast<int64_t>(s.send.size() + s.recv.size());
+  return n;
 }
 
 void GradientReducer::set_scaling(const ReduceScaling& s) {
@@ -37,32 +108,48 @@ void GradientReducer::set_scaling(const ReduceScaling& s) {
 
 void GradientReducer::begin(void* flat_grads) {
   if (flat_grads) flat_ = flat_grads;
-  frontier_ = n_;
+  next_bucket_ = 0;
   launched_ = 0;
 }
 
-void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int64_t end, int tag) {
+void GradientReducer::wait_slot(int slot) {
+  for (auto it = inflight_.begin(); it != inflight_.end(); ++it)
+    if (it->slot == slot) {
+      it->request->wait();
+      complete(*it);
+      inflight_.erase(it);
+      return;
+    }
+}
+
+void GradientReducer::launch(const void* src, DType src_type, const ReduceBucket& bucket, int tag) {
+  // Two slots with overlap_comm (the one launched two buckets ago is waited for), one without.
+  const int slot = overlap_ ? static_cast<int>(launched_ % 2) : 0;
+  wait_slot(slot);
   ++launched_;
-  const size_t esize = dtype_size(comm_type_);
-  InFlight f{nullptr, begin, end, tag, const_cast<void*>(src), src_type, {}, {}};
+  const int64_t begin = bucket.begin, end = bucket.end;
+  const DType type = bucket.type;
+  const size_t esize = dtype_size(type);
+  InFlight f{nullptr, begin, end, tag, const_cast<void*>(src), src_type, type, slot};
+  Slot& s = slots_[slot];
   const void* send = src;
-  if (src_type != comm_type_) {
-    f.send = staging_.take((end - begin) * static_cast<int64_t>(esize));
-    convert_any(f.send.data(), comm_type_, src, src_type, end - begin, pre_);
-    send = f.send.data();
+  if (src_type != type) {
+    fit(s.send, (end - begin) * static_cast<int64_t>(esize));
+    convert_any(s.send.data(), type, src, src_type, end - begin, pre_);
+    send = s.send.data();
   } else if (pre_ != 1.0f) {
     convert_any(const_cast<void*>(src), src_type, src, src_type, end - begin, pre_);  // in place, as DeepSpeed's mul_
   }
   if (mode_ == Mode::AllReduce) {
-    f.request = comm_.all_reduce_async(const_cast<void*>(send), end - begin, comm_type_, ReduceOp::Sum);
+    f.request = comm_.all_reduce_async(const_cast<void*>(send), end - begin, type, ReduceOp::Sum);
   } else {
     std::vector<int64_t> counts(static_cast<size_t>(comm_.size()));
     for (int r = 0; r < comm_.size(); ++r) {
       const auto [lo, hi] = partition_.owned(r, begin, end);
       counts[r] = hi - lo;
     }
-    f.staging = staging_.take(counts[comm_.rank()] * static_cast<int64_t>(esize));
-    f.request = comm_.reduce_scatter_v_async(send, f.staging.data(), counts, comm_type_, ReduceOp::Sum);
+    fit(s.recv, counts[comm_.rank()] * static_cast<int64_t>(esize));
+    f.request = comm_.reduce_scatter_v_async(send, s.recv.data(), counts, type, ReduceOp::Sum);
   }
   inflight_.push_back(std::move(f));
   if (!overlap_) {  // blocking: finish this bucket before the caller goes on
@@ -76,25 +163,24 @@ void GradientReducer::launch(const void* src, DType src_type, int64_t begin, int
 // ReduceScatter into this rank's partition.
 void GradientReducer::complete(InFlight& f) {
   const float inv = post_;
+  const Slot& s = slots_[f.slot];
   if (mode_ == Mode::AllReduce) {
-    const void* result = f.send.empty() ? f.src : f.send.data();
-    convert_any(f.src, f.src_type, result, comm_type_, f.end - f.begin, inv);
+    const void* result = f.src_type == f.type ? f.src : s.send.data();
+    convert_any(f.src, f.src_type, result, f.type, f.end - f.begin, inv);
   } else {
     const int r = comm_.rank();
     const auto [lo, hi] = partition_.owned(r, f.begin, f.end);
     void* d = static_cast<char*>(dest_) + (lo - partition_.begin(r)) * static_cast<int64_t>(dtype_size(dest_type_));
-    convert_any(d, dest_type_, f.staging.data(), comm_type_, hi - lo, inv, accumulate_);
+    convert_any(d, dest_type_, s.recv.data(), f.type, hi - lo, inv, accumulate_);
   }
-  staging_.give_back(std::move(f.send));
-  staging_.give_back(std::move(f.staging));
 }
 
 void GradientReducer::grads_ready(int64_t offset) {
   if (!overlap_) return;  // without overlap the whole buffer is reduced in finish()
   const int64_t esize = static_cast<int64_t>(dtype_size(flat_type_));
-  while (frontier_ - offset >= bucket_) {
-    launch(static_cast<char*>(flat_) + (frontier_ - bucket_) * esize, flat_type_, frontier_ - bucket_, frontier_, 0);
-    frontier_ -= bucket_;
+  while (next_bucket_ < flat_buckets_.size() && flat_buckets_[next_bucket_].begin >= offset) {
+    const ReduceBucket& b = flat_buckets_[next_bucket_++];
+    launch(static_cast<char*>(flat_) + b.begin * esize, flat_type_, b, 0);
   }
   progress();
 }
@@ -114,21 +200,16 @@ void GradientReducer::progress() {
 
 int64_t GradientReducer::finish() {
   const int64_t esize = static_cast<int64_t>(dtype_size(flat_type_));
-  while (frontier_ > 0) {
-    const int64_t begin = std::max<int64_t>(0, frontier_ - bucket_);
-    launch(static_cast<char*>(flat_) + begin * esize, flat_type_, begin, frontier_, 0);
-    frontier_ = begin;
+  while (next_bucket_ < flat_buckets_.size()) {
+    const ReduceBucket& b = flat_buckets_[next_bucket_++];
+    launch(static_cast<char*>(flat_) + b.begin * esize, flat_type_, b, 0);
   }
   wait_all();
   return launched_;
 }
 
 void GradientReducer::reduce_range(const float* src, int64_t begin, int64_t end, int tag) {
-  for (int64_t hi = end; hi > begin;) {
-    const int64_t lo = std::max(begin, hi - bucket_);
-    launch(src + (lo - begin), DType::F32, lo, hi, tag);
-    hi = lo;
-  }
+  for (const ReduceBucket& b : buckets(begin, end)) launch(src + (b.begin - begin), DType::F32, b, tag);
   progress();
 }
 

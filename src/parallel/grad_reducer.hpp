@@ -7,12 +7,19 @@
 //    partition-sized buffer and then written (stage 1) or added (stages 2-3, which reduce
 //    every micro-batch) into the rank's gradient partition.
 // Buckets are cut from the end of a range down, the order in which backward completes the
-// flat buffer. With overlap_comm, buckets are launched non-blocking as soon as their range is
-// final and progress() is polled between kernels (MPICH advances non-blocking collectives only
-// inside MPI calls); otherwise each bucket is reduced when launched, blocking.
+// flat buffer. Given the tensors (segments), buckets hold whole gradients as DeepSpeed fills
+// its IPG bucket (FACTS §5.3): gradients join a bucket until the next would overflow
+// reduce_bucket_size, a gradient larger than the bucket is reduced alone (so a bucket size of
+// 0 or 1 means one gradient per bucket), and a bucket holds one communication dtype. Without
+// segments the range is cut into bucket-sized pieces. With overlap_comm, buckets are launched
+// non-blocking as soon as their range is final and progress() is polled between kernels
+// (MPICH advances non-blocking collectives only inside MPI calls), at most two at a time:
+// DeepSpeed double-buffers its bucket, so a third waits for the first and the staging is two
+// buckets' worth, not the gradient partition's. Otherwise each bucket is reduced when
+// launched, blocking.
 //
-// Example (AllReduce, 10 elements, bucket 4): ready(6) -> launch [6,10); ready(0) -> launch
-// [2,6); finish() -> launch [0,2), wait for all three; each bucket is scaled by 1/W as it lands.
+// Example (AllReduce, 10 elements, no segments, bucket 4): ready(6) -> launch [6,10); ready(0)
+// -> launch [2,6); finish() -> launch [0,2), wait for all three; each bucket is scaled by 1/W.
 //
 // Types: the collective runs in the communication dtype (DeepSpeed's communication_data_type,
 // FACTS §5.5). A source in another type is converted bucket by bucket into a send buffer; the
@@ -27,7 +34,6 @@
 #include <memory>
 #include <vector>
 
-#include "base/byte_pool.hpp"
 #include "kernels/memory.hpp"
 #include "kernels/typed.hpp"
 #include "parallel/comm.hpp"
@@ -48,17 +54,58 @@ struct ReduceScaling {
 ReduceScaling reduce_scaling(bool prescale_gradients, double gradient_predivide_factor, int world,
                              bool zero_partitioned = false);
 
+// Global elements [begin, end) form one gradient (a tensor, or the partition's padding) that
+// is communicated in `type`. Segments are sorted and cover the reduced buffer.
+struct CommSegment {
+  int64_t begin = 0, end = 0;
+  DType type = DType::F32;
+};
+struct ReduceBucket {
+  int64_t begin = 0, end = 0;
+  DType type = DType::F32;
+};
+// The buckets of [lo, hi), highest first: whole segments (clipped to the range) while they fit
+// in `bucket_elems` and share a type, a larger segment alone; no segments: bucket-sized pieces
+// of `type`.
+std::vector<ReduceBucket> cut_buckets(const std::vector<CommSegment>& segments, int64_t lo, int64_t hi,
+                                      int64_t bucket_elems, DType type);
+
+// Staging bytes of the bucket slots: the send buffer of a bucket converted from `source` to its
+// communication type, and the part of a reduce-scattered bucket a rank receives (the largest
+// rank's). One slot, or two with overlap_comm, taken in turn: bucket i of a pass (`buckets` in
+// launch order) uses slot i mod 2, so a pass with one large bucket (the embeddings') grows one
+// slot to it and the other stays the size of its neighbours'.
+struct StagingBytes {
+  int64_t send = 0, recv = 0;
+};
+std::vector<StagingBytes> slot_staging_bytes(const std::vector<ReduceBucket>& buckets, DType source, bool scatter,
+                                             const Partition& partition, bool overlap);
+
 class GradientReducer {
  public:
   enum class Mode { AllReduce, ReduceScatter };
 
   // AllReduce over a flat buffer of n elements of grad_type.
+  // segments: the gradients of the buffer and their communication dtypes (empty: the whole
+  // buffer in comm_type, cut in bucket-sized pieces).
   GradientReducer(Communicator& comm, void* grads, DType grad_type, int64_t n, int64_t bucket_elems, bool overlap,
-                  DType comm_type);
+                  DType comm_type, std::vector<CommSegment> segments = {});
   // ReduceScatter into `dest` (this rank's partition, part elements of dest_type);
   // accumulate: += instead of =. flat_type: the type of the flat buffer begin() is given.
   GradientReducer(Communicator& comm, const Partition& partition, void* dest, DType dest_type, bool accumulate,
-                  int64_t bucket_elems, bool overlap, DType comm_type, DType flat_type);
+                  int64_t bucket_elems, bool overlap, DType comm_type, DType flat_type,
+                  std::vector<CommSegment> segments = {});
+
+  // The buckets of [lo, hi) as this reducer cuts them.
+  std::vector<ReduceBucket> buckets(int64_t lo, int64_t hi) const {
+    return cut_buckets(segments_, lo, hi, bucket_, comm_type_);
+  }
+  // Allocates the bucket slots for one backward's reductions of `ranges`, in the order they
+  // are launched, from a source of `source` type (the flat buffer's, or fp32 windows), so that
+  // the staging exists before the first backward. (Another order may grow them.)
+  void reserve_staging(const std::vector<std::pair<int64_t, int64_t>>& ranges, DType source);
+  // A backward begins (window use): its first bucket takes the first slot again.
+  void begin_pass() { launched_ = 0; }
 
   // --- flat-buffer use (stages 0 and 1): a frontier that moves from the end down to 0.
   void begin(void* flat_grads = nullptr);
@@ -73,9 +120,8 @@ class GradientReducer {
   void wait_tag(int tag);  // until no bucket read from window `tag` is in flight
   void wait_all();
 
-  // Peak bytes of staging held at once: received parts, and send buffers of converted buckets
-  // (in flight, or kept for the next bucket).
-  int64_t staging_peak_bytes() const { return staging_.peak_bytes(); }
+  // Bytes of staging held: the bucket slots' send buffers (converted buckets) and received parts.
+  int64_t staging_peak_bytes() const;
 
   // The factors around the sum (default: pre 1, post 1/W). A source in the communication type
   // is scaled where it lies before the collective reads it (DeepSpeed scales its bucket in place).
@@ -88,12 +134,19 @@ class GradientReducer {
     int64_t begin, end;  // global range of the bucket
     int tag;
     void* src;             // the bucket's first element in the source
-    DType src_type;
-    kernels::StagingBuffer send;     // the bucket in comm_type_ when the source has another type (else empty)
-    kernels::StagingBuffer staging;  // ReduceScatter: receives this rank's part of the bucket
+    DType src_type, type;  // the source's type and the bucket's communication type
+    int slot;              // the staging slot it uses
   };
-  void launch(const void* src, DType src_type, int64_t begin, int64_t end, int tag);
+  // A bucket's staging: `send` holds it in its communication type when the source has another
+  // (else unused), `recv` this rank's part of a reduce-scattered bucket. Kept from bucket to
+  // bucket: a fresh buffer per bucket costs a zero fill and page faults every time.
+  struct Slot {
+    kernels::StagingBuffer send, recv;  // in model memory, where the conversions that fill and drain them run
+  };
+  void launch(const void* src, DType src_type, const ReduceBucket& bucket, int tag);
   void complete(InFlight& f);
+  void wait_slot(int slot);                 // completes the bucket in flight in `slot`, if any
+  static void fit(kernels::StagingBuffer& buffer, int64_t bytes);  // at least `bytes`, contents undefined
 
   Communicator& comm_;
   Mode mode_;
@@ -102,12 +155,12 @@ class GradientReducer {
   void* flat_ = nullptr;  // AllReduce / flat-buffer source
   void* dest_ = nullptr;  // ReduceScatter destination (partition)
   bool accumulate_ = false;
-  // Send and receive buffers of the buckets, kept for the next ones; in model memory, where the
-  // conversions that fill and drain them run.
-  BasicPool<kernels::StagingBuffer> staging_;
+  std::vector<CommSegment> segments_;
+  Slot slots_[2];
   int64_t n_ = 0, bucket_;
   bool overlap_;
-  int64_t frontier_ = 0;  // [frontier_, n_) has been launched
+  std::vector<ReduceBucket> flat_buckets_;  // the flat buffer's buckets, highest first
+  size_t next_bucket_ = 0;                  // the next of them to launch
   int64_t launched_ = 0;
   std::vector<InFlight> inflight_;
   ReduceScaling scaling_;

@@ -5,6 +5,7 @@
 
 #include "base/errors.hpp"
 #include "base/failure.hpp"
+#include "base/heap.hpp"
 #include "io/checkpoint.hpp"
 #include "io/checkpoint_options.hpp"
 #include "io/weights.hpp"
@@ -69,6 +70,7 @@ std::string node_summary(MPI_Comm world, int* local_rank_out) {
 
 Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string output_dir, Watchdog* watchdog)
     : cfg_(cfg), groups_(groups), output_dir_(std::move(output_dir)) {
+  keep_mmap_threshold();  // heap.hpp: freed buffers leave the resident set, step after step
   dp_comm_ = std::make_unique<MpiCommunicator>(groups.data_parallel(), watchdog);
   pipe_comm_ = std::make_unique<MpiCommunicator>(groups.axis("pipe"), watchdog);
   tp_comm_ = std::make_unique<MpiCommunicator>(groups.axis("model"), watchdog);
@@ -114,7 +116,7 @@ void Engine::setup_local() {
                                  gpt_model_part(shape, cfg_.pipe_bounds, stages_, stage_, t, tp_rank, ep, ep_rank),
                                  TensorGroup{&model_comms_.of(*tp_comm_), t, tp_rank, cfg_.tensor.overlap_comm,
                                              cfg_.tensor.sequence_parallel, &tensor_comm_ms_},
-                                 cfg_.activation_checkpointing, moe_routing());
+                                 cfg_.activation_checkpointing, moe_routing(), pc.autocast.dtype);
   // Every stage partitions the same element count (the largest stage's), so the tied wte at
   // local offset 0 of the first and last stage is cut identically over the data group.
   int64_t partition_numel = model_->part().expert_begin;  // the dense state (experts have an optimizer of their own)
@@ -122,7 +124,7 @@ void Engine::setup_local() {
     partition_numel =
         std::max(partition_numel, gpt_model_part(shape, cfg_.pipe_bounds, stages_, s, t, tp_rank, ep, ep_rank).expert_begin);
   if (stages_ > 1 && (stage_ == 0 || stage_ == stages_ - 1)) tied_numel_ = model_->part().vocab_local * shape.n_embd;
-  zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, StateTypes{pc.param, pc.grad_accum, pc.comm},
+  zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, state_types_of(cfg_, model_->part().dense_layout),
                                           model_->part().dense_layout, model_->part().dense_units,
                                           model_comms_.of(*dp_comm_), partition_numel,
                                           /*ordered_backward=*/model_->num_chunks() == 1, groups_.rank());
@@ -165,8 +167,14 @@ void Engine::setup_local() {
   ls.consecutive_hysteresis = pc.consecutive_hysteresis;
   ls.min_scale = pc.min_loss_scale;
   ls.zero_path = cfg_.zero.stage > 0;  // stage 0 behaves as DeepSpeed's non-ZeRO FP16_Optimizer
+  const bool autocast16 = pc.autocast.dtype == DType::F16;
+  if (autocast16) {  // torch_autocast fp16: DeepSpeed's engine makes a torch.amp.GradScaler with its defaults
+    ls.dynamic = ls.grad_scaler = true;
+    ls.initial_scale_power = 16;  // init_scale 2^16
+    ls.scale_window = 2000;       // growth_interval
+  }
   scaler_ = std::make_unique<LossScaler>(ls);
-  check_overflow_ = pc.param == DType::F16 || (pc.param == DType::BF16 && pc.check_grad_overflow);
+  check_overflow_ = pc.param == DType::F16 || autocast16 || (pc.param == DType::BF16 && pc.check_grad_overflow);
   // Every layout starts from the weights of the whole model: drawn from (seed, tensor name),
   // or read from init_from, then cut to this rank's slices through the part's runs (Megatron's
   // CPU initialisation: shards are exact slices of the t = 1 tensor). Vocabulary padding is 0.

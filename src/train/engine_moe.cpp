@@ -16,13 +16,12 @@ MoeRouting Engine::moe_routing() const {
 }
 
 void Engine::setup_expert_optimizer(const std::function<void(float*, int64_t, int64_t)>& fill_global) {
-  const PrecisionConfig& pc = cfg_.precision;
   const ModelPart& part = model_->part();
   // The experts' swap files (NVMe offload) sit beside the dense ones, in a folder of their own.
   ZeroConfig zero = cfg_.zero;
   if (!zero.offload_optimizer.nvme_path.empty()) zero.offload_optimizer.nvme_path += "/moe_experts";
   if (!zero.offload_param.nvme_path.empty()) zero.offload_param.nvme_path += "/moe_experts";
-  expert_zero_ = std::make_unique<ZeroOptimizer>(zero, cfg_.optimizer, StateTypes{pc.param, pc.grad_accum, pc.comm},
+  expert_zero_ = std::make_unique<ZeroOptimizer>(zero, cfg_.optimizer, state_types_of(cfg_, part.expert_layout),
                                                  part.expert_layout, part.expert_units, model_comms_.of(*edp_comm_), -1,
                                                  /*ordered_backward=*/model_->num_chunks() == 1, groups_.rank());
   expert_zero_->set_fetch_trace(expert_trace_);

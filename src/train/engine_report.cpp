@@ -130,9 +130,20 @@ void Engine::print_startup() const {
                                 : "dynamic loss scale 2^" + std::to_string(pc.initial_scale_power) + ", window " +
                                       std::to_string(pc.loss_scale_window) + ", hysteresis " +
                                       std::to_string(pc.hysteresis) + ", min " + format_number(pc.min_loss_scale);
-  std::printf("precision %s parameters, %s gradient accumulation, %s communication%s; %s; %s; matmuls: %s\n",
+  std::string autocast;
+  if (pc.autocast.enabled()) {  // torch_autocast: what runs and what travels in its dtype
+    const LowPrecisionModules& l = pc.autocast.modules;
+    std::string listed = std::string(l.linear ? ", Linear" : "") + (l.embedding ? ", Embedding" : "") +
+                         (l.layer_norm ? ", LayerNorm" : "");
+    listed = listed.empty() ? "no module's" : listed.substr(2) + " modules'";
+    autocast = " (torch_autocast: products in " + dtype_name(pc.autocast.dtype) + "; " + listed +
+               " gradients reduced" + (cfg_.zero.stage == 3 ? " and parameters gathered" : "") + " in " +
+               dtype_name(pc.autocast.dtype) + ")";
+    if (pc.autocast.dtype == DType::F16) scaling = "torch GradScaler 2^16, growth interval 2000, backoff 0.5";
+  }
+  std::printf("precision %s parameters, %s gradient accumulation, %s communication%s%s; %s; %s; matmuls: %s\n",
               dtype_name(pc.param).c_str(), dtype_name(pc.grad_accum).c_str(), dtype_name(pc.comm).c_str(),
-              pc.param == DType::F32 ? "" : ", fp32 master and optimizer states", scaling.c_str(),
+              autocast.c_str(), pc.param == DType::F32 ? "" : ", fp32 master and optimizer states", scaling.c_str(),
               check_overflow_ ? "inf/NaN gradients skip the step" : "no overflow check",
               gemm_path(model_->compute_type()).c_str());
   const MemoryBytes m = model_state_memory();
@@ -184,7 +195,7 @@ MemoryBytes Engine::model_state_memory() const {
   if (expert_zero_) {
     const MemoryBytes x = expert_zero_->memory();
     m.params += x.params, m.grads += x.grads, m.master += x.master, m.optimizer_states += x.optimizer_states;
-    m.comm_buffers += x.comm_buffers, m.live_params_peak += x.live_params_peak;
+    m.comm_buffers += x.comm_buffers, m.live_params_peak += x.live_params_peak, m.gathered += x.gathered;
     m.host += x.host, m.nvme += x.nvme, m.swap_buffers += x.swap_buffers;
   }
   return m;
@@ -222,6 +233,7 @@ void Engine::report_step(const StepResult& r, const nlohmann::json& moe, double 
                      {"master", m.master},           {"optimizer_states", m.optimizer_states},
                      {"comm_buffers", m.comm_buffers}, {"live_params_peak", m.live_params_peak},
                      {"activations", activation_bytes()}};
+    if (cfg_.zero.stage == 3) rec["memory"]["gathered"] = m.gathered;  // the gather buffers held (live and kept)
     if (has_tiers(cfg_.zero)) {  // tiers, and this step's swap traffic
       offload::IoStats io = zero_->take_swap_stats();
       if (expert_zero_) {  // the experts' optimizer swaps in its own step, after the dense one
@@ -281,7 +293,7 @@ void Engine::report_step(const StepResult& r, const nlohmann::json& moe, double 
       std::snprintf(buf, sizeof buf, " | dropped %.1f%%", 100.0 * dropped);
       eval += buf;
     }
-    if (cfg_.precision.param != DType::F32) {
+    if (cfg_.precision.param != DType::F32 || cfg_.precision.autocast.dtype == DType::F16) {
       char buf[96];
       std::snprintf(buf, sizeof buf, " | loss_scale %g | skipped %lld%s", r.loss_scale, (long long)r.skipped_steps,
                     r.skipped ? " (this step)" : "");

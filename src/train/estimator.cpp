@@ -25,6 +25,11 @@ constexpr double kGiB = 1073741824.0;  // DeepSpeed prints GB = bytes / 2^30
 // Fixed resident memory of a zero3d rank before any model: MPI, Kokkos, HDF5, OpenBLAS
 // buffers and the executable, measured as the peak RSS of a 28k-parameter run (np 2).
 constexpr int64_t kRuntimeBytes = 30 * 1000 * 1000;
+// A job of one rank maps more of its libraries at start-up (measured on a 2-layer C 64 model:
+// 6.4 MB more resident at np 1 than at np 2 and 4, fp32 and bf16, under mpirun or alone; the
+// file-backed pages of oneDNN, OpenBLAS, libcrypto and gnutls, anonymous memory unchanged).
+constexpr int64_t kSingleRankRuntimeBytes = 6 * 1000 * 1000;
+constexpr int64_t kCheckpointWriterBytes = 18 * 1000 * 1000;  // HDF5's buffers of a shard write (rank_budget)
 
 // Products of user-sized dimensions (B·T·V, B·H·T²) can leave int64: such terms are computed
 // in double and capped here, far above any machine and low enough that sums stay in int64.
@@ -169,6 +174,7 @@ struct RankPlan {
   int64_t partition_numel = 0;  // every stage partitions the largest stage's element count
   int num_buffers = 1;          // activation buffers the schedule keeps in flight
   bool split = false;           // zb-h1: buffers keep the weight-gradient operands
+  std::vector<int> trace;       // the dense units one step fetches, as the engine sets ZeRO-3's trace
 };
 
 // Tensor ranks hold equal element counts (every split is even, the vocabulary padded to a
@@ -198,10 +204,38 @@ std::vector<RankPlan> plan_ranks(const Config& cfg) {
     p.num_buffers = schedule.num_buffers;
     for (const auto& step : schedule.steps)
       for (const pipe::Instruction& in : step) p.split = p.split || in.op == pipe::Op::BackwardInput;
+    // Engine::setup_local's trace (forward and backward fetch orders along the schedule); a
+    // step's pattern repeats every micro-batch, so four of them show what more would hold.
+    const pipe::ScheduleSpec trace_spec{cfg.pipeline.schedule, stages, static_cast<int>(std::min<int64_t>(micro, 4)),
+                                        cfg.pipeline.virtual_stages};
+    for (const auto& step : pipe::make_schedule(trace_spec, s).steps)
+      for (const pipe::Instruction& in : step) {
+        const bool forward = in.op == pipe::Op::Forward;
+        if (!forward && in.op != pipe::Op::Backward && in.op != pipe::Op::BackwardInput) continue;
+        for (int u : gpt_fetch_order(shape, p.part, cfg.activation_checkpointing, in.chunk, forward))
+          if (p.part.first_expert_unit < 0 || u < p.part.first_expert_unit) p.trace.push_back(u);
+      }
   }
   for (RankPlan& p : plans) p.partition_numel = stages > 1 ? largest : p.part.expert_begin;
   return plans;
 }
+
+}  // namespace
+
+StateTypes state_types_of(const Config& cfg, const ParamLayout& layout) {
+  const PrecisionConfig& pc = cfg.precision;
+  StateTypes t;
+  t.param = pc.param;
+  t.grad = pc.grad_accum;
+  t.comm = pc.comm;
+  if (pc.autocast.enabled()) {  // the listed modules' tensors communicate in the autocast dtype
+    t.autocast = pc.autocast.dtype;
+    for (const TensorSpec& s : layout.tensors()) t.autocast_tensors.push_back(low_precision_tensor(s.name, pc.autocast.modules));
+  }
+  return t;
+}
+
+namespace {
 
 // MoE experts: their own ZeroOptimizer over the expert-data group (dp/ep ranks) allocates the
 // same table's buffers for the rank's E/ep experts per MoE block (Engine::setup_expert_optimizer),
@@ -211,8 +245,7 @@ void add_expert_states(const Config& cfg, const RankPlan& plan, int64_t dp, Memo
   const int64_t xe = plan.part.expert_layout.total();
   if (xe == 0) return;
   const PrecisionConfig& pc = cfg.precision;
-  const int64_t ps = static_cast<int64_t>(dtype_size(pc.param)), gs = static_cast<int64_t>(dtype_size(pc.grad_accum)),
-                cs = static_cast<int64_t>(dtype_size(pc.comm));
+  const int64_t ps = static_cast<int64_t>(dtype_size(pc.param)), gs = static_cast<int64_t>(dtype_size(pc.grad_accum));
   const Partition part(xe, static_cast<int>(std::max<int64_t>(1, dp / std::max<int64_t>(1, cfg.model.moe.ep_size))));
   const ZeroStateElems x = zero_state_elems(b.stage, xe, part);
   const int64_t moments = static_cast<int64_t>(optimizer_state_names(cfg.optimizer).size());
@@ -225,7 +258,9 @@ void add_expert_states(const Config& cfg, const RankPlan& plan, int64_t dp, Memo
   int64_t unit = 0;
   for (const ParamUnit& u : plan.part.expert_units) unit = std::max(unit, u.numel);
   if (b.stage >= 2 || pc.grad_accum != DType::F32) b.comm_reduce += 4 * unit;
-  if (b.stage >= 1) b.comm_reduce += cs * (cfg.zero.overlap_comm ? part.part : std::min(cfg.zero.reduce_bucket_size, part.part));
+  b.comm_reduce += reduce_work(b.stage, cfg.zero, state_types_of(cfg, plan.part.expert_layout), plan.part.expert_layout,
+                               plan.part.expert_units, part)
+                       .staging_bytes;
   if (b.stage == 3) b.comm_gather += ps * unit;
 }
 
@@ -245,8 +280,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   b.in_flight = plan.num_buffers;
   // Model states: what ZeroOptimizer allocates (zero.hpp's table) in the configured dtypes.
   const PrecisionConfig& pc = cfg.precision;
-  const int64_t ps = static_cast<int64_t>(dtype_size(pc.param)), gs = static_cast<int64_t>(dtype_size(pc.grad_accum)),
-                cs = static_cast<int64_t>(dtype_size(pc.comm));
+  const int64_t ps = static_cast<int64_t>(dtype_size(pc.param)), gs = static_cast<int64_t>(dtype_size(pc.grad_accum));
   const bool mixed = pc.param != DType::F32;
   const ZeroStateElems elems = zero_state_elems(b.stage, psi, part);  // what ZeroOptimizer allocates
   b.params = ps * elems.params;
@@ -288,7 +322,17 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   if (b.stage == 3 && op.device == OffloadDevice::Nvme) {
     b.offload_nvme += b.params;
     b.offload_nvme_params = b.params;
-    swap_workspace += ps * std::min(op.max_in_cpu, part.part);
+    // ParamSwapper: cached unit slices (whole slices within max_in_cpu, plus the one read over
+    // it before the next eviction) and a scratch slice for writes to uncached units; with the
+    // optimizer offloaded too, each sub-group's parameters read (or rounded) in memory for its update.
+    int64_t slice = 1;
+    for (const ParamUnit& u : units)
+      for (int r = 0; r < part.world; ++r) {
+        const auto [lo, hi] = part.owned(r, u.offset, u.offset + u.numel);
+        slice = std::max(slice, hi - lo);
+      }
+    swap_workspace += ps * std::min(part.part, (op.max_in_cpu / slice + 1) * slice) + ps * slice;
+    if (oo.device != OffloadDevice::None) swap_workspace += ps * std::min(cfg.zero.sub_group_size, part.part);
     // The in-memory optimizer updating the parameters themselves (no fp32 master copy) reads
     // the whole partition back for the step (zero.cpp apply_step).
     if (oo.device == OffloadDevice::None && !fp32_master) swap_workspace += b.params;
@@ -307,31 +351,42 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   }
   for (const TensorSpec& t : layout.tensors()) largest_tensor = std::max(largest_tensor, t.numel);
   const bool overlap = cfg.zero.overlap_comm;
-  if (b.stage >= 1) b.comm_reduce = cs * (overlap ? part.part : std::min(cfg.zero.reduce_bucket_size, part.part));
+  // The reducer's bucket slots (one, two with overlap_comm: DeepSpeed double-buffers
+  // reduce_bucket_size), sized by the buckets it cuts, as ZeroOptimizer reserves them.
+  const StateTypes types = state_types_of(cfg, layout);
+  const ReduceWork work = reduce_work(b.stage, cfg.zero, types, layout, units, part);
+  b.comm_reduce = work.staging_bytes;
   const bool windows = b.stage >= 2 || pc.grad_accum != DType::F32;
   if (windows) b.comm_reduce += 4 * (non_block + largest_block * (overlap ? 2 : 1));
-  const DType source = b.stage >= 2 ? DType::F32 : pc.grad_accum;  // what the buckets are cut from
-  if (source != pc.comm) {
-    const int64_t one_call = b.stage >= 2 ? largest_unit : psi;  // what one reduction covers
-    const int64_t in_flight =
-        overlap ? (b.stage >= 2 ? 2 * largest_unit : psi) : std::min(cfg.zero.reduce_bucket_size, one_call);
-    b.comm_reduce += cs * in_flight;
-  }
   // MPI's own temporary for a whole-bucket reduction at stages 0-1: (N-1)/N of the message
   // (measured on gpt-small-cpu at np 2: the peak grows by half the gradient bytes; the per-unit
   // reductions of stages 2-3 showed no such growth).
-  if (dp > 1 && b.stage <= 1) b.comm_reduce += cs * std::min(cfg.zero.reduce_bucket_size, psi) * (dp - 1) / dp;
+  if (dp > 1 && b.stage <= 1 && !work.ranges.empty()) {
+    int64_t largest_bucket = 0;
+    const int64_t n = work.ranges.front().second;
+    for (const ReduceBucket& k : cut_buckets(gradient_segments(layout, n, types), 0, n, cfg.zero.reduce_bucket_size, pc.comm))
+      largest_bucket = std::max(largest_bucket, (k.end - k.begin) * static_cast<int64_t>(dtype_size(k.type)));
+    b.comm_reduce += largest_bucket * (dp - 1) / dp;
+  }
   if (b.stage == 3) {
-    // Gathered units: everything, when units are kept for reuse within the step (DeepSpeed's
-    // defaults), else at most max_live_parameters plus the unit being fetched. Split by
-    // purpose: the unit in use (the largest), the prefetch bucket along the trace, the rest
-    // kept for reuse.
-    const bool keep_all = cfg.zero.max_reuse_distance >= 2 * psi && cfg.zero.max_live_parameters >= psi;
-    const int64_t gathered = keep_all ? psi : std::min(psi, cfg.zero.max_live_parameters + largest_unit);
-    const int64_t prefetch = std::min(cfg.zero.prefetch_bucket_size, gathered - largest_unit);
+    // Gathered units: ZeroOptimizer's fetch and release decisions along the step's trace
+    // (simulate_gathers), split by purpose: the unit in use (the largest), prefetches, the rest
+    // kept for reuse or persistent.
+    const GatherElems g = simulate_gathers(cfg.zero, units, plan.trace);
+    const int64_t gathered = std::max(g.allocated, largest_unit);
+    const int64_t prefetch = std::min(g.prefetched, gathered - largest_unit);
     b.comm_gather = ps * largest_unit;
     b.comm_prefetch = ps * prefetch;
     b.live_params = ps * (gathered - largest_unit - prefetch);
+    if (pc.autocast.enabled()) {
+      // The packed bytes of an autocast gather in flight (the listed tensors in 2 bytes), beside
+      // the unit it lands in: the one being fetched and those prefetched.
+      int64_t low = 0;
+      for (size_t i = 0; i < layout.tensors().size(); ++i) low += types.low(i) ? layout.tensors()[i].numel : 0;
+      const double packed = (2.0 * double(low) + 4.0 * double(psi - low)) / double(std::max<int64_t>(1, psi));
+      b.comm_gather += static_cast<int64_t>(packed * double(largest_unit));
+      b.comm_prefetch += static_cast<int64_t>(packed * double(prefetch));
+    }
   }
   add_expert_states(cfg, plan, dp, b);
   // Activations: exactly what the engine allocates (Engine::activation_bytes), from the
@@ -351,7 +406,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
     if (bound >= 36028797018963968.0) return capped(bound);  // 2^55
     const GPTActivationBytes act =
         gpt_activation_bytes(shape, plan.part, Bm, Tm, cfg.tensor.sequence_parallel, plan.split, ac,
-                             moe_routing_of(m.moe, cfg.training.seed));
+                             moe_routing_of(m.moe, cfg.training.seed), cfg.precision.products());
     if (host) *host = plan.num_buffers * act.host;
     return plan.num_buffers * act.buffer + act.scratch;
   };
@@ -369,15 +424,27 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   // 16-bit runs: operand conversions of the matrix products (gemm.cpp) and the tensor groups
   // that fill the 16-bit copy at start-up (stages 1-2). (oneDNN's own code and caches measured
   // within ±5 MB of nothing: kRuntimeBytes covers them.)
-  if (pc.param == DType::BF16) workspace += 2 * std::max(4 * BT * C, BT * V) + 2 * 4 * BT * C;
+  if (pc.products() == DType::BF16) workspace += 2 * std::max(4 * BT * C, BT * V) + 2 * 4 * BT * C;
   if (pc.param == DType::F16) workspace += 4 * std::max(V * C, 4 * C * C);
+  // torch_autocast: fp32 weights converted for each product (gemm.cpp): to bf16; to fp16 and
+  // back, both operands (2 + 4 bytes an element).
+  if (pc.autocast.dtype == DType::BF16) workspace += 2 * std::max(V * C, 4 * C * C);
+  if (pc.autocast.dtype == DType::F16)
+    workspace += 6 * std::max(BT * V, 4 * BT * C) + 6 * std::max({V * C, 4 * C * C, BT * C});
   b.workspace = capped(workspace) + swap_workspace;
   if (mixed && (b.stage == 1 || b.stage == 2)) b.workspace += 4 * std::min(psi, ZeroOptimizer::kInitFillElems + largest_tensor);
   if (!m.init_from.empty()) b.workspace += 4 * psi;
+  // A save reads offloaded (or 16-bit) state back into fp32 staging (checkpoint_arrays), and
+  // HDF5 writes each shard through its chunk cache (two 4 MiB chunks), the Fletcher32 filter's
+  // copy of a chunk and its metadata cache: measured 18 MB more resident after a save than
+  // without one (fp32 and bf16, ZeRO 0 and 3, a 42M-parameter model at np 2), whatever the shard.
+  if (cfg.training.save_interval > 0)
+    b.workspace += checkpoint_staging_bytes(b.stage, cfg.zero, pc.param, moments, b.stage == 0 ? psi : part.part) +
+                   kCheckpointWriterBytes;
   struct stat st {};
   if (cfg.data.source == DataSource::Text && ::stat(cfg.data.path.c_str(), &st) == 0) b.workspace += 5 * st.st_size;
   if (cfg.data.source == DataSource::Tokens && ::stat(cfg.data.path.c_str(), &st) == 0) b.workspace += 3 * st.st_size;
-  b.runtime = kRuntimeBytes;
+  b.runtime = kRuntimeBytes + (dp * plan.part.tp_size * std::max(1, cfg.pipeline.stages) == 1 ? kSingleRankRuntimeBytes : 0);
   return b;
 }
 

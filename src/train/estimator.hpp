@@ -15,6 +15,7 @@
 
 #include "config/config.hpp"
 #include "model/model.hpp"
+#include "zero/zero.hpp"
 
 namespace zero3d {
 
@@ -45,6 +46,10 @@ ModelCounts count_model(const ModelConfig& model);
 // the engine's to attach): what the engine builds and what the planner counts.
 GPTShape gpt_shape_of(const ModelConfig& model);
 MoeRouting moe_routing_of(const MoeConfig& moe, uint64_t seed);
+
+// The element types the engine hands a ZeroOptimizer over `layout` (the dense model's, or the
+// experts'): the configured dtypes, and torch_autocast's tensors.
+StateTypes state_types_of(const Config& cfg, const ParamLayout& layout);
 
 // --- the complete budget -------------------------------------------------------------------------
 struct MemoryBudget {

@@ -137,7 +137,8 @@ void Observer::after_step(const StepResult& r, int64_t global_samples, const std
   if (csv_ || tensorboard_) {
     std::vector<MonitorEvent> events = {{"Train/Samples/train_loss", r.loss, global_samples},
                                         {"Train/Samples/lr", r.lr, global_samples}};
-    if (cfg_.precision.param == DType::F16) events.emplace_back("Train/Samples/loss_scale", r.loss_scale, global_samples);
+    if (cfg_.precision.param == DType::F16 || cfg_.precision.autocast.dtype == DType::F16)
+      events.emplace_back("Train/Samples/loss_scale", r.loss_scale, global_samples);
     if (cfg_.wall_clock_breakdown || o_.flops_profiler.enabled) {
       const double inner = at(t, "backward_inner"), reduce = at(t, "backward_allreduce");
       events.emplace_back("Train/Samples/elapsed_time_ms_forward", at(t, "forward"), global_samples);

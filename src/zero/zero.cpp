@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <set>
 
 #include "base/errors.hpp"
 #include "kernels/memory.hpp"
@@ -65,6 +67,110 @@ const float* in_model_memory(const float* host, int64_t n, kernels::DeviceScratc
 }
 }  // namespace
 
+std::vector<CommSegment> gradient_segments(const ParamLayout& layout, int64_t n, const StateTypes& types) {
+  std::vector<CommSegment> out;
+  const std::vector<TensorSpec>& tensors = layout.tensors();
+  for (size_t i = 0; i < tensors.size(); ++i)
+    out.push_back({tensors[i].offset, tensors[i].offset + tensors[i].numel, types.low(i) ? types.autocast : types.comm});
+  if (n > layout.total()) out.push_back({layout.total(), n, types.comm});
+  return out;
+}
+
+ReduceWork reduce_work(int stage, const ZeroConfig& zero, const StateTypes& types, const ParamLayout& layout,
+                       const std::vector<ParamUnit>& units, const Partition& part) {
+  ReduceWork w;
+  if (stage >= 2) {  // each unit's fp32 window as backward completes them: the last unit first
+    for (auto u = units.rbegin(); u != units.rend(); ++u) w.ranges.emplace_back(u->offset, u->offset + u->numel);
+  } else if (stage == 1 || part.world > 1) {  // stage 1 reduce-scatters even on one rank
+    w.ranges.emplace_back(0, stage == 0 ? layout.total() : part.padded);
+    w.source = types.grad;
+  }
+  const int64_t n = stage == 0 ? layout.total() : part.padded;
+  const std::vector<CommSegment> segments = gradient_segments(layout, n, types);
+  std::vector<ReduceBucket> sequence;  // one backward's buckets in launch order (GradientReducer::reserve_staging)
+  for (const auto& [lo, hi] : w.ranges)
+    for (const ReduceBucket& b : cut_buckets(segments, lo, hi, zero.reduce_bucket_size, types.comm)) sequence.push_back(b);
+  for (const StagingBytes& s : slot_staging_bytes(sequence, w.source, stage >= 1, part, zero.overlap_comm))
+    w.staging_bytes += s.send + s.recv;
+  return w;
+}
+
+std::vector<bool> persistent_units(const ZeroConfig& zero, const std::vector<ParamUnit>& units) {
+  std::vector<bool> out;
+  int64_t persistent_total = 0;
+  for (const ParamUnit& u : units) {
+    const bool keep = u.numel <= zero.param_persistence_threshold &&
+                      persistent_total + u.numel <= zero.model_persistence_threshold;
+    if (keep) persistent_total += u.numel;
+    out.push_back(keep);
+  }
+  return out;
+}
+
+// The decisions of ZeroOptimizer::fetch, keep_after_use and release, on unit sizes alone.
+GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit>& units, const std::vector<int>& trace) {
+  const std::vector<bool> persistent = persistent_units(zero, units);
+  std::map<int, bool> live;          // gathered unit -> still a pending prefetch
+  std::multiset<int64_t> spares;     // sizes of freed buffers
+  GatherElems out;
+  int64_t live_elems = 0, prefetched = 0;
+  const auto numel = [&](int u) { return units[static_cast<size_t>(u)].numel; };
+  const auto gather = [&](int u, bool prefetch) {
+    const auto spare = spares.find(numel(u));
+    if (spare != spares.end()) spares.erase(spare);
+    else out.allocated += numel(u);
+    live[u] = prefetch;
+    live_elems += numel(u);
+    if (prefetch) prefetched += numel(u);
+    out.prefetched = std::max(out.prefetched, prefetched);
+  };
+  const auto free = [&](int u) {
+    if (live[u]) prefetched -= numel(u);
+    live.erase(u);
+    live_elems -= numel(u);
+    spares.insert(numel(u));
+  };
+  for (int step = 0; step < 2; ++step) {  // the second step reuses the first one's buffers
+    for (size_t k = 0; k < trace.size(); ++k) {
+      const int u = trace[k];
+      if (!live.count(u)) {
+        for (auto it = live.begin(); it != live.end() && live_elems + numel(u) > zero.max_live_parameters;) {
+          const int v = (it++)->first;
+          if (!persistent[static_cast<size_t>(v)] && !live[v]) free(v);
+        }
+        gather(u, false);
+      } else if (live[u]) {
+        live[u] = false;
+        prefetched -= numel(u);
+      }
+      int64_t budget = std::min(zero.max_live_parameters - live_elems, zero.prefetch_bucket_size);
+      for (size_t j = k + 1; j < trace.size() && budget > 0; ++j) {
+        const int next = trace[j];
+        if (live.count(next)) continue;
+        if (numel(next) > budget) break;
+        gather(next, true);
+        budget -= numel(next);
+      }
+      // release(u): kept when persistent, or used again within max_reuse_distance elements
+      bool keep = persistent[static_cast<size_t>(u)];
+      if (!keep && live_elems <= zero.max_live_parameters) {
+        int64_t distance = 0;
+        for (size_t j = k + 1; j < trace.size(); ++j) {
+          if (trace[j] == u) {
+            keep = true;
+            break;
+          }
+          distance += numel(trace[j]);
+          if (distance > zero.max_reuse_distance) break;
+        }
+      }
+      if (!keep) free(u);
+    }
+    while (!live.empty()) free(live.begin()->first);  // drop_gathered_params at the end of the step
+  }
+  return out;
+}
+
 double unscale_clip_multiplier(double norm_scaled, double loss_scale, double clip) {
   double combined = loss_scale;
   if (clip > 0.0) {
@@ -107,7 +213,8 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   if (stage_ == 0) {
     optimizer_ = std::make_unique<Optimizer>(opt, layout_, zero.optimizer_states);
     reducer_ = std::make_unique<GradientReducer>(dp_, grads_.data(), types_.grad, layout.total(),
-                                                 cfg_.reduce_bucket_size, cfg_.overlap_comm, types_.comm);
+                                                 cfg_.reduce_bucket_size, cfg_.overlap_comm, types_.comm,
+                                                 gradient_segments(layout, layout.total(), types_));
   } else {
     state_layout_ = partition_layout(part_.part);
     if (offload) {
@@ -125,19 +232,30 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
     // every micro-batch into the partition buffer.
     void* dest = stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data();
     reducer_ = std::make_unique<GradientReducer>(dp_, part_, dest, types_.grad, stage_ >= 2, cfg_.reduce_bucket_size,
-                                                 cfg_.overlap_comm, types_.comm, types_.grad);
+                                                 cfg_.overlap_comm, types_.comm, types_.grad,
+                                                 gradient_segments(layout, part_.padded, types_));
   }
+  // The bucket slots, allocated now: the start-up table and the memory plan (reduce_work) count them.
+  const ReduceWork work = reduce_work(stage_, cfg_, types_, layout, units_, part_);
+  reducer_->reserve_staging(work.ranges, work.source);
   reducer_->set_scaling(reduce_scaling(zero.prescale_gradients, zero.gradient_predivide_factor, world_, stage_ >= 1));
-  if (stage_ == 3) {
-    // Persistent units stay gathered (DeepSpeed: numel <= param_persistence_threshold while
-    // the persistent total stays within model_persistence_threshold; here per unit).
-    int64_t persistent_total = 0;
+  if (stage_ == 3 && types_.autocast != DType::F32) {  // each unit's tensors and the dtype each is gathered in
+    const std::vector<TensorSpec>& tensors = layout.tensors();
     for (const ParamUnit& u : units_) {
-      const bool keep = u.numel <= cfg_.param_persistence_threshold &&
-                        persistent_total + u.numel <= cfg_.model_persistence_threshold;
-      if (keep) persistent_total += u.numel;
-      persistent_.push_back(keep);
+      std::vector<CommSegment> mine;
+      bool mixed = false;
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const int64_t a = std::max(tensors[i].offset, u.offset), b = std::min(tensors[i].offset + tensors[i].numel, u.offset + u.numel);
+        if (a >= b) continue;
+        mine.push_back({a, b, types_.low(i) ? types_.autocast : types_.param});
+        mixed = mixed || types_.low(i);
+      }
+      gather_segments_.push_back(std::move(mine));
+      gather_mixed_.push_back(mixed);
     }
+  }
+  if (stage_ == 3) {
+    persistent_ = persistent_units(cfg_, units_);  // they stay gathered
   }
   if (use_windows_) {  // gradient windows, allocated up front so the start-up table is complete
     const int last = static_cast<int>(units_.size()) - 1;
@@ -286,6 +404,7 @@ void ZeroOptimizer::start_gather(int u) {
     spare_gathers_.erase(spare);
   } else {
     g.buffer = TypedBuffer("gathered_unit", types_.param, unit.numel, /*zero=*/false);
+    gathered_bytes_ += unit.numel * static_cast<int64_t>(dtype_size(types_.param));
   }
   std::vector<int64_t> counts(world_), displs(world_);
   for (int r = 0; r < world_; ++r) {
@@ -295,17 +414,59 @@ void ZeroOptimizer::start_gather(int u) {
   }
   const auto [lo, hi] = part_.owned(rank_, unit.offset, unit.offset + unit.numel);
   const void* own = param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_));
-  convert_any(g.buffer.at(lo - unit.offset), types_.param, own, types_.param, hi - lo);
-  g.pending = dp_.all_gather_v_async(g.buffer.data(), counts, displs, types_.param);
+  if (!gather_segments_.empty() && gather_mixed_[static_cast<size_t>(u)]) {
+    // torch_autocast: the listed modules' tensors travel in the autocast dtype, the rest in the
+    // parameters' (DeepSpeed gathers each parameter in its comm dtype): every rank packs its
+    // slice segment by segment into bytes; fetch() widens the gathered bytes into the unit.
+    std::vector<int64_t> bytes(world_), at(world_);
+    int64_t total = 0;
+    for (int r = 0; r < world_; ++r) {
+      const auto [a, b] = part_.owned(r, unit.offset, unit.offset + unit.numel);
+      at[r] = total;
+      for (const CommSegment& sg : gather_segments_[static_cast<size_t>(u)])
+        bytes[r] += std::max<int64_t>(0, std::min(b, sg.end) - std::max(a, sg.begin)) *
+                    static_cast<int64_t>(dtype_size(sg.type));
+      total += bytes[r];
+    }
+    g.packed = gather_staging_.take(total);
+    char* out = g.packed.data() + at[rank_];
+    for (const CommSegment& sg : gather_segments_[static_cast<size_t>(u)]) {
+      const int64_t a = std::max(lo, sg.begin), b = std::min(hi, sg.end);
+      if (a >= b) continue;
+      convert_any(out, sg.type, static_cast<const float*>(own) + (a - lo), DType::F32, b - a);
+      out += (b - a) * static_cast<int64_t>(dtype_size(sg.type));
+    }
+    g.pending = dp_.all_gather_v_async(g.packed.data(), bytes, at, DType::U8);
+  } else {
+    convert_any(g.buffer.at(lo - unit.offset), types_.param, own, types_.param, hi - lo);
+    g.pending = dp_.all_gather_v_async(g.buffer.data(), counts, displs, types_.param);
+  }
   live_elems_ += unit.numel;
   live_peak_elems_ = std::max(live_peak_elems_, live_elems_);
   gathered_[u] = std::move(g);
+}
+
+// The bytes an autocast gather brought, widened into the unit: rank r's slice, segment by segment.
+void ZeroOptimizer::unpack_gathered(int u, Gathered& g) {
+  const ParamUnit& unit = units_[u];
+  const char* in = g.packed.data();
+  for (int r = 0; r < world_; ++r) {
+    const auto [lo, hi] = part_.owned(r, unit.offset, unit.offset + unit.numel);
+    for (const CommSegment& sg : gather_segments_[static_cast<size_t>(u)]) {
+      const int64_t a = std::max(lo, sg.begin), b = std::min(hi, sg.end);
+      if (a >= b) continue;
+      convert_any(g.buffer.at(a - unit.offset), types_.param, in, sg.type, b - a);
+      in += (b - a) * static_cast<int64_t>(dtype_size(sg.type));
+    }
+  }
+  gather_staging_.give_back(std::move(g.packed));
 }
 
 void ZeroOptimizer::free_gathered(int u) {
   auto it = gathered_.find(u);
   if (it == gathered_.end()) return;
   if (it->second.pending) it->second.pending->wait();
+  gather_staging_.give_back(std::move(it->second.packed));
   live_elems_ -= units_[u].numel;
   spare_gathers_.push_back(std::move(it->second.buffer));
   gathered_.erase(it);
@@ -330,6 +491,7 @@ const void* ZeroOptimizer::fetch(int u) {
   if (g.pending) {
     g.pending->wait();
     g.pending.reset();
+    if (!g.packed.empty()) unpack_gathered(u, g);
   }
   // NVMe parameters: the reads of the units the trace needs next run ahead of compute.
   if (param_swap_)
@@ -418,6 +580,7 @@ void ZeroOptimizer::progress() {
 
 void ZeroOptimizer::begin_micro_step(bool boundary) {
   boundary_ = boundary;
+  if (stage_ >= 2) reducer_->begin_pass();  // the same slot for the same bucket in every backward
   if (stage_ < 2 && boundary && world_ > 1 && ordered_backward_ && !reduction_begun_) {
     reducer_->begin(grads_.data());
     reduction_begun_ = true;
@@ -711,6 +874,7 @@ MemoryBytes ZeroOptimizer::memory() const {
   m.comm_buffers = reducer_->staging_peak_bytes();
   for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
   m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(dtype_size(types_.param));
+  m.gathered = gathered_bytes_;
   return m;
 }
 

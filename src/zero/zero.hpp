@@ -26,12 +26,14 @@
 // (2 + 2 + 4)Ψ/N, then (2 + 2 + 8)Ψ/N without the second option, for Adam at stage 3.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <vector>
 
+#include "base/byte_pool.hpp"
 #include "config/config.hpp"
 #include "io/checkpoint.hpp"
 #include "kernels/memory.hpp"
@@ -59,12 +61,45 @@ inline ZeroStateElems zero_state_elems(int stage, int64_t numel, const Partition
   return {stage == 3 ? part.part : full, stage >= 2 ? part.part : full, stage == 0 ? numel : part.part};
 }
 
+// ZeRO-3's persistent units (DeepSpeed: numel <= param_persistence_threshold while the
+// persistent total stays within model_persistence_threshold; here per unit): gathered once, kept.
+std::vector<bool> persistent_units(const ZeroConfig& zero, const std::vector<ParamUnit>& units);
+
+// Stage 3's gather buffers over one step, as ZeroOptimizer's fetch/release policy takes them
+// along `trace` (the units one step fetches, each released right after its use): the unit in
+// use, prefetches within min(prefetch_bucket_size, the live budget), units kept for reuse within
+// max_reuse_distance, persistent ones. A freed buffer is kept for the next gather of its size,
+// so the memory is the most buffers of each size ever live together. The memory planner counts
+// `allocated` (elements), of it at most `prefetched` held by prefetches at once.
+struct GatherElems {
+  int64_t allocated = 0, prefetched = 0;
+};
+GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit>& units, const std::vector<int>& trace);
+
+// Bytes a checkpoint save stages on this rank for state that does not lie in memory as fp32
+// (ZeroOptimizer::checkpoint_arrays: offloaded master and moments read back from their tier,
+// 16-bit master weights or moments widened), `n` elements per state, held until the next
+// step; at the start the parameters' raw bits are read beside their fp32 copy. The memory
+// planner counts this when a run saves (NVMe offload made the plan 28% short without it).
+inline int64_t checkpoint_staging_bytes(int stage, const ZeroConfig& zero, DType param, int64_t moments, int64_t n) {
+  const bool mixed = param != DType::F32 && zero.master_weights == DType::F32;
+  const bool master16 = param != DType::F32 && zero.master_weights != DType::F32;
+  const bool offload = zero.offload_optimizer.device != OffloadDevice::None && stage >= 1;
+  const bool param_swap = stage == 3 && zero.offload_param.device == OffloadDevice::Nvme;
+  const bool params_staged = mixed ? offload : master16 || param_swap;
+  const bool bits = !mixed && (master16 || param_swap);  // the raw parameters read beside the staging
+  const int64_t states = (params_staged ? 1 : 0) + (offload || zero.optimizer_states != DType::F32 ? moments : 0);
+  const int64_t first = params_staged ? 4 * n + (bits ? static_cast<int64_t>(dtype_size(param)) * n : 0) : 0;
+  return std::max(first, 4 * n * states);
+}
+
 // Bytes held by this rank, by category (what metrics.jsonl reports as "memory").
 // params..optimizer_states are bytes in memory; with offload, `host` says how many of them the
 // engine placed in host memory (on a CPU-only build the same memory as the device's) and
 // `nvme` counts what lies in swap files instead, moved through `swap_buffers`.
 struct MemoryBytes {
   int64_t params = 0, grads = 0, master = 0, optimizer_states = 0, comm_buffers = 0, live_params_peak = 0;
+  int64_t gathered = 0;  // stage 3: bytes of the gather buffers allocated (in use and kept for the next gather)
   int64_t host = 0, nvme = 0, swap_buffers = 0;
   int64_t model_states() const { return params + grads + master + optimizer_states; }
 };
@@ -76,10 +111,32 @@ struct GradStats {
 };
 
 // The element types of the model state (DeepSpeed's model dtype, grad_accum_dtype and
-// communication_data_type).
+// communication_data_type). torch_autocast: the layout tensors marked in `autocast_tensors`
+// (the lower_precision_safe_modules' parameters) have their gradients reduced and, at stage 3,
+// their parameters gathered in `autocast` (DeepSpeed's torch_autocast dtype) instead.
 struct StateTypes {
   DType param = DType::F32, grad = DType::F32, comm = DType::F32;
+  DType autocast = DType::F32;         // F32: no autocast
+  std::vector<bool> autocast_tensors;  // per layout tensor (empty: none)
+  bool low(size_t tensor) const {
+    return autocast != DType::F32 && tensor < autocast_tensors.size() && autocast_tensors[tensor];
+  }
 };
+
+// The gradients of `layout` as the reducer buckets them: one segment per tensor in its
+// communication dtype, and the padding up to `n` (a partition's padded size) in comm's.
+std::vector<CommSegment> gradient_segments(const ParamLayout& layout, int64_t n, const StateTypes& types);
+
+// What a ZeroOptimizer's gradient reducer reduces: the flat buffer whole (stages 0-1, from the
+// gradient buffer's type) or each unit's fp32 window (stages 2-3), and with it the staging
+// bytes it reserves (one bucket slot, two with overlap_comm). The memory planner counts these.
+struct ReduceWork {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  DType source = DType::F32;
+  int64_t staging_bytes = 0;
+};
+ReduceWork reduce_work(int stage, const ZeroConfig& zero, const StateTypes& types, const ParamLayout& layout,
+                       const std::vector<ParamUnit>& units, const Partition& part);
 
 // DeepSpeed's unscale-and-clip in one factor (FACTS §3; stage_1_and_2.py
 // unscale_and_clip_grads): c = ((norm_scaled/scale) + 1e-6)/clip, c = max(c, 1); the
@@ -170,8 +227,10 @@ class ZeroOptimizer : public ParamStore {
   struct Gathered {
     TypedBuffer buffer;
     std::unique_ptr<CommRequest> pending;  // prefetch in flight
+    kernels::StagingBuffer packed;         // torch_autocast: the gather's bytes, mixed dtypes (else empty)
   };
   void start_gather(int u);
+  void unpack_gathered(int u, Gathered& g);
   void free_gathered(int u);
   bool keep_after_use(int u) const;  // stage 3: persistent, or reused soon enough
   float* window_for(int u);
@@ -227,6 +286,12 @@ class ZeroOptimizer : public ParamStore {
   // stage 3: gathered units and the fetch trace
   std::map<int, Gathered> gathered_;
   std::vector<TypedBuffer> spare_gathers_;  // freed gather buffers, reused: no allocation or page faults per gather
+  int64_t gathered_bytes_ = 0;               // of every gather buffer allocated (they are kept, in use or spare)
+  // torch_autocast at stage 3: each unit's tensors with the dtype each is gathered in, whether a
+  // unit has any in the autocast dtype, and the packed gathers' byte buffers.
+  std::vector<std::vector<CommSegment>> gather_segments_;
+  std::vector<bool> gather_mixed_;
+  BasicPool<kernels::StagingBuffer> gather_staging_;  // in model memory, where the conversions run
   std::vector<bool> persistent_;
   std::vector<int> trace_;
   size_t trace_pos_ = 0;  // index in trace_ of the current (or next) fetch

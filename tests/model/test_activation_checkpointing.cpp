@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/attention.hpp"  // ZERO3D_FLASH_ATTENTION: whether the fused bf16 kernel is built
 #include "kernels/half.hpp"
 #include "model/model.hpp"
 
@@ -209,6 +210,40 @@ TEST(ActivationCheckpointing, BuffersAndWorkspacesFollowTheFormulaOfEachGranular
     const GPTActivationBytes plan = gpt_activation_bytes(kShape, part, B, T, false, false, c.ac);
     EXPECT_EQ(plan.buffer, c.buffer) << c.what;
     EXPECT_EQ(plan.scratch, c.shared) << c.what;
+  }
+}
+
+// bf16 keeps ln_1, qkv, the attention output, ln_2, fc and its GELU in bf16 where the forward
+// makes them (model.cpp activations_bf16), so a buffer allocates half the floats for them, and
+// for attention what its kernel keeps: the tiled kernel's bf16 probability tiles (T = 16 with
+// head size 32, where the fused kernel's saves would not be smaller), the fused kernel's
+// log-sum-exp and bf16 output at T = 64 (no B·H·T² probabilities at all).
+TEST(ActivationCheckpointing, Bf16BuffersHoldTheBf16SavesInHalfTheFloats) {
+  struct Case {
+    GPTShape shape;
+    int64_t att;  // floats the attention keeps per block
+  };
+  const int64_t B = 2;
+#ifdef ZERO3D_FLASH_ATTENTION
+  const int64_t fused = 4 * 64 + 4 * 64 * 16 / 2;  // L [B·H·T] fp32, then O [B·H·T·hs] in bf16
+#else
+  const int64_t fused = 4 * 64 * 64 / 2;  // one 64×64 bf16 tile per head
+#endif
+  const Case cases[] = {{GPTShape{64, 16, 3, 2, 64}, 4 * 16 * 16 / 2}, {GPTShape{64, 64, 3, 2, 32}, fused}};
+  for (const Case& c : cases) {
+    const int64_t T = c.shape.n_positions, C = c.shape.n_embd, V = c.shape.vocab_size, L = c.shape.n_layer, BT = B * T;
+    // halves: ln_1, qkv, atty, ln_2, fch, fch_gelu = (1 + 3 + 1 + 1 + 4 + 4)/2 BTC; fp32: res_2, res_3, the statistics
+    const int64_t block = 7 * BT * C + 2 * BT * C + 4 * BT + c.att;
+    const int64_t buffer = 4 * (2 * BT * C + L * block + BT * C + 2 * BT + BT * V + 2 * BT) + 8 * BT;
+    const ModelPart part = gpt_model_part(c.shape, {0, int(L) + 2}, 1, 0);
+    GPT model(c.shape, B, T, DType::BF16, part);
+    EXPECT_EQ(model.make_buffer(false).bytes(), buffer) << "T " << T;
+    EXPECT_EQ(gpt_activation_bytes(c.shape, part, B, T, false, false, {}, {}, DType::BF16).buffer, buffer) << "T " << T;
+    // selective recompute shares one block's attention saves, at the same size
+    EXPECT_EQ(gpt_activation_bytes(c.shape, part, B, T, false, false, selective(), {}, DType::BF16).scratch -
+                  gpt_activation_bytes(c.shape, part, B, T, false, false, {}, {}, DType::BF16).scratch,
+              4 * c.att)
+        << "T " << T;
   }
 }
 

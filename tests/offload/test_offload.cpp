@@ -2,6 +2,7 @@
 // io_uring pool, the CPU Adam and the sub-group swap pipeline (DEEPSPEED-FACTS-2 §3).
 #include <gtest/gtest.h>
 #include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -328,6 +329,39 @@ TEST(SwapDir, TheSharedCheckCreatesNothingAndRefusesKernelFileSystems) {
       EXPECT_NE(std::string(e.what()).find("`zero_optimization.offload_param.nvme_path`"), std::string::npos);
     }
   }
+}
+
+// The ranks of a job check one shared nvme_path at the same moment: each probes with files of
+// its own. (With one probe name, one rank's O_TRUNC could empty the page another had just
+// written before it read it back, and that rank refused a good directory as lacking O_DIRECT:
+// a 2-rank NVMe run of benchmarks/estimate_vs_measured.sh failed so at start-up.)
+TEST(SwapDir, RanksCheckingOneDirectoryAtOnceAllAcceptIt) {
+  TempDir dir("shared");
+  constexpr int kProcs = 4, kTries = 400;
+  std::vector<pid_t> children;
+  for (int p = 0; p < kProcs; ++p) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      int refused = 0;
+      for (int i = 0; i < kTries; ++i) {
+        try {
+          check_swap_directory(dir.path, 4096, "zero_optimization.offload_param.nvme_path");
+        } catch (const std::exception&) {
+          ++refused;
+        }
+      }
+      ::_exit(refused > 0 ? 1 : 0);
+    }
+    children.push_back(pid);
+  }
+  int failed = 0;
+  for (pid_t pid : children) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+  }
+  EXPECT_EQ(failed, 0) << "of " << kProcs << " processes checking " << dir.path << " together, some were refused";
 }
 
 TEST(SwapDir, SwapFilesOfAnEarlierRunAreRemovedOthersKept) {

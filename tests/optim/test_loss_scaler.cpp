@@ -111,6 +111,22 @@ TEST(LossScaler, ZeroPathEndsAtOneAfterEightOverflowsFrom256AndTheNinthIsAnError
   }
 }
 
+// torch_autocast with fp16: torch.amp.GradScaler (DeepSpeed's engine creates one with its
+// defaults; torch/amp/grad_scaler.py update): halve on every overflow with no floor,
+// hysteresis or error, double on the growth_interval-th clean step in a row. Window 2 here.
+TEST(LossScaler, GradScalerHalvesEveryOverflowAndDoublesOnTheIntervalthCleanStep) {
+  LossScalerConfig c = dynamic_config(4, 2, /*hysteresis=*/2, /*zero_path=*/true);
+  c.grad_scaler = true;
+  c.min_scale = 1.0;  // GradScaler has no floor, and a ZeRO-path scaler would stop at it
+  LossScaler s(c);
+  EXPECT_EQ(scales(s, {false, false, true, true, true, true, true, false, false, false}),
+            (std::vector<double>{16, 32, 16, 8, 4, 2, 1, 1, 2, 2}));
+  EXPECT_NO_THROW(s.update(true, 11));
+  EXPECT_EQ(s.scale(), 1.0);
+  EXPECT_NO_THROW(s.update(true, 12));
+  EXPECT_EQ(s.scale(), 0.5);
+}
+
 TEST(LossScaler, StaticScaleNeverChanges) {
   LossScalerConfig c;
   c.dynamic = false;

@@ -151,4 +151,63 @@ TEST(GradientReducer, ReusesItsStagingSoLaterStepsFaultInNoFreshPages) {
   EXPECT_GT(held, 0);
 }
 
+// overlap_comm double-buffers the bucket, as DeepSpeed does: a backward of many units reduced
+// with overlap holds two buckets' staging (a converted send buffer and a received part each),
+// never the whole gradient partition's worth in flight at once. 16 fp32 windows of 4096
+// elements, bf16 buckets of 1024: one slot is 2 KiB to send and at most 2 KiB to receive.
+TEST(GradientReducer, OverlapHoldsTwoBucketsOfStagingNotThePartition) {
+  World w;
+  const int64_t unit = 4096, units = 16, bucket = 1024;
+  const Partition part(unit * units, w.n);
+  std::vector<float> window(static_cast<size_t>(unit));
+  std::vector<float> mine(static_cast<size_t>(part.part), 0.0f);
+  GradientReducer reducer(w.comm, part, mine.data(), DType::F32, /*accumulate=*/true, bucket, /*overlap=*/true,
+                          DType::BF16, DType::F32);
+  for (int64_t u = units - 1; u >= 0; --u) {
+    for (int64_t i = 0; i < unit; ++i) window[i] = float((u * unit + i) % 16) * float(w.r + 1);  // sums exact in bf16
+    reducer.reduce_range(window.data(), u * unit, (u + 1) * unit, 0);
+    reducer.wait_tag(0);  // the window is reused for the next unit, as ZeroOptimizer's windows are
+  }
+  reducer.wait_all();
+  EXPECT_LE(reducer.staging_peak_bytes(), 2 * (2 * bucket + 2 * bucket));
+  const float ranks = float(w.n * (w.n + 1) / 2) / float(w.n);  // mean of 1..W
+  for (int64_t i = 0; i < part.part; ++i) {
+    const int64_t g = part.begin(w.r) + i;
+    ASSERT_EQ(mine[i], float(g % 16) * ranks) << i;
+  }
+}
+
+// Given the gradients' boundaries, buckets hold whole gradients (DeepSpeed's IPG bucket, FACTS
+// §5.3): they fill until the next would overflow reduce_bucket_size, a larger one goes alone,
+// so 0 or 1 means one bucket per gradient, not one per element; no bucket mixes dtypes.
+TEST(GradientReducer, BucketsHoldWholeGradientsAndOneDtype) {
+  const std::vector<CommSegment> tensors = {{0, 10, DType::F32}, {10, 13, DType::F32}, {13, 40, DType::F32},
+                                            {40, 44, DType::BF16}, {44, 50, DType::BF16}};
+  const auto ranges = [](const std::vector<ReduceBucket>& b) {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (const ReduceBucket& x : b) out.emplace_back(x.begin, x.end);
+    return out;
+  };
+  using R = std::vector<std::pair<int64_t, int64_t>>;
+  for (int64_t size : {0, 1})
+    EXPECT_EQ(ranges(cut_buckets(tensors, 0, 50, size, DType::F32)), (R{{44, 50}, {40, 44}, {13, 40}, {10, 13}, {0, 10}}))
+        << "reduce_bucket_size " << size;
+  EXPECT_EQ(ranges(cut_buckets(tensors, 0, 50, 20, DType::F32)), (R{{40, 50}, {13, 40}, {0, 13}}));
+  EXPECT_EQ(ranges(cut_buckets(tensors, 0, 50, 1000, DType::F32)), (R{{40, 50}, {0, 40}}));  // split at the dtype
+  EXPECT_EQ(cut_buckets(tensors, 0, 50, 1000, DType::F32)[0].type, DType::BF16);
+  EXPECT_EQ(ranges(cut_buckets(tensors, 12, 42, 1000, DType::F32)), (R{{40, 42}, {12, 40}}));  // a unit's range
+  EXPECT_EQ(ranges(cut_buckets({}, 0, 10, 4, DType::F32)), (R{{6, 10}, {2, 6}, {0, 2}}));  // no gradients given
+  // A reduction with one element per bucket at most: one collective per gradient.
+  World w;
+  std::vector<float> g(50);
+  for (int i = 0; i < 50; ++i) g[i] = float(i * (w.r + 1));
+  std::vector<CommSegment> fp32 = tensors;
+  for (CommSegment& t : fp32) t.type = DType::F32;
+  GradientReducer reducer(w.comm, g.data(), DType::F32, 50, 1, /*overlap=*/true, DType::F32, fp32);
+  reducer.begin();
+  reducer.grads_ready(0);
+  EXPECT_EQ(reducer.finish(), 5);
+  for (int i = 0; i < 50; ++i) ASSERT_FLOAT_EQ(g[i], float(i) * float(w.n + 1) / 2.0f) << i;
+}
+
 }  // namespace

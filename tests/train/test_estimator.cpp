@@ -106,4 +106,48 @@ TEST(Budget, ReportRoundTripsThroughHdf5) {
   }
 }
 
+// A 2.05B-parameter GPT (L 26, C 2560) in bf16 at ZeRO-3 on 2 ranks, optimizer and parameters on
+// NVMe, reduce_bucket_size 5e7 (issue 35). overlap_comm (stage 3's default) double-buffers the
+// bucket as DeepSpeed does: the reduction holds two buckets' staging beside the fp32 gradient
+// windows, not a buffer of the whole gradient partition (2,855 MiB here before).
+Config big_config() {
+  nlohmann::json j = {
+      {"train_micro_batch_size_per_gpu", 1},
+      {"gradient_accumulation_steps", 1},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-5}}}}},
+      {"bf16", {{"enabled", true}}},
+      {"model", {{"vocab_size", 256}, {"n_positions", 32}, {"n_layer", 26}, {"n_head", 20}, {"n_embd", 2560}}},
+      {"zero_optimization",
+       {{"stage", 3}, {"reduce_bucket_size", 50000000}, {"prefetch_bucket_size", 20000000},
+        {"max_live_parameters", 100000000}, {"max_reuse_distance", 0}, {"sub_group_size", 20000000},
+        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/tmp"}, {"buffer_count", 6}, {"pipeline_read", true}}},
+        {"offload_param", {{"device", "nvme"}, {"nvme_path", "/tmp"}, {"max_in_cpu", 100000000}}}}}};
+  return read_config(j, "big.json", 2);
+}
+
+TEST(Budget, OverlapCommHoldsTwoBucketsNotTheGradientPartition) {
+  const Config c = big_config();
+  ASSERT_TRUE(c.zero.overlap_comm);
+  const MemoryBudget b = estimate_budget(c, 2);
+  const int64_t C = 2560, block = 12 * C * C + 13 * C, bucket = 50000000;
+  const int64_t windows = 4 * (256 * C + 32 * C + 2 * C + 2 * block);  // embeddings and ln_f, two block windows
+  // each of the two slots: a bucket converted to bf16, and at most all of it received
+  EXPECT_LE(b.comm_reduce, windows + 2 * (2 * bucket + 2 * bucket));
+  EXPECT_GT(b.comm_reduce, windows);
+  EXPECT_LT(double(b.total()), 4.0 * 1073741824.0);  // it trains in at most 4 GiB per rank
+}
+
+// A save reads the offloaded state back into fp32 staging that lives until the next step
+// (ZeroOptimizer::checkpoint_arrays): counted when the run saves.
+TEST(Budget, SavesWithNvmeOffloadCountTheirStaging) {
+  Config c = big_config();
+  c.precision = PrecisionConfig{};  // fp32: parameters and both moments are read back
+  c.zero.master_weights = DType::F32;
+  const int64_t part = Partition(count_model(c.model).params, 2).part;
+  const MemoryBudget none = estimate_budget(c, 2);
+  c.training.save_interval = 10;
+  const MemoryBudget saving = estimate_budget(c, 2);
+  EXPECT_EQ(saving.workspace - none.workspace, 3 * 4 * part + 18 * 1000 * 1000);  // and HDF5's write buffers
+}
+
 }  // namespace
