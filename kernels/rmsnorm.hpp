@@ -1,0 +1,138 @@
+// rmsnorm.hpp — RMSNorm over the last dimension (Zhang & Sennrich 2019, "Root Mean Square Layer
+// Normalization"; Llama's LlamaRMSNorm): out = w · x · rstd, rstd = 1/sqrt(mean(x²) + eps), no
+// mean subtraction and no bias. The statistics are fp32 whatever the parameters' type, as
+// LlamaRMSNorm computes them in float32 under bf16. eps is the model's (rms_norm_eps: 1e-6 for
+// Llama, 1e-5 for Mixtral), so it is an argument.
+#pragma once
+
+#include <cmath>
+
+#include "kernels/common.hpp"
+#include "kernels/device_forms.hpp"
+#include "kernels/half.hpp"
+
+namespace zero3d::kernels {
+
+namespace gpu {
+
+// A row to a warp (common.hpp row_teams), as layernorm_forward: one lane-strided sum of squares
+// added in the vector reduction's tree, then every lane writes its columns.
+template <typename P, typename O = float>
+inline void rmsnorm_forward(O* out, float* rstd, const float* inp, const P* weight, Index N, Index C, float eps) {
+  Kokkos::parallel_for("rmsnorm_forward", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index i = team_row(team);
+    if (i >= N) return;
+    const float* x = inp + i * C;
+    float ss = 0.0f;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, C), [&](Index c, float& sum) { sum += x[c] * x[c]; }, ss);
+    const float s = 1.0f / std::sqrt(ss / static_cast<float>(C) + eps);
+    O* o = out + i * C;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, C),
+                         [&](Index c) { o[c] = from_float<O>(x[c] * s * to_float(weight[c])); });
+    Kokkos::single(Kokkos::PerThread(team), [&] { rstd[i] = s; });
+  });
+}
+
+// The input part a row to a warp (one lane-strided reduction, then the row's writes); the
+// weight part as a column sum in two stages (device_forms.hpp), as layernorm_backward.
+template <typename P>
+inline void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const P* weight,
+                             const float* rstd, Index N, Index C) {
+  if (dinp) Kokkos::parallel_for("rmsnorm_backward_input", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index i = team_row(team);
+    if (i >= N) return;
+    const float* x = inp + i * C;
+    const float* dy = dout + i * C;
+    const float s = rstd[i];
+    float dnorm_norm_mean = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, C),
+        [&](Index c, float& sum) { sum += to_float(weight[c]) * dy[c] * x[c] * s; }, dnorm_norm_mean);
+    dnorm_norm_mean /= static_cast<float>(C);
+    float* dx = dinp + i * C;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, C), [&](Index c) {
+      dx[c] += (to_float(weight[c]) * dy[c] - x[c] * s * dnorm_norm_mean) * s;
+    });
+  });
+  if (!dweight) return;
+  const Index chunks = column_chunks(N);
+  float* partial = kernel_scratch<float>(chunks * C);
+  Kokkos::parallel_for("rmsnorm_backward_params", range(chunks * C), KOKKOS_LAMBDA(Index j) {
+    const Index c = j % C, i0 = j / C * kColumnChunkRows, i1 = i0 + kColumnChunkRows < N ? i0 + kColumnChunkRows : N;
+    float dw = 0.0f;
+    for (Index i = i0; i < i1; ++i) dw += dout[i * C + c] * inp[i * C + c] * rstd[i];
+    partial[j] = dw;
+  });
+  add_chunk_sums(dweight, partial, chunks, C);
+}
+
+}  // namespace gpu
+
+// Saves rstd[N] for the backward pass. P: the weight's stored type; O: the output's (bf16 when
+// the output only feeds a bf16 product). The sum of squares is an `omp simd` reduction so it
+// vectorises; the output pass finds the row in L1.
+template <typename P, typename O = float>
+inline void rmsnorm_forward(O* out, float* rstd, const float* inp, const P* weight16, Index N, Index C, float eps) {
+#ifdef ZERO3D_DEVICE
+  gpu::rmsnorm_forward(out, rstd, inp, weight16, N, C, eps);
+#else
+  WidenedParams widen;
+  const float* weight = widen(weight16, C);
+  Kokkos::parallel_for("rmsnorm_forward", range(N), KOKKOS_LAMBDA(Index i) {
+    const float* x = inp + i * C;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (Index c = 0; c < C; ++c) ss += x[c] * x[c];
+    const float s = 1.0f / std::sqrt(ss / static_cast<float>(C) + eps);
+    O* o = out + i * C;
+#pragma omp simd
+    for (Index c = 0; c < C; ++c) o[c] = from_float<O>(x[c] * s * weight[c]);
+    rstd[i] = s;
+  });
+#endif
+}
+
+// dinp += (accumulates: the residual stream's gradient flows through), dweight += . With
+// norm = x·s and dnorm = w·dy, d(norm)/dx = s(I - norm normᵀ/C), so
+// dx = s · (dnorm - norm · mean(dnorm ⊙ norm)). A null dinp skips the input part, a null
+// dweight the weight part (zero-bubble schedules run them apart, as layernorm_backward).
+template <typename P>
+inline void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const P* weight,
+                             const float* rstd, Index N, Index C) {
+#ifdef ZERO3D_DEVICE
+  gpu::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+#else
+  if (dinp) Kokkos::parallel_for("rmsnorm_backward_input", range(N), KOKKOS_LAMBDA(Index i) {
+    const float* x = inp + i * C;
+    const float* dy = dout + i * C;
+    const float s = rstd[i];
+    float dnorm_norm_mean = 0.0f;
+#pragma omp simd reduction(+ : dnorm_norm_mean)
+    for (Index c = 0; c < C; ++c) dnorm_norm_mean += to_float(weight[c]) * dy[c] * x[c] * s;
+    dnorm_norm_mean /= static_cast<float>(C);
+    float* dx = dinp + i * C;
+#pragma omp simd
+    for (Index c = 0; c < C; ++c) dx[c] += (to_float(weight[c]) * dy[c] - x[c] * s * dnorm_norm_mean) * s;
+  });
+  // Parallel over column blocks (no two iterations share a parameter), as layernorm_backward.
+  constexpr Index kBlock = 64;
+  if (dweight) Kokkos::parallel_for("rmsnorm_backward_params", range((C + kBlock - 1) / kBlock), KOKKOS_LAMBDA(Index blk) {
+    const Index c0 = blk * kBlock, width = c0 + kBlock < C ? kBlock : C - c0;
+    float dw[kBlock] = {};
+    for (Index i = 0; i < N; ++i) {
+      const float s = rstd[i];
+      const float* dy = dout + i * C + c0;
+      const float* x = inp + i * C + c0;
+      if (width == kBlock) {
+#pragma omp simd
+        for (Index c = 0; c < kBlock; ++c) dw[c] += dy[c] * x[c] * s;
+      } else {
+        for (Index c = 0; c < width; ++c) dw[c] += dy[c] * x[c] * s;
+      }
+    }
+    for (Index c = 0; c < width; ++c) dweight[c0 + c] += dw[c];
+  });
+#endif
+}
+
+}  // namespace zero3d::kernels

@@ -1,0 +1,396 @@
+// test_llama_kernels.cpp — the Llama-family kernels (kernels/rmsnorm.hpp, kernels/rope.hpp,
+// kernels/swiglu.hpp) against the PyTorch references in tests/golden/llama_kernels.h5
+// (tests/golden/make_llama_kernels_golden.py: LlamaRMSNorm, apply_rotary_pos_emb with each rope
+// type's cos/sin, silu(gate)·up, float64 autograd), within the per-tensor max |diff| of 1e-4 that
+// the GPT-2 goldens use (tests/model/test_golden.cpp); then RMSNorm's device form (namespace gpu)
+// against the CPU form, as tests/kernels/test_kernels_device_forms.cpp does for LayerNorm.
+// RoPE and SwiGLU are element-wise, one form on every build, so they have no second form to compare.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "base/rng.hpp"
+#include "io/h5.hpp"
+#include "kernels/half.hpp"
+#include "kernels/rmsnorm.hpp"
+#include "kernels/rope.hpp"
+#include "kernels/swiglu.hpp"
+
+using namespace zero3d;
+using namespace zero3d::kernels;
+
+namespace {
+
+constexpr float kGoldenTolerance = 1e-4f;  // the GPT-2 goldens' per-tensor max |diff|
+
+// Model memory (device memory on a GPU build) filled from, and read back into, host vectors.
+template <typename T>
+class Buffer {
+ public:
+  explicit Buffer(const std::vector<T>& host)
+      : view_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("test_buffer")), host.size()) {
+    Kokkos::deep_copy(view_,
+                      Kokkos::View<const T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(host.data(), host.size()));
+  }
+  explicit Buffer(size_t n) : Buffer(std::vector<T>(n)) {}  // zeros
+  T* data() { return view_.data(); }
+  std::vector<T> host() const {
+    std::vector<T> out(view_.extent(0));
+    Kokkos::deep_copy(Kokkos::View<T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(out.data(), out.size()), view_);
+    return out;
+  }
+
+ private:
+  Kokkos::View<T*> view_;
+};
+
+double value(float x) { return x; }
+double value(bf16 x) { return to_float(x); }
+
+std::string golden_path() { return std::string(ZERO3D_GOLDEN_DIR) + "/llama_kernels.h5"; }
+
+// The shapes, read once; tensors are read per use, the file open only while it is read (no HDF5
+// handle may outlive the test main's MPI_Finalize).
+struct Golden {
+  int64_t B = 0, T = 0, C = 0, I = 0, H = 0, Hkv = 0, head_dim = 0;
+  std::vector<float> floats(const std::string& name) const { return h5::File::open_read(golden_path()).read_floats(name); }
+};
+
+const Golden& golden() {
+  static const Golden g = [] {
+    Golden r;
+    const h5::File f = h5::File::open_read(golden_path());
+    for (auto [name, v] : {std::pair<const char*, int64_t*>{"B", &r.B}, {"T", &r.T}, {"C", &r.C}, {"I", &r.I},
+                           {"H", &r.H}, {"Hkv", &r.Hkv}, {"head_dim", &r.head_dim}})
+      if (!h5::read_attribute(f.id(), name, *v)) ADD_FAILURE() << "llama_kernels.h5 lacks attribute " << name;
+    return r;
+  }();
+  return g;
+}
+
+// max |got - want| over a tensor, checked against the goldens' tolerance and printed (the
+// figures the closing note quotes). NaN counts as a failure.
+void expect_matches(const std::string& what, const std::vector<float>& got, const std::vector<float>& want,
+                    float tolerance = kGoldenTolerance) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double worst = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (!(d <= worst)) worst = std::isnan(d) ? INFINITY : d;
+  }
+  std::printf("[ golden   ] %-34s max |diff| %.3g\n", what.c_str(), worst);
+  EXPECT_LE(worst, tolerance) << what;
+}
+
+template <typename T>
+void expect_same_bits(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      ADD_FAILURE() << what << ": element " << i << " is " << value(got[i]) << ", expected " << value(want[i])
+                    << " bit for bit";
+      return;
+    }
+}
+
+// |got - want| <= abs + rel·|want| for every element; the worst element is reported.
+template <typename T>
+void expect_close(const std::string& what, const std::vector<T>& got, const std::vector<T>& want, double abs,
+                  double rel) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t worst = 0;
+  double worst_excess = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double excess = std::fabs(value(got[i]) - value(want[i])) - (abs + rel * std::fabs(value(want[i])));
+    if (!(excess <= worst_excess)) {
+      worst = i;
+      worst_excess = excess;
+    }
+  }
+  EXPECT_LE(worst_excess, 0.0) << what << ": element " << worst << " is " << value(got[worst]) << ", expected "
+                               << value(want[worst]) << " within " << abs << " + " << rel << "·|expected|";
+}
+
+std::vector<bf16> rounded(const std::vector<float>& x) {
+  std::vector<bf16> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = to_bf16(x[i]);
+  return out;
+}
+
+std::vector<float> widened(const std::vector<bf16>& x) {
+  std::vector<float> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = to_float(x[i]);
+  return out;
+}
+
+std::vector<float> random_vector(size_t n, uint64_t stream, float scale = 1.0f, float shift = 0.0f) {
+  Rng rng(32, stream);
+  std::vector<float> v(n);
+  for (auto& x : v) x = shift + static_cast<float>(scale * rng.normal());
+  return v;
+}
+
+// ---- RMSNorm -----------------------------------------------------------------------------------
+
+constexpr float kRmsEps = 1e-6f;  // make_llama_kernels_golden.py's RMS_EPS (Llama's rms_norm_eps)
+
+TEST(LlamaRmsNorm, MatchesPyTorch) {
+  const Golden& g = golden();
+  const Index N = g.B * g.T, C = g.C;
+  ASSERT_EQ(g.floats("rmsnorm/eps")[0], kRmsEps);
+  Buffer<float> x(g.floats("rmsnorm/x")), w(g.floats("rmsnorm/weight")), dout(g.floats("rmsnorm/d_out"));
+  Buffer<float> out(N * C), rstd(N), dx(N * C), dw(C);
+  rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, kRmsEps);
+  expect_matches("rmsnorm out", out.host(), g.floats("rmsnorm/out"));
+  expect_matches("rmsnorm rstd", rstd.host(), g.floats("rmsnorm/rstd"));
+  rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C);
+  expect_matches("rmsnorm grads/x", dx.host(), g.floats("rmsnorm/grads/x"));
+  expect_matches("rmsnorm grads/weight", dw.host(), g.floats("rmsnorm/grads/weight"));
+}
+
+// Both gradients accumulate (+=): a second backward doubles them; null pointers skip a part.
+TEST(LlamaRmsNorm, BackwardAccumulatesAndSkipsNullParts) {
+  const Golden& g = golden();
+  const Index N = g.B * g.T, C = g.C;
+  Buffer<float> x(g.floats("rmsnorm/x")), w(g.floats("rmsnorm/weight")), dout(g.floats("rmsnorm/d_out"));
+  Buffer<float> out(N * C), rstd(N), dx(N * C), dw(C), dx_only(N * C), dw_only(C);
+  rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, kRmsEps);
+  for (int k = 0; k < 2; ++k) rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C);
+  rmsnorm_backward(dx_only.data(), static_cast<float*>(nullptr), dout.data(), x.data(), w.data(), rstd.data(), N, C);
+  rmsnorm_backward(static_cast<float*>(nullptr), dw_only.data(), dout.data(), x.data(), w.data(), rstd.data(), N, C);
+  auto twice = [](std::vector<float> v) {
+    for (float& e : v) e *= 2.0f;
+    return v;
+  };
+  expect_same_bits("dinp after two backwards", dx.host(), twice(dx_only.host()));
+  expect_same_bits("dweight after two backwards", dw.host(), twice(dw_only.host()));
+}
+
+// bf16 weights widen exactly: the same bits as fp32 weights holding the rounded values; a bf16
+// output is the fp32 output rounded once.
+TEST(LlamaRmsNorm, Bf16WeightAndOutputAreTheFp32FormRounded) {
+  const Golden& g = golden();
+  const Index N = g.B * g.T, C = g.C;
+  const std::vector<bf16> w16 = rounded(g.floats("rmsnorm/weight"));
+  Buffer<float> x(g.floats("rmsnorm/x")), w32(widened(w16));
+  Buffer<bf16> w(w16);
+  Buffer<float> out32(N * C), rstd32(N), out(N * C), rstd(N);
+  Buffer<bf16> out16(N * C);
+  rmsnorm_forward(out32.data(), rstd32.data(), x.data(), w32.data(), N, C, kRmsEps);
+  rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, kRmsEps);
+  expect_same_bits("out, bf16 weight", out.host(), out32.host());
+  rmsnorm_forward(out16.data(), rstd.data(), x.data(), w.data(), N, C, kRmsEps);
+  expect_same_bits("bf16 out", out16.host(), rounded(out32.host()));
+}
+
+template <typename P, typename O>
+void check_rmsnorm_device_form(Index N, Index C) {
+  const std::string at = " [" + std::to_string(N) + " x " + std::to_string(C) + "]";
+  const auto x = random_vector(N * C, 1, 1.0f, 0.3f), w32 = random_vector(C, 2, 0.2f, 1.0f);
+  std::vector<P> w(C);
+  for (Index c = 0; c < C; ++c) w[c] = from_float<P>(w32[c]);
+  Buffer<float> in(x);
+  Buffer<P> weight(w);
+  auto forward = [&](bool device) {
+    Buffer<O> out(N * C);
+    Buffer<float> rstd(N);
+    if (device) gpu::rmsnorm_forward(out.data(), rstd.data(), in.data(), weight.data(), N, C, kRmsEps);
+    else rmsnorm_forward(out.data(), rstd.data(), in.data(), weight.data(), N, C, kRmsEps);
+    return std::make_pair(out.host(), rstd.host());
+  };
+  const auto [out, rstd] = forward(true);
+  const auto [cpu_out, cpu_rstd] = forward(false);
+  // The sum of squares is added in another order (one at a time here, SIMD pieces in the CPU
+  // form): rstd moves by a few ulp of itself, the output by those, and a bf16 rounding may flip.
+  expect_close("rstd" + at, rstd, cpu_rstd, 0.0, 2e-6);
+  expect_close("out" + at, out, cpu_out, 2e-5, std::is_same_v<O, bf16> ? 1.0 / 128 : 0.0);
+  const auto [again_out, again_rstd] = forward(true);
+  expect_same_bits("out, second run" + at, again_out, out);
+  expect_same_bits("rstd, second run" + at, again_rstd, rstd);
+
+  const auto dy = random_vector(N * C, 3), dx0 = random_vector(N * C, 4), dw0 = random_vector(C, 5);
+  Buffer<float> dout(dy), saved_rstd(cpu_rstd);
+  auto backward = [&](bool device) {
+    Buffer<float> dx(dx0), dw(dw0);
+    if (device)
+      gpu::rmsnorm_backward(dx.data(), dw.data(), dout.data(), in.data(), weight.data(), saved_rstd.data(), N, C);
+    else rmsnorm_backward(dx.data(), dw.data(), dout.data(), in.data(), weight.data(), saved_rstd.data(), N, C);
+    return std::make_pair(dx.host(), dw.host());
+  };
+  const auto [dx, dw] = backward(true);
+  const auto [cpu_dx, cpu_dw] = backward(false);
+  // The row's mean is added in another order: a few ulp of Σ|dnorm·norm|/C. The weight's column
+  // sums: one chunk adds the rows in the CPU form's order (but for a product fused into its add
+  // in one form and not the other); more chunks add 64-row sums in order: a few ulp of Σ|dy·norm|.
+  expect_close("dinp" + at, dx, cpu_dx, 2e-5, 2e-6);
+  expect_close("dweight" + at, dw, cpu_dw, 2e-6 * N, 0.0);
+  const auto [again_dx, again_dw] = backward(true);
+  expect_same_bits("dinp, second run" + at, again_dx, dx);
+  expect_same_bits("dweight, second run" + at, again_dw, dw);
+}
+
+// One chunk of rows and several (130 = two full chunks and a ragged one); C a multiple of the
+// CPU form's 64-column block and not.
+TEST(LlamaRmsNorm, DeviceFormMatchesCpuForm) {
+  for (const auto& [N, C] : {std::pair<Index, Index>{16, 64}, {130, 100}, {64, 384}}) {
+    check_rmsnorm_device_form<float, float>(N, C);
+    check_rmsnorm_device_form<bf16, float>(N, C);
+    check_rmsnorm_device_form<bf16, bf16>(N, C);
+  }
+}
+
+// ---- SwiGLU ------------------------------------------------------------------------------------
+
+TEST(LlamaSwiGlu, MatchesPyTorch) {
+  const Golden& g = golden();
+  const Index N = g.B * g.T, I = g.I;
+  Buffer<float> gate(g.floats("swiglu/gate")), up(g.floats("swiglu/up")), dout(g.floats("swiglu/d_out"));
+  Buffer<float> out(N * I), dgate(N * I), dup(N * I);
+  swiglu_forward(out.data(), gate.data(), up.data(), N, I, I);
+  expect_matches("swiglu out", out.host(), g.floats("swiglu/out"));
+  swiglu_backward(dgate.data(), dup.data(), dout.data(), gate.data(), up.data(), N, I, I);
+  expect_matches("swiglu grads/gate", dgate.host(), g.floats("swiglu/grads/gate"));
+  expect_matches("swiglu grads/up", dup.host(), g.floats("swiglu/grads/up"));
+}
+
+// A fused [gate | up] row (stride 2I) gives the separate buffers' bits, its gradients at the same
+// layout; a bf16 output is the fp32 one rounded once; bf16 inputs read as their widened values.
+TEST(LlamaSwiGlu, FusedLayoutAndBf16MatchTheFp32Form) {
+  const Golden& g = golden();
+  const Index N = g.B * g.T, I = g.I;
+  const auto gate = g.floats("swiglu/gate"), up = g.floats("swiglu/up");
+  std::vector<float> fused(N * 2 * I);
+  for (Index i = 0; i < N; ++i)
+    for (Index c = 0; c < I; ++c) fused[i * 2 * I + c] = gate[i * I + c], fused[i * 2 * I + I + c] = up[i * I + c];
+  Buffer<float> gb(gate), ub(up), fb(fused), dout(g.floats("swiglu/d_out"));
+  Buffer<float> out(N * I), fused_out(N * I), dgate(N * I), dup(N * I), dfused(N * 2 * I);
+  Buffer<bf16> out16(N * I);
+  swiglu_forward(out.data(), gb.data(), ub.data(), N, I, I);
+  swiglu_forward(fused_out.data(), fb.data(), fb.data() + I, N, I, 2 * I);
+  expect_same_bits("out, fused layout", fused_out.host(), out.host());
+  swiglu_forward(out16.data(), gb.data(), ub.data(), N, I, I);
+  expect_same_bits("bf16 out", out16.host(), rounded(out.host()));
+  swiglu_backward(dgate.data(), dup.data(), dout.data(), gb.data(), ub.data(), N, I, I);
+  swiglu_backward(dfused.data(), dfused.data() + I, dout.data(), fb.data(), fb.data() + I, N, I, 2 * I);
+  const auto df = dfused.host(), dg = dgate.host(), du = dup.host();
+  std::vector<float> dg_fused(N * I), du_fused(N * I);
+  for (Index i = 0; i < N; ++i)
+    for (Index c = 0; c < I; ++c) dg_fused[i * I + c] = df[i * 2 * I + c], du_fused[i * I + c] = df[i * 2 * I + I + c];
+  expect_same_bits("dgate, fused layout", dg_fused, dg);
+  expect_same_bits("dup, fused layout", du_fused, du);
+
+  const std::vector<bf16> gate16 = rounded(gate), up16 = rounded(up);
+  Buffer<bf16> g16(gate16), u16(up16);
+  Buffer<float> gw(widened(gate16)), uw(widened(up16)), out_w(N * I), out_in16(N * I);
+  swiglu_forward(out_w.data(), gw.data(), uw.data(), N, I, I);
+  swiglu_forward(out_in16.data(), g16.data(), u16.data(), N, I, I);
+  expect_same_bits("out from bf16 inputs", out_in16.host(), out_w.host());
+}
+
+// ---- RoPE --------------------------------------------------------------------------------------
+
+// /rope/<case>/params in make_llama_kernels_golden.py's ROPE_PARAMS order.
+RopeConfig rope_config(const std::string& name, const std::vector<float>& p) {
+  RopeConfig c;
+  c.type = name == "default" ? RopeType::Default
+           : name == "linear" ? RopeType::Linear
+           : name == "dynamic" ? RopeType::Dynamic
+           : name.rfind("yarn", 0) == 0 ? RopeType::Yarn
+                                        : RopeType::Llama3;
+  c.theta = p[0];
+  c.factor = p[1];
+  c.max_position_embeddings = static_cast<int64_t>(p[2]);
+  c.original_max_position_embeddings = static_cast<int64_t>(p[3]);
+  c.low_freq_factor = p[4];
+  c.high_freq_factor = p[5];
+  c.beta_fast = p[6];
+  c.beta_slow = p[7];
+  c.attention_factor = p[8];
+  c.mscale = p[9];
+  c.mscale_all_dim = p[10];
+  return c;
+}
+
+class LlamaRope : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LlamaRope, MatchesPyTorch) {
+  const Golden& g = golden();
+  const std::string at = "rope/" + GetParam() + "/";
+  const std::vector<float> params = g.floats(at + "params");
+  ASSERT_EQ(params.size(), 12u);
+  const RopeConfig cfg = rope_config(GetParam(), params);
+  const Index T = g.T, hd = g.head_dim, seq_len = static_cast<Index>(params[11]);
+  ASSERT_EQ(seq_len, T);
+
+  // The host's frequencies and attention factor: both computed in double, stored as float.
+  const std::vector<double> inv_freq = rope_inv_freq(cfg, hd, seq_len);
+  const std::vector<float> want_inv_freq = g.floats(at + "inv_freq");
+  ASSERT_EQ(inv_freq.size(), want_inv_freq.size());
+  for (size_t i = 0; i < inv_freq.size(); ++i)
+    EXPECT_NEAR(inv_freq[i], want_inv_freq[i], 1e-6 * want_inv_freq[i]) << at << "inv_freq[" << i << "]";
+  EXPECT_NEAR(rope_attention_factor(cfg), g.floats(at + "attention_factor")[0], 1e-6) << at;
+
+  std::vector<float> cos, sin;
+  rope_tables(cos, sin, cfg, hd, T);
+  Buffer<float> cb(cos), sb(sin), qkv(g.floats(at + "qkv")), dqkv(g.floats(at + "d_out"));
+  rope_forward(qkv.data(), cb.data(), sb.data(), g.B, T, g.H, g.Hkv, hd);
+  expect_matches(at + "out", qkv.host(), g.floats(at + "out"));
+  rope_backward(dqkv.data(), cb.data(), sb.data(), g.B, T, g.H, g.Hkv, hd);
+  expect_matches(at + "grads/qkv", dqkv.host(), g.floats(at + "grads/qkv"));
+}
+
+INSTANTIATE_TEST_SUITE_P(RopeTypes, LlamaRope,
+                         ::testing::Values("default", "linear", "dynamic", "yarn", "yarn_mscale", "llama3"));
+
+// Dynamic NTK leaves the base alone while the batch fits max_position_embeddings (Hugging Face
+// recomputes only past it); yarn without original_max_position_embeddings falls back to the
+// model's max_position_embeddings; an explicit attention_factor wins.
+TEST(LlamaRopeConfig, DynamicWithinMaxPositionsIsDefaultAndYarnFallsBack) {
+  RopeConfig plain, dynamic;
+  dynamic.type = RopeType::Dynamic;
+  dynamic.factor = 4.0;
+  dynamic.max_position_embeddings = 64;
+  EXPECT_EQ(rope_inv_freq(dynamic, 16, 64), rope_inv_freq(plain, 16, 64));
+  EXPECT_NE(rope_inv_freq(dynamic, 16, 65), rope_inv_freq(plain, 16, 65));
+  RopeConfig yarn, yarn_orig;
+  yarn.type = yarn_orig.type = RopeType::Yarn;
+  yarn.factor = yarn_orig.factor = 4.0;
+  yarn.max_position_embeddings = 512;  // the ramp over dimensions 0..4 (2048 gives 2..6)
+  yarn_orig.max_position_embeddings = 8192;
+  yarn_orig.original_max_position_embeddings = 512;
+  EXPECT_NE(rope_inv_freq(yarn, 16, 8), rope_inv_freq(plain, 16, 8));
+  EXPECT_EQ(rope_inv_freq(yarn, 16, 8), rope_inv_freq(yarn_orig, 16, 8));
+  EXPECT_DOUBLE_EQ(rope_attention_factor(yarn), 0.1 * std::log(4.0) + 1.0);
+  yarn.attention_factor = 0.5;
+  EXPECT_EQ(rope_attention_factor(yarn), 0.5);
+}
+
+// RoFormer's property, which the layout must keep: q·k after the rotation depends on the
+// positions only through their difference (attention factor 1: default).
+TEST(LlamaRopeConfig, RotatedDotProductDependsOnRelativePosition) {
+  const Index T = 12, hd = 16, H = 2, Hkv = 1, width = (H + 2 * Hkv) * hd;
+  std::vector<float> cos, sin;
+  rope_tables(cos, sin, RopeConfig{}, hd, T);
+  const auto q = random_vector(hd, 6), k = random_vector(hd, 7);
+  std::vector<float> rows(T * width, 0.0f);
+  for (Index t = 0; t < T; ++t)
+    for (Index d = 0; d < hd; ++d) rows[t * width + d] = q[d], rows[t * width + H * hd + d] = k[d];
+  Buffer<float> qkv(rows), cb(cos), sb(sin);
+  rope_forward(qkv.data(), cb.data(), sb.data(), 1, T, H, Hkv, hd);
+  const auto r = qkv.host();
+  auto dot = [&](Index tq, Index tk) {
+    double s = 0.0;
+    for (Index d = 0; d < hd; ++d) s += static_cast<double>(r[tq * width + d]) * r[tk * width + H * hd + d];
+    return s;
+  };
+  for (Index delta = 0; delta < 4; ++delta)
+    for (Index t = delta; t < T; ++t) EXPECT_NEAR(dot(t, t - delta), dot(delta, 0), 1e-4) << "t " << t << " delta " << delta;
+}
+
+}  // namespace
