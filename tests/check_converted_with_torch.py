@@ -15,6 +15,7 @@ same loss; and checks that --dtype fp16 holds exactly torch's .half() of the fp3
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -65,7 +66,8 @@ def hugging_face_loss(directory, tokens, targets):
 
 def main():
     zero3d, mpiexec, work = sys.argv[1:4]
-    os.makedirs(work, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # a rerun starts fresh: zero3d refuses to overwrite a run's checkpoints
+    os.makedirs(work)
     text = os.path.join(work, "periodic.txt")
     with open(text, "w") as f:
         f.write("zero3d trains GPT models, fast!\n" * 400)  # 32 bytes: divides B*T = 2*16

@@ -38,7 +38,7 @@ constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 
 struct Workspace {
   DeviceScratch a16{"gemm_a16"}, b16{"gemm_b16"}, shared16{"gemm_shared16"};
-  DeviceScratch a32{"gemm_a32"}, b32{"gemm_b32"}, c32{"gemm_c32"}, bias32{"gemm_bias32"};
+  DeviceScratch a32{"gemm_a32"}, b32{"gemm_b32"}, c32{"gemm_c32"}, bias32{"gemm_bias32"}, bias16{"gemm_bias16"};
   DeviceScratch lt{"gemm_cublaslt"};
   int64_t peak_bytes = 0;
   void note() {
@@ -54,7 +54,7 @@ Workspace& workspace() {
     static Workspace workspace;
     Kokkos::push_finalize_hook([] {
       for (DeviceScratch* s : {&workspace.a16, &workspace.b16, &workspace.shared16, &workspace.a32, &workspace.b32,
-                               &workspace.c32, &workspace.bias32, &workspace.lt})
+                               &workspace.c32, &workspace.bias32, &workspace.bias16, &workspace.lt})
         s->release();
     });
     return &workspace;
@@ -81,7 +81,7 @@ cudaDataType_t cuda_type(DType t) {
 // Elements a stored operand of `rows` rows spans (the model's operands are dense).
 int64_t stored_elems(int64_t rows, const GemmOperand& x) { return rows * x.ld; }
 
-// x in `want` (F32 or BF16), converted into scratch when stored otherwise.
+// x in `want` (F32, BF16 or F16), converted into scratch when stored otherwise.
 GemmOperand in_type(const GemmOperand& x, int64_t n, DType want, DeviceScratch& s16, DeviceScratch& s32) {
   if (x.type == want) return x;
   GemmOperand out = x;
@@ -90,6 +90,11 @@ GemmOperand in_type(const GemmOperand& x, int64_t n, DType want, DeviceScratch& 
     bf16* dst = s16.take<bf16>(n);
     if (x.type == DType::F32) kernels::convert(dst, static_cast<const float*>(x.data), n);
     else kernels::convert(dst, static_cast<const fp16*>(x.data), n);
+    out.data = dst;
+  } else if (want == DType::F16) {  // torch_autocast's fp16 products: an fp32 operand rounded
+    if (x.type == DType::BF16) throw SystemError("gemm: fp16 products of a bf16 operand");
+    fp16* dst = s16.take<fp16>(n);
+    kernels::convert(dst, static_cast<const float*>(x.data), n);
     out.data = dst;
   } else {
     float* dst = s32.take<float>(n);
@@ -101,13 +106,28 @@ GemmOperand in_type(const GemmOperand& x, int64_t n, DType want, DeviceScratch& 
   return out;
 }
 
-// The bias widened to fp32 (cuBLASLt's epilogue adds an fp32 bias to an fp32 accumulator).
-const float* bias_f32(const void* bias, DType type, int64_t n) {
-  if (!bias || type == DType::F32) return static_cast<const float*>(bias);
-  float* dst = workspace().bias32.take<float>(n);
-  if (type == DType::BF16) kernels::convert(dst, static_cast<const bf16*>(bias), n);
-  else kernels::convert(dst, static_cast<const fp16*>(bias), n);
-  workspace().note();
+// The bias widened to fp32 (cuBLASLt's epilogue adds an fp32 bias to an fp32 accumulator). An
+// fp32 bias joining a 16-bit product is first rounded to the product's dtype, as torch.autocast's
+// linear casts its bias with its weight (gemm.hpp; the CPU backend does the same).
+const float* bias_f32(const void* bias, DType type, int64_t n, DType compute) {
+  if (!bias) return nullptr;
+  if (type == DType::F32 && compute == DType::F32) return static_cast<const float*>(bias);
+  Workspace& w = workspace();
+  float* dst = w.bias32.take<float>(n);
+  if (type == DType::F32 && compute == DType::BF16) {
+    bf16* r = w.bias16.take<bf16>(n);
+    kernels::convert(r, static_cast<const float*>(bias), n);
+    kernels::convert(dst, r, n);
+  } else if (type == DType::F32) {
+    fp16* r = w.bias16.take<fp16>(n);
+    kernels::convert(r, static_cast<const float*>(bias), n);
+    kernels::convert(dst, r, n);
+  } else if (type == DType::BF16) {
+    kernels::convert(dst, static_cast<const bf16*>(bias), n);
+  } else {
+    kernels::convert(dst, static_cast<const fp16*>(bias), n);
+  }
+  w.note();
   return dst;
 }
 
@@ -115,7 +135,7 @@ const float* bias_f32(const void* bias, DType type, int64_t n) {
 // with `batch` strided problems. C may differ from D (a residual); D is fp32 or bf16.
 struct Product {
   int64_t M, N, K;
-  GemmOperand A, B;  // both F32 or both BF16
+  GemmOperand A, B;  // both F32, both BF16 or both F16
   const float* C;    // null: beta = 0
   void* D;
   int64_t ldd;
@@ -202,13 +222,13 @@ void product(Product p) {
 void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
           DType compute, const void* bias, DType bias_type) {
   obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));  // the flops profiler's count
-  const kernels::ProfileRegion region(compute == DType::BF16 ? "gemm_bf16" : "gemm_f32");
+  const kernels::ProfileRegion region(compute == DType::BF16 ? "gemm_bf16" : compute == DType::F16 ? "gemm_f16" : "gemm_f32");
   if (bias && ldc != N) throw SystemError("gemm: a bias needs a dense output");
   Workspace& w = workspace();
-  const DType t = compute == DType::BF16 ? DType::BF16 : DType::F32;
-  const GemmOperand a = in_type(A, stored_elems(A.trans ? K : M, A), t, w.a16, w.a32);
-  const GemmOperand b = in_type(B, stored_elems(B.trans ? N : K, B), t, w.b16, w.b32);
-  product({M, N, K, a, b, accumulate ? C : nullptr, C, ldc, DType::F32, bias_f32(bias, bias_type, N)});
+  // BF16 and F16 (torch_autocast's fp16) products: both operands rounded, fp32 accumulation.
+  const GemmOperand a = in_type(A, stored_elems(A.trans ? K : M, A), compute, w.a16, w.a32);
+  const GemmOperand b = in_type(B, stored_elems(B.trans ? N : K, B), compute, w.b16, w.b32);
+  product({M, N, K, a, b, accumulate ? C : nullptr, C, ldc, DType::F32, bias_f32(bias, bias_type, N, compute)});
 }
 
 void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, kernels::bf16* C,
@@ -218,7 +238,7 @@ void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperan
   Workspace& w = workspace();
   const GemmOperand a = in_type(A, stored_elems(A.trans ? K : M, A), DType::BF16, w.a16, w.a32);
   const GemmOperand b = in_type(B, stored_elems(B.trans ? N : K, B), DType::BF16, w.b16, w.b32);
-  const float* bias32 = bias_f32(bias, bias_type, N);
+  const float* bias32 = bias_f32(bias, bias_type, N, DType::BF16);
   // The bf16 output rounded in the epilogue; where cuBLASLt has none for it, the fp32 product rounded.
   if (run_lt({M, N, K, a, b, nullptr, C, N, DType::BF16, bias32})) return;
   float* c32 = w.c32.take<float>(M * N);
@@ -235,7 +255,7 @@ void gemm_adding(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, 
   const GemmOperand a = in_type(A, stored_elems(A.trans ? K : M, A), DType::BF16, w.a16, w.a32);
   const GemmOperand b = in_type(B, stored_elems(B.trans ? N : K, B), DType::BF16, w.b16, w.b32);
   // D = A·B + 1·R + bias: cuBLASLt reads C (here R) and writes D (here C) separately.
-  product({M, N, K, a, b, R, C, N, DType::F32, bias_f32(bias, bias_type, N)});
+  product({M, N, K, a, b, R, C, N, DType::F32, bias_f32(bias, bias_type, N, DType::BF16)});
 }
 
 void gemm_batched_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const void* A, bool ta, const void* B, bool tb,
@@ -273,7 +293,9 @@ GemmOperand gemm_operand_slot(int64_t rows, int64_t ld) {
 }
 
 std::string gemm_path(DType compute) {
-  return compute == DType::BF16 ? "cuBLASLt bf16 (fp32 accumulation)" : "cuBLASLt fp32 (IEEE, no TF32)";
+  return compute == DType::BF16 ? "cuBLASLt bf16 (fp32 accumulation)"
+         : compute == DType::F16 ? "cuBLASLt fp16 (fp32 accumulation)"
+                                 : "cuBLASLt fp32 (IEEE, no TF32)";
 }
 
 int64_t gemm_workspace_bytes() { return workspace().peak_bytes; }

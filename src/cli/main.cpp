@@ -152,13 +152,19 @@ int main(int argc, char** argv) {
     for (const CLI::Option* o : estimate->get_options())
       if (o->count() > 0 && !o->get_name().empty() && o->get_name()[0] == '-') est.given.insert(o->get_name());
     // The kernels' backend starts once the command line is known (--help and --version need
-    // none): a GPU build without a visible GPU stops here, exit 2, one message.
-    run_collectively(MPI_COMM_WORLD, [] {
-      const std::string why = kernels::device_problem();
-      if (!why.empty()) throw InputError(why);
-    });
-    kernels::initialize_backend(local_rank(MPI_COMM_WORLD), argv);
-    kokkos_started = true;
+    // none): a GPU build without a visible GPU stops here, exit 2, one message, except for the
+    // commands that only plan (validate, estimate, topology), which run on a login node
+    // without Kokkos: sizing a job needs no GPU.
+    const bool plans_only = validate->parsed() || estimate->parsed() || topology->parsed();
+    const bool device_missing = kernels::kGpuBuild && !kernels::device_problem().empty();
+    if (!(plans_only && device_missing)) {
+      run_collectively(MPI_COMM_WORLD, [] {
+        const std::string why = kernels::device_problem();
+        if (!why.empty()) throw InputError(why);
+      });
+      kernels::initialize_backend(local_rank(MPI_COMM_WORLD), argv);
+      kokkos_started = true;
+    }
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
     else if (validate->parsed()) code = cmd_validate(validate_args, world_size, validate_output, MPI_COMM_WORLD);
     else if (tune->parsed())

@@ -783,7 +783,8 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
 }
 
 void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_step) {
-  const auto [b, e] = checkpoint_range();
+  const auto range = checkpoint_range();
+  const int64_t b = range.first, e = range.second;  // named, not bound: `staged` captures them (C++17)
   const int64_t pb = part_.begin(rank_), n = e - b;
   const int64_t at = stage_ == 0 ? b : b - pb;
   // State that does not lie in fp32 where this rank holds it goes through a staging range.

@@ -18,9 +18,9 @@
 #include "kernels/gelu.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/layernorm.hpp"
-#include "kernels/memory.hpp"
 #include "kernels/optimizers.hpp"
 #include "kernels/reduce.hpp"
+#include "support/model_memory.hpp"
 
 namespace {
 
@@ -29,21 +29,8 @@ using namespace zero3d::kernels;
 
 constexpr Index kC = 768, kH = 12, kT = 1024, kV = 50257;
 
-// An array in model memory, filled from and read back into host vectors through memory.hpp.
 template <typename T>
-struct ModelArray {
-  DeviceBuffer bytes;
-  Index n;
-  explicit ModelArray(Index count) : bytes(static_cast<size_t>(count) * sizeof(T)), n(count) {}
-  explicit ModelArray(const std::vector<T>& host) : ModelArray(static_cast<Index>(host.size())) { put(host); }
-  T* data() const { return reinterpret_cast<T*>(bytes.data()); }
-  void put(const std::vector<T>& host) { copy_to_device(data(), host.data(), host.size() * sizeof(T)); }
-  std::vector<T> get() const {
-    std::vector<T> host(static_cast<size_t>(n));
-    copy_to_host(host.data(), data(), host.size() * sizeof(T));
-    return host;
-  }
-};
+using ModelArray = test_support::Buffer<T>;  // model memory, filled from and read into host vectors
 
 std::vector<float> normal(Index n, float sd, unsigned seed) {
   std::mt19937 rng(seed);
@@ -103,12 +90,12 @@ TEST(GpuKernels, LayerNormForwardAndBackwardMatchTheHostAtGpt2Shapes) {
   ModelArray<float> Dx(std::vector<float>(N * C, 1.0f)), Dw(std::vector<float>(C, 0.0f)), Db(std::vector<float>(C, 0.0f));
   layernorm_forward(Out.data(), Mean.data(), Rstd.data(), X.data(), W.data(), Bi.data(), N, C);
   layernorm_backward(Dx.data(), Dw.data(), Db.data(), Dy.data(), X.data(), W.data(), Mean.data(), Rstd.data(), N, C);
-  expect_close(Out.get(), out, 1e-5, 1e-5, "layernorm out");
-  expect_close(Mean.get(), mean, 1e-5, 1e-6, "layernorm mean");
-  expect_close(Rstd.get(), rstd, 1e-5, 1e-6, "layernorm rstd");
-  expect_close(Dx.get(), dx, 1e-4, 1e-5, "layernorm dinp");
-  expect_close(Dw.get(), dw, 1e-4, 1e-3, "layernorm dweight");  // sums of 8192 rows
-  expect_close(Db.get(), db, 1e-4, 1e-3, "layernorm dbias");
+  expect_close(Out.host(), out, 1e-5, 1e-5, "layernorm out");
+  expect_close(Mean.host(), mean, 1e-5, 1e-6, "layernorm mean");
+  expect_close(Rstd.host(), rstd, 1e-5, 1e-6, "layernorm rstd");
+  expect_close(Dx.host(), dx, 1e-4, 1e-5, "layernorm dinp");
+  expect_close(Dw.host(), dw, 1e-4, 1e-3, "layernorm dweight");  // sums of 8192 rows
+  expect_close(Db.host(), db, 1e-4, 1e-3, "layernorm dbias");
 }
 
 // GPT-2's tanh GELU over the MLP's 8·1024 × 3072 activations, and its derivative.
@@ -125,8 +112,8 @@ TEST(GpuKernels, GeluForwardAndBackwardMatchTheHost) {
   ModelArray<float> X(x), Dy(dy), Out(n), Dx(n);
   gelu_forward(Out.data(), X.data(), n);
   gelu_backward(Dx.data(), X.data(), Dy.data(), n);
-  expect_close(Out.get(), out, 1e-5, 1e-6, "gelu out");
-  expect_close(Dx.get(), dx, 1e-4, 1e-5, "gelu dinp");
+  expect_close(Out.host(), out, 1e-5, 1e-6, "gelu out");
+  expect_close(Dx.host(), dx, 1e-4, 1e-5, "gelu dinp");
 }
 
 // The classifier's loss over the 50,257-word vocabulary: 1024 rows.
@@ -149,9 +136,9 @@ TEST(GpuKernels, CrossEntropyForwardAndBackwardMatchTheHostOverGpt2sVocabulary) 
   ModelArray<float> Z(z), Loss(N), Lse(N);
   ModelArray<int32_t> Tg(t);
   crossentropy_forward(Loss.data(), Lse.data(), Z.data(), Tg.data(), N, V);
-  expect_close(Loss.get(), loss, 1e-5, 1e-5, "crossentropy losses");
+  expect_close(Loss.host(), loss, 1e-5, 1e-5, "crossentropy losses");
   crossentropy_backward(Z.data(), Lse.data(), Tg.data(), dloss, N, V);
-  expect_close(Z.get(), dz, 1e-4, 1e-10, "crossentropy dlogits");
+  expect_close(Z.host(), dz, 1e-4, 1e-10, "crossentropy dlogits");
 }
 
 // Token and position embeddings; the backward adds every row of a repeated token (a 64-word
@@ -170,14 +157,14 @@ TEST(GpuKernels, EncoderForwardAndBackwardMatchTheHostAndRepeatBitForBit) {
   ModelArray<float> Wte(wte), Wpe(wpe), Dy(dy), Out(B * T * C);
   ModelArray<int32_t> Tok(tok);
   encoder_forward(Out.data(), Tok.data(), Wte.data(), Wpe.data(), B, T, C);
-  expect_close(Out.get(), out, 1e-6, 1e-7, "encoder out");
+  expect_close(Out.host(), out, 1e-6, 1e-7, "encoder out");
   std::vector<float> first;
   for (int run = 0; run < 2; ++run) {
     ModelArray<float> Dwte(std::vector<float>(V * C, 0.0f)), Dwpe(std::vector<float>(T * C, 0.0f));
     encoder_backward(Dwte.data(), Dwpe.data(), Dy.data(), Tok.data(), B, T, C);
-    const std::vector<float> got = Dwte.get();
+    const std::vector<float> got = Dwte.host();
     expect_close(got, dwte, 1e-4, 1e-4, "encoder dwte");
-    expect_close(Dwpe.get(), dwpe, 1e-5, 1e-5, "encoder dwpe");
+    expect_close(Dwpe.host(), dwpe, 1e-5, 1e-5, "encoder dwpe");
     if (run == 0) first = got;
     else EXPECT_TRUE(got == first) << "encoder_backward's sums differ between two runs";
   }
@@ -197,7 +184,7 @@ TEST(GpuKernels, AdamWUpdateMatchesTheHost) {
   const double bc1 = 1 - std::pow(double(b1), step), bc2 = 1 - std::pow(double(b2), step);
   ModelArray<float> P(p), G(g), M(m), Vs(v);
   adam_update(P.data(), G.data(), M.data(), Vs.data(), n, make_adam_step(lr, b1, b2, eps, wd, step, true, true));
-  const std::vector<float> p_got = P.get(), m_got = M.get(), v_got = Vs.get();
+  const std::vector<float> p_got = P.host(), m_got = M.host(), v_got = Vs.host();
   constexpr double kRounding = 4 * 6e-8;  // a few fp32 roundings, relative to the terms
   for (Index i = 0; i < n; ++i) {
     const double m2 = double(b1) * m[i] + double(omb1) * g[i], v2 = double(b2) * v[i] + double(omb2) * g[i] * g[i];
@@ -222,7 +209,7 @@ TEST(GpuKernels, SumOfSquaresOverGpt2sParametersMatchesTheHostInDouble) {
 
 // c_attn's product at GPT-2 shapes, fp32 and bf16, with the bias in the epilogue: 64 sampled
 // rows of C[8192, 2304] = X[8192, 768] · W[768, 2304] + b against the host (bf16: on the
-// operands rounded as the product rounds them).
+// operands and the fp32 bias rounded as the product rounds them).
 TEST(GpuProducts, ForwardProductWithBiasMatchesTheHostInFp32AndBf16) {
   const Index M = 8 * kT, K = kC, N = 3 * kC;
   const std::vector<float> x = normal(M * K, 1.0f, 18), w = normal(K * N, 0.02f, 19), b = normal(N, 0.1f, 20);
@@ -237,12 +224,12 @@ TEST(GpuProducts, ForwardProductWithBiasMatchesTheHostInFp32AndBf16) {
   for (DType compute : {DType::F32, DType::BF16}) {
     gemm(M, N, K, GemmOperand{X.data(), DType::F32, false, K}, GemmOperand{W.data(), DType::F32, false, N}, Out.data(),
          N, false, compute, Bi.data(), DType::F32);
-    const std::vector<float> got = Out.get();
+    const std::vector<float> got = Out.host();
     for (Index r = 0; r < M; r += M / 64) {
       std::vector<float> row(got.begin() + r * N, got.begin() + (r + 1) * N);
       std::vector<double> want(N);
       for (Index j = 0; j < N; ++j) {
-        double acc = b[j];
+        double acc = compute == DType::BF16 ? round_bf16(b[j]) : b[j];  // gemm.hpp: an fp32 bias joins in the product's dtype
         for (Index k = 0; k < K; ++k)
           acc += compute == DType::BF16 ? double(round_bf16(x[r * K + k])) * round_bf16(w[k * N + j])
                                         : double(x[r * K + k]) * w[k * N + j];
@@ -302,9 +289,9 @@ TEST(GpuAttention, Fp32ForwardAndBackwardMatchTheHostAtGpt2Shapes) {
   }
   ModelArray<float> Qkv(qkv), Dy(dy), Out(B * T * C), Att(B * H * T * T), Dqkv(B * T * C3), Scratch(64 * T);
   attention_forward(Out.data(), Att.data(), Qkv.data(), B, T, C, H);
-  expect_close(Out.get(), out, 1e-4, 1e-5, "attention out");
+  expect_close(Out.host(), out, 1e-4, 1e-5, "attention out");
   attention_backward(Dqkv.data(), Scratch.data(), Dy.data(), Qkv.data(), Att.data(), B, T, C, H);
-  expect_close(Dqkv.get(), dqkv, 1e-3, 1e-4, "attention dqkv");
+  expect_close(Dqkv.host(), dqkv, 1e-3, 1e-4, "attention dqkv");
 }
 
 }  // namespace

@@ -28,32 +28,14 @@
 #include "kernels/matmul.hpp"
 #include "kernels/reduce.hpp"
 #include "kernels/vocab_parallel.hpp"
+#include "support/model_memory.hpp"
 
 using namespace zero3d;
 using namespace zero3d::kernels;
 
 namespace {
 
-// Model memory (device memory on a GPU build) filled from, and read back into, host vectors.
-template <typename T>
-class Buffer {
- public:
-  explicit Buffer(const std::vector<T>& host)
-      : view_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("test_buffer")), host.size()) {
-    Kokkos::deep_copy(view_,
-                      Kokkos::View<const T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(host.data(), host.size()));
-  }
-  explicit Buffer(size_t n) : Buffer(std::vector<T>(n)) {}  // zeros
-  T* data() { return view_.data(); }
-  std::vector<T> host() const {
-    std::vector<T> out(view_.extent(0));
-    Kokkos::deep_copy(Kokkos::View<T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(out.data(), out.size()), view_);
-    return out;
-  }
-
- private:
-  Kokkos::View<T*> view_;
-};
+using test_support::Buffer;
 
 std::vector<float> random_vector(size_t n, uint64_t stream, float scale = 1.0f, float shift = 0.0f) {
   Rng rng(31, stream);

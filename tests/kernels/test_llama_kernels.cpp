@@ -21,6 +21,7 @@
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
 #include "kernels/swiglu.hpp"
+#include "support/model_memory.hpp"
 
 using namespace zero3d;
 using namespace zero3d::kernels;
@@ -29,26 +30,7 @@ namespace {
 
 constexpr float kGoldenTolerance = 1e-4f;  // the GPT-2 goldens' per-tensor max |diff|
 
-// Model memory (device memory on a GPU build) filled from, and read back into, host vectors.
-template <typename T>
-class Buffer {
- public:
-  explicit Buffer(const std::vector<T>& host)
-      : view_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("test_buffer")), host.size()) {
-    Kokkos::deep_copy(view_,
-                      Kokkos::View<const T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(host.data(), host.size()));
-  }
-  explicit Buffer(size_t n) : Buffer(std::vector<T>(n)) {}  // zeros
-  T* data() { return view_.data(); }
-  std::vector<T> host() const {
-    std::vector<T> out(view_.extent(0));
-    Kokkos::deep_copy(Kokkos::View<T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(out.data(), out.size()), view_);
-    return out;
-  }
-
- private:
-  Kokkos::View<T*> view_;
-};
+using test_support::Buffer;
 
 double value(float x) { return x; }
 double value(bf16 x) { return to_float(x); }
