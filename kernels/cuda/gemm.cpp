@@ -13,6 +13,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "base/errors.hpp"
 #include "base/profiler.hpp"
@@ -104,6 +105,14 @@ GemmOperand in_type(const GemmOperand& x, int64_t n, DType want, DeviceScratch& 
   }
   workspace().note();
   return out;
+}
+
+// Both operands of op(A)[M,K]·op(B)[K,N] in the product's dtype, in the workspace's A and B slots.
+std::pair<GemmOperand, GemmOperand> operands_in(const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N,
+                                                int64_t K, DType compute) {
+  Workspace& w = workspace();
+  return {in_type(A, stored_elems(A.trans ? K : M, A), compute, w.a16, w.a32),
+          in_type(B, stored_elems(B.trans ? N : K, B), compute, w.b16, w.b32)};
 }
 
 // The bias widened to fp32 (cuBLASLt's epilogue adds an fp32 bias to an fp32 accumulator). An
@@ -224,10 +233,8 @@ void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* 
   obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));  // the flops profiler's count
   const kernels::ProfileRegion region(compute == DType::BF16 ? "gemm_bf16" : compute == DType::F16 ? "gemm_f16" : "gemm_f32");
   if (bias && ldc != N) throw SystemError("gemm: a bias needs a dense output");
-  Workspace& w = workspace();
   // BF16 and F16 (torch_autocast's fp16) products: both operands rounded, fp32 accumulation.
-  const GemmOperand a = in_type(A, stored_elems(A.trans ? K : M, A), compute, w.a16, w.a32);
-  const GemmOperand b = in_type(B, stored_elems(B.trans ? N : K, B), compute, w.b16, w.b32);
+  const auto [a, b] = operands_in(A, B, M, N, K, compute);
   product({M, N, K, a, b, accumulate ? C : nullptr, C, ldc, DType::F32, bias_f32(bias, bias_type, N, compute)});
 }
 
@@ -236,8 +243,7 @@ void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperan
   obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
   const kernels::ProfileRegion region("gemm_bf16");
   Workspace& w = workspace();
-  const GemmOperand a = in_type(A, stored_elems(A.trans ? K : M, A), DType::BF16, w.a16, w.a32);
-  const GemmOperand b = in_type(B, stored_elems(B.trans ? N : K, B), DType::BF16, w.b16, w.b32);
+  const auto [a, b] = operands_in(A, B, M, N, K, DType::BF16);
   const float* bias32 = bias_f32(bias, bias_type, N, DType::BF16);
   // The bf16 output rounded in the epilogue; where cuBLASLt has none for it, the fp32 product rounded.
   if (run_lt({M, N, K, a, b, nullptr, C, N, DType::BF16, bias32})) return;
@@ -251,9 +257,7 @@ void gemm_adding(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, 
                  const void* bias, DType bias_type) {
   obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
   const kernels::ProfileRegion region("gemm_bf16");
-  Workspace& w = workspace();
-  const GemmOperand a = in_type(A, stored_elems(A.trans ? K : M, A), DType::BF16, w.a16, w.a32);
-  const GemmOperand b = in_type(B, stored_elems(B.trans ? N : K, B), DType::BF16, w.b16, w.b32);
+  const auto [a, b] = operands_in(A, B, M, N, K, DType::BF16);
   // D = A·B + 1·R + bias: cuBLASLt reads C (here R) and writes D (here C) separately.
   product({M, N, K, a, b, R, C, N, DType::F32, bias_f32(bias, bias_type, N, DType::BF16)});
 }

@@ -36,6 +36,8 @@ using namespace zero3d::kernels;
 namespace {
 
 using test_support::Buffer;
+using test_support::expect_close;
+using test_support::value;
 
 std::vector<float> random_vector(size_t n, uint64_t stream, float scale = 1.0f, float shift = 0.0f) {
   Rng rng(31, stream);
@@ -50,26 +52,6 @@ std::vector<bf16> rounded(const std::vector<float>& x) {
   return out;
 }
 
-double value(float x) { return x; }
-double value(bf16 x) { return to_float(x); }
-
-// |got - want| <= abs + rel·|want| for every element; the worst element is reported.
-template <typename T>
-void expect_close(const std::string& what, const std::vector<T>& got, const std::vector<T>& want, double abs,
-                  double rel) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  size_t worst = 0;
-  double worst_excess = 0.0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double excess = std::fabs(value(got[i]) - value(want[i])) - (abs + rel * std::fabs(value(want[i])));
-    if (!(excess <= worst_excess)) {  // NaN counts as a failure
-      worst = i;
-      worst_excess = excess;
-    }
-  }
-  EXPECT_LE(worst_excess, 0.0) << what << ": element " << worst << " is " << value(got[worst]) << ", expected "
-                               << value(want[worst]) << " within " << abs << " + " << rel << "·|expected|";
-}
 
 template <typename T>
 void expect_same_bits(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {

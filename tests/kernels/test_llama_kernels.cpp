@@ -31,9 +31,9 @@ namespace {
 constexpr float kGoldenTolerance = 1e-4f;  // the GPT-2 goldens' per-tensor max |diff|
 
 using test_support::Buffer;
+using test_support::expect_close;
+using test_support::value;
 
-double value(float x) { return x; }
-double value(bf16 x) { return to_float(x); }
 
 std::string golden_path() { return std::string(ZERO3D_GOLDEN_DIR) + "/llama_kernels.h5"; }
 
@@ -81,23 +81,6 @@ void expect_same_bits(const std::string& what, const std::vector<T>& got, const 
     }
 }
 
-// |got - want| <= abs + rel·|want| for every element; the worst element is reported.
-template <typename T>
-void expect_close(const std::string& what, const std::vector<T>& got, const std::vector<T>& want, double abs,
-                  double rel) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  size_t worst = 0;
-  double worst_excess = 0.0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double excess = std::fabs(value(got[i]) - value(want[i])) - (abs + rel * std::fabs(value(want[i])));
-    if (!(excess <= worst_excess)) {
-      worst = i;
-      worst_excess = excess;
-    }
-  }
-  EXPECT_LE(worst_excess, 0.0) << what << ": element " << worst << " is " << value(got[worst]) << ", expected "
-                               << value(want[worst]) << " within " << abs << " + " << rel << "·|expected|";
-}
 
 std::vector<bf16> rounded(const std::vector<float>& x) {
   std::vector<bf16> out(x.size());

@@ -1,10 +1,15 @@
 // model_memory.hpp — model memory (device memory on a GPU build) for kernel tests, filled from
-// and read back into host vectors.
+// and read back into host vectors, and the elementwise comparison the kernel tests share.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <Kokkos_Core.hpp>
+#include <cmath>
 #include <string>
 #include <vector>
+
+#include "kernels/half.hpp"
 
 namespace test_support {
 
@@ -27,5 +32,26 @@ class Buffer {
  private:
   Kokkos::View<T*> view_;
 };
+
+inline double value(float x) { return x; }
+inline double value(zero3d::kernels::bf16 x) { return zero3d::kernels::to_float(x); }
+
+// |got - want| <= abs + rel·|want| for every element; the worst element is reported.
+template <typename T>
+void expect_close(const std::string& what, const std::vector<T>& got, const std::vector<T>& want, double abs,
+                  double rel) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t worst = 0;
+  double worst_excess = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double excess = std::fabs(value(got[i]) - value(want[i])) - (abs + rel * std::fabs(value(want[i])));
+    if (!(excess <= worst_excess)) {  // NaN counts as a failure
+      worst = i;
+      worst_excess = excess;
+    }
+  }
+  EXPECT_LE(worst_excess, 0.0) << what << ": element " << worst << " is " << value(got[worst]) << ", expected "
+                               << value(want[worst]) << " within " << abs << " + " << rel << "·|expected|";
+}
 
 }  // namespace test_support
