@@ -5,10 +5,13 @@
 # the CPU build's losses, run-to-run identity, np 2 sharing the GPU, a checkpoint resumed on the
 # CPU), the per-kernel table, and GPT-2 124M throughput (micro-batch 16, T 1024) in bf16 and
 # fp32. Every result goes under $OUT (default /tmp/gpu-check); a failing part does not stop
-# the rest. Budget: about 6 minutes on an H100/H200.
+# the rest. Budget: at most 8 minutes (the sum of the steps' limits) on an H100/H200.
 set -u
-out=${OUT:-/tmp/gpu-check}
-mkdir -p "$out"
+# The device tool returns only a few files from $OUT: the results go to a work folder and
+# come back as one results.tar.gz beside summary.txt.
+final=${OUT:-/tmp/gpu-check}
+mkdir -p "$final"
+out=$(mktemp -d)
 root=$(pwd)
 carry=$(mktemp -d)
 tar -C "$carry" -xJf gpu-carry.tar.xz
@@ -28,14 +31,28 @@ step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, its output 
   echo "$name: exit $rc after $(($(date +%s) - start)) s" | tee -a "$out/summary.txt"
 }
 
-step device 30 sh -c 'nvidia-smi; zero3d --version'
-step gpu_tests 300 zero3d_gpu_tests --gtest_output="json:$out/gpu_tests.json"
-step kernels 150 zero3d_device_bench --benchmark_counters_tabular=true --benchmark_min_time=0.2s \
+export LD_PRELOAD="$carry/gpu-carry/lib/libfault_backtrace.so"  # a fault prints its stack (fault_backtrace.c)
+
+step device 20 sh -c 'nvidia-smi; zero3d --version'
+# The quick-start first, alone: a failure here is the first thing to fix, so it is run again
+# with every launch synchronous and, where the machine has it, under compute-sanitizer.
+step smoke 45 zero3d train "$root/input/quickstart.json" --output "$out/smoke" --set training.steps=4
+if ! grep -q "smoke: exit 0" "$out/summary.txt"; then
+  step smoke_blocking 45 env CUDA_LAUNCH_BLOCKING=1 zero3d train "$root/input/quickstart.json" --output "$out/smoke_b" \
+    --set training.steps=2
+  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  [ -n "$sanitizer" ] && step smoke_memcheck 90 "$sanitizer" --print-limit 20 zero3d train \
+    "$root/input/quickstart.json" --output "$out/smoke_m" --set training.steps=1
+fi
+step gpu_kernel_tests 60 zero3d_gpu_tests --gtest_filter='GpuKernels.*:GpuProducts.*:GpuAttention.*' \
+  --gtest_output="json:$out/gpu_kernel_tests.json"
+step gpu_training_tests 150 zero3d_gpu_tests --gtest_filter='GpuTraining.*' --gtest_output="json:$out/gpu_training_tests.json"
+step kernels 75 zero3d_device_bench --benchmark_counters_tabular=true --benchmark_min_time=0.1 \
   --benchmark_out="$out/kernels.json"
 for precision in bf16 fp32; do
   set -- --set train_micro_batch_size_per_gpu=16 --set training.steps=12 --set steps_per_print=4
   [ "$precision" = bf16 ] && set -- "$@" --set bf16.enabled=true
-  step "gpt2_124m_$precision" 120 zero3d train "$root/input/gpt2-124m.json" --output "$out/gpt2_124m_$precision" "$@"
+  step "gpt2_124m_$precision" 75 zero3d train "$root/input/gpt2-124m.json" --output "$out/gpt2_124m_$precision" "$@"
 done
 # tokens/s of the last steps (the first ones include cuBLASLt's heuristics and allocations)
 for precision in bf16 fp32; do
@@ -43,8 +60,17 @@ for precision in bf16 fp32; do
   [ -f "$f" ] && /usr/bin/env python3 -c "
 import json, sys
 rows = [json.loads(l) for l in open('$f')][4:]
+if not rows: sys.exit('gpt2_124m_$precision: fewer than 5 steps in metrics.jsonl')
 print('gpt2_124m_$precision: %.0f tokens/s, mfu %.3f over steps 5-%d' % (
     sum(r['tokens_per_s'] for r in rows) / len(rows), sum(r.get('mfu', 0) for r in rows) / len(rows), 4 + len(rows)))
 " | tee -a "$out/summary.txt"
 done
+# what failed, in the reply itself
+for f in "$out"/*.txt; do
+  case "$f" in */summary.txt|*/device.txt) continue ;; esac
+  grep -q "exit 0 after" "$out/summary.txt" && grep -q "^$(basename "$f" .txt): exit 0 after" "$out/summary.txt" && continue
+  echo "=== $(basename "$f") (last lines)"; grep -v "^\[ *\(RUN\|OK\) " "$f" | tail -25
+done
+tar -C "$out" -czf "$final/results.tar.gz" .
+cp "$out/summary.txt" "$final/"
 cat "$out/summary.txt"

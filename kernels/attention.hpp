@@ -28,7 +28,7 @@ namespace zero3d::kernels {
 constexpr Index kRowBlock = 64;
 
 // Row-wise causal softmax of rows [r0, r1) of the T×T block at s (row stride T), in place.
-inline void causal_softmax_rows(float* s, Index r0, Index r1, Index cols, Index T) {
+ZERO3D_KERNEL void causal_softmax_rows(float* s, Index r0, Index r1, Index cols, Index T) {
   Kokkos::parallel_for("causal_softmax", range(r1 - r0), KOKKOS_LAMBDA(Index k) {
     const Index i = r0 + k;
     float* row = s + i * T;
@@ -83,7 +83,7 @@ inline DeviceScratch& head_scratch() { return static_scratch<1>("attention_heads
 inline DeviceScratch& score_scratch() { return static_scratch<2>("attention_dscores"); }
 
 // part (0 q, 1 k, 2 v) of qkv[B,T,3C] -> dst[B·H][T][hs]; one thread per element.
-inline void split_heads(float* dst, const float* qkv, int part, Index B, Index T, Index C, Index H) {
+ZERO3D_KERNEL void split_heads(float* dst, const float* qkv, int part, Index B, Index T, Index C, Index H) {
   const Index hs = C / H;
   Kokkos::parallel_for("attention_split_heads", range(B * T * C), KOKKOS_LAMBDA(Index e) {
     const Index x = e % hs, t = (e / hs) % T, bh = e / (hs * T), b = bh / H, h = bh % H;
@@ -92,7 +92,7 @@ inline void split_heads(float* dst, const float* qkv, int part, Index B, Index T
 }
 
 // src[B·H][T][hs] -> dst[B,T,·] at channel offset c0 (row stride ld); one thread per element.
-inline void merge_heads(float* dst, Index ld, Index c0, const float* src, Index B, Index T, Index C, Index H) {
+ZERO3D_KERNEL void merge_heads(float* dst, Index ld, Index c0, const float* src, Index B, Index T, Index C, Index H) {
   const Index hs = C / H;
   Kokkos::parallel_for("attention_merge_heads", range(B * T * C), KOKKOS_LAMBDA(Index e) {
     const Index x = e % hs, t = (e / hs) % T, bh = e / (hs * T), b = bh / H, h = bh % H;
@@ -101,7 +101,7 @@ inline void merge_heads(float* dst, Index ld, Index c0, const float* src, Index 
 }
 
 // s[B·H·T][T] <- softmax over keys j <= i of scale·s (row i of each head), zero above the diagonal.
-inline void causal_softmax(float* s, Index BH, Index T, float scale) {
+ZERO3D_KERNEL void causal_softmax(float* s, Index BH, Index T, float scale) {
   const Index rows = BH * T;
   Kokkos::parallel_for("attention_causal_softmax", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
@@ -123,7 +123,7 @@ inline void causal_softmax(float* s, Index BH, Index T, float scale) {
 }
 
 // ds[B·H·T][T] <- scale · P ∘ (dP − Σ_j P·dP) (ds holds dP on entry), zero above the diagonal.
-inline void causal_softmax_backward(float* ds, const float* p, Index BH, Index T, float scale) {
+ZERO3D_KERNEL void causal_softmax_backward(float* ds, const float* p, Index BH, Index T, float scale) {
   const Index rows = BH * T;
   Kokkos::parallel_for("attention_softmax_backward", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
@@ -152,7 +152,7 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
   merge_heads(out, C, 0, y, B, T, C, H);
 }
 
-inline void attention_backward_fp32(float* dqkv, const float* dout, const float* qkv, const float* att, Index B,
+ZERO3D_KERNEL void attention_backward_fp32(float* dqkv, const float* dout, const float* qkv, const float* att, Index B,
                                     Index T, Index C, Index H) {
   const Index hs = C / H, BH = B * H, n = B * T * C;
   float* q = head_scratch().take<float>(7 * n);
@@ -217,7 +217,7 @@ inline void attention_backward_summing_columns(bf16* dqkv, float* dbias, float* 
 }
 
 // dqkv written (all of it); scratch needs kRowBlock*T floats (fp32 only).
-inline void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
+ZERO3D_KERNEL void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
                                Index B, Index T, Index C, Index H, DType compute = DType::F32) {
   const Index hs = C / H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));

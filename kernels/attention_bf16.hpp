@@ -73,7 +73,7 @@ inline AttentionWorkspace& attention_workspace() {
 // channels h·hs — for the G heads g0.. (of the B·H (batch, head) pairs) into tiles
 // [n][G][TB][hs] of bf16; rows past T are zero. One iteration per (tile, head) block.
 template <typename S>
-inline void attention_pack(bf16* dst, const S* src, Index ld, Index g0, Index G, Index T, Index H, Index hs,
+ZERO3D_KERNEL void attention_pack(bf16* dst, const S* src, Index ld, Index g0, Index G, Index T, Index H, Index hs,
                            const AttentionTiles& t) {
   const Index TB = t.TB;
   Kokkos::parallel_for("attention_pack", range(t.n * G), KOKKOS_LAMBDA(Index blk) {
@@ -91,7 +91,7 @@ inline void attention_pack(bf16* dst, const S* src, Index ld, Index g0, Index G,
 
 // Tiles [n][G][TB][hs] of the heads g0.. back into dst[B,T,·] (row stride ld), rows past T dropped.
 template <typename O>
-inline void attention_unpack(O* dst, Index ld, const float* src, Index g0, Index G, Index T, Index H, Index hs,
+ZERO3D_KERNEL void attention_unpack(O* dst, Index ld, const float* src, Index g0, Index G, Index T, Index H, Index hs,
                              const AttentionTiles& t) {
   const Index TB = t.TB;
   Kokkos::parallel_for("attention_unpack", range(t.n * G), KOKKOS_LAMBDA(Index blk) {
@@ -108,7 +108,7 @@ inline void attention_unpack(O* dst, Index ld, const float* src, Index g0, Index
 // Row-wise causal softmax of scale·S for row tile i of a head group: S holds the group's score
 // tiles [j][G][TB][TB] for j = 0..i (fp32, overwritten with exp), P_ij goes to p + j·p_stride
 // as bf16. Full-width loops with the diagonal tile's future keys masked: no ragged tails.
-inline void attention_softmax_rows(bf16* p, Index p_stride, float* s, Index i, Index G, Index TB, float scale) {
+ZERO3D_KERNEL void attention_softmax_rows(bf16* p, Index p_stride, float* s, Index i, Index G, Index TB, float scale) {
   const Index sg = G * TB * TB;
 #ifdef ZERO3D_AVX512
   if (TB % 16 == 0) {  // vector registers carry the row's max and sum across its tiles
@@ -178,7 +178,7 @@ inline void attention_softmax_rows(bf16* p, Index p_stride, float* s, Index i, I
 
 // Softmax backward for row tile i of a head group, the score scale folded in:
 // dS = scale · P ∘ (dP − Σ_c P·dP), written as bf16 tiles [j][G][TB][TB] (future keys zero).
-inline void attention_softmax_backward_rows(bf16* ds, const bf16* p, Index p_stride, const float* dp, Index i, Index G,
+ZERO3D_KERNEL void attention_softmax_backward_rows(bf16* ds, const bf16* p, Index p_stride, const float* dp, Index i, Index G,
                                             Index TB, float scale) {
   const Index sg = G * TB * TB;
 #ifdef ZERO3D_AVX512
@@ -232,10 +232,17 @@ inline void attention_softmax_backward_rows(bf16* ds, const bf16* p, Index p_str
 // Heads are processed a group at a time, each group packed, multiplied and unpacked before the
 // next, so its q, k, v tiles (G · T · hs · 6 bytes) stay near L2's 1 MiB from the packing
 // through the products and the softmax: 8 heads at T = 256, 2 at T = 1024 (measured best at
-// both; fewer heads per product cost more per call than the cache saves).
+// both; fewer heads per product cost more per call than the cache saves). A GPU takes every
+// head at once: its products want size, and each small one costs a launch (measured on an H100:
+// 2 heads at a time made GPT-2 124M's attention 1.3 s a layer).
 inline Index attention_head_group(Index T, Index hs, Index BH) {
+#ifdef ZERO3D_DEVICE
+  (void)T, (void)hs;
+  return BH;
+#else
   const Index fits = (Index(1) << 20) / (T * hs * 6);
   return std::min(BH, fits < 2 ? Index(2) : fits > 8 ? Index(8) : fits);
+#endif
 }
 
 template <typename O, typename Q>

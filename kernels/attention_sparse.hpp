@@ -31,7 +31,7 @@ inline void key_blocks(std::vector<Index>& out, const uint8_t* layout, Index h, 
 }
 
 // rows [kb·bs, kb·bs + bs) of a head's k (or v) for each listed block, packed into panel[n, hs].
-inline void gather_rows(float* panel, const float* src, const std::vector<Index>& blocks, Index bs, Index hs,
+ZERO3D_KERNEL void gather_rows(float* panel, const float* src, const std::vector<Index>& blocks, Index bs, Index hs,
                         Index stride) {
   const Index* kb = blocks.data();
   Kokkos::parallel_for("sparse_gather", range(static_cast<Index>(blocks.size()) * bs), KOKKOS_LAMBDA(Index r) {
@@ -41,7 +41,7 @@ inline void gather_rows(float* panel, const float* src, const std::vector<Index>
 }
 
 // The reverse: panel rows added into their blocks' rows (the blocks are distinct, so no row twice).
-inline void scatter_add_rows(float* dst, const float* panel, const std::vector<Index>& blocks, Index bs, Index hs,
+ZERO3D_KERNEL void scatter_add_rows(float* dst, const float* panel, const std::vector<Index>& blocks, Index bs, Index hs,
                              Index stride) {
   const Index* kb = blocks.data();
   Kokkos::parallel_for("sparse_scatter_add", range(static_cast<Index>(blocks.size()) * bs), KOKKOS_LAMBDA(Index r) {
@@ -60,7 +60,7 @@ inline double macs(const uint8_t* layout, Index B, Index H, Index nb, Index bs, 
 
 }  // namespace sparse_detail
 
-inline void sparse_attention_forward(float* out, float* att, Index att_stride, const float* qkv, const uint8_t* layout,
+ZERO3D_KERNEL void sparse_attention_forward(float* out, float* att, Index att_stride, const float* qkv, const uint8_t* layout,
                                      Index block, Index B, Index T, Index C, Index H) {
   using namespace sparse_detail;
   const Index hs = C / H, C3 = 3 * C, nb = T / block, bs = block;
@@ -112,7 +112,7 @@ inline void sparse_attention_forward(float* out, float* att, Index att_stride, c
 }
 
 // dqkv written (all of it), from the probabilities sparse_attention_forward kept in att.
-inline void sparse_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+ZERO3D_KERNEL void sparse_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
                                       Index att_stride, const uint8_t* layout, Index block, Index B, Index T, Index C,
                                       Index H) {
   using namespace sparse_detail;

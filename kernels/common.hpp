@@ -38,6 +38,20 @@
 #define ZERO3D_DEVICE 1
 #endif
 
+// The linkage of a header function that encloses a KOKKOS_LAMBDA. nvcc's host-side wrapper of
+// an extended __host__ __device__ lambda copies the closure through function pointers kept in
+// a per-translation-unit helper (an anonymous namespace), while the wrapper's own members have
+// external linkage: with the enclosing inline function used from several units, the linker
+// may pair one unit's copy constructor with another unit's pointers, still null until that
+// unit has built the lambda (a call to address 0, met on an H100 in the gradient norm).
+// Internal linkage on a GPU build gives each unit wrappers of its own; the CPU build keeps
+// plain inline functions (and its bits).
+#ifdef ZERO3D_DEVICE
+#define ZERO3D_KERNEL static inline
+#else
+#define ZERO3D_KERNEL inline
+#endif
+
 namespace zero3d::kernels {
 
 using ExecSpace = Kokkos::DefaultExecutionSpace;

@@ -16,7 +16,7 @@ namespace gpu {
 // A row to a warp (common.hpp row_teams) where a thread walked a whole 200 KB row of GPT-2's
 // vocabulary: the max and the sum of exponentials are lane-strided reductions (llm.c
 // fused_classifier.cuh:68-140 takes a block per row; 8192 rows of warps already fill an H100).
-inline void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, Index N,
+ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, Index N,
                                  Index V) {
   Kokkos::parallel_for("crossentropy_forward", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
@@ -37,7 +37,7 @@ inline void crossentropy_forward(float* losses, float* lse, const float* logits,
 
 // A thread per logit, then a thread per row takes dloss off its target: each element's
 // arithmetic, and the rounding between the two steps, are the CPU form's (the same bits).
-inline void crossentropy_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index N,
+ZERO3D_KERNEL void crossentropy_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index N,
                                   Index V) {
   Kokkos::parallel_for("crossentropy_backward", range(N * V), KOKKOS_LAMBDA(Index j) {
     logits[j] = fast_exp(logits[j] - lse[j / V]) * dloss;
@@ -50,7 +50,7 @@ inline void crossentropy_backward(float* logits, const float* lse, const int32_t
 }  // namespace gpu
 
 // losses[i] = logsumexp(logits[i,:]) - logits[i, target[i]]; lse[i] saved for the backward.
-inline void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, Index N,
+ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, Index N,
                                  Index V) {
 #ifdef ZERO3D_DEVICE
   gpu::crossentropy_forward(losses, lse, logits, targets, N, V);
@@ -71,7 +71,7 @@ inline void crossentropy_forward(float* losses, float* lse, const float* logits,
 }
 
 // logits[i,:] <- dloss * (softmax(logits[i,:]) - onehot(target[i])); dloss = d(total)/d(loss_i).
-inline void crossentropy_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index N,
+ZERO3D_KERNEL void crossentropy_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index N,
                                   Index V) {
 #ifdef ZERO3D_DEVICE
   gpu::crossentropy_backward(logits, lse, targets, dloss, N, V);

@@ -35,7 +35,7 @@ inline T* kernel_scratch(Index n) {
 
 // Stage 2: sums[o] += Σ_k partial[k·cols + o] for k = 0..chunks-1 in order, into a fresh sum as
 // the CPU forms add their rows (0 + p is p: one chunk gives the CPU form's bits).
-inline void add_chunk_sums(float* sums, const float* partial, Index chunks, Index cols) {
+ZERO3D_KERNEL void add_chunk_sums(float* sums, const float* partial, Index chunks, Index cols) {
   Kokkos::parallel_for("column_chunk_sums", range(cols), KOKKOS_LAMBDA(Index o) {
     float s = 0.0f;
     for (Index k = 0; k < chunks; ++k) s += partial[k * cols + o];

@@ -8,27 +8,27 @@
 namespace zero3d::kernels {
 
 // dst[i] = src[i].
-inline void copy(float* dst, const float* src, Index n, const char* label = "copy") {
+ZERO3D_KERNEL void copy(float* dst, const float* src, Index n, const char* label = "copy") {
   Kokkos::parallel_for(label, range(n), KOKKOS_LAMBDA(Index i) { dst[i] = src[i]; });
 }
 
 // out[i] = a[i] + b[i].
-inline void add(float* out, const float* a, const float* b, Index n, const char* label = "add") {
+ZERO3D_KERNEL void add(float* out, const float* a, const float* b, Index n, const char* label = "add") {
   Kokkos::parallel_for(label, range(n), KOKKOS_LAMBDA(Index i) { out[i] = a[i] + b[i]; });
 }
 
 // dst[i] += src[i].
-inline void add_into(float* dst, const float* src, Index n, const char* label = "add_into") {
+ZERO3D_KERNEL void add_into(float* dst, const float* src, Index n, const char* label = "add_into") {
   Kokkos::parallel_for(label, range(n), KOKKOS_LAMBDA(Index i) { dst[i] += src[i]; });
 }
 
 // dst[i] += s·src[i].
-inline void add_scaled_into(float* dst, const float* src, float s, Index n, const char* label = "add_scaled_into") {
+ZERO3D_KERNEL void add_scaled_into(float* dst, const float* src, float s, Index n, const char* label = "add_scaled_into") {
   Kokkos::parallel_for(label, range(n), KOKKOS_LAMBDA(Index i) { dst[i] += s * src[i]; });
 }
 
 // keep[i] = x[i], then x[i] *= s: a value kept before it is scaled in place.
-inline void keep_and_scale(float* keep, float* x, float s, Index n, const char* label = "keep_and_scale") {
+ZERO3D_KERNEL void keep_and_scale(float* keep, float* x, float s, Index n, const char* label = "keep_and_scale") {
   Kokkos::parallel_for(label, range(n), KOKKOS_LAMBDA(Index i) {
     keep[i] = x[i];
     x[i] *= s;
@@ -36,12 +36,12 @@ inline void keep_and_scale(float* keep, float* x, float s, Index n, const char* 
 }
 
 // out[i] = in[i] + s·(out[i] − in[i]): out moved towards in, keeping the share s of their difference.
-inline void scale_towards(float* out, const float* in, float s, Index n, const char* label = "scale_towards") {
+ZERO3D_KERNEL void scale_towards(float* out, const float* in, float s, Index n, const char* label = "scale_towards") {
   Kokkos::parallel_for(label, range(n), KOKKOS_LAMBDA(Index i) { out[i] = in[i] + s * (out[i] - in[i]); });
 }
 
 // Σ x[i] in fp32, in index order on the CPU (a tree on a GPU).
-inline float sum(const float* x, Index n, const char* label = "sum") {
+ZERO3D_KERNEL float sum(const float* x, Index n, const char* label = "sum") {
   float total = 0.0f;
   Kokkos::parallel_reduce(label, range(n), KOKKOS_LAMBDA(Index i, float& acc) { acc += x[i]; }, total);
   return total;

@@ -15,7 +15,7 @@ namespace gpu {
 // A thread per element: neighbouring threads read neighbouring channels (coalesced), where a
 // thread per row strides C apart. Each element's sum is the CPU form's.
 template <typename P>
-inline void encoder_forward(float* out, const int32_t* tokens, const P* wte, const P* wpe, Index B, Index T, Index C) {
+ZERO3D_KERNEL void encoder_forward(float* out, const int32_t* tokens, const P* wte, const P* wpe, Index B, Index T, Index C) {
   Kokkos::parallel_for("encoder_forward", range(B * T * C), KOKKOS_LAMBDA(Index j) {
     const Index bt = j / C, c = j % C;
     out[j] = to_float(wte[static_cast<Index>(tokens[bt]) * C + c]) + to_float(wpe[(bt % T) * C + c]);
@@ -24,7 +24,7 @@ inline void encoder_forward(float* out, const int32_t* tokens, const P* wte, con
 
 // dwpe[t] += Σ_b dout[b,t]: a thread per (t, channel) adds the batch in order, the order in which
 // the CPU form's walk over b·T + t reaches it (the same bits).
-inline void position_embedding_backward(float* dwpe, const float* dout, Index B, Index T, Index C) {
+ZERO3D_KERNEL void position_embedding_backward(float* dwpe, const float* dout, Index B, Index T, Index C) {
   Kokkos::parallel_for("position_embedding_backward", range(T * C), KOKKOS_LAMBDA(Index j) {
     float acc = dwpe[j];
     for (Index b = 0; b < B; ++b) acc += dout[b * T * C + j];
@@ -39,7 +39,7 @@ inline void position_embedding_backward(float* dwpe, const float* dout, Index B,
 // positions by token the same way, on the host). A token that repeats many times is one warp's
 // serial work; the other warps carry on. Kokkos::sort returns when the keys are sorted (on CUDA
 // through thrust): one wait for the host a backward pass.
-inline void embedding_rows_backward(float* dwte_local, const float* dout, const int32_t* tokens, Index v0, Index Vl,
+ZERO3D_KERNEL void embedding_rows_backward(float* dwte_local, const float* dout, const int32_t* tokens, Index v0, Index Vl,
                                     Index BT, Index C) {
   Index* keys = kernel_scratch<Index>(BT);
   // tokens this rank does not own get negative keys (unique too), sorted ahead of the rest
@@ -73,7 +73,7 @@ inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const 
 }  // namespace gpu
 
 template <typename P>
-inline void encoder_forward(float* out, const int32_t* tokens, const P* wte, const P* wpe, Index B, Index T, Index C) {
+ZERO3D_KERNEL void encoder_forward(float* out, const int32_t* tokens, const P* wte, const P* wpe, Index B, Index T, Index C) {
 #ifdef ZERO3D_DEVICE
   gpu::encoder_forward(out, tokens, wte, wpe, B, T, C);
 #else
@@ -88,7 +88,7 @@ inline void encoder_forward(float* out, const int32_t* tokens, const P* wte, con
 
 // dwte[token] += dout, dwpe[t] += dout. Parallel over channel blocks, so no two iterations
 // touch the same element even when a token repeats (no atomics needed).
-inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, Index B, Index T,
+ZERO3D_KERNEL void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, Index B, Index T,
                              Index C) {
 #ifdef ZERO3D_DEVICE
   gpu::encoder_backward(dwte, dwpe, dout, tokens, B, T, C);

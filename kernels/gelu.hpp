@@ -16,7 +16,7 @@ constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 // O: the output's type (bf16 when the output only feeds a bf16 product); I: the input's (bf16
 // when the product before it wrote bf16, as PyTorch's autocast does).
 template <typename O = float, typename I = float>
-inline void gelu_forward(O* out, const I* inp, Index n) {
+ZERO3D_KERNEL void gelu_forward(O* out, const I* inp, Index n) {
   Kokkos::parallel_for("gelu_forward", range(n), KOKKOS_LAMBDA(Index i) {
     const float x = to_float(inp[i]);
     out[i] = from_float<O>(0.5f * x * (1.0f + fast_tanh(kGeluScale * (x + 0.044715f * x * x * x))));
@@ -70,7 +70,7 @@ KOKKOS_INLINE_FUNCTION float gelu_grad(float x, float dout) {
 
 // dinp = gelu'(inp) * dout (written; dinp may be dout).
 template <typename I = float>
-inline void gelu_backward(float* dinp, const I* inp, const float* dout, Index n) {
+ZERO3D_KERNEL void gelu_backward(float* dinp, const I* inp, const float* dout, Index n) {
   Kokkos::parallel_for("gelu_backward", range(n), KOKKOS_LAMBDA(Index i) { dinp[i] = gelu_grad(to_float(inp[i]), dout[i]); });
 }
 
@@ -79,7 +79,7 @@ namespace gpu {
 // Stage 1 of a two-stage column sum (device_forms.hpp) does the element-wise work of the
 // elements it sums: a thread per (chunk of rows, column) writes its chunk's dinp and adds its
 // unrounded values in row order; stage 2 adds the chunks in order. One pass over memory, no atomics.
-inline void gelu_backward_summing_columns(bf16* dinp, float* column_sums, const bf16* inp, const float* dout, Index N,
+ZERO3D_KERNEL void gelu_backward_summing_columns(bf16* dinp, float* column_sums, const bf16* inp, const float* dout, Index N,
                                           Index OC) {
   const Index chunks = column_chunks(N);
   float* partial = kernel_scratch<float>(chunks * OC);
@@ -102,7 +102,7 @@ inline void gelu_backward_summing_columns(bf16* dinp, float* column_sums, const 
 // bias gradient: dinp = bf16(gelu'(inp)·dout) for [N, OC], and column_sums[o] += Σ_i of the
 // unrounded values, in one pass (no fp32 gradient written and read back). The sums add each
 // column's rows in order into a fresh sum, as convert_summing_columns does (same bits).
-inline void gelu_backward_summing_columns(bf16* dinp, float* column_sums, const bf16* inp, const float* dout, Index N,
+ZERO3D_KERNEL void gelu_backward_summing_columns(bf16* dinp, float* column_sums, const bf16* inp, const float* dout, Index N,
                                           Index OC) {
 #if defined(ZERO3D_DEVICE)
   gpu::gelu_backward_summing_columns(dinp, column_sums, inp, dout, N, OC);

@@ -110,7 +110,7 @@ inline void store16_from_float(fp16* p, __m512 x) {
 // dst[i] = src[i]·scale (accumulate: dst[i] += src[i]·scale), computed in fp32 and stored
 // in dst's type.
 template <typename D, typename S>
-inline void convert(D* dst, const S* src, Index n, float scale = 1.0f, bool accumulate = false) {
+ZERO3D_KERNEL void convert(D* dst, const S* src, Index n, float scale = 1.0f, bool accumulate = false) {
 #ifdef ZERO3D_AVX512
   constexpr bool fp16_pair = (std::is_same_v<D, float> && std::is_same_v<S, fp16>) ||
                              (std::is_same_v<D, fp16> && std::is_same_v<S, float>);
@@ -238,7 +238,7 @@ inline void convert_transposed_16x16(bf16* dst, Index ldd, const float* src, Ind
 // dst[c·rows + r] = bf16(src[r·ld + c]) for r < rows, c < cols: an fp32 matrix rounded into
 // its transpose (a product that reads an operand transposed runs ~12% faster on the plain
 // layout, and the rounding pass is needed anyway). Square blocks keep both sides in cache.
-inline void convert_transposed(bf16* dst, const float* src, Index rows, Index cols, Index ld) {
+ZERO3D_KERNEL void convert_transposed(bf16* dst, const float* src, Index rows, Index cols, Index ld) {
 #ifdef ZERO3D_AVX512
   const ProfileRegion region("convert_transposed");
   const Index rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
@@ -266,7 +266,7 @@ namespace gpu {
 
 // Stage 1 of the two-stage column sum (device_forms.hpp) also rounds the elements it sums: a
 // thread per (chunk of rows, column), neighbouring threads on neighbouring columns, one pass.
-inline void convert_summing_columns(bf16* dst, float* column_sums, const float* src, Index N, Index OC) {
+ZERO3D_KERNEL void convert_summing_columns(bf16* dst, float* column_sums, const float* src, Index N, Index OC) {
   if (!column_sums) return convert(dst, src, N * OC);
   const Index chunks = column_chunks(N);
   float* partial = kernel_scratch<float>(chunks * OC);
@@ -288,7 +288,7 @@ inline void convert_summing_columns(bf16* dst, float* column_sums, const float* 
 // is not null: a linear layer's output gradient is rounded for its two products and summed for
 // its bias gradient in one pass over memory. Each column's rows are added in order into a
 // fresh sum that then joins column_sums, as accumulate_column_sums adds them (same bits).
-inline void convert_summing_columns(bf16* dst, float* column_sums, const float* src, Index N, Index OC) {
+ZERO3D_KERNEL void convert_summing_columns(bf16* dst, float* column_sums, const float* src, Index N, Index OC) {
   if (!column_sums) return convert(dst, src, N * OC);
 #if defined(ZERO3D_DEVICE)
   gpu::convert_summing_columns(dst, column_sums, src, N, OC);

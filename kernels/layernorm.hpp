@@ -18,7 +18,7 @@ namespace gpu {
 // its columns. 16-bit parameters are widened as they are read (to_float: exact, a few
 // instructions), so nothing is allocated per call.
 template <typename P, typename O = float>
-inline void layernorm_forward(O* out, float* mean, float* rstd, const float* inp, const P* weight, const P* bias,
+ZERO3D_KERNEL void layernorm_forward(O* out, float* mean, float* rstd, const float* inp, const P* weight, const P* bias,
                               Index N, Index C) {
   Kokkos::parallel_for("layernorm_forward", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
@@ -48,7 +48,7 @@ inline void layernorm_forward(O* out, float* mean, float* rstd, const float* inp
 // pass. llm.c fuses the two parts (layernorm.cuh:492+); zero3d keeps them apart because
 // zero-bubble schedules run them at different times.
 template <typename P>
-inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+ZERO3D_KERNEL void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                const P* weight, const float* mean, const float* rstd, Index N, Index C) {
   if (dinp) Kokkos::parallel_for("layernorm_backward_input", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
@@ -101,7 +101,7 @@ inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const 
 // memory once: the statistics' second pass and the output pass find it in L1. The sums are
 // `omp simd` reductions so they vectorise (a plain float sum must keep its order, and stays scalar).
 template <typename P, typename O = float>
-inline void layernorm_forward(O* out, float* mean, float* rstd, const float* inp, const P* weight16, const P* bias16,
+ZERO3D_KERNEL void layernorm_forward(O* out, float* mean, float* rstd, const float* inp, const P* weight16, const P* bias16,
                               Index N, Index C) {
 #ifdef ZERO3D_DEVICE
   gpu::layernorm_forward(out, mean, rstd, inp, weight16, bias16, N, C);
@@ -133,7 +133,7 @@ inline void layernorm_forward(O* out, float* mean, float* rstd, const float* inp
 // A null dinp skips the input part, a null dweight the parameter part: zero-bubble schedules
 // run them at different times (Qi et al. 2023, "B" and "W"), with the same arithmetic.
 template <typename P>
-inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+ZERO3D_KERNEL void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                const P* weight, const float* mean, const float* rstd, Index N, Index C) {
 #ifdef ZERO3D_DEVICE
   gpu::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);

@@ -24,12 +24,12 @@ namespace gpu {
 
 // A thread per element (coalesced) where a thread walked a row; the same sum per element.
 template <typename P>
-inline void add_bias_rows(float* out, const P* bias, Index N, Index OC) {
+ZERO3D_KERNEL void add_bias_rows(float* out, const P* bias, Index N, Index OC) {
   Kokkos::parallel_for("add_bias_rows", range(N * OC), KOKKOS_LAMBDA(Index j) { out[j] += to_float(bias[j % OC]); });
 }
 
 // Two stages (device_forms.hpp) where 16-column blocks gave 48 threads at OC = 768.
-inline void accumulate_column_sums(float* dbias, const float* dout, Index N, Index OC) {
+ZERO3D_KERNEL void accumulate_column_sums(float* dbias, const float* dout, Index N, Index OC) {
   const Index chunks = column_chunks(N);
   float* partial = kernel_scratch<float>(chunks * OC);
   Kokkos::parallel_for("column_sums", range(chunks * OC), KOKKOS_LAMBDA(Index j) {
@@ -45,7 +45,7 @@ inline void accumulate_column_sums(float* dbias, const float* dout, Index N, Ind
 
 // Adds bias[OC] (stored as P) to every row of out[N,OC].
 template <typename P>
-inline void add_bias_rows(float* out, const P* bias16, Index N, Index OC) {
+ZERO3D_KERNEL void add_bias_rows(float* out, const P* bias16, Index N, Index OC) {
 #ifdef ZERO3D_DEVICE
   gpu::add_bias_rows(out, bias16, N, OC);
 #else
@@ -61,7 +61,7 @@ inline void add_bias_rows(float* out, const P* bias16, Index N, Index OC) {
 // res = residual + partial + bias: a row-parallel layer's output once its partial products are
 // summed over the tensor group (Megatron RowParallelLinear adds the bias after the all-reduce).
 template <typename P>
-inline void add_residual_and_bias(float* res, const float* residual, const float* partial, const P* bias, Index N,
+ZERO3D_KERNEL void add_residual_and_bias(float* res, const float* residual, const float* partial, const P* bias, Index N,
                                   Index C) {
 #ifdef ZERO3D_DEVICE
   // One thread per element (coalesced); the same sum per element as the row loop's.
@@ -76,7 +76,7 @@ inline void add_residual_and_bias(float* res, const float* residual, const float
 }
 
 // Column sums: dbias[OC] += sum over rows of dout[N,OC] (each column owned by one iteration).
-inline void accumulate_column_sums(float* dbias, const float* dout, Index N, Index OC) {
+ZERO3D_KERNEL void accumulate_column_sums(float* dbias, const float* dout, Index N, Index OC) {
 #ifdef ZERO3D_DEVICE
   gpu::accumulate_column_sums(dbias, dout, N, OC);
 #else

@@ -134,7 +134,7 @@ inline void check_draw(const float* p, const char* what, const GateConfig& c) {
 //          top2_2nd_expert_sampling) with the first masked out; l_aux over first choices only.
 //   top-k: the k highest probabilities; l_aux over the k-hot mask, divided by k.
 // l_aux = E·Σ_e mean_s(gates[:,e])·mean_s(mask[:,e]) (top-k: ·1/k), mask before any dropping.
-inline void gate_forward_choose(const float* logits, int64_t S, const GateConfig& c, const GateDraws& draws,
+ZERO3D_KERNEL void gate_forward_choose(const float* logits, int64_t S, const GateConfig& c, const GateDraws& draws,
                                 Routing& r) {
   const int E = c.num_experts, k = c.k;
   if (k < 1 || k > E)
@@ -234,7 +234,7 @@ inline void gate_forward_choose(const float* logits, int64_t S, const GateConfig
 //          kept when < C. Weights g_j / max(g_1 + g_2, eps) over the kept choices' probabilities.
 //   top-k: an expert keeps its C most probable tokens ("probs"); slots in token order; weights
 //          as top-2 over all k choices.
-inline void gate_forward_assign(int64_t C, const GateConfig& c, const GateDraws& draws, Routing& r) {
+ZERO3D_KERNEL void gate_forward_assign(int64_t C, const GateConfig& c, const GateDraws& draws, Routing& r) {
   const int64_t S = r.num_tokens;
   const int E = r.num_experts, k = r.k;
   const bool rts = k == 1 && c.use_rts;
@@ -314,7 +314,7 @@ inline void gate_forward(const float* logits, int64_t S, const GateConfig& c, co
 // aux_loss_coef · loss scale). The weights reach the gates through the top-2/top-k normalisation
 // (w_j = g_j / D, D = Σ kept g; a clamped D is a constant); l_aux reaches them through
 // mean_s(gates) (its mask is not differentiated); then the softmax backward.
-inline void gate_backward(const Routing& r, const float* d_weight, float d_l_aux, float* d_logits) {
+ZERO3D_KERNEL void gate_backward(const Routing& r, const float* d_weight, float d_l_aux, float* d_logits) {
   const int64_t S = r.num_tokens;
   const int E = r.num_experts, k = r.k;
   const float* gates = r.gates.data();
@@ -348,7 +348,7 @@ inline void gate_backward(const Routing& r, const float* d_weight, float d_l_aux
 }
 
 // rows[row(s, j)] = x[s] for every kept choice: [num_rows, h], expert-major.
-inline void dispatch_forward(float* rows, const float* x, const Routing& r, Index h) {
+ZERO3D_KERNEL void dispatch_forward(float* rows, const float* x, const Routing& r, Index h) {
   const int k = r.k;
   const int32_t* expert = r.expert.data();
   const int32_t* slot = r.slot.data();
@@ -362,7 +362,7 @@ inline void dispatch_forward(float* rows, const float* x, const Routing& r, Inde
 }
 
 // dx[s] = Σ over token s's kept choices of d_rows[row] (written; 0 for a token with none).
-inline void dispatch_backward(float* dx, const float* d_rows, const Routing& r, Index h) {
+ZERO3D_KERNEL void dispatch_backward(float* dx, const float* d_rows, const Routing& r, Index h) {
   const int k = r.k;
   const int32_t* expert = r.expert.data();
   const int32_t* slot = r.slot.data();
@@ -381,7 +381,7 @@ inline void dispatch_backward(float* dx, const float* d_rows, const Routing& r, 
 
 // out[s] = Σ_j weight[s, j] · y_rows[row(s, j)] (written; 0 for a token whose choices all dropped:
 // the block's residual carries it).
-inline void combine_forward(float* out, const float* y_rows, const Routing& r, Index h) {
+ZERO3D_KERNEL void combine_forward(float* out, const float* y_rows, const Routing& r, Index h) {
   const int k = r.k;
   const int32_t* expert = r.expert.data();
   const int32_t* slot = r.slot.data();
@@ -401,7 +401,7 @@ inline void combine_forward(float* out, const float* y_rows, const Routing& r, I
 
 // d_rows[row(s, j)] = weight[s, j] · d_out[s]; d_weight[s, j] = d_out[s] · y_rows[row(s, j)]
 // (both written; d_weight is 0 for a dropped choice).
-inline void combine_backward(float* d_rows, float* d_weight, const float* d_out, const float* y_rows,
+ZERO3D_KERNEL void combine_backward(float* d_rows, float* d_weight, const float* d_out, const float* y_rows,
                              const Routing& r, Index h) {
   const int k = r.k;
   const int32_t* expert = r.expert.data();
@@ -425,17 +425,17 @@ inline void combine_backward(float* d_rows, float* d_weight, const float* d_out,
 }
 
 // Jitter: the gate sees x · factors (factors U(0.99, 1.01), training only); n = S·h.
-inline void jitter_forward(float* out, const float* x, const float* factors, Index n) {
+ZERO3D_KERNEL void jitter_forward(float* out, const float* x, const float* factors, Index n) {
   Kokkos::parallel_for("moe_jitter_forward", range(n), KOKKOS_LAMBDA(Index i) { out[i] = x[i] * factors[i]; });
 }
-inline void jitter_backward(float* dx, const float* d_out, const float* factors, Index n) {
+ZERO3D_KERNEL void jitter_backward(float* dx, const float* d_out, const float* factors, Index n) {
   Kokkos::parallel_for("moe_jitter_backward", range(n), KOKKOS_LAMBDA(Index i) { dx[i] = d_out[i] * factors[i]; });
 }
 
 // Residual MoE (PR-MoE, DeepSpeed's use_residual): coef = softmax(coef_logits) with coef_logits
 // = x·Wcᵀ + b from the caller's Linear(h, 2); out = moe_out·coef[0] + mlp_out·coef[1]. coef [S, 2]
 // is kept for the backward.
-inline void residual_mix_forward(float* out, float* coef, const float* moe_out, const float* mlp_out,
+ZERO3D_KERNEL void residual_mix_forward(float* out, float* coef, const float* moe_out, const float* mlp_out,
                                  const float* coef_logits, Index S, Index h) {
   Kokkos::parallel_for("moe_residual_mix_forward", range(S), KOKKOS_LAMBDA(Index s) {
     const float a = coef_logits[2 * s], b = coef_logits[2 * s + 1];
@@ -449,7 +449,7 @@ inline void residual_mix_forward(float* out, float* coef, const float* moe_out, 
 }
 
 // d_moe_out, d_mlp_out [S, h] and d_coef_logits [S, 2], all written.
-inline void residual_mix_backward(float* d_moe_out, float* d_mlp_out, float* d_coef_logits, const float* d_out,
+ZERO3D_KERNEL void residual_mix_backward(float* d_moe_out, float* d_mlp_out, float* d_coef_logits, const float* d_out,
                                   const float* moe_out, const float* mlp_out, const float* coef, Index S, Index h) {
   Kokkos::parallel_for("moe_residual_mix_backward", range(S), KOKKOS_LAMBDA(Index s) {
     const float c0 = coef[2 * s], c1 = coef[2 * s + 1];

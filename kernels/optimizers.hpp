@@ -66,7 +66,7 @@ KOKKOS_INLINE_FUNCTION void adam_l2_element(float& p, float grad, float& m, floa
 }
 
 // One fused pass: reads p, g, m, v and writes p, m, v (28 bytes per parameter).
-inline void adam_update(float* params, const float* grads, float* m, float* v, Index n, const AdamStep& s) {
+ZERO3D_KERNEL void adam_update(float* params, const float* grads, float* m, float* v, Index n, const AdamStep& s) {
   const AdamCoeffs c = adam_coeffs(s);
   if (s.adam_w_mode)
     Kokkos::parallel_for("adamw_update", range(n),
@@ -80,7 +80,7 @@ inline void adam_update(float* params, const float* grads, float* m, float* v, I
 // read (DeepSpeed's combined unscale-and-clip factor), so no fp32 gradient is written and read
 // back. The arithmetic is adam_update's on to_float(g)·grad_mul, bit for bit.
 template <typename G>
-inline void adam_update(float* params, const G* grads, float grad_mul, float* m, float* v, Index n, const AdamStep& s) {
+ZERO3D_KERNEL void adam_update(float* params, const G* grads, float grad_mul, float* m, float* v, Index n, const AdamStep& s) {
   const AdamCoeffs c = adam_coeffs(s);
   if (s.adam_w_mode)
     Kokkos::parallel_for("adamw_update", range(n), KOKKOS_LAMBDA(Index i) {
@@ -127,7 +127,7 @@ inline LambStep make_lamb_step(double lr, double beta1, double beta2, double eps
 }
 
 // Updates one tensor; returns the trust ratio it applied.
-inline float lamb_update(float* params, const float* grads, float* m, float* v, Index n, const LambStep& s) {
+ZERO3D_KERNEL float lamb_update(float* params, const float* grads, float* m, float* v, Index n, const LambStep& s) {
   const float b1 = s.beta1, b2 = s.beta2, eps = s.eps, wd = s.weight_decay;
   const bool inside = s.eps_inside_sqrt;
   // Pass 1: moments, and the squared norms of the weights and of the raw update.
@@ -168,7 +168,7 @@ struct SgdStep {
   bool nesterov, first_step;  // first_step: the momentum buffer starts as the gradient
 };
 
-inline void sgd_update(float* params, const float* grads, float* momentum_buf, Index n, const SgdStep& s) {
+ZERO3D_KERNEL void sgd_update(float* params, const float* grads, float* momentum_buf, Index n, const SgdStep& s) {
   const float lr = s.lr, mu = s.momentum, damp = s.dampening, wd = s.weight_decay;
   const bool nesterov = s.nesterov, first = s.first_step, use_mom = s.momentum != 0.0f;
   Kokkos::parallel_for("sgd_update", range(n), KOKKOS_LAMBDA(Index i) {
@@ -212,7 +212,7 @@ KOKKOS_INLINE_FUNCTION void lion_element(float& p, float g, float& m, const Lion
   m = fmaf(c.b2, mi, c.omb2 * g);
 }
 
-inline void lion_update(float* params, const float* grads, float* m, Index n, const LionStep& s) {
+ZERO3D_KERNEL void lion_update(float* params, const float* grads, float* m, Index n, const LionStep& s) {
   const LionCoeffs c = lion_coeffs(s);
   Kokkos::parallel_for("lion_update", range(n), KOKKOS_LAMBDA(Index i) { lion_element(params[i], grads[i], m[i], c); });
 }
@@ -245,7 +245,7 @@ KOKKOS_INLINE_FUNCTION void adagrad_element(float& p, float grad, float& sum, co
   p = fmaf(-s.clr, (s.decay_in_step ? g : grad) / (std::sqrt(si) + s.eps), p);
 }
 
-inline void adagrad_update(float* params, const float* grads, float* sum, Index n, const AdagradStep& s) {
+ZERO3D_KERNEL void adagrad_update(float* params, const float* grads, float* sum, Index n, const AdagradStep& s) {
   Kokkos::parallel_for("adagrad_update", range(n),
                        KOKKOS_LAMBDA(Index i) { adagrad_element(params[i], grads[i], sum[i], s); });
 }

@@ -12,7 +12,7 @@ namespace gpu {
 // shape) where chunks of 4096 elements per thread read 16 KB apart. Kokkos reduces a launch's
 // blocks in a fixed order: the same bits every run.
 template <typename T>
-inline double sum_of_squares(const T* x, Index n) {
+ZERO3D_KERNEL double sum_of_squares(const T* x, Index n) {
   double acc = 0.0;
   Kokkos::parallel_reduce(
       "sum_of_squares", range(n),
@@ -31,7 +31,7 @@ inline double sum_of_squares(const T* x, Index n) {
 // do on its own), then the chunk sums are reduced by Kokkos. 16-bit inputs are widened first;
 // inf or NaN anywhere makes the result non-finite (the overflow check relies on it).
 template <typename T>
-inline double sum_of_squares(const T* x, Index n) {
+ZERO3D_KERNEL double sum_of_squares(const T* x, Index n) {
 #ifdef ZERO3D_DEVICE
   return gpu::sum_of_squares(x, n);
 #else
@@ -54,7 +54,7 @@ inline double sum_of_squares(const T* x, Index n) {
 #endif
 }
 
-inline void scale_in_place(float* x, Index n, float factor) {
+ZERO3D_KERNEL void scale_in_place(float* x, Index n, float factor) {
   Kokkos::parallel_for("scale_in_place", range(n), KOKKOS_LAMBDA(Index i) { x[i] *= factor; });
 }
 

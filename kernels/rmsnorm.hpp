@@ -18,7 +18,7 @@ namespace gpu {
 // A row to a warp (common.hpp row_teams), as layernorm_forward: one lane-strided sum of squares
 // added in the vector reduction's tree, then every lane writes its columns.
 template <typename P, typename O = float>
-inline void rmsnorm_forward(O* out, float* rstd, const float* inp, const P* weight, Index N, Index C, float eps) {
+ZERO3D_KERNEL void rmsnorm_forward(O* out, float* rstd, const float* inp, const P* weight, Index N, Index C, float eps) {
   Kokkos::parallel_for("rmsnorm_forward", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
     if (i >= N) return;
@@ -36,7 +36,7 @@ inline void rmsnorm_forward(O* out, float* rstd, const float* inp, const P* weig
 // The input part a row to a warp (one lane-strided reduction, then the row's writes); the
 // weight part as a column sum in two stages (device_forms.hpp), as layernorm_backward.
 template <typename P>
-inline void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const P* weight,
+ZERO3D_KERNEL void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const P* weight,
                              const float* rstd, Index N, Index C) {
   if (dinp) Kokkos::parallel_for("rmsnorm_backward_input", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
@@ -72,7 +72,7 @@ inline void rmsnorm_backward(float* dinp, float* dweight, const float* dout, con
 // the output only feeds a bf16 product). The sum of squares is an `omp simd` reduction so it
 // vectorises; the output pass finds the row in L1.
 template <typename P, typename O = float>
-inline void rmsnorm_forward(O* out, float* rstd, const float* inp, const P* weight16, Index N, Index C, float eps) {
+ZERO3D_KERNEL void rmsnorm_forward(O* out, float* rstd, const float* inp, const P* weight16, Index N, Index C, float eps) {
 #ifdef ZERO3D_DEVICE
   gpu::rmsnorm_forward(out, rstd, inp, weight16, N, C, eps);
 #else
@@ -97,7 +97,7 @@ inline void rmsnorm_forward(O* out, float* rstd, const float* inp, const P* weig
 // dx = s · (dnorm - norm · mean(dnorm ⊙ norm)). A null dinp skips the input part, a null
 // dweight the weight part (zero-bubble schedules run them apart, as layernorm_backward).
 template <typename P>
-inline void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const P* weight,
+ZERO3D_KERNEL void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const P* weight,
                              const float* rstd, Index N, Index C) {
 #ifdef ZERO3D_DEVICE
   gpu::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);

@@ -138,7 +138,7 @@ inline void rope_tables(std::vector<float>& cos, std::vector<float>& sin, const 
 // qkv [B, T, (H + 2·Hkv)·head_dim] in place: each q and k head's pairs (x1, x2) = (x[i], x[i + d/2])
 // become (x1·cos - x2·sin, x2·cos + x1·sin) (x·cos + rotate_half(x)·sin). One pair a thread, on
 // every build: no sum, so no order to choose, and the q and k heads are contiguous in a row.
-inline void rope_forward(float* qkv, const float* cos, const float* sin, Index B, Index T, Index H, Index Hkv,
+ZERO3D_KERNEL void rope_forward(float* qkv, const float* cos, const float* sin, Index B, Index T, Index H, Index Hkv,
                          Index head_dim) {
   const Index half = head_dim / 2, heads = H + Hkv, width = (H + 2 * Hkv) * head_dim;
   Kokkos::parallel_for("rope_forward", range(B * T * heads * half), KOKKOS_LAMBDA(Index j) {
@@ -153,7 +153,7 @@ inline void rope_forward(float* qkv, const float* cos, const float* sin, Index B
 
 // The gradient through the rotation, in place on dqkv (same layout): a rotation's transpose,
 // (d1, d2) -> (d1·cos + d2·sin, d2·cos - d1·sin); v's gradient passes unchanged.
-inline void rope_backward(float* dqkv, const float* cos, const float* sin, Index B, Index T, Index H, Index Hkv,
+ZERO3D_KERNEL void rope_backward(float* dqkv, const float* cos, const float* sin, Index B, Index T, Index H, Index Hkv,
                           Index head_dim) {
   const Index half = head_dim / 2, heads = H + Hkv, width = (H + 2 * Hkv) * head_dim;
   Kokkos::parallel_for("rope_backward", range(B * T * heads * half), KOKKOS_LAMBDA(Index j) {

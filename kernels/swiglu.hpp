@@ -20,7 +20,7 @@ KOKKOS_INLINE_FUNCTION float swiglu_sigmoid(float g) { return 1.0f / (1.0f + fas
 // (bf16 when the gate/up product wrote bf16, as PyTorch's autocast does). One element a thread,
 // on every build: no sum, so no order to choose.
 template <typename O = float, typename In = float>
-inline void swiglu_forward(O* out, const In* gate, const In* up, Index N, Index I, Index ld) {
+ZERO3D_KERNEL void swiglu_forward(O* out, const In* gate, const In* up, Index N, Index I, Index ld) {
   Kokkos::parallel_for("swiglu_forward", range(N * I), KOKKOS_LAMBDA(Index j) {
     const Index i = j / I, c = j % I;
     const float g = to_float(gate[i * ld + c]);
@@ -32,7 +32,7 @@ inline void swiglu_forward(O* out, const In* gate, const In* up, Index N, Index 
 // written (=), at the inputs' layout (stride ld: a fused [dgate | dup] buffer feeds the fused
 // product's backward).
 template <typename In = float>
-inline void swiglu_backward(float* dgate, float* dup, const float* dout, const In* gate, const In* up, Index N, Index I,
+ZERO3D_KERNEL void swiglu_backward(float* dgate, float* dup, const float* dout, const In* gate, const In* up, Index N, Index I,
                             Index ld) {
   Kokkos::parallel_for("swiglu_backward", range(N * I), KOKKOS_LAMBDA(Index j) {
     const Index i = j / I, c = j % I;

@@ -18,7 +18,7 @@ namespace gpu {
 
 // The embedding's element-wise passes a thread per element (coalesced), the same value per element.
 template <typename P>
-inline void vocab_embedding_forward(float* out, const int32_t* tokens, const P* wte_local, Index v0, Index Vl, Index N,
+ZERO3D_KERNEL void vocab_embedding_forward(float* out, const int32_t* tokens, const P* wte_local, Index v0, Index Vl, Index N,
                                     Index C) {
   Kokkos::parallel_for("vocab_embedding_forward", range(N * C), KOKKOS_LAMBDA(Index j) {
     const Index id = static_cast<Index>(tokens[j / C]) - v0;
@@ -27,7 +27,7 @@ inline void vocab_embedding_forward(float* out, const int32_t* tokens, const P* 
 }
 
 template <typename P>
-inline void add_position_embedding(float* out, const P* wpe, Index first, Index N, Index T, Index C) {
+ZERO3D_KERNEL void add_position_embedding(float* out, const P* wpe, Index first, Index N, Index T, Index C) {
   Kokkos::parallel_for("add_position_embedding", range(N * C), KOKKOS_LAMBDA(Index j) {
     out[j] += to_float(wpe[((first + j / C) % T) * C + j % C]);
   });
@@ -43,7 +43,7 @@ inline void vocab_embedding_backward(float* dwte_local, float* dwpe, const float
 
 // The cross-entropy's row passes a row to a warp, as crossentropy_forward's device form
 // (crossentropy.hpp). A rank whose columns are all padding keeps the CPU form's -inf max.
-inline void vocab_ce_local_max(float* row_max, const float* logits, Index N, Index Vl, Index real_cols) {
+ZERO3D_KERNEL void vocab_ce_local_max(float* row_max, const float* logits, Index N, Index Vl, Index real_cols) {
   Kokkos::parallel_for("vocab_ce_local_max", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
     if (i >= N) return;
@@ -56,7 +56,7 @@ inline void vocab_ce_local_max(float* row_max, const float* logits, Index N, Ind
   });
 }
 
-inline void vocab_ce_local_sums(float* sum_exp, float* target_logit, const float* logits, const float* row_max,
+ZERO3D_KERNEL void vocab_ce_local_sums(float* sum_exp, float* target_logit, const float* logits, const float* row_max,
                                 const int32_t* targets, Index v0, Index N, Index Vl, Index real_cols) {
   Kokkos::parallel_for("vocab_ce_local_sums", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
@@ -75,7 +75,7 @@ inline void vocab_ce_local_sums(float* sum_exp, float* target_logit, const float
 }
 
 // A thread per logit, then a thread per row for its target, as crossentropy_backward's device form.
-inline void vocab_ce_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index v0, Index N,
+ZERO3D_KERNEL void vocab_ce_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index v0, Index N,
                               Index Vl, Index real_cols) {
   Kokkos::parallel_for("vocab_ce_backward", range(N * Vl), KOKKOS_LAMBDA(Index j) {
     logits[j] = j % Vl < real_cols ? fast_exp(logits[j] - lse[j / Vl]) * dloss : 0.0f;
@@ -90,7 +90,7 @@ inline void vocab_ce_backward(float* logits, const float* lse, const int32_t* ta
 
 // out[bt,:] = wte_local[token - v0,:] for tokens this rank owns, else 0 (summed over the group next).
 template <typename P>
-inline void vocab_embedding_forward(float* out, const int32_t* tokens, const P* wte_local, Index v0, Index Vl, Index N,
+ZERO3D_KERNEL void vocab_embedding_forward(float* out, const int32_t* tokens, const P* wte_local, Index v0, Index Vl, Index N,
                                     Index C) {
 #ifdef ZERO3D_DEVICE
   gpu::vocab_embedding_forward(out, tokens, wte_local, v0, Vl, N, C);
@@ -111,7 +111,7 @@ inline void vocab_embedding_forward(float* out, const int32_t* tokens, const P* 
 // out[i,:] += wpe[(first + i) mod T,:] for N tokens starting at token `first` of the micro-batch
 // (the position embedding, replicated, added after the sum; a token shard with sequence parallelism).
 template <typename P>
-inline void add_position_embedding(float* out, const P* wpe, Index first, Index N, Index T, Index C) {
+ZERO3D_KERNEL void add_position_embedding(float* out, const P* wpe, Index first, Index N, Index T, Index C) {
 #ifdef ZERO3D_DEVICE
   gpu::add_position_embedding(out, wpe, first, N, T, C);
 #else
@@ -124,7 +124,7 @@ inline void add_position_embedding(float* out, const P* wpe, Index first, Index 
 }
 
 // dwte_local[token - v0] += dout for owned tokens; dwpe[t] += dout (channel blocks: no atomics).
-inline void vocab_embedding_backward(float* dwte_local, float* dwpe, const float* dout, const int32_t* tokens, Index v0,
+ZERO3D_KERNEL void vocab_embedding_backward(float* dwte_local, float* dwpe, const float* dout, const int32_t* tokens, Index v0,
                                      Index Vl, Index B, Index T, Index C) {
 #ifdef ZERO3D_DEVICE
   gpu::vocab_embedding_backward(dwte_local, dwpe, dout, tokens, v0, Vl, B, T, C);
@@ -146,7 +146,7 @@ inline void vocab_embedding_backward(float* dwte_local, float* dwpe, const float
 }
 
 // Step 1: row max over this rank's real columns (global ids < V); all-reduce MAX next.
-inline void vocab_ce_local_max(float* row_max, const float* logits, Index N, Index Vl, Index real_cols) {
+ZERO3D_KERNEL void vocab_ce_local_max(float* row_max, const float* logits, Index N, Index Vl, Index real_cols) {
 #ifdef ZERO3D_DEVICE
   gpu::vocab_ce_local_max(row_max, logits, N, Vl, real_cols);
 #else
@@ -161,7 +161,7 @@ inline void vocab_ce_local_max(float* row_max, const float* logits, Index N, Ind
 
 // Step 2: sum of exp(z - max) over real columns, and the target's logit where this rank owns
 // it (0 elsewhere); all-reduce SUM of both next.
-inline void vocab_ce_local_sums(float* sum_exp, float* target_logit, const float* logits, const float* row_max,
+ZERO3D_KERNEL void vocab_ce_local_sums(float* sum_exp, float* target_logit, const float* logits, const float* row_max,
                                 const int32_t* targets, Index v0, Index N, Index Vl, Index real_cols) {
 #ifdef ZERO3D_DEVICE
   gpu::vocab_ce_local_sums(sum_exp, target_logit, logits, row_max, targets, v0, N, Vl, real_cols);
@@ -179,7 +179,7 @@ inline void vocab_ce_local_sums(float* sum_exp, float* target_logit, const float
 }
 
 // Step 3: losses[i] = lse - target logit, lse = max + log(sum_exp) saved for the backward.
-inline void vocab_ce_finish(float* losses, float* lse, const float* row_max, const float* sum_exp,
+ZERO3D_KERNEL void vocab_ce_finish(float* losses, float* lse, const float* row_max, const float* sum_exp,
                             const float* target_logit, Index N) {
   Kokkos::parallel_for("vocab_ce_finish", range(N), KOKKOS_LAMBDA(Index i) {
     lse[i] = row_max[i] + std::log(sum_exp[i]);
@@ -189,7 +189,7 @@ inline void vocab_ce_finish(float* losses, float* lse, const float* row_max, con
 
 // logits <- dloss · (softmax − onehot) on this rank's columns, padding columns 0 (no
 // communication: the group sum happens in the head's input-gradient all-reduce).
-inline void vocab_ce_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index v0, Index N,
+ZERO3D_KERNEL void vocab_ce_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index v0, Index N,
                               Index Vl, Index real_cols) {
 #ifdef ZERO3D_DEVICE
   gpu::vocab_ce_backward(logits, lse, targets, dloss, v0, N, Vl, real_cols);

@@ -10,6 +10,8 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <array>
+#include <cstdint>
 #include <map>
 #include <string>
 #include <tuple>
@@ -17,6 +19,7 @@
 
 #include "base/errors.hpp"
 #include "base/profiler.hpp"
+#include "kernels/elementwise.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/half.hpp"
 #include "kernels/matmul.hpp"
@@ -37,10 +40,14 @@ void check(cublasStatus_t s, const char* what) {
 // llm.c's choice (cublas_common.h): 32 MiB lets cuBLASLt pick its fastest Hopper kernels.
 constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 
+// What determines cuBLASLt's choice of algorithm for a product (run_lt's descriptors).
+using ProblemKey = std::array<int64_t, 17>;
+
 struct Workspace {
   DeviceScratch a16{"gemm_a16"}, b16{"gemm_b16"}, shared16{"gemm_shared16"};
   DeviceScratch a32{"gemm_a32"}, b32{"gemm_b32"}, c32{"gemm_c32"}, bias32{"gemm_bias32"}, bias16{"gemm_bias16"};
   DeviceScratch lt{"gemm_cublaslt"};
+  std::map<ProblemKey, std::pair<bool, cublasLtMatmulAlgo_t>> algos;  // per shape: whether one exists, and which
   int64_t peak_bytes = 0;
   void note() {
     const int64_t bytes = a16.capacity() + b16.capacity() + shared16.capacity() + a32.capacity() + b32.capacity() +
@@ -71,6 +78,21 @@ struct Lt {
 Lt& lt() {
   static Lt l;
   return l;
+}
+
+// The largest power of two, at most 256, that divides every address a problem reads from
+// `base` (batch problems start `stride_bytes` apart). cuBLASLt's heuristics assume 256-byte
+// operands unless told (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES), while the model's named
+// views start at any element of its big buffers and Kokkos's data sit 128 bytes into theirs.
+uint32_t alignment_of(const void* base, uint64_t stride_bytes = 0) {
+  const uint64_t bits = reinterpret_cast<uintptr_t>(base) | stride_bytes | 256;
+  return static_cast<uint32_t>(bits & (~bits + 1));  // the lowest set bit
+}
+
+// `bytes` of scratch starting on a 256-byte boundary (cuBLASLt's workspace and bias pointers).
+void* aligned_256(DeviceScratch& s, int64_t bytes) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(s.take(bytes + 256));
+  return reinterpret_cast<void*>((p + 255) & ~uintptr_t(255));
 }
 
 cudaStream_t compute_stream() { return Kokkos::DefaultExecutionSpace().cuda_stream(); }
@@ -120,10 +142,13 @@ std::pair<GemmOperand, GemmOperand> operands_in(const GemmOperand& A, const Gemm
 // linear casts its bias with its weight (gemm.hpp; the CPU backend does the same).
 const float* bias_f32(const void* bias, DType type, int64_t n, DType compute) {
   if (!bias) return nullptr;
-  if (type == DType::F32 && compute == DType::F32) return static_cast<const float*>(bias);
+  const bool as_is = type == DType::F32 && compute == DType::F32;
+  if (as_is && alignment_of(bias) == 256) return static_cast<const float*>(bias);
   Workspace& w = workspace();
-  float* dst = w.bias32.take<float>(n);
-  if (type == DType::F32 && compute == DType::BF16) {
+  float* dst = static_cast<float*>(aligned_256(w.bias32, n * static_cast<int64_t>(sizeof(float))));
+  if (as_is) {  // the epilogue reads its bias from a 256-byte boundary
+    kernels::copy(dst, static_cast<const float*>(bias), n, "gemm_bias_aligned");
+  } else if (type == DType::F32 && compute == DType::BF16) {
     bf16* r = w.bias16.take<bf16>(n);
     kernels::convert(r, static_cast<const float*>(bias), n);
     kernels::convert(dst, r, n);
@@ -177,11 +202,12 @@ bool run_lt(const Product& p) {
   const uint64_t b_rows = p.A.trans ? p.M : p.K, b_cols = p.A.trans ? p.K : p.M;
   check(cublasLtMatrixLayoutCreate(&la, cuda_type(ab), a_rows, a_cols, p.B.ld), "layout B");
   check(cublasLtMatrixLayoutCreate(&lb, cuda_type(ab), b_rows, b_cols, p.A.ld), "layout A");
-  check(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, p.N, p.M, p.ldd), "layout C");
+  // C is fp32 when read (a residual, an accumulation); unread (beta 0), it is described as D.
+  check(cublasLtMatrixLayoutCreate(&lc, p.C ? CUDA_R_32F : cuda_type(p.d_type), p.N, p.M, p.ldd), "layout C");
   check(cublasLtMatrixLayoutCreate(&ld, cuda_type(p.d_type), p.N, p.M, p.ldd), "layout D");
+  const int64_t sa = p.K * p.N, sb = p.M * p.K, sd = p.M * p.N;  // batch strides, in elements
   if (p.batch > 1) {
     const int32_t count = static_cast<int32_t>(p.batch);
-    const int64_t sa = p.K * p.N, sb = p.M * p.K, sd = p.M * p.N;
     for (auto [l, stride] : {std::pair{la, sa}, std::pair{lb, sb}, std::pair{lc, sd}, std::pair{ld, sd}}) {
       check(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count), "BATCH");
       check(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride),
@@ -189,23 +215,43 @@ bool run_lt(const Product& p) {
     }
   }
   Workspace& w = workspace();
-  void* ws = w.lt.take(static_cast<int64_t>(kLtWorkspaceBytes));
+  void* ws = aligned_256(w.lt, static_cast<int64_t>(kLtWorkspaceBytes));
   w.note();
   cublasLtMatmulPreference_t pref = nullptr;
   check(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
   const size_t ws_bytes = kLtWorkspaceBytes;
   check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes),
         "MAX_WORKSPACE");
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
-  const cublasStatus_t hs =
-      cublasLtMatmulAlgoGetHeuristic(lt().handle, desc, la, lb, lc, ld, pref, 1, &heuristic, &found);
+  const bool batched = p.batch > 1;
+  const uint64_t ab_bytes = dtype_size(ab), d_bytes = dtype_size(p.d_type);
+  const void* c_read = p.C ? static_cast<const void*>(p.C) : p.D;
+  const uint32_t align[4] = {alignment_of(p.B.data, batched ? sa * ab_bytes : 0),
+                             alignment_of(p.A.data, batched ? sb * ab_bytes : 0),
+                             alignment_of(c_read, batched ? sd * (p.C ? 4 : d_bytes) : 0),
+                             alignment_of(p.D, batched ? sd * d_bytes : 0)};
+  const cublasLtMatmulPreferenceAttributes_t align_pref[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i)
+    check(cublasLtMatmulPreferenceSetAttribute(pref, align_pref[i], &align[i], sizeof align[i]), "MIN_ALIGNMENT");
+  // The heuristic's choice, asked once per problem shape: a training step repeats a few dozen
+  // shapes thousands of times, and each query costs tens of microseconds of host time.
+  const ProblemKey key{p.M, p.N, p.K, static_cast<int64_t>(ab), static_cast<int64_t>(p.d_type), p.B.trans, p.A.trans,
+                       p.B.ld, p.A.ld, p.ldd, p.batch, p.bias != nullptr, p.C != nullptr, align[0], align[1],
+                       align[2], align[3]};
+  auto chosen = w.algos.find(key);
+  if (chosen == w.algos.end()) {
+    cublasLtMatmulHeuristicResult_t heuristic{};
+    int found = 0;
+    const cublasStatus_t hs =
+        cublasLtMatmulAlgoGetHeuristic(lt().handle, desc, la, lb, lc, ld, pref, 1, &heuristic, &found);
+    chosen = w.algos.emplace(key, std::make_pair(hs == CUBLAS_STATUS_SUCCESS && found > 0, heuristic.algo)).first;
+  }
   bool ran = false;
-  if (hs == CUBLAS_STATUS_SUCCESS && found > 0) {
+  if (chosen->second.first) {
     const float alpha = 1.0f, beta = p.C ? 1.0f : 0.0f;
-    const void* c = p.C ? static_cast<const void*>(p.C) : p.D;
-    check(cublasLtMatmul(lt().handle, desc, &alpha, p.B.data, la, p.A.data, lb, &beta, c, lc, p.D, ld,
-                         &heuristic.algo, ws, kLtWorkspaceBytes, compute_stream()),
+    check(cublasLtMatmul(lt().handle, desc, &alpha, p.B.data, la, p.A.data, lb, &beta, c_read, lc, p.D, ld,
+                         &chosen->second.second, ws, kLtWorkspaceBytes, compute_stream()),
           "Matmul");
     ran = true;
   }
