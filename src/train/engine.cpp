@@ -123,7 +123,8 @@ void Engine::setup_local() {
   for (int s = 0; s < stages_ && stages_ > 1; ++s)
     partition_numel =
         std::max(partition_numel, gpt_model_part(shape, cfg_.pipe_bounds, stages_, s, t, tp_rank, ep, ep_rank).expert_begin);
-  if (stages_ > 1 && (stage_ == 0 || stage_ == stages_ - 1)) tied_numel_ = model_->part().vocab_local * shape.n_embd;
+  if (stages_ > 1 && shape.tied_head() && (stage_ == 0 || stage_ == stages_ - 1))
+    tied_numel_ = model_->part().vocab_local * shape.n_embd;
   zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, state_types_of(cfg_, model_->part().dense_layout),
                                           model_->part().dense_layout, model_->part().dense_units,
                                           model_comms_.of(*dp_comm_), partition_numel,

@@ -1,0 +1,207 @@
+// The Llama family, black-box: `zero3d train` on a Hugging Face config directory and
+// Hugging Face-named weights follows PyTorch's losses and gradient norms step by step
+// (tests/golden/make_llama_goldens.py), and every data-parallel and pipeline layout, ZeRO stage
+// and activation-checkpointing setting gives the losses of one rank; combinations the family does
+// not have stop at validation with one line naming the key.
+#include <gtest/gtest.h>
+
+#include <hdf5.h>
+
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "io/h5.hpp"
+#include "support/cli_helpers.hpp"
+
+using namespace cli;
+
+namespace {
+
+const std::string kGoldenDir = kSource + "/tests/golden";
+
+std::vector<double> read_doubles(const zero3d::h5::File& f, const std::string& name) {
+  const hid_t ds = H5Dopen2(f.id(), name.c_str(), H5P_DEFAULT);
+  const hid_t space = H5Dget_space(ds);
+  std::vector<double> out(static_cast<size_t>(H5Sget_simple_extent_npoints(space)));
+  H5Dread(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data());
+  H5Sclose(space);
+  H5Dclose(ds);
+  return out;
+}
+
+// One golden as a user would bring it: a Hugging Face directory (config.json), the weights by
+// their Hugging Face names (the golden file itself), and its batch as an llm.c token shard of
+// exactly B·T + 1 tokens, so that every step of every layout trains on that one batch.
+struct Golden {
+  std::string name, hf_dir, weights, shard;
+  int64_t B = 0, T = 0;
+  std::vector<double> losses, grad_norms, hparams;
+};
+
+const Golden& golden(const std::string& name) {
+  static std::map<std::string, Golden> cache;
+  auto it = cache.find(name);
+  if (it != cache.end()) return it->second;
+  Golden g;
+  g.name = name;
+  g.weights = kGoldenDir + "/" + name + ".h5";
+  const zero3d::h5::File f = zero3d::h5::File::open_read(g.weights);
+  std::string config;
+  EXPECT_TRUE(zero3d::h5::read_attribute(f.id(), "hf_config", config));
+  EXPECT_TRUE(zero3d::h5::read_attribute(f.id(), "batch", g.B));
+  g.hf_dir = temp_path(name + "_hf");
+  std::system(("mkdir -p " + g.hf_dir).c_str());
+  std::ofstream(g.hf_dir + "/config.json") << config;
+  const std::vector<int32_t> stream = f.read_ints("golden/stream");
+  g.T = (static_cast<int64_t>(stream.size()) - 1) / g.B;
+  g.shard = temp_path(name + ".bin");
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240520;  // llm.c's magic, version 1, token count; then uint16 tokens
+  header[1] = 1;
+  header[2] = static_cast<int32_t>(stream.size());
+  std::ofstream out(g.shard, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(header.data()), 1024);
+  for (int32_t t : stream) {
+    const uint16_t u = static_cast<uint16_t>(t);
+    out.write(reinterpret_cast<const char*>(&u), 2);
+  }
+  out.close();
+  g.losses = read_doubles(f, "golden/adamw_losses");
+  g.grad_norms = read_doubles(f, "golden/grad_norms");
+  g.hparams = read_doubles(f, "golden/hparams");
+  return cache.emplace(name, g).first->second;
+}
+
+// PyTorch's run: AdamW with the golden's settings, constant lr, its gradient clipping.
+json golden_run(const Golden& g) {
+  const std::vector<double>& hp = g.hparams;
+  return json{{"train_batch_size", g.B},
+              {"gradient_clipping", hp[5]},
+              {"optimizer",
+               {{"type", "AdamW"},
+                {"params", {{"lr", hp[0]}, {"betas", {hp[1], hp[2]}}, {"eps", hp[3]}, {"weight_decay", hp[4]}}}}},
+              {"model", {{"hf_config", g.hf_dir}, {"seq_length", g.T}, {"init_from", g.weights}}},
+              {"data", {{"source", "tokens"}, {"path", g.shard}}},
+              {"training", {{"steps", static_cast<int64_t>(g.losses.size())}, {"seed", 5}, {"peak_gflops", 50}}},
+              {"steps_per_print", 100}};
+}
+
+std::vector<json> train(const Golden& g, int np, const std::string& tag, const std::string& args) {
+  const std::string config = write_config(g.name + "_" + tag + ".json", golden_run(g));
+  const std::string dir = temp_path(g.name + "_" + tag);
+  std::system(("rm -rf " + dir).c_str());
+  const Result r = run("train " + config + " --output " + dir + " " + args, np);
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  return read_metrics(dir);
+}
+
+class LlamaFamily : public ::testing::TestWithParam<std::string> {};
+
+// One rank, ZeRO off: PyTorch's losses and gradient norms (before clipping), step by step, within
+// 1e-5 relative. The start-up line names the family and its shape.
+TEST_P(LlamaFamily, TrainsAsPyTorchDoesFromAHuggingFaceDirectory) {
+  const Golden& g = golden(GetParam());
+  const std::vector<json> rows = train(g, 1, "np1", "");
+  ASSERT_EQ(rows.size(), g.losses.size());
+  expect_losses_close(losses_of(rows), g.losses, 1e-5, g.name + " loss");
+  for (size_t i = 0; i < rows.size(); ++i)
+    EXPECT_NEAR(rows[i].at("grad_norm").get<double>(), g.grad_norms[i], 1e-5 * g.grad_norms[i])
+        << g.name << " grad_norm step " << i + 1;
+}
+
+INSTANTIATE_TEST_SUITE_P(Goldens, LlamaFamily,
+                         ::testing::Values("llama_gqa", "llama_biases", "qwen2_bias", "mistral_window"));
+
+struct Layout {
+  std::string golden;
+  int np;
+  std::string args, name;
+};
+
+class LlamaLayout : public ::testing::TestWithParam<Layout> {};
+
+// The losses of one rank (ZeRO off) within 1e-5 relative over the golden's 8 steps.
+TEST_P(LlamaLayout, GivesTheLossesOfOneRank) {
+  const Layout& l = GetParam();
+  const Golden& g = golden(l.golden);
+  static std::map<std::string, std::vector<double>> reference;
+  if (!reference.count(l.golden)) reference[l.golden] = losses_of(train(g, 1, "ref", ""));
+  const std::vector<json> rows = train(g, l.np, l.name, l.args);
+  expect_losses_close(losses_of(rows), reference[l.golden], 1e-5, l.golden + " " + l.name);
+}
+
+const std::string kMicro1 = "--set train_micro_batch_size_per_gpu=1 ";
+const std::string kPipe2 = kMicro1 + "--set pipeline.stages=2 ";
+
+INSTANTIATE_TEST_SUITE_P(
+    DataPipelineZeroCheckpointing, LlamaLayout,
+    ::testing::Values(
+        // data parallel, every ZeRO stage (llama_gqa: untied head; qwen2_bias: tied)
+        Layout{"llama_gqa", 2, "--set zero_optimization.stage=0", "np2_z0"},
+        Layout{"llama_gqa", 2, "--set zero_optimization.stage=1", "np2_z1"},
+        Layout{"llama_gqa", 2, "--set zero_optimization.stage=2 --set zero_optimization.reduce_bucket_size=700", "np2_z2"},
+        Layout{"llama_gqa", 2, "--set zero_optimization.stage=3 --set zero_optimization.stage3_prefetch_bucket_size=900",
+               "np2_z3"},
+        Layout{"qwen2_bias", 2, "--set zero_optimization.stage=3", "np2_z3"},
+        Layout{"mistral_window", 2, "--set zero_optimization.stage=2", "np2_z2"},
+        // gradient accumulation on one rank
+        Layout{"llama_gqa", 1, kMicro1, "np1_gas4"},
+        // pipeline: the untied head on the last stage; the tied head's embed_tokens copy
+        Layout{"llama_gqa", 2, kPipe2 + "--set pipeline.schedule=1f1b", "np2_p2_1f1b"},
+        Layout{"llama_gqa", 2, kPipe2 + "--set pipeline.schedule=zb-h1 --set zero_optimization.stage=1", "np2_p2_zbh1"},
+        Layout{"llama_gqa", 2, kPipe2 + "--set pipeline.schedule=interleaved --set pipeline.virtual_stages=2",
+               "np2_p2_int2"},
+        Layout{"qwen2_bias", 2, kPipe2 + "--set pipeline.schedule=1f1b --set zero_optimization.stage=2", "np2_p2_1f1b"},
+        Layout{"qwen2_bias", 2, kPipe2 + "--set pipeline.schedule=zb-h1", "np2_p2_zbh1"},
+        // activation checkpointing: every block, selective (attention recomputed), checkpoints in host memory
+        Layout{"llama_gqa", 1, "--set pipeline.activation_checkpoint_interval=1", "np1_full_ac"},
+        Layout{"mistral_window", 2,
+               "--set pipeline.activation_checkpoint_interval=1 --set zero_optimization.stage=3 "
+               "--set activation_checkpointing.cpu_checkpointing=true",
+               "np2_full_ac_z3"},
+        Layout{"qwen2_bias", 1,
+               "--set pipeline.activation_checkpoint_interval=1 --set activation_checkpointing.recompute_granularity=selective",
+               "np1_selective_ac"}),
+    [](const ::testing::TestParamInfo<Layout>& info) { return info.param.golden + "_" + info.param.name; });
+
+// A model given in the section itself (no Hugging Face file) trains with Hugging Face's
+// initialisation and the input/llama-tiny.json example runs.
+TEST(LlamaFamilyExample, LlamaTinyTrainsAndLearns) {
+  const std::string dir = temp_path("llama_tiny");
+  const Result r = run("train " + kSource + "/input/llama-tiny.json --output " + dir, 1);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("model   llama V=256"), std::string::npos) << r.out;
+  const std::vector<double> losses = losses_of(read_metrics(dir));
+  ASSERT_GE(losses.size(), 2u);
+  EXPECT_NEAR(losses.front(), std::log(256.0), 0.1);  // initializer_range 0.02: near-uniform logits at first
+  EXPECT_LT(losses.back(), losses.front() - 0.5);
+}
+
+// Bad input: exit 2 at validation, one line naming the key (and the file for a Hugging Face config).
+TEST(LlamaFamilyValidation, UnsupportedCombinationsStopWithOneLine) {
+  const Golden& g = golden("llama_gqa");
+  const std::string config = write_config("llama_bad.json", golden_run(g));
+  expect_one_line_rejection(run("validate " + config + " --world-size 2 --set tensor_parallel.autotp_size=2", 0),
+                            "`tensor_parallel.autotp_size`: tensor parallelism for model.architecture llama is not "
+                            "implemented yet");
+  expect_one_line_rejection(run("validate " + config + " --set model.num_key_value_heads=3", 0),
+                            "`model.num_key_value_heads`: value 3 does not divide num_attention_heads (4)");
+  expect_one_line_rejection(run("validate " + config + " --set model.architecture=mixtral", 0),
+                            "`model.architecture`: mixtral (sparse MoE blocks");
+  expect_one_line_rejection(run("validate " + config + " --set model.n_embd=64", 0),
+                            "`model.n_embd`: GPT-2's key; model.architecture llama takes hidden_size");
+  json hostile = json::parse(slurp(g.hf_dir + "/config.json"));
+  hostile["num_local_experts"] = 8;
+  const std::string hf = temp_path("llama_hostile_hf");
+  std::system(("mkdir -p " + hf).c_str());
+  std::ofstream(hf + "/config.json") << hostile.dump(2);
+  expect_one_line_rejection(run("validate " + config + " --set model.hf_config=" + hf, 0),
+                            "`model.hf_config.num_local_experts`: not a key of Hugging Face's LlamaConfig that zero3d "
+                            "reads");
+}
+
+}  // namespace
