@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <fstream>
 #include <map>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -122,6 +123,8 @@ struct Layout {
   std::string args, name;
 };
 
+void PrintTo(const Layout& l, std::ostream* os) { *os << l.golden << " " << l.name; }
+
 class LlamaLayout : public ::testing::TestWithParam<Layout> {};
 
 // The losses of one rank (ZeRO off) within 1e-5 relative over the golden's 8 steps.
@@ -167,6 +170,24 @@ INSTANTIATE_TEST_SUITE_P(
                "--set pipeline.activation_checkpoint_interval=1 --set activation_checkpointing.recompute_granularity=selective",
                "np1_selective_ac"}),
     [](const ::testing::TestParamInfo<Layout>& info) { return info.param.golden + "_" + info.param.name; });
+
+// 16-bit runs: bf16 and fp16 parameters and torch_autocast run the products in 16 bits (the
+// activations, RMSNorm and attention stay fp32) and follow PyTorch's fp32 losses within the
+// rounding of their products; a bf16 run at np 2 with ZeRO-2 stays within bf16 reduction-order
+// noise of one rank's.
+TEST(LlamaFamilyPrecision, SixteenBitRunsTrackPyTorchsFp32Losses) {
+  const Golden& g = golden("llama_gqa");
+  const std::vector<double> bf16 = losses_of(train(g, 1, "bf16", "--set bf16.enabled=true"));
+  expect_losses_close(bf16, g.losses, 2e-3, "bf16 against PyTorch fp32");
+  expect_losses_close(losses_of(train(g, 1, "fp16", "--set fp16.enabled=true")), g.losses, 5e-4,
+                      "fp16 against PyTorch fp32");
+  expect_losses_close(losses_of(train(g, 1, "autocast", "--set torch_autocast.enabled=true")), g.losses, 1e-3,
+                      "torch_autocast bf16 against PyTorch fp32");
+  expect_losses_close(losses_of(train(g, 2, "bf16_np2_z2",
+                                      "--set bf16.enabled=true --set zero_optimization.stage=2 "
+                                      "--set train_micro_batch_size_per_gpu=2")),
+                      bf16, 1e-3, "bf16 np 2 ZeRO-2 against bf16 np 1");
+}
 
 // A model given in the section itself (no Hugging Face file) trains with Hugging Face's
 // initialisation and the input/llama-tiny.json example runs.
