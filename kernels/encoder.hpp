@@ -132,18 +132,22 @@ ZERO3D_KERNEL void token_embedding_forward(float* out, const int32_t* tokens, co
 #endif
 }
 
-// dweight[token] += dout for N tokens: channel blocks on the CPU (no two iterations touch the same
-// element when a token repeats), the device form's positions sorted by token; both add a token's
-// rows in position order (the same bits).
-ZERO3D_KERNEL void token_embedding_backward(float* dweight, const float* dout, const int32_t* tokens, Index N, Index C) {
+// dweight_local[token − v0] += dout for the N tokens in [v0, v0 + Vl) (the rows this rank holds:
+// all of them, or its vocabulary share with tensor parallelism): channel blocks on the CPU (no two
+// iterations touch the same element when a token repeats), the device form's positions sorted
+// by token; both add a token's rows in position order (the same bits).
+ZERO3D_KERNEL void token_embedding_backward(float* dweight_local, const float* dout, const int32_t* tokens, Index v0,
+                                            Index Vl, Index N, Index C) {
 #ifdef ZERO3D_DEVICE
-  gpu::embedding_rows_backward(dweight, dout, tokens, 0, std::numeric_limits<int32_t>::max(), N, C);
+  gpu::embedding_rows_backward(dweight_local, dout, tokens, v0, Vl, N, C);
 #else
   constexpr Index kBlock = 16;
   Kokkos::parallel_for("token_embedding_backward", range((C + kBlock - 1) / kBlock), KOKKOS_LAMBDA(Index blk) {
     const Index c0 = blk * kBlock, c1 = c0 + kBlock < C ? c0 + kBlock : C;
     for (Index i = 0; i < N; ++i) {
-      float* w = dweight + static_cast<Index>(tokens[i]) * C;
+      const Index id = static_cast<Index>(tokens[i]) - v0;
+      if (id < 0 || id >= Vl) continue;
+      float* w = dweight_local + id * C;
       const float* d = dout + i * C;
       for (Index c = c0; c < c1; ++c) w[c] += d[c];
     }

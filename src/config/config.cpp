@@ -384,13 +384,17 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
   sec.accept_default_only("keep_module_on_host", false);
   sec.accept_default_only("replace_with_kernel_inject", false);
   sec.finish();
-  if (t.size > 1 && m.family.llama())
-    sec.report_key("autotp_size", "tensor parallelism for model.architecture " +
-                                      std::string(architecture_name(m.family.arch)) +
-                                      " is not implemented yet (q/k/v split by whole K/V-head groups, o_proj and "
-                                      "down_proj row-parallel, gate/up_proj column-parallel); use data or pipeline "
-                                      "parallelism");
-  if (t.size > 1) {
+  if (t.size > 1 && m.family.llama()) {  // each rank: whole K/V-head groups, I/t of the MLP
+    const std::string ts = "autotp_size " + std::to_string(t.size) + " does not divide model.";
+    const DecoderFamily& f = m.family;
+    if (f.num_key_value_heads % t.size != 0)
+      sec.report_key("autotp_size", ts + "num_key_value_heads (" + std::to_string(f.num_key_value_heads) +
+                                        "): each rank must hold whole K/V heads with their groups of query heads");
+    if (f.intermediate_size % t.size != 0)
+      sec.report_key("autotp_size", ts + "intermediate_size (" + std::to_string(f.intermediate_size) + ")");
+    if (m.n_embd % t.size != 0)
+      sec.report_key("autotp_size", ts + "hidden_size (" + std::to_string(m.n_embd) + ")");
+  } else if (t.size > 1) {
     if (m.n_head % t.size != 0)
       sec.report_key("autotp_size", "autotp_size " + std::to_string(t.size) + " does not divide model.n_head (" +
                                       std::to_string(m.n_head) + "): each rank must hold whole heads");

@@ -233,8 +233,13 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   if (c.embedding) {
     const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V(/t),C] then wpe [T,C]
     const obs::Region region(obs::embedding_module());
-    if (shape_.llama()) {  // embed_tokens alone: RoPE places tokens inside attention
+    if (shape_.llama() && !tp) {  // embed_tokens alone: RoPE places tokens inside attention
       token_embedding_forward(buf.input, buf.tokens, E, BT, C);
+    } else if (shape_.llama()) {  // vocab-parallel: each rank looks up the ids it owns, the group sums
+      float* lookup = sp ? row_out_ : buf.input;
+      vocab_embedding_forward(lookup, buf.tokens, E, part_.vocab_begin, V, BT, C);
+      if (!sp) reduce_from_tp_region_forward(tp_, buf.input, BT * C);
+      else reduce_scatter_to_sequence_parallel_region_forward(tp_, row_out_, buf.input, Ns * C);
     } else if (!tp) {
       encoder_forward(buf.input, buf.tokens, E, E + V * C, B, T, C);
     } else {  // vocab-parallel: each rank looks up the ids it owns, the group sums, then + wpe
@@ -278,7 +283,8 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   const P* F = static_cast<const P*>(store.fetch(c.final_unit));  // weight [C] then bias [C] (model.norm: weight)
   obs::Region head(obs::ln_f_module(static_cast<int>(shape_.n_layer)));
   // ln_f over this rank's tokens; the head reads all tokens (gathered with sequence parallelism)
-  if (shape_.llama()) rmsnorm_forward(buf.ln_f, buf.ln_f_rstd, x, F, Ns, C, static_cast<float>(shape_.family.rms_norm_eps));
+  if (shape_.llama())
+    rmsnorm_forward(sp ? shard_ : buf.ln_f, buf.ln_f_rstd, x, F, Ns, C, static_cast<float>(shape_.family.rms_norm_eps));
   else layernorm_forward(sp ? shard_ : buf.ln_f, buf.ln_f_mean, buf.ln_f_rstd, x, F, F + C, Ns, C);
   store.release(c.final_unit);
   if (sp) gather_from_sequence_parallel_region_forward(tp_, shard_, buf.ln_f, Ns * C);
@@ -559,7 +565,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     } else {
       reduce_from_tp_region_backward(tp_, dres, BT * C);
     }
-    if (shape_.llama()) token_embedding_backward(dEmb, d_embedded, buf.tokens, BT, C);
+    if (shape_.llama()) token_embedding_backward(dEmb, d_embedded, buf.tokens, part_.vocab_begin, V, BT, C);
     else if (!tp) encoder_backward(dEmb, dEmb + V * C, d_embedded, buf.tokens, B, T, C);  // no parameters needed
     else vocab_embedding_backward(dEmb, dEmb + V * C, d_embedded, buf.tokens, part_.vocab_begin, V, B, T, C);
     store.grads_done(c.embed_unit);

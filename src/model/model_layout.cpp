@@ -83,9 +83,9 @@ std::string expert_prefix(int64_t l, int64_t e) {
 
 BlockWidths block_widths(const GPTShape& s, int64_t t) {
   if (!s.llama()) return {3 * s.n_embd / t, s.n_embd / t, 4 * s.n_embd / t, 4 * s.n_embd / t};
-  const DecoderFamily& f = s.family;
-  return {(s.n_head + 2 * f.num_key_value_heads) * f.head_dim, s.n_head * f.head_dim, 2 * f.intermediate_size,
-          f.intermediate_size};
+  const DecoderFamily& f = s.family;  // whole K/V-head groups and I/t of the MLP per tensor rank
+  return {(s.n_head + 2 * f.num_key_value_heads) * f.head_dim / t, s.n_head * f.head_dim / t,
+          2 * f.intermediate_size / t, f.intermediate_size / t};
 }
 
 std::string embedding_tensor_name(const GPTShape& s) { return s.llama() ? "model.embed_tokens.weight" : "wte.weight"; }
@@ -174,8 +174,6 @@ std::vector<std::pair<int64_t, int64_t>> ModelPart::replicated_ranges() const {
 ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int stages, int stage, int tp_size,
                          int tp_rank, int ep_size, int ep_rank) {
   const int64_t t = tp_size;
-  // Config validation rejects tensor parallelism for the Llama family (config.cpp); its splits are not built here.
-  if (s.llama() && tp_size > 1) throw std::invalid_argument("tensor parallelism is not available for the Llama family");
   const ParamLayout global = gpt_layout(s);
   const std::string embedding = embedding_tensor_name(s);
   const int parts = static_cast<int>(bounds.size()) - 1;
@@ -198,7 +196,7 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
   auto add = [&](const std::string& name, TensorSplit split, bool saved) {
     const TensorSpec* g = global.find(name);
     std::vector<int64_t> shape = g->shape;
-    const bool vocab = name == embedding;
+    const bool vocab = name == embedding || name == "lm_head.weight";  // the vocab-parallel head too
     if (vocab) shape[0] = part.vocab_padded;
     const int64_t full = shape[split.dim];
     shape[split.dim] = full / split.parts;
@@ -250,7 +248,7 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
       } else if (layer == layers - 1) {
         if (s.llama()) {  // model.norm and the untied head: one unit, the chunk's last
           add("model.norm.weight", replicated, true);
-          if (!s.tied_head()) add("lm_head.weight", replicated, true);
+          if (!s.tied_head()) add("lm_head.weight", rows, true);  // vocab-parallel (Megatron's parallel LM head)
         } else {
           add("ln_f.weight", replicated, true);
           add("ln_f.bias", replicated, true);
@@ -265,10 +263,22 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
         // MoE additions (gate, coefficient) are replicated: every tensor rank routes the same tokens.
         const TensorSplit how[] = {replicated, replicated, qkv_cols, qkv_bias, rows, replicated,
                                    replicated, replicated, cols,     rows,     rows, replicated};
+        // The Llama family (AutoTP's llama preset): q/k/v and gate/up_proj split by output rows
+        // (whole heads, K/V heads by whole groups), o_proj and down_proj by input columns, their
+        // biases replicated; RMSNorms replicated.
+        const auto llama_split = [&](const std::string& name) {
+          const bool column_parallel = name.rfind("self_attn.q_proj.", 0) == 0 || name.rfind("self_attn.k_proj.", 0) == 0 ||
+                                       name.rfind("self_attn.v_proj.", 0) == 0 || name.rfind("mlp.gate_proj.", 0) == 0 ||
+                                       name.rfind("mlp.up_proj.", 0) == 0;
+          if (column_parallel) return rows;
+          if (name == "self_attn.o_proj.weight" || name == "mlp.down_proj.weight") return cols;
+          return replicated;
+        };
         const auto tensors = block_tensors(s, l);
         for (const auto& [name, shape] : tensors) {
           TensorSplit split = replicated;
-          for (int j = 0; j < 12; ++j)
+          if (s.llama()) split = llama_split(name);
+          for (int j = 0; j < 12 && !s.llama(); ++j)
             if (name == kBlockTensorNames[j]) split = how[j];
           add(p + name, split, true);
         }

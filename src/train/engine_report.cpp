@@ -99,9 +99,13 @@ void Engine::print_startup() const {
   std::printf("batch   %s\n", cfg_.batch.derivation.c_str());
   if (tp_comm_->size() > 1) {
     const ModelPart& part = model_->part();
-    std::printf("tensor  %d ranks (Megatron): c_attn and c_fc column-parallel, c_proj row-parallel, wte vocab-parallel "
+    std::printf("tensor  %d ranks (Megatron): %s vocab-parallel "
                 "(%lld rows each, vocabulary padded %lld -> %lld)%s%s; %lld parameters on tensor rank 0 of stage 0\n",
-                tp_comm_->size(), (long long)part.vocab_local, (long long)s.vocab_size, (long long)part.vocab_padded,
+                tp_comm_->size(),
+                s.llama() ? "q/k/v_proj (whole K/V-head groups) and gate/up_proj column-parallel, o_proj and down_proj "
+                            "row-parallel, embed_tokens and lm_head"
+                          : "c_attn and c_fc column-parallel, c_proj row-parallel, wte",
+                (long long)part.vocab_local, (long long)s.vocab_size, (long long)part.vocab_padded,
                 cfg_.tensor.sequence_parallel ? ", sequence parallel" : "",
                 cfg_.tensor.overlap_comm ? ", input-gradient all-reduces overlapped" : "",
                 (long long)model_->num_params());

@@ -215,15 +215,29 @@ TEST(ModelFamily, GptAndLlamaKeysDoNotMix) {
             std::string::npos);
 }
 
+// Tensor parallelism keeps whole K/V-head groups on a rank and splits the MLP's width evenly.
+TEST(ModelFamily, TensorParallelSplitsMustDivideTheHeadsGroupsAndWidths) {
+  const json tiny = {{"architecture", "llama"}, {"hidden_size", 32}, {"num_attention_heads", 4},
+                     {"num_key_value_heads", 2}, {"intermediate_size", 48}, {"num_hidden_layers", 2}, {"vocab_size", 61}};
+  json ok = with_model(tiny);
+  ok["tensor_parallel"] = {{"autotp_size", 2}, {"sequence_parallel", true}};
+  EXPECT_EQ(error_of(ok), "");
+  json mqa = ok;
+  mqa["model"]["num_key_value_heads"] = 1;
+  EXPECT_NE(error_of(mqa).find("`tensor_parallel.autotp_size`: autotp_size 2 does not divide "
+                               "model.num_key_value_heads (1): each rank must hold whole K/V heads"),
+            std::string::npos);
+  json mlp = ok;
+  mlp["model"]["intermediate_size"] = 50;
+  mlp["tensor_parallel"]["autotp_size"] = 4;
+  mlp["model"]["num_key_value_heads"] = 4;
+  EXPECT_NE(error_of(mlp, 4).find("autotp_size 4 does not divide model.intermediate_size (50)"), std::string::npos);
+}
+
 // Layouts and features the family does not have yet stop at validation, naming the key.
 TEST(ModelFamily, UnsupportedCombinationsAreRejectedAtValidation) {
   const json tiny = {{"architecture", "llama"}, {"hidden_size", 32}, {"num_attention_heads", 4},
                      {"num_hidden_layers", 2}, {"vocab_size", 64}};
-  json tp = with_model(tiny);
-  tp["tensor_parallel"] = {{"autotp_size", 2}};
-  EXPECT_NE(error_of(tp).find("`tensor_parallel.autotp_size`: tensor parallelism for model.architecture llama is not "
-                              "implemented yet"),
-            std::string::npos);
   json moe = tiny;
   moe["moe"] = {{"num_experts", 2}};
   EXPECT_NE(error_of(with_model(moe)).find("`model.moe.num_experts`: zero3d's MoE layers replace GPT-2 MLPs"),
