@@ -65,11 +65,14 @@ void Engine::print_startup() const {
                                                         : "loaded from " + cfg_.model.init_from;
   if (s.llama()) {
     const DecoderFamily& f = s.family;
-    int64_t windowed = 0;
-    for (int64_t l = 0; l < s.n_layer; ++l) windowed += f.window_of(l) > 0 ? 1 : 0;
+    int64_t windowed = 0, widest = 0;
+    for (int64_t l = 0; l < s.n_layer; ++l) {
+      windowed += f.window_of(l) > 0 ? 1 : 0;
+      widest = std::max(widest, f.window_of(l));
+    }
     const std::string window = windowed == 0 ? "no sliding window"
-                               : "sliding window " + std::to_string(f.window_of(s.n_layer - 1)) + " on " +
-                                     std::to_string(windowed) + " of " + std::to_string(s.n_layer) + " layers";
+                               : "sliding window " + std::to_string(widest) + " on " + std::to_string(windowed) +
+                                     " of " + std::to_string(s.n_layer) + " layers";
     std::printf("model   %s V=%lld T=%lld L=%lld H=%lld KV=%lld d=%lld C=%lld I=%lld (%s head%s%s, %s): %lld parameters "
                 "(%.2f MB fp32), %s\n",
                 architecture_name(f.arch), (long long)s.vocab_size, (long long)s.n_positions, (long long)s.n_layer,

@@ -172,6 +172,10 @@ INSTANTIATE_TEST_SUITE_P(
         Layout{"mistral_window", 2, "--set tensor_parallel.autotp_size=2 --set tensor_parallel.sequence_parallel=true",
                "np2_t2_sp"},
         Layout{"llama_gqa", 4, kMicro1 + "--set tensor_parallel.autotp_size=2 --set pipeline.stages=2", "np4_t2_p2"},
+        Layout{"llama_gqa", 4,
+               kMicro1 + "--set tensor_parallel.autotp_size=2 --set tensor_parallel.sequence_parallel=true "
+                         "--set pipeline.stages=2 --set pipeline.schedule=zb-h1",
+               "np4_t2_sp_p2_zbh1"},
         Layout{"qwen2_bias", 4,
                "--set tensor_parallel.autotp_size=2 --set zero_optimization.stage=2 "
                "--set tensor_parallel.sequence_parallel=true",
