@@ -79,6 +79,8 @@ goldens:
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_goldens.py tests/golden
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_moe_goldens.py tests/golden
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_sparse_attention_goldens.py tests/golden
+	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_llama_kernels_golden.py tests/golden
+	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_llama_goldens.py tests/golden
 
 clean:
 	rm -rf $(BUILD_DIR)

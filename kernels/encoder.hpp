@@ -1,4 +1,5 @@
-// encoder.hpp — GPT-2 input embedding: out[b,t,:] = wte[token[b,t],:] + wpe[t,:].
+// encoder.hpp — GPT-2 input embedding: out[b,t,:] = wte[token[b,t],:] + wpe[t,:]; and the Llama
+// family's, the token rows alone (token_embedding_forward/backward).
 #pragma once
 
 #include <Kokkos_Sort.hpp>
@@ -70,6 +71,13 @@ inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const 
   embedding_rows_backward(dwte, dout, tokens, 0, std::numeric_limits<int32_t>::max(), B * T, C);
 }
 
+template <typename P>
+ZERO3D_KERNEL void token_embedding_forward(float* out, const int32_t* tokens, const P* weight, Index N, Index C) {
+  Kokkos::parallel_for("token_embedding_forward", range(N * C), KOKKOS_LAMBDA(Index j) {
+    out[j] = to_float(weight[static_cast<Index>(tokens[j / C]) * C + j % C]);
+  });
+}
+
 }  // namespace gpu
 
 template <typename P>
@@ -104,6 +112,44 @@ ZERO3D_KERNEL void encoder_backward(float* dwte, float* dwpe, const float* dout,
         w[c] += d[c];
         p[c] += d[c];
       }
+    }
+  });
+#endif
+}
+
+// The Llama family's input embedding (LlamaModel.embed_tokens, no position embedding; RoPE
+// places tokens inside attention): out[i,:] = weight[token[i],:] for N tokens.
+template <typename P>
+ZERO3D_KERNEL void token_embedding_forward(float* out, const int32_t* tokens, const P* weight, Index N, Index C) {
+#ifdef ZERO3D_DEVICE
+  gpu::token_embedding_forward(out, tokens, weight, N, C);
+#else
+  Kokkos::parallel_for("token_embedding_forward", range(N), KOKKOS_LAMBDA(Index i) {
+    const P* w = weight + static_cast<Index>(tokens[i]) * C;
+    float* o = out + i * C;
+    for (Index c = 0; c < C; ++c) o[c] = to_float(w[c]);
+  });
+#endif
+}
+
+// dweight_local[token − v0] += dout for the N tokens in [v0, v0 + Vl) (the rows this rank holds:
+// all of them, or its vocabulary share with tensor parallelism): channel blocks on the CPU (no two
+// iterations touch the same element when a token repeats), the device form's positions sorted
+// by token; both add a token's rows in position order (the same bits).
+ZERO3D_KERNEL void token_embedding_backward(float* dweight_local, const float* dout, const int32_t* tokens, Index v0,
+                                            Index Vl, Index N, Index C) {
+#ifdef ZERO3D_DEVICE
+  gpu::embedding_rows_backward(dweight_local, dout, tokens, v0, Vl, N, C);
+#else
+  constexpr Index kBlock = 16;
+  Kokkos::parallel_for("token_embedding_backward", range((C + kBlock - 1) / kBlock), KOKKOS_LAMBDA(Index blk) {
+    const Index c0 = blk * kBlock, c1 = c0 + kBlock < C ? c0 + kBlock : C;
+    for (Index i = 0; i < N; ++i) {
+      const Index id = static_cast<Index>(tokens[i]) - v0;
+      if (id < 0 || id >= Vl) continue;
+      float* w = dweight_local + id * C;
+      const float* d = dout + i * C;
+      for (Index c = c0; c < c1; ++c) w[c] += d[c];
     }
   });
 #endif

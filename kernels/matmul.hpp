@@ -1,6 +1,7 @@
 // matmul.hpp — Hugging Face Conv1D linear layer: out[N,OC] = inp[N,IC] · weight[IC,OC] + bias.
 // The weight is input-major (GPT-2's Conv1D layout), so both products are plain row-major
-// matrix products. Weights and biases are stored as P (float, bf16 or fp16); the products go
+// matrix products. linear_forward/linear_backward are nn.Linear's (the Llama family's):
+// out = inp · weight[OC,IC]ᵀ + bias, the weight output-major as Hugging Face stores it. Weights and biases are stored as P (float, bf16 or fp16); the products go
 // through gemm() in the `compute` dtype (gemm.hpp: sgemm, or bf16 through oneDNN).
 #pragma once
 
@@ -168,6 +169,31 @@ inline void matmul_backward(float* dinp, float* dweight, const GemmOperand& dout
                             Index N, Index IC, Index OC, DType compute = DType::BF16, bool add_dweight = true) {
   if (dinp) gemm(N, IC, OC, dout, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
   if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, dout, dweight, OC, dweight_accumulates(add_dweight, compute), compute);
+}
+
+// nn.Linear: out[N,OC] = inp[N,IC] · weight[OC,IC]ᵀ + bias (+ out when accumulate: a residual
+// folded into the product). gemm adds the bias (in oneDNN's epilogue for bf16 products, a pass
+// after sgemm otherwise).
+template <typename P>
+inline void linear_forward(float* out, const float* inp, const P* weight, const P* bias, Index N, Index IC, Index OC,
+                           bool accumulate = false, DType compute = DType::F32) {
+  gemm(N, OC, IC, {inp, DType::F32, false, IC}, {weight, dtype_of<P>(), true, IC}, out, OC, accumulate, compute, bias,
+       dtype_of<P>());
+}
+
+// nn.Linear's backward: dinp = dout · weight (written, skipped when null); dweight[OC,IC] +=
+// doutᵀ · inp (skipped when null); dbias += Σ rows of dout (skipped when null). dout is
+// converted to `compute` once for both products, the bias gradient taken in that pass;
+// add_dweight = false says dweight holds zeros (dweight_accumulates).
+template <typename P>
+inline void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                            const P* weight, Index N, Index IC, Index OC, DType compute = DType::F32,
+                            bool add_dweight = true) {
+  const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
+  if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), false, IC}, dinp, IC, false, compute);
+  if (dweight)
+    gemm(OC, IC, N, {d.data, d.type, true, OC}, {inp, DType::F32, false, IC}, dweight, IC,
+         dweight_accumulates(add_dweight, compute), compute);
 }
 
 }  // namespace zero3d::kernels

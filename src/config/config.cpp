@@ -151,9 +151,85 @@ std::string default_model_text(const ModelConfig& m) {
          std::to_string(m.n_embd) + ")";
 }
 
+// The pipeline's layer list of the model (DeepSpeed's "parameters" partition weighs its layers).
+std::vector<PipeLayer> pipe_layers_of(const ModelConfig& m) {
+  if (!m.family.llama()) return gpt_pipe_layers(m.vocab_size, m.n_positions, m.n_layer, m.n_embd);
+  const DecoderFamily& f = m.family;
+  const int64_t C = m.n_embd, V = m.vocab_size, A = m.n_head * f.head_dim, QKV = A + 2 * f.num_key_value_heads * f.head_dim,
+                I = f.intermediate_size;
+  // two RMSNorms, q/k/v, o_proj, gate/up/down (model_layout.cpp llama_block_tensors)
+  const int64_t block = 2 * C + QKV * C + (f.qkv_bias ? QKV : 0) + C * A + (f.o_bias ? C : 0) + 3 * I * C +
+                        (f.mlp_bias ? 2 * I + C : 0);
+  return decoder_pipe_layers(V * C, block, m.n_layer, C + V * C);
+}
+
+// The Llama family's keys, which GPT-2's section does not take.
+const std::vector<std::string> kLlamaFamilyKeys = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
+    "max_window_layers", "seq_length", "hidden_act", "initializer_range", "attention_dropout"};
+
 ModelConfig read_model(Section& top) {
   ModelConfig m;
   Section sec = top.child("model");
+  // hf_config first: its model_type is the architecture unless the section names one
+  m.hf_config = sec.path("hf_config", "");
+  json hf;
+  std::string hf_file;
+  if (!m.hf_config.empty()) {
+    try {
+      hf = read_hf_config_file(sec, m.hf_config, &hf_file);
+    } catch (const KeyProblem&) {
+    } catch (const InputError& e) {
+      sec.report_key("hf_config", e.what());
+    }
+  }
+  const json* model_type = hf.is_object() && hf.contains("model_type") ? &hf["model_type"] : nullptr;
+  const std::vector<std::string> families = {"gpt2", "llama", "mistral", "qwen2", "mixtral"};
+  std::string arch = sec.choice("architecture", "gpt2", families);
+  if (arch == "mixtral" || (!sec.has("architecture") && model_type && *model_type == "mixtral")) {
+    // the one problem to report: the rest of the section is a Mixtral's, which nothing here reads
+    sec.report_key(sec.has("architecture") ? "architecture" : "hf_config",
+                   "mixtral (sparse MoE blocks: Hugging Face's MixtralSparseMoeBlock, top-k routing without token "
+                   "dropping) is not implemented yet; llama, mistral and qwen2 are");
+    return m;
+  }
+  if (!sec.has("architecture") && model_type) {
+    arch = model_type->is_string() ? model_type->get<std::string>() : show(*model_type);
+    if (std::find(families.begin(), families.end(), arch) == families.end() || arch == "gpt2") {
+      sec.report_key("hf_config", hf_file + ": model_type " + show(*model_type) +
+                                      " is not a family zero3d reads from a Hugging Face config (llama, mistral, qwen2)");
+      return m;
+    }
+    sec.record("architecture", arch);
+  } else if (model_type && *model_type != arch) {
+    sec.report_key("architecture", "value " + show(json(arch)) + " differs from model_type " + show(*model_type) +
+                                       " in " + hf_file);
+  }
+  if (arch != "gpt2") {
+    const Architecture a = arch == "llama" ? Architecture::Llama : arch == "mistral" ? Architecture::Mistral : Architecture::Qwen2;
+    read_llama_family(sec, m, a, hf.is_object() ? &hf : nullptr, hf_file);
+    m.init_from = sec.path("init_from", "");
+    m.moe = read_moe(sec);
+    if (m.moe.enabled())
+      sec.report("model.moe.num_experts", "zero3d's MoE layers replace GPT-2 MLPs; experts in a " + arch +
+                                              " block (Mixtral's sparse MoE) are not implemented yet");
+    sec.finish();
+    return m;
+  }
+  // today's GPT-2 section resolves as it always did: no architecture or hf_config keys unless given
+  if (!sec.has("architecture")) sec.forget("architecture");
+  if (!sec.has("hf_config")) sec.forget("hf_config");
+  if (!m.hf_config.empty())
+    sec.report_key("hf_config", "reads a Llama-family config.json (llama, mistral, qwen2); model.architecture gpt2 "
+                                "takes its sizes from n_embd, n_layer, n_head and n_positions");
+  for (const std::string& key : kLlamaFamilyKeys) {
+    sec.mark_known(key);
+    if (sec.has(key))
+      sec.report_key(key, "a key of the Llama family; set model.architecture to llama, mistral or qwen2 (GPT-2 "
+                          "takes n_embd, n_layer, n_head and n_positions)");
+  }
   m.vocab_size = sec.integer("vocab_size", 256, 2, 1 << 24);
   m.n_positions = sec.integer("n_positions", 256, 1, 1 << 20);
   m.n_layer = sec.integer("n_layer", 2, 1, 4096);
@@ -308,7 +384,17 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
   sec.accept_default_only("keep_module_on_host", false);
   sec.accept_default_only("replace_with_kernel_inject", false);
   sec.finish();
-  if (t.size > 1) {
+  if (t.size > 1 && m.family.llama()) {  // each rank: whole K/V-head groups, I/t of the MLP
+    const std::string ts = "autotp_size " + std::to_string(t.size) + " does not divide model.";
+    const DecoderFamily& f = m.family;
+    if (f.num_key_value_heads % t.size != 0)
+      sec.report_key("autotp_size", ts + "num_key_value_heads (" + std::to_string(f.num_key_value_heads) +
+                                        "): each rank must hold whole K/V heads with their groups of query heads");
+    if (f.intermediate_size % t.size != 0)
+      sec.report_key("autotp_size", ts + "intermediate_size (" + std::to_string(f.intermediate_size) + ")");
+    if (m.n_embd % t.size != 0)
+      sec.report_key("autotp_size", ts + "hidden_size (" + std::to_string(m.n_embd) + ")");
+  } else if (t.size > 1) {
     if (m.n_head % t.size != 0)
       sec.report_key("autotp_size", "autotp_size " + std::to_string(t.size) + " does not divide model.n_head (" +
                                       std::to_string(m.n_head) + "): each rank must hold whole heads");
@@ -453,8 +539,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
                  " does not divide the number of ranks (" + std::to_string(world_size) + ")");
   step([&] {
     try {
-      c.pipe_bounds = partition_pipe_layers(
-          gpt_pipe_layers(c.model.vocab_size, c.model.n_positions, c.model.n_layer, c.model.n_embd), c.pipeline);
+      c.pipe_bounds = partition_pipe_layers(pipe_layers_of(c.model), c.pipeline);
     } catch (const std::invalid_argument& e) {
       throw InputError(file + ": " + e.what());
     }
@@ -527,6 +612,14 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   step([&] { c.model.sparse_attention = read_sparse_attention(top, c); });
   step([&] { c.checkpoint = read_checkpoint_section(top, c); });
   step([&] { c.pld = read_progressive_layer_drop(top, c); });
+  if (c.model.family.llama()) {  // GPT-2 features the Llama family's block does not have (yet)
+    const std::string family = "model.architecture " + std::string(architecture_name(c.model.family.arch));
+    if (c.model.sparse_attention.enabled)
+      top.report("sparse_attention", "block-sparse attention is GPT-2's; " + family +
+                                         " has causal grouped-query attention with its sliding window");
+    if (c.pld.enabled)
+      top.report("progressive_layer_drop.enabled", "progressive layer drop is not implemented for " + family);
+  }
   if (layout_ok) step([&] { check_moe(top, c, dp); });
   if (kernels::kGpuBuild)
     for (const auto& [key, why] : gpu_build_problems(c, world_size)) key.empty() ? ctx.problem(why) : top.report(key, why);
@@ -560,6 +653,9 @@ std::vector<std::pair<std::string, std::string>> gpu_build_problems(const Config
   (void)world_size;  // every layout runs: collectives on device memory stage through the host (comm_staged.hpp)
   if (c.model.moe.enabled())
     p.emplace_back("model.moe.num_experts", "Mixture of Experts" + not_yet + " (its routing tables live in host memory)");
+  if (c.model.family.llama())
+    p.emplace_back("model.architecture", std::string(architecture_name(c.model.family.arch)) + not_yet +
+                                             " (its kernels' device forms are checked against the CPU forms on the CPU only)");
   if (c.model.sparse_attention.enabled)
     p.emplace_back("sparse_attention", "block-sparse attention" + not_yet + " (its panels are host products)");
   if (c.zero.offload_optimizer.device != OffloadDevice::None)

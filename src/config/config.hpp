@@ -16,6 +16,7 @@
 #include "base/dtype.hpp"
 #include "model/activation_checkpointing.hpp"
 #include "model/autocast.hpp"
+#include "model/family.hpp"
 #include "model/pld.hpp"
 #include "model/sparse_attention.hpp"
 #include "observe/observability_config.hpp"
@@ -41,13 +42,19 @@ struct MoeConfig {
   bool is_moe_block(int64_t l) const { return enabled() && (l + 1) % every == 0; }
 };
 
+// model: GPT-2 under its GPT2Config names (n_embd, n_layer, n_head, n_positions), or with
+// `architecture` llama, mistral or qwen2 a Llama-family decoder under Hugging Face's config.json
+// names (hidden_size, num_hidden_layers, num_attention_heads, seq_length for T; the rest in
+// `family`), given in the section or read from a Hugging Face config.json (`hf_config`).
 struct ModelConfig {
   int64_t vocab_size = 256;
-  int64_t n_positions = 256;  // T: the sequence length trained on
+  int64_t n_positions = 256;  // T: the sequence length trained on (the Llama family's seq_length)
   int64_t n_layer = 2;
   int64_t n_head = 2;
   int64_t n_embd = 64;
-  std::string init_from;  // HDF5 or safetensors file with Hugging Face GPT-2 names; empty = init from seed
+  std::string init_from;  // HDF5 or safetensors file with Hugging Face names; empty = init from seed
+  std::string hf_config;  // the Hugging Face config.json the Llama family's knobs were read from (empty: none)
+  DecoderFamily family;   // architecture (GPT2 by default) and the Llama family's knobs
   MoeConfig moe;
   SparseAttention sparse_attention;  // the top-level `sparse_attention` section (a model property here)
 };

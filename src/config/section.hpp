@@ -523,6 +523,11 @@ void read_zero(Section& top, Config& c, bool tuning);
 void check_zero_optimizer(Section& top, const Config& c);
 void check_offload(Section& top, const Config& c);
 void read_gradient_averaging(Section& top, Config& c);
+// config/model_family.cpp: a Hugging Face config.json (model.hf_config: the file, or a directory
+// holding config.json; *file names the file read), and the Llama family's keys of the `model`
+// section over that file's (hf: null without hf_config) into m.
+json read_hf_config_file(Section& model, const std::string& path, std::string* file);
+void read_llama_family(Section& sec, ModelConfig& m, Architecture arch, const json* hf, const std::string& hf_file);
 // model.moe (config/moe.cpp): the section, then its checks against the layout and the rest of the run.
 MoeConfig read_moe(Section& model);
 void check_moe(Section& top, const Config& c, int64_t data_parallel_size);

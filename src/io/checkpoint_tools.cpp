@@ -249,6 +249,9 @@ struct ModelShape {
 // Sizes from the tensors themselves; n_head, which no shape shows, from the saved model section.
 ModelShape model_shape_of(const CheckpointReader& reader, const ParamLayout& layout) {
   const std::string where = reader.dir() + "/index.h5";
+  if (layout.find("model.embed_tokens.weight"))
+    throw InputError(where + ": a Llama-family checkpoint (model.embed_tokens.weight): zero3d convert writes GPT-2's "
+                             "files only so far");
   const TensorSpec* wte = layout.find("wte.weight");
   const TensorSpec* wpe = layout.find("wpe.weight");
   if (!wte || !wpe || wte->shape.size() != 2 || wpe->shape.size() != 2)

@@ -45,21 +45,34 @@ struct Wanted {
   std::string key;
 };
 
-// The layer number of "h.<N>.…", or -1.
-int64_t layer_of(const std::string& name) {
-  if (name.compare(0, 2, "h.") != 0) return -1;
-  size_t end = 2;
-  while (end < name.size() && end < 12 && std::isdigit(static_cast<unsigned char>(name[end]))) ++end;
-  if (end == 2 || end >= name.size() || name[end] != '.') return -1;
-  return std::stoll(name.substr(2, end - 2));
+// The length of a block tensor's layer prefix: GPT-2's "h." or the Llama family's "model.layers.".
+size_t layer_prefix(const std::string& name) {
+  if (name.compare(0, 2, "h.") == 0) return 2;
+  if (name.compare(0, 13, "model.layers.") == 0) return 13;
+  return 0;
 }
 
-// Hugging Face GPT-2 files also hold the tied LM head and the causal-mask buffers; none is a weight.
-bool is_ignored(const std::string& name) {
-  if (name == "lm_head.weight") return true;
+// The layer number of "h.<N>.…" (or "model.layers.<N>.…"), or -1.
+int64_t layer_of(const std::string& name) {
+  const size_t first = layer_prefix(name);
+  if (first == 0) return -1;
+  size_t end = first;
+  while (end < name.size() && end < first + 10 && std::isdigit(static_cast<unsigned char>(name[end]))) ++end;
+  if (end == first || end >= name.size() || name[end] != '.') return -1;
+  return std::stoll(name.substr(first, end - first));
+}
+
+// A block tensor's name after its layer: "attn.c_attn.weight", "self_attn.q_proj.weight".
+std::string within_layer(const std::string& name) { return name.substr(name.find('.', layer_prefix(name)) + 1); }
+
+// Hugging Face GPT-2 files also hold the tied LM head and the causal-mask buffers, and older
+// Llama files RoPE's inv_freq buffer (rotary_emb.inv_freq, persistent before transformers 4.31):
+// none is a weight. An untied head's lm_head.weight is in the model's layout, so it is read.
+bool is_ignored(const std::string& name, const ParamLayout& layout) {
+  if (name == "lm_head.weight") return !layout.find(name);
   if (layer_of(name) < 0) return false;
-  const std::string rest = name.substr(name.find('.', 2) + 1);
-  return rest == "attn.bias" || rest == "attn.masked_bias";
+  const std::string rest = within_layer(name);
+  return rest == "attn.bias" || rest == "attn.masked_bias" || rest == "self_attn.rotary_emb.inv_freq";
 }
 
 // Extra names in the order a GPT-2 layout has them: by layer (h.2 before h.10), within a layer
@@ -68,8 +81,8 @@ void sort_like_the_layout(std::vector<std::string>& names, const ParamLayout& la
   auto key = [&](const std::string& name) {
     const int64_t layer = layer_of(name);
     if (layer < 0) return std::make_tuple(int64_t(1), int64_t(0), int64_t(0), name);
-    const std::string rest = name.substr(name.find('.', 2) + 1);
-    const TensorSpec* in_block = layout.find("h.0." + rest);
+    const std::string rest = within_layer(name);
+    const TensorSpec* in_block = layout.find(name.substr(0, layer_prefix(name)) + "0." + rest);
     return std::make_tuple(int64_t(0), layer, in_block ? in_block->offset : layout.total(), rest);
   };
   std::sort(names.begin(), names.end(), [&](const std::string& a, const std::string& b) { return key(a) < key(b); });
@@ -107,7 +120,7 @@ void check_names(const std::string& where, const ParamLayout& layout, const std:
     if (!keys.count(t.name)) missing.push_back(t.name);
   }
   for (const auto& [name, key] : keys) {
-    if (is_ignored(name)) continue;
+    if (is_ignored(name, layout)) continue;
     file_layers = std::max(file_layers, layer_of(name) + 1);
     if (!layout.find(name)) extra.push_back(name);
   }

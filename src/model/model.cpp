@@ -1,4 +1,5 @@
-// model.cpp — GPT-2 forward and backward: the layer loop, read top-down then bottom-up.
+// model.cpp — GPT-2 forward and backward: the layer loop, read top-down then bottom-up. The Llama
+// family runs the same loop with its own embedding, block (llama_block.cpp), final norm and head.
 
 
 #include "base/profiler.hpp"
@@ -11,9 +12,11 @@
 #include "kernels/gelu.hpp"
 #include "kernels/layernorm.hpp"
 #include "kernels/matmul.hpp"
+#include "kernels/rmsnorm.hpp"
 #include "kernels/vocab_parallel.hpp"
 #include "model/model.hpp"
 #include "model/pld.hpp"
+#include "model/stopwatch.hpp"
 #include "parallel/comm.hpp"
 #include <algorithm>
 #include <chrono>
@@ -37,22 +40,6 @@ void copy_spaces(float* dst, bool dst_host, const float* src, bool src_host, int
   else if (src_host) Kokkos::deep_copy(Device(dst, n), Host(from, n));
   else Kokkos::deep_copy(Device(dst, n), Device(from, n));
 }
-
-
-// Milliseconds of a region, fenced so device work is counted (profile only; free otherwise).
-struct Stopwatch {
-  bool on;
-  std::chrono::steady_clock::time_point t0;
-  explicit Stopwatch(bool on_) : on(on_) {
-    if (on) Kokkos::fence(), t0 = std::chrono::steady_clock::now();
-  }
-  double ms() const {
-    if (!on) return 0.0;
-    Kokkos::fence();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  }
-};
-
 
 }  // namespace
 
@@ -123,6 +110,11 @@ bf16* as_bf16(float* x) { return reinterpret_cast<bf16*>(x); }
 template <typename P>
 void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
                         double* attention_ms, ActivationBuffer* buf, float scale) {
+  if (shape_.llama()) {
+    // progressive layer drop is refused for the Llama family at validation (config.cpp)
+    if (scale != 1.0f) throw std::logic_error("progressive layer drop reached a Llama-family block");
+    return llama_block_forward<P>(c, l, a, residual, store, attention_ms);
+  }
   if (scale == 0.0f) return dropped_block_forward(a, residual);  // progressive layer drop: the identity
   const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, BT = B * T, Ns = Ns_;
   const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
@@ -241,7 +233,14 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   if (c.embedding) {
     const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V(/t),C] then wpe [T,C]
     const obs::Region region(obs::embedding_module());
-    if (!tp) {
+    if (shape_.llama() && !tp) {  // embed_tokens alone: RoPE places tokens inside attention
+      token_embedding_forward(buf.input, buf.tokens, E, BT, C);
+    } else if (shape_.llama()) {  // vocab-parallel: each rank looks up the ids it owns, the group sums
+      float* lookup = sp ? row_out_ : buf.input;
+      vocab_embedding_forward(lookup, buf.tokens, E, part_.vocab_begin, V, BT, C);
+      if (!sp) reduce_from_tp_region_forward(tp_, buf.input, BT * C);
+      else reduce_scatter_to_sequence_parallel_region_forward(tp_, row_out_, buf.input, Ns * C);
+    } else if (!tp) {
       encoder_forward(buf.input, buf.tokens, E, E + V * C, B, T, C);
     } else {  // vocab-parallel: each rank looks up the ids it owns, the group sums, then + wpe
       float* lookup = sp ? row_out_ : buf.input;
@@ -281,15 +280,18 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   }
   if (!c.final) return 0.0f;
   const float* x = chunk_output(c, buf);
-  const P* F = static_cast<const P*>(store.fetch(c.final_unit));  // weight [C] then bias [C]
+  const P* F = static_cast<const P*>(store.fetch(c.final_unit));  // weight [C] then bias [C] (model.norm: weight)
   obs::Region head(obs::ln_f_module(static_cast<int>(shape_.n_layer)));
   // ln_f over this rank's tokens; the head reads all tokens (gathered with sequence parallelism)
-  layernorm_forward(sp ? shard_ : buf.ln_f, buf.ln_f_mean, buf.ln_f_rstd, x, F, F + C, Ns, C);
+  if (shape_.llama())
+    rmsnorm_forward(sp ? shard_ : buf.ln_f, buf.ln_f_rstd, x, F, Ns, C, static_cast<float>(shape_.family.rms_norm_eps));
+  else layernorm_forward(sp ? shard_ : buf.ln_f, buf.ln_f_mean, buf.ln_f_rstd, x, F, F + C, Ns, C);
   store.release(c.final_unit);
   if (sp) gather_from_sequence_parallel_region_forward(tp_, shard_, buf.ln_f, Ns * C);
   else copy_to_tp_region_forward(tp_, buf.ln_f, BT * C);
-  // LM head tied to wte: logits = ln_f · wteᵀ (this rank's vocabulary rows with tensor parallelism)
-  const P* E = static_cast<const P*>(store.fetch(c.head_unit));
+  // LM head tied to wte: logits = ln_f · wteᵀ (this rank's vocabulary rows with tensor parallelism);
+  // an untied head's lm_head.weight [V, C] follows model.norm.weight in the final unit
+  const P* E = static_cast<const P*>(store.fetch(c.head_unit)) + head_offset();
   head.next(obs::lm_head_module(static_cast<int>(shape_.n_layer)));
   gemm(BT, V, C, {buf.ln_f, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, buf.logits, V, false, cmp);
   store.release(c.head_unit);
@@ -371,10 +373,10 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       else vocab_ce_backward(buf.logits, buf.lse, buf.targets, dloss, part_.vocab_begin, BT, V, part_.vocab_real);
     }
     const float* dlogits = buf.logits;
-    // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f
-    if (weights) dE = store.grad_target(c.head_unit);
+    // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f (an untied head: lm_head.weight's)
+    if (weights) dE = store.grad_target(c.head_unit) + head_offset();
     if (input) {
-      const P* E = static_cast<const P*>(store.fetch(c.head_unit));
+      const P* E = static_cast<const P*>(store.fetch(c.head_unit)) + head_offset();
       const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);  // converted once for both
       float* dlnf_all = sp ? row_out_ : dlnf;
       gemm(BT, C, V, d, {E, dtype_of<P>(), false, C}, dlnf_all, C, false, cmp);
@@ -389,9 +391,13 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     head.next(obs::ln_f_module(static_cast<int>(shape_.n_layer)));
     if (input) Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dres, Ns * C), 0.0f);
     const P* F = input ? static_cast<const P*>(store.fetch(c.final_unit)) : nullptr;
-    float* dF = weights ? store.grad_target(c.final_unit) : nullptr;
-    layernorm_backward(input ? dres : nullptr, dF, dF ? dF + C : nullptr, dlnf, x, F, buf.ln_f_mean, buf.ln_f_rstd,
-                       Ns, C);
+    // an untied head's unit is the final unit, whose gradients the head has opened already
+    float* dF = !weights ? nullptr : c.head_unit == c.final_unit ? dE - head_offset() : store.grad_target(c.final_unit);
+    if (shape_.llama())
+      rmsnorm_backward(input ? dres : nullptr, dF, dlnf, x, F, buf.ln_f_rstd, Ns, C);
+    else
+      layernorm_backward(input ? dres : nullptr, dF, dF ? dF + C : nullptr, dlnf, x, F, buf.ln_f_mean, buf.ln_f_rstd,
+                         Ns, C);
     if (input) store.release(c.final_unit);
     if (weights) store.grads_done(c.final_unit);
   } else if (input) {
@@ -402,6 +408,10 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
   // and d(residual) on exit.
   const auto block_backward = [&](int l, const BlockActivations& a, const float* residual) {
     const float s = block_scale(buf, c, l);  // progressive layer drop: 0 dropped, else the branches' 1/p
+    if (shape_.llama()) {
+      if (s != 1.0f) throw std::logic_error("progressive layer drop reached a Llama-family block");
+      return llama_block_backward<P>(c, l, a, residual, buf, dres, store, part);
+    }
     if (s == 0.0f) return dropped_block_backward(c, l, store, part);
     const int u = c.first_block_unit + l, global_block = c.first_block + l;
     obs::Region region(obs::mlp_module(c.first_block + l));
@@ -555,10 +565,11 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     } else {
       reduce_from_tp_region_backward(tp_, dres, BT * C);
     }
-    if (!tp) encoder_backward(dEmb, dEmb + V * C, d_embedded, buf.tokens, B, T, C);  // no parameters needed
+    if (shape_.llama()) token_embedding_backward(dEmb, d_embedded, buf.tokens, part_.vocab_begin, V, BT, C);
+    else if (!tp) encoder_backward(dEmb, dEmb + V * C, d_embedded, buf.tokens, B, T, C);  // no parameters needed
     else vocab_embedding_backward(dEmb, dEmb + V * C, d_embedded, buf.tokens, part_.vocab_begin, V, B, T, C);
     store.grads_done(c.embed_unit);
-  } else if (c.final && weights) {
+  } else if (c.final && weights && c.head_unit != c.final_unit) {
     store.grads_done(c.head_unit);  // the tied copy: complete once the chunk is done
   }
 }

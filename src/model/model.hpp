@@ -1,8 +1,10 @@
-// model.hpp — GPT-2 (pre-LayerNorm, tied LM head) as a visible list of forward and backward
-// kernel calls over three flat buffers: parameters, gradients, activations.
+// model.hpp — GPT-2 (pre-LayerNorm, tied LM head) and the Llama family (Llama, Mistral, Qwen2:
+// RMSNorm, RoPE, grouped-query attention, SwiGLU; model/family.hpp) as a visible list of forward
+// and backward kernel calls over three flat buffers: parameters, gradients, activations.
 //
-// Parameter order is layer-major (wte, wpe, then every tensor of h.0, h.1, ..., then ln_f),
-// so each block's parameters are one contiguous range (a unit): what ZeRO gathers.
+// Parameter order is layer-major (wte, wpe, then every tensor of h.0, h.1, ..., then ln_f; the
+// Llama family: model.embed_tokens, model.layers.N.*, then model.norm and lm_head), so each
+// block's parameters are one contiguous range (a unit): what ZeRO gathers.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +17,7 @@
 #include "model/activation_checkpointing.hpp"
 #include "model/autocast.hpp"
 #include "model/buffer.hpp"
+#include "model/family.hpp"
 #include "model/sparse_attention.hpp"
 #include "parallel/tensor_parallel.hpp"
 
@@ -41,7 +44,28 @@ struct GPTShape {
   int64_t n_embd = 64;        // C
   MoeShape moe = {};  // (= {}: aggregate initialisers of the dense fields stay warning-free)
   SparseAttention sparse = {};  // block-sparse attention layouts (disabled: dense causal attention)
+  // GPT-2, or a Llama-family decoder (n_embd = hidden_size, n_layer = num_hidden_layers,
+  // n_head = num_attention_heads; n_positions is the sequence length trained on).
+  DecoderFamily family = {};
+  bool llama() const { return family.llama(); }
+  // Whether the LM head reads the embedding's matrix: GPT-2 always, the Llama family with
+  // tie_word_embeddings (else the final unit holds lm_head.weight).
+  bool tied_head() const { return !family.llama() || family.tie_word_embeddings; }
 };
+
+// The widths of one block's activations on a rank holding `t` of its tensor-parallel parts:
+// GPT-2: qkv 3C/t, attention output C/t, c_fc output and GELU 4C/t. The Llama family (t = 1):
+// qkv (H + 2·Hkv)·d, attention output H·d, the fused [gate | up] output 2I, SwiGLU's I.
+struct BlockWidths {
+  int64_t qkv = 0, attn = 0, fc = 0, act = 0;
+};
+BlockWidths block_widths(const GPTShape& shape, int64_t t);
+
+// The layout's names of the tensors outside the blocks: the embedding matrix ("wte.weight", or
+// "model.embed_tokens.weight") and the first tensor of block l and of the final unit.
+std::string embedding_tensor_name(const GPTShape& shape);
+std::string block_first_tensor_name(const GPTShape& shape, int64_t l);
+std::string final_first_tensor_name(const GPTShape& shape);
 
 // The tensors of one transformer block, as pointers into a flat buffer of T (parameters in
 // their stored type, or fp32 gradients).
@@ -60,7 +84,8 @@ ParamLayout gpt_layout(const GPTShape& shape);
 // The tensor names of one expert's MLP, in layout order.
 extern const char* const kExpertTensorNames[4];
 
-// Model FLOPs per trained token: 6N + 12·L·T·C (forward + backward, attention included). With
+// Model FLOPs per trained token: 6N + 12·L·T·C (forward + backward, attention included); the
+// Llama family: 6N without the embedding lookup's V·C when the head is untied, and 12·L·T·H·d. With
 // MoE, N counts the parameters a token meets: the dense ones and k of each layer's E experts
 // (gpt_active_params). With sparse attention the attention term is scaled by the layouts'
 // share of the causal blocks (causal_block_share, averaged over the blocks).
@@ -69,11 +94,14 @@ double gpt_flops_per_token(const GPTShape& shape, int64_t num_params);
 // block-sparse kernel's panels (sparse_probs_per_head) with sparse attention.
 int64_t attention_probs_size(const GPTShape& shape, int64_t B, int64_t H, int64_t T);
 int64_t gpt_active_params(const GPTShape& shape, int64_t k);
-// Parameters outside the transformer blocks (wte, wpe, ln_f): what a dropped block leaves of 6N.
+// Parameters outside the transformer blocks (wte, wpe, ln_f; the Llama family's embed_tokens,
+// model.norm and lm_head): what a dropped block leaves of 6N.
 int64_t gpt_params_outside_blocks(const GPTShape& shape);
 
 // Fills params with the deterministic initialisation: normal(0, 0.02) weights drawn from
-// (seed, tensor name), c_proj weights scaled by 1/sqrt(2L), zero biases, unit LN weights.
+// (seed, tensor name), c_proj weights scaled by 1/sqrt(2L), zero biases, unit LN weights. The
+// Llama family as Hugging Face's LlamaPreTrainedModel._init_weights: every Linear and Embedding
+// weight normal(0, initializer_range), zero biases, unit RMSNorm weights.
 void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& shape, uint64_t seed);
 // The same values for elements [begin, end) of the flat buffer only, written to out[0, end-begin):
 // what a rank holding one partition needs, without materialising the rest.
@@ -232,7 +260,9 @@ struct MoeActivations {
   std::vector<int64_t> recv_counts;  // per (source rank, local expert): rows received
 };
 
-// The saved tensors of one block's forward pass.
+// The saved tensors of one block's forward pass. The Llama family keeps no LayerNorm means (null),
+// RMSNorm outputs and rstd in ln_1/ln_2 and their _rstd, q and k after RoPE in qkv, the fused
+// [gate | up] product in fch and silu(gate)·up in fch_gelu.
 struct BlockActivations {
   float *ln_1, *ln_1_mean, *ln_1_rstd, *qkv, *att, *atty, *res_2;
   float *ln_2, *ln_2_mean, *ln_2_rstd, *fch, *fch_gelu, *res_3;
@@ -394,6 +424,15 @@ class GPT {
   int64_t moe_hidden() const {
     return shape_.moe.expert_tensor_parallel && part_.tp_size > 1 ? 4 * shape_.n_embd / part_.tp_size : 4 * shape_.n_embd;
   }
+  // The Llama family's block (llama_block.cpp): the same contract as block_forward and as the
+  // block backward of backward_impl (dres: d(res_3) on entry, d(residual) on exit; a split
+  // backward's operands in buf.grad_operands[l]).
+  template <typename P>
+  void llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
+                           double* attention_ms);
+  template <typename P>
+  void llama_block_backward(const ModelChunk& c, int l, const BlockActivations& a, const float* residual,
+                            ActivationBuffer& buf, float* dres, ParamStore& store, BackwardPart part);
   template <typename P>
   float forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store);
   template <typename P>
@@ -420,6 +459,8 @@ class GPT {
   const float* restore_checkpoint(ActivationBuffer& buf, int g);
   void checkpoint_boundary() const;
   CheckpointTime& time_of(int first_block, int num_blocks);
+  // Where the LM head's matrix starts in its unit: 0 (wte, embed_tokens), or after model.norm.weight.
+  int64_t head_offset() const { return shape_.tied_head() ? 0 : shape_.n_embd; }
   float* chunk_output(const ModelChunk& c, const ActivationBuffer& buf) const;
 
   GPTShape shape_;
@@ -437,6 +478,9 @@ class GPT {
   // backward scratch, reused by every block (Full and Input passes); with tensor parallelism
   // also the row-parallel partial product and the vocab-parallel cross-entropy's row sums
   float *dln_, *dqkv_, *datty_, *dfch_, *datt_scratch_;
+  // The Llama family: d(SwiGLU output) [B·T, I], and RoPE's cos and sin tables [T, d/2] each
+  float *dact_ = nullptr, *rope_cos_ = nullptr, *rope_sin_ = nullptr;
+  BlockWidths widths_;
   float *row_out_ = nullptr, *ce_max_ = nullptr, *ce_sum_ = nullptr, *ce_target_ = nullptr;
   float *gathered_ = nullptr, *shard_ = nullptr;  // sequence parallelism: all tokens [B·T, C], one shard [Ns, C]
   ActivationCheckpointing ac_;
@@ -485,10 +529,12 @@ struct FlatModel {
 // those take half the floats; `att` is what the chosen attention kernel keeps: fp32 B·H·T²
 // probabilities, the tiled bf16 kernel's bf16 tiles, or the fused kernel's log-sum-exp and bf16
 // output, never probabilities (kernels::attention_bf16_saved_floats).
+// The Llama family keeps every save in fp32, two rstd and no means, and its act (SwiGLU's output)
+// is half its fch ([gate | up]).
 struct BlockSaveSizes {
-  int64_t ln_1 = 0, stats = 0, qkv = 0, att = 0, atty = 0, res = 0, ln_2 = 0, fch = 0;
-  // ln_1, the four LayerNorm statistics, qkv, att, atty, res_2 and res_3, ln_2, fch and fch_gelu
-  int64_t total() const { return ln_1 + 4 * stats + qkv + att + atty + 2 * res + ln_2 + 2 * fch; }
+  int64_t ln_1 = 0, stats = 0, mean = 0, qkv = 0, att = 0, atty = 0, res = 0, ln_2 = 0, fch = 0, act = 0;
+  // ln_1, two rstd and two means, qkv, att, atty, res_2 and res_3, ln_2, fch and fch_gelu
+  int64_t total() const { return ln_1 + 2 * stats + 2 * mean + qkv + att + atty + 2 * res + ln_2 + fch + act; }
 };
 // compute: the products' dtype (GPT::compute_type()).
 BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,

@@ -5,6 +5,8 @@
 #include <stdexcept>
 
 #include "kernels/attention.hpp"
+#include "kernels/memory.hpp"
+#include "kernels/rope_config.hpp"
 #include "model/model.hpp"
 #include "model/sparse_attention.hpp"
 
@@ -31,17 +33,17 @@ template <typename Take>
 BlockActivations carve_block(Take& take, const BlockSaveSizes& z, float* shared_att) {
   BlockActivations a;
   a.ln_1 = take(z.ln_1);
-  a.ln_1_mean = take(z.stats);
+  a.ln_1_mean = z.mean > 0 ? take(z.mean) : nullptr;
   a.ln_1_rstd = take(z.stats);
   a.qkv = take(z.qkv);
   a.att = shared_att ? shared_att : take(z.att);
   a.atty = take(z.atty);
   a.res_2 = take(z.res);
   a.ln_2 = take(z.ln_2);
-  a.ln_2_mean = take(z.stats);
+  a.ln_2_mean = z.mean > 0 ? take(z.mean) : nullptr;
   a.ln_2_rstd = take(z.stats);
   a.fch = take(z.fch);
-  a.fch_gelu = take(z.fch);
+  a.fch_gelu = take(z.act);
   a.res_3 = take(z.res);
   return a;
 }
@@ -58,6 +60,7 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
   const int64_t C = shape.n_embd, BT = B * T, t = part_.tp_size;
   Cl_ = C / t;
   Hl_ = shape.n_head / t;
+  widths_ = block_widths(shape, t);
   if (shape.sparse.enabled) {  // this rank's heads of each of its blocks' layouts
     sparse_layouts_.resize(static_cast<size_t>(shape.n_layer));
     sparse_att_stride_ = sparse_probs_per_head(shape.sparse, shape.n_head, T, shape.n_layer);
@@ -105,10 +108,21 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
     return out;
   };
   dln_ = take(BT * C);
-  datty_ = take(BT * Cl_);
-  dqkv_ = take(3 * BT * Cl_);
-  dfch_ = take(4 * BT * Cl_);
+  datty_ = take(BT * widths_.attn);
+  dqkv_ = take(BT * widths_.qkv);
+  dfch_ = take(BT * widths_.fc);
   datt_scratch_ = take(kRowBlock * T);
+  if (shape.llama()) {
+    dact_ = take(BT * widths_.act);
+    // RoPE's tables for positions 0..T-1, once (rope_config.hpp: each rope type's frequencies, in double)
+    const int64_t half = shape.family.head_dim / 2;
+    std::vector<float> cos, sin;
+    kernels::rope_tables(cos, sin, shape.family.rope, shape.family.head_dim, T);
+    rope_cos_ = take(T * half);
+    rope_sin_ = take(T * half);
+    copy_to_device(rope_cos_, cos.data(), cos.size() * sizeof(float));
+    copy_to_device(rope_sin_, sin.data(), sin.size() * sizeof(float));
+  }
   if (shape.moe.enabled()) {  // the MoE workspace (gpt_activation_plan counts it)
     const int64_t S = BT, k = moe_.k, E = shape.moe.num_experts;
     moe_rows_ = moe_rows_bound(shape.moe, moe_, S);
@@ -143,7 +157,7 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
 ActivationBuffer GPT::make_buffer(bool split_backward) const {
   if (split_backward && ac_.full())
     throw std::invalid_argument("full recompute cannot keep a block's activations for a later weight-gradient pass");
-  const int64_t C = shape_.n_embd, Cl = Cl_, B = B_, T = T_, BT = B * T, Ns = Ns_;
+  const int64_t C = shape_.n_embd, B = B_, T = T_, BT = B * T, Ns = Ns_;
   const ActivationPlan plan =
       gpt_activation_plan(shape_, part_, B, T, tp_.sequence_parallel, split_backward, ac_, moe_, compute_type());
   const BlockSaveSizes sizes = gpt_block_save_sizes(shape_, part_, B, T, tp_.sequence_parallel, compute_type());
@@ -194,10 +208,10 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
     for (int l = 0; l < max_blocks_; ++l) {
       BlockGradOperands g;
       g.d_res_3 = take(BT * C);  // all tokens: a row-parallel product's output gradient
-      g.d_fch = take(4 * BT * Cl);
+      g.d_fch = take(BT * widths_.fc);
       g.d_ln_2 = take(Ns * C);
       g.d_res_2 = take(BT * C);
-      g.d_qkv = take(3 * BT * Cl);
+      g.d_qkv = take(BT * widths_.qkv);
       g.d_ln_1 = take(Ns * C);
       buf.grad_operands.push_back(g);
     }

@@ -1,7 +1,7 @@
 // model_layout.cpp — what a GPT is made of, apart from running it: the Hugging Face parameter
-// layout (MoE experts included), each rank's part of it over pipeline, tensor and expert ranks,
-// the deterministic initialisation, FLOPs, and the activation plan that both the model's
-// allocations and the memory planner read.
+// layout (MoE experts included; the Llama family's LlamaForCausalLM names), each rank's part of it
+// over pipeline, tensor and expert ranks, the deterministic initialisation, FLOPs, and the
+// activation plan that both the model's allocations and the memory planner read.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -24,7 +24,43 @@ namespace {
 // One block's tensors in layout order, with their global shapes. An MoE block (FACTS-2 §4.5)
 // keeps the dense MLP only as PR-MoE's residual branch, adds its coefficient Linear(C, 2) then,
 // and the gate Linear(C, E, bias=False) (stored input-major like every Conv1D weight here).
+// The Llama family's block (LlamaDecoderLayer's parameters, nn.Linear weights [out, in]). q, k
+// and v follow one another, so together they are one [(H + 2·Hkv)·d, C] matrix (one product
+// makes rope.hpp's fused qkv rows), their biases likewise; gate_proj and up_proj make one
+// [2I, C] matrix whose product is SwiGLU's fused [gate | up] row (swiglu.hpp).
+std::vector<std::pair<std::string, std::vector<int64_t>>> llama_block_tensors(const GPTShape& s) {
+  const DecoderFamily& f = s.family;
+  const int64_t C = s.n_embd, A = s.n_head * f.head_dim, KV = f.num_key_value_heads * f.head_dim,
+                I = f.intermediate_size;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out = {{"input_layernorm.weight", {C}},
+                                                                   {"self_attn.q_proj.weight", {A, C}},
+                                                                   {"self_attn.k_proj.weight", {KV, C}},
+                                                                   {"self_attn.v_proj.weight", {KV, C}}};
+  if (f.qkv_bias) {
+    out.push_back({"self_attn.q_proj.bias", {A}});
+    out.push_back({"self_attn.k_proj.bias", {KV}});
+    out.push_back({"self_attn.v_proj.bias", {KV}});
+  }
+  out.push_back({"self_attn.o_proj.weight", {C, A}});
+  if (f.o_bias) out.push_back({"self_attn.o_proj.bias", {C}});
+  out.push_back({"post_attention_layernorm.weight", {C}});
+  out.push_back({"mlp.gate_proj.weight", {I, C}});
+  out.push_back({"mlp.up_proj.weight", {I, C}});
+  if (f.mlp_bias) {
+    out.push_back({"mlp.gate_proj.bias", {I}});
+    out.push_back({"mlp.up_proj.bias", {I}});
+  }
+  out.push_back({"mlp.down_proj.weight", {C, I}});
+  if (f.mlp_bias) out.push_back({"mlp.down_proj.bias", {C}});
+  return out;
+}
+
+std::string block_prefix(const GPTShape& s, int64_t l) {
+  return (s.llama() ? "model.layers." : "h.") + std::to_string(l) + ".";
+}
+
 std::vector<std::pair<std::string, std::vector<int64_t>>> block_tensors(const GPTShape& s, int64_t l) {
+  if (s.llama()) return llama_block_tensors(s);
   const int64_t C = s.n_embd;
   const std::vector<std::vector<int64_t>> shapes = {{C}, {C}, {C, 3 * C}, {3 * C}, {C, C},     {C},
                                                     {C}, {C}, {C, 4 * C}, {4 * C}, {4 * C, C}, {C}};
@@ -45,9 +81,30 @@ std::string expert_prefix(int64_t l, int64_t e) {
 }
 }  // namespace
 
+BlockWidths block_widths(const GPTShape& s, int64_t t) {
+  if (!s.llama()) return {3 * s.n_embd / t, s.n_embd / t, 4 * s.n_embd / t, 4 * s.n_embd / t};
+  const DecoderFamily& f = s.family;  // whole K/V-head groups and I/t of the MLP per tensor rank
+  return {(s.n_head + 2 * f.num_key_value_heads) * f.head_dim / t, s.n_head * f.head_dim / t,
+          2 * f.intermediate_size / t, f.intermediate_size / t};
+}
+
+std::string embedding_tensor_name(const GPTShape& s) { return s.llama() ? "model.embed_tokens.weight" : "wte.weight"; }
+std::string block_first_tensor_name(const GPTShape& s, int64_t l) {
+  return block_prefix(s, l) + (s.llama() ? "input_layernorm.weight" : "ln_1.weight");
+}
+std::string final_first_tensor_name(const GPTShape& s) { return s.llama() ? "model.norm.weight" : "ln_f.weight"; }
+
 ParamLayout gpt_layout(const GPTShape& s) {
   const int64_t V = s.vocab_size, T = s.n_positions, C = s.n_embd;
   ParamLayout layout;
+  if (s.llama()) {  // LlamaForCausalLM: model.embed_tokens, model.layers.N, model.norm, lm_head
+    layout.add("model.embed_tokens.weight", {V, C});
+    for (int64_t l = 0; l < s.n_layer; ++l)
+      for (const auto& [name, shape] : block_tensors(s, l)) layout.add(block_prefix(s, l) + name, shape);
+    layout.add("model.norm.weight", {C});
+    if (!s.tied_head()) layout.add("lm_head.weight", {V, C});
+    return layout;
+  }
   layout.add("wte.weight", {V, C});
   layout.add("wpe.weight", {T, C});
   for (int64_t l = 0; l < s.n_layer; ++l) {
@@ -74,10 +131,14 @@ int64_t gpt_active_params(const GPTShape& s, int64_t k) {
 }
 
 std::vector<ParamUnit> gpt_units(const ParamLayout& layout, int64_t n_layer) {
+  // The layout's names say which family it is (the Llama family's final unit ends the layout).
+  GPTShape s;
+  if (layout.find("model.embed_tokens.weight")) s.family.arch = Architecture::Llama;
   std::vector<int64_t> starts = {0};
-  for (int64_t l = 0; l < n_layer; ++l) starts.push_back(layout.find("h." + std::to_string(l) + ".ln_1.weight")->offset);
-  starts.push_back(layout.find("ln_f.weight")->offset);
-  starts.push_back(layout.find("ln_f.bias")->offset + layout.find("ln_f.bias")->numel);  // experts follow (their own units)
+  for (int64_t l = 0; l < n_layer; ++l) starts.push_back(layout.find(block_first_tensor_name(s, l))->offset);
+  starts.push_back(layout.find(final_first_tensor_name(s))->offset);
+  if (s.llama()) starts.push_back(layout.total());
+  else starts.push_back(layout.find("ln_f.bias")->offset + layout.find("ln_f.bias")->numel);  // experts follow (their own units)
   std::vector<ParamUnit> units;
   for (size_t u = 0; u + 1 < starts.size(); ++u) {
     const UnitKind kind = u == 0 ? UnitKind::Embedding : u + 2 == starts.size() ? UnitKind::FinalNorm : UnitKind::Block;
@@ -114,6 +175,7 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
                          int tp_rank, int ep_size, int ep_rank) {
   const int64_t t = tp_size;
   const ParamLayout global = gpt_layout(s);
+  const std::string embedding = embedding_tensor_name(s);
   const int parts = static_cast<int>(bounds.size()) - 1;
   const int layers = static_cast<int>(s.n_layer) + 2;  // embedding, blocks, final
   ModelPart part;
@@ -134,7 +196,7 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
   auto add = [&](const std::string& name, TensorSplit split, bool saved) {
     const TensorSpec* g = global.find(name);
     std::vector<int64_t> shape = g->shape;
-    const bool vocab = name == "wte.weight";
+    const bool vocab = name == embedding || name == "lm_head.weight";  // the vocab-parallel head too
     if (vocab) shape[0] = part.vocab_padded;
     const int64_t full = shape[split.dim];
     shape[split.dim] = full / split.parts;
@@ -170,8 +232,8 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
   const TensorSplit replicated{}, rows{0, 1, tp_size, tp_rank}, cols{1, 1, tp_size, tp_rank},
       qkv_cols{1, 3, tp_size, tp_rank}, qkv_bias{0, 3, tp_size, tp_rank};
   const bool holds_embedding = stage == 0, holds_final = stage == (parts - 1) % stages;
-  if (holds_final && !holds_embedding) {  // the LM head's wte: DeepSpeed's TiedLayerSpec on the last stage
-    add("wte.weight", rows, /*saved=*/false);
+  if (holds_final && !holds_embedding && s.tied_head()) {  // the LM head's wte: DeepSpeed's TiedLayerSpec on the last stage
+    add(embedding, rows, /*saved=*/false);
     part.tied_unit = add_unit(UnitKind::TiedHead, -1, 0);
   }
   for (int k = stage; k < parts; k += stages) {
@@ -179,27 +241,44 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
     for (int layer = bounds[k]; layer < bounds[k + 1]; ++layer) {
       const int64_t begin = layout.total();
       if (layer == 0) {
-        add("wte.weight", rows, true);  // vocab-parallel (Megatron VocabParallelEmbedding)
-        add("wpe.weight", replicated, true);
+        add(embedding, rows, true);  // vocab-parallel (Megatron VocabParallelEmbedding)
+        if (!s.llama()) add("wpe.weight", replicated, true);
         c.embedding = true;
         c.embed_unit = add_unit(UnitKind::Embedding, -1, begin);
       } else if (layer == layers - 1) {
-        add("ln_f.weight", replicated, true);
-        add("ln_f.bias", replicated, true);
+        if (s.llama()) {  // model.norm and the untied head: one unit, the chunk's last
+          add("model.norm.weight", replicated, true);
+          if (!s.tied_head()) add("lm_head.weight", rows, true);  // vocab-parallel (Megatron's parallel LM head)
+        } else {
+          add("ln_f.weight", replicated, true);
+          add("ln_f.bias", replicated, true);
+        }
         c.final = true;
         c.final_unit = add_unit(UnitKind::FinalNorm, -1, begin);
       } else {
         const int l = layer - 1;
-        const std::string p = "h." + std::to_string(l) + ".";
+        const std::string p = block_prefix(s, l);
         // Megatron's block: c_attn and c_fc column-parallel, the two c_proj row-parallel with
         // their biases replicated (added once, after the all-reduce); LayerNorms replicated.
         // MoE additions (gate, coefficient) are replicated: every tensor rank routes the same tokens.
         const TensorSplit how[] = {replicated, replicated, qkv_cols, qkv_bias, rows, replicated,
                                    replicated, replicated, cols,     rows,     rows, replicated};
+        // The Llama family (AutoTP's llama preset): q/k/v and gate/up_proj split by output rows
+        // (whole heads, K/V heads by whole groups), o_proj and down_proj by input columns, their
+        // biases replicated; RMSNorms replicated.
+        const auto llama_split = [&](const std::string& name) {
+          const bool column_parallel = name.rfind("self_attn.q_proj.", 0) == 0 || name.rfind("self_attn.k_proj.", 0) == 0 ||
+                                       name.rfind("self_attn.v_proj.", 0) == 0 || name.rfind("mlp.gate_proj.", 0) == 0 ||
+                                       name.rfind("mlp.up_proj.", 0) == 0;
+          if (column_parallel) return rows;
+          if (name == "self_attn.o_proj.weight" || name == "mlp.down_proj.weight") return cols;
+          return replicated;
+        };
         const auto tensors = block_tensors(s, l);
         for (const auto& [name, shape] : tensors) {
           TensorSplit split = replicated;
-          for (int j = 0; j < 12; ++j)
+          if (s.llama()) split = llama_split(name);
+          for (int j = 0; j < 12 && !s.llama(); ++j)
             if (name == kBlockTensorNames[j]) split = how[j];
           add(p + name, split, true);
         }
@@ -211,12 +290,12 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
         add_unit(UnitKind::Block, l, begin);
       }
     }
-    if (c.final) c.head_unit = c.embedding || part.tied_unit < 0 ? 0 : part.tied_unit;
+    if (c.final) c.head_unit = !s.tied_head() ? c.final_unit : c.embedding || part.tied_unit < 0 ? 0 : part.tied_unit;
     part.chunks.push_back(c);
   }
   // the head of a one-stage model reads the embedding unit's wte
   for (ModelChunk& c : part.chunks)
-    if (c.final && part.tied_unit < 0) c.head_unit = part.chunks.front().embed_unit;
+    if (c.final && part.tied_unit < 0 && s.tied_head()) c.head_unit = part.chunks.front().embed_unit;
   // MoE: this rank's experts of each MoE block it holds, after every dense tensor: experts
   // ep_rank·E/ep ... (DeepSpeed's global expert id), replicated over the tensor group.
   part.ep_size = ep_size;
@@ -266,6 +345,11 @@ int64_t moe_rows_bound(const MoeShape& shape, const MoeRouting& r, int64_t S) {
 }
 
 double gpt_flops_per_token(const GPTShape& s, int64_t num_params) {
+  if (s.llama()) {  // an untied embedding is a lookup, no product; attention is H·d wide
+    const double products = static_cast<double>(num_params - (s.tied_head() ? 0 : s.vocab_size * s.n_embd));
+    return 6.0 * products + 12.0 * static_cast<double>(s.n_layer) * static_cast<double>(s.n_positions) *
+                                static_cast<double>(s.n_head * s.family.head_dim);
+  }
   double attention_share = 1.0;
   if (s.sparse.enabled) {
     const int64_t nb = s.n_positions / s.sparse.block;
@@ -280,6 +364,7 @@ double gpt_flops_per_token(const GPTShape& s, int64_t num_params) {
 }
 
 int64_t gpt_params_outside_blocks(const GPTShape& s) {
+  if (s.llama()) return (s.tied_head() ? 1 : 2) * s.vocab_size * s.n_embd + s.n_embd;
   return s.vocab_size * s.n_embd + s.n_positions * s.n_embd + 2 * s.n_embd;
 }
 
@@ -291,6 +376,7 @@ int64_t attention_probs_size(const GPTShape& s, int64_t B, int64_t H, int64_t T)
 void init_gpt_params_range(float* out, const ParamLayout& layout, const GPTShape& shape, uint64_t seed, int64_t begin,
                            int64_t end) {
   const double proj_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(shape.n_layer));
+  const bool llama = shape.llama();
   for (const TensorSpec& t : layout.tensors()) {
     const int64_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.numel);
     if (lo >= hi) continue;
@@ -299,13 +385,15 @@ void init_gpt_params_range(float* out, const ParamLayout& layout, const GPTShape
       const std::string s(suffix);
       return t.name.size() >= s.size() && t.name.compare(t.name.size() - s.size(), s.size(), s) == 0;
     };
-    const bool is_layernorm = t.name.find("ln_") != std::string::npos;
+    const bool is_layernorm = llama ? t.name.find("layernorm.") != std::string::npos || t.name == "model.norm.weight"
+                                    : t.name.find("ln_") != std::string::npos;
     if (ends_with(".bias") || is_layernorm) {
       const float value = ends_with(".bias") ? 0.0f : 1.0f;
       for (int64_t i = lo; i < hi; ++i) p[i - lo] = value;
     } else {
-      // GPT-2 scales the residual projections by 1/sqrt(2L) (Radford et al. 2019, §2.3).
-      const double std = 0.02 * (ends_with("c_proj.weight") ? proj_scale : 1.0);
+      // GPT-2 scales the residual projections by 1/sqrt(2L) (Radford et al. 2019, §2.3); the Llama
+      // family draws every weight at initializer_range (LlamaPreTrainedModel._init_weights).
+      const double std = llama ? shape.family.initializer_range : 0.02 * (ends_with("c_proj.weight") ? proj_scale : 1.0);
       Rng rng(seed, hash_name(t.name));
       for (int64_t i = t.offset; i < lo; ++i) rng.normal();  // the draws of elements before the range
       for (int64_t i = lo; i < hi; ++i) p[i - lo] = static_cast<float>(std * rng.normal());
@@ -319,6 +407,11 @@ void init_gpt_params(float* params, const ParamLayout& layout, const GPTShape& s
 
 bool low_precision_tensor(const std::string& name, const LowPrecisionModules& modules) {
   const auto has = [&](const char* part) { return name.find(part) != std::string::npos; };
+  if (name.rfind("model.", 0) == 0 || name == "lm_head.weight") {  // the Llama family (lm_head: a Linear)
+    if (has("layernorm.") || name == "model.norm.weight") return modules.layer_norm;
+    if (name == "model.embed_tokens.weight") return modules.embedding;
+    return modules.linear;
+  }
   if (has("ln_")) return modules.layer_norm;          // ln_1, ln_2, ln_f
   if (name == "wte.weight" || name == "wpe.weight") return modules.embedding;
   return modules.linear;  // c_attn, attn.c_proj, c_fc, mlp.c_proj, an MoE block's gate, coefficient and experts
@@ -329,6 +422,18 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, H = shape.n_head / t, BT = B * T,
                 Ns = sequence_parallel && t > 1 ? BT / t : BT;
   const bool bf16 = compute == DType::BF16;
+  if (shape.llama()) {  // every save fp32 (the products take fp32 inputs); rstd only
+    const BlockWidths w = block_widths(shape, t);
+    BlockSaveSizes z;
+    z.ln_1 = z.res = z.ln_2 = Ns * C;
+    z.stats = Ns;
+    z.qkv = BT * w.qkv;
+    z.att = B * H * T * T;
+    z.atty = BT * w.attn;
+    z.fch = BT * w.fc;
+    z.act = BT * w.act;
+    return z;
+  }
   // The halves kept in bf16 (model.cpp activations_bf16, decided per block there; here for every
   // block of the model): no tensor parallelism, and for the attention half no sparse attention
   // (its kernel is fp32), for the MLP half no MoE block anywhere (their MLP half keeps fp32).
@@ -336,7 +441,7 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   const auto half = [](int64_t n) { return (n + 1) / 2; };  // n bf16 values in floats
   BlockSaveSizes z;
   z.ln_1 = attn16 ? half(Ns * C) : Ns * C;
-  z.stats = Ns;
+  z.stats = z.mean = Ns;
   z.qkv = attn16 ? half(3 * BT * Cl) : 3 * BT * Cl;
   z.att = shape.sparse.enabled ? attention_probs_size(shape, B, H, T)
           : bf16               ? kernels::attention_bf16_saved_floats(B * H, T, Cl / H)
@@ -344,14 +449,14 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   z.atty = attn16 ? half(BT * Cl) : BT * Cl;
   z.res = Ns * C;
   z.ln_2 = mlp16 ? half(Ns * C) : Ns * C;
-  z.fch = mlp16 ? half(4 * BT * Cl) : 4 * BT * Cl;
+  z.fch = z.act = mlp16 ? half(4 * BT * Cl) : 4 * BT * Cl;
   return z;
 }
 
 ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
                                    bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac,
                                    const MoeRouting& moe, DType compute) {
-  const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, V = part.vocab_local,
+  const int64_t t = part.tp_size, C = shape.n_embd, V = part.vocab_local,
                 BT = B * T, Ns = sequence_parallel && t > 1 ? BT / t : BT;
   const bool sp = sequence_parallel && t > 1;
   int64_t max_blocks = 0, max_checkpoints = 0;
@@ -373,7 +478,9 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
   p.per_block = ac.selective() ? block - att : block;
   p.blocks = ac.full() ? 0 : max_blocks;
   p.head = any_final ? BT * C + 2 * Ns + BT * V + 2 * BT + (split_backward ? Ns * C : 0) : 0;
-  p.grad_operands = split_backward ? max_blocks * (2 * BT * C + 2 * Ns * C + 7 * BT * Cl) : 0;
+  const BlockWidths w = block_widths(shape, t);
+  // d(res_3), d(fch), d(ln_2), d(res_2), d(qkv), d(ln_1) (BlockGradOperands)
+  p.grad_operands = split_backward ? max_blocks * (2 * BT * C + 2 * Ns * C + BT * (w.fc + w.qkv)) : 0;
   if (full) {
     const bool split = ac.partition_activations && t > 1;
     p.checkpoint_slot = split ? Ns * C / t : Ns * C;
@@ -386,7 +493,10 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
     p.recompute = att;
   }
   const int64_t tp_extra = t > 1 ? BT * C + 3 * BT + (sp ? BT * C + Ns * C : 0) : 0;
-  p.scratch = BT * C + 8 * BT * Cl + kernels::kRowBlock * T + tp_extra;
+  // d(ln), d(atty), d(qkv), d(fch) and a row block of attention scores; the Llama family also
+  // d(SwiGLU output) and RoPE's cos and sin tables (T·d/2 each)
+  p.scratch = BT * C + BT * (w.attn + w.qkv + w.fc) + kernels::kRowBlock * T + tp_extra;
+  if (shape.llama()) p.scratch += BT * w.act + T * shape.family.head_dim;
   if (shape.moe.enabled()) {
     // MoE saves per block (S = B·T tokens, R rows received, k choices each): the experts' input,
     // fc and GELU rows, the returned outputs, Jitter's factors; residual MoE its two branches and

@@ -18,6 +18,14 @@ std::vector<PipeLayer> gpt_pipe_layers(int64_t V, int64_t T, int64_t L, int64_t 
   return layers;
 }
 
+std::vector<PipeLayer> decoder_pipe_layers(int64_t embedding, int64_t block, int64_t L, int64_t final) {
+  std::vector<PipeLayer> layers;
+  layers.push_back({"embedding", -1, embedding});
+  for (int64_t l = 0; l < L; ++l) layers.push_back({"block", static_cast<int>(l), block});
+  layers.push_back({"final", -1, final});
+  return layers;
+}
+
 std::vector<int> partition_pipe_layers(const std::vector<PipeLayer>& layers, const PipelineConfig& pc) {
   const int parts = pc.stages * pc.virtual_stages;
   const int n = static_cast<int>(layers.size());

@@ -37,6 +37,9 @@ struct PipeLayer {
 
 // The layer list of a GPT-2 shape.
 std::vector<PipeLayer> gpt_pipe_layers(int64_t vocab, int64_t positions, int64_t n_layer, int64_t n_embd);
+// The layer list of a decoder whose embedding, blocks and final layer hold these many parameters
+// (the Llama family: the final layer counts the LM head, tied or not).
+std::vector<PipeLayer> decoder_pipe_layers(int64_t embedding, int64_t block, int64_t n_layer, int64_t final);
 
 // p·v + 1 boundaries into the layer list; std::invalid_argument with the numbers when a
 // part would be empty or the regex is invalid or matches nothing.

@@ -143,7 +143,8 @@ void Engine::setup_local() {
   for (int s = 0; s < stages_ && stages_ > 1; ++s)
     partition_numel =
         std::max(partition_numel, gpt_model_part(shape, cfg_.pipe_bounds, stages_, s, t, tp_rank, ep, ep_rank).expert_begin);
-  if (stages_ > 1 && (stage_ == 0 || stage_ == stages_ - 1)) tied_numel_ = model_->part().vocab_local * shape.n_embd;
+  if (stages_ > 1 && shape.tied_head() && (stage_ == 0 || stage_ == stages_ - 1))
+    tied_numel_ = model_->part().vocab_local * shape.n_embd;
   zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, state_types_of(cfg_, model_->part().dense_layout),
                                           model_->part().dense_layout, model_->part().dense_units,
                                           model_comms_.of(*dp_comm_), partition_numel,
@@ -616,7 +617,8 @@ void Engine::finalize_grads() {
     // gradients are summed over the tensor group (Megatron _allreduce_non_tensor_model_parallel_grads).
     if (cfg_.tensor.sequence_parallel)
       for (const TensorSpec& ts : model_->layout().tensors())
-        if (ts.name.rfind("ln_f.", 0) == 0 || ts.name.find(".ln_") != std::string::npos)
+        if (ts.name.rfind("ln_f.", 0) == 0 || ts.name.find(".ln_") != std::string::npos ||
+            ts.name.find("layernorm.") != std::string::npos || ts.name == "model.norm.weight")  // the Llama family's RMSNorms
           zero_->sum_grad_range(ts.offset, ts.offset + ts.numel, model_comms_.of(*tp_comm_));
   }
   // The norm counts every parameter once (Megatron _filter_grads_for_norm): the tied copy on the

@@ -61,11 +61,27 @@ void Engine::print_startup() const {
                 d.visible, d.total_bytes / 1073741824.0, d.free_bytes / 1073741824.0, d.backend.c_str());
   }
   const int64_t total_params = gpt_layout(s).total();
-  std::printf("model   GPT-2 V=%lld T=%lld L=%lld H=%lld C=%lld: %lld parameters (%.2f MB fp32), %s\n",
-              (long long)s.vocab_size, (long long)s.n_positions, (long long)s.n_layer, (long long)s.n_head,
-              (long long)s.n_embd, (long long)total_params, total_params * 4.0 / 1e6,
-              cfg_.model.init_from.empty() ? ("initialised from seed " + std::to_string(cfg_.training.seed)).c_str()
-                                           : ("loaded from " + cfg_.model.init_from).c_str());
+  const std::string init = cfg_.model.init_from.empty() ? "initialised from seed " + std::to_string(cfg_.training.seed)
+                                                        : "loaded from " + cfg_.model.init_from;
+  if (s.llama()) {
+    const DecoderFamily& f = s.family;
+    int64_t windowed = 0;
+    for (int64_t l = 0; l < s.n_layer; ++l) windowed += f.window_of(l) > 0 ? 1 : 0;
+    const std::string window = windowed == 0 ? "no sliding window"
+                               : "sliding window " + std::to_string(f.window_of(s.n_layer - 1)) + " on " +
+                                     std::to_string(windowed) + " of " + std::to_string(s.n_layer) + " layers";
+    std::printf("model   %s V=%lld T=%lld L=%lld H=%lld KV=%lld d=%lld C=%lld I=%lld (%s head%s%s, %s): %lld parameters "
+                "(%.2f MB fp32), %s\n",
+                architecture_name(f.arch), (long long)s.vocab_size, (long long)s.n_positions, (long long)s.n_layer,
+                (long long)s.n_head, (long long)f.num_key_value_heads, (long long)f.head_dim, (long long)s.n_embd,
+                (long long)f.intermediate_size, s.tied_head() ? "tied" : "untied", f.qkv_bias ? ", q/k/v biases" : "",
+                f.mlp_bias ? ", MLP biases" : "", window.c_str(), (long long)total_params, total_params * 4.0 / 1e6,
+                init.c_str());
+  } else {
+    std::printf("model   GPT-2 V=%lld T=%lld L=%lld H=%lld C=%lld: %lld parameters (%.2f MB fp32), %s\n",
+                (long long)s.vocab_size, (long long)s.n_positions, (long long)s.n_layer, (long long)s.n_head,
+                (long long)s.n_embd, (long long)total_params, total_params * 4.0 / 1e6, init.c_str());
+  }
   if (cfg_.model.moe.enabled()) {
     const MoeConfig& mo = cfg_.model.moe;
     std::string blocks;
@@ -83,9 +99,13 @@ void Engine::print_startup() const {
   std::printf("batch   %s\n", cfg_.batch.derivation.c_str());
   if (tp_comm_->size() > 1) {
     const ModelPart& part = model_->part();
-    std::printf("tensor  %d ranks (Megatron): c_attn and c_fc column-parallel, c_proj row-parallel, wte vocab-parallel "
+    std::printf("tensor  %d ranks (Megatron): %s vocab-parallel "
                 "(%lld rows each, vocabulary padded %lld -> %lld)%s%s; %lld parameters on tensor rank 0 of stage 0\n",
-                tp_comm_->size(), (long long)part.vocab_local, (long long)s.vocab_size, (long long)part.vocab_padded,
+                tp_comm_->size(),
+                s.llama() ? "q/k/v_proj (whole K/V-head groups) and gate/up_proj column-parallel, o_proj and down_proj "
+                            "row-parallel, embed_tokens and lm_head"
+                          : "c_attn and c_fc column-parallel, c_proj row-parallel, wte",
+                (long long)part.vocab_local, (long long)s.vocab_size, (long long)part.vocab_padded,
                 cfg_.tensor.sequence_parallel ? ", sequence parallel" : "",
                 cfg_.tensor.overlap_comm ? ", input-gradient all-reduces overlapped" : "",
                 (long long)model_->num_params());
@@ -106,12 +126,13 @@ void Engine::print_startup() const {
       for (int k = st; k + 1 < static_cast<int>(cfg_.pipe_bounds.size()); k += stages_) {
         const int a = cfg_.pipe_bounds[k], b = cfg_.pipe_bounds[k + 1];
         auto name = [&](int i) {
-          return layers[i].kind == "block" ? "h." + std::to_string(layers[i].block) : layers[i].kind;
+          return layers[i].kind == "block" ? (s.llama() ? "model.layers." : "h.") + std::to_string(layers[i].block)
+                                           : layers[i].kind;
         };
         what += (what.empty() ? "" : " + ") + name(a) + (b - a > 1 ? ".." + name(b - 1) : "");
       }
       std::printf("  stage %d: %s | %lld parameters%s\n", st, what.c_str(), (long long)part.layout.total(),
-                  part.tied_unit >= 0 ? " (incl. the tied wte copy)" : "");
+                  part.tied_unit >= 0 ? (s.llama() ? " (incl. the tied embed_tokens copy)" : " (incl. the tied wte copy)") : "");
     }
   }
   std::printf("data    %s\n", data_->describe().c_str());

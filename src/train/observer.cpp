@@ -207,11 +207,14 @@ void Observer::write_flops_profile(const StepResult& r, const std::map<std::stri
   for (const TensorSpec& ts : model_.layout().tensors()) {
     const std::string& n = ts.name;
     int m = -1;
-    if (n.rfind("wte.", 0) == 0 || n.rfind("wpe.", 0) == 0) m = has_embedding ? 0 : obs::lm_head_module(L);
-    else if (n.rfind("ln_f.", 0) == 0) m = obs::ln_f_module(L);
-    else if (n.rfind("h.", 0) == 0) {
-      const int b = std::stoi(n.substr(2));
-      const bool mlp = n.find(".mlp.") != std::string::npos || n.find(".ln_2.") != std::string::npos;
+    if (n.rfind("wte.", 0) == 0 || n.rfind("wpe.", 0) == 0 || n.rfind("model.embed_tokens.", 0) == 0)
+      m = has_embedding ? 0 : obs::lm_head_module(L);
+    else if (n.rfind("lm_head.", 0) == 0) m = obs::lm_head_module(L);
+    else if (n.rfind("ln_f.", 0) == 0 || n.rfind("model.norm.", 0) == 0) m = obs::ln_f_module(L);
+    else if (n.rfind("h.", 0) == 0 || n.rfind("model.layers.", 0) == 0) {  // GPT-2's h.N, the Llama family's model.layers.N
+      const int b = std::stoi(n.substr(n[0] == 'h' ? 2 : 13));
+      const bool mlp = n.find(".mlp.") != std::string::npos || n.find(".ln_2.") != std::string::npos ||
+                       n.find(".post_attention_layernorm.") != std::string::npos;
       m = mlp ? obs::mlp_module(b) : obs::attention_module(b);
     }
     if (m >= 0) params[static_cast<size_t>(m)] += ts.numel;
@@ -229,18 +232,20 @@ void Observer::write_flops_profile(const StepResult& r, const std::map<std::stri
     return obs::ProfiledModule{std::move(name), std::move(type), depth, params[static_cast<size_t>(m)], macs(0, m, 0),
                                fwd_ms(m)};
   };
-  rep.modules.push_back({"", "GPT2LMHeadModel", 0, 0, 0.0, 0.0});
+  const bool llama = model_.shape().llama();
+  rep.modules.push_back({"", llama ? "LlamaForCausalLM" : "GPT2LMHeadModel", 0, 0, 0.0, 0.0});
   if (present[0]) rep.modules.push_back(leaf(0, "embedding", "Embedding", 1));
   for (int b = 0; b < L; ++b) {
     if (!present[static_cast<size_t>(obs::attention_module(b))]) continue;
     const obs::ProfiledModule a = leaf(obs::attention_module(b), "attn", "Attention", 2);
     const obs::ProfiledModule f = leaf(obs::mlp_module(b), "mlp", "MLP", 2);
-    rep.modules.push_back({"h." + std::to_string(b), "Block", 1, a.params + f.params, a.macs + f.macs, a.ms + f.ms});
+    rep.modules.push_back({(llama ? "model.layers." : "h.") + std::to_string(b), llama ? "LlamaDecoderLayer" : "Block", 1,
+                           a.params + f.params, a.macs + f.macs, a.ms + f.ms});
     rep.modules.push_back(a);
     rep.modules.push_back(f);
   }
   if (present[static_cast<size_t>(obs::ln_f_module(L))]) {
-    rep.modules.push_back(leaf(obs::ln_f_module(L), "ln_f", "LayerNorm", 1));
+    rep.modules.push_back(leaf(obs::ln_f_module(L), llama ? "model.norm" : "ln_f", llama ? "RMSNorm" : "LayerNorm", 1));
     rep.modules.push_back(leaf(obs::lm_head_module(L), "lm_head", "Linear", 1));
   }
   for (const obs::ProfiledModule& p : rep.modules)

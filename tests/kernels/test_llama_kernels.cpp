@@ -5,6 +5,9 @@
 // the GPT-2 goldens use (tests/model/test_golden.cpp); then RMSNorm's device form (namespace gpu)
 // against the CPU form, as tests/kernels/test_kernels_device_forms.cpp does for LayerNorm.
 // RoPE and SwiGLU are element-wise, one form on every build, so they have no second form to compare.
+// Grouped-query attention with a sliding window (kernels/attention_gqa.hpp) against its definition
+// computed in double here, its device form against its CPU form, and GPT-2's attention where the
+// two coincide (one K/V head per query head, no window).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,6 +20,8 @@
 
 #include "base/rng.hpp"
 #include "io/h5.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/attention_gqa.hpp"
 #include "kernels/half.hpp"
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
@@ -356,6 +361,130 @@ TEST(LlamaRopeConfig, RotatedDotProductDependsOnRelativePosition) {
   };
   for (Index delta = 0; delta < 4; ++delta)
     for (Index t = delta; t < T; ++t) EXPECT_NEAR(dot(t, t - delta), dot(delta, 0), 1e-4) << "t " << t << " delta " << delta;
+}
+
+// ---- Grouped-query attention -------------------------------------------------------------------
+
+// The definition in double, one (batch, query head, query) at a time: key j is visible to query i
+// when j <= i and (window 0, or i − j < window); p_ij = softmax over the visible j of q_i·k_j/√d,
+// k and v from K/V head h / (H/Hkv); out_i = Σ_j p_ij v_j. The gradients for loss Σ out ⊙ dout:
+// dv_j += p_ij dout_i, ds_ij = p_ij (dout_i·v_j − Σ_k p_ik dout_i·v_k), dq_i = Σ_j ds_ij k_j/√d,
+// dk_j += ds_ij q_i/√d (summed over the query heads sharing the K/V head).
+struct GqaReference {
+  std::vector<double> out, att, dqkv;
+};
+GqaReference gqa_reference(const std::vector<float>& qkv, const std::vector<float>& dout, Index B, Index T, Index H,
+                           Index Hkv, Index d, Index window) {
+  const Index W = (H + 2 * Hkv) * d, A = H * d;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  GqaReference r{std::vector<double>(B * T * A), std::vector<double>(B * H * T * T), std::vector<double>(B * T * W)};
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const Index g = h / (H / Hkv);
+      auto q = [&](Index t, Index x) { return static_cast<double>(qkv[(b * T + t) * W + h * d + x]); };
+      auto k = [&](Index t, Index x) { return static_cast<double>(qkv[(b * T + t) * W + (H + g) * d + x]); };
+      auto v = [&](Index t, Index x) { return static_cast<double>(qkv[(b * T + t) * W + (H + Hkv + g) * d + x]); };
+      for (Index i = 0; i < T; ++i) {
+        const Index j0 = window > 0 ? std::max<Index>(0, i - window + 1) : 0;
+        double* p = &r.att[((b * H + h) * T + i) * T];
+        double mx = -INFINITY, sum = 0.0;
+        for (Index j = j0; j <= i; ++j) {
+          double s = 0.0;
+          for (Index x = 0; x < d; ++x) s += q(i, x) * k(j, x);
+          p[j] = s * scale;
+          mx = std::max(mx, p[j]);
+        }
+        for (Index j = j0; j <= i; ++j) sum += p[j] = std::exp(p[j] - mx);
+        for (Index j = j0; j <= i; ++j) p[j] /= sum;
+        const float* dy = &dout[(b * T + i) * A + h * d];
+        std::vector<double> dp(T, 0.0);
+        double dot = 0.0;
+        for (Index j = j0; j <= i; ++j) {
+          for (Index x = 0; x < d; ++x) {
+            r.out[(b * T + i) * A + h * d + x] += p[j] * v(j, x);
+            r.dqkv[(b * T + j) * W + (H + Hkv + g) * d + x] += p[j] * dy[x];
+            dp[j] += dy[x] * v(j, x);
+          }
+          dot += p[j] * dp[j];
+        }
+        for (Index j = j0; j <= i; ++j) {
+          const double ds = p[j] * (dp[j] - dot) * scale;
+          for (Index x = 0; x < d; ++x) {
+            r.dqkv[(b * T + i) * W + h * d + x] += ds * k(j, x);
+            r.dqkv[(b * T + j) * W + (H + g) * d + x] += ds * q(i, x);
+          }
+        }
+      }
+    }
+  return r;
+}
+
+std::vector<float> as_floats(const std::vector<double>& x) { return std::vector<float>(x.begin(), x.end()); }
+
+struct GqaCase {
+  Index B, T, H, Hkv, d, window;
+};
+std::string describe(const GqaCase& c) {
+  return " [B " + std::to_string(c.B) + ", T " + std::to_string(c.T) + ", H " + std::to_string(c.H) + ", Hkv " +
+         std::to_string(c.Hkv) + ", d " + std::to_string(c.d) + ", window " + std::to_string(c.window) + "]";
+}
+
+// Causal and windowed; windows that end inside a query row block, cross the 64-row block
+// boundary (T 130: three blocks) or exceed T; grouped (2 query heads a K/V head), multi-query
+// (Hkv 1) and plain multi-head (Hkv = H).
+const GqaCase kGqaCases[] = {{2, 80, 4, 2, 8, 0}, {2, 80, 4, 2, 8, 20}, {1, 130, 4, 1, 8, 70},
+                             {2, 16, 2, 2, 16, 100}, {1, 40, 6, 3, 4, 1}};
+
+TEST(LlamaGqaAttention, MatchesTheDefinition) {
+  for (const GqaCase& c : kGqaCases) {
+    const std::string at = describe(c);
+    const Index W = (c.H + 2 * c.Hkv) * c.d, A = c.H * c.d;
+    const auto qkv = random_vector(c.B * c.T * W, 11, 0.8f), dy = random_vector(c.B * c.T * A, 12);
+    Buffer<float> in(qkv), dout(dy), out(c.B * c.T * A), att(c.B * c.H * c.T * c.T), dqkv(c.B * c.T * W),
+        scratch(kRowBlock * c.T);
+    gqa_attention_forward(out.data(), att.data(), in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
+    gqa_attention_backward(dqkv.data(), scratch.data(), dout.data(), in.data(), att.data(), c.B, c.T, c.H, c.Hkv, c.d,
+                           c.window);
+    const GqaReference ref = gqa_reference(qkv, dy, c.B, c.T, c.H, c.Hkv, c.d, c.window);
+    expect_close("out" + at, out.host(), as_floats(ref.out), 2e-6, 1e-5);
+    expect_close("probabilities (zero where a key is not visible)" + at, att.host(), as_floats(ref.att), 1e-6, 1e-5);
+    expect_close("dqkv" + at, dqkv.host(), as_floats(ref.dqkv), 1e-5, 1e-4);
+  }
+}
+
+// The device form (dense heads, products batched over the B·Hkv groups) against the CPU form.
+TEST(LlamaGqaAttention, DeviceFormMatchesCpuForm) {
+  for (const GqaCase& c : kGqaCases) {
+    const std::string at = describe(c);
+    const Index W = (c.H + 2 * c.Hkv) * c.d, A = c.H * c.d;
+    const auto qkv = random_vector(c.B * c.T * W, 13, 0.8f), dy = random_vector(c.B * c.T * A, 14);
+    Buffer<float> in(qkv), dout(dy), out(c.B * c.T * A), att(c.B * c.H * c.T * c.T), dqkv(c.B * c.T * W),
+        scratch(kRowBlock * c.T);
+    Buffer<float> gout(c.B * c.T * A), gatt(c.B * c.H * c.T * c.T), gdqkv(c.B * c.T * W);
+    gqa_attention_forward(out.data(), att.data(), in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
+    gqa_attention_backward(dqkv.data(), scratch.data(), dout.data(), in.data(), att.data(), c.B, c.T, c.H, c.Hkv, c.d,
+                           c.window);
+    gpu::gqa_attention_forward(gout.data(), gatt.data(), in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
+    gpu::gqa_attention_backward(gdqkv.data(), dout.data(), in.data(), gatt.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
+    expect_close("out" + at, gout.host(), out.host(), 1e-6, 1e-5);
+    expect_close("probabilities" + at, gatt.host(), att.host(), 1e-7, 1e-5);
+    expect_close("dqkv" + at, gdqkv.host(), dqkv.host(), 1e-6, 1e-4);
+  }
+}
+
+// With one K/V head per query head and no window, grouped-query attention is GPT-2's causal
+// attention (attention.hpp) on the same [q | k | v] rows, bit for bit.
+TEST(LlamaGqaAttention, MultiHeadWithoutWindowIsGpt2AttentionBitForBit) {
+  const Index B = 2, T = 80, H = 4, d = 8, C = H * d;
+  const auto qkv = random_vector(B * T * 3 * C, 15, 0.8f), dy = random_vector(B * T * C, 16);
+  Buffer<float> in(qkv), dout(dy), out(B * T * C), att(B * H * T * T), dqkv(B * T * 3 * C), scratch(kRowBlock * T);
+  Buffer<float> gpt_out(B * T * C), gpt_att(B * H * T * T), gpt_dqkv(B * T * 3 * C);
+  gqa_attention_forward(out.data(), att.data(), in.data(), B, T, H, H, d, 0);
+  gqa_attention_backward(dqkv.data(), scratch.data(), dout.data(), in.data(), att.data(), B, T, H, H, d, 0);
+  attention_forward(gpt_out.data(), gpt_att.data(), in.data(), B, T, C, H);
+  attention_backward(gpt_dqkv.data(), scratch.data(), dout.data(), in.data(), gpt_att.data(), B, T, C, H);
+  expect_same_bits("out", out.host(), gpt_out.host());
+  expect_same_bits("dqkv", dqkv.host(), gpt_dqkv.host());
 }
 
 }  // namespace

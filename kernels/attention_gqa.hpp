@@ -1,0 +1,262 @@
+// attention_gqa.hpp — causal grouped-query attention (Ainslie et al. 2023, "GQA") with an optional
+// sliding window, for the Llama family (Hugging Face modeling_llama.py LlamaAttention,
+// modeling_mistral.py, modeling_qwen2.py).
+//
+// qkv[B,T,(H + 2·Hkv)·d] is rope.hpp's layout: per token q's H heads, then k's Hkv heads, then v's
+// Hkv heads, d = head_dim each. Query head h reads K/V head h / (H/Hkv), as Hugging Face's
+// repeat_kv pairs them, without copying K/V: the kernels index the shared head, and the backward
+// sums the group's query heads into it. out[B,T,H·d] is head-major per token (attn_output
+// .transpose(1, 2).reshape, what o_proj reads). Scores are scaled by 1/sqrt(d)
+// (LlamaAttention.scaling = head_dim**-0.5).
+//
+// Key j is visible to query i when j <= i and, with a window W > 0, i − j < W (transformers
+// masking_utils: causal_mask_function and sliding_window_overlay, kv_idx > q_idx − W); W = 0 is
+// plain causal attention. att[B,H,T,T] keeps the softmax probabilities, zero on every key a
+// query does not see, for the backward.
+//
+// The CPU form runs sgemm per (batch, head) and block of kRowBlock query rows straight on the
+// strided qkv (a block reads keys from its first row's window start to its last row only); the
+// device form (namespace gpu) splits heads into dense arrays and batches its products over the
+// B·Hkv groups, each group's G = H/Hkv query heads stacked as G·T rows against their one K/V head.
+// Both compile on every build; tests/kernels/test_llama_kernels.cpp holds one against the other.
+#pragma once
+
+#include <cblas.h>
+
+#include <cmath>
+
+#include "base/profiler.hpp"
+#include "kernels/attention.hpp"  // kRowBlock, and the device form's head and score scratch
+#include "kernels/common.hpp"
+#include "kernels/fastmath.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/memory.hpp"
+
+namespace zero3d::kernels {
+
+// The first key query i sees: 0, or i − W + 1 with a window W.
+KOKKOS_INLINE_FUNCTION Index gqa_first_key(Index i, Index window) {
+  return window > 0 && i - window + 1 > 0 ? i - window + 1 : 0;
+}
+
+namespace gpu {
+
+// Heads [H0 + n] of width d of a token-major array (row stride ld) -> dst[B·n][T][d]; one thread
+// per element.
+ZERO3D_KERNEL void gqa_split_heads(float* dst, const float* src, Index ld, Index first_channel, Index B, Index T, Index n,
+                                   Index d) {
+  Kokkos::parallel_for("gqa_split_heads", range(B * n * T * d), KOKKOS_LAMBDA(Index e) {
+    const Index x = e % d, t = (e / d) % T, bh = e / (d * T), b = bh / n, h = bh % n;
+    dst[e] = src[(b * T + t) * ld + first_channel + h * d + x];
+  });
+}
+
+// src[B·n][T][d] -> the token-major dst (row stride ld) at channel first_channel; one thread per element.
+ZERO3D_KERNEL void gqa_merge_heads(float* dst, Index ld, Index first_channel, const float* src, Index B, Index T, Index n,
+                                   Index d) {
+  Kokkos::parallel_for("gqa_merge_heads", range(B * n * T * d), KOKKOS_LAMBDA(Index e) {
+    const Index x = e % d, t = (e / d) % T, bh = e / (d * T), b = bh / n, h = bh % n;
+    dst[(b * T + t) * ld + first_channel + h * d + x] = src[e];
+  });
+}
+
+// s[rows][T] (row r is query r mod T) <- softmax of scale·s over the visible keys, zero elsewhere.
+ZERO3D_KERNEL void gqa_softmax(float* s, Index rows, Index T, float scale, Index window) {
+  Kokkos::parallel_for("gqa_softmax", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index row = team_row(team);
+    if (row >= rows) return;
+    const Index i = row % T, j0 = gqa_first_key(i, window), n = i + 1 - j0;
+    float* x = s + row * T;
+    float mx = -INFINITY;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, n),
+                            [&](Index k, float& m) { m = scale * x[j0 + k] > m ? scale * x[j0 + k] : m; },
+                            Kokkos::Max<float>(mx));
+    float sum = 0.0f;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, n), [&](Index k, float& acc) {
+      const float e = fast_exp(scale * x[j0 + k] - mx);
+      x[j0 + k] = e;
+      acc += e;
+    }, sum);
+    const float inv = 1.0f / sum;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, T),
+                         [&](Index j) { x[j] = j >= j0 && j <= i ? x[j] * inv : 0.0f; });
+  });
+}
+
+// ds[rows][T] <- scale · P ∘ (dP − Σ_j P·dP) over the visible keys (ds holds dP on entry), zero elsewhere.
+ZERO3D_KERNEL void gqa_softmax_backward(float* ds, const float* p, Index rows, Index T, float scale, Index window) {
+  Kokkos::parallel_for("gqa_softmax_backward", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index row = team_row(team);
+    if (row >= rows) return;
+    const Index i = row % T, j0 = gqa_first_key(i, window), n = i + 1 - j0;
+    const float* pr = p + row * T;
+    float* d = ds + row * T;
+    float dot = 0.0f;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, n),
+                            [&](Index k, float& acc) { acc += pr[j0 + k] * d[j0 + k]; }, dot);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, T),
+                         [&](Index j) { d[j] = j >= j0 && j <= i ? scale * pr[j] * (d[j] - dot) : 0.0f; });
+  });
+}
+
+// The scratch layout: q [B·H][T][d], k and v [B·Hkv][T][d], then y (or dy), dq, dk, dv.
+inline void gqa_attention_forward(float* out, float* att, const float* qkv, Index B, Index T, Index H, Index Hkv,
+                                  Index d, Index window) {
+  const Index G = H / Hkv, W = (H + 2 * Hkv) * d, nq = B * H * T * d, nkv = B * Hkv * T * d;
+  float* q = head_scratch().take<float>(2 * nq + 2 * nkv);
+  float *k = q + nq, *v = k + nkv, *y = v + nkv;
+  gqa_split_heads(q, qkv, W, 0, B, T, H, d);
+  gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
+  gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
+  gemm_batched(B * Hkv, G * T, T, d, q, false, k, true, att, false);  // S = Q·Kᵀ, a group's heads stacked
+  gqa_softmax(att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
+  gemm_batched(B * Hkv, G * T, d, T, att, false, v, false, y, false);  // Y = P·V
+  gqa_merge_heads(out, H * d, 0, y, B, T, H, d);
+}
+
+inline void gqa_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, Index B, Index T,
+                                   Index H, Index Hkv, Index d, Index window) {
+  const Index G = H / Hkv, W = (H + 2 * Hkv) * d, nq = B * H * T * d, nkv = B * Hkv * T * d;
+  float* q = head_scratch().take<float>(3 * nq + 4 * nkv);
+  float *k = q + nq, *v = k + nkv, *dy = v + nkv, *dq = dy + nq, *dk = dq + nq, *dv = dk + nkv;
+  float* ds = score_scratch().take<float>(B * H * T * T);
+  gqa_split_heads(q, qkv, W, 0, B, T, H, d);
+  gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
+  gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
+  gqa_split_heads(dy, dout, H * d, 0, B, T, H, d);
+  gemm_batched(B * Hkv, G * T, T, d, dy, false, v, true, ds, false);   // dP = dY·Vᵀ
+  gemm_batched(B * Hkv, T, d, G * T, att, true, dy, false, dv, false);  // dV = Pᵀ·dY, the group summed
+  gqa_softmax_backward(ds, att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
+  gemm_batched(B * Hkv, G * T, d, T, ds, false, k, false, dq, false);  // dQ = dS·K
+  gemm_batched(B * Hkv, T, d, G * T, ds, true, q, false, dk, false);   // dK = dSᵀ·Q, the group summed
+  gqa_merge_heads(dqkv, W, 0, dq, B, T, H, d);
+  gqa_merge_heads(dqkv, W, H * d, dk, B, T, Hkv, d);
+  gqa_merge_heads(dqkv, W, (H + Hkv) * d, dv, B, T, Hkv, d);
+}
+
+}  // namespace gpu
+
+
+// Rows [r0, r1) of one head's T×T probabilities at s (row stride T; the block's scores sit in
+// columns [c0, cols)): softmax over each row's visible keys, every other column of the row zero.
+ZERO3D_KERNEL void gqa_softmax_rows(float* s, Index r0, Index r1, Index T, Index window) {
+  Kokkos::parallel_for("gqa_softmax", range(r1 - r0), KOKKOS_LAMBDA(Index k) {
+    const Index i = r0 + k, j0 = gqa_first_key(i, window);
+    float* row = s + i * T;
+    float mx = row[j0];
+#pragma omp simd reduction(max : mx)
+    for (Index j = j0 + 1; j <= i; ++j) mx = row[j] > mx ? row[j] : mx;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (Index j = j0; j <= i; ++j) {
+      row[j] = fast_exp(row[j] - mx);
+      sum += row[j];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (Index j = j0; j <= i; ++j) row[j] *= inv;
+    for (Index j = 0; j < j0; ++j) row[j] = 0.0f;
+    for (Index j = i + 1; j < T; ++j) row[j] = 0.0f;
+  });
+}
+
+// The query row block [r0, r0 + rows) reads keys [c0, cols): from its first row's window start to its last row.
+struct GqaBlock {
+  Index rows, c0, cols;
+};
+inline GqaBlock gqa_block(Index r0, Index T, Index window) {
+  const Index rows = r0 + kRowBlock < T ? kRowBlock : T - r0;
+  return {rows, gqa_first_key(r0, window), r0 + rows};
+}
+
+// out[B,T,H·d], att[B,H,T,T] from qkv; window 0: causal, else also i − j < window.
+ZERO3D_KERNEL void gqa_attention_forward(float* out, float* att, const float* qkv, Index B, Index T, Index H, Index Hkv,
+                                         Index d, Index window) {
+  obs::add_macs(2.0 * B * T * T * H * d);  // q·kᵀ and p·v, counted densely as the FLOPs formula does
+  const ProfileRegion region("attention_forward");
+#ifdef ZERO3D_DEVICE
+  gpu::gqa_attention_forward(out, att, qkv, B, T, H, Hkv, d, window);
+#else
+  const Index G = H / Hkv, W = (H + 2 * Hkv) * d, A = H * d;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const float* q = qkv + b * T * W + h * d;
+      const float* k = qkv + b * T * W + (H + h / G) * d;
+      const float* v = qkv + b * T * W + (H + Hkv + h / G) * d;
+      float* p = att + (b * H + h) * T * T;
+      float* o = out + b * T * A + h * d;
+      for (Index r0 = 0; r0 < T; r0 += kRowBlock) {
+        const GqaBlock blk = gqa_block(r0, T, window);
+        const Index keys = blk.cols - blk.c0;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, blk.rows, keys, d, scale, q + r0 * W, W, k + blk.c0 * W, W,
+                    0.0f, p + r0 * T + blk.c0, T);
+        gqa_softmax_rows(p, r0, r0 + blk.rows, T, window);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, blk.rows, d, keys, 1.0f, p + r0 * T + blk.c0, T,
+                    v + blk.c0 * W, W, 0.0f, o + r0 * A, A);
+      }
+    }
+#endif
+}
+
+// dqkv written (all of it: q's, and k's and v's summed over each group's query heads); scratch
+// needs kRowBlock·T floats (the CPU form's: one row block's dP, then dS).
+ZERO3D_KERNEL void gqa_attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv,
+                                          const float* att, Index B, Index T, Index H, Index Hkv, Index d, Index window) {
+  obs::add_macs(4.0 * B * T * T * H * d);  // dp, dv, dq, dk: twice the forward's products
+  const ProfileRegion region("attention_backward");
+#ifdef ZERO3D_DEVICE
+  (void)scratch;
+  gpu::gqa_attention_backward(dqkv, dout, qkv, att, B, T, H, Hkv, d, window);
+#else
+  const Index G = H / Hkv, W = (H + 2 * Hkv) * d, A = H * d;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  // dK and dV accumulate over row blocks and over the group's query heads: start from zero.
+  Kokkos::parallel_for("gqa_zero_dkv", range(B * T), KOKKOS_LAMBDA(Index bt) {
+    float* dkv = dqkv + bt * W + A;
+    for (Index c = 0; c < 2 * Hkv * d; ++c) dkv[c] = 0.0f;
+  });
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const float* q = qkv + b * T * W + h * d;
+      const float* k = qkv + b * T * W + (H + h / G) * d;
+      const float* v = qkv + b * T * W + (H + Hkv + h / G) * d;
+      float* dq = dqkv + b * T * W + h * d;
+      float* dk = dqkv + b * T * W + (H + h / G) * d;
+      float* dv = dqkv + b * T * W + (H + Hkv + h / G) * d;
+      const float* p = att + (b * H + h) * T * T;
+      const float* dy = dout + b * T * A + h * d;
+      for (Index r0 = 0; r0 < T; r0 += kRowBlock) {
+        const GqaBlock blk = gqa_block(r0, T, window);
+        const Index keys = blk.cols - blk.c0;
+        const float* pb = p + r0 * T + blk.c0;
+        // dP = dY · Vᵀ (rows × keys), row stride T in scratch
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, blk.rows, keys, d, 1.0f, dy + r0 * A, A, v + blk.c0 * W, W,
+                    0.0f, scratch, T);
+        // dV += Pᵀ · dY
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, blk.rows, 1.0f, pb, T, dy + r0 * A, A, 1.0f,
+                    dv + blk.c0 * W, W);
+        // dS_ij = P_ij (dP_ij − Σ_k P_ik dP_ik) over the visible keys, zero on the block's other columns
+        Kokkos::parallel_for("gqa_softmax_backward", range(blk.rows), KOKKOS_LAMBDA(Index kr) {
+          const Index i = r0 + kr, j0 = gqa_first_key(i, window) - blk.c0, j1 = i - blk.c0;
+          const float* pi = pb + kr * T;
+          float* ds = scratch + kr * T;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (Index j = j0; j <= j1; ++j) dot += pi[j] * ds[j];
+#pragma omp simd
+          for (Index j = j0; j <= j1; ++j) ds[j] = pi[j] * (ds[j] - dot);
+          for (Index j = 0; j < j0; ++j) ds[j] = 0.0f;
+          for (Index j = j1 + 1; j < keys; ++j) ds[j] = 0.0f;
+        });
+        // dQ = scale · dS · K ; dK += scale · dSᵀ · Q
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, blk.rows, d, keys, scale, scratch, T, k + blk.c0 * W, W,
+                    0.0f, dq + r0 * W, W);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, blk.rows, scale, scratch, T, q + r0 * W, W, 1.0f,
+                    dk + blk.c0 * W, W);
+      }
+    }
+#endif
+}
+
+}  // namespace zero3d::kernels

@@ -1,0 +1,247 @@
+// llama_block.cpp — the Llama family's decoder block (Hugging Face modeling_llama.py
+// LlamaDecoderLayer; Mistral's and Qwen2's are the same block), forward then backward:
+//
+//   h   = x + o_proj(attention(rope(q), rope(k), v)),  [q | k | v] = qkv_proj(RMSNorm(x))
+//   out = h + down_proj(silu(gate) · up),               [gate | up] = gate_up_proj(RMSNorm(h))
+//
+// q/k/v_proj and gate/up_proj are each one product: the layout stores their weights one after
+// another (model_layout.cpp llama_block_tensors), so they form one [(H + 2·Hkv)·d, C] and one
+// [2I, C] matrix. Attention is grouped-query with the layer's sliding window
+// (kernels/attention_gqa.hpp). Activations stay fp32; the products run in the model's compute
+// dtype.
+//
+// Tensor parallelism (DeepSpeed AutoTP's llama preset, Megatron's split): q/k/v_proj and
+// gate/up_proj column-parallel, each rank holding H/t query heads with their Hkv/t K/V heads
+// (whole groups) and I/t of the MLP; o_proj and down_proj row-parallel, their biases added once
+// after the sum; RMSNorms replicated. The local q, k and v rows (and gate, up) still lie one
+// after another, so each rank's products stay fused. With sequence parallelism the RMSNorms
+// and residual adds run on this rank's 1/t of the tokens, gathered before the column-parallel
+// products and reduce-scattered after the row-parallel ones.
+#include "base/profiler.hpp"
+#include "kernels/attention_gqa.hpp"
+#include "kernels/elementwise.hpp"
+#include "kernels/matmul.hpp"
+#include "kernels/rmsnorm.hpp"
+#include "kernels/rope.hpp"
+#include "kernels/swiglu.hpp"
+#include "model/model.hpp"
+#include "model/stopwatch.hpp"
+#include "parallel/comm.hpp"
+
+namespace zero3d {
+
+using namespace kernels;
+
+namespace {
+
+// One block's tensors inside its unit (a flat buffer of T: parameters, or fp32 gradients), in
+// llama_block_tensors' order at this rank's widths w; absent biases are null.
+template <typename T>
+struct LlamaTensors {
+  T *input_norm, *qkv_w, *qkv_b, *o_w, *o_b, *post_norm, *gate_up_w, *gate_up_b, *down_w, *down_b;
+};
+
+template <typename T>
+LlamaTensors<T> llama_tensors(T* p, const GPTShape& s, const BlockWidths& w) {
+  const DecoderFamily& f = s.family;
+  const int64_t C = s.n_embd;
+  LlamaTensors<T> t{};
+  const auto take = [&p](int64_t n) {
+    T* out = p;
+    p += n;
+    return out;
+  };
+  t.input_norm = take(C);
+  t.qkv_w = take(w.qkv * C);
+  if (f.qkv_bias) t.qkv_b = take(w.qkv);
+  t.o_w = take(C * w.attn);
+  if (f.o_bias) t.o_b = take(C);
+  t.post_norm = take(C);
+  t.gate_up_w = take(w.fc * C);
+  if (f.mlp_bias) t.gate_up_b = take(w.fc);
+  t.down_w = take(C * w.act);
+  if (f.mlp_bias) t.down_b = take(C);
+  return t;
+}
+
+}  // namespace
+
+template <typename P>
+void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
+                              double* attention_ms) {
+  const DecoderFamily& f = shape_.family;
+  const int64_t t = part_.tp_size, B = B_, T = T_, C = shape_.n_embd, BT = B * T, Ns = Ns_, H = Hl_,
+                Hkv = f.num_key_value_heads / t, d = f.head_dim, I = widths_.act;
+  const BlockWidths& w = widths_;
+  const bool tp = t > 1, sp = tp_.sequence_parallel;
+  const float eps = static_cast<float>(f.rms_norm_eps);
+  const DType cmp = compute_type();
+  // The input of a column-parallel product: this rank's tokens, or all of them gathered.
+  const auto column_input = [&](const float* x) -> const float* {
+    if (!sp) {
+      copy_to_tp_region_forward(tp_, x, BT * C);
+      return x;
+    }
+    gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns * C);
+    return gathered_;
+  };
+  // res = res_in + inp · Wᵀ + bias: one product on one rank; a row-parallel product's partial
+  // sums over the group (into this rank's tokens with sequence parallelism) then the bias once.
+  const auto residual_product = [&](float* res, const float* res_in, const float* inp, const P* weight, const P* bias,
+                                    int64_t IC) {
+    if (!tp) {
+      copy(res, res_in, BT * C);
+      linear_forward(res, inp, weight, bias, BT, IC, C, /*accumulate=*/true, cmp);
+      return;
+    }
+    linear_forward(row_out_, inp, weight, static_cast<const P*>(nullptr), BT, IC, C, false, cmp);
+    const float* sum = row_out_;
+    if (!sp) {
+      reduce_from_tp_region_forward(tp_, row_out_, BT * C);
+    } else {
+      reduce_scatter_to_sequence_parallel_region_forward(tp_, row_out_, shard_, Ns * C);
+      sum = shard_;
+    }
+    if (bias) add_residual_and_bias(res, res_in, sum, bias, Ns, C);
+    else add(res, res_in, sum, Ns * C);
+  };
+  const int u = c.first_block_unit + l, global_block = c.first_block + l;
+  const LlamaTensors<const P> p = llama_tensors(static_cast<const P*>(store.fetch(u)), shape_, w);
+  obs::Region region(obs::attention_module(global_block));
+  // h = x + o_proj(attention(...)) on input_layernorm(x)
+  rmsnorm_forward(a.ln_1, a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
+  linear_forward(a.qkv, column_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
+  rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // q and k rotated in place: the saves hold them rotated
+  {
+    const Stopwatch sw(attention_ms != nullptr);
+    gqa_attention_forward(a.atty, a.att, a.qkv, B, T, H, Hkv, d, f.window_of(global_block));
+    if (attention_ms) *attention_ms += sw.ms();
+  }
+  residual_product(a.res_2, residual, a.atty, p.o_w, p.o_b, w.attn);
+  // out = h + down_proj(silu(gate) · up) on post_attention_layernorm(h)
+  region.next(obs::mlp_module(global_block));
+  rmsnorm_forward(a.ln_2, a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
+  linear_forward(a.fch, column_input(a.ln_2), p.gate_up_w, p.gate_up_b, BT, C, w.fc, false, cmp);  // rows [gate | up]
+  swiglu_forward(a.fch_gelu, a.fch, a.fch + I, BT, I, w.fc);
+  residual_product(a.res_3, a.res_2, a.fch_gelu, p.down_w, p.down_b, I);
+  store.release(u);
+  store.progress();
+}
+
+// Full: input and weight gradients together, operands in scratch. Input: input gradients only,
+// the products' output gradients kept in buf.grad_operands[l]. Weight: the weight products
+// from those operands and the forward's saves, no parameters fetched. The same kernel calls in
+// all three, the skipped part's pointers null, so a split backward gives the fused one's
+// numbers. Tensor-parallel regions sit on the lines mirroring the forward's.
+template <typename P>
+void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivations& a, const float* residual,
+                               ActivationBuffer& buf, float* dres, ParamStore& store, BackwardPart part) {
+  const DecoderFamily& f = shape_.family;
+  const int64_t t = part_.tp_size, B = B_, T = T_, C = shape_.n_embd, BT = B * T, Ns = Ns_, H = Hl_,
+                Hkv = f.num_key_value_heads / t, d = f.head_dim, I = widths_.act;
+  const BlockWidths& w = widths_;
+  const bool tp = t > 1, sp = tp_.sequence_parallel;
+  const DType cmp = compute_type();
+  const bool input = part != BackwardPart::Weight, weights = part != BackwardPart::Input;
+  const bool keep = part == BackwardPart::Input;
+  const int u = c.first_block_unit + l, global_block = c.first_block + l;
+  const int64_t window = f.window_of(global_block);
+  const LlamaTensors<const P> p =
+      input ? llama_tensors(static_cast<const P*>(store.fetch(u)), shape_, w) : LlamaTensors<const P>{};
+  const LlamaTensors<float> dw = weights ? llama_tensors(store.grad_target(u), shape_, w) : LlamaTensors<float>{};
+  // each weight's gradient is one product: into a zeroed window it is written, not added
+  const bool add_dw = !(weights && store.grads_start_at_zero(u));
+  const bool saved = part != BackwardPart::Full;
+  const BlockGradOperands& g = saved ? buf.grad_operands[l] : BlockGradOperands{};
+  float* d_fch = saved ? g.d_fch : dfch_;  // d[gate | up]
+  float* d_ln_2 = saved ? g.d_ln_2 : dln_;
+  float* d_qkv = saved ? g.d_qkv : dqkv_;
+  float* d_ln_1 = saved ? g.d_ln_1 : dln_;
+  // A row-parallel product's output gradient over all tokens: this rank's tokens' gradient
+  // all-gathered with sequence parallelism (into `full`), else the same array.
+  const auto row_output_grad = [&](const float* d_shard, float* full) -> const float* {
+    if (!sp) {
+      reduce_from_tp_region_backward(tp_, d_shard, BT * C);
+      return d_shard;
+    }
+    reduce_scatter_to_sequence_parallel_region_backward(tp_, d_shard, full, Ns * C);
+    return full;
+  };
+  // A column-parallel product's backward: dinp (all tokens, partial over the group) summed —
+  // all-reduced, or reduce-scattered into dinp_shard with sequence parallelism; the weight
+  // product reads the input over all tokens (re-gathered from x's shard). With tp_overlap_comm
+  // the all-reduce runs under the weight product (Megatron's async dgrad).
+  const auto column_backward = [&](float* dinp_shard, float* dweight, float* dbias, const float* dout, const float* x,
+                                   const P* weight, int64_t OC) {
+    const float* inp = x;
+    if (sp && dweight) {
+      gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns * C);
+      inp = gathered_;
+    }
+    float* dinp = sp && dinp_shard ? row_out_ : dinp_shard;
+    if (tp && tp_.overlap && !sp && dinp && dweight) {
+      linear_backward(dinp, static_cast<float*>(nullptr), static_cast<float*>(nullptr), dout, inp, weight, BT, C, OC,
+                      cmp);
+      const std::unique_ptr<CommRequest> pending = tp_.all_reduce_sum_async(dinp, BT * C);
+      linear_backward(static_cast<float*>(nullptr), dweight, dbias, dout, inp, weight, BT, C, OC, cmp, add_dw);
+      store.progress();
+      pending->wait();
+      return;
+    }
+    linear_backward(dinp, dweight, dbias, dout, inp, weight, BT, C, OC, cmp, add_dw);
+    if (!dinp) return;
+    if (sp) gather_from_sequence_parallel_region_backward(tp_, dinp, dinp_shard, Ns * C);
+    else copy_to_tp_region_backward(tp_, dinp, BT * C);
+  };
+  obs::Region region(obs::mlp_module(global_block));
+  // MLP half: dres holds d(out) (this rank's tokens), which is also the residual path's d(h)
+  const float* d_out = part == BackwardPart::Weight ? g.d_res_3 : row_output_grad(dres, saved ? g.d_res_3 : gathered_);
+  if (keep && !sp) copy(g.d_res_3, dres, BT * C);
+  linear_backward(input ? dact_ : nullptr, weights ? dw.down_w : nullptr, weights ? dw.down_b : nullptr, d_out,
+                  a.fch_gelu, p.down_w, BT, I, C, cmp, add_dw);
+  store.progress();
+  if (input) swiglu_backward(d_fch, d_fch + I, dact_, a.fch, a.fch + I, BT, I, w.fc);
+  column_backward(input ? d_ln_2 : nullptr, weights ? dw.gate_up_w : nullptr, weights ? dw.gate_up_b : nullptr, d_fch,
+                  a.ln_2, p.gate_up_w, w.fc);
+  store.progress();
+  rmsnorm_backward(input ? dres : nullptr, weights ? dw.post_norm : nullptr, d_ln_2, a.res_2, p.post_norm, a.ln_2_rstd,
+                   Ns, C);
+  // attention half: dres now holds d(h), which is also the residual path's d(x)
+  region.next(obs::attention_module(global_block));
+  const float* d_h = part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(dres, saved ? g.d_res_2 : gathered_);
+  if (keep && !sp) copy(g.d_res_2, dres, BT * C);
+  if (input && ac_.selective()) {  // the probabilities were not kept: recompute them (datty_ is free until o_proj)
+    const obs::PassScope recompute(obs::Pass::Recompute);
+    checkpoint_boundary();
+    const Stopwatch sw(ac_.profile);
+    gqa_attention_forward(datty_, a.att, a.qkv, B, T, H, Hkv, d, window);
+    if (ac_.profile) time_of(global_block, 1).recompute_ms += sw.ms();
+    checkpoint_boundary();
+  }
+  linear_backward(input ? datty_ : nullptr, weights ? dw.o_w : nullptr, weights ? dw.o_b : nullptr, d_h, a.atty, p.o_w,
+                  BT, w.attn, C, cmp, add_dw);
+  store.progress();
+  if (input) {
+    gqa_attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, H, Hkv, d, window);
+    rope_backward(d_qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // to the gradient of q and k before rotation
+  }
+  store.progress();
+  column_backward(input ? d_ln_1 : nullptr, weights ? dw.qkv_w : nullptr, weights ? dw.qkv_b : nullptr, d_qkv, a.ln_1,
+                  p.qkv_w, w.qkv);
+  rmsnorm_backward(input ? dres : nullptr, weights ? dw.input_norm : nullptr, d_ln_1, residual, p.input_norm,
+                   a.ln_1_rstd, Ns, C);
+  if (input) store.release(u);
+  if (weights) store.grads_done(u);
+}
+
+#define ZERO3D_LLAMA_BLOCK(P)                                                                                        \
+  template void GPT::llama_block_forward<P>(const ModelChunk&, int, BlockActivations&, const float*, ParamStore&,     \
+                                            double*);                                                                 \
+  template void GPT::llama_block_backward<P>(const ModelChunk&, int, const BlockActivations&, const float*,           \
+                                             ActivationBuffer&, float*, ParamStore&, BackwardPart);
+ZERO3D_LLAMA_BLOCK(float)
+ZERO3D_LLAMA_BLOCK(bf16)
+ZERO3D_LLAMA_BLOCK(fp16)
+#undef ZERO3D_LLAMA_BLOCK
+
+}  // namespace zero3d

@@ -1,0 +1,317 @@
+// The Llama family, black-box: `zero3d train` on a Hugging Face config directory and
+// Hugging Face-named weights follows PyTorch's losses and gradient norms step by step
+// (tests/golden/make_llama_goldens.py), and every data-parallel, pipeline and tensor-parallel
+// layout, ZeRO stage and activation-checkpointing setting gives the losses of one rank; its
+// checkpoints resume across layouts, its evaluation is PyTorch's loss, its 16-bit runs track
+// fp32; combinations the family does not have stop at validation with one line naming the key.
+#include <gtest/gtest.h>
+
+#include <hdf5.h>
+
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "io/h5.hpp"
+#include "support/cli_helpers.hpp"
+
+using namespace cli;
+
+namespace {
+
+const std::string kGoldenDir = kSource + "/tests/golden";
+
+std::vector<double> read_doubles(const zero3d::h5::File& f, const std::string& name) {
+  const hid_t ds = H5Dopen2(f.id(), name.c_str(), H5P_DEFAULT);
+  const hid_t space = H5Dget_space(ds);
+  std::vector<double> out(static_cast<size_t>(H5Sget_simple_extent_npoints(space)));
+  H5Dread(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data());
+  H5Sclose(space);
+  H5Dclose(ds);
+  return out;
+}
+
+// One golden as a user would bring it: a Hugging Face directory (config.json), the weights by
+// their Hugging Face names (the golden file itself), and its batch as an llm.c token shard of
+// exactly B·T + 1 tokens, so that every step of every layout trains on that one batch.
+struct Golden {
+  std::string name, hf_dir, weights, shard;
+  int64_t B = 0, T = 0;
+  std::vector<double> losses, grad_norms, hparams;
+};
+
+const Golden& golden(const std::string& name) {
+  static std::map<std::string, Golden> cache;
+  auto it = cache.find(name);
+  if (it != cache.end()) return it->second;
+  Golden g;
+  g.name = name;
+  g.weights = kGoldenDir + "/" + name + ".h5";
+  const zero3d::h5::File f = zero3d::h5::File::open_read(g.weights);
+  std::string config;
+  EXPECT_TRUE(zero3d::h5::read_attribute(f.id(), "hf_config", config));
+  EXPECT_TRUE(zero3d::h5::read_attribute(f.id(), "batch", g.B));
+  g.hf_dir = temp_path(name + "_hf");
+  std::system(("mkdir -p " + g.hf_dir).c_str());
+  std::ofstream(g.hf_dir + "/config.json") << config;
+  const std::vector<int32_t> stream = f.read_ints("golden/stream");
+  g.T = (static_cast<int64_t>(stream.size()) - 1) / g.B;
+  g.shard = temp_path(name + ".bin");
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240520;  // llm.c's magic, version 1, token count; then uint16 tokens
+  header[1] = 1;
+  header[2] = static_cast<int32_t>(stream.size());
+  std::ofstream out(g.shard, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(header.data()), 1024);
+  for (int32_t t : stream) {
+    const uint16_t u = static_cast<uint16_t>(t);
+    out.write(reinterpret_cast<const char*>(&u), 2);
+  }
+  out.close();
+  g.losses = read_doubles(f, "golden/adamw_losses");
+  g.grad_norms = read_doubles(f, "golden/grad_norms");
+  g.hparams = read_doubles(f, "golden/hparams");
+  return cache.emplace(name, g).first->second;
+}
+
+// PyTorch's run: AdamW with the golden's settings, constant lr, its gradient clipping.
+json golden_run(const Golden& g) {
+  const std::vector<double>& hp = g.hparams;
+  return json{{"train_batch_size", g.B},
+              {"gradient_clipping", hp[5]},
+              {"optimizer",
+               {{"type", "AdamW"},
+                {"params", {{"lr", hp[0]}, {"betas", {hp[1], hp[2]}}, {"eps", hp[3]}, {"weight_decay", hp[4]}}}}},
+              {"model", {{"hf_config", g.hf_dir}, {"seq_length", g.T}, {"init_from", g.weights}}},
+              {"data", {{"source", "tokens"}, {"path", g.shard}}},
+              {"training", {{"steps", static_cast<int64_t>(g.losses.size())}, {"seed", 5}, {"peak_gflops", 50}}},
+              {"steps_per_print", 100}};
+}
+
+std::vector<json> train(const Golden& g, int np, const std::string& tag, const std::string& args) {
+  const std::string config = write_config(g.name + "_" + tag + ".json", golden_run(g));
+  const std::string dir = temp_path(g.name + "_" + tag);
+  std::system(("rm -rf " + dir).c_str());
+  const Result r = run("train " + config + " --output " + dir + " " + args, np);
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  return read_metrics(dir);
+}
+
+class LlamaFamily : public ::testing::TestWithParam<std::string> {};
+
+// One rank, ZeRO off: PyTorch's losses and gradient norms (before clipping), step by step, within
+// 1e-5 relative. The start-up line names the family and its shape.
+TEST_P(LlamaFamily, TrainsAsPyTorchDoesFromAHuggingFaceDirectory) {
+  const Golden& g = golden(GetParam());
+  const std::vector<json> rows = train(g, 1, "np1", "");
+  ASSERT_EQ(rows.size(), g.losses.size());
+  expect_losses_close(losses_of(rows), g.losses, 1e-5, g.name + " loss");
+  for (size_t i = 0; i < rows.size(); ++i)
+    EXPECT_NEAR(rows[i].at("grad_norm").get<double>(), g.grad_norms[i], 1e-5 * g.grad_norms[i])
+        << g.name << " grad_norm step " << i + 1;
+}
+
+INSTANTIATE_TEST_SUITE_P(Goldens, LlamaFamily,
+                         ::testing::Values("llama_gqa", "llama_biases", "qwen2_bias", "mistral_window"));
+
+struct Layout {
+  std::string golden;
+  int np;
+  std::string args, name;
+};
+
+void PrintTo(const Layout& l, std::ostream* os) { *os << l.golden << " " << l.name; }
+
+class LlamaLayout : public ::testing::TestWithParam<Layout> {};
+
+// The losses of one rank (ZeRO off) within 1e-5 relative over the golden's 8 steps.
+TEST_P(LlamaLayout, GivesTheLossesOfOneRank) {
+  const Layout& l = GetParam();
+  const Golden& g = golden(l.golden);
+  static std::map<std::string, std::vector<double>> reference;
+  if (!reference.count(l.golden)) reference[l.golden] = losses_of(train(g, 1, "ref", ""));
+  const std::vector<json> rows = train(g, l.np, l.name, l.args);
+  expect_losses_close(losses_of(rows), reference[l.golden], 1e-5, l.golden + " " + l.name);
+}
+
+const std::string kMicro1 = "--set train_micro_batch_size_per_gpu=1 ";
+const std::string kPipe2 = kMicro1 + "--set pipeline.stages=2 ";
+
+INSTANTIATE_TEST_SUITE_P(
+    DataPipelineZeroCheckpointing, LlamaLayout,
+    ::testing::Values(
+        // data parallel, every ZeRO stage (llama_gqa: untied head; qwen2_bias: tied)
+        Layout{"llama_gqa", 2, "--set zero_optimization.stage=0", "np2_z0"},
+        Layout{"llama_gqa", 2, "--set zero_optimization.stage=1", "np2_z1"},
+        Layout{"llama_gqa", 2, "--set zero_optimization.stage=2 --set zero_optimization.reduce_bucket_size=700", "np2_z2"},
+        Layout{"llama_gqa", 2, "--set zero_optimization.stage=3 --set zero_optimization.stage3_prefetch_bucket_size=900",
+               "np2_z3"},
+        Layout{"qwen2_bias", 2, "--set zero_optimization.stage=3", "np2_z3"},
+        Layout{"mistral_window", 2, "--set zero_optimization.stage=2", "np2_z2"},
+        // gradient accumulation on one rank
+        Layout{"llama_gqa", 1, kMicro1, "np1_gas4"},
+        // pipeline: the untied head on the last stage; the tied head's embed_tokens copy
+        Layout{"llama_gqa", 2, kPipe2 + "--set pipeline.schedule=1f1b", "np2_p2_1f1b"},
+        Layout{"llama_gqa", 2, kPipe2 + "--set pipeline.schedule=zb-h1 --set zero_optimization.stage=1", "np2_p2_zbh1"},
+        Layout{"llama_gqa", 2, kPipe2 + "--set pipeline.schedule=interleaved --set pipeline.virtual_stages=2",
+               "np2_p2_int2"},
+        Layout{"qwen2_bias", 2, kPipe2 + "--set pipeline.schedule=1f1b --set zero_optimization.stage=2", "np2_p2_1f1b"},
+        Layout{"qwen2_bias", 2, kPipe2 + "--set pipeline.schedule=zb-h1", "np2_p2_zbh1"},
+        // tensor parallelism (q/k/v by whole K/V-head groups, vocab-parallel embedding and head), with
+        // sequence parallelism, overlapped all-reduces, beside data and pipeline parallelism
+        Layout{"llama_gqa", 2, "--set tensor_parallel.autotp_size=2", "np2_t2"},
+        Layout{"llama_gqa", 2, "--set tensor_parallel.autotp_size=2 --set tensor_parallel.sequence_parallel=true",
+               "np2_t2_sp"},
+        Layout{"llama_gqa", 2, "--set tensor_parallel.autotp_size=2 --set tensor_parallel.tp_overlap_comm=true",
+               "np2_t2_overlap"},
+        Layout{"qwen2_bias", 2, "--set tensor_parallel.autotp_size=2 --set zero_optimization.stage=3", "np2_t2_z3"},
+        Layout{"mistral_window", 2, "--set tensor_parallel.autotp_size=2 --set tensor_parallel.sequence_parallel=true",
+               "np2_t2_sp"},
+        Layout{"llama_gqa", 4, kMicro1 + "--set tensor_parallel.autotp_size=2 --set pipeline.stages=2", "np4_t2_p2"},
+        Layout{"qwen2_bias", 4,
+               "--set tensor_parallel.autotp_size=2 --set zero_optimization.stage=2 "
+               "--set tensor_parallel.sequence_parallel=true",
+               "np4_t2_d2_sp"},
+        Layout{"llama_gqa", 2,
+               "--set tensor_parallel.autotp_size=2 --set pipeline.activation_checkpoint_interval=1 "
+               "--set activation_checkpointing.partition_activations=true",
+               "np2_t2_full_ac_partitioned"},
+        // activation checkpointing: every block, selective (attention recomputed), checkpoints in host memory
+        Layout{"llama_gqa", 1, "--set pipeline.activation_checkpoint_interval=1", "np1_full_ac"},
+        Layout{"mistral_window", 2,
+               "--set pipeline.activation_checkpoint_interval=1 --set zero_optimization.stage=3 "
+               "--set activation_checkpointing.cpu_checkpointing=true",
+               "np2_full_ac_z3"},
+        Layout{"qwen2_bias", 1,
+               "--set pipeline.activation_checkpoint_interval=1 --set activation_checkpointing.recompute_granularity=selective",
+               "np1_selective_ac"}),
+    [](const ::testing::TestParamInfo<Layout>& info) { return info.param.golden + "_" + info.param.name; });
+
+// A checkpoint is one logical model under Hugging Face's names, whole tensors: saved by a
+// two-stage pipeline at step 4, it resumes on one rank and at np 2 with ZeRO-3 to the
+// uninterrupted run's last four losses within 1e-6.
+TEST(LlamaFamilyCheckpoint, ResumesAtAnotherLayoutAndHoldsWholeHuggingFaceTensors) {
+  const Golden& g = golden("llama_gqa");
+  const std::string config = write_config("llama_ckpt.json", golden_run(g));
+  const std::string saved = temp_path("llama_saved");
+  std::system(("rm -rf " + saved).c_str());
+  Result r = run("train " + config + " --output " + saved + " " + kPipe2 + "--set training.save_interval=4", 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::vector<double> whole = losses_of(read_metrics(saved));
+  ASSERT_EQ(whole.size(), 8u);
+  const std::vector<double> tail(whole.begin() + 4, whole.end());
+  for (const auto& [np, args] : std::vector<std::pair<int, std::string>>{
+           {1, "--set zero_optimization.stage=0"}, {2, "--set zero_optimization.stage=3"}}) {
+    const std::string dir = temp_path("llama_resumed");
+    std::system(("rm -rf " + dir).c_str());
+    r = run("train " + config + " --output " + dir + " --set training.resume=" + saved + "/checkpoints/global_step4 " + args,
+            np);
+    ASSERT_EQ(r.code, 0) << r.err;
+    expect_losses_close(losses_of(read_metrics(dir)), tail, 1e-6, "resumed at np " + std::to_string(np) + " " + args);
+  }
+  r = run("inspect " + saved + "/checkpoints --tag global_step8 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json report = json::parse(r.out);
+  std::map<std::string, json> shapes;
+  for (const json& t : report.at("tensors")) shapes[t.at("name").get<std::string>()] = t.at("shape");
+  EXPECT_EQ(shapes.size(), 21u);  // embed_tokens, 2 × 9 block tensors, model.norm, lm_head
+  EXPECT_EQ(shapes["lm_head.weight"], json::array({64, 32}));
+  EXPECT_EQ(shapes["model.layers.1.self_attn.q_proj.weight"], json::array({64, 32}));  // H·d = 4·16 rows
+  EXPECT_EQ(shapes["model.layers.1.self_attn.k_proj.weight"], json::array({32, 32}));  // Hkv·d = 2·16
+  EXPECT_EQ(shapes["model.layers.0.mlp.down_proj.weight"], json::array({32, 48}));
+}
+
+// Evaluation is the same forward: on the golden's batch, at the golden weights, PyTorch's loss.
+TEST(LlamaFamilyEval, EvaluatesToPyTorchsLossInEveryLayout) {
+  const Golden& g = golden("mistral_window");
+  json c = golden_run(g);
+  c["data"]["validation"] = {{"source", "tokens"}, {"path", g.shard}};
+  c["training"]["eval_steps"] = 1;
+  const std::string config = write_config("mistral_eval.json", c);
+  const zero3d::h5::File f = zero3d::h5::File::open_read(g.weights);
+  const double want = f.read_floats("golden/loss")[0];
+  for (const auto& [np, args] : std::vector<std::pair<int, std::string>>{
+           {1, ""}, {2, "--set zero_optimization.stage=3"}, {2, kPipe2}}) {
+    const Result r = run("eval " + config + " --json " + args, np);
+    ASSERT_EQ(r.code, 0) << r.err;
+    const size_t end = r.out.find_last_not_of('\n'), begin = r.out.rfind('\n', end);
+    const json e = json::parse(r.out.substr(begin == std::string::npos ? 0 : begin + 1));
+    EXPECT_NEAR(e.at("eval_loss").get<double>(), want, 1e-6 * want) << np << " " << args;
+  }
+}
+
+// 16-bit runs: bf16 and fp16 parameters and torch_autocast run the products in 16 bits (the
+// activations, RMSNorm and attention stay fp32) and follow PyTorch's fp32 losses within the
+// rounding of their products; a bf16 run at np 2 with ZeRO-2 stays within bf16 reduction-order
+// noise of one rank's.
+TEST(LlamaFamilyPrecision, SixteenBitRunsTrackPyTorchsFp32Losses) {
+  const Golden& g = golden("llama_gqa");
+  const std::vector<double> bf16 = losses_of(train(g, 1, "bf16", "--set bf16.enabled=true"));
+  expect_losses_close(bf16, g.losses, 2e-3, "bf16 against PyTorch fp32");
+  expect_losses_close(losses_of(train(g, 1, "fp16", "--set fp16.enabled=true")), g.losses, 5e-4,
+                      "fp16 against PyTorch fp32");
+  expect_losses_close(losses_of(train(g, 1, "autocast", "--set torch_autocast.enabled=true")), g.losses, 1e-3,
+                      "torch_autocast bf16 against PyTorch fp32");
+  expect_losses_close(losses_of(train(g, 2, "bf16_np2_z2",
+                                      "--set bf16.enabled=true --set zero_optimization.stage=2 "
+                                      "--set train_micro_batch_size_per_gpu=2")),
+                      bf16, 1e-3, "bf16 np 2 ZeRO-2 against bf16 np 1");
+}
+
+// A vocabulary that does not split evenly: the tensor ranks pad embed_tokens and the untied
+// lm_head to a multiple of t (Megatron's padding); padded rows are never looked up and their
+// logits are masked, so the losses are one rank's.
+TEST(LlamaFamilyTensorParallel, PaddedVocabularyGivesTheLossesOfOneRank) {
+  const std::string example = kSource + "/input/llama-tiny.json";
+  const std::string args = " --set model.vocab_size=251 --set training.steps=6";
+  const std::string one = temp_path("llama_vocab_t1"), two = temp_path("llama_vocab_t2");
+  std::system(("rm -rf " + one + " " + two).c_str());
+  Result r = run("train " + example + " --output " + one + args, 1);
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run("train " + example + " --output " + two + args + " --set tensor_parallel.autotp_size=2", 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("vocabulary padded 251 -> 252"), std::string::npos) << r.out;
+  expect_losses_close(losses_of(read_metrics(two)), losses_of(read_metrics(one)), 1e-5, "t 2, vocabulary 251");
+}
+
+// A model given in the section itself (no Hugging Face file) trains with Hugging Face's
+// initialisation and the input/llama-tiny.json example runs.
+TEST(LlamaFamilyExample, LlamaTinyTrainsAndLearns) {
+  const std::string dir = temp_path("llama_tiny");
+  const Result r = run("train " + kSource + "/input/llama-tiny.json --output " + dir, 1);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("model   llama V=256"), std::string::npos) << r.out;
+  const std::vector<double> losses = losses_of(read_metrics(dir));
+  ASSERT_GE(losses.size(), 2u);
+  EXPECT_NEAR(losses.front(), std::log(256.0), 0.1);  // initializer_range 0.02: near-uniform logits at first
+  EXPECT_LT(losses.back(), losses.front() - 0.5);
+}
+
+// Bad input: exit 2 at validation, one line naming the key (and the file for a Hugging Face config).
+TEST(LlamaFamilyValidation, UnsupportedCombinationsStopWithOneLine) {
+  const Golden& g = golden("llama_gqa");
+  const std::string config = write_config("llama_bad.json", golden_run(g));
+  expect_one_line_rejection(run("validate " + config + " --world-size 2 --set tensor_parallel.autotp_size=2 "
+                                "--set model.num_key_value_heads=1", 0),
+                            "`tensor_parallel.autotp_size`: autotp_size 2 does not divide model.num_key_value_heads (1)");
+  expect_one_line_rejection(run("validate " + config + " --set model.num_key_value_heads=3", 0),
+                            "`model.num_key_value_heads`: value 3 does not divide num_attention_heads (4)");
+  expect_one_line_rejection(run("validate " + config + " --set model.architecture=mixtral", 0),
+                            "`model.architecture`: mixtral (sparse MoE blocks");
+  expect_one_line_rejection(run("validate " + config + " --set model.n_embd=64", 0),
+                            "`model.n_embd`: GPT-2's key; model.architecture llama takes hidden_size");
+  json hostile = json::parse(slurp(g.hf_dir + "/config.json"));
+  hostile["num_local_experts"] = 8;
+  const std::string hf = temp_path("llama_hostile_hf");
+  std::system(("mkdir -p " + hf).c_str());
+  std::ofstream(hf + "/config.json") << hostile.dump(2);
+  expect_one_line_rejection(run("validate " + config + " --set model.hf_config=" + hf, 0),
+                            "`model.hf_config.num_local_experts`: not a key of Hugging Face's LlamaConfig that zero3d "
+                            "reads");
+}
+
+}  // namespace
