@@ -5,9 +5,13 @@
  * of the stack that points into an executable mapping: "path +offset", which
  * `addr2line -f -C -e path offset` resolves on the build machine (return addresses among
  * them are the callers). Then the process dies of the signal as it would have.
- * gpu_bundle.sh builds it. */
+ * With FAULT_BACKTRACE_THROW=1 every C++ throw prints the thrower's stack the same way before it
+ * unwinds (an error that main() reports in one line, such as a CUDA call's, then names its
+ * site). gpu_bundle.sh builds it (with -ldl). */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <execinfo.h>
+#include <stdlib.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
@@ -102,6 +106,26 @@ static void on_fatal(int sig, siginfo_t* info, void* context) {
   for (const uintptr_t* w = (const uintptr_t*)sp; w < (const uintptr_t*)(sp + 16384); ++w) put_code_address(*w);
   signal(sig, SIG_DFL);
   raise(sig);
+}
+
+/* The C++ runtime's throw, wrapped: the stack, then the real __cxa_throw. */
+typedef void (*cxa_throw_fn)(void*, void*, void (*)(void*));
+void __cxa_throw(void* exception, void* type, void (*destructor)(void*)) {
+  static cxa_throw_fn real;
+  static int enabled = -1;
+  if (!real) real = (cxa_throw_fn)dlsym(RTLD_NEXT, "__cxa_throw");
+  if (!real) {  /* a C++ runtime loaded later, out of the global scope (a Python extension's) */
+    put("== fault_backtrace: __cxa_throw of this process's C++ runtime not found; preload it only into zero3d\n");
+    abort();
+  }
+  if (enabled < 0) enabled = getenv("FAULT_BACKTRACE_THROW") && getenv("FAULT_BACKTRACE_THROW")[0] == '1';
+  if (enabled) {
+    void* frames[48];
+    put("== fault_backtrace: C++ throw from\n");
+    backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
+  }
+  real(exception, type, destructor);
+  __builtin_unreachable();
 }
 
 __attribute__((constructor)) static void install(void) {

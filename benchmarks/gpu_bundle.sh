@@ -16,7 +16,7 @@ cp "$cuda/zero3d" "$cuda/tests/zero3d_gpu_tests" "$cuda/benchmarks/zero3d_device
 [ -n "$cpu" ] && cp "$cpu/zero3d" "$stage/gpu-carry/bin/zero3d-cpu"
 for tool in mpiexec.hydra hydra_pmi_proxy; do cp "$(command -v "$tool")" "$stage/gpu-carry/bin/"; done
 # a fault's stack for a machine without a debugger (gpu_check.sh preloads it)
-cc -O1 -shared -fPIC -o "$stage/gpu-carry/lib/libfault_backtrace.so" "$(dirname "$0")/fault_backtrace.c"
+cc -O1 -shared -fPIC -o "$stage/gpu-carry/lib/libfault_backtrace.so" "$(dirname "$0")/fault_backtrace.c" -ldl
 for exe in "$stage"/gpu-carry/bin/*; do
   ldd "$exe" | awk '$3 ~ /^\// {print $3}'
 done | sort -u | while read -r lib; do

@@ -3,9 +3,10 @@
 # repository root with gpu-carry.tar.xz beside it (benchmarks/gpu_bundle.sh): the device, the
 # `gpu` label's tests (kernels at GPT-2 124M shapes against host references; training against
 # the CPU build's losses, run-to-run identity, np 2 sharing the GPU, a checkpoint resumed on the
-# CPU), the per-kernel table, and GPT-2 124M throughput (micro-batch 16, T 1024) in bf16 and
-# fp32. Every result goes under $OUT (default /tmp/gpu-check); a failing part does not stop
-# the rest. Budget: at most 8 minutes (the sum of the steps' limits) on an H100/H200.
+# CPU), the per-kernel table, GPT-2 124M throughput (micro-batch 16, T 1024) in bf16 and fp32,
+# and PyTorch's on the same GPU. Every result goes under $OUT (default /tmp/gpu-check); a
+# failing part does not stop the rest. On an H100 it all takes about 100 s (each step has its
+# own limit, for a hang).
 set -u
 # The device tool returns only a few files from $OUT: the results go to a work folder and
 # come back as one results.tar.gz beside summary.txt.
@@ -44,6 +45,9 @@ if ! grep -q "smoke: exit 0" "$out/summary.txt"; then
   [ -n "$sanitizer" ] && step smoke_memcheck 90 "$sanitizer" --print-limit 20 zero3d train \
     "$root/input/quickstart.json" --output "$out/smoke_m" --set training.steps=1
 fi
+# ZeRO-3 with two ranks sharing the GPU, every C++ throw's stack printed (fault_backtrace.c).
+step zero3_np2 60 env FAULT_BACKTRACE_THROW=1 mpiexec.hydra -np 2 zero3d train "$root/input/quickstart.json" \
+  --output "$out/zero3_np2" --set zero_optimization.stage=3 --set training.steps=3
 step gpu_kernel_tests 60 zero3d_gpu_tests --gtest_filter='GpuKernels.*:GpuProducts.*:GpuAttention.*' \
   --gtest_output="json:$out/gpu_kernel_tests.json"
 step gpu_training_tests 150 zero3d_gpu_tests --gtest_filter='GpuTraining.*' --gtest_output="json:$out/gpu_training_tests.json"
@@ -53,6 +57,13 @@ for precision in bf16 fp32; do
   set -- --set train_micro_batch_size_per_gpu=16 --set training.steps=12 --set steps_per_print=4
   [ "$precision" = bf16 ] && set -- "$@" --set bf16.enabled=true
   step "gpt2_124m_$precision" 75 zero3d train "$root/input/gpt2-124m.json" --output "$out/gpt2_124m_$precision" "$@"
+done
+# The PyTorch peer on the same GPU, where a Python there has torch with CUDA (a venv, or the system's).
+for py in python3 /opt/*/bin/python3 /root/*/bin/python3 /workspace/*/bin/python3 /usr/local/bin/python3; do
+  [ -x "$(command -v "$py")" ] && "$py" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || continue
+  step pytorch_peer 130 env -u LD_PRELOAD "$py" "$root/benchmarks/pytorch_gpu_peer.py"  # fault_backtrace is zero3d's
+  grep "^peer\|^torch" "$out/pytorch_peer.txt" | tee -a "$out/summary.txt"
+  break
 done
 # tokens/s of the last steps (the first ones include cuBLASLt's heuristics and allocations)
 for precision in bf16 fp32; do

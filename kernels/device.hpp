@@ -47,8 +47,10 @@ void fence();
 // Never on a CPU build, whose model memory is host memory.
 bool is_device_memory(const void* p);
 
-// The device's memory high-water mark since start-up, as the allocator saw it (0 on a CPU
-// build, where the process's peak resident memory is the measure).
+// The high-water mark of the device memory Kokkos allocated since start-up (0 on a CPU build,
+// where the process's peak resident memory is the measure).
 int64_t device_peak_bytes();
+// Restarts that high-water mark at the memory in use now (after a start-up probe's buffers are gone).
+void reset_device_peak();
 
 }  // namespace zero3d::kernels

@@ -7,12 +7,31 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 
 namespace zero3d::kernels {
 
 namespace {
-int64_t g_peak_bytes = 0;  // the largest device memory in use seen at a device_info() call
+// Device memory the model holds (every Kokkos allocation in CudaSpace), counted by Kokkos's
+// allocation hooks: the figure the memory plan predicts, without the CUDA context or the
+// allocator's caches, which cudaMemGetInfo would add.
+std::atomic<int64_t> g_live_bytes{0}, g_peak_bytes{0};
+
+bool in_device_space(Kokkos_Profiling_SpaceHandle space) { return std::strcmp(space.name, "Cuda") == 0; }
+
+void on_allocate(Kokkos_Profiling_SpaceHandle space, const char*, const void*, uint64_t bytes) {
+  if (!in_device_space(space)) return;
+  const int64_t live = g_live_bytes += static_cast<int64_t>(bytes);
+  int64_t peak = g_peak_bytes.load();
+  while (live > peak && !g_peak_bytes.compare_exchange_weak(peak, live)) {
+  }
 }
+
+void on_deallocate(Kokkos_Profiling_SpaceHandle space, const char*, const void*, uint64_t bytes) {
+  if (in_device_space(space)) g_live_bytes -= static_cast<int64_t>(bytes);
+}
+}  // namespace
 
 std::string backend_name() {
   return "CUDA " + std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION / 10 % 100) +
@@ -38,6 +57,8 @@ void initialize_backend(int local_rank, char** argv) {
   settings.set_device_id(id);
   (void)argv;  // Kokkos takes its settings from its environment variables, not our command line
   Kokkos::initialize(settings);
+  Kokkos::Tools::Experimental::set_allocate_data_callback(on_allocate);
+  Kokkos::Tools::Experimental::set_deallocate_data_callback(on_deallocate);
 }
 
 DeviceInfo device_info() {
@@ -51,7 +72,6 @@ DeviceInfo device_info() {
   if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
     d.free_bytes = static_cast<int64_t>(free_bytes);
     d.total_bytes = static_cast<int64_t>(total_bytes);
-    g_peak_bytes = std::max(g_peak_bytes, d.total_bytes - d.free_bytes);
   }
   return d;
 }
@@ -67,9 +87,8 @@ bool is_device_memory(const void* p) {
   return a.type == cudaMemoryTypeDevice;
 }
 
-int64_t device_peak_bytes() {
-  device_info();
-  return g_peak_bytes;
-}
+int64_t device_peak_bytes() { return g_peak_bytes.load(); }
+
+void reset_device_peak() { g_peak_bytes = g_live_bytes.load(); }
 
 }  // namespace zero3d::kernels

@@ -12,6 +12,8 @@
 
 #include "kernels/device.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/memory.hpp"
+#include "kernels/typed.hpp"
 
 #include "base/errors.hpp"
 
@@ -20,19 +22,24 @@ namespace zero3d {
 namespace {
 // A GPU reaches its product peak only on large products: 8192³, where GPU-GAP §11 measured the
 // H200's bf16 rate (803-812 TFLOP/s), on device buffers, each product timed to its end.
+// The operands are stored in the product's dtype, so the probe leaves no conversion scratch
+// behind in the products' workspace, and the device's high-water mark restarts after it (the
+// memory plan's check measures training, not this probe's 0.8 GB).
 double device_gemm_peak_gflops(DType compute) {
   constexpr int64_t n = 8192;
-  Kokkos::View<float*> a(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("peak_a")), n * n);
-  Kokkos::View<float*> b(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("peak_b")), n * n);
+  const size_t bytes = static_cast<size_t>(n * n) * dtype_size(compute);
+  kernels::DeviceBuffer a(bytes), b(bytes);
   Kokkos::View<float*> c(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("peak_c")), n * n);
-  Kokkos::deep_copy(a, 0.5f);
-  Kokkos::deep_copy(b, 0.25f);
+  Kokkos::deep_copy(c, 0.5f);
+  convert_any(a.data(), compute, c.data(), DType::F32, n * n);
+  Kokkos::deep_copy(c, 0.25f);
+  convert_any(b.data(), compute, c.data(), DType::F32, n * n);
   const double flops = 2.0 * n * n * n;
   double best = 0.0;
   for (int rep = 0; rep < 6; ++rep) {  // the first pays for cuBLASLt's set-up
     kernels::fence();
     const auto t0 = std::chrono::steady_clock::now();
-    gemm(n, n, n, {a.data(), DType::F32, false, n}, {b.data(), DType::F32, false, n}, c.data(), n, false, compute);
+    gemm(n, n, n, {a.data(), compute, false, n}, {b.data(), compute, false, n}, c.data(), n, false, compute);
     kernels::fence();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rep > 0 && s > 0) best = std::max(best, flops / s / 1e9);
@@ -42,7 +49,11 @@ double device_gemm_peak_gflops(DType compute) {
 }  // namespace
 
 double measure_gemm_peak_gflops(DType compute) {
-  if constexpr (kernels::kGpuBuild) return device_gemm_peak_gflops(compute);
+  if constexpr (kernels::kGpuBuild) {
+    const double peak = device_gemm_peak_gflops(compute);
+    kernels::reset_device_peak();
+    return peak;
+  }
   constexpr int n = 512;
   std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n, 0.0f);
   const double flops = 2.0 * n * n * n;

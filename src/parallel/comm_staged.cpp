@@ -158,8 +158,11 @@ std::unique_ptr<CommRequest> StagedCommunicator::reduce_scatter_v_async(const vo
 std::unique_ptr<CommRequest> StagedCommunicator::all_gather_v_async(void* buf, const std::vector<int64_t>& counts,
                                                                    const std::vector<int64_t>& displs, DType type) {
   // In place: the extent every block lies in, this rank's block loaded, every block written back.
+  // An empty block's displacement may point past the buffer (a rank owning none of a ZeRO-3
+  // unit): it does not extend the copy (on an H100 it made cudaMemcpy read past the unit).
   int64_t extent = 0;
-  for (size_t r = 0; r < counts.size(); ++r) extent = std::max(extent, displs[r] + counts[r]);
+  for (size_t r = 0; r < counts.size(); ++r)
+    if (counts[r] > 0) extent = std::max(extent, displs[r] + counts[r]);
   Staged b = inout(buf, extent, type);
   auto inner = host_.all_gather_v_async(b.ptr(), counts, displs, type);
   return std::make_unique<StagedRequest>(std::move(inner), finishing(std::move(b)));

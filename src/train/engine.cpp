@@ -9,6 +9,7 @@
 #include "io/checkpoint.hpp"
 #include "io/checkpoint_options.hpp"
 #include "io/weights.hpp"
+#include "kernels/device.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/memory.hpp"
 #include "kernels/reduce.hpp"
@@ -66,6 +67,24 @@ std::string node_summary(MPI_Comm world, int* local_rank_out) {
   return std::to_string(leaders) + (leaders == 1 ? " node, " : " nodes, ") + std::to_string(local_size) +
          " ranks on rank 0's node";
 }
+// A GPU build's plan against its device before any model memory exists (issue 31): the ranks
+// that share this rank's device (local ranks with the same local rank mod visible devices) each
+// need the plan. Collective over `world`; throws InputError (exit 2) naming the shortfall.
+void check_device_memory(const Config& cfg, MPI_Comm world) {
+  MPI_Comm node;
+  MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  int local_rank = 0, local_size = 1, world_size = 1;
+  MPI_Comm_rank(node, &local_rank);
+  MPI_Comm_size(node, &local_size);
+  MPI_Comm_free(&node);
+  MPI_Comm_size(world, &world_size);
+  const kernels::DeviceInfo d = kernels::device_info();
+  const int visible = std::max(1, d.visible), id = local_rank % visible;
+  const int sharing = (local_size - id + visible - 1) / visible;
+  const std::string why = device_memory_shortfall(estimate_budget(cfg, world_size, cfg.zero.stage).total(), sharing,
+                                                  d.free_bytes, d.name + " (device " + std::to_string(d.id) + ")");
+  if (!why.empty()) throw InputError(why);
+}
 }  // namespace
 
 Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string output_dir, Watchdog* watchdog)
@@ -87,6 +106,7 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   world_ = dp_comm_->size();
   stage_ = pipe_comm_->rank();
   stages_ = pipe_comm_->size();
+  if constexpr (kernels::kGpuBuild) run_collectively(groups.world(), [&] { check_device_memory(cfg_, groups.world()); });
   run_collectively(groups.world(), [this] { setup_local(); });
   if (!cfg_.training.resume.empty()) resume_from_checkpoint();
   if (groups_.rank() == 0 && !output_dir_.empty()) open_metrics();
@@ -765,10 +785,11 @@ std::vector<StepResult> Engine::train() {
     double dropped = 0.0;
     if (cfg_.model.moe.enabled()) moe = moe_metrics(&dropped);  // collective
     evaluate_if_due(r);
-    // The plan's check (collective): the peak resident memory of the largest rank so far.
+    // The plan's check (collective): the peak resident memory of the largest rank so far, or on
+    // a GPU build the peak of its device memory.
     const bool last_step = s + 1 == cfg_.training.steps;
     if (last_step) {
-      measured_peak_ = peak_rss_bytes();
+      measured_peak_ = kernels::kGpuBuild ? kernels::device_peak_bytes() : peak_rss_bytes();
       world_comm_->all_reduce(&measured_peak_, 1, DType::I64, ReduceOp::Max);
     }
     results.push_back(r);

@@ -697,4 +697,19 @@ Config resolve_config(const nlohmann::json& root, const std::string& file, int64
   return c;
 }
 
+std::string device_memory_shortfall(int64_t plan_bytes, int ranks_on_device, int64_t free_bytes,
+                                    const std::string& device) {
+  const int64_t need = plan_bytes * ranks_on_device;
+  if (need <= free_bytes) return "";
+  char text[512];
+  std::snprintf(text, sizeof text,
+                "device memory: the plan needs %.1f MB per rank%s%s, but %s has %.1f MB free (%.1f MB short); "
+                "lower train_micro_batch_size_per_gpu, raise zero_optimization.stage, enable "
+                "activation_checkpointing, or run fewer ranks per GPU (`zero3d estimate` shows each choice)",
+                plan_bytes / 1e6, ranks_on_device > 1 ? " x " : "",
+                ranks_on_device > 1 ? (std::to_string(ranks_on_device) + " ranks sharing the device").c_str() : "",
+                device.c_str(), free_bytes / 1e6, (need - free_bytes) / 1e6);
+  return text;
+}
+
 }  // namespace zero3d

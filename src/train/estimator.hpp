@@ -106,6 +106,12 @@ std::vector<MemoryBudget> estimate_rank_budgets(const Config& cfg, int64_t world
 // The largest of them (by total; ties: the lowest stage): the budget per rank.
 MemoryBudget estimate_budget(const Config& cfg, int64_t world_size, int stage = -1);
 
+// A GPU build's start-up check, before any model memory exists: `ranks_on_device` ranks each
+// planning `plan_bytes` (the budget's total) share a device with `free_bytes` free. Empty when
+// they fit; otherwise the message naming the shortfall and what lowers the plan.
+std::string device_memory_shortfall(int64_t plan_bytes, int ranks_on_device, int64_t free_bytes,
+                                    const std::string& device);
+
 // Largest micro-batch per stage whose total fits `bytes_per_rank` on every rank (0: not even
 // micro-batch 1). world_size: ranks in all, as for estimate_budget. checkpointing: plan with
 // this activation checkpointing instead of cfg's.

@@ -143,6 +143,34 @@ TEST(StagedCommunicator, ReduceScatterVAndAllGatherVMoveTheRightElements) {
     for (int64_t k = 0; k < counts[q]; ++k) EXPECT_EQ(all[displs[q] + k], float(q));
 }
 
+// ZeRO-3 gathers each unit in place, and a rank owning none of a unit has an empty block whose
+// displacement may lie past the unit's end: the staging copies only the unit, never beyond it
+// (a device copy past an allocation is an error, cudaErrorInvalidValue on an H100).
+TEST(StagedCommunicator, AllGatherVStagesOnlyTheBufferWhenAnEmptyBlockPointsPastIt) {
+  Arena arena;
+  MpiCommunicator mpi{MPI_COMM_WORLD};
+  const int r = mpi.rank(), n = mpi.size();
+  std::vector<int64_t> counts(n), displs(n);
+  int64_t total = 0;
+  for (int k = 0; k < n; ++k) {
+    counts[k] = n > 1 && k == n - 1 ? 0 : k + 2;  // the last rank owns nothing
+    displs[k] = counts[k] > 0 ? total : total + 1000;
+    total += counts[k];
+  }
+  float* unit = arena.take<float>(total);
+  const char* end = reinterpret_cast<const char*>(unit + total);
+  auto within = [&](const void* m, size_t b) {
+    EXPECT_LE(static_cast<const char*>(m) + b, end) << "staging copied past the unit";
+  };
+  StagedCommunicator comm{mpi, StagingRoutes{[&](const void* p) { return arena.holds(p); },
+                                             [&](void* h, const void* m, size_t b) { within(m, b), std::memcpy(h, m, b); },
+                                             [&](void* m, const void* h, size_t b) { within(m, b), std::memcpy(m, h, b); }}};
+  for (int64_t k = 0; k < counts[r]; ++k) unit[displs[r] + k] = float(r);
+  comm.all_gather_v_async(unit, counts, displs, DType::F32)->wait();
+  for (int q = 0; q < n; ++q)
+    for (int64_t k = 0; k < counts[q]; ++k) EXPECT_EQ(unit[displs[q] + k], float(q));
+}
+
 TEST(StagedCommunicator, ReduceScatterAllGatherAndBroadcast) {
   Staged w;
   const int block = 3;

@@ -150,4 +150,18 @@ TEST(Budget, SavesWithNvmeOffloadCountTheirStaging) {
   EXPECT_EQ(saving.workspace - none.workspace, 3 * 4 * part + 18 * 1000 * 1000);  // and HDF5's write buffers
 }
 
+// A GPU build stops before allocating when the ranks sharing a device need more than it has free,
+// and says by how much and what lowers the plan.
+TEST(Budget, DeviceShortfallCountsTheRanksSharingTheDevice) {
+  const int64_t mb = 1000 * 1000;
+  EXPECT_EQ(device_memory_shortfall(40 * mb, 2, 80 * mb, "H100 (device 0)"), "");
+  const std::string one = device_memory_shortfall(90 * mb, 1, 80 * mb, "H100 (device 0)");
+  EXPECT_NE(one.find("90.0 MB per rank, but H100 (device 0) has 80.0 MB free (10.0 MB short)"), std::string::npos) << one;
+  EXPECT_NE(one.find("train_micro_batch_size_per_gpu"), std::string::npos) << one;
+  const std::string shared = device_memory_shortfall(50 * mb, 2, 80 * mb, "H100 (device 0)");
+  EXPECT_NE(shared.find("50.0 MB per rank x 2 ranks sharing the device"), std::string::npos) << shared;
+  EXPECT_NE(shared.find("(20.0 MB short)"), std::string::npos) << shared;
+}
+
 }  // namespace
+
