@@ -54,37 +54,6 @@ std::string rule_text(const std::string& rule) {
 }
 
 // "2 nodes, 4 ranks per node (local rank from MPI_COMM_TYPE_SHARED)"
-std::string node_summary(MPI_Comm world, int* local_rank_out) {
-  MPI_Comm node;
-  MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-  int local_rank = 0, local_size = 1, leaders = 0;
-  MPI_Comm_rank(node, &local_rank);
-  MPI_Comm_size(node, &local_size);
-  *local_rank_out = local_rank;
-  int is_leader = local_rank == 0 ? 1 : 0;
-  MPI_Allreduce(&is_leader, &leaders, 1, MPI_INT, MPI_SUM, world);
-  MPI_Comm_free(&node);
-  return std::to_string(leaders) + (leaders == 1 ? " node, " : " nodes, ") + std::to_string(local_size) +
-         " ranks on rank 0's node";
-}
-// A GPU build's plan against its device before any model memory exists (issue 31): the ranks
-// that share this rank's device (local ranks with the same local rank mod visible devices) each
-// need the plan. Collective over `world`; throws InputError (exit 2) naming the shortfall.
-void check_device_memory(const Config& cfg, MPI_Comm world) {
-  MPI_Comm node;
-  MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-  int local_rank = 0, local_size = 1, world_size = 1;
-  MPI_Comm_rank(node, &local_rank);
-  MPI_Comm_size(node, &local_size);
-  MPI_Comm_free(&node);
-  MPI_Comm_size(world, &world_size);
-  const kernels::DeviceInfo d = kernels::device_info();
-  const int visible = std::max(1, d.visible), id = local_rank % visible;
-  const int sharing = (local_size - id + visible - 1) / visible;
-  const std::string why = device_memory_shortfall(estimate_budget(cfg, world_size, cfg.zero.stage).total(), sharing,
-                                                  d.free_bytes, d.name + " (device " + std::to_string(d.id) + ")");
-  if (!why.empty()) throw InputError(why);
-}
 }  // namespace
 
 Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string output_dir, Watchdog* watchdog)

@@ -67,6 +67,14 @@ struct StepResult {
 // would repeat). What start-up and `validate` check.
 std::unique_ptr<DataLoader> open_validation_data(const Config& cfg);
 
+// Start-up facts of the node (engine_report.cpp), collective over `world`: "N nodes, M ranks on
+// rank 0's node" (this rank's local rank in *local_rank_out), and a GPU build's plan against
+// its device before any model memory exists: the ranks that share this rank's device (local
+// ranks with the same local rank mod visible devices) each need the plan; InputError (exit 2)
+// names the shortfall.
+std::string node_summary(MPI_Comm world, int* local_rank_out);
+void check_device_memory(const Config& cfg, MPI_Comm world);
+
 class Engine {
  public:
   // Collective over groups.world(): a setup error on any rank is reported once and thrown on

@@ -16,6 +16,44 @@
 namespace zero3d {
 
 namespace {
+// Where this rank sits on its node (MPI_Comm_split_type): its local rank, the node's ranks, and
+// how many nodes the job spans.
+struct NodePlace {
+  int local_rank = 0, local_size = 1, nodes = 1;
+};
+NodePlace node_place(MPI_Comm world) {
+  MPI_Comm node;
+  MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  NodePlace p;
+  MPI_Comm_rank(node, &p.local_rank);
+  MPI_Comm_size(node, &p.local_size);
+  MPI_Comm_free(&node);
+  int is_leader = p.local_rank == 0 ? 1 : 0;
+  MPI_Allreduce(&is_leader, &p.nodes, 1, MPI_INT, MPI_SUM, world);
+  return p;
+}
+}  // namespace
+
+std::string node_summary(MPI_Comm world, int* local_rank_out) {
+  const NodePlace p = node_place(world);
+  *local_rank_out = p.local_rank;
+  return std::to_string(p.nodes) + (p.nodes == 1 ? " node, " : " nodes, ") + std::to_string(p.local_size) +
+         " ranks on rank 0's node";
+}
+
+void check_device_memory(const Config& cfg, MPI_Comm world) {
+  const NodePlace p = node_place(world);
+  int world_size = 1;
+  MPI_Comm_size(world, &world_size);
+  const kernels::DeviceInfo d = kernels::device_info();
+  const int visible = std::max(1, d.visible), id = p.local_rank % visible;
+  const int sharing = (p.local_size - id + visible - 1) / visible;
+  const std::string why = device_memory_shortfall(estimate_budget(cfg, world_size, cfg.zero.stage).total(), sharing,
+                                                  d.free_bytes, d.name + " (device " + std::to_string(d.id) + ")");
+  if (!why.empty()) throw InputError(why);
+}
+
+namespace {
 // activation_checkpointing.profile: this rank's checkpoints in block order, named by their blocks.
 nlohmann::json checkpoint_profile(const StepResult& r) {
   std::vector<GPT::CheckpointTime> times = r.checkpoint_times;
