@@ -3,8 +3,9 @@
 # repository root with gpu-carry.tar.xz beside it (benchmarks/gpu_bundle.sh): the device, the
 # `gpu` label's tests (kernels at GPT-2 124M shapes against host references; training against
 # the CPU build's losses, run-to-run identity, np 2 sharing the GPU, a checkpoint resumed on the
-# CPU), the per-kernel table, GPT-2 124M throughput (micro-batch 16, T 1024) in bf16 and fp32,
-# and PyTorch's on the same GPU. Every result goes under $OUT (default /tmp/gpu-check); a
+# CPU; the Llama family's kernels and training likewise), the per-kernel table, GPT-2 124M and
+# Llama 125M throughput (micro-batch 16, T 1024) in bf16 and fp32, and PyTorch's on the same GPU.
+# Every result goes under $OUT (default /tmp/gpu-check); a
 # failing part does not stop the rest. On an H100 it all takes about 100 s (each step has its
 # own limit, for a hang).
 set -u
@@ -48,31 +49,33 @@ fi
 # ZeRO-3 with two ranks sharing the GPU, every C++ throw's stack printed (fault_backtrace.c).
 step zero3_np2 60 env FAULT_BACKTRACE_THROW=1 mpiexec.hydra -np 2 zero3d train "$root/input/quickstart.json" \
   --output "$out/zero3_np2" --set zero_optimization.stage=3 --set training.steps=3
-step gpu_kernel_tests 60 zero3d_gpu_tests --gtest_filter='GpuKernels.*:GpuProducts.*:GpuAttention.*' \
+step gpu_kernel_tests 90 zero3d_gpu_tests --gtest_filter='GpuKernels.*:GpuProducts.*:GpuAttention.*:GpuLlamaKernels.*' \
   --gtest_output="json:$out/gpu_kernel_tests.json"
-step gpu_training_tests 150 zero3d_gpu_tests --gtest_filter='GpuTraining.*' --gtest_output="json:$out/gpu_training_tests.json"
+step gpu_training_tests 200 zero3d_gpu_tests --gtest_filter='GpuTraining.*' --gtest_output="json:$out/gpu_training_tests.json"
 step kernels 75 zero3d_device_bench --benchmark_counters_tabular=true --benchmark_min_time=0.1 \
   --benchmark_out="$out/kernels.json"
-for precision in bf16 fp32; do
-  set -- --set train_micro_batch_size_per_gpu=16 --set training.steps=12 --set steps_per_print=4
-  [ "$precision" = bf16 ] && set -- "$@" --set bf16.enabled=true
-  step "gpt2_124m_$precision" 75 zero3d train "$root/input/gpt2-124m.json" --output "$out/gpt2_124m_$precision" "$@"
+for model in gpt2_124m llama_125m; do
+  for precision in bf16 fp32; do
+    set -- --set train_micro_batch_size_per_gpu=16 --set training.steps=12 --set steps_per_print=4
+    [ "$precision" = bf16 ] && set -- "$@" --set bf16.enabled=true
+    step "${model}_$precision" 75 zero3d train "$root/input/$(echo $model | tr _ -).json" --output "$out/${model}_$precision" "$@"
+  done
 done
 # The PyTorch peer on the same GPU, where a Python there has torch with CUDA (a venv, or the system's).
 for py in python3 /opt/*/bin/python3 /root/*/bin/python3 /workspace/*/bin/python3 /usr/local/bin/python3; do
   [ -x "$(command -v "$py")" ] && "$py" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || continue
-  step pytorch_peer 130 env -u LD_PRELOAD "$py" "$root/benchmarks/pytorch_gpu_peer.py"  # fault_backtrace is zero3d's
+  step pytorch_peer 240 env -u LD_PRELOAD "$py" "$root/benchmarks/pytorch_gpu_peer.py" --models gpt2-124m,llama-125m  # fault_backtrace is zero3d's
   grep "^peer\|^torch" "$out/pytorch_peer.txt" | tee -a "$out/summary.txt"
   break
 done
 # tokens/s of the last steps (the first ones include cuBLASLt's heuristics and allocations)
-for precision in bf16 fp32; do
-  f=$out/gpt2_124m_$precision/metrics.jsonl
+for run in gpt2_124m_bf16 gpt2_124m_fp32 llama_125m_bf16 llama_125m_fp32; do
+  f=$out/$run/metrics.jsonl
   [ -f "$f" ] && /usr/bin/env python3 -c "
 import json, sys
 rows = [json.loads(l) for l in open('$f')][4:]
-if not rows: sys.exit('gpt2_124m_$precision: fewer than 5 steps in metrics.jsonl')
-print('gpt2_124m_$precision: %.0f tokens/s, mfu %.3f over steps 5-%d' % (
+if not rows: sys.exit('$run: fewer than 5 steps in metrics.jsonl')
+print('$run: %.0f tokens/s, mfu %.3f over steps 5-%d' % (
     sum(r['tokens_per_s'] for r in rows) / len(rows), sum(r.get('mfu', 0) for r in rows) / len(rows), 4 + len(rows)))
 " | tee -a "$out/summary.txt"
 done

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """PyTorch peer of zero3d on a GPU (issue 31): GPT-2 124M (V 50257, T 1024, L 12, H 12, C 768;
-nanoGPT's model: tied head, tanh GELU, fused QKV) at micro-batch 16 on one CUDA device, AdamW
+nanoGPT's model: tied head, tanh GELU, fused QKV) and input/llama-125m.json's Llama (V 32000,
+12 layers, hidden 768, 12 query heads over 4 K/V heads, SwiGLU 2048, RMSNorm, RoPE, untied head;
+transformers' LlamaForCausalLM written out, K/V heads repeated for SDPA as transformers'
+repeat_kv does) at micro-batch 16 on one CUDA device, AdamW
 (fused where this PyTorch has it), clip 1.0, on random tokens. Modes: eager fp32 (TF32 off, as
 zero3d's fp32 products), eager bf16 (torch.autocast, scaled_dot_product_attention), compiled
 bf16 (torch.compile). Prints one line per mode, with zero3d's FLOPs formula (6N + 12·L·T·C per
 token) and the same measured-GEMM denominator zero3d's MFU uses (an 8192³ product):
 
-  peer gpt2-124m MODE: tokens/s T | step_ms S | mfu M | peak_mem_mb P
+  peer MODEL MODE: tokens/s T | step_ms S | mfu M | peak_mem_mb P
 
 benchmarks/gpu_check.sh runs it on the GPU machine when a Python there has torch with CUDA.
 """
@@ -55,6 +58,76 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, V), targets.view(-1))
 
 
+LV, LC, LI, LH, LKV, LL = 32000, 768, 2048, 12, 4, 12  # input/llama-125m.json
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n, eps=1e-5):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
+
+    def forward(self, x):  # LlamaRMSNorm: statistics in fp32
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        d = LC // LH
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(LC), RMSNorm(LC)
+        self.q_proj = nn.Linear(LC, LH * d, bias=False)
+        self.k_proj, self.v_proj = nn.Linear(LC, LKV * d, bias=False), nn.Linear(LC, LKV * d, bias=False)
+        self.o_proj = nn.Linear(LH * d, LC, bias=False)
+        self.gate_proj, self.up_proj = nn.Linear(LC, LI, bias=False), nn.Linear(LC, LI, bias=False)
+        self.down_proj = nn.Linear(LI, LC, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, Tn, _ = x.shape
+        d = LC // LH
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(B, Tn, LH, d).transpose(1, 2)
+        k = self.k_proj(h).view(B, Tn, LKV, d).transpose(1, 2)
+        v = self.v_proj(h).view(B, Tn, LKV, d).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(LH // LKV, dim=1), v.repeat_interleave(LH // LKV, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, Tn, LC)
+        x = x + self.o_proj(y)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(LV, LC)
+        self.layers = nn.ModuleList(LlamaBlock() for _ in range(LL))
+        self.norm = RMSNorm(LC)
+        self.lm_head = nn.Linear(LC, LV, bias=False)
+        d = LC // LH
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+        angles = torch.outer(torch.arange(T).float(), inv_freq)
+        emb = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx, targets):
+        x = self.embed_tokens(idx)
+        cos, sin = self.cos[: idx.shape[1]].to(x.dtype), self.sin[: idx.shape[1]].to(x.dtype)
+        for b in self.layers:
+            x = b(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, LV), targets.view(-1))
+
+
 def gemm_peak_tflops(dtype):
     a = torch.full((8192, 8192), 0.5, device="cuda", dtype=dtype)
     best = 0.0
@@ -68,11 +141,12 @@ def gemm_peak_tflops(dtype):
     return best
 
 
-def run(mode, steps, warmup, B):
+def run(name, mode, steps, warmup, B):
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = GPT().cuda()
+    model = (GPT() if name == "gpt2-124m" else Llama()).cuda()
+    vocab = V if name == "gpt2-124m" else LV
     params = sum(p.numel() for p in model.parameters())
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -80,8 +154,8 @@ def run(mode, steps, warmup, B):
         opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
     step_fn = torch.compile(model) if mode == "compile-bf16" else model
     bf16 = mode != "eager-fp32"
-    idx = torch.randint(0, V, (B, T), device="cuda")
-    tgt = torch.randint(0, V, (B, T), device="cuda")
+    idx = torch.randint(0, vocab, (B, T), device="cuda")
+    tgt = torch.randint(0, vocab, (B, T), device="cuda")
     torch.cuda.reset_peak_memory_stats()
     times = []
     for s in range(warmup + steps):
@@ -98,23 +172,28 @@ def run(mode, steps, warmup, B):
             times.append(time.perf_counter() - t0)
     step = sum(times) / len(times)
     tps = B * T / step
-    flops_per_token = 6 * (params - T * C) + 12 * L * T * C
+    # zero3d's formula: 6·(parameters less the position table; the input embedding, a lookup,
+    # counts for Llama as zero3d counts it) + 12·L·T·(attention width)
+    flops_per_token = (6 * (params - T * C) + 12 * L * T * C if name == "gpt2-124m" else
+                       6 * (params - LV * LC) + 12 * LL * T * LC)
     peak = gemm_peak_tflops(torch.bfloat16 if bf16 else torch.float32)
-    print("peer gpt2-124m %s: tokens/s %.0f | step_ms %.1f | mfu %.3f | peak_mem_mb %.0f" % (
-        mode, tps, step * 1e3, flops_per_token * tps / (peak * 1e12), torch.cuda.max_memory_allocated() / 2**20),
+    print("peer %s %s: tokens/s %.0f | step_ms %.1f | mfu %.3f | peak_mem_mb %.0f" % (
+        name, mode, tps, step * 1e3, flops_per_token * tps / (peak * 1e12), torch.cuda.max_memory_allocated() / 2**20),
         flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="gpt2-124m")
     ap.add_argument("--modes", default="eager-fp32,eager-bf16,compile-bf16")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=16)
     args = ap.parse_args()
     print("torch %s on %s" % (torch.__version__, torch.cuda.get_device_name()), flush=True)
-    for mode in args.modes.split(","):
-        run(mode, args.steps, args.warmup, args.micro_batch)
+    for name in args.models.split(","):
+        for mode in args.modes.split(","):
+            run(name, mode, args.steps, args.warmup, args.micro_batch)
 
 
 if __name__ == "__main__":

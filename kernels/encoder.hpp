@@ -94,6 +94,25 @@ ZERO3D_KERNEL void encoder_forward(float* out, const int32_t* tokens, const P* w
 #endif
 }
 
+// dst[c] += src[c] for c in [c0, c1): the embedding backwards' column-block step (a block
+// belongs to one iteration, so a repeated token needs no atomics).
+KOKKOS_INLINE_FUNCTION void add_row_block(float* dst, const float* src, Index c0, Index c1) {
+  for (Index c = c0; c < c1; ++c) dst[c] += src[c];
+}
+
+#ifndef ZERO3D_DEVICE
+// body(c0, c1) for each block of 16 columns, blocks in parallel (host forms only: the device
+// forms sort positions by token instead).
+template <typename Body>
+inline void column_blocks(const char* name, Index C, const Body& body) {
+  constexpr Index kBlock = 16;
+  Kokkos::parallel_for(name, range((C + kBlock - 1) / kBlock), [&](Index blk) {
+    const Index c0 = blk * kBlock;
+    body(c0, c0 + kBlock < C ? c0 + kBlock : C);
+  });
+}
+#endif
+
 // dwte[token] += dout, dwpe[t] += dout. Parallel over channel blocks, so no two iterations
 // touch the same element even when a token repeats (no atomics needed).
 ZERO3D_KERNEL void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens, Index B, Index T,
@@ -101,17 +120,11 @@ ZERO3D_KERNEL void encoder_backward(float* dwte, float* dwpe, const float* dout,
 #ifdef ZERO3D_DEVICE
   gpu::encoder_backward(dwte, dwpe, dout, tokens, B, T, C);
 #else
-  constexpr Index kBlock = 16;
-  Kokkos::parallel_for("encoder_backward", range((C + kBlock - 1) / kBlock), KOKKOS_LAMBDA(Index blk) {
-    const Index c0 = blk * kBlock, c1 = c0 + kBlock < C ? c0 + kBlock : C;
+  column_blocks("encoder_backward", C, [=](Index c0, Index c1) {
     for (Index bt = 0; bt < B * T; ++bt) {
-      float* w = dwte + static_cast<Index>(tokens[bt]) * C;
-      float* p = dwpe + (bt % T) * C;
       const float* d = dout + bt * C;
-      for (Index c = c0; c < c1; ++c) {
-        w[c] += d[c];
-        p[c] += d[c];
-      }
+      add_row_block(dwte + static_cast<Index>(tokens[bt]) * C, d, c0, c1);
+      add_row_block(dwpe + (bt % T) * C, d, c0, c1);
     }
   });
 #endif
@@ -141,15 +154,11 @@ ZERO3D_KERNEL void token_embedding_backward(float* dweight_local, const float* d
 #ifdef ZERO3D_DEVICE
   gpu::embedding_rows_backward(dweight_local, dout, tokens, v0, Vl, N, C);
 #else
-  constexpr Index kBlock = 16;
-  Kokkos::parallel_for("token_embedding_backward", range((C + kBlock - 1) / kBlock), KOKKOS_LAMBDA(Index blk) {
-    const Index c0 = blk * kBlock, c1 = c0 + kBlock < C ? c0 + kBlock : C;
+  column_blocks("token_embedding_backward", C, [=](Index c0, Index c1) {
     for (Index i = 0; i < N; ++i) {
       const Index id = static_cast<Index>(tokens[i]) - v0;
       if (id < 0 || id >= Vl) continue;
-      float* w = dweight_local + id * C;
-      const float* d = dout + i * C;
-      for (Index c = c0; c < c1; ++c) w[c] += d[c];
+      add_row_block(dweight_local + id * C, dout + i * C, c0, c1);
     }
   });
 #endif

@@ -10,6 +10,8 @@
 #include "kernels/gemm.hpp"
 #include "kernels/half.hpp"
 
+#include <type_traits>
+
 namespace zero3d::kernels {
 
 template <typename P>
@@ -142,24 +144,17 @@ inline bool dweight_accumulates(bool add_dweight, DType compute) { return add_dw
 // dout feeds two products and is converted to `compute` once, its column sums (the bias
 // gradient) taken in the same pass. add_dweight = false says dweight holds zeros (a zeroed
 // gradient window), so the product may write it instead of adding (dweight_accumulates).
-template <typename P>
-inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                            const P* weight, Index N, Index IC, Index OC, DType compute = DType::F32,
+// In: the input's stored type. A bf16 input (see the bf16 matmul_forward) is read transposed as it
+// is by the weight product (oneDNN's transposed-A kernel; a transposing pass would cost what it
+// saves), and its products default to bf16.
+template <typename P, typename In>
+inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const In* inp,
+                            const P* weight, Index N, Index IC, Index OC,
+                            DType compute = std::is_same_v<In, bf16> ? DType::BF16 : DType::F32,
                             bool add_dweight = true) {
   const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
   if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  if (dweight) gemm(IC, OC, N, {inp, DType::F32, true, IC}, d, dweight, OC, dweight_accumulates(add_dweight, compute), compute);
-}
-
-// With a bf16 input (see the bf16 matmul_forward): the weight product reads it transposed as
-// it is (oneDNN's transposed-A kernel; a transposing pass would cost what it saves).
-template <typename P>
-inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const bf16* inp,
-                            const P* weight, Index N, Index IC, Index OC, DType compute = DType::BF16,
-                            bool add_dweight = true) {
-  const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
-  if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, d, dweight, OC, dweight_accumulates(add_dweight, compute), compute);
+  if (dweight) gemm(IC, OC, N, {inp, dtype_of<In>(), true, IC}, d, dweight, OC, dweight_accumulates(add_dweight, compute), compute);
 }
 
 // The same with dout already in the products' form (a bf16 gemm_operand_slot its producer

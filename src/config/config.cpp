@@ -653,9 +653,6 @@ std::vector<std::pair<std::string, std::string>> gpu_build_problems(const Config
   (void)world_size;  // every layout runs: collectives on device memory stage through the host (comm_staged.hpp)
   if (c.model.moe.enabled())
     p.emplace_back("model.moe.num_experts", "Mixture of Experts" + not_yet + " (its routing tables live in host memory)");
-  if (c.model.family.llama())
-    p.emplace_back("model.architecture", std::string(architecture_name(c.model.family.arch)) + not_yet +
-                                             " (its kernels' device forms are checked against the CPU forms on the CPU only)");
   if (c.model.sparse_attention.enabled)
     p.emplace_back("sparse_attention", "block-sparse attention" + not_yet + " (its panels are host products)");
   if (c.zero.offload_optimizer.device != OffloadDevice::None)

@@ -26,6 +26,7 @@
 #include "kernels/swiglu.hpp"
 #include "model/model.hpp"
 #include "model/stopwatch.hpp"
+#include "model/tp_regions.hpp"
 #include "parallel/comm.hpp"
 
 namespace zero3d {
@@ -76,15 +77,6 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   const bool tp = t > 1, sp = tp_.sequence_parallel;
   const float eps = static_cast<float>(f.rms_norm_eps);
   const DType cmp = compute_type();
-  // The input of a column-parallel product: this rank's tokens, or all of them gathered.
-  const auto column_input = [&](const float* x) -> const float* {
-    if (!sp) {
-      copy_to_tp_region_forward(tp_, x, BT * C);
-      return x;
-    }
-    gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns * C);
-    return gathered_;
-  };
   // res = res_in + inp · Wᵀ + bias: one product on one rank; a row-parallel product's partial
   // sums over the group (into this rank's tokens with sequence parallelism) then the bias once.
   const auto residual_product = [&](float* res, const float* res_in, const float* inp, const P* weight, const P* bias,
@@ -110,7 +102,7 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   obs::Region region(obs::attention_module(global_block));
   // h = x + o_proj(attention(...)) on input_layernorm(x)
   rmsnorm_forward(a.ln_1, a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
-  linear_forward(a.qkv, column_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
+  linear_forward(a.qkv, column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
   rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // q and k rotated in place: the saves hold them rotated
   {
     const Stopwatch sw(attention_ms != nullptr);
@@ -121,7 +113,7 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   // out = h + down_proj(silu(gate) · up) on post_attention_layernorm(h)
   region.next(obs::mlp_module(global_block));
   rmsnorm_forward(a.ln_2, a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
-  linear_forward(a.fch, column_input(a.ln_2), p.gate_up_w, p.gate_up_b, BT, C, w.fc, false, cmp);  // rows [gate | up]
+  linear_forward(a.fch, column_parallel_input(a.ln_2), p.gate_up_w, p.gate_up_b, BT, C, w.fc, false, cmp);  // rows [gate | up]
   swiglu_forward(a.fch_gelu, a.fch, a.fch + I, BT, I, w.fc);
   residual_product(a.res_3, a.res_2, a.fch_gelu, p.down_w, p.down_b, I);
   store.release(u);
@@ -157,41 +149,13 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   float* d_ln_2 = saved ? g.d_ln_2 : dln_;
   float* d_qkv = saved ? g.d_qkv : dqkv_;
   float* d_ln_1 = saved ? g.d_ln_1 : dln_;
-  // A row-parallel product's output gradient over all tokens: this rank's tokens' gradient
-  // all-gathered with sequence parallelism (into `full`), else the same array.
-  const auto row_output_grad = [&](const float* d_shard, float* full) -> const float* {
-    if (!sp) {
-      reduce_from_tp_region_backward(tp_, d_shard, BT * C);
-      return d_shard;
-    }
-    reduce_scatter_to_sequence_parallel_region_backward(tp_, d_shard, full, Ns * C);
-    return full;
-  };
-  // A column-parallel product's backward: dinp (all tokens, partial over the group) summed —
-  // all-reduced, or reduce-scattered into dinp_shard with sequence parallelism; the weight
-  // product reads the input over all tokens (re-gathered from x's shard). With tp_overlap_comm
-  // the all-reduce runs under the weight product (Megatron's async dgrad).
+  // A column-parallel product's backward (tp_regions.hpp) with nn.Linear's products.
   const auto column_backward = [&](float* dinp_shard, float* dweight, float* dbias, const float* dout, const float* x,
                                    const P* weight, int64_t OC) {
-    const float* inp = x;
-    if (sp && dweight) {
-      gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns * C);
-      inp = gathered_;
-    }
-    float* dinp = sp && dinp_shard ? row_out_ : dinp_shard;
-    if (tp && tp_.overlap && !sp && dinp && dweight) {
-      linear_backward(dinp, static_cast<float*>(nullptr), static_cast<float*>(nullptr), dout, inp, weight, BT, C, OC,
-                      cmp);
-      const std::unique_ptr<CommRequest> pending = tp_.all_reduce_sum_async(dinp, BT * C);
-      linear_backward(static_cast<float*>(nullptr), dweight, dbias, dout, inp, weight, BT, C, OC, cmp, add_dw);
-      store.progress();
-      pending->wait();
-      return;
-    }
-    linear_backward(dinp, dweight, dbias, dout, inp, weight, BT, C, OC, cmp, add_dw);
-    if (!dinp) return;
-    if (sp) gather_from_sequence_parallel_region_backward(tp_, dinp, dinp_shard, Ns * C);
-    else copy_to_tp_region_backward(tp_, dinp, BT * C);
+    column_parallel_backward(dinp_shard, dweight, dbias, x, C, store,
+                             [&](float* dinp, float* dw_, float* db, const float* inp) {
+                               linear_backward(dinp, dw_, db, dout, inp, weight, BT, C, OC, cmp, add_dw);
+                             });
   };
   obs::Region region(obs::mlp_module(global_block));
   // MLP half: dres holds d(out) (this rank's tokens), which is also the residual path's d(h)

@@ -17,6 +17,7 @@
 #include "model/model.hpp"
 #include "model/pld.hpp"
 #include "model/stopwatch.hpp"
+#include "model/tp_regions.hpp"
 #include "parallel/comm.hpp"
 #include <algorithm>
 #include <chrono>
@@ -119,15 +120,6 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, BT = B * T, Ns = Ns_;
   const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
-  // The input of a column-parallel product: this rank's tokens, or all of them gathered.
-  const auto column_input = [&](const float* x) -> const float* {
-    if (!sp) {
-      copy_to_tp_region_forward(tp_, x, BT * C);
-      return x;
-    }
-    gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns * C);
-    return gathered_;
-  };
   // A row-parallel product's partial sums (row_out_, all tokens) summed over the group into
   // this rank's tokens, then the bias once and the residual: res = residual + Σ partial + bias.
   const auto row_output = [&](float* res, const float* res_in, const P* bias) {
@@ -156,7 +148,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     matmul_forward(as_bf16(a.qkv), as_bf16(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl);
   } else {
     layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
-    matmul_forward(a.qkv, column_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+    matmul_forward(a.qkv, column_parallel_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
   }
   {
     const Stopwatch sw(attention_ms != nullptr);
@@ -184,7 +176,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   if (shape_.moe.is_moe_block(global_block)) {
     MoeActivations& m = *moe_saves(c, l, *buf);
     if (shape_.moe.use_residual) {  // PR-MoE's dense branch: mlp_out = mlp(ln_2), no residual yet
-      matmul_forward(a.fch, column_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
+      matmul_forward(a.fch, column_parallel_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
       gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
       if (!tp) {
         matmul_forward(m.mlp_out, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/false, cmp);
@@ -210,7 +202,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     store.progress();
     return;
   }
-  matmul_forward(a.fch, column_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
+  matmul_forward(a.fch, column_parallel_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
   gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
   if (!tp) {
     copy(a.res_3, a.res_2, BT * C);
@@ -325,41 +317,13 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
   const bool keep = part == BackwardPart::Input;  // save operands for the later W pass
   float* dres = buf.d_input;  // the residual stream's gradient (this rank's tokens), from the chunk's end down
   float* dE = nullptr;        // the head's wte gradient stays open until the chunk is done
-  // A column-parallel layer's backward: dinp (all tokens, partial over the group) is summed —
-  // all-reduced ("f"), or reduce-scattered into dinp_shard with sequence parallelism. The
-  // weight product reads the layer input over all tokens (re-gathered from x's shard). With
-  // tp_overlap_comm the all-reduce runs under the weight product (Megatron's async dgrad).
+  // A column-parallel layer's backward (tp_regions.hpp) with Conv1D's products.
   const auto column_backward = [&](float* dinp_shard, float* dweight, float* dbias, const float* dout, const float* x,
                                    const P* weight, int64_t IC, int64_t OC) {
-    const float* inp = x;
-    if (sp && dweight) {
-      gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns * IC);
-      inp = gathered_;
-    }
-    float* dinp = sp && dinp_shard ? row_out_ : dinp_shard;
-    if (tp && tp_.overlap && !sp && dinp && dweight) {
-      matmul_backward(dinp, static_cast<float*>(nullptr), static_cast<float*>(nullptr), dout, inp, weight, BT, IC, OC,
-                      cmp);
-      const std::unique_ptr<CommRequest> pending = tp_.all_reduce_sum_async(dinp, BT * IC);
-      matmul_backward(static_cast<float*>(nullptr), dweight, dbias, dout, inp, weight, BT, IC, OC, cmp);
-      store.progress();
-      pending->wait();
-      return;
-    }
-    matmul_backward(dinp, dweight, dbias, dout, inp, weight, BT, IC, OC, cmp);
-    if (!dinp) return;
-    if (sp) gather_from_sequence_parallel_region_backward(tp_, dinp, dinp_shard, Ns * IC);
-    else copy_to_tp_region_backward(tp_, dinp, BT * IC);
-  };
-  // A row-parallel layer's output gradient over all tokens: this rank's tokens' gradient
-  // all-gathered with sequence parallelism (into `full`), else the same array.
-  const auto row_output_grad = [&](const float* d_shard, float* full) -> const float* {
-    if (!sp) {
-      reduce_from_tp_region_backward(tp_, d_shard, BT * C);
-      return d_shard;
-    }
-    reduce_scatter_to_sequence_parallel_region_backward(tp_, d_shard, full, Ns * C);
-    return full;
+    column_parallel_backward(dinp_shard, dweight, dbias, x, IC, store,
+                             [&](float* dinp, float* dw_, float* db, const float* inp) {
+                               matmul_backward(dinp, dw_, db, dout, inp, weight, BT, IC, OC, cmp);
+                             });
   };
 
   if (c.final) {
@@ -619,4 +583,23 @@ void GPT::reset_checkpoint_times() {
   for (CheckpointTime& t : times_) t.forward_ms = t.recompute_ms = 0.0;
 }
 
+
+const float* GPT::column_parallel_input(const float* x) {
+  if (tp_.sequence_parallel) {  // Megatron's "g": all tokens gathered from the shards
+    gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns_ * shape_.n_embd);
+    return gathered_;
+  }
+  copy_to_tp_region_forward(tp_, x, B_ * T_ * shape_.n_embd);  // "f": the identity forward
+  return x;
+}
+
+const float* GPT::row_output_grad(const float* d_shard, float* full) {
+  const int64_t C = shape_.n_embd;
+  if (!tp_.sequence_parallel) {
+    reduce_from_tp_region_backward(tp_, d_shard, B_ * T_ * C);
+    return d_shard;
+  }
+  reduce_scatter_to_sequence_parallel_region_backward(tp_, d_shard, full, Ns_ * C);
+  return full;
+}
 }  // namespace zero3d

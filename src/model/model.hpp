@@ -424,6 +424,22 @@ class GPT {
   int64_t moe_hidden() const {
     return shape_.moe.expert_tensor_parallel && part_.tp_size > 1 ? 4 * shape_.n_embd / part_.tp_size : 4 * shape_.n_embd;
   }
+  // Tensor parallelism's backward regions around a block's products (Megatron's mappings,
+  // tp_regions.hpp), shared by both families' blocks. row_output_grad: a row-parallel product's
+  // output gradient over all tokens — this rank's tokens' gradient all-gathered with sequence
+  // parallelism (into `full`), else the same array, all-reduced.
+  const float* row_output_grad(const float* d_shard, float* full);
+  // The input of a column-parallel product (forward): this rank's tokens, or all of them gathered
+  // into gathered_ with sequence parallelism.
+  const float* column_parallel_input(const float* x);
+  // A column-parallel product's backward: product(dinp, dweight, dbias, inp) runs the layer's two
+  // products (a null output skips one); dinp (all tokens, partial over the group) is then summed,
+  // all-reduced or reduce-scattered into dinp_shard with sequence parallelism; the weight product
+  // reads the input over all tokens (x's shard re-gathered). With tp_overlap_comm the all-reduce
+  // runs under the weight product (Megatron's async dgrad).
+  template <typename Product>
+  void column_parallel_backward(float* dinp_shard, float* dweight, float* dbias, const float* x, int64_t IC,
+                                ParamStore& store, const Product& product);
   // The Llama family's block (llama_block.cpp): the same contract as block_forward and as the
   // block backward of backward_impl (dres: d(res_3) on entry, d(residual) on exit; a split
   // backward's operands in buf.grad_operands[l]).

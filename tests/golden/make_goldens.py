@@ -26,6 +26,9 @@ import h5py
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from golden_common import write_pass  # noqa: E402
+
 torch.set_num_threads(1)
 torch.set_default_dtype(torch.float64)
 
@@ -115,13 +118,7 @@ def write(path, name, cfg, seed):
         loss = torch.nn.functional.cross_entropy(logits.view(-1, V), targets.view(-1))
         loss.backward()
         g = f.create_group("golden")
-        g.create_dataset("inputs", data=tokens.numpy().astype(np.int32))
-        g.create_dataset("targets", data=targets.numpy().astype(np.int32))
-        g.create_dataset("logits", data=logits.detach().numpy().astype(np.float32))
-        g.create_dataset("loss", data=np.float32(loss.item()))
-        grads = g.create_group("grads")
-        for pname, t in params.items():
-            grads.create_dataset(pname, data=t.grad.numpy().astype(np.float32))
+        write_pass(g, tokens, targets, logits, loss, params)
 
         opt = torch.optim.AdamW(params.values(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
         losses = []

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from golden_common import write_pass  # noqa: E402
 from make_llama_kernels_golden import rope_inv_freq  # noqa: E402  (modeling_rope_utils.py's formulas)
 
 torch.set_num_threads(1)
@@ -221,14 +222,7 @@ def write(path, case, seed):
         loss = torch.nn.functional.cross_entropy(logits.view(-1, s.V), targets.reshape(-1))
         loss.backward()
         g = f.create_group("golden")
-        g.create_dataset("inputs", data=tokens.numpy().astype(np.int32))
-        g.create_dataset("targets", data=targets.numpy().astype(np.int32))
-        g.create_dataset("stream", data=stream.numpy().astype(np.int32))
-        g.create_dataset("logits", data=logits.detach().numpy().astype(np.float32))
-        g.create_dataset("loss", data=np.float32(loss.item()))
-        grads = g.create_group("grads")
-        for name, t in params.items():
-            grads.create_dataset(name, data=t.grad.numpy().astype(np.float32))
+        write_pass(g, tokens, targets, logits, loss, params, extra={"stream": stream})
 
         opt = torch.optim.AdamW(params.values(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
         losses, norms = [], []

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "gpu/gpu_test_support.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/crossentropy.hpp"
 #include "kernels/device.hpp"
@@ -20,42 +21,14 @@
 #include "kernels/layernorm.hpp"
 #include "kernels/optimizers.hpp"
 #include "kernels/reduce.hpp"
-#include "support/model_memory.hpp"
 
 namespace {
 
 using namespace zero3d;
 using namespace zero3d::kernels;
+using namespace zero3d::gpu_test;
 
 constexpr Index kC = 768, kH = 12, kT = 1024, kV = 50257;
-
-template <typename T>
-using ModelArray = test_support::Buffer<T>;  // model memory, filled from and read into host vectors
-
-std::vector<float> normal(Index n, float sd, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> x(static_cast<size_t>(n));
-  for (float& v : x) v = d(rng);
-  return x;
-}
-
-std::vector<int32_t> tokens(Index n, int32_t V, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int32_t> d(0, V - 1);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int32_t& v : t) v = d(rng);
-  return t;
-}
-
-// Every element within atol + rtol·|want|; names the first that is not.
-void expect_close(const std::vector<float>& got, const std::vector<double>& want, double rtol, double atol,
-                  const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < want.size(); ++i)
-    if (!(std::fabs(got[i] - want[i]) <= atol + rtol * std::fabs(want[i])))
-      FAIL() << what << "[" << i << "] = " << got[i] << ", the host reference gives " << want[i];
-}
 
 // Layer norm (eps 1e-5) forward and backward, B·T 8 × 1024 rows of 768.
 TEST(GpuKernels, LayerNormForwardAndBackwardMatchTheHostAtGpt2Shapes) {

@@ -49,7 +49,7 @@ double max_distance(const std::vector<double>& a, const std::vector<double>& b) 
 
 // fp32 within 1e-5 of the CPU build's losses, step by step.
 TEST(GpuTraining, Fp32LossesMatchTheCpuBuild) {
-  for (const std::string model : {"quickstart", "gpt-small-cpu"}) {
+  for (const std::string model : {"quickstart", "gpt-small-cpu", "llama-tiny"}) {
     const std::vector<double> got = train_losses(model, "", 1, temp_path(model + "_fp32"));
     expect_losses_close(got, reference_losses(model, "fp32"), 1e-5, model + " fp32");
   }
@@ -58,7 +58,7 @@ TEST(GpuTraining, Fp32LossesMatchTheCpuBuild) {
 // bf16 as far from the CPU's fp32 losses as the CPU's own bf16 run is (twice, for rounding
 // the device's products do in another order).
 TEST(GpuTraining, Bf16LossesStayWithinTheCpusBf16Distance) {
-  for (const std::string model : {"quickstart", "gpt-small-cpu"}) {
+  for (const std::string model : {"quickstart", "gpt-small-cpu", "llama-tiny"}) {
     const std::vector<double> got = train_losses(model, "--set bf16.enabled=true", 1, temp_path(model + "_bf16"));
     const std::vector<double> fp32 = reference_losses(model, "fp32"), bf16 = reference_losses(model, "bf16");
     ASSERT_EQ(got.size(), fp32.size()) << model;
@@ -84,6 +84,16 @@ TEST(GpuTraining, TwoRanksSharingOneGpuEqualOneRankInEveryLayout) {
         "--set pipeline.stages=2", "--set tensor_parallel.autotp_size=2"}) {
     const std::vector<double> two = train_losses("quickstart", layout, 2, temp_path("np2"));
     expect_losses_close(two, one, 1e-5, "np 2 " + layout);
+  }
+}
+
+// The Llama family (GQA split by whole K/V groups under tensor parallelism) likewise.
+TEST(GpuTraining, TwoRanksSharingOneGpuTrainTheLlamaFamilyAsOneRank) {
+  const std::vector<double> one = train_losses("llama-tiny", "", 1, temp_path("llama_np1"));
+  for (const std::string layout : {"--set zero_optimization.stage=3", "--set pipeline.stages=2",
+                                   "--set tensor_parallel.autotp_size=2"}) {
+    const std::vector<double> two = train_losses("llama-tiny", layout, 2, temp_path("llama_np2"));
+    expect_losses_close(two, one, 1e-5, "llama np 2 " + layout);
   }
 }
 

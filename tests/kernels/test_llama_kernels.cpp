@@ -435,20 +435,31 @@ std::string describe(const GqaCase& c) {
 const GqaCase kGqaCases[] = {{2, 80, 4, 2, 8, 0}, {2, 80, 4, 2, 8, 20}, {1, 130, 4, 1, 8, 70},
                              {2, 16, 2, 2, 16, 100}, {1, 40, 6, 3, 4, 1}};
 
-TEST(LlamaGqaAttention, MatchesTheDefinition) {
-  for (const GqaCase& c : kGqaCases) {
-    const std::string at = describe(c);
-    const Index W = (c.H + 2 * c.Hkv) * c.d, A = c.H * c.d;
-    const auto qkv = random_vector(c.B * c.T * W, 11, 0.8f), dy = random_vector(c.B * c.T * A, 12);
-    Buffer<float> in(qkv), dout(dy), out(c.B * c.T * A), att(c.B * c.H * c.T * c.T), dqkv(c.B * c.T * W),
-        scratch(kRowBlock * c.T);
+// One case's random inputs (qkv from `seed`, dy from seed + 1) and the CPU form's forward and
+// backward on them.
+struct GqaRun {
+  std::vector<float> qkv, dy;
+  Buffer<float> in, dout, out, att, dqkv, scratch;
+  GqaRun(const GqaCase& c, unsigned seed)
+      : qkv(random_vector(c.B * c.T * (c.H + 2 * c.Hkv) * c.d, seed, 0.8f)),
+        dy(random_vector(c.B * c.T * c.H * c.d, seed + 1)),
+        in(qkv), dout(dy), out(c.B * c.T * c.H * c.d), att(c.B * c.H * c.T * c.T),
+        dqkv(c.B * c.T * (c.H + 2 * c.Hkv) * c.d), scratch(kRowBlock * c.T) {
     gqa_attention_forward(out.data(), att.data(), in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
     gqa_attention_backward(dqkv.data(), scratch.data(), dout.data(), in.data(), att.data(), c.B, c.T, c.H, c.Hkv, c.d,
                            c.window);
-    const GqaReference ref = gqa_reference(qkv, dy, c.B, c.T, c.H, c.Hkv, c.d, c.window);
-    expect_close("out" + at, out.host(), as_floats(ref.out), 2e-6, 1e-5);
-    expect_close("probabilities (zero where a key is not visible)" + at, att.host(), as_floats(ref.att), 1e-6, 1e-5);
-    expect_close("dqkv" + at, dqkv.host(), as_floats(ref.dqkv), 1e-5, 1e-4);
+  }
+};
+
+TEST(LlamaGqaAttention, MatchesTheDefinition) {
+  for (const GqaCase& c : kGqaCases) {
+    const std::string at = describe(c);
+    const GqaRun cpu(c, 11);
+    const GqaReference ref = gqa_reference(cpu.qkv, cpu.dy, c.B, c.T, c.H, c.Hkv, c.d, c.window);
+    expect_close("out" + at, cpu.out.host(), as_floats(ref.out), 2e-6, 1e-5);
+    expect_close("probabilities (zero where a key is not visible)" + at, cpu.att.host(), as_floats(ref.att), 1e-6,
+                 1e-5);
+    expect_close("dqkv" + at, cpu.dqkv.host(), as_floats(ref.dqkv), 1e-5, 1e-4);
   }
 }
 
@@ -456,19 +467,14 @@ TEST(LlamaGqaAttention, MatchesTheDefinition) {
 TEST(LlamaGqaAttention, DeviceFormMatchesCpuForm) {
   for (const GqaCase& c : kGqaCases) {
     const std::string at = describe(c);
-    const Index W = (c.H + 2 * c.Hkv) * c.d, A = c.H * c.d;
-    const auto qkv = random_vector(c.B * c.T * W, 13, 0.8f), dy = random_vector(c.B * c.T * A, 14);
-    Buffer<float> in(qkv), dout(dy), out(c.B * c.T * A), att(c.B * c.H * c.T * c.T), dqkv(c.B * c.T * W),
-        scratch(kRowBlock * c.T);
-    Buffer<float> gout(c.B * c.T * A), gatt(c.B * c.H * c.T * c.T), gdqkv(c.B * c.T * W);
-    gqa_attention_forward(out.data(), att.data(), in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
-    gqa_attention_backward(dqkv.data(), scratch.data(), dout.data(), in.data(), att.data(), c.B, c.T, c.H, c.Hkv, c.d,
-                           c.window);
-    gpu::gqa_attention_forward(gout.data(), gatt.data(), in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
-    gpu::gqa_attention_backward(gdqkv.data(), dout.data(), in.data(), gatt.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
-    expect_close("out" + at, gout.host(), out.host(), 1e-6, 1e-5);
-    expect_close("probabilities" + at, gatt.host(), att.host(), 1e-7, 1e-5);
-    expect_close("dqkv" + at, gdqkv.host(), dqkv.host(), 1e-6, 1e-4);
+    const GqaRun cpu(c, 13);
+    Buffer<float> gout(c.B * c.T * c.H * c.d), gatt(c.B * c.H * c.T * c.T), gdqkv(c.B * c.T * (c.H + 2 * c.Hkv) * c.d);
+    gpu::gqa_attention_forward(gout.data(), gatt.data(), cpu.in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
+    gpu::gqa_attention_backward(gdqkv.data(), cpu.dout.data(), cpu.in.data(), gatt.data(), c.B, c.T, c.H, c.Hkv, c.d,
+                                c.window);
+    expect_close("out" + at, gout.host(), cpu.out.host(), 1e-6, 1e-5);
+    expect_close("probabilities" + at, gatt.host(), cpu.att.host(), 1e-7, 1e-5);
+    expect_close("dqkv" + at, gdqkv.host(), cpu.dqkv.host(), 1e-6, 1e-4);
   }
 }
 

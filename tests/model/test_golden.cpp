@@ -10,6 +10,7 @@
 #include "io/weights.hpp"
 #include "model/model.hpp"
 #include "optim/optimizer.hpp"
+#include "support/golden_file.hpp"
 
 using namespace zero3d;
 
@@ -78,19 +79,8 @@ TEST_P(GoldenModel, EveryParameterGradientMatchesPyTorch) {
 
 TEST_P(GoldenModel, TenAdamWStepsFollowPyTorchLossTrajectory) {
   const std::vector<float> ref = golden_->file.read_floats("golden/adamw_losses");
-  std::vector<double> hp(6);
-  {
-    h5::Handle ds(H5Dopen2(golden_->file.id(), "golden/hparams", H5P_DEFAULT), H5Dclose);
-    H5Dread(ds.get(), H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, hp.data());
-  }
-  OptimizerConfig oc;
-  oc.type = OptimizerType::Adam;
-  oc.adam_w_mode = true;
-  oc.lr = hp[0];
-  oc.beta1 = hp[1];
-  oc.beta2 = hp[2];
-  oc.eps = hp[3];
-  oc.weight_decay = hp[4];
+  const std::vector<double> hp = test::read_doubles(golden_->file, "golden/hparams");
+  const OptimizerConfig oc = test::golden_adamw(hp);
   Optimizer opt(oc, model_->model.layout());
   for (size_t step = 0; step < ref.size(); ++step) {
     model_->zero_grad();

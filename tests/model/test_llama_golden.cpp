@@ -21,6 +21,7 @@
 #include "io/weights.hpp"
 #include "model/model.hpp"
 #include "optim/optimizer.hpp"
+#include "support/golden_file.hpp"
 #include "train/estimator.hpp"
 
 using namespace zero3d;
@@ -32,13 +33,7 @@ constexpr float kTensorTolerance = 1e-5f;  // per-tensor max |diff| over max(1, 
 
 std::string golden_path(const std::string& name) { return std::string(ZERO3D_GOLDEN_DIR) + "/" + name + ".h5"; }
 
-std::vector<double> read_doubles(const h5::File& f, const std::string& name) {
-  h5::Handle ds(H5Dopen2(f.id(), name.c_str(), H5P_DEFAULT), H5Dclose);
-  h5::Handle space(H5Dget_space(ds.get()), H5Sclose);
-  std::vector<double> out(static_cast<size_t>(H5Sget_simple_extent_npoints(space.get())));
-  H5Dread(ds.get(), H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data());
-  return out;
-}
+using test::read_doubles;
 
 // The model section a golden's config.json gives, read as a run reads it (model.hf_config).
 GPTShape shape_from_golden(const h5::File& f, int64_t B, int64_t T, const std::string& name) {
@@ -113,14 +108,7 @@ TEST_P(LlamaGolden, EightAdamWStepsFollowPyTorchLossesAndGradientNorms) {
   const h5::File f = h5::File::open_read(golden_path(GetParam()));
   const std::vector<double> losses = read_doubles(f, "golden/adamw_losses"), norms = read_doubles(f, "golden/grad_norms");
   const std::vector<double> hp = read_doubles(f, "golden/hparams");
-  OptimizerConfig oc;
-  oc.type = OptimizerType::Adam;
-  oc.adam_w_mode = true;
-  oc.lr = hp[0];
-  oc.beta1 = hp[1];
-  oc.beta2 = hp[2];
-  oc.eps = hp[3];
-  oc.weight_decay = hp[4];
+  const OptimizerConfig oc = test::golden_adamw(hp);
   Optimizer opt(oc, model_->model.layout());
   for (size_t step = 0; step < losses.size(); ++step) {
     model_->zero_grad();

@@ -12,6 +12,7 @@
 #include "model/model.hpp"
 #include "model/pld.hpp"
 #include "optim/optimizer.hpp"
+#include "support/golden_file.hpp"
 
 using namespace zero3d;
 
@@ -19,13 +20,7 @@ namespace {
 
 const std::string kGolden = std::string(ZERO3D_GOLDEN_DIR) + "/pld.h5";
 
-std::vector<double> read_doubles(const h5::File& f, const std::string& name) {
-  h5::Handle ds(H5Dopen2(f.id(), name.c_str(), H5P_DEFAULT), H5Dclose);
-  h5::Handle space(H5Dget_space(ds.get()), H5Sclose);
-  std::vector<double> out(static_cast<size_t>(H5Sget_simple_extent_npoints(space.get())));
-  H5Dread(ds.get(), H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data());
-  return out;
-}
+using test::read_doubles;
 
 double group_attr(const h5::File& f, const std::string& group, const char* name) {
   double v = 0.0;
@@ -110,14 +105,7 @@ TEST_P(PldGolden, TenAdamWStepsWithLayerDropFollowPyTorch) {
   const std::vector<float> ref_scales = f.read_floats(name + "/scales");
   ASSERT_EQ(ref_scales.size(), ref.size() * static_cast<size_t>(L));
 
-  OptimizerConfig oc;
-  oc.type = OptimizerType::Adam;
-  oc.adam_w_mode = true;
-  oc.lr = hp[0];
-  oc.beta1 = hp[1];
-  oc.beta2 = hp[2];
-  oc.eps = hp[3];
-  oc.weight_decay = hp[4];
+  const OptimizerConfig oc = test::golden_adamw(hp);
   Optimizer opt(oc, model.model.layout());
   int dropped = 0;
   for (size_t step = 0; step < ref.size(); ++step) {
