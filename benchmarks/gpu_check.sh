@@ -61,6 +61,14 @@ for model in gpt2_124m llama_125m; do
     step "${model}_$precision" 75 zero3d train "$root/input/$(echo $model | tr _ -).json" --output "$out/${model}_$precision" "$@"
   done
 done
+# Where a bf16 step's time goes: the flops profiler's per-module latencies at step 6 (each
+# module's boundaries wait for the device) and the forward/backward/step breakdown.
+for model in gpt2_124m llama_125m; do
+  step "${model}_bf16_profile" 60 zero3d train "$root/input/$(echo $model | tr _ -).json" \
+    --output "$out/${model}_bf16_profile" --set train_micro_batch_size_per_gpu=16 --set training.steps=6 \
+    --set bf16.enabled=true --set flops_profiler.enabled=true --set flops_profiler.profile_step=6 \
+    --set wall_clock_breakdown=true --set steps_per_print=1
+done
 # The PyTorch peer on the same GPU, where a Python there has torch with CUDA (a venv, or the system's).
 for py in python3 /opt/*/bin/python3 /root/*/bin/python3 /workspace/*/bin/python3 /usr/local/bin/python3; do
   [ -x "$(command -v "$py")" ] && "$py" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || continue

@@ -35,7 +35,7 @@ size_t begin_region(int module, Pass pass, std::chrono::steady_clock::time_point
 }
 
 void end_region(int module, Pass pass, std::chrono::steady_clock::time_point t0, size_t slot) {
-  const auto t1 = std::chrono::steady_clock::now();
+  const auto t1 = g_hooks.now();
   Counters& c = g_counters;
   if (g_hooks.flops && module >= 0 && module < static_cast<int>(c.modules.size()))
     c.modules[static_cast<size_t>(module)].ms[static_cast<int>(pass)] +=

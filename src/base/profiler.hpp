@@ -37,6 +37,14 @@ struct Hooks {
   bool flops = false;  // the flops profiler's step
   bool trace = false;  // a traced step
   bool any() const { return flops || trace; }
+  // Waits for the device (set by a GPU build's start-up): a region's boundaries take it before
+  // reading the clock, so a module's time counts the kernels it queued, not their launches, as
+  // DeepSpeed's profiler synchronises CUDA. Null on the CPU, where work is done when it returns.
+  void (*device_fence)() = nullptr;
+  std::chrono::steady_clock::time_point now() const {
+    if (device_fence) device_fence();
+    return std::chrono::steady_clock::now();
+  }
 };
 extern Hooks g_hooks;
 
@@ -97,14 +105,14 @@ class TraceScope {
     if (g_hooks.trace) start(name);
   }
   ~TraceScope() {
-    if (active_) g_trace.close(slot_, std::chrono::steady_clock::now());
+    if (active_) g_trace.close(slot_, g_hooks.now());
   }
   TraceScope(const TraceScope&) = delete;
   TraceScope& operator=(const TraceScope&) = delete;
 
  private:
   void start(std::string name) {
-    slot_ = g_trace.open(std::move(name), std::chrono::steady_clock::now());
+    slot_ = g_trace.open(std::move(name), g_hooks.now());
     active_ = true;
   }
   size_t slot_ = 0;
@@ -144,7 +152,7 @@ class Region {
     module_ = module;
     pass_ = g_counters.pass;
     g_counters.module = module;
-    t0_ = std::chrono::steady_clock::now();
+    t0_ = g_hooks.now();
     slot_ = detail::begin_region(module, pass_, t0_);
   }
   void stop() {
