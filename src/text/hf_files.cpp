@@ -158,7 +158,9 @@ int32_t template_bos(const json& pp) {
   const std::string name = first["SpecialToken"].value("id", std::string());
   const auto st = pp.find("special_tokens");
   if (st == pp.end() || !st->contains(name)) return -1;
-  const json& ids = (*st)[name]["ids"];
+  const json& entry = (*st)[name];
+  if (!entry.is_object() || !entry.contains("ids")) return -1;
+  const json& ids = entry["ids"];
   return ids.is_array() && ids.size() == 1 && ids[0].is_number_integer() ? ids[0].get<int32_t>() : -1;
 }
 
@@ -203,9 +205,17 @@ void special_ids(const std::string& file, const json& vocab, const json* post_pr
                      "vocabulary)");
 }
 
-}  // namespace
+// A value of an unexpected JSON type where nlohmann reads one (value(), get()) is bad input too.
+template <class F>
+std::unique_ptr<Tokenizer> json_errors_are_input_errors(const std::string& path, F&& load) {
+  try {
+    return load();
+  } catch (const json::exception& e) {
+    throw InputError(echo(path, 200) + ": unexpected structure (" + echo(e.what(), 160) + ")");
+  }
+}
 
-std::unique_ptr<Tokenizer> load_tokenizer_json(const std::string& path) {
+std::unique_ptr<Tokenizer> read_tokenizer_json(const std::string& path) {
   const json root = parse_file(path, "tokenizer");
   const Reader r{path};
   if (!root.is_object()) r.fail("(top level)", "is not a JSON object");
@@ -284,7 +294,7 @@ std::unique_ptr<Tokenizer> load_tokenizer_json(const std::string& path) {
   return std::make_unique<ByteLevelBpe>(vocab, merges, std::move(added), eos, bos, o, "model.vocab");
 }
 
-std::unique_ptr<Tokenizer> load_gpt2_pair(const std::string& encoder_json, const std::string& vocab_bpe) {
+std::unique_ptr<Tokenizer> read_gpt2_pair(const std::string& encoder_json, const std::string& vocab_bpe) {
   const json enc = parse_file(encoder_json, "GPT-2 encoder.json");
   const Reader r{encoder_json};
   if (!enc.is_object()) r.fail("(top level)", "is not a JSON object of token ids");
@@ -313,7 +323,7 @@ std::unique_ptr<Tokenizer> load_gpt2_pair(const std::string& encoder_json, const
     merges.emplace_back(line.substr(0, sp), line.substr(sp + 1));
   }
   const auto eot = enc.find("<|endoftext|>");
-  if (eot == enc.end())
+  if (eot == enc.end() || !eot->is_number_integer())
     throw InputError(echo(encoder_json, 200) + ": has no <|endoftext|> token (GPT-2's end-of-text, 50256)");
   AddedToken t;
   t.content = "<|endoftext|>";
@@ -322,6 +332,16 @@ std::unique_ptr<Tokenizer> load_gpt2_pair(const std::string& encoder_json, const
   BpeOptions o;
   o.source = encoder_json + " + " + vocab_bpe;
   return std::make_unique<ByteLevelBpe>(vocab, merges, std::vector<AddedToken>{t}, t.id, -1, o, "encoder.json");
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> load_tokenizer_json(const std::string& path) {
+  return json_errors_are_input_errors(path, [&] { return read_tokenizer_json(path); });
+}
+
+std::unique_ptr<Tokenizer> load_gpt2_pair(const std::string& encoder_json, const std::string& vocab_bpe) {
+  return json_errors_are_input_errors(encoder_json, [&] { return read_gpt2_pair(encoder_json, vocab_bpe); });
 }
 
 }  // namespace zero3d::text

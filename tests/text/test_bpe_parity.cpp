@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -156,6 +157,55 @@ TEST(TokenizerJson, TokenizerConfigBesideItNamesEosAndBos) {
     EXPECT_NE(std::string(e.what()).find("tokenizer_config.json: `eos_token`"), std::string::npos) << e.what();
   }
   std::filesystem::remove(dir + "/tokenizer_config.json");
+}
+
+// Every way a tokenizer.json can be wrong is bad input naming the file and, where there is one,
+// the key: never a crash, never another exception type.
+TEST(TokenizerJson, MalformedFilesAreInputErrorsNamingFileAndKey) {
+  const json base = json::parse(slurp(write_tokenizer_json("llama3") + "/tokenizer.json"));
+  const std::string path = ::testing::TempDir() + "malformed_tokenizer.json";
+  auto expect_error = [&](const std::string& text, const std::string& needle) {
+    std::ofstream(path) << text;
+    try {
+      open_tokenizer(path);
+      ADD_FAILURE() << "accepted: " << needle;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  auto with = [&](const std::function<void(json&)>& change) {
+    json j = base;
+    change(j);
+    return j.dump();
+  };
+  expect_error(base.dump().substr(0, 5000), "not valid JSON");
+  expect_error("[1, 2]", "is not a JSON object");
+  expect_error(with([](json& j) { j["model"]["type"] = 5; }), "unexpected structure");
+  expect_error(with([](json& j) { j["model"]["type"] = "WordPiece"; }), "`model.type` is \"WordPiece\"");
+  expect_error(with([](json& j) { j["model"]["byte_fallback"] = true; }), "`model.byte_fallback`");
+  expect_error(with([](json& j) { j["model"]["merges"][7] = 12; }), "`model.merges[7]`");
+  expect_error(with([](json& j) { j["model"]["merges"][3] = {"\u0120t", "nosuchtoken"}; }), "merges[3]");
+  expect_error(with([](json& j) { j["model"].erase("vocab"); }), "`model.vocab` is missing");
+  expect_error(with([](json& j) { j["model"]["vocab"]["x"] = "seven"; }), "`model.vocab.x`");
+  expect_error(with([](json& j) { j.erase("pre_tokenizer"); }), "`pre_tokenizer` is missing");
+  expect_error(with([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; }),
+               "`pre_tokenizer.pretokenizers[0].behavior`");
+  expect_error(with([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = 3; }), "unexpected structure");
+  expect_error(with([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "\\S+"; }),
+               "`pre_tokenizer.pretokenizers[0].pattern.Regex`");
+  expect_error(with([](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}}; }), "`pre_tokenizer.type`");
+  expect_error(with([](json& j) { j["normalizer"] = {{"type", "Lowercase"}}; }), "`normalizer.type`");
+  expect_error(with([](json& j) { j["added_tokens"][1].erase("id"); }), "`added_tokens[1]`");
+  expect_error(with([](json& j) {
+                 j["added_tokens"] = json::array();
+                 j["model"]["vocab"].erase("<|endoftext|>");
+                 j["post_processor"] = nullptr;
+               }),
+               "names no end-of-text token");
+  expect_error(with([](json& j) { j["added_tokens"] = json::array(); }),  // the template's BOS is gone
+               "beginning-of-sequence token id 50257 is not in the vocabulary");
+  expect_error(with([](json& j) { j["model"]["vocab"].erase("\u0120"); }), "lacks the byte-level token of byte 32");
 }
 
 }  // namespace
