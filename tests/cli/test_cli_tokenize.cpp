@@ -113,13 +113,19 @@ TEST(Tokenize, WritesLlmcShardsWithTheValidationSplitFirst) {
   std::vector<int32_t> got;
   int64_t val_tokens = 0;
   const int64_t n_val_shards = (n_val + 39) / 40, n_train_shards = (n - n_val + 39) / 40;
-  ASSERT_EQ(int64_t(files.size()), n_val_shards + n_train_shards);
-  for (int64_t i = 0; i < int64_t(files.size()); ++i) {
-    const bool val = i < n_val_shards;
+  std::vector<std::string> names;  // in shard order
+  for (int64_t i = 0; i < n_val_shards + n_train_shards; ++i) {
     char name[64];
-    std::snprintf(name, sizeof(name), "shards_gpt2_%s_%06lld.bin", val ? "val" : "train", static_cast<long long>(i));
-    ASSERT_EQ(files[i], name);
-    const Shard s = read_shard(out + "/" + files[i]);
+    std::snprintf(name, sizeof(name), "shards_gpt2_%s_%06lld.bin", i < n_val_shards ? "val" : "train",
+                  static_cast<long long>(i));
+    names.push_back(name);
+  }
+  std::vector<std::string> sorted = names;
+  std::sort(sorted.begin(), sorted.end());
+  ASSERT_EQ(files, sorted);
+  for (int64_t i = 0; i < int64_t(names.size()); ++i) {
+    const bool val = i < n_val_shards;
+    const Shard s = read_shard(out + "/" + names[i]);
     EXPECT_EQ(s.magic, 20240520);
     EXPECT_EQ(s.version, 1);
     EXPECT_LE(s.count, 40);
@@ -161,6 +167,8 @@ TEST(Tokenize, WritesLlmcShardsWithTheValidationSplitFirst) {
   config["model"] = {{"vocab_size", 50257}, {"n_positions", 8}, {"n_layer", 1}, {"n_head", 2}, {"n_embd", 16}};
   config["data"] = {{"source", "tokens"}, {"path", cfg.path}, {"tokenizer", kGpt2},
                     {"validation", {{"path", out + "/shards_gpt2_val_*.bin"}}}};
+  config["train_batch_size"] = 4;  // one global batch fits the validation shard's samples
+  config["train_micro_batch_size_per_gpu"] = 4;
   config["training"]["steps"] = 2;
   config["training"]["eval_interval"] = 1;
   config["training"]["eval_steps"] = 1;

@@ -250,6 +250,7 @@ TEST(ConfigValidation, DataPathWithTheSyntheticSourceIsRejectedNotIgnored) {
 TEST(ConfigValidation, DataTokenizerMustExist) {
   json j = minimal();
   const std::string dir = ::testing::TempDir() + "cfg_tokenizer_dir";
+  std::filesystem::remove_all(dir);  // a file left by an earlier run would exist already
   std::filesystem::create_directories(dir);
   j["data"] = {{"tokenizer", dir}};
   EXPECT_EQ(read_config(j, "cfg.json", 1).data.tokenizer, dir);

@@ -130,7 +130,7 @@ std::string write_shard32(const std::string& name, const std::vector<uint32_t>& 
 
 TEST(TokenShards, Uint32ShardsReadTokensBeyond65535) {
   std::vector<uint32_t> toks;
-  for (uint32_t i = 0; i < 40; ++i) toks.push_back(128000 + i * 7);
+  for (uint32_t i = 0; i < 40; ++i) toks.push_back(128000 + i * 5);  // up to 128195: inside Llama 3's 128,256
   const std::string path = write_shard32("shard32_a.bin", toks);
   EXPECT_EQ(read_token_shard(path), std::vector<int32_t>(toks.begin(), toks.end()));
   DataLoader data(tokens_config(path), 128256, 2, 4, 1);
