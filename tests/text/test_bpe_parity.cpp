@@ -104,6 +104,26 @@ TEST(Gpt2Bpe, CachedAndFreshTokenizersAgreeOnTheWholeCorpus) {
   EXPECT_EQ(fresh->decode(ids), all);
 }
 
+// Emoji and CJK take several byte-level tokens per character: streamed one id at a time, every
+// part is whole UTF-8 and the parts add up to the text.
+TEST(Gpt2Bpe, StreamingDecodeEmitsWholeCharactersThatAddUpToTheText) {
+  size_t held = 0;
+  for (const json& c : goldens().at("cases")) {
+    const std::string text = c.at("text");
+    StreamingDecoder d(gpt2());
+    std::string streamed;
+    for (int32_t id : ids_of(c.at("gpt2"))) {
+      const std::string part = d.push(id);
+      EXPECT_EQ(first_invalid_utf8(part), std::string::npos) << text;
+      held += part.empty();
+      streamed += part;
+    }
+    streamed += d.finish();
+    EXPECT_EQ(streamed, text);
+  }
+  EXPECT_GT(held, 10u);  // the corpus does split characters across tokens
+}
+
 class TokenizerJson : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(TokenizerJson, EncodesTheCorpusAsHuggingFaceTokenizersDoes) {
