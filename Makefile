@@ -9,12 +9,13 @@ CONFIG    ?= input/quickstart.json
 # Packages the build needs; torch is only for regenerating golden files (tests/golden/make_goldens.py).
 DEB_PACKAGES := cmake g++ make mpich libmpich-dev libtrilinos-kokkos-dev libopenblas-dev \
                 libhdf5-mpich-dev hdf5-tools nlohmann-json3-dev libcli11-dev libgtest-dev \
-                libbenchmark-dev libdnnl-dev liburing-dev strace
+                libbenchmark-dev libdnnl-dev liburing-dev strace \
+                libsentencepiece-dev sentencepiece
 
 export OPENBLAS_NUM_THREADS := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: all deps configure build run test sanitize bench goldens clean
+.PHONY: all deps configure build run test sanitize bench goldens tokenizer-goldens clean
 
 all: build
 
@@ -74,6 +75,12 @@ bench: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target zero3d zero3d_benchmarks
 	$(BUILD_DIR)/benchmarks/zero3d_bench --benchmark_min_time=0.2
 	mpirun -np $(NP) $(BUILD_DIR)/benchmarks/zero3d_comm_bench
+
+# The tokenizer parity goldens: token ids from js-tiktoken and @huggingface/tokenizers under Node
+# (fetched by `npm pack` into $(BUILD_DIR)/npm, sha256 checked; tests/CMakeLists.txt).
+tokenizer-goldens: configure
+	cmake --build $(BUILD_DIR) --target zero3d_tokenizer_references
+	node tests/golden/make_tokenizer_goldens.js $(BUILD_DIR)/npm/node_modules tests/golden/tokenizer_goldens.json
 
 goldens:
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_goldens.py tests/golden

@@ -35,6 +35,17 @@ struct EstimateArgs {
   bool has(const char* option) const { return given.count(option) > 0; }
 };
 
+// `zero3d tokenize` (tokenize.cpp): text files to llm.c token shards.
+struct TokenizeArgs {
+  std::string tokenizer;               // a path open_tokenizer takes
+  std::string out;                     // the shards' directory
+  std::string name;                    // the shards' file-name prefix (default: the directory's name)
+  std::string field = "text";          // the document's field in JSON Lines inputs
+  int64_t shard_size = 100'000'000;    // tokens per shard at most (llm.c's default)
+  double val_fraction = 0.1;           // the leading fraction of all tokens that is the validation split
+  std::vector<std::string> files;      // plain text (one document each) or .jsonl (one per line)
+};
+
 // The key paths of the --set overrides ("a.b=1" gives "a.b"), for read_config's messages.
 std::vector<std::string> set_keys(const ConfigArgs& a);
 // Loads the JSON (file or built-in quick-start) and applies --set overrides in order; `name`
@@ -58,6 +69,8 @@ int cmd_estimate(EstimateArgs a, int rank);
 // Layouts and checkpoints, one process (tools.cpp).
 int cmd_topology(int64_t pp, int64_t dp, int64_t tp, bool as_json, int rank);
 int cmd_inspect(const std::string& dir, const std::string& tag, const std::string& tensor, bool as_json, int rank);
+// Text to shards, one process (tokenize.cpp).
+int cmd_tokenize(const TokenizeArgs& a, int rank);
 int cmd_convert(const std::string& dir, const std::string& out, const std::string& tag, const std::string& format,
                 const std::string& dtype, const std::string& max_shard, int rank);
 

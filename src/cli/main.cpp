@@ -125,6 +125,20 @@ int main(int argc, char** argv) {
   convert->add_option("--dtype", ck_dtype, "fp32, bf16 or fp16")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   convert->add_option("--max-shard-size", ck_shard, "split into files of at most this size (e.g. 5GB)");
 
+  TokenizeArgs tk;
+  auto* tokenize = app.add_subcommand("tokenize", "Text files to llm.c token shards (uint16 or uint32 by vocabulary)");
+  tokenize->add_option("files", tk.files, "plain text files (one document each) or .jsonl files (one per line)")
+      ->required();
+  tokenize->add_option("--tokenizer", tk.tokenizer, "tokenizer.json, a SentencePiece .model, or a directory holding "
+                                                    "one (or GPT-2's encoder.json + vocab.bpe)")->required();
+  tokenize->add_option("--out", tk.out, "directory for the shards (created)")->required();
+  tokenize->add_option("--name", tk.name, "shard file prefix: <name>_val_000000.bin, <name>_train_000001.bin, ... "
+                                          "(default: the --out directory's name)");
+  tokenize->add_option("--shard-size", tk.shard_size, "tokens per shard at most (default 100000000, llm.c's)");
+  tokenize->add_option("--val-fraction", tk.val_fraction, "the first round(F x all tokens) tokens are the validation "
+                                                          "split, shard 0 (default 0.1; 0 <= F < 1)");
+  tokenize->add_option("--field", tk.field, "the text field of each JSON Lines record (default: text)");
+
   EstimateArgs est;
   est.world_size = world;
   auto* estimate = app.add_subcommand("estimate", "Memory per rank: DeepSpeed's tables (zero2/zero3) or a full budget");
@@ -153,9 +167,9 @@ int main(int argc, char** argv) {
       if (o->count() > 0 && !o->get_name().empty() && o->get_name()[0] == '-') est.given.insert(o->get_name());
     // The kernels' backend starts once the command line is known (--help and --version need
     // none): a GPU build without a visible GPU stops here, exit 2, one message, except for the
-    // commands that only plan (validate, estimate, topology), which run on a login node
-    // without Kokkos: sizing a job needs no GPU.
-    const bool plans_only = validate->parsed() || estimate->parsed() || topology->parsed();
+    // commands that only plan (validate, estimate, topology) or prepare data (tokenize), which
+    // run on a login node without Kokkos: sizing a job or its data needs no GPU.
+    const bool plans_only = validate->parsed() || estimate->parsed() || topology->parsed() || tokenize->parsed();
     const bool device_missing = kernels::kGpuBuild && !kernels::device_problem().empty();
     if (!(plans_only && device_missing)) {
       run_collectively(MPI_COMM_WORLD, [] {
@@ -184,6 +198,7 @@ int main(int argc, char** argv) {
     else if (estimate->parsed()) code = cmd_estimate(est, rank);
     else if (inspect->parsed()) code = cmd_inspect(ck_dir, ck_tag, ck_tensor, ck_json, rank);
     else if (eval->parsed()) code = cmd_eval(eval_args, eval_checkpoint, eval_tag, eval_json, MPI_COMM_WORLD);
+    else if (tokenize->parsed()) code = cmd_tokenize(tk, rank);
     else if (convert->parsed())
       code = cmd_convert(ck_dir, ck_out, ck_tag, ck_format, ck_dtype, ck_shard, rank);
   } catch (const CLI::ParseError& e) {

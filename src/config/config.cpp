@@ -15,6 +15,7 @@
 #include <limits>
 #include <optional>
 #include <sstream>
+#include <sys/stat.h>
 
 namespace zero3d {
 
@@ -267,6 +268,17 @@ DataConfig read_data(Section& top, const ModelConfig& model) {
   DataConfig d;
   Section sec = top.child("data");
   static_cast<DataSourceConfig&>(d) = read_data_source(top, sec, model, "synthetic");
+  // Only its existence is checked here: opening a tokenizer (megabytes of JSON) is left to the
+  // commands that turn text into ids or back.
+  d.tokenizer = sec.path("tokenizer", "");
+  if (!d.tokenizer.empty()) {
+    struct stat st{};
+    if (::stat(d.tokenizer.c_str(), &st) != 0)
+      sec.report_key("tokenizer", "path " + show(json(d.tokenizer)) + " does not exist (a tokenizer.json, a "
+                                  "SentencePiece .model, or a directory holding one or GPT-2's encoder.json + vocab.bpe)");
+    else if (!S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode))
+      sec.report_key("tokenizer", "path " + show(json(d.tokenizer)) + " is neither a file nor a directory");
+  }
   // data.validation: the same kinds of source, of the training data's kind unless it says otherwise.
   if (sec.has("validation")) {
     Section val = sec.child("validation");

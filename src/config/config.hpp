@@ -75,6 +75,9 @@ struct DataSourceConfig {
 
 struct DataConfig : DataSourceConfig {
   std::optional<DataSourceConfig> validation;  // data.validation; absent: nothing to evaluate
+  // data.tokenizer: the text <-> ids mapping of the token data (text/tokenizer.hpp open_tokenizer);
+  // empty: none named. Checked to exist when the config is read; opened by what needs text.
+  std::string tokenizer;
 };
 
 struct TrainingConfig {

@@ -4,6 +4,7 @@
 #include <glob.h>
 
 #include <algorithm>
+#include <climits>
 #include <fstream>
 #include <numeric>
 
@@ -14,8 +15,10 @@
 namespace zero3d {
 
 namespace {
-constexpr int32_t kShardMagic = 20240520;
+constexpr int32_t kShardMagic = 20240520;  // uint16 tokens (GPT-2's vocabulary)
 constexpr int32_t kShardVersion = 1;
+constexpr int32_t kShardMagic32 = 20240801;  // uint32 tokens (llm.c's Llama 3 shards)
+constexpr int32_t kShardVersion32 = 7;
 constexpr double kSyntheticNoise = 0.1;  // probability that the next token is random
 // Data files are held in memory (4 bytes per token or text byte): a bound keeps a wrong path
 // (a disk image) from exhausting it; the start-up memory check covers what is below.
@@ -43,18 +46,36 @@ std::vector<int32_t> read_token_shard(const std::string& path, const std::string
   int32_t header[256];
   if (!in.read(reinterpret_cast<char*>(header), sizeof(header)))
     throw InputError(name + ": too short for an llm.c token shard header (1024 bytes)");
-  if (header[0] != kShardMagic)
+  if (header[0] != kShardMagic && header[0] != kShardMagic32)
     throw InputError(name + ": not an llm.c token shard (magic " + std::to_string(header[0]) + ", expected " +
-                     std::to_string(kShardMagic) + ")");
-  if (header[1] != kShardVersion)
-    throw InputError(name + ": unsupported token shard version " + std::to_string(header[1]) + " (expected 1)");
+                     std::to_string(kShardMagic) + " or " + std::to_string(kShardMagic32) + ")");
+  const bool wide = header[0] == kShardMagic32;
+  const int32_t version = wide ? kShardVersion32 : kShardVersion;
+  if (header[1] != version)
+    throw InputError(name + ": unsupported token shard version " + std::to_string(header[1]) + " (expected " +
+                     std::to_string(version) + " with magic " + std::to_string(header[0]) + ")");
   const int64_t n = header[2];
   if (n < 0) throw InputError(name + ": header says " + std::to_string(n) + " tokens (a count cannot be negative)");
   // Checked against the file before allocating: a header may promise gigabytes. A longer file
   // (a shard with something appended) is rejected as llm.c rejects it: its tail would go unread.
-  if (2 * n != size - kShardHeaderBytes)
-    throw InputError(name + ": header promises " + std::to_string(n) + " tokens (" + std::to_string(2 * n) +
+  const int64_t width = wide ? 4 : 2;
+  if (width * n != size - kShardHeaderBytes)
+    throw InputError(name + ": header promises " + std::to_string(n) + " tokens (" + std::to_string(width * n) +
                      " bytes) but the file holds " + std::to_string(size - kShardHeaderBytes) + " bytes after it");
+  if (wide) {
+    std::vector<uint32_t> raw(static_cast<size_t>(n));
+    if (!in.read(reinterpret_cast<char*>(raw.data()), n * 4))
+      throw InputError(name + ": header promises " + std::to_string(n) + " tokens but the file is shorter");
+    std::vector<int32_t> out(raw.size());
+    for (size_t i = 0; i < raw.size(); ++i) {
+      // Beyond int32 no vocabulary reaches; the caller's vocab_size check names the position.
+      if (raw[i] > uint32_t(INT32_MAX))
+        throw InputError(name + ": token " + std::to_string(raw[i]) + " at position " + std::to_string(i) +
+                         " does not fit a token id");
+      out[i] = static_cast<int32_t>(raw[i]);
+    }
+    return out;
+  }
   std::vector<uint16_t> raw(static_cast<size_t>(n));
   if (!in.read(reinterpret_cast<char*>(raw.data()), n * 2))
     throw InputError(name + ": header promises " + std::to_string(n) + " tokens but the file is shorter");

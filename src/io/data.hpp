@@ -47,7 +47,8 @@ class DataLoader {
   std::string description_;
 };
 
-// Reads one llm.c token shard (header: 256 int32, magic 20240520, version 1, count; then uint16).
+// Reads one llm.c token shard (header: 256 int32, magic 20240520, version 1, count; then uint16
+// tokens; or magic 20240801, version 7, with uint32 tokens, for vocabularies beyond 65,536).
 // key: the config key named in messages.
 std::vector<int32_t> read_token_shard(const std::string& path, const std::string& key = "data.path");
 

@@ -1,6 +1,7 @@
 // test_config.cpp — validation messages and DeepSpeed's batch-triad derivation (FACTS §1.2).
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <map>
 
@@ -242,6 +243,24 @@ TEST(ConfigValidation, DataPathWithTheSyntheticSourceIsRejectedNotIgnored) {
   EXPECT_EQ(error_of(j).find("`data.path`"), std::string::npos);
   j["data"] = {{"source", "text"}, {"path", "a.txt"}, {"validation", {{"source", "synthetic"}, {"path", "b.txt"}}}};
   EXPECT_NE(error_of(j).find("`data.validation.path`"), std::string::npos) << error_of(j);
+}
+
+// data.tokenizer names what turns the token data back into text (generation, samples): a path
+// that exists (a file or a directory), reported by key when it does not.
+TEST(ConfigValidation, DataTokenizerMustExist) {
+  json j = minimal();
+  const std::string dir = ::testing::TempDir() + "cfg_tokenizer_dir";
+  std::filesystem::remove_all(dir);  // a file left by an earlier run would exist already
+  std::filesystem::create_directories(dir);
+  j["data"] = {{"tokenizer", dir}};
+  EXPECT_EQ(read_config(j, "cfg.json", 1).data.tokenizer, dir);
+  j["data"]["tokenizer"] = dir + "/tokenizer.json";
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("`data.tokenizer`"), std::string::npos) << e;
+  EXPECT_NE(e.find("does not exist"), std::string::npos) << e;
+  std::ofstream(dir + "/tokenizer.json") << "{}";
+  EXPECT_EQ(read_config(j, "cfg.json", 1).data.tokenizer, dir + "/tokenizer.json");
+  EXPECT_EQ(read_config(minimal(), "cfg.json", 1).data.tokenizer, "");
 }
 
 TEST(ConfigValidation, InterleavedScheduleNeedsTwoOrMoreVirtualStages) {

@@ -115,6 +115,53 @@ TEST(TokenShards, ShardTooSmallForOneSampleIsRejected) {
   EXPECT_NO_THROW(DataLoader(tokens_config(write_shard("shard_d5.bin", 5)), 50, 2, 4, 1));
 }
 
+// llm.c's uint32 shards (magic 20240801, version 7: Llama 3's 128,256 tokens do not fit uint16).
+std::string write_shard32(const std::string& name, const std::vector<uint32_t>& tokens, int32_t version = 7) {
+  const std::string path = ::testing::TempDir() + name;
+  std::ofstream out(path, std::ios::binary);
+  int32_t header[256] = {};
+  header[0] = 20240801;
+  header[1] = version;
+  header[2] = static_cast<int32_t>(tokens.size());
+  out.write(reinterpret_cast<const char*>(header), sizeof(header));
+  out.write(reinterpret_cast<const char*>(tokens.data()), static_cast<std::streamsize>(tokens.size() * 4));
+  return path;
+}
+
+TEST(TokenShards, Uint32ShardsReadTokensBeyond65535) {
+  std::vector<uint32_t> toks;
+  for (uint32_t i = 0; i < 40; ++i) toks.push_back(128000 + i * 5);  // up to 128195: inside Llama 3's 128,256
+  const std::string path = write_shard32("shard32_a.bin", toks);
+  EXPECT_EQ(read_token_shard(path), std::vector<int32_t>(toks.begin(), toks.end()));
+  DataLoader data(tokens_config(path), 128256, 2, 4, 1);
+  std::vector<int32_t> in(8), tgt(8);
+  data.micro_batch(2, in.data(), tgt.data());  // samples 2 and 3: tokens 8..16
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(in[i], int32_t(toks[8 + i]));
+    EXPECT_EQ(tgt[i], int32_t(toks[9 + i]));
+  }
+  // The same ids checked against the model's vocabulary as uint16 shards are.
+  EXPECT_THROW(DataLoader(tokens_config(path), 128000, 2, 4, 1), InputError);
+}
+
+TEST(TokenShards, Uint32ShardsCheckTheirVersionAndSize) {
+  const std::vector<uint32_t> toks(20, 3);
+  try {
+    read_token_shard(write_shard32("shard32_v1.bin", toks, 1));
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("version 1"), std::string::npos) << e.what();
+  }
+  const std::string path = write_shard32("shard32_b.bin", toks);
+  std::ofstream(path, std::ios::binary | std::ios::app) << "xy";  // 2 bytes: a uint16 count would accept 1 more
+  try {
+    read_token_shard(path);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("80 bytes"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TextData, BytesAreTokens) {
   const std::string path = ::testing::TempDir() + "text.txt";
   std::ofstream(path) << "hello, world! hello, world!";
