@@ -16,8 +16,10 @@
 // (repeat_kv). out[N, H·d] is head-major per token, what the output projection reads. Scores are
 // scaled by 1/sqrt(d) (Vaswani et al. 2017; GPT-2's and LlamaAttention's scaling).
 //
-// round_bf16: q, k and v rounded to bf16 as they are read and cached, what GPT-2's bf16 attention
-// reads (attention_bf16.hpp packs q, k and v into bf16); scores, softmax and P·V stay fp32.
+// round_bf16: q, k and v rounded to bf16 as they are read and cached, and the probabilities as
+// P·V reads them, as GPT-2's bf16 attention does (attention_bf16.hpp packs q, k and v into bf16,
+// the fused kernel multiplies bf16 exp(s − max) by V and divides by the fp32 sum after); scores,
+// softmax sums and the P·V accumulation stay fp32.
 //
 // Every kernel is a portable Kokkos form: a team per (row, head, query) with its lanes over the
 // keys (row_teams: a warp on a GPU, one lane on the CPU), no atomics, the same bits every run.
@@ -104,11 +106,18 @@ ZERO3D_KERNEL void cached_attention(float* out, float* scores, const float* qkv,
       p[kk] = fast_exp(p[kk] - mx);
       acc += p[kk];
     }, sum);
+    // fp32: probabilities normalised before P·V, as the fp32 forward's softmax keeps them; bf16:
+    // exp(s − max) rounded to bf16 for P·V and the sum divided out after, as the fused bf16
+    // kernel does (attention_flash_bf16.hpp, FlashAttention-2's epilogue)
     const float inv = 1.0f / sum;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, m), [&](Index kk) {
+      p[kk] = round_bf16 ? to_float(to_bf16(p[kk])) : p[kk] * inv;
+    });
+    const float post = round_bf16 ? inv : 1.0f;
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](Index x) {
       float acc = 0.0f;
       for (Index kk = 0; kk < m; ++kk) acc += p[kk] * v[(j0 + kk) * d + x];
-      o[x] = acc * inv;
+      o[x] = acc * post;
     });
   });
 }
