@@ -63,7 +63,8 @@ struct GenerateArgs {
   int64_t top_k = 50;
   uint64_t seed = 0;
   bool greedy = false, json = false;
-  int64_t eos_id = -2;  // -2: the model's (from its config), -1: none, else this id
+  int64_t eos_id = -1;  // with eos_given: -1 none, else this id; without: the model's (from its config)
+  bool eos_given = false;
 };
 int cmd_generate(const GenerateArgs& a, MPI_Comm world);
 // Sizing before a run (estimate.cpp).

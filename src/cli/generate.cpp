@@ -88,8 +88,8 @@ std::vector<Prompt> read_prompts(const GenerateArgs& a, int64_t vocab) {
 // list), else GPT-2's <|endoftext|> (50256) when the vocabulary is GPT-2's; else none.
 std::vector<int32_t> eos_ids(const GenerateArgs& a, const Config& cfg) {
   const int64_t V = cfg.model.vocab_size;
-  if (a.eos_id == -1) return {};
-  if (a.eos_id >= 0) {
+  if (a.eos_given) {
+    if (a.eos_id == -1) return {};
     if (a.eos_id >= V)
       throw InputError("--eos-id " + std::to_string(a.eos_id) + ": outside the vocabulary [0, " + std::to_string(V) + ")");
     return {static_cast<int32_t>(a.eos_id)};
@@ -151,7 +151,8 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
       throw InputError("--min-new-tokens " + std::to_string(a.min_new_tokens) + ": must be in [0, --max-new-tokens " +
                        std::to_string(a.max_new_tokens) + "]");
     if (a.batch_size < 1) throw InputError("--batch-size " + std::to_string(a.batch_size) + ": must be at least 1");
-    if (a.eos_id < -1) throw InputError("--eos-id " + std::to_string(a.eos_id) + ": an id, or -1 for none");
+    if (a.eos_given && a.eos_id < -1)
+      throw InputError("--eos-id " + std::to_string(a.eos_id) + ": an id, or -1 for none");
     cfg = resolve_config(load_with_overrides(a.config, name), name, size, set_keys(a.config));
     check_layout(cfg, name);
     prompts = read_prompts(a, cfg.model.vocab_size);

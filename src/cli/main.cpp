@@ -204,7 +204,10 @@ int main(int argc, char** argv) {
     else if (estimate->parsed()) code = cmd_estimate(est, rank);
     else if (inspect->parsed()) code = cmd_inspect(ck_dir, ck_tag, ck_tensor, ck_json, rank);
     else if (eval->parsed()) code = cmd_eval(eval_args, eval_checkpoint, eval_tag, eval_json, MPI_COMM_WORLD);
-    else if (generate->parsed()) code = cmd_generate(gen, MPI_COMM_WORLD);
+    else if (generate->parsed()) {
+      gen.eos_given = generate->count("--eos-id") > 0;
+      code = cmd_generate(gen, MPI_COMM_WORLD);
+    }
     else if (convert->parsed())
       code = cmd_convert(ck_dir, ck_out, ck_tag, ck_format, ck_dtype, ck_shard, rank);
   } catch (const CLI::ParseError& e) {
