@@ -97,6 +97,7 @@ ZERO3D_KERNEL void cached_attention(float* out, float* scores, const float* qkv,
     Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, m), [&](Index kk, float& best) {
       const float* kj = k + (j0 + kk) * d;
       float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
       for (Index x = 0; x < d; ++x) dot += maybe_bf16(q[x], round_bf16) * kj[x];
       p[kk] = scale * dot;
       best = p[kk] > best ? p[kk] : best;
@@ -113,12 +114,14 @@ ZERO3D_KERNEL void cached_attention(float* out, float* scores, const float* qkv,
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, m), [&](Index kk) {
       p[kk] = round_bf16 ? to_float(to_bf16(p[kk])) : p[kk] * inv;
     });
-    const float post = round_bf16 ? inv : 1.0f;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](Index x) {
-      float acc = 0.0f;
-      for (Index kk = 0; kk < m; ++kk) acc += p[kk] * v[(j0 + kk) * d + x];
-      o[x] = acc * post;
-    });
+    // o = Σ_j p_j·v_j, key by key: the lanes (and the CPU's vector registers) run along a row of v
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](Index x) { o[x] = 0.0f; });
+    for (Index kk = 0; kk < m; ++kk) {
+      const float pk = p[kk];
+      const float* vj = v + (j0 + kk) * d;
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](Index x) { o[x] += pk * vj[x]; });
+    }
+    if (round_bf16) Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, d), [&](Index x) { o[x] *= inv; });
   });
 }
 
