@@ -209,7 +209,9 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
         {"prefill_tokens_per_s", stats.prefill_tokens_per_s()},
         {"decode_tokens", stats.decode_tokens},
         {"decode_ms", stats.decode_ms},
-        {"decode_tokens_per_s", stats.decode_tokens_per_s()}};
+        {"decode_tokens_per_s", stats.decode_tokens_per_s()},
+        {"prefill_cpu_ms", stats.prefill_cpu_ms},
+        {"decode_cpu_ms", stats.decode_cpu_ms}};
     std::printf("%s\n", doc.dump().c_str());
     return kExitOk;
   }

@@ -3,15 +3,27 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 
 #include "base/rng.hpp"
 
 namespace zero3d::infer {
 
 namespace {
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
+// Wall-clock and process CPU time since a start, in ms.
+struct Span {
+  std::chrono::steady_clock::time_point wall = std::chrono::steady_clock::now();
+  double cpu = cpu_ms();
+  static double cpu_ms() {
+    timespec t{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_nsec) / 1e6;
+  }
+  void add_to(double& wall_ms, double& cpu_total_ms) const {
+    wall_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall).count();
+    cpu_total_ms += cpu_ms() - cpu;
+  }
+};
 }  // namespace
 
 std::vector<Generated> generate_batch(Decoder& decoder, const std::vector<std::vector<int32_t>>& prompts,
@@ -27,9 +39,9 @@ std::vector<Generated> generate_batch(Decoder& decoder, const std::vector<std::v
   std::vector<double> scratch;
   const std::vector<int32_t> none;
 
-  auto t0 = std::chrono::steady_clock::now();
+  const Span prefill;
   const std::vector<float>* logits = &decoder.prefill(prompts);  // the host copy of the logits ends the pass
-  stats.prefill_ms += ms_since(t0);
+  prefill.add_to(stats.prefill_ms, stats.prefill_cpu_ms);
   for (const auto& p : prompts) stats.prefill_tokens += static_cast<int64_t>(p.size());
 
   for (int64_t step = 0; step < o.max_new_tokens; ++step) {
@@ -52,9 +64,9 @@ std::vector<Generated> generate_batch(Decoder& decoder, const std::vector<std::v
     }
     if (running == 0 || step + 1 == o.max_new_tokens) break;
     // A finished row is fed its last token again: computed with the others, never read.
-    t0 = std::chrono::steady_clock::now();
+    const Span step_time;
     logits = &decoder.decode(next);
-    stats.decode_ms += ms_since(t0);
+    step_time.add_to(stats.decode_ms, stats.decode_cpu_ms);
     stats.decode_tokens += static_cast<int64_t>(running);
   }
   return out;

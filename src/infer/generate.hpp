@@ -32,9 +32,12 @@ struct Generated {
 
 // Time and tokens, summed over batches: prefill tokens are the prompts' real tokens; decode
 // tokens are the new tokens that decode steps computed (a sequence's first comes from the prefill).
+// The *_cpu_ms are this process's CPU time over the same spans: on a machine whose cores other
+// jobs share, tokens per CPU second measure the code where wall-clock rates measure the load.
 struct GenerationStats {
   int64_t prefill_tokens = 0, decode_tokens = 0;
   double prefill_ms = 0.0, decode_ms = 0.0;
+  double prefill_cpu_ms = 0.0, decode_cpu_ms = 0.0;
   double prefill_tokens_per_s() const { return prefill_ms > 0 ? prefill_tokens / (prefill_ms / 1e3) : 0.0; }
   double decode_tokens_per_s() const { return decode_ms > 0 ? decode_tokens / (decode_ms / 1e3) : 0.0; }
 };
