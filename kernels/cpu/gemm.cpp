@@ -252,8 +252,16 @@ void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* 
   }
   const float* a = as_f32(A, stored_elems(A.trans ? K : M, A), w.a32);
   const float* b = as_f32(B, nb, w.b32);
-  cblas_sgemm(CblasRowMajor, A.trans ? CblasTrans : CblasNoTrans, B.trans ? CblasTrans : CblasNoTrans, M, N, K, 1.0f,
-              a, A.ld, b, B.ld, accumulate ? 1.0f : 0.0f, C, ldc);
+  if (M == 1) {
+    // One row (a generation step of one sequence; no training product has M = 1): sgemv reads B
+    // once, where sgemm first packs all of it (OpenBLAS 0.3.21 forwards no such call to gemv).
+    // C = a · op(B): op(B) = Bᵀ of the stored N×K, or the stored K×N read transposed.
+    cblas_sgemv(CblasRowMajor, B.trans ? CblasNoTrans : CblasTrans, B.trans ? N : K, B.trans ? K : N, 1.0f, b, B.ld, a,
+                A.trans ? A.ld : 1, accumulate ? 1.0f : 0.0f, C, 1);
+  } else {
+    cblas_sgemm(CblasRowMajor, A.trans ? CblasTrans : CblasNoTrans, B.trans ? CblasTrans : CblasNoTrans, M, N, K, 1.0f,
+                a, A.ld, b, B.ld, accumulate ? 1.0f : 0.0f, C, ldc);
+  }
   if (bias) add_bias(C, M, N, ldc, bias, bias_type);
 }
 

@@ -64,6 +64,20 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
 int cmd_autotune(const ConfigArgs& a, int64_t world_size, bool world_size_given, const std::string* memory_per_rank,
                  MPI_Comm world);
 int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::string& tag, bool as_json, MPI_Comm world);
+// zero3d generate (generate.cpp): prompts as token ids, generated ids out.
+struct GenerateArgs {
+  ConfigArgs config;
+  std::string checkpoint, tag;
+  std::string prompt_ids, prompt_ids_file;  // one prompt ("464,2068,..."), or a file of one per line
+  int64_t batch_size = 8, max_new_tokens = 32, min_new_tokens = 0;
+  double temperature = 1.0, top_p = 1.0;  // Hugging Face GenerationConfig's defaults
+  int64_t top_k = 50;
+  uint64_t seed = 0;
+  bool greedy = false, json = false;
+  int64_t eos_id = -1;  // with eos_given: -1 none, else this id; without: the model's (from its config)
+  bool eos_given = false;
+};
+int cmd_generate(const GenerateArgs& a, MPI_Comm world);
 // Sizing before a run (estimate.cpp).
 int cmd_estimate(EstimateArgs a, int rank);
 // Layouts and checkpoints, one process (tools.cpp).

@@ -116,6 +116,26 @@ int main(int argc, char** argv) {
   eval->add_option("--tag", eval_tag, "tag in --checkpoint (default: latest)");
   eval->add_option("--set", eval_args.overrides, "override a key")->take_all();
   eval->add_flag("--json", eval_json, "end with one JSON line: step, eval_loss, eval_ppl, samples, tokens");
+  GenerateArgs gen;
+  auto* generate = app.add_subcommand("generate", "Generate tokens from a checkpoint: prompts as token ids, a KV "
+                                                  "cache, sampling as Hugging Face's generate");
+  generate->add_option("config", gen.config.path, "config file (its model)")->required();
+  generate->add_option("--checkpoint", gen.checkpoint, "save directory (its latest tag) or tag directory; default: "
+                                                       "the config's initial weights");
+  generate->add_option("--tag", gen.tag, "tag in --checkpoint (default: latest)");
+  generate->add_option("--prompt-ids", gen.prompt_ids, "one prompt: token ids, \"464,2068,...\"");
+  generate->add_option("--prompt-ids-file", gen.prompt_ids_file, "prompts, one a line (token ids)");
+  generate->add_option("--batch-size", gen.batch_size, "prompts generated together, left-padded (default 8)");
+  generate->add_option("--max-new-tokens", gen.max_new_tokens, "new tokens per prompt at most (default 32)");
+  generate->add_option("--min-new-tokens", gen.min_new_tokens, "no EOS before this many new tokens (default 0)");
+  generate->add_option("--temperature", gen.temperature, "divides the logits (> 0; default 1)");
+  generate->add_option("--top-k", gen.top_k, "keep the k most likely tokens (0: all; default 50)");
+  generate->add_option("--top-p", gen.top_p, "keep the smallest set with this probability (0 < p <= 1; default 1)");
+  generate->add_option("--seed", gen.seed, "sampling seed (default 0)");
+  generate->add_flag("--greedy", gen.greedy, "the most likely token at every step (argmax)");
+  generate->add_option("--eos-id", gen.eos_id, "the id that ends a sequence (-1: none; default: the model's)");
+  generate->add_option("--set", gen.config.overrides, "override a key")->take_all();
+  generate->add_flag("--json", gen.json, "end with one JSON line: outputs, speeds");
   auto* convert = app.add_subcommand("convert", "Consolidate a checkpoint into Hugging Face-named weights");
   convert->add_option("dir", ck_dir, "checkpoint directory (save_dir or one tag)")->required();
   convert->add_option("out", ck_out, "output file: .safetensors, .h5 or .hdf5 (config.json goes beside it)")->required();
@@ -199,6 +219,10 @@ int main(int argc, char** argv) {
     else if (inspect->parsed()) code = cmd_inspect(ck_dir, ck_tag, ck_tensor, ck_json, rank);
     else if (eval->parsed()) code = cmd_eval(eval_args, eval_checkpoint, eval_tag, eval_json, MPI_COMM_WORLD);
     else if (tokenize->parsed()) code = cmd_tokenize(tk, rank);
+    else if (generate->parsed()) {
+      gen.eos_given = generate->count("--eos-id") > 0;
+      code = cmd_generate(gen, MPI_COMM_WORLD);
+    }
     else if (convert->parsed())
       code = cmd_convert(ck_dir, ck_out, ck_tag, ck_format, ck_dtype, ck_shard, rank);
   } catch (const CLI::ParseError& e) {

@@ -24,6 +24,7 @@
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
 #include "kernels/swiglu.hpp"
+#include "model/llama_tensors.hpp"
 #include "model/model.hpp"
 #include "model/stopwatch.hpp"
 #include "model/tp_regions.hpp"
@@ -32,40 +33,6 @@
 namespace zero3d {
 
 using namespace kernels;
-
-namespace {
-
-// One block's tensors inside its unit (a flat buffer of T: parameters, or fp32 gradients), in
-// llama_block_tensors' order at this rank's widths w; absent biases are null.
-template <typename T>
-struct LlamaTensors {
-  T *input_norm, *qkv_w, *qkv_b, *o_w, *o_b, *post_norm, *gate_up_w, *gate_up_b, *down_w, *down_b;
-};
-
-template <typename T>
-LlamaTensors<T> llama_tensors(T* p, const GPTShape& s, const BlockWidths& w) {
-  const DecoderFamily& f = s.family;
-  const int64_t C = s.n_embd;
-  LlamaTensors<T> t{};
-  const auto take = [&p](int64_t n) {
-    T* out = p;
-    p += n;
-    return out;
-  };
-  t.input_norm = take(C);
-  t.qkv_w = take(w.qkv * C);
-  if (f.qkv_bias) t.qkv_b = take(w.qkv);
-  t.o_w = take(C * w.attn);
-  if (f.o_bias) t.o_b = take(C);
-  t.post_norm = take(C);
-  t.gate_up_w = take(w.fc * C);
-  if (f.mlp_bias) t.gate_up_b = take(w.fc);
-  t.down_w = take(C * w.act);
-  if (f.mlp_bias) t.down_b = take(C);
-  return t;
-}
-
-}  // namespace
 
 template <typename P>
 void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,

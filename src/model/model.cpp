@@ -67,6 +67,10 @@ BlockTensors<T> GPT::block(T* unit, int global_block) const {
   if (moe) b.gate_w = p;  // mlp.gate.weight [C, E]
   return b;
 }
+// Parameters as a unit holds them, for GPT::block_tensors (generation's own passes).
+template BlockTensors<const float> GPT::block(const float*, int) const;
+template BlockTensors<const bf16> GPT::block(const bf16*, int) const;
+template BlockTensors<const fp16> GPT::block(const fp16*, int) const;
 
 float GPT::forward(int chunk, ActivationBuffer& buf, ParamStore& store) {
   const obs::PassScope pass(obs::Pass::Forward);

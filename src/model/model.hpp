@@ -355,6 +355,14 @@ class GPT {
   int64_t batch() const { return B_; }
   int64_t stream_elements() const { return Ns_ * shape_.n_embd; }  // what one pipeline message carries
   int64_t seq_len() const { return T_; }
+  // What generation (src/infer) needs to run its own passes over the same parameters: the
+  // tensor group, this rank's block widths, and a block's tensors inside its fetched unit.
+  const TensorGroup& tensor_group() const { return tp_; }
+  const BlockWidths& widths() const { return widths_; }
+  template <typename T>
+  BlockTensors<T> block_tensors(T* unit, int global_block) const {
+    return block(unit, global_block);
+  }
 
   // split_backward: also keep the weight-gradient operands (BackwardPart::Input/Weight).
   ActivationBuffer make_buffer(bool split_backward) const;

@@ -93,6 +93,12 @@ class Engine {
   // `latest` names, or `path` itself when it is a tag directory). Collective; returns its step.
   int64_t load_checkpoint_params(const std::string& path, const std::string& tag);
 
+  // Generation (src/infer) runs its own forward passes over this rank's parameters: the model,
+  // and the store that fetches them with its fetch trace set to one forward pass (ZeRO-3
+  // prefetches along it; a prefill and every decode step fetch the units in that order).
+  const GPT& model() const { return *model_; }
+  ParamStore& inference_store();
+
   int64_t step() const { return step_; }  // optimizer steps taken (after a resume: the saved step)
   // The preemption signal that ended train() early (after a save at the step reached); 0 when
   // it ran to training.steps.

@@ -152,6 +152,11 @@ EvalResult Engine::evaluate() {
   return e;
 }
 
+ParamStore& Engine::inference_store() {
+  zero_->set_fetch_trace(model_->fetch_order(0, true));
+  return store_;
+}
+
 int64_t Engine::load_checkpoint_params(const std::string& path, const std::string& tag) {
   int64_t step = 0;
   std::string dir;

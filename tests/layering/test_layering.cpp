@@ -24,7 +24,7 @@ namespace fs = std::filesystem;
 
 // Lowest first. "kernels" is the root's kernels/ (with its backend folders); the rest are src/<name>.
 const std::vector<std::string> kLayers = {"base", "text",    "kernels", "observe", "parallel", "model", "config",
-                                          "io",   "optim",   "offload", "zero",    "train",    "cli"};
+                                          "io",   "optim",   "offload", "zero",    "train",    "infer", "cli"};
 // Built only by an option of their own (the sanitizer's runtime defaults): no layer, includes nothing.
 const std::set<std::string> kOutsideLayers = {"sanitize"};
 

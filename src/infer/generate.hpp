@@ -1,0 +1,55 @@
+// generate.hpp — generation with a KV cache, token ids in and out (the CLI and, later, a
+// tokenizer turn text into ids and back): prompts in batches, a prefill, then one decode step
+// per new token, sampling as Hugging Face's generate does (sampling.hpp), stopping at an EOS id
+// or after max_new_tokens.
+//
+// Sampling draws come from a stream per prompt, Rng(seed, prompt index), one uniform per new
+// token: a prompt's output depends on its index, the seed and the model alone, never on the
+// batch it runs in or on which rank runs it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "infer/decoder.hpp"
+#include "infer/sampling.hpp"
+
+namespace zero3d::infer {
+
+struct GenerationOptions {
+  SamplingOptions sampling;
+  int64_t max_new_tokens = 32;
+  int64_t min_new_tokens = 0;   // EOS ids are banned until this many are generated
+  std::vector<int32_t> eos;     // the ids that end a sequence (empty: none; it runs max_new_tokens)
+  uint64_t seed = 0;
+};
+
+struct Generated {
+  std::vector<int32_t> tokens;  // the new tokens, the EOS that ended them included (as Hugging Face returns it)
+  bool stopped_at_eos = false;  // false: max_new_tokens reached
+};
+
+// Time and tokens, summed over batches: prefill tokens are the prompts' real tokens; decode
+// tokens are the new tokens that decode steps computed (a sequence's first comes from the prefill).
+// The *_cpu_ms are this process's CPU time over the same spans: on a machine whose cores other
+// jobs share, tokens per CPU second measure the code where wall-clock rates measure the load.
+struct GenerationStats {
+  int64_t prefill_tokens = 0, decode_tokens = 0;
+  double prefill_ms = 0.0, decode_ms = 0.0;
+  double prefill_cpu_ms = 0.0, decode_cpu_ms = 0.0;
+  double prefill_tokens_per_s() const { return prefill_ms > 0 ? prefill_tokens / (prefill_ms / 1e3) : 0.0; }
+  double decode_tokens_per_s() const { return decode_ms > 0 ? decode_tokens / (decode_ms / 1e3) : 0.0; }
+};
+
+// One batch: prompts[k] is prompt number index[k] (its sampling stream). The decoder must take
+// prompts.size() rows and the longest prompt plus max_new_tokens − 1 slots.
+std::vector<Generated> generate_batch(Decoder& decoder, const std::vector<std::vector<int32_t>>& prompts,
+                                      const std::vector<int64_t>& index, const GenerationOptions& o,
+                                      GenerationStats& stats);
+
+// Every prompt, `batch` at a time in order, through one decoder sized for them.
+std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const std::vector<std::vector<int32_t>>& prompts,
+                                    int64_t batch, const GenerationOptions& o, GenerationStats& stats);
+
+}  // namespace zero3d::infer

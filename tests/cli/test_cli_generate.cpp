@@ -1,0 +1,253 @@
+// zero3d generate, black-box: from the goldens' weights (tests/golden/make_generate_goldens.py,
+// PyTorch with its own KV cache) through model.init_from, the greedy continuations of PyTorch
+// token for token for every family, batched; the same tokens with tensor parallelism, ZeRO-3 and
+// data parallelism at np 2 and from a checkpoint saved by training; sampling reproducible and
+// independent of the batch and the layout; EOS stops a prompt; a pipeline and every bad option are
+// refused before any work, exit 2, one line naming the option.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "io/h5.hpp"
+#include "support/cli_helpers.hpp"
+
+using namespace cli;
+
+namespace {
+
+struct GoldenRun {
+  std::string family, weights;
+  json model;
+  std::vector<std::vector<int32_t>> prompts, greedy;
+};
+
+const GoldenRun& golden(const std::string& family) {
+  static std::map<std::string, GoldenRun> cache;
+  auto it = cache.find(family);
+  if (it != cache.end()) return it->second;
+  GoldenRun g;
+  g.family = family;
+  g.weights = kSource + "/tests/golden/generate_" + family + ".h5";
+  const zero3d::h5::File f = zero3d::h5::File::open_read(g.weights);
+  std::string text;
+  int64_t prompts = 0;
+  EXPECT_TRUE(zero3d::h5::read_attribute(f.id(), "config", text));
+  EXPECT_TRUE(zero3d::h5::read_attribute(f.id(), "prompts", prompts));
+  g.model = json::parse(text);
+  g.model["init_from"] = g.weights;
+  for (int64_t k = 0; k < prompts; ++k) {
+    g.prompts.push_back(f.read_ints("golden/prompt_" + std::to_string(k)));
+    g.greedy.push_back(f.read_ints("golden/greedy_" + std::to_string(k)));
+  }
+  return cache.emplace(family, std::move(g)).first->second;
+}
+
+json config_of(const GoldenRun& g) {
+  return json{{"train_micro_batch_size_per_gpu", 1},
+              {"gradient_accumulation_steps", 1},
+              {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+              {"model", g.model},
+              {"training", {{"steps", 2}, {"seed", 7}, {"peak_gflops", 50}}},
+              {"steps_per_print", 100}};
+}
+
+std::string ids_text(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+  return s;
+}
+
+std::string prompts_file(const GoldenRun& g) {
+  const std::string path = temp_path(g.family + "_prompts.txt");
+  std::ofstream out(path);
+  for (const auto& p : g.prompts) out << ids_text(p) << "\n";
+  return path;
+}
+
+// `zero3d generate` with --json on np ranks; the last stdout line, parsed (null on failure).
+json generate(const std::string& config, const std::string& args, int np = 0) {
+  const Result r = run("generate " + config + " " + args + " --json", np);
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  if (r.code != 0) return json();
+  const std::string out = r.out.substr(0, r.out.find_last_not_of('\n') + 1);
+  return json::parse(out.substr(out.find_last_of('\n') + 1));
+}
+
+std::vector<std::vector<int32_t>> tokens_of(const json& doc) {
+  std::vector<std::vector<int32_t>> out;
+  if (doc.is_null()) return out;
+  for (const json& o : doc.at("outputs")) out.push_back(o.at("tokens").get<std::vector<int32_t>>());
+  return out;
+}
+
+const char* kGreedy = "--greedy --max-new-tokens 10 --eos-id -1 --batch-size 3";
+
+class GenerateFamily : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GenerateFamily, GreedyGivesPyTorchsContinuations) {
+  const GoldenRun& g = golden(GetParam());
+  const std::string config = write_config(g.family + "_gen.json", config_of(g));
+  const json doc = generate(config, "--prompt-ids-file " + prompts_file(g) + " " + kGreedy);
+  EXPECT_EQ(tokens_of(doc), g.greedy);
+  if (doc.is_null()) return;
+  for (const json& o : doc.at("outputs")) EXPECT_EQ(o.at("finish_reason"), "length");
+  EXPECT_EQ(doc.at("prefill_tokens"), 5 + 2 + 7);
+  EXPECT_EQ(doc.at("decode_tokens"), 3 * 9);
+  EXPECT_GT(doc.at("decode_tokens_per_s").get<double>(), 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, GenerateFamily, ::testing::Values("gpt2", "llama", "mistral", "qwen2"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+struct Layout {
+  std::string family, name, set;
+};
+void PrintTo(const Layout& l, std::ostream* os) { *os << l.family << " " << l.name; }
+
+class GenerateLayout : public ::testing::TestWithParam<Layout> {};
+
+// Two ranks: the heads (and the KV cache) split over the tensor group, parameters gathered from
+// ZeRO-3's partitions, or two data-parallel replicas: PyTorch's tokens all the same.
+TEST_P(GenerateLayout, TwoRanksGiveTheOneRankTokens) {
+  const Layout& l = GetParam();
+  const GoldenRun& g = golden(l.family);
+  const std::string config = write_config(l.family + "_" + l.name + ".json", config_of(g));
+  EXPECT_EQ(tokens_of(generate(config, "--prompt-ids-file " + prompts_file(g) + " " + kGreedy + " " + l.set, 2)),
+            g.greedy)
+      << l.family << " " << l.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    NpTwo, GenerateLayout,
+    ::testing::Values(Layout{"gpt2", "tp2", "--set tensor_parallel.autotp_size=2"},
+                      Layout{"gpt2", "zero3", "--set zero_optimization.stage=3"},
+                      Layout{"gpt2", "dp2", "--set zero_optimization.stage=1"},
+                      Layout{"llama", "tp2", "--set tensor_parallel.autotp_size=2"},
+                      Layout{"llama", "zero3", "--set zero_optimization.stage=3"},
+                      Layout{"qwen2", "tp2", "--set tensor_parallel.autotp_size=2"},
+                      Layout{"mistral", "zero3", "--set zero_optimization.stage=3"}),
+    [](const ::testing::TestParamInfo<Layout>& info) { return info.param.family + "_" + info.param.name; });
+
+// Sampled tokens depend on the seed and the prompt's place in the file, not on the batch or
+// the layout; another seed draws others.
+TEST(Generate, SamplingIsReproducibleAcrossBatchesAndLayouts) {
+  const GoldenRun& g = golden("llama");
+  const std::string config = write_config("llama_sampling.json", config_of(g));
+  const std::string args = "--prompt-ids-file " + prompts_file(g) +
+                           " --temperature 1.5 --top-k 20 --top-p 0.95 --max-new-tokens 10 --eos-id -1";
+  const auto batch3 = tokens_of(generate(config, args + " --seed 5 --batch-size 3"));
+  ASSERT_EQ(batch3.size(), 3u);
+  EXPECT_EQ(tokens_of(generate(config, args + " --seed 5 --batch-size 1")), batch3);
+  EXPECT_EQ(tokens_of(generate(config, args + " --seed 5 --batch-size 2 --set tensor_parallel.autotp_size=2", 2)),
+            batch3);
+  EXPECT_NE(tokens_of(generate(config, args + " --seed 6 --batch-size 3")), batch3);
+  EXPECT_NE(batch3, g.greedy);
+}
+
+// An EOS id ends its prompt (returned as its last token); the other prompts run on.
+TEST(Generate, EosEndsAPrompt) {
+  const GoldenRun& g = golden("gpt2");
+  const std::string config = write_config("gpt2_eos.json", config_of(g));
+  const int32_t eos = g.greedy[0][2];
+  const json doc = generate(config, "--prompt-ids-file " + prompts_file(g) +
+                                        " --greedy --max-new-tokens 10 --batch-size 3 --eos-id " + std::to_string(eos));
+  ASSERT_FALSE(doc.is_null());
+  for (size_t k = 0; k < 3; ++k) {
+    const auto& want = g.greedy[k];
+    const auto end = std::find(want.begin(), want.end(), eos);
+    const json& o = doc.at("outputs")[k];
+    EXPECT_EQ(o.at("tokens").get<std::vector<int32_t>>(),
+              std::vector<int32_t>(want.begin(), end == want.end() ? end : end + 1)) << "prompt " << k;
+    EXPECT_EQ(o.at("finish_reason"), end == want.end() ? "length" : "eos") << "prompt " << k;
+  }
+  EXPECT_EQ(doc.at("eos"), json::array({eos}));
+}
+
+// GPT-2's vocabulary: <|endoftext|> (50256) is the EOS without being asked for.
+TEST(Generate, Gpt2sVocabularyStopsAtEndOfText) {
+  json c = tiny_config();
+  c["model"]["vocab_size"] = 50257;
+  c["train_batch_size"] = 1;
+  c["train_micro_batch_size_per_gpu"] = 1;
+  const std::string config = write_config("gpt2_vocab.json", c);
+  const json doc = generate(config, "--prompt-ids 464,2068 --max-new-tokens 2");
+  ASSERT_FALSE(doc.is_null());
+  EXPECT_EQ(doc.at("eos"), json::array({50256}));
+}
+
+// The text form: the ids of each prompt, then the speeds.
+TEST(Generate, PrintsTheIdsAndTheSpeeds) {
+  const GoldenRun& g = golden("qwen2");
+  const std::string config = write_config("qwen2_text.json", config_of(g));
+  const Result r = run("generate " + config + " --prompt-ids " + ids_text(g.prompts[1]) +
+                       " --greedy --max-new-tokens 10 --eos-id -1");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("[0] " + ids_text(g.prompts[1]) + " -> " + ids_text(g.greedy[1]) + "\n"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("speed   prefill 2 tokens in"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("decode 9 tokens in"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("tokens/s)"), std::string::npos) << r.out;
+}
+
+// Training saves, generate loads the save at one rank and at two tensor ranks: the same tokens,
+// which are not the initial weights' (the loaded parameters are the trained ones).
+TEST(Generate, FromATrainingCheckpointAtAnyLayout) {
+  const GoldenRun& g = golden("llama");
+  json c = config_of(g);
+  c["training"]["save_interval"] = 2;
+  c["optimizer"]["params"]["lr"] = 3e-2;
+  const std::string config = write_config("llama_ckpt_gen.json", c), dir = temp_path("gen_ckpt_run");
+  ASSERT_EQ(run("train " + config + " --output " + dir).code, 0);
+  const std::string args = "--prompt-ids-file " + prompts_file(g) + " " + kGreedy + " --checkpoint " + dir + "/checkpoints";
+  const json one = generate(config, args);
+  ASSERT_FALSE(one.is_null());
+  EXPECT_EQ(one.at("step"), 2);
+  EXPECT_EQ(tokens_of(generate(config, args + " --set tensor_parallel.autotp_size=2", 2)), tokens_of(one));
+  EXPECT_NE(tokens_of(one), g.greedy);
+}
+
+TEST(Generate, APipelineIsRefusedWithTheReason) {
+  const GoldenRun& g = golden("gpt2");
+  const std::string config = write_config("gpt2_pipe.json", config_of(g));
+  const Result r = run("generate " + config + " --prompt-ids 1,2 --set pipeline.stages=2", 2);
+  expect_one_line_rejection(r, "`pipeline.stages` 2: zero3d generate runs every layer on each rank");
+}
+
+TEST(Generate, BadOptionsAreRefusedByNameBeforeAnyWork) {
+  const GoldenRun& g = golden("gpt2");  // vocab 64, 32 positions
+  const std::string config = write_config("gpt2_bad.json", config_of(g));
+  const std::string empty_line = temp_path("prompts_empty_line.txt");
+  std::ofstream(empty_line) << "1,2\n\n3\n";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--prompt-ids 1,2 --top-p 0", "--top-p 0: must be in (0, 1]"},
+      {"--prompt-ids 1,2 --top-p 1.5", "--top-p 1.5: must be in (0, 1]"},
+      {"--prompt-ids 1,2 --temperature -1", "--temperature -1: must be a number above 0"},
+      {"--prompt-ids 1,2 --temperature 0", "--temperature 0: must be a number above 0"},
+      {"--prompt-ids 1,2 --top-k -1", "--top-k -1: must be 0 (off) or a positive count"},
+      {"--prompt-ids 1,2 --max-new-tokens 0", "--max-new-tokens 0: must be at least 1"},
+      {"--prompt-ids 1,2 --max-new-tokens 4 --min-new-tokens 5", "--min-new-tokens 5: must be in [0, --max-new-tokens 4]"},
+      {"--prompt-ids 1,2 --batch-size 0", "--batch-size 0: must be at least 1"},
+      {"--prompt-ids 1,2 --max-new-tokens 4 --eos-id 64", "--eos-id 64: outside the vocabulary [0, 64)"},
+      {"--prompt-ids 1,2 --eos-id -5", "--eos-id -5: an id, or -1 for none"},
+      {"--prompt-ids 1,x", "--prompt-ids: x is not a token id"},
+      {"--prompt-ids 1,64", "--prompt-ids: token id 64 is outside the vocabulary [0, 64)"},
+      {"--prompt-ids ,", "--prompt-ids: an empty prompt"},
+      {"--prompt-ids 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23 --max-new-tokens 10",
+       "--prompt-ids: 23 prompt tokens + --max-new-tokens 10 exceed the model's 32 positions (n_positions)"},
+      {"", "generate: no prompt"},
+      {"--prompt-ids 1 --prompt-ids-file " + empty_line, "give --prompt-ids or --prompt-ids-file, not both"},
+      {"--prompt-ids-file " + empty_line, "line 2: an empty prompt"},
+      {"--prompt-ids-file " + temp_path("absent.txt"), "--prompt-ids-file"},
+      {"--prompt-ids 1,2 --tag global_step1", "generate --tag global_step1: needs --checkpoint"},
+  };
+  for (const auto& [args, message] : cases) {
+    SCOPED_TRACE(args);
+    expect_one_line_rejection(run("generate " + config + " " + args), message);
+  }
+}
+
+}  // namespace
