@@ -24,9 +24,12 @@ export OPENBLAS_NUM_THREADS=1
 export ZERO3D_TEST_EXE="$bin/zero3d" ZERO3D_TEST_MPIEXEC="$bin/mpiexec.hydra" ZERO3D_TEST_SOURCE_DIR="$root"
 [ -x "$bin/zero3d-cpu" ] && export ZERO3D_CPU_EXE="$bin/zero3d-cpu"
 
+# GPU_CHECK_PARTS="smoke gpt2_124m_bf16 ...": only the steps named (a rerun that fits the device
+# time left); default: every step.
 step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, its output in $out/NAME.txt
   name=$1 limit=$2
   shift 2
+  case " ${GPU_CHECK_PARTS:-all} " in *" all "* | *" $name "*) ;; *) return 0 ;; esac
   start=$(date +%s)
   timeout "$limit" "$@" >"$out/$name.txt" 2>&1
   rc=$?
@@ -51,7 +54,7 @@ step zero3_np2 60 env FAULT_BACKTRACE_THROW=1 mpiexec.hydra -np 2 zero3d train "
   --output "$out/zero3_np2" --set zero_optimization.stage=3 --set training.steps=3
 step gpu_kernel_tests 90 zero3d_gpu_tests --gtest_filter='GpuKernels.*:GpuProducts.*:GpuAttention.*:GpuLlamaKernels.*' \
   --gtest_output="json:$out/gpu_kernel_tests.json"
-step gpu_training_tests 200 zero3d_gpu_tests --gtest_filter='GpuTraining.*' --gtest_output="json:$out/gpu_training_tests.json"
+step gpu_training_tests 260 zero3d_gpu_tests --gtest_filter='GpuTraining.*:GpuGenerate.*' --gtest_output="json:$out/gpu_training_tests.json"
 step kernels 75 zero3d_device_bench --benchmark_counters_tabular=true --benchmark_min_time=0.1 \
   --benchmark_out="$out/kernels.json"
 for model in gpt2_124m llama_125m; do
@@ -69,11 +72,40 @@ for model in gpt2_124m llama_125m; do
     --set bf16.enabled=true --set flops_profiler.enabled=true --set flops_profiler.profile_step=6 \
     --set wall_clock_breakdown=true --set steps_per_print=1
 done
+# Generation: GPT-2 124M (its seed's weights), greedy, 2 batches of B prompts of 128 ids, 64 new
+# tokens each; prefill and decode tokens/s (the JSON's last line), PyTorch's beside it below.
+for B in 1 16; do
+  /usr/bin/env python3 -c "
+import random
+random.seed($B)
+for _ in range(2 * $B): print(','.join(str(random.randrange(50257)) for _ in range(128)))" >"$out/prompts_$B.txt"
+  for precision in fp32 bf16; do
+    set -- --prompt-ids-file "$out/prompts_$B.txt" --batch-size "$B" --max-new-tokens 64 --greedy --eos-id -1 --json
+    [ "$precision" = bf16 ] && set -- "$@" --set bf16.enabled=true
+    step "generate_${precision}_b$B" 60 zero3d generate "$root/input/gpt2-124m.json" "$@"
+    tail -n 1 "$out/generate_${precision}_b$B.txt" | /usr/bin/env python3 -c "
+import json, sys
+d = json.loads(sys.stdin.read())
+print('generate $precision batch $B: prefill %.0f tokens/s, decode %.0f tokens/s' % (d['prefill_tokens_per_s'], d['decode_tokens_per_s']))
+" 2>/dev/null | tee -a "$out/summary.txt"
+  done
+done
 # The PyTorch peer on the same GPU, where a Python there has torch with CUDA (a venv, or the system's).
 for py in python3 /opt/*/bin/python3 /root/*/bin/python3 /workspace/*/bin/python3 /usr/local/bin/python3; do
   [ -x "$(command -v "$py")" ] && "$py" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || continue
   step pytorch_peer 240 env -u LD_PRELOAD "$py" "$root/benchmarks/pytorch_gpu_peer.py" --models gpt2-124m,llama-125m  # fault_backtrace is zero3d's
   grep "^peer\|^torch" "$out/pytorch_peer.txt" | tee -a "$out/summary.txt"
+  for B in 1 16; do
+    for precision in fp32 bf16; do
+      step "pytorch_generate_${precision}_b$B" 60 env -u LD_PRELOAD "$py" "$root/benchmarks/pytorch_generate_peer.py" \
+        --device cuda --batch "$B" --prompt 128 --new 64 --dtype "$precision" --repeats 2
+      tail -n 1 "$out/pytorch_generate_${precision}_b$B.txt" | "$py" -c "
+import json, sys
+d = json.loads(sys.stdin.read())
+print('peer generate $precision batch $B: prefill %.0f tokens/s, decode %.0f tokens/s' % (d['prefill_tokens_per_s'], d['decode_tokens_per_s']))
+" 2>/dev/null | tee -a "$out/summary.txt"
+    done
+  done
   break
 done
 # tokens/s of the last steps (the first ones include cuBLASLt's heuristics and allocations)

@@ -9,7 +9,8 @@ Prints one JSON line: prefill_tokens_per_s (B·P / prefill time), decode_tokens_
 (B·(N - 1) / decode time), summed over --repeats runs (the first, cold one included, as zero3d's
 figures in generate_speed.sh are), and the same
 per second of process CPU time (*_per_cpu_s: on a shared machine, the code's rate rather than the load's).
-Usage: pytorch_generate_peer.py --batch B --prompt P --new N --dtype fp32|bf16 [--threads 1]
+Usage: pytorch_generate_peer.py --batch B --prompt P --new N --dtype fp32|bf16 [--threads 1] [--device cuda]
+(--device cuda: on a GPU, timed between device synchronisations; benchmarks/gpu_check.sh.)
 """
 import argparse
 import json
@@ -29,6 +30,7 @@ ap.add_argument("--new", type=int, default=64)
 ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
 ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--repeats", type=int, default=2)
+ap.add_argument("--device", default="cpu")
 a = ap.parse_args()
 torch.set_num_threads(a.threads)
 dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
@@ -38,20 +40,28 @@ gen = torch.Generator().manual_seed(1234)
 with torch.no_grad():
     for name, p in model.named_parameters():
         p.copy_(torch.ones_like(p) if name.endswith("weight") and p.dim() == 1 else 0.02 * torch.randn(p.shape, generator=gen))
-model = model.to(dtype).eval()
-prompts = torch.randint(0, 50257, (a.batch, a.prompt), generator=gen)
+model = model.to(device=a.device, dtype=dtype).eval()
+prompts = torch.randint(0, 50257, (a.batch, a.prompt), generator=gen).to(a.device)
+
+
+def sync():
+    if a.device != "cpu":
+        torch.cuda.synchronize()
 
 
 def run():
     """(prefill, decode) wall-clock and process CPU seconds."""
     with torch.no_grad():
+        sync()
         t0, c0 = time.perf_counter(), time.process_time()
         logits, past = model(prompts, last_only=True)
         nxt = logits[:, -1].argmax(-1, keepdim=True)
+        sync()
         t1, c1 = time.perf_counter(), time.process_time()
         for _ in range(a.new - 1):
             logits, past = model(nxt, past)
             nxt = logits[:, -1].argmax(-1, keepdim=True)
+        sync()
         t2, c2 = time.perf_counter(), time.process_time()
     return (t1 - t0, t2 - t1), (c1 - c0, c2 - c1)
 
@@ -64,7 +74,7 @@ for _ in range(a.repeats):
     wall = [x + y for x, y in zip(wall, w)]
     cpu = [x + y for x, y in zip(cpu, c)]
 prefill_tokens, decode_tokens = a.repeats * a.batch * a.prompt, a.repeats * a.batch * (a.new - 1)
-print(json.dumps({"peer": "pytorch " + torch.__version__, "dtype": a.dtype, "batch": a.batch, "prompt": a.prompt,
+print(json.dumps({"peer": "pytorch " + torch.__version__, "device": a.device, "dtype": a.dtype, "batch": a.batch, "prompt": a.prompt,
                   "new": a.new, "threads": a.threads,
                   "prefill_tokens_per_s": prefill_tokens / wall[0], "decode_tokens_per_s": decode_tokens / wall[1],
                   "prefill_tokens_per_cpu_s": prefill_tokens / cpu[0],

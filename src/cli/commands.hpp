@@ -69,6 +69,8 @@ struct GenerateArgs {
   ConfigArgs config;
   std::string checkpoint, tag;
   std::string prompt_ids, prompt_ids_file;  // one prompt ("464,2068,..."), or a file of one per line
+  std::string prompt, prompt_file;          // the same as text, through the tokenizer
+  std::string tokenizer;                    // --tokenizer; default: data.tokenizer, else model.hf_config's directory
   int64_t batch_size = 8, max_new_tokens = 32, min_new_tokens = 0;
   double temperature = 1.0, top_p = 1.0;  // Hugging Face GenerationConfig's defaults
   int64_t top_k = 50;

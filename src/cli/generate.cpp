@@ -8,6 +8,7 @@
 // every rank of the data group in each pass), so their outputs are the same; rank 0 prints.
 #include <cctype>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -23,6 +24,7 @@
 #include "config/config.hpp"
 #include "infer/generate.hpp"
 #include "parallel/topology.hpp"
+#include "text/tokenizer.hpp"
 #include "train/engine.hpp"
 #include "train/estimator.hpp"
 #include "train/job_control.hpp"
@@ -66,11 +68,34 @@ struct Prompt {
   std::string where;  // "--prompt-ids", or "prompts.txt line 3"
 };
 
-std::vector<Prompt> read_prompts(const GenerateArgs& a, int64_t vocab) {
-  if (!a.prompt_ids.empty() && !a.prompt_ids_file.empty())
-    throw InputError("generate: give --prompt-ids or --prompt-ids-file, not both");
-  if (a.prompt_ids.empty() && a.prompt_ids_file.empty())
-    throw InputError("generate: no prompt (give --prompt-ids \"464,2068,...\" or --prompt-ids-file F, one prompt a line)");
+// Text prompts through the tokenizer: every id must be one of the model's.
+Prompt encode_prompt(const text::Tokenizer& tok, const std::string& text, const std::string& where, int64_t vocab) {
+  Prompt p{tok.encode(text), where};
+  if (p.ids.empty()) throw InputError(where + ": an empty prompt (the tokenizer gives no token for it)");
+  for (const int32_t id : p.ids)
+    if (id < 0 || id >= vocab)
+      throw InputError(where + ": the tokenizer gives id " + std::to_string(id) + ", outside the model's vocabulary [0, " +
+                       std::to_string(vocab) + ") (" + tok.describe() + "; is it this model's tokenizer?)");
+  return p;
+}
+
+std::vector<Prompt> read_prompts(const GenerateArgs& a, int64_t vocab, const text::Tokenizer* tok) {
+  const int given = !a.prompt_ids.empty() + !a.prompt_ids_file.empty() + !a.prompt.empty() + !a.prompt_file.empty();
+  if (given > 1) throw InputError("generate: give one of --prompt, --prompt-file, --prompt-ids and --prompt-ids-file");
+  if (given == 0)
+    throw InputError("generate: no prompt (give --prompt TEXT, --prompt-file F, --prompt-ids \"464,2068,...\" or "
+                     "--prompt-ids-file F, one prompt a line)");
+  if (!a.prompt.empty()) return {encode_prompt(*tok, a.prompt, "--prompt", vocab)};
+  if (!a.prompt_file.empty()) {
+    const std::string text = read_regular_file(a.prompt_file, "--prompt-file", int64_t(1) << 30);
+    std::vector<Prompt> prompts;
+    std::istringstream in(text);
+    std::string line;
+    for (int64_t n = 1; std::getline(in, line); ++n)
+      prompts.push_back(encode_prompt(*tok, line, echo(a.prompt_file, 120) + " line " + std::to_string(n), vocab));
+    if (prompts.empty()) throw InputError("--prompt-file " + echo(a.prompt_file, 120) + ": holds no prompt");
+    return prompts;
+  }
   if (!a.prompt_ids.empty()) return {{parse_ids(a.prompt_ids, "--prompt-ids", vocab), "--prompt-ids"}};
   const std::string text = read_regular_file(a.prompt_ids_file, "--prompt-ids-file", int64_t(1) << 30);
   std::vector<Prompt> prompts;
@@ -113,6 +138,25 @@ std::string join(const std::vector<int32_t>& ids) {
   return s;
 }
 
+// The tokenizer text prompts and text output go through: --tokenizer, else data.tokenizer, else the
+// Hugging Face directory model.hf_config names (where its tokenizer.json or .model sits); null
+// when none is named and the prompts are ids (the output is then ids only).
+std::unique_ptr<text::Tokenizer> open_generation_tokenizer(const GenerateArgs& a, const Config& cfg) {
+  const bool text_prompts = !a.prompt.empty() || !a.prompt_file.empty();
+  if (!a.tokenizer.empty()) return text::open_tokenizer(a.tokenizer);
+  if (!cfg.data.tokenizer.empty()) return text::open_tokenizer(cfg.data.tokenizer);
+  if (!cfg.model.hf_config.empty()) {
+    const std::filesystem::path hf(cfg.model.hf_config);
+    const std::filesystem::path dir = std::filesystem::is_directory(hf) ? hf : hf.parent_path();
+    for (const char* f : {"tokenizer.json", "tokenizer.model"})
+      if (std::filesystem::exists(dir / f)) return text::open_tokenizer((dir / f).string());
+  }
+  if (text_prompts)
+    throw InputError("generate --prompt/--prompt-file: no tokenizer (give --tokenizer PATH, or data.tokenizer in the "
+                     "config)");
+  return nullptr;
+}
+
 // What generation cannot run, with the reason, before anything is built.
 void check_layout(const Config& cfg, const std::string& name) {
   if (cfg.pipeline.stages > 1)
@@ -138,6 +182,7 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
   std::string name;
   Config cfg;
   std::vector<Prompt> prompts;
+  std::unique_ptr<text::Tokenizer> tokenizer;
   infer::GenerationOptions options;
   run_collectively(world, [&] {
     check_launch(size);
@@ -155,7 +200,8 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
       throw InputError("--eos-id " + std::to_string(a.eos_id) + ": an id, or -1 for none");
     cfg = resolve_config(load_with_overrides(a.config, name), name, size, set_keys(a.config));
     check_layout(cfg, name);
-    prompts = read_prompts(a, cfg.model.vocab_size);
+    tokenizer = open_generation_tokenizer(a, cfg);
+    prompts = read_prompts(a, cfg.model.vocab_size, tokenizer.get());
     const int64_t positions = infer::max_sequence_length(gpt_shape_of(cfg.model));
     for (const Prompt& p : prompts)
       if (static_cast<int64_t>(p.ids.size()) + a.max_new_tokens > positions)
@@ -191,10 +237,12 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
   const infer::SamplingOptions& s = options.sampling;
   if (a.json) {
     nlohmann::json outputs = nlohmann::json::array();
-    for (size_t k = 0; k < out.size(); ++k)
+    for (size_t k = 0; k < out.size(); ++k) {
       outputs.push_back({{"prompt", ids[k]},
                          {"tokens", out[k].tokens},
                          {"finish_reason", out[k].stopped_at_eos ? "eos" : "length"}});
+      if (tokenizer) outputs.back()["text"] = tokenizer->decode(out[k].tokens);
+    }
     const nlohmann::json doc = {
         {"checkpoint", a.checkpoint.empty() ? nlohmann::json() : nlohmann::json(a.checkpoint)},
         {"step", step},
@@ -222,9 +270,12 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
               a.checkpoint.empty() ? "initial weights" : ("step " + std::to_string(step)).c_str(), out.size(),
               out.size() == 1 ? "" : "s", (long long)a.batch_size, how.c_str(),
               options.eos.empty() ? "none" : join(options.eos).c_str());
-  for (size_t k = 0; k < out.size(); ++k)
+  for (size_t k = 0; k < out.size(); ++k) {
     std::printf("[%zu] %s -> %s%s\n", k, join(ids[k]).c_str(), join(out[k].tokens).c_str(),
                 out[k].stopped_at_eos ? " (eos)" : "");
+    if (tokenizer)
+      std::printf("[%zu] text: %s%s\n", k, tokenizer->decode(ids[k]).c_str(), tokenizer->decode(out[k].tokens).c_str());
+  }
   std::printf("speed   prefill %lld tokens in %.1f ms (%.1f tokens/s) | decode %lld tokens in %.1f ms (%.1f tokens/s)\n",
               (long long)stats.prefill_tokens, stats.prefill_ms, stats.prefill_tokens_per_s(),
               (long long)stats.decode_tokens, stats.decode_ms, stats.decode_tokens_per_s());

@@ -125,6 +125,10 @@ int main(int argc, char** argv) {
   generate->add_option("--tag", gen.tag, "tag in --checkpoint (default: latest)");
   generate->add_option("--prompt-ids", gen.prompt_ids, "one prompt: token ids, \"464,2068,...\"");
   generate->add_option("--prompt-ids-file", gen.prompt_ids_file, "prompts, one a line (token ids)");
+  generate->add_option("--prompt", gen.prompt, "one prompt as text (through the tokenizer)");
+  generate->add_option("--prompt-file", gen.prompt_file, "prompts as text, one a line");
+  generate->add_option("--tokenizer", gen.tokenizer, "tokenizer.json, a SentencePiece .model, or a directory with one "
+                                                     "(default: data.tokenizer, else model.hf_config's directory)");
   generate->add_option("--batch-size", gen.batch_size, "prompts generated together, left-padded (default 8)");
   generate->add_option("--max-new-tokens", gen.max_new_tokens, "new tokens per prompt at most (default 32)");
   generate->add_option("--min-new-tokens", gen.min_new_tokens, "no EOS before this many new tokens (default 0)");

@@ -4,12 +4,18 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "kernels/device.hpp"
 #include "kernels/reduce.hpp"
 
 namespace zero3d {
 
 namespace {
 constexpr int64_t kChunk = 16384;  // elements widened at a time: 64 KiB of fp32 per array, stays in L2
+// On a GPU each chunk's passes are kernel launches (~4 µs each): 16,384-element chunks made a
+// 124M-parameter bf16 step 7,600 chunks and 59 ms of an H100's 192 ms step (flops profiler,
+// step phase). There, a pass needing no scratch covers the whole array and one that widens into
+// scratch takes 4M elements (16 MiB of fp32 per array).
+constexpr int64_t kDeviceChunk = int64_t(1) << 22;
 
 // One step over fp32 arrays.
 void apply(const ElementwiseStep& s, float* p, const float* g, float* const* st, int64_t n, bool on_host) {
@@ -92,7 +98,10 @@ void ElementwiseUpdater::run(const ElementwiseStep& s, TypedSpan params, const v
   // Mixed precision's common case: Adam's kernel widens the 16-bit gradient itself.
   const bool adam_widens = s.type == OptimizerType::Adam && !on_host && fp32_states &&
                            (grad_type == DType::BF16 || grad_type == DType::F16);
-  const int64_t chunk = all_fp32 && !rounded.data ? std::max<int64_t>(n, 1) : kChunk;
+  const bool scratch_free = fp32_states && (adam_widens || (grad_type == DType::F32 && grad_mul == 1.0f));
+  const int64_t chunk = (all_fp32 && !rounded.data) || (kernels::kGpuBuild && scratch_free) ? std::max<int64_t>(n, 1)
+                        : kernels::kGpuBuild                                                ? kDeviceChunk
+                                                                                            : kChunk;
   // Elements [a, a + c) of an array as fp32: the array itself, or a widened copy in `scratch`.
   auto fp32 = [&](TypedSpan t, int64_t a, int64_t c, WidenScratch& scratch, float mul = 1.0f) -> float* {
     char* at = static_cast<char*>(t.data) + a * static_cast<int64_t>(dtype_size(t.type));

@@ -92,13 +92,13 @@ void Observer::begin_step(int64_t step) {
   obs::g_counters.n_layer = static_cast<int>(model_.shape().n_layer);
   traced_ = o_.trace.enabled && std::count(o_.trace.steps.begin(), o_.trace.steps.end(), step) > 0;
   obs::g_hooks.trace = traced_;
-  if (traced_) step_slot_ = obs::g_trace.open("step " + std::to_string(step), std::chrono::steady_clock::now());
+  if (traced_) step_slot_ = obs::g_trace.open("step " + std::to_string(step), obs::g_hooks.now());
 }
 
 void Observer::end_step() {
   step_allgather_ms_ = take_allgather_ms();  // taken before an evaluation gathers: eval_ms has its time
-  if (traced_) obs::g_trace.close(step_slot_, std::chrono::steady_clock::now());
-  obs::g_hooks = obs::Hooks{};
+  if (traced_) obs::g_trace.close(step_slot_, obs::g_hooks.now());
+  obs::g_hooks.flops = obs::g_hooks.trace = false;  // the device fence stays: it is the build's, not the step's
 }
 
 std::vector<std::pair<std::string, double>> Observer::phases(const std::map<std::string, double>& t) const {

@@ -14,6 +14,7 @@
 
 #include "io/h5.hpp"
 #include "support/cli_helpers.hpp"
+#include "text/tokenizer.hpp"
 
 using namespace cli;
 
@@ -239,7 +240,7 @@ TEST(Generate, BadOptionsAreRefusedByNameBeforeAnyWork) {
       {"--prompt-ids 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23 --max-new-tokens 10",
        "--prompt-ids: 23 prompt tokens + --max-new-tokens 10 exceed the model's 32 positions (n_positions)"},
       {"", "generate: no prompt"},
-      {"--prompt-ids 1 --prompt-ids-file " + empty_line, "give --prompt-ids or --prompt-ids-file, not both"},
+      {"--prompt-ids 1 --prompt-ids-file " + empty_line, "give one of --prompt, --prompt-file, --prompt-ids and --prompt-ids-file"},
       {"--prompt-ids-file " + empty_line, "line 2: an empty prompt"},
       {"--prompt-ids-file " + temp_path("absent.txt"), "--prompt-ids-file"},
       {"--prompt-ids 1,2 --tag global_step1", "generate --tag global_step1: needs --checkpoint"},
@@ -248,6 +249,41 @@ TEST(Generate, BadOptionsAreRefusedByNameBeforeAnyWork) {
     SCOPED_TRACE(args);
     expect_one_line_rejection(run("generate " + config + " " + args), message);
   }
+}
+
+}  // namespace
+
+namespace {
+
+// The last line of `generate --json`.
+json last_json_line(const std::string& out) {
+  const size_t at = out.rfind("\n{");
+  return json::parse(at == std::string::npos ? out : out.substr(at + 1));
+}
+
+// Text in and out: --prompt goes through the tokenizer (GPT-2's "Hello world" is ids 15496, 995 in
+// its encoder.json), the same run with those ids generates the same tokens, and the JSON's text
+// is the tokenizer's decoding of them.
+TEST(Generate, TextPromptsAndOutputGoThroughTheTokenizer) {
+  const std::string model = kSource + "/input/quickstart.json --set model.vocab_size=50257";
+  const std::string common = " --greedy --max-new-tokens 6 --eos-id -1 --json --tokenizer " + std::string(ZERO3D_GPT2_DIR);
+  const Result text = run("generate " + model + " --prompt \"Hello world\"" + common);
+  const Result ids = run("generate " + model + " --prompt-ids 15496,995" + common);
+  ASSERT_EQ(text.code, 0) << text.err;
+  ASSERT_EQ(ids.code, 0) << ids.err;
+  const json t = last_json_line(text.out).at("outputs").at(0), i = last_json_line(ids.out).at("outputs").at(0);
+  EXPECT_EQ(t.at("prompt"), json::array({15496, 995}));
+  EXPECT_EQ(t.at("tokens"), i.at("tokens"));
+  const auto tok = zero3d::text::open_tokenizer(ZERO3D_GPT2_DIR);
+  EXPECT_EQ(t.at("text").get<std::string>(), tok->decode(t.at("tokens").get<std::vector<int32_t>>()));
+}
+
+TEST(Generate, TextPromptsNeedATokenizerThatFitsTheModel) {
+  const Result none = run("generate " + kSource + "/input/quickstart.json --prompt \"Hello\" --greedy");
+  expect_one_line_rejection(none, "no tokenizer");
+  const Result wide = run("generate " + kSource + "/input/quickstart.json --prompt \"Hello world\" --greedy --tokenizer " +
+                          std::string(ZERO3D_GPT2_DIR));
+  expect_one_line_rejection(wide, "outside the model's vocabulary [0, 256)");
 }
 
 }  // namespace

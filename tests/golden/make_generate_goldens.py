@@ -46,7 +46,6 @@ import math
 import os
 import sys
 
-import h5py
 import numpy as np
 import torch
 from torch import nn
@@ -129,9 +128,9 @@ class GPT2(nn.Module):
         position's alone with last_only, as generate needs) and the cache."""
         past_len = 0 if past is None else past[0][0].shape[2]
         n = ids.shape[1]
-        pos = torch.arange(past_len, past_len + n)
+        pos = torch.arange(past_len, past_len + n, device=ids.device)
         x = self.wte(ids) + self.wpe(pos)[None]
-        mask = causal_mask(past_len, n, 0)
+        mask = causal_mask(past_len, n, 0).to(ids.device)
         presents = []
         for l, block in enumerate(self.h):
             x, p = block(x, None if past is None else past[l], mask)
@@ -363,6 +362,8 @@ def randomise(model, gen):
 
 
 def write_model(path, name, cfg, seed):
+    import h5py  # here, so that benchmarks/pytorch_generate_peer.py needs only torch
+
     torch.set_default_dtype(torch.float64)
     # The first seed from `seed` on whose greedy choices are all clear in float32 (a margin of 1e-3).
     while True:
@@ -391,6 +392,8 @@ def write_model(path, name, cfg, seed):
 
 
 def write_sampling(path):
+    import h5py
+
     gen = torch.Generator().manual_seed(77)
     V = 64
     params = [  # temperature, top_k, top_p, eos masked, (greedy flag unused here: 0)
