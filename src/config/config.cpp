@@ -666,6 +666,26 @@ std::vector<std::pair<std::string, std::string>> gpu_build_problems(const Config
   return p;
 }
 
+ModelConfig read_model_section(const json& model, const std::string& file) {
+  ModelConfig m;
+  ReadContext ctx;
+  json resolved = json::object();
+  const json root = {{"model", model}};
+  Section top(&root, "", file, &resolved, &ctx);
+  try {
+    attempt(ctx, file, [&] { m = read_model(top); });
+  } catch (const json::exception& e) {
+    throw InputError(file + ": " + json_detail(e));
+  }
+  if (ctx.problems.size() == 1) throw InputError(file + ": " + ctx.problems.front());
+  if (!ctx.problems.empty()) {
+    std::string all = std::to_string(ctx.problems.size()) + " problems in " + file + ":";
+    for (const std::string& p : ctx.problems) all += "\n  " + p;
+    throw InputError(all);
+  }
+  return m;
+}
+
 Config read_config(const json& root, const std::string& file, int64_t world_size,
                    const std::vector<std::string>& set_keys) {
   try {

@@ -328,6 +328,11 @@ void apply_override(nlohmann::json& root, const std::string& assignment);
 Config read_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
                    const std::vector<std::string>& set_keys = {});
 
+// The `model` section alone, as read_config reads it (every key checked, defaults filled in):
+// for a checkpoint's saved, resolved model section, which `zero3d convert` turns back into the
+// model it describes. `file` names the source in messages. InputError on any problem.
+ModelConfig read_model_section(const nlohmann::json& model, const std::string& file);
+
 // What the GPU build does not run yet, each with the key that asks for it ("" for the launch
 // itself) and why: read_config reports them on a GPU build (kernels::kGpuBuild), so that a run
 // stops at validation, never mid-run. Each goes when its device path lands (issue 31).
