@@ -379,8 +379,10 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
     tp.accept_default_only("tp_grain_size", 1);
     tp.finish();
   }
-  sec.accept_default_only("preset_model", nullptr);
-  sec.accept_default_only("partition_config", nullptr);
+  try {  // DeepSpeed's AutoTP rules: checked against zero3d's split (config/autotp.cpp)
+    read_autotp_rules(sec, m, t);
+  } catch (const KeyProblem&) {
+  }
   sec.accept_default_only("keep_module_on_host", false);
   sec.accept_default_only("replace_with_kernel_inject", false);
   sec.finish();

@@ -228,6 +228,10 @@ struct TensorParallelConfig {
   int size = 1;                    // autotp_size; 0 and 1 mean off
   bool overlap_comm = false;       // tp_overlap_comm: the input-gradient all-reduce runs under the weight product
   bool sequence_parallel = false;  // zero3d's key (Megatron sequence parallelism)
+  // DeepSpeed's AutoTP rules (preset_model, partition_config): zero3d's split is fixed by the
+  // architecture, so they are checked against it at validation (config/autotp.cpp) and change
+  // nothing else. The preset's name, "" when none.
+  std::string preset_model;
 };
 
 // The batch triad after derivation: train_batch_size == micro_batch * gas * world_size.
