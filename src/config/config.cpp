@@ -391,8 +391,10 @@ TensorParallelConfig read_tensor_parallel(Section& top, const ModelConfig& m) {
     tp.accept_default_only("tp_grain_size", 1);
     tp.finish();
   }
-  sec.accept_default_only("preset_model", nullptr);
-  sec.accept_default_only("partition_config", nullptr);
+  try {  // DeepSpeed's AutoTP rules: checked against zero3d's split (config/autotp.cpp)
+    read_autotp_rules(sec, m, t);
+  } catch (const KeyProblem&) {
+  }
   sec.accept_default_only("keep_module_on_host", false);
   sec.accept_default_only("replace_with_kernel_inject", false);
   sec.finish();
@@ -673,6 +675,26 @@ std::vector<std::pair<std::string, std::string>> gpu_build_problems(const Config
   if (c.zero.offload_param.device != OffloadDevice::None)
     p.emplace_back("zero_optimization.offload_param.device", "parameter offload" + not_yet);
   return p;
+}
+
+ModelConfig read_model_section(const json& model, const std::string& file) {
+  ModelConfig m;
+  ReadContext ctx;
+  json resolved = json::object();
+  const json root = {{"model", model}};
+  Section top(&root, "", file, &resolved, &ctx);
+  try {
+    attempt(ctx, file, [&] { m = read_model(top); });
+  } catch (const json::exception& e) {
+    throw InputError(file + ": " + json_detail(e));
+  }
+  if (ctx.problems.size() == 1) throw InputError(file + ": " + ctx.problems.front());
+  if (!ctx.problems.empty()) {
+    std::string all = std::to_string(ctx.problems.size()) + " problems in " + file + ":";
+    for (const std::string& p : ctx.problems) all += "\n  " + p;
+    throw InputError(all);
+  }
+  return m;
 }
 
 Config read_config(const json& root, const std::string& file, int64_t world_size,

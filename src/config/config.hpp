@@ -231,6 +231,10 @@ struct TensorParallelConfig {
   int size = 1;                    // autotp_size; 0 and 1 mean off
   bool overlap_comm = false;       // tp_overlap_comm: the input-gradient all-reduce runs under the weight product
   bool sequence_parallel = false;  // zero3d's key (Megatron sequence parallelism)
+  // DeepSpeed's AutoTP rules (preset_model, partition_config): zero3d's split is fixed by the
+  // architecture, so they are checked against it at validation (config/autotp.cpp) and change
+  // nothing else. The preset's name, "" when none.
+  std::string preset_model;
 };
 
 // The batch triad after derivation: train_batch_size == micro_batch * gas * world_size.
@@ -330,6 +334,11 @@ void apply_override(nlohmann::json& root, const std::string& assignment);
 // --set rather than the file.
 Config read_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
                    const std::vector<std::string>& set_keys = {});
+
+// The `model` section alone, as read_config reads it (every key checked, defaults filled in):
+// for a checkpoint's saved, resolved model section, which `zero3d convert` turns back into the
+// model it describes. `file` names the source in messages. InputError on any problem.
+ModelConfig read_model_section(const nlohmann::json& model, const std::string& file);
 
 // What the GPU build does not run yet, each with the key that asks for it ("" for the launch
 // itself) and why: read_config reports them on a GPU build (kernels::kGpuBuild), so that a run

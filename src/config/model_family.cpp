@@ -90,6 +90,28 @@ struct Knobs {
     sec.record(key, v);
     return v;
   }
+  // A token id, a list of them (Llama 3's eos_token_id) or null: informational, kept for convert.
+  std::vector<int64_t> token_ids(const std::string& key) {
+    Section& s = from(key);
+    sec.mark_known(key);
+    const json* v = s.raw(key);
+    if (!v || v->is_null()) return {};
+    std::vector<int64_t> ids;
+    const auto id = [&](const json& x) {
+      if (!x.is_number_integer() || x.get<int64_t>() < 0) return false;
+      ids.push_back(x.get<int64_t>());
+      return true;
+    };
+    bool ok = v->is_array() ? !v->empty() : id(*v);
+    if (v->is_array())
+      for (const json& x : *v) ok = ok && id(x);
+    if (!ok) {
+      s.report_key(key, "value " + show(*v) + ": expected a token id (an integer >= 0), a list of them, or null");
+      return {};
+    }
+    sec.record(key, *v);
+    return ids;
+  }
   // A key zero3d implements at one value only: any other is an error naming what it would change.
   void only(const std::string& key, const json& implemented, const std::string& why) {
     Section& s = from(key);
@@ -115,6 +137,9 @@ kernels::RopeConfig read_rope(Knobs& k, int64_t max_position_embeddings) {
   r.theta = k.number("rope_theta", 10000.0, 0.0, 1e12, /*lo_open=*/true);
   if (!legacy && !v5) return r;
   const std::string key = v5 ? "rope_parameters" : "rope_scaling";
+  // Read from the Hugging Face file, the section's resolved form keeps it too, so that the
+  // saved model section alone (a checkpoint's, which `zero3d convert` reads) describes the model.
+  if (&k.from(key) != &k.sec) k.sec.record(key, *k.from(key).raw(key));
   Section rs = k.from(key).child(key);
   if (v5 && rs.has("rope_theta")) r.theta = rs.number("rope_theta", r.theta, 0.0, 1e12, true);
   std::string type = rs.has("rope_type") ? rs.string("rope_type", "default") : rs.string("type", "default");
@@ -221,6 +246,8 @@ void read_llama_family(Section& sec, ModelConfig& m, Architecture arch, const js
   f.rope = read_rope(k, max_pos);
   f.tie_word_embeddings = k.boolean("tie_word_embeddings", false);
   f.initializer_range = k.number("initializer_range", 0.02, 0.0, 1.0, /*lo_open=*/true);
+  f.bos_token_id = k.token_ids("bos_token_id");
+  f.eos_token_id = k.token_ids("eos_token_id");
   k.only("hidden_act", "silu", "zero3d's MLP is SwiGLU with silu (" + cls + "'s default); another activation is not implemented");
   k.only("attention_dropout", 0.0, "attention dropout is not implemented; 0.0 is Hugging Face's default");
   // zero3d's own: the sequence length trained on (T)

@@ -528,6 +528,9 @@ void read_gradient_averaging(Section& top, Config& c);
 // section over that file's (hf: null without hf_config) into m.
 json read_hf_config_file(Section& model, const std::string& path, std::string* file);
 void read_llama_family(Section& sec, ModelConfig& m, Architecture arch, const json* hf, const std::string& hf_file);
+// tensor_parallel.preset_model and partition_config (config/autotp.cpp): DeepSpeed's AutoTP
+// rules, checked against the split zero3d makes of the model; the preset's name into t.
+void read_autotp_rules(Section& tp, const ModelConfig& m, TensorParallelConfig& t);
 // model.moe (config/moe.cpp): the section, then its checks against the layout and the rest of the run.
 MoeConfig read_moe(Section& model);
 void check_moe(Section& top, const Config& c, int64_t data_parallel_size);

@@ -168,8 +168,9 @@ bool checkpoint_exists(const std::string& save_dir);
 nlohmann::json inspect_checkpoint(const std::string& path, const std::string& tag, const std::string& tensor);
 
 // `zero3d convert`: consolidated weights with Hugging Face names, streamed one tensor at a time,
-// and a Hugging Face config.json (GPT2Config) beside them; every weights file records the model
-// shape (safetensors __metadata__, HDF5 attributes). format "hdf5" | "safetensors" | "" (from
+// and a Hugging Face config.json beside them (GPT2Config; LlamaConfig, MistralConfig or
+// Qwen2Config for the Llama family, read back from the checkpoint's saved model section); every
+// weights file records the model shape (safetensors __metadata__, HDF5 attributes). format "hdf5" | "safetensors" | "" (from
 // the extension of `out`: .safetensors, .h5, .hdf5); dtype "fp32" | "bf16" | "fp16";
 // max_shard_bytes 0 = one file, else shards named as Hugging Face names them
 // (model-00001-of-00003.safetensors + model.safetensors.index.json). Files are written under a

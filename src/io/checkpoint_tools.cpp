@@ -9,13 +9,16 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <set>
 
 #include "base/errors.hpp"
 #include "base/input_file.hpp"
+#include "config/config.hpp"
 #include "io/checkpoint.hpp"
 #include "io/h5.hpp"
 #include "kernels/half.hpp"
+#include "model/model.hpp"
 
 namespace fs = std::filesystem;
 
@@ -240,18 +243,64 @@ h5::Handle fp16_type() {
   return t;
 }
 
-// The model a checkpoint holds, as Hugging Face's GPT2Config names it.
+// The model a checkpoint holds, as Hugging Face's GPT2Config names it; for the Llama family
+// (Llama, Mistral, Qwen2), the model its saved section describes.
 struct ModelShape {
   int64_t vocab_size = 0, n_positions = 0, n_embd = 0, n_layer = 0, n_head = 0;
   nlohmann::json moe;  // the saved model.moe section (null for a dense model)
+  std::optional<ModelConfig> family;  // the Llama family's model (absent: GPT-2)
 };
+
+// A Llama-family checkpoint: its saved model section read back as read_config reads a config
+// (without hf_config: the resolved section holds every knob it was read for), and the model it
+// describes checked against the checkpoint's tensors, name for name and shape for shape.
+ModelShape llama_family_shape_of(const CheckpointReader& reader, const ParamLayout& layout) {
+  const std::string where = reader.dir() + "/index.h5";
+  const nlohmann::json& config = reader.meta().config;
+  nlohmann::json model = config.is_object() ? config.value("model", nlohmann::json()) : nlohmann::json();
+  if (!model.is_object() || !model.contains("architecture"))
+    throw InputError(where + ": a Llama-family checkpoint (model.embed_tokens.weight) whose metadata has no "
+                             "model.architecture, which config.json needs");
+  // The resolved section records every knob, also those read from model.hf_config (checkpoints
+  // saved before rope_scaling was recorded there need the file: it is read when it is still
+  // there, the section's keys winning as in the run).
+  std::error_code ec;
+  const std::string hf_config = model.value("hf_config", nlohmann::json("")).is_string() ? model.value("hf_config", "") : "";
+  if (hf_config.empty() || !fs::exists(hf_config, ec)) model.erase("hf_config");
+  model.erase("init_from");  // where the first run's weights came from, not the model
+  const ModelConfig m = read_model_section(model, where + " (saved model section)");
+  GPTShape s;
+  s.vocab_size = m.vocab_size;
+  s.n_positions = m.n_positions;
+  s.n_layer = m.n_layer;
+  s.n_head = m.n_head;
+  s.n_embd = m.n_embd;
+  s.family = m.family;
+  const ParamLayout expected = gpt_layout(s);
+  for (const TensorSpec& t : expected.tensors()) {
+    const TensorSpec* saved = layout.find(t.name);
+    if (!saved || saved->shape != t.shape)
+      throw InputError(where + ": tensor `" + t.name + "` " +
+                       (saved ? "has shape " + nlohmann::json(saved->shape).dump() : std::string("is absent")) +
+                       " but the saved model section describes " + nlohmann::json(t.shape).dump());
+  }
+  if (expected.tensors().size() != layout.tensors().size())
+    throw InputError(where + ": the checkpoint holds " + std::to_string(layout.tensors().size()) +
+                     " tensors, its saved model section describes " + std::to_string(expected.tensors().size()));
+  ModelShape out;
+  out.vocab_size = m.vocab_size;
+  out.n_positions = m.n_positions;
+  out.n_embd = m.n_embd;
+  out.n_layer = m.n_layer;
+  out.n_head = m.n_head;
+  out.family = m;
+  return out;
+}
 
 // Sizes from the tensors themselves; n_head, which no shape shows, from the saved model section.
 ModelShape model_shape_of(const CheckpointReader& reader, const ParamLayout& layout) {
   const std::string where = reader.dir() + "/index.h5";
-  if (layout.find("model.embed_tokens.weight"))
-    throw InputError(where + ": a Llama-family checkpoint (model.embed_tokens.weight): zero3d convert writes GPT-2's "
-                             "files only so far");
+  if (layout.find("model.embed_tokens.weight")) return llama_family_shape_of(reader, layout);
   const TensorSpec* wte = layout.find("wte.weight");
   const TensorSpec* wpe = layout.find("wpe.weight");
   if (!wte || !wpe || wte->shape.size() != 2 || wpe->shape.size() != 2)
@@ -313,11 +362,120 @@ nlohmann::json hugging_face_config(const ModelShape& s, const OutputDType& dtype
   return out;
 }
 
+// A RopeConfig as config.json's rope_scaling (legacy Hub form, which transformers v4 and v5 and
+// zero3d's reader all take): null for the default type, else rope_type and the keys that type
+// reads (modeling_rope_utils.py), optional ones only when they are not Hugging Face's default.
+nlohmann::json rope_scaling_json(const kernels::RopeConfig& r) {
+  using kernels::RopeType;
+  switch (r.type) {
+    case RopeType::Default: return nullptr;
+    case RopeType::Linear: return {{"rope_type", "linear"}, {"factor", r.factor}};
+    case RopeType::Dynamic: return {{"rope_type", "dynamic"}, {"factor", r.factor}};
+    case RopeType::Yarn: {
+      nlohmann::json y = {{"rope_type", "yarn"}, {"factor", r.factor}, {"beta_fast", r.beta_fast}, {"beta_slow", r.beta_slow}};
+      if (r.attention_factor != 0.0) y["attention_factor"] = r.attention_factor;
+      if (r.mscale != 0.0) y["mscale"] = r.mscale;
+      if (r.mscale_all_dim != 0.0) y["mscale_all_dim"] = r.mscale_all_dim;
+      if (!r.truncate) y["truncate"] = false;
+      if (r.original_max_position_embeddings != 0) y["original_max_position_embeddings"] = r.original_max_position_embeddings;
+      return y;
+    }
+    case RopeType::Llama3:
+      return {{"rope_type", "llama3"},
+              {"factor", r.factor},
+              {"low_freq_factor", r.low_freq_factor},
+              {"high_freq_factor", r.high_freq_factor},
+              {"original_max_position_embeddings", r.original_max_position_embeddings}};
+  }
+  return nullptr;
+}
+
+// A token id list as config.json holds it: null, one id, or the list.
+nlohmann::json token_ids_json(const std::vector<int64_t>& ids) {
+  if (ids.empty()) return nullptr;
+  if (ids.size() == 1) return ids.front();
+  return ids;
+}
+
+// The class transformers' AutoModelForCausalLM builds for each family.
+const char* causal_lm_class(Architecture a) {
+  switch (a) {
+    case Architecture::Mistral: return "MistralForCausalLM";
+    case Architecture::Qwen2: return "Qwen2ForCausalLM";
+    default: return "LlamaForCausalLM";
+  }
+}
+
+// LlamaConfig, MistralConfig or Qwen2Config for the model, every field of the model under its
+// configuration class's name (configuration_llama.py, configuration_mistral.py,
+// configuration_qwen2.py): what save_pretrained writes, and what model.hf_config reads back to
+// the same model. Each family writes only its own class's keys (attention_bias and mlp_bias are
+// Llama's; the sliding-window keys Mistral's and Qwen2's).
+nlohmann::json llama_family_config(const ModelConfig& m, const OutputDType& dtype) {
+  const DecoderFamily& f = m.family;
+  nlohmann::json out = {{"architectures", {causal_lm_class(f.arch)}},
+                        {"attention_dropout", 0.0},
+                        {"bos_token_id", token_ids_json(f.bos_token_id)},
+                        {"eos_token_id", token_ids_json(f.eos_token_id)},
+                        {"head_dim", f.head_dim},
+                        {"hidden_act", "silu"},
+                        {"hidden_size", m.n_embd},
+                        {"initializer_range", f.initializer_range},
+                        {"intermediate_size", f.intermediate_size},
+                        {"max_position_embeddings", f.rope.max_position_embeddings},
+                        {"model_type", architecture_name(f.arch)},
+                        {"num_attention_heads", m.n_head},
+                        {"num_hidden_layers", m.n_layer},
+                        {"num_key_value_heads", f.num_key_value_heads},
+                        {"rms_norm_eps", f.rms_norm_eps},
+                        {"rope_scaling", rope_scaling_json(f.rope)},
+                        {"rope_theta", f.rope.theta},
+                        {"tie_word_embeddings", f.tie_word_embeddings},
+                        {"torch_dtype", dtype.torch},
+                        {"use_cache", true},
+                        {"vocab_size", m.vocab_size}};
+  if (f.arch == Architecture::Llama) {
+    out["attention_bias"] = f.qkv_bias;  // q/k/v and o_proj biases together (zero3d reads them so)
+    out["mlp_bias"] = f.mlp_bias;
+    out["pretraining_tp"] = 1;
+  } else if (f.arch == Architecture::Mistral) {  // one window on every layer, or none
+    const int64_t w = f.window_of(0);
+    out["sliding_window"] = w > 0 ? nlohmann::json(w) : nlohmann::json();
+  } else {  // Qwen2: the window on the layers layer_types names (max_window_layers: the first of them)
+    int64_t w = 0, first = m.n_layer;
+    nlohmann::json types = nlohmann::json::array();
+    for (int64_t l = 0; l < m.n_layer; ++l) {
+      const int64_t wl = f.window_of(l);
+      if (wl > 0) w = wl, first = std::min(first, l);
+      types.push_back(wl > 0 ? "sliding_attention" : "full_attention");
+    }
+    out["use_sliding_window"] = w > 0;
+    out["sliding_window"] = w > 0 ? nlohmann::json(w) : nlohmann::json();  // Qwen2Config: None without use_sliding_window
+    out["max_window_layers"] = first;
+    out["layer_types"] = types;
+  }
+  return out;
+}
+
 constexpr const char* kConvertSource = "zero3d convert";  // "source" in every output: what marks ours
 
 // What every output file records about its model (safetensors __metadata__, HDF5 attributes).
 std::vector<std::pair<std::string, std::string>> file_metadata(const ModelShape& s, const OutputDType& dtype,
                                                                int64_t step) {
+  if (s.family) {  // the Llama family: its sizes under Hugging Face's config.json names
+    const DecoderFamily& f = s.family->family;
+    return {{"source", kConvertSource},
+            {"model_type", architecture_name(f.arch)},
+            {"vocab_size", std::to_string(s.vocab_size)},
+            {"hidden_size", std::to_string(s.n_embd)},
+            {"intermediate_size", std::to_string(f.intermediate_size)},
+            {"num_hidden_layers", std::to_string(s.n_layer)},
+            {"num_attention_heads", std::to_string(s.n_head)},
+            {"num_key_value_heads", std::to_string(f.num_key_value_heads)},
+            {"head_dim", std::to_string(f.head_dim)},
+            {"dtype", dtype.name},
+            {"step", std::to_string(step)}};
+  }
   return {{"source", kConvertSource},
           {"model_type", "gpt2"},
           {"vocab_size", std::to_string(s.vocab_size)},
@@ -549,7 +707,7 @@ ConvertResult convert_checkpoint(const std::string& path, const std::string& tag
       for (const auto& [key, value] : metadata) index_metadata[key] = value;
       write_json(dir / index_name, {{"metadata", index_metadata}, {"weight_map", weight_map}});
     }
-    write_json(config_path, hugging_face_config(shape, dtype));
+    write_json(config_path, shape.family ? llama_family_config(*shape.family, dtype) : hugging_face_config(shape, dtype));
     for (const auto& [tmp, final_path] : renames) {
       fs::rename(tmp, final_path, ec);
       if (ec) throw SystemError(final_path + ": cannot rename " + tmp + " to it (" + ec.message() + ")");

@@ -45,6 +45,10 @@ struct DecoderFamily {
   bool mlp_bias = false;            // gate/up/down_proj biases: Llama's mlp_bias
   std::vector<int64_t> window;      // per layer: its sliding window, 0 for full causal attention
   double initializer_range = 0.02;  // std of every Linear and Embedding weight at initialisation
+  // config.json's bos_token_id and eos_token_id (an id, or a list of them: Llama 3's several
+  // end-of-turn ids); empty for None. Informational: no computation reads them, `zero3d
+  // convert` writes them back.
+  std::vector<int64_t> bos_token_id, eos_token_id;
 
   bool llama() const { return arch != Architecture::GPT2; }
   int64_t window_of(int64_t layer) const {
