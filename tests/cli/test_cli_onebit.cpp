@@ -116,6 +116,12 @@ TEST(OneBitAdam, CheckpointsResumeWithTheFreezeRederivedFromTheStep) {
   EXPECT_EQ(d[0].at("comm_bytes").get<int64_t>(), compressed_step_bytes());
   // the reset errors change the update a little, not the training
   EXPECT_NEAR(d[1].at("loss").get<double>(), a[7].at("loss").get<double>(), 0.05 * a[7].at("loss").get<double>());
+  // the same states as Adam's, another update: AdamW does not continue a OneBitAdam run
+  json adamw = late_cfg;
+  adamw["optimizer"] = tiny_config()["optimizer"];
+  adamw["training"]["steps"] = 10;
+  expect_one_line_rejection(run("train " + write_config("ob_e.json", adamw) + " --output " + temp_path("ob_adamw"), 2),
+                            "saved with the OneBitAdam update rule");
 }
 
 }  // namespace
