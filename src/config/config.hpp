@@ -94,7 +94,7 @@ struct TrainingConfig {
   int64_t eval_steps = 10;     // evaluation rounds of train_batch_size validation samples (Megatron's eval-iters)
 };
 
-enum class OptimizerType { Adam, Lamb, SGD, Lion, Adagrad };
+enum class OptimizerType { Adam, Lamb, SGD, Lion, Adagrad, OneBitAdam };
 
 // One struct for all optimizers: each type reads the fields it owns (see config.cpp).
 struct OptimizerConfig {
@@ -111,6 +111,14 @@ struct OptimizerConfig {
   double momentum = 0.0, dampening = 0.0;     // SGD
   bool nesterov = false;                      // SGD
   double lr_decay = 0.0, initial_accumulator_value = 0.0;  // Adagrad (torch.optim.Adagrad)
+  // 1-bit optimizers (DEEPSPEED-FACTS-2 §5.1): steps of uncompressed warm-up before the
+  // variance freezes and the momentum is communicated through the 1-bit all-reduce; the
+  // transport DeepSpeed names (nccl, mpi, hccl, compressed: the same algorithm, which zero3d
+  // runs over its data-parallel communicator) and cuda_aware (MPI's device buffers; no effect).
+  int64_t freeze_step = 100000;
+  std::string comm_backend_name = "nccl";
+  bool cuda_aware = false;
+  bool one_bit() const { return type == OptimizerType::OneBitAdam; }
 };
 
 enum class SchedulerType { None, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest };

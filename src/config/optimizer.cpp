@@ -33,6 +33,43 @@ void read_hf_auto_params(Section& p) {
   take("eps", kHfAdamEpsilon, "adam_epsilon");
   take("weight_decay", kHfWeightDecay, "weight_decay");
 }
+// OnebitAdam's constructor arguments (runtime/fp16/onebit/adam.py; DEEPSPEED-FACTS-2 §5.1) with
+// DeepSpeed's defaults. bias_correction, eps_inside_sqrt and max_grad_norm are arguments it
+// stores and never uses (its update has no bias correction; clipping is the engine's
+// gradient_clipping): accepted, and said so when set.
+void read_one_bit_params(Section& p, OptimizerConfig& o) {
+  const double inf = std::numeric_limits<double>::infinity();
+  read_hf_auto_params(p);
+  o.lr = p.number("lr", 1e-3, 0.0, inf);
+  std::tie(o.beta1, o.beta2) = p.pair("betas", {0.9, 0.999});
+  o.eps = p.number("eps", 1e-8, 0.0, inf);
+  o.weight_decay = p.number("weight_decay", 0.0, 0.0, inf);
+  o.freeze_step = p.integer("freeze_step", 100000, 0, std::numeric_limits<int64_t>::max() / 2);
+  for (const char* unused : {"bias_correction", "eps_inside_sqrt"})
+    if (p.has(unused)) {
+      p.boolean(unused, std::string(unused) == "bias_correction");
+      p.note("note    " + p.key_path(unused) + " is accepted and unused, as in DeepSpeed's " + o.type_name +
+             " (its update m/(sqrt(v)+eps) has no bias correction)");
+    }
+  if (p.has("max_grad_norm")) {
+    p.number("max_grad_norm", 0.0, 0.0, inf);
+    p.note("note    " + p.key_path("max_grad_norm") + " is accepted and unused, as in DeepSpeed's " + o.type_name +
+           "; clipping is the top-level `gradient_clipping`");
+  }
+  // OnebitAdam.__init__: raise RuntimeError('1-bit Adam does not support the AMSGrad variant.')
+  if (p.boolean("amsgrad", false))
+    p.report_key("amsgrad", "1-bit Adam does not support the AMSGrad variant (DeepSpeed raises RuntimeError)");
+  o.cuda_aware = p.boolean("cuda_aware", false);
+  if (o.cuda_aware)
+    p.note("note    " + p.key_path("cuda_aware") + " = true has no effect: it lets DeepSpeed's MPI backend pass "
+           "device buffers to MPI; zero3d's communicator already moves the packed signs where they lie");
+  o.comm_backend_name = p.string("comm_backend_name", "nccl");
+  const std::vector<std::string> backends = {"nccl", "mpi", "hccl", "compressed"};
+  if (std::find(backends.begin(), backends.end(), o.comm_backend_name) == backends.end())
+    p.fail_key("comm_backend_name", show(json(o.comm_backend_name)) + " is not one of DeepSpeed's 1-bit backends "
+                                    "(nccl, mpi, hccl, compressed)");
+  p.finish();
+}
 }  // namespace
 
 double read_gradient_clipping(Section& top) {
@@ -47,7 +84,7 @@ OptimizerConfig read_optimizer(Section& top) {
   Section sec = top.child("optimizer");
   std::string type = sec.string("type", "AdamW");
   const std::string t = lower(type);
-  const std::vector<std::string> deepspeed_unsupported = {"onebitadam", "zerooneadam", "onebitlamb",
+  const std::vector<std::string> deepspeed_unsupported = {"zerooneadam", "onebitlamb",
                                                           "muadam", "muadamw", "musgd", "muon"};
   // DeepSpeed's implementation names of the same update (ops/adam, ops/lamb): fused CUDA
   // kernels and the CPU kernel compute what Adam and Lamb compute.
@@ -60,17 +97,18 @@ OptimizerConfig read_optimizer(Section& top) {
     o.type = OptimizerType::Adagrad;  // DeepSpeed's "adagrad": torch.optim.Adagrad without offload
   } else if (t == "lamb" || t == "fusedlamb") {
     o.type = OptimizerType::Lamb;
+  } else if (t == "onebitadam") {  // DeepSpeed matches the 1-bit names case-insensitively (FACTS-2 §5.1)
+    o.type = OptimizerType::OneBitAdam;
   } else if (type == "SGD") {  // a torch.optim name: case-sensitive, as DeepSpeed looks it up
     o.type = OptimizerType::SGD;
   } else if (std::find(deepspeed_unsupported.begin(), deepspeed_unsupported.end(), t) !=
                  deepspeed_unsupported.end() ||
              type == "RMSprop" || type == "Adadelta" || type == "Adamax" ||
              type == "NAdam" || type == "RAdam" || type == "ASGD" || type == "Rprop" || type == "LBFGS") {
-    const bool one_bit = t == "onebitadam" || t == "zerooneadam" || t == "onebitlamb";
+    const bool one_bit = t == "zerooneadam" || t == "onebitlamb";
     sec.fail_key("type", "DeepSpeed optimizer " + show(json(type)) + " is not supported by zero3d (supported: Adam, "
-                         "AdamW, Lamb, SGD, Lion, Adagrad and their Fused/CPU names)" +
-                         (one_bit ? "; 1-bit compressed communication comes later: use Adam (or Lamb) meanwhile"
-                                  : ""));
+                         "AdamW, Lamb, SGD, Lion, Adagrad, OneBitAdam and their Fused/CPU names)" +
+                         (one_bit ? "; of the 1-bit optimizers zero3d has OneBitAdam" : ""));
   } else {
     std::string hint = nearest(type, {"Adam", "AdamW", "Lamb", "SGD", "Lion", "Adagrad"});
     sec.fail_key("type", show(json(type)) + " is not a supported optimizer (Adam, AdamW, Lamb, SGD, Lion, Adagrad)" +
@@ -78,9 +116,9 @@ OptimizerConfig read_optimizer(Section& top) {
   }
   o.type_name = type;
   Section p = sec.child("params");
-  if (p.has("max_grad_norm"))
+  if (!o.one_bit() && p.has("max_grad_norm"))  // the 1-bit optimizers take it (unused, read_one_bit_params)
     p.report_key("max_grad_norm", "is not allowed in optimizer params; use the top-level `gradient_clipping`");
-  p.mark_known("max_grad_norm");
+  if (!o.one_bit()) p.mark_known("max_grad_norm");
   const double inf = std::numeric_limits<double>::infinity();
   switch (o.type) {
     case OptimizerType::Adam: {
@@ -134,6 +172,9 @@ OptimizerConfig read_optimizer(Section& top) {
       p.finish();
       break;
     }
+    case OptimizerType::OneBitAdam:
+      read_one_bit_params(p, o);
+      break;
     case OptimizerType::SGD: {
       o.lr = p.number("lr", 1e-3, 0.0, inf);
       o.momentum = p.number("momentum", 0.0, 0.0, inf);

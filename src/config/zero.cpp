@@ -237,6 +237,12 @@ void read_zero(Section& top, Config& c, bool tuning) {
 // Lamb's per-tensor trust ratio cannot be computed on flat partitions, so it stays stage 0.
 void check_zero_optimizer(Section& top, const Config& c) {
   if (c.zero.stage == 0) return;
+  // engine.py _configure_basic_optimizer: assert not self.zero_optimization(), "1bit-Adam is not
+  // compatible with ZeRO" (the compressed all-reduce needs every rank's whole momentum).
+  if (c.optimizer.one_bit())
+    top.fail("zero_optimization.stage", "value " + std::to_string(c.zero.stage) + ": " + c.optimizer.type_name +
+                                            " is not compatible with ZeRO (DeepSpeed asserts ZeRO off for the 1-bit "
+                                            "optimizers: they all-reduce each rank's whole momentum); use stage 0");
   if (c.optimizer.type == OptimizerType::Lamb)
     top.fail("optimizer.type", "Lamb needs whole tensors for its trust ratio; use zero_optimization.stage 0 with "
                                "Lamb, or Adam/AdamW with ZeRO stage " + std::to_string(c.zero.stage));

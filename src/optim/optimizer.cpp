@@ -6,6 +6,7 @@
 
 #include "kernels/device.hpp"
 #include "kernels/reduce.hpp"
+#include "optim/onebit.hpp"
 
 namespace zero3d {
 
@@ -36,9 +37,10 @@ void apply(const ElementwiseStep& s, float* p, const float* g, float* const* st,
       kernels::sgd_update(p, g, st[0], n, s.sgd);
       return;
     case OptimizerType::Lamb:
+    case OptimizerType::OneBitAdam:
       break;
   }
-  throw std::logic_error("Lamb's trust ratio needs whole tensors: it has no elementwise step");
+  throw std::logic_error("Lamb's trust ratio and 1-bit Adam's per-tensor compression need whole tensors: no elementwise step");
 }
 }  // namespace
 
@@ -68,6 +70,7 @@ ElementwiseStep make_elementwise_step(const OptimizerConfig& cfg, int64_t step, 
                static_cast<float>(cfg.weight_decay), cfg.nesterov, step == 1};
       break;
     case OptimizerType::Lamb:
+    case OptimizerType::OneBitAdam:
       break;
   }
   return s;
@@ -83,6 +86,7 @@ std::vector<std::string> optimizer_state_names(const OptimizerConfig& cfg) {
       return {"exp_avg_sq"};
     case OptimizerType::Adam:
     case OptimizerType::Lamb:
+    case OptimizerType::OneBitAdam:
       break;
   }
   return {"exp_avg", "exp_avg_sq"};
@@ -136,10 +140,11 @@ void ElementwiseUpdater::run(const ElementwiseStep& s, TypedSpan params, const v
   }
 }
 
-Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DType state_type)
+Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DType state_type, Communicator* dp)
     : cfg_(cfg), layout_(layout), state_type_(state_type), names_(optimizer_state_names(cfg)) {
-  if (cfg.type == OptimizerType::Lamb && state_type != DType::F32)
-    throw std::logic_error("Lamb keeps fp32 states");
+  if ((cfg.type == OptimizerType::Lamb || cfg.one_bit()) && state_type != DType::F32)
+    throw std::logic_error("Lamb and the 1-bit optimizers keep fp32 states");
+  if (cfg.type == OptimizerType::OneBitAdam) onebit_ = std::make_unique<OneBitAdam>(cfg, layout, dp);
   const int64_t n = layout.total();
   for (const std::string& name : names_) states_.emplace_back(name, state_type, n);
   if (cfg.type == OptimizerType::Adagrad && cfg.initial_accumulator_value != 0.0) {
@@ -147,6 +152,15 @@ Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DTyp
     Kokkos::deep_copy(init, static_cast<float>(cfg.initial_accumulator_value));
     convert_any(states_[0].data(), state_type, init.data(), DType::F32, n);
   }
+}
+
+Optimizer::~Optimizer() = default;
+
+bool Optimizer::backward_allreduce() const { return !onebit_ || !onebit_->compressed(step_count_ + 1); }
+
+void Optimizer::set_step_count(int64_t n) {
+  step_count_ = n;
+  if (onebit_) onebit_->reset_errors();
 }
 
 int64_t Optimizer::state_bytes() const {
@@ -176,6 +190,7 @@ void Optimizer::step(TypedSpan params, const void* grads, DType grad_type, float
                      std::optional<std::pair<double, double>> betas, TypedSpan rounded, int64_t rounded_n) {
   ++step_count_;
   const int64_t total = layout_.total();
+  if (onebit_) return one_bit_step(params, grads, grad_type, grad_mul, lr, betas, rounded, rounded_n);
   if (cfg_.type != OptimizerType::Lamb) {
     std::vector<TypedSpan> st;
     for (TypedBuffer& b : states_) st.push_back({b.data(), b.type()});
@@ -202,6 +217,42 @@ void Optimizer::step(TypedSpan params, const void* grads, DType grad_type, float
     kernels::lamb_update(p + t.offset, g, m + t.offset, v + t.offset, t.numel, s);
   }
   if (rounded.data && rounded_n > 0) convert_any(rounded.data, rounded.type, p, DType::F32, rounded_n);
+}
+
+// The 1-bit step reads and writes whole tensors on the host (the packed signs and the
+// collectives are host work): on a CPU build the arrays themselves, on a GPU build copies.
+void Optimizer::one_bit_step(TypedSpan params, const void* grads, DType grad_type, float grad_mul, double lr,
+                             std::optional<std::pair<double, double>> betas, TypedSpan rounded, int64_t rounded_n) {
+  if (params.type != DType::F32) throw std::logic_error("the 1-bit optimizers update fp32 parameters");
+  const int64_t n = layout_.total();
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  float* model[3] = {static_cast<float*>(params.data), states_[0].as<float>(), states_[1].as<float>()};
+  float* host[3];
+  for (int k = 0; k < 3; ++k) {
+    host[k] = model[k];
+    if constexpr (!kernels::kHostIsDevice) {
+      host_[k].resize(static_cast<size_t>(n));
+      kernels::copy_to_host(host_[k].data(), model[k], bytes);
+      host[k] = host_[k].data();
+    }
+  }
+  // Gradients as fp32 (16-bit ones widened and multiplied by the unscale-and-clip factor).
+  const float* g = static_cast<const float*>(grads);
+  if (grad_type != DType::F32 || grad_mul != 1.0f || !kernels::kHostIsDevice) {
+    float* widened = widened_.take(n, /*on_host=*/false);
+    convert_any(widened, DType::F32, grads, grad_type, n, grad_mul);
+    g = widened;
+    if constexpr (!kernels::kHostIsDevice) {
+      host_[3].resize(static_cast<size_t>(n));
+      kernels::copy_to_host(host_[3].data(), widened, bytes);
+      g = host_[3].data();
+    }
+  }
+  const double beta1 = betas ? betas->first : cfg_.beta1, beta2 = betas ? betas->second : cfg_.beta2;
+  onebit_->step(step_count_, host[0], g, host[1], host[2], lr, beta1, beta2);
+  if constexpr (!kernels::kHostIsDevice)
+    for (int k = 0; k < 3; ++k) kernels::copy_to_device(model[k], host[k], bytes);
+  if (rounded.data && rounded_n > 0) convert_any(rounded.data, rounded.type, model[0], DType::F32, rounded_n);
 }
 
 double clip_coefficient(double norm, double max_norm) {

@@ -19,8 +19,11 @@
 #include "kernels/optimizers.hpp"
 #include "kernels/typed.hpp"
 #include "model/buffer.hpp"
+#include "parallel/comm.hpp"
 
 namespace zero3d {
+
+class OneBitAdam;  // optim/onebit.hpp
 
 // An array whose element type is chosen at run time.
 struct TypedSpan {
@@ -88,7 +91,16 @@ class ElementwiseUpdater {
 class Optimizer {
  public:
   // state_type: the element type of the states (bf16 with bf16_optimizer_states), fp32 otherwise.
-  Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DType state_type = DType::F32);
+  // dp: the data-parallel group, which the 1-bit optimizers communicate over themselves.
+  Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DType state_type = DType::F32,
+            Communicator* dp = nullptr);
+  ~Optimizer();
+
+  // Whether the engine averages the gradients of the next step before step() (DeepSpeed's
+  // enable_backward_allreduce): always, except for a 1-bit optimizer past its freeze, which is
+  // given this rank's local gradients and communicates its compressed momentum instead.
+  bool backward_allreduce() const;
+  const OneBitAdam* one_bit() const { return onebit_.get(); }  // null for the other optimizers
 
   // One update with learning rate `lr`; `betas` overrides (beta1, beta2) for this step (OneCycle).
   void step(float* params, const float* grads, double lr,
@@ -106,7 +118,8 @@ class Optimizer {
             int64_t rounded_n = 0);
 
   int64_t step_count() const { return step_count_; }
-  void set_step_count(int64_t n) { step_count_ = n; }
+  // (A checkpoint load: a 1-bit optimizer's error buffers restart at zero, FACTS-2 §5.3.)
+  void set_step_count(int64_t n);
   // Names of the state buffers, as checkpoints store them (optimizer_state_names), and the
   // buffers themselves in the same order, each of state_type().
   std::vector<std::string> state_names() const;
@@ -125,6 +138,10 @@ class Optimizer {
   int64_t step_count_ = 0;
   ElementwiseUpdater updater_;
   WidenScratch widened_;  // LAMB: one tensor's widened gradients
+  std::unique_ptr<OneBitAdam> onebit_;
+  std::vector<float> host_[4];  // 1-bit steps run on host arrays: parameters, gradients, m, v (GPU build)
+  void one_bit_step(TypedSpan params, const void* grads, DType grad_type, float grad_mul, double lr,
+                    std::optional<std::pair<double, double>> betas, TypedSpan rounded, int64_t rounded_n);
 };
 
 // Global L2-norm clipping as torch.nn.utils.clip_grad_norm_ (DeepSpeed's fp32 path, FACTS §3):

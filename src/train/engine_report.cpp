@@ -185,6 +185,11 @@ void Engine::print_startup() const {
               cfg_.training.peak_gflops > 0
                   ? "training.peak_gflops"
                   : (model_->compute_type() == DType::BF16 ? "measured bf16 gemm, all ranks" : "measured sgemm, all ranks"));
+  if (cfg_.optimizer.one_bit())  // FACTS-2 §5.3: the phases, as DeepSpeed's OnebitAdam prints them when they start
+    std::printf("optim   %s: step 1 initialises (no update); gradients all-reduced through step %lld, then the "
+                "variance is frozen and the momentum averaged by the 1-bit compressed all-reduce over %d ranks\n",
+                cfg_.optimizer.type_name.c_str(), (long long)std::max<int64_t>(cfg_.optimizer.freeze_step, 2),
+                dp_comm_->size());
   const PrecisionConfig& pc = cfg_.precision;
   std::string scaling = "no loss scaling";
   if (pc.param == DType::F16)

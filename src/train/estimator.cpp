@@ -15,6 +15,7 @@
 #include "io/h5.hpp"
 #include "kernels/attention.hpp"
 #include "model/model.hpp"
+#include "parallel/compressed_allreduce.hpp"
 #include "parallel/pipe_schedule.hpp"
 #include "zero/zero.hpp"
 
@@ -368,6 +369,19 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
     for (const ReduceBucket& k : cut_buckets(gradient_segments(layout, n, types), 0, n, cfg.zero.reduce_bucket_size, pc.comm))
       largest_bucket = std::max(largest_bucket, (k.end - k.begin) * static_cast<int64_t>(dtype_size(k.type)));
     b.comm_reduce += largest_bucket * (dp - 1) / dp;
+  }
+  // A 1-bit optimizer past its freeze (FACTS-2 §5.3): per tensor a worker error buffer of its
+  // padded size and a server error buffer of padded/W (optim/onebit.hpp), the compressed
+  // all-reduce's fp32 scratch and packed signs for the largest tensor, and the widened gradient
+  // the step reads when it is clipped or 16-bit.
+  if (cfg.optimizer.one_bit() && dp > 1) {
+    int64_t largest_padded = 0;
+    for (const TensorSpec& t : layout.tensors()) {
+      const int64_t padded = onebit_padded_size(t.numel, static_cast<int>(dp));
+      b.comm_reduce += 4 * (padded + padded / dp);
+      largest_padded = std::max(largest_padded, padded);
+    }
+    b.comm_reduce += 4 * (largest_padded + largest_padded / dp) + 3 * (largest_padded / 8) + 4 * layout.total();
   }
   if (b.stage == 3) {
     // Gathered units: ZeroOptimizer's fetch and release decisions along the step's trace

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <map>
 #include <set>
@@ -211,7 +212,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   if (master16_ && (stage_ == 0 || types_.param != zero.master_weights))
     throw std::logic_error("bf16 master weights need ZeRO stage 1-3 and bf16 parameters");
   if (stage_ == 0) {
-    optimizer_ = std::make_unique<Optimizer>(opt, layout_, zero.optimizer_states);
+    optimizer_ = std::make_unique<Optimizer>(opt, layout_, zero.optimizer_states, &dp_);
     reducer_ = std::make_unique<GradientReducer>(dp_, grads_.data(), types_.grad, layout.total(),
                                                  cfg_.reduce_bucket_size, cfg_.overlap_comm, types_.comm,
                                                  gradient_segments(layout, layout.total(), types_));
@@ -563,7 +564,7 @@ void ZeroOptimizer::grads_done(int u) {
     if (use_windows_)  // round the unit's fp32 gradients into the accumulation buffer
       convert_any(grads_.at(units_[u].offset), types_.grad, windows_.at(window_key(u)).data(), DType::F32,
                   units_[u].numel, 1.0f, /*accumulate=*/true);
-    if (boundary_ && world_ > 1 && ordered_backward_) reducer_->grads_ready(units_[u].offset);
+    if (boundary_ && world_ > 1 && ordered_backward_ && reduces_gradients()) reducer_->grads_ready(units_[u].offset);
     return;
   }
   const int key = window_key(u);
@@ -581,7 +582,7 @@ void ZeroOptimizer::progress() {
 void ZeroOptimizer::begin_micro_step(bool boundary) {
   boundary_ = boundary;
   if (stage_ >= 2) reducer_->begin_pass();  // the same slot for the same bucket in every backward
-  if (stage_ < 2 && boundary && world_ > 1 && ordered_backward_ && !reduction_begun_) {
+  if (stage_ < 2 && boundary && world_ > 1 && ordered_backward_ && !reduction_begun_ && reduces_gradients()) {
     reducer_->begin(grads_.data());
     reduction_begun_ = true;
   }
@@ -590,7 +591,7 @@ void ZeroOptimizer::begin_micro_step(bool boundary) {
 void ZeroOptimizer::finish_reduction() {
   if (stage_ < 2) {
     // Stage 1 reduce-scatters even on one rank: its optimizer reads the partition written here.
-    if (world_ > 1 || stage_ == 1) {
+    if ((world_ > 1 || stage_ == 1) && reduces_gradients()) {
       if (!reduction_begun_) reducer_->begin(grads_.data());
       reducer_->finish();
     }
@@ -635,6 +636,15 @@ GradStats ZeroOptimizer::grad_stats(Communicator* sq_group, const std::vector<st
   // Stage 0 gradients are already identical on every rank; partitions need the sum over the
   // group. inf/NaN survive the sum, so the result is also the group's agreed overflow flag.
   if (stage_ > 0) dp_.all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);
+  // A 1-bit optimizer past its freeze holds local gradients, and clips them by their local norm
+  // as DeepSpeed's engine does (no data-parallel all-reduce of the gradients or their norm);
+  // but a step skipped on overflow must be skipped by every rank, or the compressed all-reduce
+  // of the others would wait for it: the ranks agree on the flag (8 bytes).
+  if (!reduces_gradients() && world_ > 1) {
+    int64_t overflow = std::isfinite(sq) ? 0 : 1;
+    dp_.all_reduce(&overflow, 1, DType::I64, ReduceOp::Max);
+    if (overflow && std::isfinite(sq)) sq = std::numeric_limits<double>::infinity();
+  }
   if (sq_group && sq_group->size() > 1) sq_group->all_reduce(&sq, 1, DType::F64, ReduceOp::Sum);
   return GradStats{std::sqrt(sq), std::isfinite(sq)};
 }

@@ -247,6 +247,9 @@ class ZeroOptimizer : public ParamStore {
   // Rounds fp32 values of partition-local [begin, begin + n) into the parameters (owned part only).
   void cast_range_to_params(int64_t begin, int64_t n, const float* values);
   void drop_gathered_params();   // stage 3, end of a step: gathered copies are stale or unneeded
+  // Whether this step's gradients are averaged over the data-parallel group (not for a 1-bit
+  // optimizer past its freeze: FACTS-2 §5.3, DeepSpeed's enable_backward_allreduce = False).
+  bool reduces_gradients() const { return !optimizer_ || optimizer_->backward_allreduce(); }
   // This rank's averaged gradients: the partition (stages 1-3) or the whole buffer (stage 0).
   const void* grad_partition() const { return stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data(); }
 

@@ -46,8 +46,6 @@ const std::map<std::string, Rejection>& expected_rejections() {
        {"`bf16.loss_scale`: unknown key", "fp16 loss-scaling keys in the bf16 section (DeepSpeed's bf16 model forbids them)"}},
       {"dsexamples__training__DeepSpeed-ZenFlow__finetuning__zf_config.json",
        {"`zero_optimization.zenflow`", "ZenFlow (not in zero3d)"}},
-      {"dsexamples__training__bing_bert__1-bit_adam__nccl__deepspeed_bsz4k_onebitadam_config_seq128_nccl.json",
-       {"\"OneBitAdam\"", "1-bit optimizers (come later)"}},
       {"megatron-ds__examples_deepspeed__curriculum_learning__ds_zero_stage_1_config_baseline.json",
        {"`optimizer.params.max_grad_norm`", "max_grad_norm in optimizer params (DeepSpeed rejects it too)"}},
   };

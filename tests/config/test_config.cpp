@@ -150,7 +150,7 @@ TEST(ConfigValidation, UnknownOptimizerSuggestsTheRightSpelling) {
 
 TEST(ConfigValidation, DeepSpeedOptimizerZero3dLacksIsNamedUnsupported) {
   json j = minimal();
-  j["optimizer"] = {{"type", "OneBitAdam"}};
+  j["optimizer"] = {{"type", "ZeroOneAdam"}};
   EXPECT_NE(error_of(j).find("not supported by zero3d"), std::string::npos);
 }
 

@@ -102,7 +102,7 @@ TEST(KeyKinds, AMissingFeatureNamesTheNearestAlternative) {
   j["sequence_parallel_size"] = 2;
   EXPECT_NE(error_of(j).find("use tensor_parallel.sequence_parallel"), std::string::npos) << error_of(j);
   j = minimal();
-  j["optimizer"] = {{"type", "OneBitAdam"}};
+  j["optimizer"] = {{"type", "ZeroOneAdam"}};
   EXPECT_NE(error_of(j).find("1-bit"), std::string::npos) << error_of(j);
 }
 
