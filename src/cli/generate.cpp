@@ -20,6 +20,7 @@
 #include "base/input_file.hpp"
 #include "base/watchdog.hpp"
 #include "cli/agreement.hpp"
+#include "cli/checkpoint_model.hpp"
 #include "cli/commands.hpp"
 #include "config/config.hpp"
 #include "infer/generate.hpp"
@@ -213,19 +214,12 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
     options.seed = a.seed;
     options.eos = eos_ids(a, cfg);
     check_memory_fits(cfg, ranks_here, avail);
-    // The parameters come from --checkpoint (or the config's initial weights): no resume, no saves.
-    cfg.training.resume.clear();
-    cfg.training.save_interval = 0;
-    cfg.resolved["training"]["resume"] = "";
-    cfg.resolved["training"]["save_interval"] = 0;
+    without_resume_or_saves(cfg);  // the parameters come from --checkpoint (or the config's initial weights)
   });
   agree_on_configuration(world, cfg);
-  const int pp = cfg.pipeline.stages, tp = cfg.tensor.size;
-  ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world,
-                       static_cast<int>(cfg.model.moe.ep_size));
-  Watchdog watchdog(cfg.training.comms_timeout, rank);
-  Engine engine(cfg, groups, "", &watchdog);
-  const int64_t step = a.checkpoint.empty() ? 0 : engine.load_checkpoint_params(a.checkpoint, a.tag);
+  CheckpointModel loaded(cfg, world, rank, a.checkpoint, a.tag);
+  Engine& engine = loaded.engine;
+  const int64_t step = loaded.step;
   note_phase("generation");
   std::vector<std::vector<int32_t>> ids;
   for (const Prompt& p : prompts) ids.push_back(p.ids);

@@ -9,6 +9,7 @@
 #include "base/input_file.hpp"
 #include "base/watchdog.hpp"
 #include "cli/agreement.hpp"
+#include "cli/checkpoint_model.hpp"
 #include "cli/commands.hpp"
 #include "config/config.hpp"
 #include "io/checkpoint.hpp"
@@ -235,19 +236,12 @@ int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::stri
     if (!cfg.data.validation)
       throw InputError(name + ": `data.validation` is not given: zero3d eval evaluates on the validation data");
     check_memory_fits(cfg, ranks_here, avail);
-    // The parameters come from --checkpoint: no resume, no saves.
-    cfg.training.resume.clear();
-    cfg.training.save_interval = 0;
-    cfg.resolved["training"]["resume"] = "";
-    cfg.resolved["training"]["save_interval"] = 0;
+    without_resume_or_saves(cfg);  // the parameters come from --checkpoint
   });
   agree_on_configuration(world, cfg);
-  const int pp = cfg.pipeline.stages, tp = cfg.tensor.size;
-  ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world,
-                       static_cast<int>(cfg.model.moe.ep_size));
-  Watchdog watchdog(cfg.training.comms_timeout, rank);
-  Engine engine(cfg, groups, "", &watchdog);
-  const int64_t step = checkpoint.empty() ? 0 : engine.load_checkpoint_params(checkpoint, tag);
+  CheckpointModel loaded(cfg, world, rank, checkpoint, tag);
+  Engine& engine = loaded.engine;
+  const int64_t step = loaded.step;
   note_phase("evaluation");
   const EvalResult e = engine.evaluate();
   if (rank != 0) return kExitOk;
