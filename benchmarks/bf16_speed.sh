@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 17's speed figures in one command: zero3d in fp32, bf16 and fp16 at np 1 and np 2 beside
 # its PyTorch peers (benchmarks/pytorch_peer.py: one process and DDP, fp32 and autocast bf16),
-# on gpt-small-cpu and on the real GPT-2 124M shape (input/gpt2-124m.json, micro-batch 1).
+# on gpt-small-cpu, on the real GPT-2 124M shape (input/gpt2-124m.json, micro-batch 1) and on
+# llama-small-cpu (the Llama family at gpt-small-cpu's size; MODELS="llama-small-cpu").
 # Each row: tokens/s (mean over the steps after the first, which warms caches), MFU against the
 # machine's bf16 GEMM peak as zero3d measures it at start-up (the highest per-rank figure of the
 # model's runs times the rank count, the same for every row of a model so that rows compare), peak resident memory per rank, and
@@ -50,14 +51,19 @@ def peer(model, dtype, np):
     return float(m.group(1)), float(m.group(2)), float(m.group(3))
 for model in models:
     cfg = json.load(open(f"input/{model}.json"))["model"]
-    L, T, C = cfg["n_layer"], cfg["n_positions"], cfg["n_embd"]
-    print(f"\n{model} (V={cfg['vocab_size']} T={T} L={L} H={cfg['n_head']} C={C}), 1 BLAS thread per rank")
+    llama = cfg.get("architecture", "gpt2") != "gpt2"  # Hugging Face's names for the same sizes
+    L, T, C = (cfg["num_hidden_layers"], cfg["seq_length"], cfg["hidden_size"]) if llama else \
+              (cfg["n_layer"], cfg["n_positions"], cfg["n_embd"])
+    H = cfg["num_attention_heads" if llama else "n_head"]
+    lookup = cfg["vocab_size"] * C if llama else 0  # the untied input embedding: a lookup, no FLOPs
+    shape = f"KV={cfg['num_key_value_heads']} I={cfg['intermediate_size']} " if llama else ""
+    print(f"\n{model} (V={cfg['vocab_size']} T={T} L={L} H={H} {shape}C={C}), 1 BLAS thread per rank")
     print(f"{'run':<26}{'tokens/s':>10}{'MFU':>8}{'peak MB/rank':>14}{'vs PyTorch':>12}")
     # The bf16 GEMM peak per rank: the highest any of the model's six runs measured at start-up
     # (a neighbour's burst during one run's measurement would otherwise lift its MFU past 100%).
     per_rank = max(zero3d(model, dt, p)[1] / p for dt in ("fp32", "bf16", "fp16") for p in (1, 2))
     for np in (1, 2):
-        n = zero3d(model, "bf16", np)[3]
+        n = zero3d(model, "bf16", np)[3] - lookup
         bf16_peak = per_rank * np
         fpt = 6 * n + 12 * L * T * C
         mfu = lambda tps: 100 * fpt * tps / (bf16_peak * 1e9)

@@ -15,11 +15,16 @@ benchmarks/gpu_check.sh runs it on the GPU machine when a Python there has torch
 """
 import argparse
 import math
+import os
+import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pytorch_llama import Llama  # noqa: E402
 
 V, T, L, H, C = 50257, 1024, 12, 12, 768
 
@@ -61,73 +66,6 @@ class GPT(nn.Module):
 LV, LC, LI, LH, LKV, LL = 32000, 768, 2048, 12, 4, 12  # input/llama-125m.json
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, n, eps=1e-5):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
-
-    def forward(self, x):  # LlamaRMSNorm: statistics in fp32
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class LlamaBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        d = LC // LH
-        self.input_layernorm, self.post_attention_layernorm = RMSNorm(LC), RMSNorm(LC)
-        self.q_proj = nn.Linear(LC, LH * d, bias=False)
-        self.k_proj, self.v_proj = nn.Linear(LC, LKV * d, bias=False), nn.Linear(LC, LKV * d, bias=False)
-        self.o_proj = nn.Linear(LH * d, LC, bias=False)
-        self.gate_proj, self.up_proj = nn.Linear(LC, LI, bias=False), nn.Linear(LC, LI, bias=False)
-        self.down_proj = nn.Linear(LI, LC, bias=False)
-
-    def forward(self, x, cos, sin):
-        B, Tn, _ = x.shape
-        d = LC // LH
-        h = self.input_layernorm(x)
-        q = self.q_proj(h).view(B, Tn, LH, d).transpose(1, 2)
-        k = self.k_proj(h).view(B, Tn, LKV, d).transpose(1, 2)
-        v = self.v_proj(h).view(B, Tn, LKV, d).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        k, v = k.repeat_interleave(LH // LKV, dim=1), v.repeat_interleave(LH // LKV, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, Tn, LC)
-        x = x + self.o_proj(y)
-        h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-
-
-class Llama(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(LV, LC)
-        self.layers = nn.ModuleList(LlamaBlock() for _ in range(LL))
-        self.norm = RMSNorm(LC)
-        self.lm_head = nn.Linear(LC, LV, bias=False)
-        d = LC // LH
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
-        angles = torch.outer(torch.arange(T).float(), inv_freq)
-        emb = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-        for p in self.parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02)
-
-    def forward(self, idx, targets):
-        x = self.embed_tokens(idx)
-        cos, sin = self.cos[: idx.shape[1]].to(x.dtype), self.sin[: idx.shape[1]].to(x.dtype)
-        for b in self.layers:
-            x = b(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
-        return F.cross_entropy(logits.float().view(-1, LV), targets.view(-1))
-
-
 def gemm_peak_tflops(dtype):
     a = torch.full((8192, 8192), 0.5, device="cuda", dtype=dtype)
     best = 0.0
@@ -145,7 +83,7 @@ def run(name, mode, steps, warmup, B):
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = (GPT() if name == "gpt2-124m" else Llama()).cuda()
+    model = (GPT() if name == "gpt2-124m" else Llama(LV, T, LL, LH, LKV, LC, LI)).cuda()
     vocab = V if name == "gpt2-124m" else LV
     params = sum(p.numel() for p in model.parameters())
     try:

@@ -1,15 +1,17 @@
 #!/usr/bin/python3
-"""PyTorch peer of a zero3d speed run: the same GPT-2 (nanoGPT style, tied head, tanh GELU,
-AdamW, clip 1.0) at a named shape, one process or DDP over gloo with torch.multiprocessing
+"""PyTorch peer of a zero3d speed run: the same GPT-2 (nanoGPT style, tied head, tanh GELU) or
+Llama (benchmarks/pytorch_llama.py), AdamW, clip 1.0, at a named shape, one process or DDP over gloo with torch.multiprocessing
 (Debian's torchrun fails under Python 3.11), fp32 or torch.autocast("cpu", bfloat16), one
 thread per process. Prints one line:
 
   peer MODEL DTYPE npN: tokens/s T | GFLOP/s G | peak_rss_mb_per_rank M
 
-with zero3d's FLOPs formula (6N + 12·L·T·C per token), so benchmarks/bf16_speed.sh can set it
+with zero3d's FLOPs formula (6N + 12·L·T·C per token; the Llama's N without its input
+embedding, a lookup, as zero3d counts it), so benchmarks/bf16_speed.sh can set it
 beside zero3d's figures for the same shape. Shapes:
   gpt-small-cpu  V=256   T=256  L=6  H=6  C=384, micro-batch 8 (input/gpt-small-cpu.json)
   gpt2-124m      V=50257 T=1024 L=12 H=12 C=768, micro-batch 1 (input/gpt2-124m.json)
+  llama-small-cpu  V=256 T=256 L=6 H=6 KV=2 C=384 I=1024, micro-batch 8 (input/llama-small-cpu.json)
 
   OPENBLAS_NUM_THREADS=1 /usr/bin/python3 benchmarks/pytorch_peer.py --model gpt2-124m --dtype bf16 --np 2
 """
@@ -26,11 +28,19 @@ import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pytorch_gpt_small import GPT  # noqa: E402
+from pytorch_llama import Llama  # noqa: E402
 
 SHAPES = {  # V, T, L, H, C, micro-batch
     "gpt-small-cpu": (256, 256, 6, 6, 384, 8),
     "gpt2-124m": (50257, 1024, 12, 12, 768, 1),
+    "llama-small-cpu": (256, 256, 6, 6, 384, 8),
 }
+LLAMA = {"llama-small-cpu": dict(KV=2, I=1024)}  # the Llama shapes' K/V heads and SwiGLU width
+
+
+def build(name):
+    V, T, L, H, C, _ = SHAPES[name]
+    return Llama(V, T, L, H, LLAMA[name]["KV"], C, LLAMA[name]["I"]) if name in LLAMA else GPT(V, T, L, H, C)
 
 
 def train(rank, world, args, results):
@@ -40,8 +50,8 @@ def train(rank, world, args, results):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = GPT(V, T, L, H, C)
-    n_params = sum(p.numel() for p in model.parameters())
+    model = build(args.model)
+    n_params = sum(p.numel() for p in model.parameters()) - (V * C if args.model in LLAMA else 0)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)

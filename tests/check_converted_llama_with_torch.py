@@ -38,6 +38,8 @@ import sys
 import h5py
 import torch
 
+from check_converted_with_torch import read_safetensors  # the safetensors reader both checks share
+
 TEXT = "zero3d trains GPT models, fast!\n"  # 32 bytes: divides every B*T below
 
 # The models: zero3d model sections (Hugging Face's config.json keys), and how each is converted.
@@ -64,27 +66,6 @@ MODELS = {
         "sliding_window": 8, "rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0},
         "max_position_embeddings": 128, "seq_length": 32}, convert=[]),
 }
-
-
-def read_safetensors(path):
-    """The header's __metadata__ and every tensor of a safetensors file, with each dtype."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        data = f.read()
-    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-    tensors = {}
-    end_of_data = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        end_of_data = max(end_of_data, end)
-        flat = torch.frombuffer(bytearray(data[begin:end]), dtype=dtypes[entry["dtype"]])
-        tensors[name] = flat.reshape(entry["shape"])
-    if end_of_data != len(data):
-        sys.exit(f"{path}: the tensors cover {end_of_data} of the {len(data)} data bytes")
-    return header.get("__metadata__", {}), tensors
 
 
 def read_directory(directory):

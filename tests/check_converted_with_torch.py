@@ -27,19 +27,24 @@ from make_goldens import gpt_forward  # noqa: E402  (float64 reference GPT-2)
 
 
 def read_safetensors(path):
-    """The header's __metadata__ and every tensor of a safetensors file."""
+    """The header's __metadata__ and every tensor of a safetensors file, with each dtype; the
+    tensors must cover the data bytes exactly (the format leaves no gaps)."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
         data = f.read()
     dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     tensors = {}
+    end_of_data = 0
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         begin, end = entry["data_offsets"]
+        end_of_data = max(end_of_data, end)
         flat = torch.frombuffer(bytearray(data[begin:end]), dtype=dtypes[entry["dtype"]])
         tensors[name] = flat.reshape(entry["shape"])
+    if end_of_data != len(data):
+        sys.exit(f"{path}: the tensors cover {end_of_data} of the {len(data)} data bytes")
     return header.get("__metadata__", {}), tensors
 
 

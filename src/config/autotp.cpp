@@ -41,7 +41,7 @@
 #include <regex>
 
 #include "config/section.hpp"
-#include "model/model.hpp"
+#include "config/model_shape.hpp"
 
 namespace zero3d::config_detail {
 
@@ -118,13 +118,7 @@ struct Candidate {
 };
 
 std::vector<Candidate> candidates_of(const ModelConfig& m) {
-  GPTShape s;
-  s.vocab_size = m.vocab_size;
-  s.n_positions = m.n_positions;
-  s.n_layer = m.n_layer;
-  s.n_head = m.n_head;
-  s.n_embd = m.n_embd;
-  s.family = m.family;
+  const GPTShape s = gpt_shape_of(m);
   std::vector<Candidate> out;
   out.push_back({"model.embed_tokens.weight", m.vocab_size, m.n_embd, Candidate::Embedding, Split::Column});
   const ParamLayout layout = gpt_layout(s);

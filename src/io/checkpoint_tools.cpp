@@ -15,6 +15,7 @@
 #include "base/errors.hpp"
 #include "base/input_file.hpp"
 #include "config/config.hpp"
+#include "config/model_shape.hpp"
 #include "io/checkpoint.hpp"
 #include "io/h5.hpp"
 #include "kernels/half.hpp"
@@ -269,14 +270,7 @@ ModelShape llama_family_shape_of(const CheckpointReader& reader, const ParamLayo
   if (hf_config.empty() || !fs::exists(hf_config, ec)) model.erase("hf_config");
   model.erase("init_from");  // where the first run's weights came from, not the model
   const ModelConfig m = read_model_section(model, where + " (saved model section)");
-  GPTShape s;
-  s.vocab_size = m.vocab_size;
-  s.n_positions = m.n_positions;
-  s.n_layer = m.n_layer;
-  s.n_head = m.n_head;
-  s.n_embd = m.n_embd;
-  s.family = m.family;
-  const ParamLayout expected = gpt_layout(s);
+  const ParamLayout expected = gpt_layout(gpt_shape_of(m));
   for (const TensorSpec& t : expected.tensors()) {
     const TensorSpec* saved = layout.find(t.name);
     if (!saved || saved->shape != t.shape)

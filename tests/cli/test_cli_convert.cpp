@@ -19,9 +19,11 @@
 
 #include "io/h5.hpp"
 #include "support/cli_helpers.hpp"
+#include "support/file_bytes.hpp"
 
 using json = nlohmann::json;
 using namespace cli;
+using namespace zero3d::test;  // read_bytes, read_safetensors
 namespace fs = std::filesystem;
 
 namespace {
@@ -69,29 +71,9 @@ Result train_from(const std::string& weights, const std::string& out, const std:
 
 double first_loss(const std::string& out) { return losses_of(read_metrics(out)).at(0); }
 
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
 
 bool is_hdf5(const std::string& path) { return read_bytes(path).compare(0, 8, "\x89HDF\r\n\x1a\n") == 0; }
 
-// A safetensors file: its header and its data bytes.
-struct Safetensors {
-  json header;
-  std::string data;
-};
-
-Safetensors read_safetensors(const std::string& path) {
-  const std::string bytes = read_bytes(path);
-  Safetensors s;
-  if (bytes.size() < 8) return s;
-  uint64_t n = 0;
-  std::memcpy(&n, bytes.data(), 8);
-  s.header = json::parse(bytes.substr(8, n));
-  s.data = bytes.substr(8 + n);
-  return s;
-}
 
 std::vector<uint16_t> halves_of(const Safetensors& s, const std::string& name) {
   const auto offsets = s.header.at(name).at("data_offsets").get<std::vector<size_t>>();

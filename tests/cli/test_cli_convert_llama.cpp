@@ -19,9 +19,11 @@
 
 #include "io/h5.hpp"
 #include "support/cli_helpers.hpp"
+#include "support/file_bytes.hpp"
 
 using json = nlohmann::json;
 using namespace cli;
+using namespace zero3d::test;  // read_bytes, read_safetensors
 namespace fs = std::filesystem;
 
 namespace {
@@ -89,25 +91,6 @@ double loss_from(const Trained& t, const std::string& hf_dir, const std::string&
   return r.code == 0 ? losses_of(read_metrics(out)).at(0) : -1.0;
 }
 
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-struct Safetensors {
-  json header;
-  std::string data;
-};
-Safetensors read_safetensors(const std::string& path) {
-  const std::string bytes = read_bytes(path);
-  Safetensors s;
-  if (bytes.size() < 8) return s;
-  uint64_t n = 0;
-  std::memcpy(&n, bytes.data(), 8);
-  s.header = json::parse(bytes.substr(8, n));
-  s.data = bytes.substr(8 + n);
-  return s;
-}
 
 // LlamaForCausalLM's / Qwen2ForCausalLM's parameters, from the config's sizes
 // (modeling_llama.py, modeling_qwen2.py): what transformers' from_pretrained expects.

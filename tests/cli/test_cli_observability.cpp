@@ -6,8 +6,10 @@
 #include <set>
 
 #include "support/cli_helpers.hpp"
+#include "support/file_bytes.hpp"
 
 using namespace cli;
+using namespace zero3d::test;  // read_bytes, read_safetensors
 
 namespace {
 
@@ -27,10 +29,6 @@ Result run_shell(const std::string& cmd) {
   return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), ""};
 }
 
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
 
 std::string only_file_in(const std::string& dir) {
   const Result r = run_shell("ls " + dir);
