@@ -228,9 +228,9 @@ class TextOutput : public infer::TokenSink {
   struct Row {
     std::unique_ptr<text::StopStringStream> stream;
     std::string produced;  // all of it so far
-    size_t shown = 0;     // of text, the bytes printed
-    std::string ending;   // the ids line, printed once the text is out
-    bool started = false; // its "[k] text: prompt" is printed
+    size_t shown = 0;      // of it, the bytes printed
+    std::string ending;    // the ids line, printed once the text is out
+    bool started = false;  // its "[k] text: PROMPT" is printed
     bool done = false;
   };
 
