@@ -103,6 +103,29 @@ TEST(TrainingSamplesAre, TheSameInEveryRun) {
   EXPECT_NE(read_samples(a), read_samples(other));
 }
 
+// A resumed run continues samples.jsonl from its step: a record past the saved step (a killed
+// run's) goes, the earlier ones stay, and the resumed step's samples follow.
+TEST(TrainingSamplesAre, ContinuedByAResumedRun) {
+  json c = text_model_config();
+  c["training"]["sample_every"] = 2;
+  c["training"]["sample_tokens"] = 4;
+  c["training"]["save_interval"] = 2;
+  c["training"]["steps"] = 2;
+  const std::string first = write_config("samples_resume_a.json", c);
+  c["training"]["steps"] = 4;
+  c["training"]["resume"] = "latest";
+  const std::string second = write_config("samples_resume_b.json", c);
+  const std::string dir = temp_path("samples_resume");
+  ASSERT_EQ(run("train " + first + " --output " + dir).code, 0);
+  std::ofstream(dir + "/samples.jsonl", std::ios::app) << json{{"step", 3}, {"tokens", {1}}, {"text", "x"}}.dump() << "\n";
+  const Result r = run("train " + second + " --output " + dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::vector<json> samples = read_samples(dir);
+  ASSERT_EQ(samples.size(), 2u);
+  EXPECT_EQ(samples[0].at("step"), 2);
+  EXPECT_EQ(samples[1].at("step"), 4);
+}
+
 TEST(TrainingSamplesAre, RefusedWhereGenerationCannotRun) {
   json c = text_model_config();
   c["training"]["sample_every"] = 2;
