@@ -101,9 +101,9 @@ void read_checkpoint_keys(Section& sec, InferenceConfig& inf) {
 
 InferenceConfig read_inference(Section& top) {
   InferenceConfig inf;
-  inf.given = top.has("inference");
+  if (!top.has("inference")) return inf;  // nothing of it in the resolved config either
+  inf.given = true;
   Section sec = top.child("inference");
-  if (!inf.given) return inf;
 
   if (const json* v = sec.raw("dtype")) {
     const std::string name = v->is_string() ? v->get<std::string>() : "";
