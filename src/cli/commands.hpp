@@ -11,6 +11,10 @@
 #include <string>
 #include <vector>
 
+namespace zero3d::text {
+class Tokenizer;
+}
+
 namespace zero3d::cli {
 
 // The most ranks a size given on the command line may describe: far above any job, and low
@@ -63,7 +67,15 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
 // memory_per_rank: --memory-per-rank's text, null when the option is not given.
 int cmd_autotune(const ConfigArgs& a, int64_t world_size, bool world_size_given, const std::string* memory_per_rank,
                  MPI_Comm world);
-int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::string& tag, bool as_json, MPI_Comm world);
+// zero3d eval (train.cpp): the validation loss of a checkpoint, or of a text file's tokens.
+struct EvalArgs {
+  ConfigArgs config;
+  std::string checkpoint, tag;
+  std::string text;       // --text: a text file (one document) through the tokenizer, in place of data.validation
+  std::string tokenizer;  // --tokenizer; default: data.tokenizer
+  bool json = false;
+};
+int cmd_eval(const EvalArgs& a, MPI_Comm world);
 // zero3d generate (generate.cpp): prompts as token ids, generated ids out.
 struct GenerateArgs {
   ConfigArgs config;
@@ -78,6 +90,8 @@ struct GenerateArgs {
   bool greedy = false, json = false;
   int64_t eos_id = -1;  // with eos_given: -1 none, else this id; without: the model's (from its config)
   bool eos_given = false;
+  std::string inference_config;   // --inference-config: DeepSpeed's init_inference JSON (the `inference` section)
+  std::vector<std::string> stop;  // --stop, repeatable: stop strings (escapes \n, \t, \\ as written)
 };
 int cmd_generate(const GenerateArgs& a, MPI_Comm world);
 // Sizing before a run (estimate.cpp).
@@ -87,6 +101,10 @@ int cmd_topology(int64_t pp, int64_t dp, int64_t tp, bool as_json, int rank);
 int cmd_inspect(const std::string& dir, const std::string& tag, const std::string& tensor, bool as_json, int rank);
 // Text to shards, one process (tokenize.cpp).
 int cmd_tokenize(const TokenizeArgs& a, int rank);
+// A text file as one document of token ids, as tokenize writes it: the tokenizer's document
+// delimiter, then the text's tokens. InputError naming the file and the byte offset of invalid
+// UTF-8 (`what` names the option).
+std::vector<int32_t> text_file_document(const text::Tokenizer& tok, const std::string& path, const std::string& what);
 int cmd_convert(const std::string& dir, const std::string& out, const std::string& tag, const std::string& format,
                 const std::string& dtype, const std::string& max_shard, int rank);
 

@@ -6,6 +6,11 @@
 // data-parallel layout, ZeRO stage 0-3), then infer::generate_all runs prefill and decode steps
 // over its parameters. Every data-parallel rank generates every prompt (ZeRO-3's gathers need
 // every rank of the data group in each pass), so their outputs are the same; rank 0 prints.
+//
+// With a tokenizer the text streams to stdout as tokens are chosen (TextOutput): whole UTF-8
+// characters only, and never text that a stop string (--stop) could still claim, so what is
+// printed is the final text: the new tokens' decoding (an EOS that ends them has no text) cut
+// before the first stop string.
 #include <cctype>
 #include <cstdio>
 #include <filesystem>
@@ -25,6 +30,7 @@
 #include "config/config.hpp"
 #include "infer/generate.hpp"
 #include "parallel/topology.hpp"
+#include "text/stop_strings.hpp"
 #include "text/tokenizer.hpp"
 #include "train/engine.hpp"
 #include "train/estimator.hpp"
@@ -158,18 +164,144 @@ std::unique_ptr<text::Tokenizer> open_generation_tokenizer(const GenerateArgs& a
   return nullptr;
 }
 
-// What generation cannot run, with the reason, before anything is built.
-void check_layout(const Config& cfg, const std::string& name) {
-  if (cfg.pipeline.stages > 1)
-    throw InputError(name + ": `pipeline.stages` " + std::to_string(cfg.pipeline.stages) +
-                     ": zero3d generate runs every layer on each rank (a decode step is one token per sequence, so "
-                     "all stages but one would wait); use tensor parallelism (tensor_parallel.autotp_size) or "
-                     "--set pipeline.stages=1, which loads the same checkpoint");
-  if (cfg.model.moe.num_experts > 0)
-    throw InputError(name + ": `moe`: zero3d generate's decoder runs dense blocks; this model routes tokens to experts");
-  if (cfg.model.sparse_attention.enabled)
-    throw InputError(name + ": `sparse_attention`: zero3d generate's KV-cache attention is dense; this model was "
-                     "trained with block-sparse attention layouts");
+// --stop's text with \n, \t and \\ read as a newline, a tab and a backslash (a newline is the
+// usual stop string, and awkward to pass through a shell); another backslash stays as written.
+std::string unescape_stop(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    const char next = i + 1 < s.size() ? s[i + 1] : '\0';
+    if (s[i] == '\\' && (next == 'n' || next == 't' || next == '\\')) {
+      out += next == 'n' ? '\n' : next == 't' ? '\t' : '\\';
+      ++i;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
+// The text side of generation, on every rank alike (a stop string ends a prompt on every rank):
+// each prompt's StopStringStream, its final text, and on rank 0 without --json the output in
+// prompt order as it becomes final. The first unfinished prompt prints as its tokens arrive;
+// a later one waits in a buffer until the prompts before it have ended, then catches up.
+class TextOutput : public infer::TokenSink {
+ public:
+  TextOutput(const text::Tokenizer* tok, const std::vector<std::string>& stops, const std::vector<Prompt>& prompts,
+             bool print)
+      : tok_(tok), prompts_(prompts), print_(print), rows_(prompts.size()) {
+    if (tok_)
+      for (Row& r : rows_) r.stream = std::make_unique<text::StopStringStream>(*tok_, stops);
+    show(0);
+  }
+
+  bool token(int64_t prompt, int32_t id) override {
+    Row& r = rows_[static_cast<size_t>(prompt)];
+    if (!r.stream) return false;
+    add(prompt, r.stream->push(id));
+    return r.stream->stopped();
+  }
+
+  void finished(int64_t prompt, const infer::Generated& g) override {
+    Row& r = rows_[static_cast<size_t>(prompt)];
+    if (r.stream) add(prompt, r.stream->finish());
+    const std::vector<int32_t>& ids = prompts_[static_cast<size_t>(prompt)].ids;
+    r.ending = (r.stream ? "\n" : "") + ("[" + std::to_string(prompt) + "] " + join(ids) + " -> " + join(g.tokens) +
+                                         (g.finish == infer::Finish::Length ? "" : std::string(" (") +
+                                                                                       infer::finish_name(g.finish) + ")") +
+                                         "\n");
+    r.done = true;
+    // The prompts in order: each one that has ended hands the output to the next.
+    while (next_ < rows_.size() && rows_[next_].done) {
+      emit(rows_[next_].ending);
+      show(++next_);
+    }
+  }
+
+  // The text generated for a prompt, cut before its stop string (empty without a tokenizer).
+  const std::string& new_text(size_t prompt) const { return rows_[prompt].produced; }
+  const std::string& stop_string(size_t prompt) const {
+    static const std::string none;
+    return rows_[prompt].stream ? rows_[prompt].stream->stopped_by() : none;
+  }
+
+ private:
+  struct Row {
+    std::unique_ptr<text::StopStringStream> stream;
+    std::string produced;  // all of it so far
+    size_t shown = 0;      // of it, the bytes printed
+    std::string ending;    // the ids line, printed once the text is out
+    bool started = false;  // its "[k] text: PROMPT" is printed
+    bool done = false;
+  };
+
+  void add(int64_t prompt, const std::string& part) {
+    Row& r = rows_[static_cast<size_t>(prompt)];
+    r.produced += part;
+    if (static_cast<size_t>(prompt) == next_) show(next_);
+  }
+  // Prints what prompt k has that is not printed yet (its first line's start the first time).
+  void show(size_t k) {
+    if (k >= rows_.size() || !rows_[k].stream) return;
+    Row& r = rows_[k];
+    if (!r.started) {
+      r.started = true;
+      emit("[" + std::to_string(k) + "] text: " + tok_->decode(prompts_[k].ids));
+    }
+    emit(r.produced.substr(r.shown));
+    r.shown = r.produced.size();
+  }
+  void emit(const std::string& s) const {
+    if (!print_ || s.empty()) return;
+    std::fwrite(s.data(), 1, s.size(), stdout);
+    std::fflush(stdout);
+  }
+
+  const text::Tokenizer* tok_;
+  const std::vector<Prompt>& prompts_;
+  bool print_;
+  std::vector<Row> rows_;
+  size_t next_ = 0;  // the prompt whose text is printing
+};
+
+// The config generate runs: the file with --set, DeepSpeed's init_inference JSON from
+// --inference-config as its `inference` section, and that section's layout (dtype, tensor ranks,
+// ZeRO stage) in the keys the engine reads. What generation cannot run is refused with the reason.
+Config generation_config(const GenerateArgs& a, int size, std::string& name) {
+  nlohmann::json root = load_with_overrides(a.config, name);
+  if (!a.inference_config.empty()) root["inference"] = load_json_file(a.inference_config);
+  Config cfg = resolve_config(root, name, size, set_keys(a.config));
+  const InferenceConfig& inf = cfg.inference;
+  if (inf.tp_size > 0 && size % inf.tp_size != 0)
+    throw InputError(name + ": `inference.tensor_parallel.tp_size` " + std::to_string(inf.tp_size) +
+                     " does not divide the number of ranks (" + std::to_string(size) + ")");
+  if (inf.dtype || inf.tp_size > 0 || inf.zero_stage >= 0)
+    cfg = resolve_config(with_inference_layout(root, inf), name, size, set_keys(a.config));
+  const std::string why = generation_refusal(cfg);
+  if (!why.empty()) throw InputError(name + ": " + why);
+  return cfg;
+}
+
+// DeepSpeed's max_out_tokens (the tokens a sequence may hold, the prompt's included) and
+// min_out_tokens (the new tokens every prompt must have room for: an error up front, rather than
+// a sequence cut short), against the model's positions and --max-new-tokens.
+void check_sequence_room(const std::vector<Prompt>& prompts, const GenerateArgs& a, const Config& cfg) {
+  const int64_t positions = infer::max_sequence_length(gpt_shape_of(cfg.model));
+  const std::string positions_key = cfg.model.family.llama() ? "max_position_embeddings" : "n_positions";
+  const InferenceConfig& inf = cfg.inference;
+  const bool capped = inf.max_out_tokens > 0 && inf.max_out_tokens < positions;
+  const int64_t room = capped ? inf.max_out_tokens : positions;
+  const std::string limit = capped ? "`inference.max_out_tokens` " + std::to_string(room)
+                                   : "the model's " + std::to_string(positions) + " positions (" + positions_key + ")";
+  for (const Prompt& p : prompts) {
+    const int64_t n = static_cast<int64_t>(p.ids.size());
+    if (inf.min_out_tokens > 0 && n + inf.min_out_tokens > room)
+      throw InputError(p.where + ": " + std::to_string(n) + " prompt tokens leave room for " +
+                       std::to_string(std::max<int64_t>(0, room - n)) + " new tokens within " + limit +
+                       ", fewer than `inference.min_out_tokens` " + std::to_string(inf.min_out_tokens));
+    if (n + a.max_new_tokens > room)
+      throw InputError(p.where + ": " + std::to_string(n) + " prompt tokens + --max-new-tokens " +
+                       std::to_string(a.max_new_tokens) + " exceed " + limit);
+  }
 }
 
 }  // namespace
@@ -185,10 +317,10 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
   std::vector<Prompt> prompts;
   std::unique_ptr<text::Tokenizer> tokenizer;
   infer::GenerationOptions options;
+  std::vector<std::string> stops;
+  std::string checkpoint;
   run_collectively(world, [&] {
     check_launch(size);
-    if (!a.tag.empty() && a.checkpoint.empty())
-      throw InputError("generate --tag " + echo(a.tag, 100) + ": needs --checkpoint");
     options.sampling = {a.greedy, a.temperature, a.top_k, a.top_p};
     infer::check_sampling_options(options.sampling);
     if (a.max_new_tokens < 1)
@@ -199,52 +331,82 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
     if (a.batch_size < 1) throw InputError("--batch-size " + std::to_string(a.batch_size) + ": must be at least 1");
     if (a.eos_given && a.eos_id < -1)
       throw InputError("--eos-id " + std::to_string(a.eos_id) + ": an id, or -1 for none");
-    cfg = resolve_config(load_with_overrides(a.config, name), name, size, set_keys(a.config));
-    check_layout(cfg, name);
+    cfg = generation_config(a, size, name);
+    // --checkpoint, else the inference section's `checkpoint` (init_inference names it there).
+    checkpoint = a.checkpoint.empty() ? cfg.inference.checkpoint : a.checkpoint;
+    if (!a.tag.empty() && checkpoint.empty())
+      throw InputError("generate --tag " + echo(a.tag, 100) + ": needs --checkpoint (or inference.checkpoint)");
     tokenizer = open_generation_tokenizer(a, cfg);
     prompts = read_prompts(a, cfg.model.vocab_size, tokenizer.get());
-    const int64_t positions = infer::max_sequence_length(gpt_shape_of(cfg.model));
-    for (const Prompt& p : prompts)
-      if (static_cast<int64_t>(p.ids.size()) + a.max_new_tokens > positions)
-        throw InputError(p.where + ": " + std::to_string(p.ids.size()) + " prompt tokens + --max-new-tokens " +
-                         std::to_string(a.max_new_tokens) + " exceed the model's " + std::to_string(positions) +
-                         " positions (" + (cfg.model.family.llama() ? "max_position_embeddings" : "n_positions") + ")");
+    if (tokenizer)  // the text of every prompt is printed, and new tokens are chosen among the tokenizer's
+      for (const Prompt& p : prompts)
+        for (const int32_t id : p.ids)
+          if (id >= tokenizer->vocab_size())
+            throw InputError(p.where + ": token id " + std::to_string(id) + " has no text in the tokenizer (" +
+                             tokenizer->describe() + ")");
+    if (!a.stop.empty() && !tokenizer)
+      throw InputError("--stop: stop strings are text, and no tokenizer is named (give --tokenizer PATH, "
+                       "or data.tokenizer in the config)");
+    for (const std::string& s : a.stop) {
+      stops.push_back(unescape_stop(s));
+      if (stops.back().empty()) throw InputError("--stop \"\": an empty stop string would end every sequence at once");
+    }
+    if (tokenizer) {
+      const text::StopStringStream checked(*tokenizer, stops);  // its checks (valid UTF-8), before any work
+    }
+    check_sequence_room(prompts, a, cfg);
     options.max_new_tokens = a.max_new_tokens;
     options.min_new_tokens = a.min_new_tokens;
     options.seed = a.seed;
     options.eos = eos_ids(a, cfg);
+    options.vocab_limit = tokenizer ? tokenizer->vocab_size() : 0;
     check_memory_fits(cfg, ranks_here, avail);
     without_resume_or_saves(cfg);  // the parameters come from --checkpoint (or the config's initial weights)
   });
   agree_on_configuration(world, cfg);
-  CheckpointModel loaded(cfg, world, rank, a.checkpoint, a.tag);
+  if (rank == 0)
+    for (const std::string& line : cfg.inference.no_effect) std::printf("no effect on this build: %s\n", line.c_str());
+  CheckpointModel loaded(cfg, world, rank, checkpoint, a.tag);
   Engine& engine = loaded.engine;
   const int64_t step = loaded.step;
   note_phase("generation");
   std::vector<std::vector<int32_t>> ids;
   for (const Prompt& p : prompts) ids.push_back(p.ids);
+  const infer::SamplingOptions& s = options.sampling;
+  if (rank == 0 && !a.json) {
+    const std::string how = s.greedy ? "greedy" : "sampling: temperature " + std::to_string(s.temperature) + ", top_k " +
+                                                      std::to_string(s.top_k) + ", top_p " + std::to_string(s.top_p) +
+                                                      ", seed " + std::to_string(options.seed);
+    std::printf("generate %s | %zu prompt%s, batch %lld | %s | eos %s%s\n",
+                checkpoint.empty() ? "initial weights" : ("step " + std::to_string(step)).c_str(), prompts.size(),
+                prompts.size() == 1 ? "" : "s", (long long)a.batch_size, how.c_str(),
+                options.eos.empty() ? "none" : join(options.eos).c_str(),
+                stops.empty() ? "" : (" | stop " + nlohmann::json(stops).dump()).c_str());
+    std::fflush(stdout);
+  }
+  TextOutput text_out(tokenizer.get(), stops, prompts, rank == 0 && !a.json);
   infer::GenerationStats stats;
   const std::vector<infer::Generated> out =
-      infer::generate_all(engine.model(), engine.inference_store(), ids, a.batch_size, options, stats);
+      infer::generate_all(engine.model(), engine.inference_store(), ids, a.batch_size, options, stats, &text_out);
   if (rank != 0) return kExitOk;
 
-  const infer::SamplingOptions& s = options.sampling;
   if (a.json) {
     nlohmann::json outputs = nlohmann::json::array();
     for (size_t k = 0; k < out.size(); ++k) {
-      outputs.push_back({{"prompt", ids[k]},
-                         {"tokens", out[k].tokens},
-                         {"finish_reason", out[k].stopped_at_eos ? "eos" : "length"}});
-      if (tokenizer) outputs.back()["text"] = tokenizer->decode(out[k].tokens);
+      outputs.push_back({{"prompt", ids[k]}, {"tokens", out[k].tokens}, {"finish_reason", infer::finish_name(out[k].finish)}});
+      if (tokenizer) outputs.back()["text"] = text_out.new_text(k);
+      if (out[k].finish == infer::Finish::Stop) outputs.back()["stop_string"] = text_out.stop_string(k);
     }
     const nlohmann::json doc = {
-        {"checkpoint", a.checkpoint.empty() ? nlohmann::json() : nlohmann::json(a.checkpoint)},
+        {"checkpoint", checkpoint.empty() ? nlohmann::json() : nlohmann::json(checkpoint)},
         {"step", step},
         {"outputs", outputs},
         {"sampling", s.greedy ? nlohmann::json{{"greedy", true}}
                               : nlohmann::json{{"temperature", s.temperature}, {"top_k", s.top_k}, {"top_p", s.top_p},
                                                {"seed", options.seed}}},
         {"eos", options.eos},
+        {"stop", stops},
+        {"dtype", dtype_name(cfg.precision.param)},
         {"batch_size", a.batch_size},
         {"prefill_tokens", stats.prefill_tokens},
         {"prefill_ms", stats.prefill_ms},
@@ -256,19 +418,6 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
         {"decode_cpu_ms", stats.decode_cpu_ms}};
     std::printf("%s\n", doc.dump().c_str());
     return kExitOk;
-  }
-  std::string how = s.greedy ? "greedy" : "sampling: temperature " + std::to_string(s.temperature) + ", top_k " +
-                                              std::to_string(s.top_k) + ", top_p " + std::to_string(s.top_p) +
-                                              ", seed " + std::to_string(options.seed);
-  std::printf("generate %s | %zu prompt%s, batch %lld | %s | eos %s\n",
-              a.checkpoint.empty() ? "initial weights" : ("step " + std::to_string(step)).c_str(), out.size(),
-              out.size() == 1 ? "" : "s", (long long)a.batch_size, how.c_str(),
-              options.eos.empty() ? "none" : join(options.eos).c_str());
-  for (size_t k = 0; k < out.size(); ++k) {
-    std::printf("[%zu] %s -> %s%s\n", k, join(ids[k]).c_str(), join(out[k].tokens).c_str(),
-                out[k].stopped_at_eos ? " (eos)" : "");
-    if (tokenizer)
-      std::printf("[%zu] text: %s%s\n", k, tokenizer->decode(ids[k]).c_str(), tokenizer->decode(out[k].tokens).c_str());
   }
   std::printf("speed   prefill %lld tokens in %.1f ms (%.1f tokens/s) | decode %lld tokens in %.1f ms (%.1f tokens/s)\n",
               (long long)stats.prefill_tokens, stats.prefill_ms, stats.prefill_tokens_per_s(),

@@ -106,16 +106,17 @@ int main(int argc, char** argv) {
   inspect->add_option("--tag", ck_tag, "tag to inspect (default: latest)");
   inspect->add_option("--tensor", ck_tensor, "only this tensor (Hugging Face name)");
   inspect->add_flag("--json", ck_json, "machine-readable output");
-  ConfigArgs eval_args;
-  std::string eval_checkpoint, eval_tag;
-  bool eval_json = false;
-  auto* eval = app.add_subcommand("eval", "Validation loss and perplexity of a checkpoint (data.validation)");
-  eval->add_option("config", eval_args.path, "config file (its data.validation is evaluated)")->required();
-  eval->add_option("--checkpoint", eval_checkpoint, "save directory (its latest tag) or tag directory; default: "
-                                                    "the config's initial weights");
-  eval->add_option("--tag", eval_tag, "tag in --checkpoint (default: latest)");
-  eval->add_option("--set", eval_args.overrides, "override a key")->take_all();
-  eval->add_flag("--json", eval_json, "end with one JSON line: step, eval_loss, eval_ppl, samples, tokens");
+  EvalArgs ev;
+  auto* eval = app.add_subcommand("eval", "Validation loss and perplexity of a checkpoint (data.validation, or a "
+                                          "text file)");
+  eval->add_option("config", ev.config.path, "config file (its data.validation is evaluated)")->required();
+  eval->add_option("--checkpoint", ev.checkpoint, "save directory (its latest tag) or tag directory; default: "
+                                                 "the config's initial weights");
+  eval->add_option("--tag", ev.tag, "tag in --checkpoint (default: latest)");
+  eval->add_option("--text", ev.text, "a text file (one document) through the tokenizer, in place of data.validation");
+  eval->add_option("--tokenizer", ev.tokenizer, "the tokenizer of --text (default: data.tokenizer)");
+  eval->add_option("--set", ev.config.overrides, "override a key")->take_all();
+  eval->add_flag("--json", ev.json, "end with one JSON line: step, eval_loss, eval_ppl, samples, tokens");
   GenerateArgs gen;
   auto* generate = app.add_subcommand("generate", "Generate tokens from a checkpoint: prompts as token ids, a KV "
                                                   "cache, sampling as Hugging Face's generate");
@@ -138,6 +139,13 @@ int main(int argc, char** argv) {
   generate->add_option("--seed", gen.seed, "sampling seed (default 0)");
   generate->add_flag("--greedy", gen.greedy, "the most likely token at every step (argmax)");
   generate->add_option("--eos-id", gen.eos_id, "the id that ends a sequence (-1: none; default: the model's)");
+  generate->add_option("--inference-config", gen.inference_config,
+                       "DeepSpeed's init_inference JSON (dtype, tensor_parallel, max_out_tokens, ...): the config's "
+                       "`inference` section");
+  generate->add_option("--stop", gen.stop, "end a sequence where its text holds this (repeatable; \\n, \\t, \\\\ "
+                                           "are a newline, a tab, a backslash; needs a tokenizer)")
+      ->allow_extra_args(false)
+      ->take_all();
   generate->add_option("--set", gen.config.overrides, "override a key")->take_all();
   generate->add_flag("--json", gen.json, "end with one JSON line: outputs, speeds");
   auto* convert = app.add_subcommand("convert", "Consolidate a checkpoint into Hugging Face-named weights");
@@ -221,7 +229,7 @@ int main(int argc, char** argv) {
     }
     else if (estimate->parsed()) code = cmd_estimate(est, rank);
     else if (inspect->parsed()) code = cmd_inspect(ck_dir, ck_tag, ck_tensor, ck_json, rank);
-    else if (eval->parsed()) code = cmd_eval(eval_args, eval_checkpoint, eval_tag, eval_json, MPI_COMM_WORLD);
+    else if (eval->parsed()) code = cmd_eval(ev, MPI_COMM_WORLD);
     else if (tokenize->parsed()) code = cmd_tokenize(tk, rank);
     else if (generate->parsed()) {
       gen.eos_given = generate->count("--eos-id") > 0;

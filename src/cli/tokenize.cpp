@@ -96,7 +96,20 @@ void write_all(std::FILE* f, const void* data, size_t bytes, const std::string& 
   if (bytes && std::fwrite(data, 1, bytes, f) != bytes) throw SystemError(path + ": write failed (disk full?)");
 }
 
+std::vector<int32_t> document_ids(const text::Tokenizer& tok, std::string_view doc) {
+  std::vector<int32_t> ids = tok.encode(doc);
+  ids.insert(ids.begin(), tok.document_delimiter());
+  return ids;
+}
+
 }  // namespace
+
+std::vector<int32_t> text_file_document(const text::Tokenizer& tok, const std::string& path, const std::string& what) {
+  const std::string bytes = read_regular_file(path, what, kMaxInputFileBytes);
+  if (const size_t bad = text::first_invalid_utf8(bytes); bad != std::string::npos)
+    throw InputError(utf8_problem(path, bytes, bad, ""));
+  return document_ids(tok, bytes);
+}
 
 int cmd_tokenize(const TokenizeArgs& a, int rank) {
   if (rank != 0) return kExitOk;  // one process does the work; other ranks have nothing to add
@@ -133,8 +146,7 @@ int cmd_tokenize(const TokenizeArgs& a, int rank) {
   Progress progress(total_bytes);
   std::vector<int32_t> ids;
   auto add_document = [&](std::string_view doc) {
-    ids = tok->encode(doc);
-    ids.insert(ids.begin(), delimiter);
+    ids = document_ids(*tok, doc);
     static_assert(sizeof(int32_t) == sizeof(uint32_t), "ids are written as uint32");
     write_all(sf, ids.data(), ids.size() * 4, spill);
     n_tokens += static_cast<int64_t>(ids.size());

@@ -15,6 +15,7 @@
 #include "io/checkpoint.hpp"
 #include "io/checkpoint_options.hpp"
 #include "io/data.hpp"
+#include "infer/training_samples.hpp"
 #include "io/weights.hpp"
 #include "model/model.hpp"
 #include "offload/aio.hpp"
@@ -23,6 +24,7 @@
 #include "train/autotune.hpp"
 #include "train/engine.hpp"
 #include "train/estimator.hpp"
+#include "text/tokenizer.hpp"
 #include "train/job_control.hpp"
 
 namespace zero3d::cli {
@@ -213,6 +215,11 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
                   (long long)engine.step(), (long long)cfg.training.steps);
     return kExitOk;
   }
+  std::unique_ptr<infer::TrainingSampler> sampler;
+  if (cfg.training.sample_every > 0) {
+    run_collectively(world, [&] { sampler = std::make_unique<infer::TrainingSampler>(cfg, out, engine.step(), rank); });
+    engine.set_after_step([&](int64_t step) { sampler->after_step(engine, step); });
+  }
   note_phase("training");  // failure.hpp: for the message if this rank is killed
   engine.train();
   return engine.stopped_by_signal() != 0 ? kExitRequeue : kExitOk;
@@ -220,44 +227,76 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
 
 // zero3d eval: the validation loss of a checkpoint's parameters, or of the weights the config
 // starts from (model.init_from, else the seed) when no checkpoint is given. Any layout the ranks
-// and the config describe; nothing is trained or written.
-int cmd_eval(const ConfigArgs& a, const std::string& checkpoint, const std::string& tag, bool as_json, MPI_Comm world) {
+// and the config describe; nothing is trained or written. With --text the samples are a text
+// file's tokens (one document, as `zero3d tokenize` writes it) in place of data.validation's:
+// every whole global batch of its sequential samples (the tail of less than a batch is not scored).
+int cmd_eval(const EvalArgs& a, MPI_Comm world) {
   int size = 1, rank = 0;
   MPI_Comm_size(world, &size);
   MPI_Comm_rank(world, &rank);
   const int ranks_here = ranks_on_this_node(world);
   const AvailableMemory avail = available_memory();
-  std::string name;
+  std::string name, tokenizer_text;
   Config cfg;
+  std::unique_ptr<DataLoader> text_data;
+  int64_t text_tokens = 0;
   run_collectively(world, [&] {
     check_launch(size);
-    if (!tag.empty() && checkpoint.empty()) throw InputError("eval --tag " + echo(tag, 100) + ": needs --checkpoint");
-    cfg = resolve_config(load_with_overrides(a, name), name, size, set_keys(a));
-    if (!cfg.data.validation)
-      throw InputError(name + ": `data.validation` is not given: zero3d eval evaluates on the validation data");
+    if (!a.tag.empty() && a.checkpoint.empty()) throw InputError("eval --tag " + echo(a.tag, 100) + ": needs --checkpoint");
+    if (!a.tokenizer.empty() && a.text.empty())
+      throw InputError("eval --tokenizer " + echo(a.tokenizer, 200) + ": is for --text (the file's text to tokens)");
+    cfg = resolve_config(load_with_overrides(a.config, name), name, size, set_keys(a.config));
+    if (!a.text.empty()) {
+      const std::string path = a.tokenizer.empty() ? cfg.data.tokenizer : a.tokenizer;
+      if (path.empty())
+        throw InputError("eval --text: no tokenizer (give --tokenizer PATH, or data.tokenizer in the config)");
+      const std::unique_ptr<text::Tokenizer> tok = text::open_tokenizer(path);
+      tokenizer_text = tok->describe();
+      const std::vector<int32_t> ids = text_file_document(*tok, a.text, "eval --text");
+      text_tokens = static_cast<int64_t>(ids.size());
+      text_data = std::make_unique<DataLoader>(ids, "eval --text " + echo(a.text, 200), cfg.model.vocab_size,
+                                               cfg.batch.micro_batch, cfg.model.n_positions);
+      const int64_t samples = text_data->samples_per_epoch(), batch = cfg.batch.train_batch_size;
+      if (samples < batch)
+        throw InputError("eval --text " + echo(a.text, 200) + ": " + std::to_string(text_tokens) + " tokens make " +
+                         std::to_string(samples) + " samples of n_positions " + std::to_string(cfg.model.n_positions) +
+                         ", fewer than one global batch (train_batch_size " + std::to_string(batch) + ")");
+      cfg.training.eval_steps = samples / batch;  // every whole round of the file's samples
+      cfg.resolved["training"]["eval_steps"] = cfg.training.eval_steps;
+      cfg.data.validation.reset();  // the file's samples stand in for them
+    } else if (!cfg.data.validation) {
+      throw InputError(name + ": `data.validation` is not given: zero3d eval evaluates on the validation data (or "
+                       "give --text FILE)");
+    }
     check_memory_fits(cfg, ranks_here, avail);
     without_resume_or_saves(cfg);  // the parameters come from --checkpoint
   });
   agree_on_configuration(world, cfg);
-  CheckpointModel loaded(cfg, world, rank, checkpoint, tag);
+  CheckpointModel loaded(cfg, world, rank, a.checkpoint, a.tag);
   Engine& engine = loaded.engine;
   const int64_t step = loaded.step;
+  if (text_data) engine.set_validation_data(std::move(text_data));
   note_phase("evaluation");
   const EvalResult e = engine.evaluate();
   if (rank != 0) return kExitOk;
-  if (as_json) {
-    const nlohmann::json doc = {{"checkpoint", checkpoint.empty() ? nlohmann::json() : nlohmann::json(checkpoint)},
-                                {"step", step},
-                                {"eval_loss", e.loss},
-                                {"eval_ppl", e.ppl},
-                                {"samples", e.samples},
-                                {"tokens", e.tokens},
-                                {"elapsed_ms", e.elapsed_ms}};
+  if (a.json) {
+    nlohmann::json doc = {{"checkpoint", a.checkpoint.empty() ? nlohmann::json() : nlohmann::json(a.checkpoint)},
+                          {"step", step},
+                          {"eval_loss", e.loss},
+                          {"eval_ppl", e.ppl},
+                          {"samples", e.samples},
+                          {"tokens", e.tokens},
+                          {"elapsed_ms", e.elapsed_ms}};
+    if (!a.text.empty()) doc["text"] = {{"file", a.text}, {"tokens", text_tokens}, {"tokenizer", tokenizer_text}};
     std::printf("%s\n", doc.dump().c_str());
     return kExitOk;
   }
+  if (!a.text.empty())
+    std::printf("text    %s: %lld tokens through %s; %lld of them scored (whole global batches of n_positions %lld)\n",
+                echo(a.text, 200).c_str(), (long long)text_tokens, tokenizer_text.c_str(), (long long)e.tokens,
+                (long long)cfg.model.n_positions);
   std::printf("eval    %s | eval_loss %.6f | eval_ppl %.6g | %lld samples, %lld tokens | %.2f s\n",
-              checkpoint.empty() ? "initial weights" : ("step " + std::to_string(step)).c_str(), e.loss, e.ppl,
+              a.checkpoint.empty() ? "initial weights" : ("step " + std::to_string(step)).c_str(), e.loss, e.ppl,
               (long long)e.samples, (long long)e.tokens, e.elapsed_ms / 1e3);
   return kExitOk;
 }

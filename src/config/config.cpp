@@ -316,8 +316,28 @@ TrainingConfig read_training(Section& top, const DataConfig& data) {
   if (t.eval_interval > 0 && !data.validation)
     sec.report_key("eval_interval", "value " + std::to_string(t.eval_interval) +
                                       " evaluates on validation data, but `data.validation` is not given");
+  t.sample_every = sec.integer("sample_every", 0, 0, kMaxInt * 1000LL);
+  t.sample_tokens = sec.integer("sample_tokens", 64, 1, 1 << 20);
   sec.finish();
   return t;
+}
+
+// training.sample_every (llm.c's samples while training) runs generation's decoder on the model
+// being trained: the layouts generation cannot run are refused here, with generation's reason.
+void check_training_samples(Section& top, const Config& c) {
+  const TrainingConfig& t = c.training;
+  if (t.sample_every <= 0) return;
+  const std::string every = "value " + std::to_string(t.sample_every) + ": ";
+  const std::string why = generation_refusal(c);
+  if (!why.empty())
+    top.report("training.sample_every", every + "samples are generated as zero3d generate generates, and " + why);
+  if (c.data.tokenizer.empty())
+    top.report("training.sample_every", every + "samples start from the tokenizer's document delimiter and are "
+                                                "logged as text: give data.tokenizer");
+  if (t.sample_tokens + 1 > c.model.n_positions)
+    top.report("training.sample_tokens", "value " + std::to_string(t.sample_tokens) +
+                                             ": the start token and the samples' tokens exceed model.n_positions (" +
+                                             std::to_string(c.model.n_positions) + "), the length the model trains on");
 }
 
 // The `pipeline` section (DEEPSPEED-FACTS-2 §2.1): DeepSpeed's keys with its defaults, plus
@@ -639,6 +659,8 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
       top.report("progressive_layer_drop.enabled", "progressive layer drop is not implemented for " + family);
   }
   if (layout_ok) step([&] { check_moe(top, c, dp); });
+  step([&] { c.inference = read_inference(top); });
+  step([&] { check_training_samples(top, c); });
   if (kernels::kGpuBuild)
     for (const auto& [key, why] : gpu_build_problems(c, world_size)) key.empty() ? ctx.problem(why) : top.report(key, why);
   if (root.contains("strategy")) top.record("strategy", root["strategy"]);

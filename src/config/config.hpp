@@ -92,6 +92,10 @@ struct TrainingConfig {
   std::string resume;          // "latest", a tag, or a path; empty = start fresh
   int64_t eval_interval = 0;   // evaluate every N optimizer steps and after the last; 0 = never in training
   int64_t eval_steps = 10;     // evaluation rounds of train_batch_size validation samples (Megatron's eval-iters)
+  // llm.c's samples while training: every sample_every steps (0: never), sample_tokens tokens
+  // generated from the tokenizer's document delimiter, logged and written to samples.jsonl.
+  int64_t sample_every = 0;
+  int64_t sample_tokens = 64;
 };
 
 enum class OptimizerType { Adam, Lamb, SGD, Lion, Adagrad, OneBitAdam };
@@ -296,6 +300,20 @@ struct CheckpointOptions {
   bool parallel_write_pipeline_stage = false;
 };
 
+// The `inference` section: DeepSpeed's init_inference keys (DeepSpeedInferenceConfig,
+// deepspeed/inference/config.py) as zero3d generate reads them (config/inference.cpp); train
+// reads and checks them and leaves them alone.
+struct InferenceConfig {
+  bool given = false;                 // the section is there
+  std::optional<DType> dtype;         // `dtype`: the model dtype generation runs in (else the training config's)
+  int64_t tp_size = 0;                // `tensor_parallel.tp_size`, `mp_size`: tensor ranks (0: not given)
+  int64_t max_out_tokens = 0;         // prompt and new tokens per sequence at most (0: the model's positions)
+  int64_t min_out_tokens = 0;         // new tokens every prompt must have room for (0: not given)
+  std::string checkpoint;             // `checkpoint` (under `base_dir`): what --checkpoint names when not given
+  int zero_stage = -1;                // `zero.stage`: ZeRO-Inference's stage 3 partitions the weights (-1: not given)
+  std::vector<std::string> no_effect; // "key: why", for keys that change nothing on this build
+};
+
 struct Config {
   std::string file;  // where it came from, for messages
   ModelConfig model;
@@ -319,11 +337,21 @@ struct Config {
   AutotuningConfig autotuning;
   CheckpointOptions checkpoint;
   PldConfig pld;  // `progressive_layer_drop` (config/pld.cpp)
+  InferenceConfig inference;  // `inference` (config/inference.cpp)
   nlohmann::json resolved;  // every key with its value after defaults and derivation
   // Start-up lines: each "auto" value with where it came from, keys with no effect on this
   // build with the reason, warnings DeepSpeed gives too. Printed once by validate and train.
   std::vector<std::string> notes;
 };
+
+// Why zero3d generate (and training.sample_every) cannot run this config's model or layout: the
+// key, its value and the reason; empty when it can (config/inference.cpp).
+std::string generation_refusal(const Config& c);
+
+// The config with the `inference` section's layout in the keys training reads: `dtype` as
+// bf16/fp16 `enabled`, `tensor_parallel.tp_size` as tensor_parallel.autotp_size. `inference` is
+// the section as a first read of `root` found it.
+nlohmann::json with_inference_layout(const nlohmann::json& root, const InferenceConfig& inference);
 
 // Parses JSON text; syntax errors name file:line:column. Duplicate keys are rejected.
 nlohmann::json parse_json_text(const std::string& text, const std::string& file);

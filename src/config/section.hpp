@@ -515,6 +515,8 @@ ActivationCheckpointing read_activation_checkpointing(Section& top, const Config
 PldConfig read_progressive_layer_drop(Section& top, const Config& c);
 // Reads the `checkpoint` section (config/checkpoint.cpp).
 CheckpointOptions read_checkpoint_section(Section& top, const Config& c);
+// config/inference.cpp: the `inference` section (DeepSpeed's init_inference keys).
+InferenceConfig read_inference(Section& top);
 
 // config/zero.cpp: zero_optimization with offload and `aio` (tuning: the config is the
 // autotuner's input, whose stage may be a search space); the optimizer checks under ZeRO and

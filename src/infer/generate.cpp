@@ -26,11 +26,21 @@ struct Span {
 };
 }  // namespace
 
+const char* finish_name(Finish f) {
+  switch (f) {
+    case Finish::Eos: return "eos";
+    case Finish::Stop: return "stop";
+    case Finish::Length: break;
+  }
+  return "length";
+}
+
 std::vector<Generated> generate_batch(Decoder& decoder, const std::vector<std::vector<int32_t>>& prompts,
                                       const std::vector<int64_t>& index, const GenerationOptions& o,
-                                      GenerationStats& stats) {
+                                      GenerationStats& stats, TokenSink* sink) {
   const size_t rows = prompts.size();
   const int64_t V = decoder.vocab_size();
+  const int64_t choosable = o.vocab_limit > 0 ? std::min(V, o.vocab_limit) : V;  // a row's first ids
   std::vector<Generated> out(rows);
   std::vector<Rng> streams;
   for (size_t b = 0; b < rows; ++b) streams.emplace_back(o.seed, static_cast<uint64_t>(index[b]));
@@ -52,15 +62,14 @@ std::vector<Generated> generate_batch(Decoder& decoder, const std::vector<std::v
       // one uniform per new token, drawn whether or not it is used: greedy and sampled runs keep
       // the same stream position per token
       const double u = streams[b].uniform();
-      const int32_t id = next_token(logits->data() + b * V, V, o.sampling, banned, u, scratch);
+      const int32_t id = next_token(logits->data() + b * V, choosable, o.sampling, banned, u, scratch);
       out[b].tokens.push_back(id);
       next[b] = id;
-      if (std::find(o.eos.begin(), o.eos.end(), id) != o.eos.end()) {
-        done[b] = true;
-        out[b].stopped_at_eos = true;
-      } else {
-        ++running;
-      }
+      if (std::find(o.eos.begin(), o.eos.end(), id) != o.eos.end()) out[b].finish = Finish::Eos;
+      else if (sink && sink->token(index[b], id)) out[b].finish = Finish::Stop;
+      done[b] = out[b].finish != Finish::Length;
+      if (done[b] && sink) sink->finished(index[b], out[b]);
+      running += !done[b];
     }
     if (running == 0 || step + 1 == o.max_new_tokens) break;
     // A finished row is fed its last token again: computed with the others, never read.
@@ -69,11 +78,15 @@ std::vector<Generated> generate_batch(Decoder& decoder, const std::vector<std::v
     step_time.add_to(stats.decode_ms, stats.decode_cpu_ms);
     stats.decode_tokens += static_cast<int64_t>(running);
   }
+  if (sink)
+    for (size_t b = 0; b < rows; ++b)
+      if (!done[b]) sink->finished(index[b], out[b]);
   return out;
 }
 
 std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const std::vector<std::vector<int32_t>>& prompts,
-                                    int64_t batch, const GenerationOptions& o, GenerationStats& stats) {
+                                    int64_t batch, const GenerationOptions& o, GenerationStats& stats,
+                                    TokenSink* sink) {
   size_t longest = 0;
   for (const auto& p : prompts) longest = std::max(longest, p.size());
   const int64_t rows = std::min<int64_t>(batch, static_cast<int64_t>(prompts.size()));
@@ -85,7 +98,7 @@ std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const s
                                                   prompts.begin() + static_cast<std::ptrdiff_t>(last));
     std::vector<int64_t> index;
     for (size_t k = first; k < last; ++k) index.push_back(static_cast<int64_t>(k));
-    for (Generated& g : generate_batch(decoder, group, index, o, stats)) out.push_back(std::move(g));
+    for (Generated& g : generate_batch(decoder, group, index, o, stats, sink)) out.push_back(std::move(g));
   }
   return out;
 }

@@ -1,7 +1,7 @@
 // generate.hpp — generation with a KV cache, token ids in and out (the CLI and, later, a
 // tokenizer turn text into ids and back): prompts in batches, a prefill, then one decode step
 // per new token, sampling as Hugging Face's generate does (sampling.hpp), stopping at an EOS id
-// or after max_new_tokens.
+// or after max_new_tokens, or where the caller's TokenSink says so (a stop string).
 //
 // Sampling draws come from a stream per prompt, Rng(seed, prompt index), one uniform per new
 // token: a prompt's output depends on its index, the seed and the model alone, never on the
@@ -22,12 +22,31 @@ struct GenerationOptions {
   int64_t max_new_tokens = 32;
   int64_t min_new_tokens = 0;   // EOS ids are banned until this many are generated
   std::vector<int32_t> eos;     // the ids that end a sequence (empty: none; it runs max_new_tokens)
+  // Ids from here on are never chosen (0: none barred): a vocabulary padded past the tokenizer's
+  // has rows with no text (llm.c samples from vocab_size, not padded_vocab_size).
+  int64_t vocab_limit = 0;
   uint64_t seed = 0;
 };
 
+// Why a sequence ended (Hugging Face's and vLLM's finish_reason words).
+enum class Finish { Length, Eos, Stop };
+const char* finish_name(Finish f);  // "length", "eos", "stop"
+
 struct Generated {
   std::vector<int32_t> tokens;  // the new tokens, the EOS that ended them included (as Hugging Face returns it)
-  bool stopped_at_eos = false;  // false: max_new_tokens reached
+  Finish finish = Finish::Length;
+};
+
+// Sees each prompt's tokens as they are chosen, on every rank alike (so that a stop decided here
+// is the same everywhere): the CLI streams their text and looks for stop strings.
+class TokenSink {
+ public:
+  virtual ~TokenSink() = default;
+  // The next token of prompt number `prompt`, one that is not an EOS that ends it; true ends the
+  // prompt after it (Finish::Stop).
+  virtual bool token(int64_t prompt, int32_t id) = 0;
+  // The prompt has ended; its tokens are complete.
+  virtual void finished(int64_t prompt, const Generated& g) = 0;
 };
 
 // Time and tokens, summed over batches: prefill tokens are the prompts' real tokens; decode
@@ -46,10 +65,11 @@ struct GenerationStats {
 // prompts.size() rows and the longest prompt plus max_new_tokens − 1 slots.
 std::vector<Generated> generate_batch(Decoder& decoder, const std::vector<std::vector<int32_t>>& prompts,
                                       const std::vector<int64_t>& index, const GenerationOptions& o,
-                                      GenerationStats& stats);
+                                      GenerationStats& stats, TokenSink* sink = nullptr);
 
 // Every prompt, `batch` at a time in order, through one decoder sized for them.
 std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const std::vector<std::vector<int32_t>>& prompts,
-                                    int64_t batch, const GenerationOptions& o, GenerationStats& stats);
+                                    int64_t batch, const GenerationOptions& o, GenerationStats& stats,
+                                    TokenSink* sink = nullptr);
 
 }  // namespace zero3d::infer

@@ -111,28 +111,43 @@ DataLoader::DataLoader(const DataSourceConfig& cfg, int64_t vocab_size, int64_t 
       for (unsigned char c : bytes) toks.push_back(c);
     } else {
       toks = read_token_shard(f, path_key);
-      for (size_t i = 0; i < toks.size(); ++i)
-        if (toks[i] >= V_)
-          throw InputError(echo(f, 200) + ": token " + std::to_string(toks[i]) + " at position " + std::to_string(i) +
-                           " is outside model.vocab_size " + std::to_string(V_));
     }
-    const int64_t n = static_cast<int64_t>(toks.size());
-    if (n < T + 1)
-      throw InputError(echo(f, 200) + ": has " + std::to_string(n) + " tokens; one sample needs n_positions+1 = " +
-                       std::to_string(T + 1));
-    // Sample k of a file: its tokens [k·T, k·T + T + 1), as long as they fit. Inside a file this
-    // is llm.c's order (a micro-batch of B samples is its window of B·T+1 tokens); at a file's
-    // end every whole sample is read (llm.c drops the tail shorter than B·T+1), so which tokens a
-    // sample number reads never depends on the micro-batch size, hence on the data-parallel size.
-    const int64_t base = static_cast<int64_t>(tokens_.size());
-    for (int64_t pos = 0; pos + T + 1 <= n; pos += T) sample_starts_.push_back(base + pos);
-    tokens_.insert(tokens_.end(), toks.begin(), toks.end());
+    add_tokens(echo(f, 200), toks, cfg.source != DataSource::Text);
   }
   description_ = std::string(cfg.source == DataSource::Text ? "byte-level text" : "llm.c token shards") + " (" +
                  std::to_string(files.size()) + " file" + (files.size() > 1 ? "s" : "") + ", " +
                  std::to_string(tokens_.size()) + " tokens, " +
                  (cfg.shuffle ? "shuffled samples" : std::to_string(sample_starts_.size()) + " sequential samples") +
                  ")";
+}
+
+DataLoader::DataLoader(const std::vector<int32_t>& tokens, const std::string& name, int64_t vocab_size, int64_t B,
+                       int64_t T)
+    : V_(vocab_size), B_(B), T_(T), seed_(0) {
+  cfg_.source = DataSource::Tokens;
+  cfg_.role = DataRole::Validation;
+  add_tokens(name, tokens, true);
+  description_ = name + " (" + std::to_string(tokens_.size()) + " tokens, " + std::to_string(sample_starts_.size()) +
+                 " sequential samples)";
+}
+
+void DataLoader::add_tokens(const std::string& name, const std::vector<int32_t>& toks, bool check_vocab) {
+  if (check_vocab)
+    for (size_t i = 0; i < toks.size(); ++i)
+      if (toks[i] >= V_)
+        throw InputError(name + ": token " + std::to_string(toks[i]) + " at position " + std::to_string(i) +
+                         " is outside model.vocab_size " + std::to_string(V_));
+  const int64_t n = static_cast<int64_t>(toks.size());
+  if (n < T_ + 1)
+    throw InputError(name + ": has " + std::to_string(n) + " tokens; one sample needs n_positions+1 = " +
+                     std::to_string(T_ + 1));
+  // Sample k of a file: its tokens [k·T, k·T + T + 1), as long as they fit. Inside a file this
+  // is llm.c's order (a micro-batch of B samples is its window of B·T+1 tokens); at a file's
+  // end every whole sample is read (llm.c drops the tail shorter than B·T+1), so which tokens a
+  // sample number reads never depends on the micro-batch size, hence on the data-parallel size.
+  const int64_t base = static_cast<int64_t>(tokens_.size());
+  for (int64_t pos = 0; pos + T_ + 1 <= n; pos += T_) sample_starts_.push_back(base + pos);
+  tokens_.insert(tokens_.end(), toks.begin(), toks.end());
 }
 
 std::string DataLoader::describe() const { return description_; }

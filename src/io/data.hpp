@@ -22,6 +22,9 @@ namespace zero3d {
 class DataLoader {
  public:
   DataLoader(const DataSourceConfig& cfg, int64_t vocab_size, int64_t B, int64_t T, uint64_t seed);
+  // Validation samples over tokens already in memory, read as a token shard's (zero3d eval
+  // --text: a text file through the tokenizer); `name` stands for the file in messages.
+  DataLoader(const std::vector<int32_t>& tokens, const std::string& name, int64_t vocab_size, int64_t B, int64_t T);
 
   // Writes B*T input ids and B*T target ids (host memory): samples first_sample .. +B-1.
   void micro_batch(int64_t first_sample, int32_t* inputs, int32_t* targets) const;
@@ -36,6 +39,9 @@ class DataLoader {
 
  private:
   void synthetic_sample(int64_t s, int32_t* inputs, int32_t* targets) const;
+  // One file's tokens: checked against the vocabulary (check_vocab) and the sample length, then
+  // its sequential samples.
+  void add_tokens(const std::string& name, const std::vector<int32_t>& toks, bool check_vocab);
 
   DataSourceConfig cfg_;
   int64_t V_, B_, T_;

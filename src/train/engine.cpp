@@ -771,6 +771,7 @@ std::vector<StepResult> Engine::train() {
     observer_->after_step(r, samples_, timers_.ms());  // collective
     if (results.size() > 1 || cfg_.training.steps == 1) total_ms += r.elapsed_ms;  // the first step warms caches
     if (groups_.rank() == 0) report_step(r, moe, dropped, last_step);
+    if (after_step_) after_step_(r.step);
     // After the step's record: a kill between publishing the tag and writing the record would
     // lose the record for good (resume continues after the tag); a record past the last save is
     // dropped on resume instead.

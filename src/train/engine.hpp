@@ -89,6 +89,9 @@ class Engine {
   // data.validation (pipelines run DeepSpeed's InferenceSchedule): no gradients, no update, no
   // change to any state training reads. Collective; every rank returns the same result.
   EvalResult evaluate();
+  // evaluate() reads these samples in place of data.validation's (zero3d eval --text); the
+  // config's training.eval_steps rounds of them.
+  void set_validation_data(std::unique_ptr<DataLoader> data) { validation_ = std::move(data); }
   // zero3d eval: the parameters of a checkpoint saved by any layout (`tag` empty: the one
   // `latest` names, or `path` itself when it is a tag directory). Collective; returns its step.
   int64_t load_checkpoint_params(const std::string& path, const std::string& tag);
@@ -98,6 +101,14 @@ class Engine {
   // prefetches along it; a prefill and every decode step fetch the units in that order).
   const GPT& model() const { return *model_; }
   ParamStore& inference_store();
+  // The same while training: runs `f` with inference_store(), then puts training's fetch traces
+  // back, so the next step fetches and prefetches as if nothing had run in between.
+  void with_inference_store(const std::function<void(ParamStore&)>& f);
+
+  // Called by train() on every rank after each step's report line and before its save (the
+  // training samples of training.sample_every: src/infer, set up by the train command). It may
+  // run collectives and forward passes; it must change nothing training reads.
+  void set_after_step(std::function<void(int64_t step)> hook) { after_step_ = std::move(hook); }
 
   int64_t step() const { return step_; }  // optimizer steps taken (after a resume: the saved step)
   // The preemption signal that ended train() early (after a save at the step reached); 0 when
@@ -229,6 +240,7 @@ class Engine {
   bool resumed_ = false;
   int stopped_by_signal_ = 0;
   bool saved_this_step_ = false;
+  std::function<void(int64_t)> after_step_;
 };
 
 }  // namespace zero3d

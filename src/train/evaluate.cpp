@@ -157,6 +157,14 @@ ParamStore& Engine::inference_store() {
   return store_;
 }
 
+void Engine::with_inference_store(const std::function<void(ParamStore&)>& f) {
+  std::vector<int> training_trace = zero_->fetch_trace();
+  const PhaseTimers step_timers = timers_;
+  f(inference_store());
+  zero_->set_fetch_trace(std::move(training_trace));
+  timers_ = step_timers;
+}
+
 int64_t Engine::load_checkpoint_params(const std::string& path, const std::string& tag) {
   int64_t step = 0;
   std::string dir;

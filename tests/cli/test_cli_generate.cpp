@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <fstream>
 #include <map>
 #include <string>
@@ -15,6 +16,7 @@
 #include "io/h5.hpp"
 #include "support/cli_helpers.hpp"
 #include "text/tokenizer.hpp"
+#include "text/unicode.hpp"
 
 using namespace cli;
 
@@ -284,6 +286,104 @@ TEST(Generate, TextPromptsNeedATokenizerThatFitsTheModel) {
   const Result wide = run("generate " + kSource + "/input/quickstart.json --prompt \"Hello world\" --greedy --tokenizer " +
                           std::string(ZERO3D_GPT2_DIR));
   expect_one_line_rejection(wide, "outside the model's vocabulary [0, 256)");
+}
+
+}  // namespace
+
+namespace {
+
+// The quick-start model with GPT-2's vocabulary and tokenizer: text in and out.
+const std::string kTextModel = kSource + "/input/quickstart.json --set model.vocab_size=50257 --tokenizer " +
+                               std::string(ZERO3D_GPT2_DIR);
+
+const zero3d::text::Tokenizer& gpt2_tokenizer() {
+  static const auto tok = zero3d::text::open_tokenizer(ZERO3D_GPT2_DIR);
+  return *tok;
+}
+
+std::string decoded(const std::vector<int32_t>& ids) { return zero3d::text::sanitize_utf8(gpt2_tokenizer().decode(ids)); }
+
+// A stop string from the middle of `text`: three bytes of letters, digits or spaces (one that a
+// shell passes as it is), at or after the middle; empty when there is none.
+std::string stop_from_middle(const std::string& text) {
+  for (size_t at = text.size() / 2; at + 3 <= text.size(); ++at) {
+    const std::string s = text.substr(at, 3);
+    if (std::all_of(s.begin(), s.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == ' '; }))
+      return s;
+  }
+  return "";
+}
+
+// A stop string ends the sequence at the token that completes it; the text is the decoded text
+// cut before it, and the text form streams exactly that text to stdout.
+TEST(GenerateText, AStopStringEndsTheTextBeforeIt) {
+  const std::string common = " --prompt \"Hello world\" --greedy --max-new-tokens 24 --eos-id -1";
+  const Result full_run = run("generate " + kTextModel + common + " --json");
+  ASSERT_EQ(full_run.code, 0) << full_run.err;
+  const json full = last_json_line(full_run.out).at("outputs").at(0);
+  const std::vector<int32_t> all = full.at("tokens").get<std::vector<int32_t>>();
+  const std::string text = full.at("text");
+  EXPECT_EQ(text, decoded(all));
+  const std::string stop = stop_from_middle(text);
+  ASSERT_FALSE(stop.empty()) << text;
+
+  const Result stopped_run = run("generate " + kTextModel + common + " --json --stop '" + stop + "'");
+  ASSERT_EQ(stopped_run.code, 0) << stopped_run.err;
+  const json stopped = last_json_line(stopped_run.out).at("outputs").at(0);
+  const std::vector<int32_t> kept = stopped.at("tokens").get<std::vector<int32_t>>();
+  EXPECT_EQ(stopped.at("text"), text.substr(0, text.find(stop)));
+  EXPECT_EQ(stopped.at("finish_reason"), "stop");
+  EXPECT_EQ(stopped.at("stop_string"), stop);
+  ASSERT_FALSE(kept.empty());
+  ASSERT_LE(kept.size(), all.size());
+  EXPECT_EQ(kept, std::vector<int32_t>(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(kept.size())));
+  EXPECT_NE(decoded(kept).find(stop), std::string::npos) << "the last token completes the stop string";
+  EXPECT_EQ(decoded(std::vector<int32_t>(kept.begin(), kept.end() - 1)).find(stop), std::string::npos)
+      << "a token earlier had completed it already";
+
+  // The text form: the prompt's text, the streamed text, then the ids with the finish reason.
+  const Result streamed = run("generate " + kTextModel + common + " --stop '" + stop + "'");
+  ASSERT_EQ(streamed.code, 0) << streamed.err;
+  EXPECT_NE(streamed.out.find("[0] text: Hello world" + stopped.at("text").get<std::string>() + "\n[0] 15496,995 -> " +
+                              ids_text(kept) + " (stop)\n"),
+            std::string::npos)
+      << streamed.out;
+  const Result plain = run("generate " + kTextModel + common);
+  EXPECT_NE(plain.out.find("[0] text: Hello world" + text + "\n[0] 15496,995 -> " + ids_text(all) + "\n"),
+            std::string::npos)
+      << plain.out;
+}
+
+// Three prompts in one batch stream in prompt order, each its whole text, the same as --json's;
+// \n in --stop is a newline.
+TEST(GenerateText, BatchedPromptsPrintInOrder) {
+  const std::string prompts = temp_path("text_prompts.txt");
+  std::ofstream(prompts) << "The cat\nOnce upon a time\n\xC3\xA9t\xC3\xA9 \xF0\x9F\x98\x80\n";
+  const std::string common = " --prompt-file " + prompts + " --batch-size 3 --max-new-tokens 12 --seed 3 --eos-id -1";
+  const Result js = run("generate " + kTextModel + common + " --json --stop '\\n'");
+  ASSERT_EQ(js.code, 0) << js.err;
+  const json doc = last_json_line(js.out);
+  EXPECT_EQ(doc.at("stop"), json::array({"\n"}));
+  const Result text = run("generate " + kTextModel + common + " --stop '\\n'");
+  ASSERT_EQ(text.code, 0) << text.err;
+  size_t at = 0;
+  const std::vector<std::string> starts = {"The cat", "Once upon a time", "\xC3\xA9t\xC3\xA9 \xF0\x9F\x98\x80"};
+  for (size_t k = 0; k < 3; ++k) {
+    const json& o = doc.at("outputs").at(k);
+    const std::string line = "[" + std::to_string(k) + "] text: " + starts[k] + o.at("text").get<std::string>() + "\n";
+    const size_t found = text.out.find(line, at);
+    EXPECT_NE(found, std::string::npos) << "prompt " << k << " in order:\n" << text.out;
+    if (found != std::string::npos) at = found + line.size();
+    EXPECT_EQ(o.at("text").get<std::string>().find('\n'), std::string::npos);
+  }
+}
+
+TEST(GenerateText, StopStringsNeedATokenizerAndText) {
+  const GoldenRun& g = golden("gpt2");
+  const std::string config = write_config("gpt2_stop.json", config_of(g));
+  expect_one_line_rejection(run("generate " + config + " --prompt-ids 1,2 --stop x"),
+                            "--stop: stop strings are text, and no tokenizer is named");
+  expect_one_line_rejection(run("generate " + kTextModel + " --prompt Hi --stop ''"), "an empty stop string");
 }
 
 }  // namespace

@@ -5,8 +5,11 @@
 //     greedy continuation token for token;
 //   * the three prompts as one left-padded batch: every row's logits within 1e-5 of its unbatched
 //     run's and the same continuation (padding masked, positions from each row's first token);
-//   * generate_batch, the loop the CLI runs, gives the golden continuations in any batch size.
+//   * generate_batch, the loop the CLI runs, gives the golden continuations in any batch size;
+//     its TokenSink sees every token and may end a prompt (a stop string); vocab_limit bars ids.
 #include <gtest/gtest.h>
+
+#include <map>
 
 #include "infer/decoder.hpp"
 #include "infer/generate.hpp"
@@ -74,20 +77,26 @@ TEST_P(GenerateGolden, LeftPaddedBatchEqualsEachPromptAlone) {
   }
 }
 
+// Greedy decoding of the golden's new tokens.
+infer::GenerationOptions greedy_options(const Golden& g) {
+  infer::GenerationOptions o;
+  o.sampling.greedy = true;
+  o.max_new_tokens = g.new_tokens;
+  return o;
+}
+
 TEST_P(GenerateGolden, TheGenerationLoopGivesTheGreedyContinuationsInAnyBatchSize) {
   const Golden g = load_golden(GetParam());
   GPT model(g.shape, 1, g.shape.n_positions);
   TypedStore store(model, g.path, DType::F32);
-  infer::GenerationOptions o;
-  o.sampling.greedy = true;
-  o.max_new_tokens = g.new_tokens;
+  infer::GenerationOptions o = greedy_options(g);
   for (int64_t batch : {1, 2, 3}) {
     infer::GenerationStats stats;
     const auto out = infer::generate_all(model, store, g.prompts, batch, o, stats);
     ASSERT_EQ(out.size(), g.prompts.size());
     for (size_t k = 0; k < out.size(); ++k) {
       EXPECT_EQ(out[k].tokens, g.greedy[k]) << g.family << " batch " << batch << " prompt " << k;
-      EXPECT_FALSE(out[k].stopped_at_eos);
+      EXPECT_EQ(out[k].finish, infer::Finish::Length);
     }
     EXPECT_EQ(stats.prefill_tokens, 5 + 2 + 7);
     EXPECT_EQ(stats.decode_tokens, 3 * (g.new_tokens - 1));
@@ -100,16 +109,14 @@ TEST_P(GenerateGolden, EosEndsARowAndMinNewTokensHoldsItBack) {
   const Golden g = load_golden(GetParam());
   GPT model(g.shape, 1, g.shape.n_positions);
   TypedStore store(model, g.path, DType::F32);
-  infer::GenerationOptions o;
-  o.sampling.greedy = true;
-  o.max_new_tokens = g.new_tokens;
+  infer::GenerationOptions o = greedy_options(g);
   const int32_t eos = g.greedy[0][3];  // prompt 0's fourth new token
   o.eos = {eos};
   infer::GenerationStats stats;
   auto out = infer::generate_all(model, store, g.prompts, 3, o, stats);
   const auto first = std::find(g.greedy[0].begin(), g.greedy[0].end(), eos) - g.greedy[0].begin();
   EXPECT_EQ(out[0].tokens, std::vector<int32_t>(g.greedy[0].begin(), g.greedy[0].begin() + first + 1));
-  EXPECT_TRUE(out[0].stopped_at_eos);
+  EXPECT_EQ(out[0].finish, infer::Finish::Eos);
   for (size_t k = 1; k < 3; ++k) {  // the other rows run on, unchanged, to their own EOS if any
     const auto end = std::find(g.greedy[k].begin(), g.greedy[k].end(), eos);
     EXPECT_EQ(out[k].tokens, std::vector<int32_t>(g.greedy[k].begin(), end == g.greedy[k].end() ? end : end + 1));
@@ -120,6 +127,63 @@ TEST_P(GenerateGolden, EosEndsARowAndMinNewTokensHoldsItBack) {
   EXPECT_EQ(std::vector<int32_t>(out[0].tokens.begin(), out[0].tokens.begin() + first),
             std::vector<int32_t>(g.greedy[0].begin(), g.greedy[0].begin() + first));
   EXPECT_NE(out[0].tokens[static_cast<size_t>(first)], eos) << "min_new_tokens lets EOS through";
+}
+
+// A TokenSink sees every token of every prompt as it is chosen, and its stop ends that prompt
+// after the token (Finish::Stop) while the others run on; each prompt is finished once.
+TEST_P(GenerateGolden, ASinkSeesEachTokenAndItsStopEndsThePrompt) {
+  const Golden g = load_golden(GetParam());
+  GPT model(g.shape, 1, g.shape.n_positions);
+  TypedStore store(model, g.path, DType::F32);
+  infer::GenerationOptions o = greedy_options(g);
+  struct Sink : infer::TokenSink {
+    std::map<int64_t, std::vector<int32_t>> seen;
+    std::map<int64_t, int> finished_count;
+    bool token(int64_t prompt, int32_t id) override {
+      seen[prompt].push_back(id);
+      return prompt == 1 && seen[prompt].size() == 2;  // prompt 1 stops after its second token
+    }
+    void finished(int64_t prompt, const infer::Generated& out) override {
+      ++finished_count[prompt];
+      EXPECT_EQ(out.tokens, seen[prompt]) << "prompt " << prompt;
+    }
+  } sink;
+  infer::GenerationStats stats;
+  const auto out = infer::generate_all(model, store, g.prompts, 3, o, stats, &sink);
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(out[1].tokens, std::vector<int32_t>(g.greedy[1].begin(), g.greedy[1].begin() + 2));
+  EXPECT_EQ(out[1].finish, infer::Finish::Stop);
+  for (size_t k : {0u, 2u}) {
+    EXPECT_EQ(out[k].tokens, g.greedy[k]) << "prompt " << k;
+    EXPECT_EQ(out[k].finish, infer::Finish::Length);
+  }
+  for (int64_t k = 0; k < 3; ++k) EXPECT_EQ(sink.finished_count[k], 1) << "prompt " << k;
+  EXPECT_EQ(std::string(infer::finish_name(infer::Finish::Stop)), "stop");
+}
+
+// vocab_limit: ids from it on are never chosen (a padded vocabulary's rows without text); a limit
+// of the whole vocabulary changes nothing.
+TEST_P(GenerateGolden, AVocabularyLimitBarsTheIdsPastIt) {
+  const Golden g = load_golden(GetParam());
+  GPT model(g.shape, 1, g.shape.n_positions);
+  TypedStore store(model, g.path, DType::F32);
+  infer::GenerationOptions o;
+  o.sampling = {false, 3.0, 0, 1.0};  // hot and unfiltered: every id is likely somewhere
+  o.max_new_tokens = g.new_tokens;
+  o.seed = 11;
+  infer::GenerationStats stats;
+  const auto free = infer::generate_all(model, store, g.prompts, 3, o, stats);
+  o.vocab_limit = g.shape.vocab_size;
+  const auto whole = infer::generate_all(model, store, g.prompts, 3, o, stats);
+  o.vocab_limit = g.shape.vocab_size / 4;
+  const auto limited = infer::generate_all(model, store, g.prompts, 3, o, stats);
+  bool above = false;
+  for (size_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(whole[k].tokens, free[k].tokens);
+    for (int32_t id : free[k].tokens) above |= id >= o.vocab_limit;
+    for (int32_t id : limited[k].tokens) EXPECT_LT(id, o.vocab_limit) << "prompt " << k;
+  }
+  EXPECT_TRUE(above) << "the unlimited run never went past the limit: the test shows nothing";
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, GenerateGolden, ::testing::ValuesIn(families()),
