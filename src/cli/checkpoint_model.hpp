@@ -32,7 +32,7 @@ struct CheckpointModel {
   CheckpointModel(const Config& cfg, MPI_Comm world, int rank, const std::string& checkpoint, const std::string& tag)
       : groups(ProcessTopology::pipe_data_model(cfg.pipeline.stages, world_size(world) / (cfg.pipeline.stages * cfg.tensor.size),
                                                 cfg.tensor.size),
-               world, static_cast<int>(cfg.model.moe.ep_size)),
+               world, static_cast<int>(cfg.model.moe.ep_size), data_shards(cfg.zero)),
         watchdog(cfg.training.comms_timeout, rank),
         engine(cfg, groups, "", &watchdog),
         step(checkpoint.empty() ? 0 : engine.load_checkpoint_params(checkpoint, tag)) {}

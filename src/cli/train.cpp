@@ -206,7 +206,7 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
   // DeepSpeed's PipeModelDataParallelTopology: ranks are placed exactly as `zero3d topology` prints.
   const int pp = cfg.pipeline.stages, tp = cfg.tensor.size;
   ProcessGroups groups(ProcessTopology::pipe_data_model(pp, size / (pp * tp), tp), world,
-                       static_cast<int>(cfg.model.moe.ep_size));
+                       static_cast<int>(cfg.model.moe.ep_size), data_shards(cfg.zero));
   Watchdog watchdog(cfg.training.comms_timeout, rank);
   Engine engine(cfg, groups, out, &watchdog);
   if (engine.step() >= cfg.training.steps) {

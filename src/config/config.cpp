@@ -639,6 +639,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   c.zero.master_weights = c.precision.master_weights;  // what the ZeRO optimizer applies
   c.zero.optimizer_states = c.precision.optimizer_states;
   step([&] { read_gradient_averaging(top, c); });
+  step([&] { check_shard_groups(top, c); });
   // engine.py _configure_basic_optimizer warns when a 1-bit optimizer runs without fp16.
   if (c.optimizer.one_bit() && c.precision.param != DType::F16)
     top.note("warning optimizer " + c.optimizer.type_name + " without fp16: DeepSpeed warns that its convergence is "

@@ -211,6 +211,11 @@ struct ZeroConfig {
   // (grad_reducer.hpp reduce_scaling).
   bool prescale_gradients = false;
   double gradient_predivide_factor = 1.0;
+  // MiCS and ZeRO++'s hpZ (stage 3; zero/shard_groups.hpp): mics_shard_size (0: off; DeepSpeed's
+  // -1), mics_hierarchical_params_gather, zero_hpz_partition_size (1: off).
+  int mics_shard_size = 0;
+  bool mics_hierarchical_params_gather = false;
+  int hpz_partition_size = 1;
 };
 
 // fp16 / bf16 / communication_data_type / data_types (DEEPSPEED-FACTS §1.4, §2).

@@ -523,6 +523,7 @@ InferenceConfig read_inference(Section& top);
 // offload; prescale_gradients and gradient_predivide_factor.
 void read_zero(Section& top, Config& c, bool tuning);
 void check_zero_optimizer(Section& top, const Config& c);
+void check_shard_groups(Section& top, const Config& c);
 void check_offload(Section& top, const Config& c);
 void read_gradient_averaging(Section& top, Config& c);
 // config/model_family.cpp: a Hugging Face config.json (model.hf_config: the file, or a directory

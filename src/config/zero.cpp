@@ -21,9 +21,7 @@ const std::vector<std::pair<const char*, nlohmann::json>> kZeroDefaultOnlyKeys =
     {"stage3_module_granularity_threshold", 0}, {"use_all_reduce_for_fetch_params", false},
     {"stage3_use_all_reduce_for_fetch_params", false}, {"allgather_sequential", false},
     {"stage3_allgather_sequential", false}, {"ignore_unused_parameters", true},
-    {"zero_hpz_partition_size", 1}, {"zero_quantized_weights", false}, {"zero_quantized_nontrainable_weights", false},
-    {"zero_quantized_gradients", false}, {"zeropp_loco_param", nullptr}, {"mics_shard_size", -1},
-    {"mics_hierarchical_params_gather", false}, {"memory_efficient_linear", true},
+    {"zero_quantized_nontrainable_weights", false}, {"zeropp_loco_param", nullptr}, {"memory_efficient_linear", true},
     {"pipeline_loading_checkpoint", false}, {"override_module_apply", true}, {"log_trace_cache_warnings", false},
     {"enable_sanity_checks", false}, {"save_muon_momentum_buffer_in_memory", false}, {"zenflow", nullptr},
     {"leaf_module", nullptr}};
@@ -162,6 +160,62 @@ std::optional<int> read_stage_search_space(Section& sec, bool tuning, bool& spac
   return *stages.begin();
 }
 
+// MiCS and ZeRO++ (FACTS-2 §3.6; zero/shard_groups.hpp). DeepSpeed builds MiCS_Optimizer and
+// hpZ's secondary partition only at stage 3 and ignores the keys below it: zero3d refuses them
+// there rather than run something else than asked.
+void read_shard_groups(Section& sec, Config& c) {
+  ZeroConfig& z = c.zero;
+  const int64_t dp = c.batch.world_size;
+  const int64_t mics = sec.integer("mics_shard_size", -1, -1, std::numeric_limits<int>::max());
+  z.mics_shard_size = mics > 0 ? static_cast<int>(mics) : 0;  // DeepSpeed: MiCS when > 0
+  z.mics_hierarchical_params_gather = sec.boolean("mics_hierarchical_params_gather", false);
+  z.hpz_partition_size = static_cast<int>(sec.integer("zero_hpz_partition_size", 1, 1, std::numeric_limits<int>::max()));
+  const auto divides = [&](const char* key, int64_t n) {
+    if (dp % n != 0)
+      sec.report_key(key, "value " + std::to_string(n) + " does not divide the data-parallel size (" + std::to_string(dp) +
+                              " ranks): the groups are cut from each data-parallel group");
+  };
+  const auto stage3 = [&](const char* key, const std::string& what) {
+    if (z.stage != 3)
+      sec.report_key(key, what + " is ZeRO-3's (DeepSpeed builds it at stage 3 only and ignores the key at stage " +
+                              std::to_string(z.stage) + "); set zero_optimization.stage 3 or remove it");
+  };
+  if (z.mics_shard_size > 0) {
+    stage3("mics_shard_size", "MiCS (model states sharded inside groups of mics_shard_size ranks)");
+    divides("mics_shard_size", z.mics_shard_size);
+  }
+  if (z.mics_hierarchical_params_gather && z.mics_shard_size == 0)
+    sec.report_key("mics_hierarchical_params_gather", "is MiCS's gather and needs mics_shard_size > 0");
+  if (z.hpz_partition_size > 1) {
+    stage3("zero_hpz_partition_size", "ZeRO++'s hpZ (a secondary partition of the parameters)");
+    divides("zero_hpz_partition_size", z.hpz_partition_size);
+    if (z.mics_shard_size > 0)
+      sec.report_key("zero_hpz_partition_size", "cannot be combined with mics_shard_size here: both re-cut stage 3's "
+                                                "partition into groups, and zero3d runs one of them at a time");
+  }
+  if (z.mics_shard_size == 0 && z.hpz_partition_size == 1) return;
+  const char* key = z.mics_shard_size > 0 ? "mics_shard_size" : "zero_hpz_partition_size";
+  if (c.pipeline.stages > 1)
+    sec.report_key(key, "is not run with pipeline.stages " + std::to_string(c.pipeline.stages) +
+                            " (DeepSpeed's PipelineEngine refuses ZeRO-3 altogether; zero3d cuts these groups from "
+                            "one-stage data-parallel groups only)");
+  if (c.model.moe.enabled())
+    sec.report_key(key, "is not run with MoE (the experts' ZeRO optimizer partitions over the expert-data group, "
+                        "which these groups do not cut)");
+}
+
+// ZeRO++'s quantized weights (qwZ) and gradients (qgZ): not in zero3d; refused with the reason.
+void refuse_quantized_collectives(Section& sec) {
+  for (const auto& [key, what] : {std::pair<const char*, const char*>{"zero_quantized_weights",
+                                                                      "ZeRO++'s qwZ (int8 block-quantised parameter "
+                                                                      "all-gather)"},
+                                  {"zero_quantized_gradients",
+                                   "ZeRO++'s qgZ (int4 block-quantised hierarchical all-to-all gradient reduction)"}})
+    if (sec.boolean(key, false))
+      sec.report_key(key, std::string(what) + " is not implemented in zero3d: its gathers and reductions move "
+                                              "parameters and gradients unquantised; remove the key or set it false");
+}
+
 }  // namespace
 
 void read_zero(Section& top, Config& c, bool tuning) {
@@ -230,6 +284,8 @@ void read_zero(Section& top, Config& c, bool tuning) {
                           "gather_16bit_weights_on_model_save"})
     if (sec.boolean(key, false)) c.zero.gather_16bit_weights_on_model_save = true;
   for (const auto& [key, deepspeed_default] : kZeroDefaultOnlyKeys) sec.accept_default_only(key, deepspeed_default);
+  read_shard_groups(sec, c);
+  refuse_quantized_collectives(sec);
   sec.finish();
 }
 
@@ -250,6 +306,15 @@ void check_zero_optimizer(Section& top, const Config& c) {
     top.fail("optimizer.type", "SGD is not a ZeRO-tested optimizer in DeepSpeed; set "
                                "\"zero_allow_untested_optimizer\": true to use it with ZeRO stage " +
                                std::to_string(c.zero.stage));
+}
+
+// MiCS's hierarchical gather moves the parameters in their own dtype: torch_autocast's gathers
+// in the autocast dtype for the listed modules are not combined with it.
+void check_shard_groups(Section& top, const Config& c) {
+  if (c.zero.mics_hierarchical_params_gather && c.precision.autocast.dtype != DType::F32)
+    top.fail("zero_optimization.mics_hierarchical_params_gather",
+             "is not combined with torch_autocast here (the hierarchical gather moves parameters in their own dtype, "
+             "torch_autocast gathers its modules' parameters in the autocast dtype)");
 }
 
 // Offload runs DeepSpeed's CPU optimizers (DeepSpeedCPUAdam, DeepSpeedCPULion,

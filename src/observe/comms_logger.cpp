@@ -87,19 +87,24 @@ std::string comms_table(const std::vector<const CommsLog*>& logs) {
                 "Total Latency(ms)", "Avg Latency(ms)", "tput_avg (Gbps)", "busbw_avg (Gbps)");
   out += buf;
   // One block per (axis, op), DeepSpeed's rows per message size below it.
+  int64_t by_link[2] = {0, 0};  // intra-node, inter-node
   for (const CommsLog* log : logs) {
     int last_op = -1;
     for (const auto& [key, r] : log->records()) {
       if (key.first != last_op) {
-        out += log->axis() + "/" + comm_op_name(static_cast<CommOp>(key.first)) + "\n";
+        out += log->axis() + "/" + comm_op_name(static_cast<CommOp>(key.first)) +
+               (log->world() > 1 ? (log->intra_node() ? " (intra-node)" : " (inter-node)") : "") + "\n";
         last_op = key.first;
       }
+      by_link[log->intra_node() ? 0 : 1] += r.bus_bytes;
       std::snprintf(buf, sizeof buf, "%-20s%-20s%-20lld%-20.2f%-20.2f%-20.2f%-20.2f\n", "",
                     convert_size(static_cast<double>(key.second)).c_str(), (long long)r.count, r.total_ms,
                     r.total_ms / r.count, r.alg_gbps_sum / r.count, r.bus_gbps_sum / r.count);
       out += buf;
     }
   }
+  out += "bus bytes by link: intra-node " + convert_size(static_cast<double>(by_link[0])) + ", inter-node " +
+         convert_size(static_cast<double>(by_link[1])) + "\n";
   return out;
 }
 

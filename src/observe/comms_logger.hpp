@@ -56,6 +56,9 @@ class CommsLog {
   void record(CommOp op, int64_t bytes, double latency_ms, double blocked_ms);
 
   const std::string& axis() const { return axis_; }
+  // The link the group's bytes cross (parallel/nodes.hpp): all its ranks on one node, or not.
+  void set_intra_node(bool intra) { intra_node_ = intra; }
+  bool intra_node() const { return intra_node_; }
   const std::string& trace_prefix() const { return trace_prefix_; }
   int world() const { return world_; }
   // (op, message bytes) → record, since the start.
@@ -68,7 +71,7 @@ class CommsLog {
   std::string axis_, trace_prefix_;
   int world_ = 1, rank_ = 0;
   int64_t counter_base_ = 0;
-  bool logger_ = false, timing_ = false, print_verbose_ = false;
+  bool logger_ = false, timing_ = false, print_verbose_ = false, intra_node_ = false;
   CommsLoggerConfig cfg_;
   std::map<std::pair<int, int64_t>, CommRecord> records_;
   double blocked_ms_[static_cast<int>(CommOp::kCount)] = {};
@@ -77,7 +80,8 @@ class CommsLog {
 // DeepSpeed's convert_size: "0B", else round(n / 1024^i, 2) and B, KB, MB, GB, TB.
 std::string convert_size(double bytes);
 
-// The comms_logger summary table (DeepSpeed log_summary's columns) of one rank's logs.
+// The comms_logger summary table (DeepSpeed log_summary's columns) of one rank's logs, each
+// group's block named with the link its bytes cross, and the bus bytes by link after it.
 std::string comms_table(const std::vector<const CommsLog*>& logs);
 
 }  // namespace zero3d

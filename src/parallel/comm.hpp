@@ -78,11 +78,19 @@ class Communicator {
   virtual void reset_bus_bytes() { bus_bytes_ = 0; }
   // The same count since construction, never reset (what the comms logger's table must add up to).
   virtual int64_t total_bus_bytes() const { return total_bus_bytes_; }
+  // Whether the group's ranks all share one node (nodes.hpp): its bytes are intra-node ones,
+  // else inter-node ones. Set by whoever built the group from the job's NodeMap.
+  virtual bool intra_node() const { return intra_node_; }
+  virtual void set_intra_node(bool intra) {
+    intra_node_ = intra;
+    if (log_) log_->set_intra_node(intra);
+  }
 
   // Per-operation records for the comms logger, the breakdown's blocked time and the trace;
   // null (nothing measured) until observe() names the group.
   virtual void observe(const std::string& axis, const std::string& trace_prefix) {
     if (!log_) log_ = std::make_unique<CommsLog>(axis, trace_prefix, size(), rank(), total_bus_bytes_);
+    log_->set_intra_node(intra_node_);
   }
   virtual CommsLog* log() const { return log_.get(); }
 
@@ -94,6 +102,7 @@ class Communicator {
   }
   double ring_factor() const { return size() > 1 ? double(size() - 1) / size() : 0.0; }
   int64_t bus_bytes_ = 0, total_bus_bytes_ = 0;
+  bool intra_node_ = false;
   std::unique_ptr<CommsLog> log_;
 };
 

@@ -60,6 +60,8 @@ class StagedCommunicator : public Communicator {
   int64_t total_bus_bytes() const override { return host_.total_bus_bytes(); }
   void observe(const std::string& axis, const std::string& trace_prefix) override { host_.observe(axis, trace_prefix); }
   CommsLog* log() const override { return host_.log(); }
+  bool intra_node() const override { return host_.intra_node(); }
+  void set_intra_node(bool intra) override { host_.set_intra_node(intra); }
 
   // Host staging bytes held (in use and spare) and their peak, for the memory report.
   int64_t staging_bytes() const { return pool_->held_bytes(); }

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "base/errors.hpp"
+#include "base/failure.hpp"
 
 namespace zero3d {
 
@@ -107,7 +108,7 @@ std::string ProcessTopology::get_rank_repr(int rank, const std::vector<std::stri
   return out;
 }
 
-ProcessGroups::ProcessGroups(const ProcessTopology& topology, MPI_Comm world, int ep_size)
+ProcessGroups::ProcessGroups(const ProcessTopology& topology, MPI_Comm world, int ep_size, DataShards shards)
     : topology_(topology), world_(world) {
   int size = 0;
   MPI_Comm_rank(world, &rank_);
@@ -149,6 +150,52 @@ ProcessGroups::ProcessGroups(const ProcessTopology& topology, MPI_Comm world, in
   comms_["expert"] = ep;
   comms_["expert_data"] = edp;
   comms_["expert_norm"] = enorm;
+  nodes_ = NodeMap(world);
+  build_data_shards(shards, dp, data, stage_group);
+}
+
+void ProcessGroups::build_data_shards(const DataShards& shards, int dp, int data, int stage_group) {
+  const auto split = [&](MPI_Comm parent, int color, int key, const char* name) {
+    MPI_Comm c;
+    if (MPI_Comm_split(parent, color, key, &c) != MPI_SUCCESS) throw SystemError(std::string("MPI_Comm_split failed for ") + name);
+    comms_[name] = c;
+    return c;
+  };
+  const int base = stage_group * dp;  // one data group's colours
+  if (shards.mics_shard > 0) {
+    const int s = shards.mics_shard;
+    if (dp % s != 0)
+      throw InputError("mics_shard_size " + std::to_string(s) + " does not divide the data-parallel size (" +
+                       std::to_string(dp) + ")");
+    const MPI_Comm shard = split(world_, base + data / s, data % s, "mics_shard");
+    split(world_, base + data % s, data / s, "mics_replicate");
+    if (shards.mics_hierarchical) {
+      // DeepSpeed (mics_utils.py): the shard group is cut into its nodes' consecutive runs of k
+      // ranks, and asserts that it spans more than one node.
+      const std::vector<int> nodes = nodes_.nodes_of(shard);
+      const int me = data % s;
+      const int k = static_cast<int>(std::count(nodes.begin(), nodes.end(), nodes[static_cast<size_t>(me)]));
+      int regular = s % k == 0 && s / k > 1 ? 1 : 0;
+      for (int i = 0; i < s && regular; ++i)
+        regular = nodes[static_cast<size_t>(i)] == nodes[static_cast<size_t>(i / k * k)] &&
+                  (i < k || nodes[static_cast<size_t>(i)] != nodes[static_cast<size_t>(i - k)]);
+      int all = regular;
+      MPI_Allreduce(&regular, &all, 1, MPI_INT, MPI_MIN, world_);
+      if (!all)  // agreed by every rank: one message, from rank 0
+        throw AgreedFailure("zero_optimization.mics_hierarchical_params_gather: each MiCS shard group (mics_shard_size " +
+                         std::to_string(s) + ") must span more than one node, in runs of the same number of "
+                         "consecutive ranks per node (DeepSpeed asserts it; nodes: " + nodes_.describe() + ")",
+                         kExitBadInput, 0, rank_ == 0);
+      split(shard, me / k, me % k, "mics_intra");
+      split(shard, me % k, me / k, "mics_inter");
+    }
+  }
+  if (shards.hpz > 1) {
+    if (dp % shards.hpz != 0)
+      throw InputError("zero_hpz_partition_size " + std::to_string(shards.hpz) +
+                       " does not divide the data-parallel size (" + std::to_string(dp) + ")");
+    split(world_, base + data / shards.hpz, data % shards.hpz, "hpz");
+  }
 }
 
 ProcessGroups::~ProcessGroups() {

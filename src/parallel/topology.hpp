@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "parallel/nodes.hpp"
+
 namespace zero3d {
 
 class ProcessTopology {
@@ -57,10 +59,25 @@ class ProcessTopology {
 // one) and strided "expert_data" groups (ranks holding the same experts: their gradients are
 // reduced there); "expert_norm" joins the ranks at one expert_data position across expert,
 // pipe and model ranks (with the expert_data sum, every expert gradient once: the grad norm).
-// Owned here and handed out by name; nothing is global.
+// ZeRO's groups inside each data group (DeepSpeed zero/mics_utils.py create_mics_comm_groups and
+// utils/groups.py _create_zero_param_parallel_group; FACTS-2 §3.6), by data rank d:
+//  * "mics_shard": d / mics_shard (consecutive ranks hold one copy of the model states between
+//    them), "mics_replicate": d % mics_shard (the ranks holding the same shard);
+//  * with mics_hierarchical, inside each shard group that spans n nodes of k ranks each,
+//    "mics_intra" (the shard's ranks on this node) and "mics_inter" (the shard's ranks at this
+//    rank's position on every node): the gather crosses nodes in the smaller group first;
+//  * "hpz": d / hpz, hpZ's secondary partition group.
+// Groups not asked for (mics_shard 0, hpz 1) are not built.
+struct DataShards {
+  int mics_shard = 0;
+  bool mics_hierarchical = false;
+  int hpz = 1;
+};
+
+// Owned here and handed out by name; nothing is global. nodes(): which ranks share a node.
 class ProcessGroups {
  public:
-  ProcessGroups(const ProcessTopology& topology, MPI_Comm world, int ep_size = 1);
+  ProcessGroups(const ProcessTopology& topology, MPI_Comm world, int ep_size = 1, DataShards shards = {});
   ~ProcessGroups();
   ProcessGroups(const ProcessGroups&) = delete;
   ProcessGroups& operator=(const ProcessGroups&) = delete;
@@ -69,6 +86,8 @@ class ProcessGroups {
   MPI_Comm world() const { return world_; }
   // "data", "model", "pipe", "model_parallel", "embedding", "expert", "expert_data", "expert_norm"
   MPI_Comm axis(const std::string& name) const;
+  bool has(const std::string& name) const { return comms_.count(name) > 0; }
+  const NodeMap& nodes() const { return nodes_; }
   MPI_Comm data_parallel() const { return axis("data"); }
   int rank() const { return rank_; }
   ProcessTopology::Coord coord() const { return topology_.get_coord(rank_); }
@@ -78,6 +97,8 @@ class ProcessGroups {
   MPI_Comm world_;
   int rank_ = 0;
   std::map<std::string, MPI_Comm> comms_;
+  NodeMap nodes_;
+  void build_data_shards(const DataShards& shards, int dp, int data, int stage_group);
 };
 
 }  // namespace zero3d

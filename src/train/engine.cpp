@@ -59,6 +59,18 @@ std::string rule_text(const std::string& rule) {
 // "2 nodes, 4 ranks per node (local rank from MPI_COMM_TYPE_SHARED)"
 }  // namespace
 
+ShardGroups Engine::shard_groups() {
+  ShardGroups s;
+  for (auto& [name, c] : shard_comms_) {
+    Communicator& m = model_comms_.of(*c);
+    if (name == "mics_replicate" && c->size() > 1) s.replicas = &m;
+    if (name == "mics_inter") s.gather_inter = &m;
+    if (name == "mics_intra") s.gather_intra = &m;
+    if (name == "hpz") s.hpz = &m;
+  }
+  return s;
+}
+
 Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string output_dir, Watchdog* watchdog)
     : cfg_(cfg), groups_(groups), output_dir_(std::move(output_dir)) {
   keep_mmap_threshold();  // heap.hpp: freed buffers leave the resident set, step after step
@@ -74,6 +86,13 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
     edp_comm_ = std::make_unique<MpiCommunicator>(groups.axis("expert_data"), watchdog);
     enorm_comm_ = std::make_unique<MpiCommunicator>(groups.axis("expert_norm"), watchdog);
   }
+  for (const char* name : {"mics_shard", "mics_replicate", "mics_inter", "mics_intra", "hpz"})
+    if (groups.has(name)) shard_comms_.emplace_back(name, std::make_unique<MpiCommunicator>(groups.axis(name), watchdog));
+  // Each group's bytes are intra-node or inter-node by where its ranks lie (parallel/nodes.hpp).
+  for (MpiCommunicator* c : {dp_comm_.get(), pipe_comm_.get(), tp_comm_.get(), world_comm_.get(), mp_comm_.get(),
+                             emb_comm_.get(), ep_comm_.get(), edp_comm_.get(), enorm_comm_.get()})
+    if (c) c->set_intra_node(groups.nodes().within_one_node(c->comm()));
+  for (auto& [name, c] : shard_comms_) c->set_intra_node(groups.nodes().within_one_node(c->comm()));
   rank_ = dp_comm_->rank();
   world_ = dp_comm_->size();
   stage_ = pipe_comm_->rank();
@@ -93,7 +112,9 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   node_summary_ = node_summary(groups.world(), &local_rank_);
   predicted_peak_ = estimate_budget(cfg_, world_comm_->size(), cfg_.zero.stage).total();
   run_collectively(groups.world(), [&] {
-    observer_ = std::make_unique<Observer>(cfg_, groups_.rank(), ObservedComms{dp_comm_.get(), pipe_comm_.get(), tp_comm_.get(), world_comm_.get(), mp_comm_.get(), emb_comm_.get()}, *model_, output_dir_, peak_gflops_total_);
+    ObservedComms observed{dp_comm_.get(), pipe_comm_.get(), tp_comm_.get(), world_comm_.get(), mp_comm_.get(), emb_comm_.get(), {}};
+    for (auto& [name, c] : shard_comms_) observed.shards.emplace_back(c.get(), name);
+    observer_ = std::make_unique<Observer>(cfg_, groups_.rank(), std::move(observed), *model_, output_dir_, peak_gflops_total_);
   });
   print_startup();
 }
@@ -117,24 +138,27 @@ void Engine::setup_local() {
         std::max(partition_numel, gpt_model_part(shape, cfg_.pipe_bounds, stages_, s, t, tp_rank, ep, ep_rank).expert_begin);
   if (stages_ > 1 && shape.tied_head() && (stage_ == 0 || stage_ == stages_ - 1))
     tied_numel_ = model_->part().vocab_local * shape.n_embd;
+  // MiCS: the state is partitioned over the shard group (zero/shard_groups.hpp)
+  MpiCommunicator& partition_group = groups_.has("mics_shard") ? *shard_comms_.front().second : *dp_comm_;
   zero_ = std::make_unique<ZeroOptimizer>(cfg_.zero, cfg_.optimizer, state_types_of(cfg_, model_->part().dense_layout),
                                           model_->part().dense_layout, model_->part().dense_units,
-                                          model_comms_.of(*dp_comm_), partition_numel,
-                                          /*ordered_backward=*/model_->num_chunks() == 1, groups_.rank());
+                                          model_comms_.of(partition_group), partition_numel,
+                                          /*ordered_backward=*/model_->num_chunks() == 1, groups_.rank(), shard_groups());
   // The schedule is fixed for the run (micro-batches = gradient_accumulation_steps).
   const pipe::ScheduleSpec spec{cfg_.pipeline.schedule, stages_, static_cast<int>(cfg_.batch.gradient_accumulation_steps),
                                 cfg_.pipeline.virtual_stages};
   schedule_steps_ = pipe::make_schedule(spec, stage_);
   bool split = false;
   std::vector<int> trace;
+  std::vector<bool> backward;  // per trace entry: fetched by a backward pass
   last_backward_.assign(model_->num_chunks(), -1);
   int index = 0;
   for (const auto& step : schedule_steps_.steps)
     for (const pipe::Instruction& in : step) {
       if (in.op == pipe::Op::Forward) {
-        for (int u : model_->fetch_order(in.chunk, true)) trace.push_back(u);
+        for (int u : model_->fetch_order(in.chunk, true)) trace.push_back(u), backward.push_back(false);
       } else if (in.op == pipe::Op::Backward || in.op == pipe::Op::BackwardInput) {
-        for (int u : model_->fetch_order(in.chunk, false)) trace.push_back(u);
+        for (int u : model_->fetch_order(in.chunk, false)) trace.push_back(u), backward.push_back(true);
       }
       if (in.op == pipe::Op::Backward || in.op == pipe::Op::BackwardWeight) last_backward_[in.chunk] = index;
       split = split || in.op == pipe::Op::BackwardInput;
@@ -147,7 +171,7 @@ void Engine::setup_local() {
     trace = std::move(dense);
     expert_trace_ = std::move(experts);
   }
-  zero_->set_fetch_trace(std::move(trace));
+  zero_->set_fetch_trace(std::move(trace), first_expert_unit_ >= 0 ? std::vector<bool>{} : std::move(backward));
   for (int b = 0; b < schedule_steps_.num_buffers; ++b) buffers_.push_back(model_->make_buffer(split));
   pending_.resize(static_cast<size_t>(schedule_steps_.num_buffers));
   // DeepSpeed: fp16 scales the loss (dynamic when loss_scale is 0); bf16 and fp32 use 1.
@@ -381,7 +405,7 @@ void Engine::save(bool final_step, bool forced) {
   for (const TensorSpec& t : global.tensors())
     m.tensors.push_back({{"name", t.name}, {"shape", t.shape}, {"offset", t.offset}});
   m.states = zero_->checkpoint_states();
-  const auto [b, e] = zero_->checkpoint_range();
+  const auto [b, e] = zero_->save_range();  // MiCS: one replica saves the shard
   const auto arrays = zero_->checkpoint_arrays();
   ShardSlice slice;
   for (const LayoutSegment& run : model_->part().global_runs(b, e, /*saving=*/true)) {
@@ -689,6 +713,7 @@ StepResult Engine::train_step() {
   if (emb_comm_) emb_comm_->reset_bus_bytes();
   for (MpiCommunicator* c : {ep_comm_.get(), edp_comm_.get()})
     if (c) c->reset_bus_bytes();
+  for (auto& [name, c] : shard_comms_) c->reset_bus_bytes();
   zero_->zero_grad();
   if (expert_zero_) expert_zero_->zero_grad();
   finalized_ = false;
@@ -713,6 +738,13 @@ StepResult Engine::train_step() {
   r.expert_comm_bytes = {ep_comm_ ? ep_comm_->bus_bytes() : 0, edp_comm_ ? edp_comm_->bus_bytes() : 0};
   r.comm_bytes = r.comm_by_axis[0] + r.comm_by_axis[1] + r.comm_by_axis[2] + r.expert_comm_bytes[0] +
                  r.expert_comm_bytes[1];
+  for (MpiCommunicator* c : {dp_comm_.get(), emb_comm_.get(), tp_comm_.get(), pipe_comm_.get(), ep_comm_.get(), edp_comm_.get()})
+    if (c) r.link_bytes[c->intra_node() ? 0 : 1] += c->bus_bytes();
+  for (auto& [name, c] : shard_comms_) {
+    r.shard_comm_bytes.emplace_back(name, c->bus_bytes());
+    r.comm_bytes += c->bus_bytes();
+    r.link_bytes[c->intra_node() ? 0 : 1] += c->bus_bytes();
+  }
   // The loss lives on the last stage: averaged over micro-batches and the data group
   // (DeepSpeed _aggregate_total_loss), then broadcast over the pipe group to rank 0.
   double mean_loss = local_loss / static_cast<double>(gas);

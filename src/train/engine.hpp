@@ -53,6 +53,10 @@ struct StepResult {
   int64_t comm_bytes = 0;  // bus bytes this rank moved in the step
   std::array<int64_t, 2> expert_comm_bytes{};  // of them, MoE: in the expert (all-to-all) and expert-data groups
   std::array<int64_t, 3> comm_by_axis{};
+  // MiCS / hpZ groups ("mics_shard", "mics_replicate", "mics_inter", "mics_intra", "hpz"): each one's
+  // bus bytes in the step (counted in comm_bytes)
+  std::vector<std::pair<std::string, int64_t>> shard_comm_bytes;
+  std::array<int64_t, 2> link_bytes{};  // comm_bytes by link (parallel/nodes.hpp): intra-node, inter-node
   double tensor_comm_ms = 0.0;  // blocked in tensor-parallel collectives  // of them: data (with the tied embedding group), tensor, pipe
   // 1 − (this stage's forward and backward time) ÷ (the longest stage's span from the step's
   // start to its last pass): the pipeline bubble as the schedule formulas count it.
@@ -157,6 +161,9 @@ class Engine {
   Config cfg_;
   const ProcessGroups& groups_;
   std::unique_ptr<MpiCommunicator> dp_comm_, pipe_comm_, tp_comm_, mp_comm_, emb_comm_, world_comm_;
+  // MiCS / hpZ's groups (ProcessGroups' DataShards), by name; empty without them.
+  std::vector<std::pair<std::string, std::unique_ptr<MpiCommunicator>>> shard_comms_;
+  ShardGroups shard_groups();  // the ZeRO optimizer's view of them
   // What each group uses for buffers in model memory (the MPI communicators above on a CPU
   // build); declared before everything that holds one, so that it goes after them.
   mutable ModelMemoryComms model_comms_;  // a cache: of() makes a group's on first use

@@ -93,6 +93,15 @@ void Engine::print_startup() const {
   std::printf("zero3d %s | world size %d | topology pipe=%d data=%d model=%d | Kokkos %s | %s\n", ZERO3D_VERSION,
               topo.world_size(), topo.get_dim("pipe"), topo.get_dim("data"), topo.get_dim("model"),
               Kokkos::DefaultExecutionSpace::name(), node_summary_.c_str());
+  if (groups_.nodes().emulated_ranks_per_node() > 0 || !shard_comms_.empty()) {
+    // The groups' links, as the bytes are split (parallel/nodes.hpp)
+    std::string groups;
+    for (const auto& [name, c] : shard_comms_)
+      groups += (groups.empty() ? "; " : ", ") + name + " " + std::to_string(c->size()) + " ranks " +
+                (c->intra_node() ? "intra-node" : "inter-node");
+    std::printf("nodes   %s; data group %s%s\n", groups_.nodes().describe().c_str(),
+                dp_comm_->intra_node() ? "intra-node" : "inter-node", groups.c_str());
+  }
   if constexpr (kernels::kGpuBuild) {  // rank 0's device; every rank took the one of its rank on its node
     const kernels::DeviceInfo d = kernels::device_info();
     std::printf("device  %s (device %d of %d visible) | %.1f GiB, %.1f GiB free | %s\n", d.name.c_str(), d.id,
@@ -286,6 +295,7 @@ void Engine::report_step(const StepResult& r, const nlohmann::json& moe, double 
                           {"comm_bytes", r.comm_bytes},
                           {"comm_bytes_by_axis",
                            {{"data", r.comm_by_axis[0]}, {"tensor", r.comm_by_axis[1]}, {"pipe", r.comm_by_axis[2]}}},
+                          {"comm_bytes_by_link", {{"intra_node", r.link_bytes[0]}, {"inter_node", r.link_bytes[1]}}},
                           {"peak_rss_bytes", peak_rss_bytes()},
                           {"loss_scale", r.loss_scale},
                           {"skipped", r.skipped},
@@ -325,6 +335,8 @@ void Engine::report_step(const StepResult& r, const nlohmann::json& moe, double 
     if (cfg_.pld.enabled)
       rec["pld"] = pld_metrics(cfg_.pld, cfg_.training.seed, r.step - 1, cfg_.batch.gradient_accumulation_steps,
                                cfg_.model.n_layer);
+    for (const auto& [name, bytes] : r.shard_comm_bytes) rec["comm_bytes_by_axis"][name] = bytes;
+    if (cfg_.zero.hpz_partition_size > 1) rec["memory"]["hpz_secondary"] = m.secondary;
     if (!moe.is_null()) {
       rec["moe"] = moe;
       rec["comm_bytes_by_axis"]["expert"] = r.expert_comm_bytes[0];

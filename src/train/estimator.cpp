@@ -265,7 +265,10 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   const ParamLayout& layout = plan.part.dense_layout;
   const std::vector<ParamUnit>& units = plan.part.dense_units;
   const int64_t psi = layout.total();  // what this rank's model holds (tied wte copy, vocab padding included)
-  const Partition part(plan.partition_numel, static_cast<int>(dp));
+  // MiCS: the state is partitioned over the shard group, replicated across the groups
+  const int64_t partition_ranks = cfg.zero.mics_shard_size > 0 && (stage < 0 ? cfg.zero.stage : stage) == 3
+                                     ? cfg.zero.mics_shard_size : dp;
+  const Partition part(plan.partition_numel, static_cast<int>(partition_ranks));
   MemoryBudget b;
   b.stage = stage < 0 ? static_cast<int>(cfg.zero.stage) : stage;
   b.pipe_stage = plan.pipe_stage;
@@ -394,6 +397,11 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
       b.comm_gather += static_cast<int64_t>(packed * double(largest_unit));
       b.comm_prefetch += static_cast<int64_t>(packed * double(prefetch));
     }
+    if (cfg.zero.hpz_partition_size > 1)  // hpZ's secondary partition: each unit's slice in the hpZ group
+      for (const ParamUnit& u : units) {
+        const auto [lo, hi] = Partition(u.numel, cfg.zero.hpz_partition_size).owned(0, 0, u.numel);
+        b.live_params += ps * (hi - lo);
+      }
   }
   add_expert_states(cfg, plan, dp, b);
   // Activations: exactly what the engine allocates (Engine::activation_bytes), from the

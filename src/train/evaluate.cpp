@@ -107,6 +107,7 @@ EvalResult Engine::evaluate() {
       if (in.op == pipe::Op::Forward)
         for (int u : model_->fetch_order(in.chunk, true)) trace.push_back(u);
   std::vector<int> training_trace = zero_->fetch_trace(), expert_training_trace;
+  std::vector<bool> training_backward = zero_->fetch_backward();
   if (expert_zero_) {  // MoE: the experts' units go to their own optimizer
     std::vector<int> dense, experts;
     for (int u : trace) (u >= first_expert_unit_ ? experts : dense).push_back(u >= first_expert_unit_ ? u - first_expert_unit_ : u);
@@ -140,7 +141,7 @@ EvalResult Engine::evaluate() {
 
   buffers_.erase(buffers_.begin() + static_cast<std::ptrdiff_t>(kept), buffers_.end());
   pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(kept), pending_.end());
-  zero_->set_fetch_trace(std::move(training_trace));
+  zero_->set_fetch_trace(std::move(training_trace), std::move(training_backward));
   if (expert_zero_) expert_zero_->set_fetch_trace(std::move(expert_training_trace));
   timers_ = step_timers;
   EvalResult e;

@@ -34,9 +34,12 @@ const char* instruction_region(pipe::Op op) {
 namespace {
 std::vector<std::pair<Communicator*, std::pair<const char*, const char*>>> named(const ObservedComms& c) {
   // (communicator, (axis in tables, trace prefix)): the data axis's traffic is ZeRO's
-  return {{c.data, {"data", "zero"}},       {c.embedding, {"embedding", "embedding"}}, {c.tensor, {"tensor", "tensor"}},
-          {c.pipe, {"pipe", "pipe"}},       {c.model_parallel, {"model_parallel", "model_parallel"}},
-          {c.world, {"world", "world"}}};
+  std::vector<std::pair<Communicator*, std::pair<const char*, const char*>>> out = {
+      {c.data, {"data", "zero"}},  {c.embedding, {"embedding", "embedding"}}, {c.tensor, {"tensor", "tensor"}},
+      {c.pipe, {"pipe", "pipe"}},  {c.model_parallel, {"model_parallel", "model_parallel"}},
+      {c.world, {"world", "world"}}};
+  for (const auto& [comm, name] : c.shards) out.push_back({comm, {name.c_str(), name.c_str()}});
+  return out;
 }
 double at(const std::map<std::string, double>& m, const char* k) {
   auto it = m.find(k);
@@ -351,6 +354,7 @@ void Observer::finish() {
                          {"avg_latency_ms", rec.total_ms / rec.count}, {"algbw_gbps", rec.alg_gbps_sum / rec.count},
                          {"busbw_gbps", rec.bus_gbps_sum / rec.count}, {"bus_bytes", rec.bus_bytes}});
     axes.push_back({{"axis", log->axis()}, {"world", log->world()},
+                    {"link", log->intra_node() ? "intra_node" : "inter_node"},
                     {"communicator_bus_bytes", comm->total_bus_bytes() - log->counter_base()}, {"records", records}});
   }
   std::printf("comms logger (rank 0, every operation since start-up):\n%s", comms_table(logs).c_str());

@@ -28,6 +28,7 @@ class ProcessGroups;
 struct ObservedComms {
   Communicator *data = nullptr, *pipe = nullptr, *tensor = nullptr, *world = nullptr, *model_parallel = nullptr,
                *embedding = nullptr;
+  std::vector<std::pair<Communicator*, std::string>> shards;  // MiCS / hpZ's groups, by name
 };
 
 class Observer {

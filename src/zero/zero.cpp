@@ -183,13 +183,14 @@ double unscale_clip_multiplier(double norm_scaled, double loss_scale, double cli
 
 ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types,
                              const ParamLayout& layout, std::vector<ParamUnit> units, Communicator& dp,
-                             int64_t partition_numel, bool ordered_backward, int global_rank)
+                             int64_t partition_numel, bool ordered_backward, int global_rank, ShardGroups shards)
     : cfg_(zero), types_(types), mixed_(types.param != DType::F32 && zero.master_weights == DType::F32),
       master16_(types.param != DType::F32 && zero.master_weights != DType::F32),
       use_windows_(zero.stage >= 2 || types.grad != DType::F32), layout_(layout), units_(std::move(units)), dp_(dp),
       rank_(dp.rank()), world_(dp.size()), stage_(zero.stage),
       part_(partition_numel < 0 ? layout.total() : partition_numel, dp.size()) {
   ordered_backward_ = ordered_backward;
+  shards_ = shards;
   const ZeroStateElems elems = zero_state_elems(stage_, layout.total(), part_);
   const bool params_on_nvme = stage_ == 3 && zero.offload_param.device == OffloadDevice::Nvme;
   params_ = TypedBuffer("params", types_.param, params_on_nvme ? 0 : elems.params);
@@ -239,7 +240,9 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   // The bucket slots, allocated now: the start-up table and the memory plan (reduce_work) count them.
   const ReduceWork work = reduce_work(stage_, cfg_, types_, layout, units_, part_);
   reducer_->reserve_staging(work.ranges, work.source);
-  reducer_->set_scaling(reduce_scaling(zero.prescale_gradients, zero.gradient_predivide_factor, world_, stage_ >= 1));
+  // MiCS: the mean over every replica's ranks, completed by the replicas' all-reduce (shard_groups.hpp)
+  reducer_->set_scaling(reduce_scaling(zero.prescale_gradients, zero.gradient_predivide_factor,
+                                       world_ * shards_.replica_count(), stage_ >= 1));
   if (stage_ == 3 && types_.autocast != DType::F32) {  // each unit's tensors and the dtype each is gathered in
     const std::vector<TensorSpec>& tensors = layout.tensors();
     for (const ParamUnit& u : units_) {
@@ -272,13 +275,20 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
     for (int u = 0; u <= last; ++u) trace_.push_back(u);
     trace_.push_back(0);
     trace_.push_back(0);
+    backward_.assign(trace_.size() - 1, false);  // the tied head's second use is its backward
     for (int u = last; u >= 1; --u) trace_.push_back(u);
+    backward_.resize(trace_.size(), true);
+  }
+  if (shards_.hpz) {
+    secondary_.resize(units_.size());
+    secondary_valid_.assign(units_.size(), false);
   }
 }
 
-void ZeroOptimizer::set_fetch_trace(std::vector<int> trace) {
+void ZeroOptimizer::set_fetch_trace(std::vector<int> trace, std::vector<bool> backward) {
   drop_gathered_params();
   trace_ = std::move(trace);
+  backward_ = std::move(backward);
   trace_pos_ = 0;
 }
 
@@ -392,7 +402,7 @@ ZeroOptimizer::MasterCast ZeroOptimizer::master_cast() {
   return {{params_.at(stage_ == 3 ? lo - pb : lo), types_.param}, lo - pb, std::max<int64_t>(0, hi - lo)};
 }
 
-void ZeroOptimizer::start_gather(int u) {
+void ZeroOptimizer::start_gather(int u, size_t k) {
   const ParamUnit& unit = units_[u];
   Gathered g;
   // A freed buffer of the unit's size when there is one (blocks all have the same): a fresh
@@ -414,8 +424,12 @@ void ZeroOptimizer::start_gather(int u) {
     displs[r] = lo - unit.offset;
   }
   const auto [lo, hi] = part_.owned(rank_, unit.offset, unit.offset + unit.numel);
-  const void* own = param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_));
-  if (!gather_segments_.empty() && gather_mixed_[static_cast<size_t>(u)]) {
+  if (gathers_secondary(u, k)) {
+    start_secondary_gather(u, g);
+  } else if (shards_.gather_inter) {
+    start_hierarchical_gather(u, g, param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_)));
+  } else if (!gather_segments_.empty() && gather_mixed_[static_cast<size_t>(u)]) {
+    const void* own = param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_));
     // torch_autocast: the listed modules' tensors travel in the autocast dtype, the rest in the
     // parameters' (DeepSpeed gathers each parameter in its comm dtype): every rank packs its
     // slice segment by segment into bytes; fetch() widens the gathered bytes into the unit.
@@ -439,6 +453,7 @@ void ZeroOptimizer::start_gather(int u) {
     }
     g.pending = dp_.all_gather_v_async(g.packed.data(), bytes, at, DType::U8);
   } else {
+    const void* own = param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_));
     convert_any(g.buffer.at(lo - unit.offset), types_.param, own, types_.param, hi - lo);
     g.pending = dp_.all_gather_v_async(g.buffer.data(), counts, displs, types_.param);
   }
@@ -486,13 +501,15 @@ const void* ZeroOptimizer::fetch(int u) {
       const int v = (it++)->first;
       if (!persistent_[v] && !gathered_[v].pending) free_gathered(v);
     }
-    start_gather(u);
+    start_gather(u, k);
   }
   Gathered& g = gathered_[u];
   if (g.pending) {
     g.pending->wait();
     g.pending.reset();
-    if (!g.packed.empty()) unpack_gathered(u, g);
+    if (g.hierarchical) unpack_hierarchical(u, g);
+    else if (!g.packed.empty()) unpack_gathered(u, g);
+    if (g.primary && shards_.hpz) keep_secondary(u, g);
   }
   // NVMe parameters: the reads of the units the trace needs next run ahead of compute.
   if (param_swap_)
@@ -506,7 +523,7 @@ const void* ZeroOptimizer::fetch(int u) {
     if (units_[next].numel > budget) break;
     // (No wait for NVMe reads here: whether a read has landed differs from rank to rank, and the
     // gathers are collectives every rank must start in the same order; start_gather waits.)
-    start_gather(next);
+    start_gather(next, k);
     budget -= units_[next].numel;
   }
   return g.buffer.data();
@@ -598,6 +615,7 @@ void ZeroOptimizer::finish_reduction() {
     reduction_begun_ = false;
   } else {
     reducer_->wait_all();
+    if (shards_.replicas && reduces_gradients()) reduce_over_replicas();
   }
 }
 
@@ -719,6 +737,7 @@ void ZeroOptimizer::drop_gathered_params() {
   if (stage_ == 3) {
     while (!gathered_.empty()) free_gathered(gathered_.begin()->first);
     trace_pos_ = 0;
+    secondary_valid_.assign(secondary_valid_.size(), false);  // hpZ: the next step gathers afresh
   }
 }
 
@@ -736,6 +755,11 @@ std::vector<std::string> ZeroOptimizer::checkpoint_states() const {
 // Stage 0 holds full moments (index = flat offset); stages 1-3 hold partitions (index 0 =
 // part.begin(rank)). Parameters are full except at stage 3.
 std::pair<int64_t, int64_t> ZeroOptimizer::checkpoint_range() const { return part_.owned(rank_, 0, layout_.total()); }
+
+std::pair<int64_t, int64_t> ZeroOptimizer::save_range() const {
+  const auto r = checkpoint_range();
+  return shards_.replicas && shards_.replicas->rank() > 0 ? std::make_pair(r.first, r.first) : r;
+}
 
 std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arrays() {
   const auto [b, e] = checkpoint_range();
@@ -886,6 +910,7 @@ MemoryBytes ZeroOptimizer::memory() const {
   for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
   m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(dtype_size(types_.param));
   m.gathered = gathered_bytes_;
+  for (const TypedBuffer& b : secondary_) m.secondary += b.bytes();
   return m;
 }
 

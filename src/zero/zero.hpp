@@ -46,6 +46,7 @@
 #include "parallel/comm.hpp"
 #include "parallel/grad_reducer.hpp"
 #include "parallel/partition.hpp"
+#include "zero/shard_groups.hpp"
 
 namespace zero3d {
 
@@ -100,6 +101,7 @@ inline int64_t checkpoint_staging_bytes(int stage, const ZeroConfig& zero, DType
 struct MemoryBytes {
   int64_t params = 0, grads = 0, master = 0, optimizer_states = 0, comm_buffers = 0, live_params_peak = 0;
   int64_t gathered = 0;  // stage 3: bytes of the gather buffers allocated (in use and kept for the next gather)
+  int64_t secondary = 0;  // hpZ: bytes of the secondary partition (every unit's slice in the hpZ group)
   int64_t host = 0, nvme = 0, swap_buffers = 0;
   int64_t model_states() const { return params + grads + master + optimizer_states; }
 };
@@ -152,10 +154,11 @@ class ZeroOptimizer : public ParamStore {
   // end down to 0 (one chunk per rank), so stages 0-1 can launch buckets during backward;
   // otherwise (interleaved chunks) the reduction starts at finish_reduction().
   // global_rank names this rank's swap folder (rank<global_rank>, as DeepSpeed); default: the
-  // data-parallel rank.
+  // data-parallel rank. shards: MiCS and hpZ's groups (shard_groups.hpp); with MiCS, `dp` is the
+  // shard group, over which everything is partitioned.
   ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt, StateTypes types, const ParamLayout& layout,
                 std::vector<ParamUnit> units, Communicator& dp, int64_t partition_numel = -1,
-                bool ordered_backward = true, int global_rank = -1);
+                bool ordered_backward = true, int global_rank = -1, ShardGroups shards = {});
 
   // Mixed precision at stages 1-2 fills the 16-bit copy at start-up in tensor groups of at
   // least this many elements (plus at most one tensor): the transient fp32 staging.
@@ -169,8 +172,11 @@ class ZeroOptimizer : public ParamStore {
   // The order in which one optimizer step fetches units (stage 3 prefetches along it); the
   // default is one micro-batch's forward and backward of a one-stage model, repeated. Units
   // gathered for the previous trace are released (an evaluation's, say: a new pass starts clean).
-  void set_fetch_trace(std::vector<int> trace);
+  // backward: which entries are a backward pass's fetches (hpZ gathers those inside its group;
+  // empty: none are).
+  void set_fetch_trace(std::vector<int> trace, std::vector<bool> backward = {});
   const std::vector<int>& fetch_trace() const { return trace_; }
+  const std::vector<bool>& fetch_backward() const { return backward_; }
   // Before each backward pass; `boundary`: the last backward of this step that touches the
   // units it completes (their accumulation ends with it).
   void begin_micro_step(bool boundary);
@@ -200,6 +206,9 @@ class ZeroOptimizer : public ParamStore {
   // This rank's local range [begin, end) and, per state ("params" then the optimizer's), a
   // pointer to its element `begin`.
   std::pair<int64_t, int64_t> checkpoint_range() const;
+  // The part of checkpoint_range() this rank writes: all of it, except on MiCS replicas other
+  // than the first (the same shard is saved once).
+  std::pair<int64_t, int64_t> save_range() const;
   // This rank's range of each state in fp32, in model memory (device memory on a GPU build:
   // the checkpoint writer copies it to the host as it writes).
   std::vector<std::pair<std::string, const float*>> checkpoint_arrays();
@@ -228,9 +237,19 @@ class ZeroOptimizer : public ParamStore {
     TypedBuffer buffer;
     std::unique_ptr<CommRequest> pending;  // prefetch in flight
     kernels::StagingBuffer packed;         // torch_autocast: the gather's bytes, mixed dtypes (else empty)
+    bool hierarchical = false;             // MiCS hierarchical: `packed` holds the slices by node position
+    bool primary = true;                   // gathered over the whole partition group (hpZ: fills the secondary)
   };
-  void start_gather(int u);
+  // k: the trace entry the gather is for (hpZ: a backward entry reads the secondary partition).
+  void start_gather(int u, size_t k);
   void unpack_gathered(int u, Gathered& g);
+  // shard_groups.cpp: MiCS's hierarchical gather, hpZ's secondary partition.
+  void start_hierarchical_gather(int u, Gathered& g, const void* own);
+  void unpack_hierarchical(int u, Gathered& g);
+  bool gathers_secondary(int u, size_t k) const;
+  void start_secondary_gather(int u, Gathered& g);
+  void keep_secondary(int u, const Gathered& g);
+  void reduce_over_replicas();
   void free_gathered(int u);
   bool keep_after_use(int u) const;  // stage 3: persistent, or reused soon enough
   float* window_for(int u);
@@ -297,7 +316,12 @@ class ZeroOptimizer : public ParamStore {
   BasicPool<kernels::StagingBuffer> gather_staging_;  // in model memory, where the conversions run
   std::vector<bool> persistent_;
   std::vector<int> trace_;
-  size_t trace_pos_ = 0;  // index in trace_ of the current (or next) fetch
+  std::vector<bool> backward_;  // per trace entry: a backward pass's fetch
+  size_t trace_pos_ = 0;
+  ShardGroups shards_;
+  // hpZ: each unit's slice of the secondary partition, and whether it holds this step's values
+  std::vector<TypedBuffer> secondary_;
+  std::vector<bool> secondary_valid_;  // index in trace_ of the current (or next) fetch
   int64_t live_elems_ = 0, live_peak_elems_ = 0;
 };
 

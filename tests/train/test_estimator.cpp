@@ -76,6 +76,17 @@ TEST(Budget, ModelStatesFollowTheZeroFormulas) {
   EXPECT_EQ(estimate_budget(small_config(3), 2).model_states(), 16 * part);
 }
 
+// MiCS partitions over its shard group: on 4 ranks with shard groups of 2, ZeRO-3's states of 2 ranks.
+TEST(Budget, MicsModelStatesArePartitionedOverTheShardGroup) {
+  Config c = small_config(3);
+  const int64_t psi = count_model(c.model).params;
+  const int64_t padded = (psi + 3) / 4 * 4, part = padded / 2;
+  c.zero.mics_shard_size = 2;
+  EXPECT_EQ(estimate_budget(c, 4).model_states(), 16 * part);
+  c.zero.mics_shard_size = 0;
+  EXPECT_LT(estimate_budget(c, 4).model_states(), 16 * part);
+}
+
 TEST(Budget, LargestFittingMicroBatchFitsAndOneMoreDoesNot) {
   Config c = small_config(2);
   const int64_t limit = 200 * 1000 * 1000;
