@@ -644,6 +644,13 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   if (c.optimizer.one_bit() && c.precision.param != DType::F16)
     top.note("warning optimizer " + c.optimizer.type_name + " without fp16: DeepSpeed warns that its convergence is "
              "only verified under FP16 (it runs, as here)");
+  // OneBitLamb's trust ratio, momentum scales and scaling factor are norms and maxima over whole
+  // tensors; a tensor-parallel rank holds a shard of each.
+  if (c.optimizer.type == OptimizerType::OneBitLamb && c.tensor.size > 1)
+    top.report("tensor_parallel.autotp_size", "value " + std::to_string(c.tensor.size) + ": " + c.optimizer.type_name +
+                                                  " computes its trust ratio and scaling factors over whole tensors, "
+                                                  "which tensor parallelism shards; use autotp_size 1 (or OneBitAdam, "
+                                                  "ZeroOneAdam)");
   step([&] { check_offload(top, c); });
   step([&] { c.observability = read_observability(top); });
   step([&] { c.autotuning = read_autotuning(top); });

@@ -98,7 +98,7 @@ struct TrainingConfig {
   int64_t sample_tokens = 64;
 };
 
-enum class OptimizerType { Adam, Lamb, SGD, Lion, Adagrad, OneBitAdam };
+enum class OptimizerType { Adam, Lamb, SGD, Lion, Adagrad, OneBitAdam, ZeroOneAdam, OneBitLamb };
 
 // One struct for all optimizers: each type reads the fields it owns (see config.cpp).
 struct OptimizerConfig {
@@ -111,7 +111,7 @@ struct OptimizerConfig {
   bool bias_correction = true;
   bool adam_w_mode = true;       // Adam/AdamW: decoupled weight decay (DeepSpeed FusedAdam mode 1)
   bool eps_inside_sqrt = false;  // Lamb
-  double max_coeff = 10.0, min_coeff = 0.01;  // Lamb trust-ratio clamp
+  double max_coeff = 10.0, min_coeff = 0.01;  // Lamb and OneBitLamb trust-ratio clamp
   double momentum = 0.0, dampening = 0.0;     // SGD
   bool nesterov = false;                      // SGD
   double lr_decay = 0.0, initial_accumulator_value = 0.0;  // Adagrad (torch.optim.Adagrad)
@@ -119,10 +119,19 @@ struct OptimizerConfig {
   // variance freezes and the momentum is communicated through the 1-bit all-reduce; the
   // transport DeepSpeed names (nccl, mpi, hccl, compressed: the same algorithm, which zero3d
   // runs over its data-parallel communicator) and cuda_aware (MPI's device buffers; no effect).
-  int64_t freeze_step = 100000;
+  int64_t freeze_step = 100000;  // OneBitAdam, OneBitLamb
   std::string comm_backend_name = "nccl";
   bool cuda_aware = false;
-  bool one_bit() const { return type == OptimizerType::OneBitAdam; }
+  // ZeroOneAdam (onebit/zoadam.py): the last step that may update the variance, the variance
+  // updates after which its interval doubles (the paper's kappa), the local steps after which
+  // the local-step interval doubles, and that interval's ceiling (the paper's H).
+  int64_t var_freeze_step = 100000, var_update_scaler = 16, local_step_scaler = 32678, local_step_clipper = 16;
+  // OneBitLamb (onebit/lamb.py): the EMA rate of the frozen trust ratio and the clamps of the
+  // compressed stage's scaling factor (absolute, and relative to the previous step's).
+  double coeff_beta = 0.9, factor_max = 4.0, factor_min = 0.5, factor_threshold = 0.1;
+  bool one_bit() const {
+    return type == OptimizerType::OneBitAdam || type == OptimizerType::ZeroOneAdam || type == OptimizerType::OneBitLamb;
+  }
 };
 
 enum class SchedulerType { None, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest };

@@ -33,18 +33,44 @@ void read_hf_auto_params(Section& p) {
   take("eps", kHfAdamEpsilon, "adam_epsilon");
   take("weight_decay", kHfWeightDecay, "weight_decay");
 }
-// OnebitAdam's constructor arguments (runtime/fp16/onebit/adam.py; DEEPSPEED-FACTS-2 §5.1) with
-// DeepSpeed's defaults. bias_correction, eps_inside_sqrt and max_grad_norm are arguments it
-// stores and never uses (its update has no bias correction; clipping is the engine's
-// gradient_clipping): accepted, and said so when set.
+// The constructor arguments of DeepSpeed's 1-bit optimizers (runtime/fp16/onebit/{adam,zoadam,
+// lamb}.py; DEEPSPEED-FACTS-2 §5.1) with DeepSpeed's defaults. bias_correction, eps_inside_sqrt
+// and max_grad_norm are arguments all three store and never use (their updates have no bias
+// correction; clipping is the engine's gradient_clipping): accepted, and said so when set.
 void read_one_bit_params(Section& p, OptimizerConfig& o) {
   const double inf = std::numeric_limits<double>::infinity();
+  const int64_t big = std::numeric_limits<int64_t>::max() / 2;
+  const std::string name = o.type == OptimizerType::OneBitAdam    ? "1-bit Adam"
+                           : o.type == OptimizerType::ZeroOneAdam ? "0/1 Adam"
+                                                                  : "1-bit Lamb";
   read_hf_auto_params(p);
   o.lr = p.number("lr", 1e-3, 0.0, inf);
   std::tie(o.beta1, o.beta2) = p.pair("betas", {0.9, 0.999});
   o.eps = p.number("eps", 1e-8, 0.0, inf);
   o.weight_decay = p.number("weight_decay", 0.0, 0.0, inf);
-  o.freeze_step = p.integer("freeze_step", 100000, 0, std::numeric_limits<int64_t>::max() / 2);
+  if (o.type == OptimizerType::ZeroOneAdam) {
+    o.var_freeze_step = p.integer("var_freeze_step", 100000, 0, big);
+    // var_counter counts from 1, so 0 never doubles the interval (as in DeepSpeed)
+    o.var_update_scaler = p.integer("var_update_scaler", 16, 0, big);
+    o.local_step_scaler = p.integer("local_step_scaler", 32678, 0, big);
+    // zoadam.py takes step % local_step_interval with interval = min(clipper, 2·interval): a
+    // clipper of 0 divides by zero there once local_step_scaler steps have passed
+    o.local_step_clipper = p.integer("local_step_clipper", 16, 1, big);
+  } else {
+    o.freeze_step = p.integer("freeze_step", 100000, 0, big);
+  }
+  if (o.type == OptimizerType::OneBitLamb) {
+    o.max_coeff = p.number("max_coeff", 10.0, 0.0, inf, true);
+    o.min_coeff = p.number("min_coeff", 0.01, 0.0, inf);
+    if (o.min_coeff > o.max_coeff)
+      p.report_key("min_coeff", "must not exceed max_coeff (" + std::to_string(o.max_coeff) + ")");
+    o.coeff_beta = p.number("coeff_beta", 0.9, 0.0, 1.0);
+    o.factor_max = p.number("factor_max", 4.0, 0.0, inf, true);
+    o.factor_min = p.number("factor_min", 0.5, 0.0, inf);
+    if (o.factor_min > o.factor_max)
+      p.report_key("factor_min", "must not exceed factor_max (" + std::to_string(o.factor_max) + ")");
+    o.factor_threshold = p.number("factor_threshold", 0.1, 0.0, inf);
+  }
   for (const char* unused : {"bias_correction", "eps_inside_sqrt"})
     if (p.has(unused)) {
       p.boolean(unused, std::string(unused) == "bias_correction");
@@ -56,9 +82,9 @@ void read_one_bit_params(Section& p, OptimizerConfig& o) {
     p.note("note    " + p.key_path("max_grad_norm") + " is accepted and unused, as in DeepSpeed's " + o.type_name +
            "; clipping is the top-level `gradient_clipping`");
   }
-  // OnebitAdam.__init__: raise RuntimeError('1-bit Adam does not support the AMSGrad variant.')
+  // __init__: raise RuntimeError('1-bit Adam does not support the AMSGrad variant.') (and 0/1 Adam's, 1-bit Lamb's)
   if (p.boolean("amsgrad", false))
-    p.report_key("amsgrad", "1-bit Adam does not support the AMSGrad variant (DeepSpeed raises RuntimeError)");
+    p.report_key("amsgrad", name + " does not support the AMSGrad variant (DeepSpeed raises RuntimeError)");
   o.cuda_aware = p.boolean("cuda_aware", false);
   if (o.cuda_aware)
     p.note("note    " + p.key_path("cuda_aware") + " = true has no effect: it lets DeepSpeed's MPI backend pass "
@@ -84,8 +110,7 @@ OptimizerConfig read_optimizer(Section& top) {
   Section sec = top.child("optimizer");
   std::string type = sec.string("type", "AdamW");
   const std::string t = lower(type);
-  const std::vector<std::string> deepspeed_unsupported = {"zerooneadam", "onebitlamb",
-                                                          "muadam", "muadamw", "musgd", "muon"};
+  const std::vector<std::string> deepspeed_unsupported = {"muadam", "muadamw", "musgd", "muon"};
   // DeepSpeed's implementation names of the same update (ops/adam, ops/lamb): fused CUDA
   // kernels and the CPU kernel compute what Adam and Lamb compute.
   const bool adam_alias = t == "fusedadam" || t == "cpuadam" || t == "deepspeedcpuadam";
@@ -99,16 +124,19 @@ OptimizerConfig read_optimizer(Section& top) {
     o.type = OptimizerType::Lamb;
   } else if (t == "onebitadam") {  // DeepSpeed matches the 1-bit names case-insensitively (FACTS-2 §5.1)
     o.type = OptimizerType::OneBitAdam;
+  } else if (t == "zerooneadam") {
+    o.type = OptimizerType::ZeroOneAdam;
+  } else if (t == "onebitlamb") {
+    o.type = OptimizerType::OneBitLamb;
   } else if (type == "SGD") {  // a torch.optim name: case-sensitive, as DeepSpeed looks it up
     o.type = OptimizerType::SGD;
   } else if (std::find(deepspeed_unsupported.begin(), deepspeed_unsupported.end(), t) !=
                  deepspeed_unsupported.end() ||
              type == "RMSprop" || type == "Adadelta" || type == "Adamax" ||
              type == "NAdam" || type == "RAdam" || type == "ASGD" || type == "Rprop" || type == "LBFGS") {
-    const bool one_bit = t == "zerooneadam" || t == "onebitlamb";
     sec.fail_key("type", "DeepSpeed optimizer " + show(json(type)) + " is not supported by zero3d (supported: Adam, "
-                         "AdamW, Lamb, SGD, Lion, Adagrad, OneBitAdam and their Fused/CPU names)" +
-                         (one_bit ? "; of the 1-bit optimizers zero3d has OneBitAdam" : ""));
+                         "AdamW, Lamb, SGD, Lion, Adagrad, OneBitAdam, ZeroOneAdam, OneBitLamb and their Fused/CPU "
+                         "names)");
   } else {
     std::string hint = nearest(type, {"Adam", "AdamW", "Lamb", "SGD", "Lion", "Adagrad"});
     sec.fail_key("type", show(json(type)) + " is not a supported optimizer (Adam, AdamW, Lamb, SGD, Lion, Adagrad)" +
@@ -173,6 +201,8 @@ OptimizerConfig read_optimizer(Section& top) {
       break;
     }
     case OptimizerType::OneBitAdam:
+    case OptimizerType::ZeroOneAdam:
+    case OptimizerType::OneBitLamb:
       read_one_bit_params(p, o);
       break;
     case OptimizerType::SGD: {

@@ -195,8 +195,11 @@ PrecisionConfig read_precision(Section& top, const Config& c) {
   else if (autocast_on)
     p.autocast = AutocastConfig{autocast_dtype, autocast_modules};
   p.param = fp16_on ? DType::F16 : bf16_on ? DType::BF16 : DType::F32;
-  if (fp16_on && p.loss_scale > 0.0 && c.optimizer.type == OptimizerType::Lamb)
-    top.report("fp16.loss_scale", "Lamb needs dynamic loss scaling in DeepSpeed; set it to 0 or remove it");
+  // engine.py: assert self.dynamic_loss_scale(), "DeepSpeed {} optimizer requires dynamic loss scaling" (Lamb, OneBitLamb)
+  if (fp16_on && p.loss_scale > 0.0 &&
+      (c.optimizer.type == OptimizerType::Lamb || c.optimizer.type == OptimizerType::OneBitLamb))
+    top.report("fp16.loss_scale", c.optimizer.type_name +
+                                      " needs dynamic loss scaling in DeepSpeed; set it to 0 or remove it");
 
   p.comm = p.param;
   attempt(top.context(), top.file(), [&] { p.comm = read_dtype(top, "communication_data_type", p.param); });

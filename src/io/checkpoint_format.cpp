@@ -183,6 +183,8 @@ CheckpointMeta meta_from_json(const nlohmann::json& j, const std::string& where)
     if (m.optimizer_type == "Adam" || m.optimizer_type == "Lamb") expect = {"params", "exp_avg", "exp_avg_sq"};
     else if (m.optimizer_type == "Lion") expect = {"params", "exp_avg"};
     else if (m.optimizer_type == "Adagrad") expect = {"params", "exp_avg_sq"};
+    else if (m.optimizer_type == "OneBitLamb")  // 1-bit LAMB's state keys (optim/onebit.hpp)
+      expect = {"params", "exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor", "scaling_coeff"};
     else if (m.optimizer_type == "SGD")
       expect = m.states.size() == 2 ? std::vector<std::string>{"params", "momentum_buffer"}
                                     : std::vector<std::string>{"params"};

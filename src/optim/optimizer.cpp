@@ -38,9 +38,11 @@ void apply(const ElementwiseStep& s, float* p, const float* g, float* const* st,
       return;
     case OptimizerType::Lamb:
     case OptimizerType::OneBitAdam:
+    case OptimizerType::ZeroOneAdam:
+    case OptimizerType::OneBitLamb:
       break;
   }
-  throw std::logic_error("Lamb's trust ratio and 1-bit Adam's per-tensor compression need whole tensors: no elementwise step");
+  throw std::logic_error("Lamb's trust ratio and the 1-bit optimizers' compression need whole tensors: no elementwise step");
 }
 }  // namespace
 
@@ -71,6 +73,8 @@ ElementwiseStep make_elementwise_step(const OptimizerConfig& cfg, int64_t step, 
       break;
     case OptimizerType::Lamb:
     case OptimizerType::OneBitAdam:
+    case OptimizerType::ZeroOneAdam:
+    case OptimizerType::OneBitLamb:
       break;
   }
   return s;
@@ -84,9 +88,13 @@ std::vector<std::string> optimizer_state_names(const OptimizerConfig& cfg) {
       return {"exp_avg"};
     case OptimizerType::Adagrad:
       return {"exp_avg_sq"};
+    case OptimizerType::OneBitLamb:
+      // DeepSpeed's state keys; the last three are one value per tensor (onebit.hpp)
+      return {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor", "scaling_coeff"};
     case OptimizerType::Adam:
     case OptimizerType::Lamb:
     case OptimizerType::OneBitAdam:
+    case OptimizerType::ZeroOneAdam:
       break;
   }
   return {"exp_avg", "exp_avg_sq"};
@@ -144,7 +152,7 @@ Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DTyp
     : cfg_(cfg), layout_(layout), state_type_(state_type), names_(optimizer_state_names(cfg)) {
   if ((cfg.type == OptimizerType::Lamb || cfg.one_bit()) && state_type != DType::F32)
     throw std::logic_error("Lamb and the 1-bit optimizers keep fp32 states");
-  if (cfg.type == OptimizerType::OneBitAdam) onebit_ = std::make_unique<OneBitAdam>(cfg, layout, dp);
+  if (cfg.one_bit()) onebit_ = make_one_bit_optimizer(cfg, layout, dp);
   const int64_t n = layout.total();
   for (const std::string& name : names_) states_.emplace_back(name, state_type, n);
   if (cfg.type == OptimizerType::Adagrad && cfg.initial_accumulator_value != 0.0) {
@@ -156,11 +164,11 @@ Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DTyp
 
 Optimizer::~Optimizer() = default;
 
-bool Optimizer::backward_allreduce() const { return !onebit_ || !onebit_->compressed(step_count_ + 1); }
+bool Optimizer::backward_allreduce() const { return !onebit_ || onebit_->backward_allreduce(step_count_ + 1); }
 
 void Optimizer::set_step_count(int64_t n) {
   step_count_ = n;
-  if (onebit_) onebit_->reset_errors();
+  if (onebit_) onebit_->loaded(n);
 }
 
 int64_t Optimizer::state_bytes() const {
@@ -226,16 +234,16 @@ void Optimizer::one_bit_step(TypedSpan params, const void* grads, DType grad_typ
   if (params.type != DType::F32) throw std::logic_error("the 1-bit optimizers update fp32 parameters");
   const int64_t n = layout_.total();
   const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-  float* model[3] = {static_cast<float*>(params.data), states_[0].as<float>(), states_[1].as<float>()};
-  float* host[3];
-  for (int k = 0; k < 3; ++k) {
-    host[k] = model[k];
-    if constexpr (!kernels::kHostIsDevice) {
+  std::vector<float*> model = {static_cast<float*>(params.data)};  // the parameters, then the states
+  for (TypedBuffer& b : states_) model.push_back(b.as<float>());
+  host_.resize(model.size() + 1);
+  std::vector<float*> host(model);
+  if constexpr (!kernels::kHostIsDevice)
+    for (size_t k = 0; k < model.size(); ++k) {
       host_[k].resize(static_cast<size_t>(n));
       kernels::copy_to_host(host_[k].data(), model[k], bytes);
       host[k] = host_[k].data();
     }
-  }
   // Gradients as fp32 (16-bit ones widened and multiplied by the unscale-and-clip factor).
   const float* g = static_cast<const float*>(grads);
   if (grad_type != DType::F32 || grad_mul != 1.0f || !kernels::kHostIsDevice) {
@@ -243,15 +251,16 @@ void Optimizer::one_bit_step(TypedSpan params, const void* grads, DType grad_typ
     convert_any(widened, DType::F32, grads, grad_type, n, grad_mul);
     g = widened;
     if constexpr (!kernels::kHostIsDevice) {
-      host_[3].resize(static_cast<size_t>(n));
-      kernels::copy_to_host(host_[3].data(), widened, bytes);
-      g = host_[3].data();
+      std::vector<float>& gh = host_.back();
+      gh.resize(static_cast<size_t>(n));
+      kernels::copy_to_host(gh.data(), widened, bytes);
+      g = gh.data();
     }
   }
   const double beta1 = betas ? betas->first : cfg_.beta1, beta2 = betas ? betas->second : cfg_.beta2;
-  onebit_->step(step_count_, host[0], g, host[1], host[2], lr, beta1, beta2);
+  onebit_->step(step_count_, host[0], g, host.data() + 1, lr, beta1, beta2);
   if constexpr (!kernels::kHostIsDevice)
-    for (int k = 0; k < 3; ++k) kernels::copy_to_device(model[k], host[k], bytes);
+    for (size_t k = 0; k < model.size(); ++k) kernels::copy_to_device(model[k], host[k], bytes);
   if (rounded.data && rounded_n > 0) convert_any(rounded.data, rounded.type, model[0], DType::F32, rounded_n);
 }
 

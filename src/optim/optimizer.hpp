@@ -23,7 +23,7 @@
 
 namespace zero3d {
 
-class OneBitAdam;  // optim/onebit.hpp
+class OneBitOptimizer;  // optim/onebit.hpp
 
 // An array whose element type is chosen at run time.
 struct TypedSpan {
@@ -97,10 +97,11 @@ class Optimizer {
   ~Optimizer();
 
   // Whether the engine averages the gradients of the next step before step() (DeepSpeed's
-  // enable_backward_allreduce): always, except for a 1-bit optimizer past its freeze, which is
-  // given this rank's local gradients and communicates its compressed momentum instead.
+  // enable_backward_allreduce): always, except for a 1-bit optimizer on a step it communicates
+  // compressed (past its freeze, or 0/1 Adam between its variance updates), which is given this
+  // rank's local gradients instead.
   bool backward_allreduce() const;
-  const OneBitAdam* one_bit() const { return onebit_.get(); }  // null for the other optimizers
+  const OneBitOptimizer* one_bit() const { return onebit_.get(); }  // null for the other optimizers
 
   // One update with learning rate `lr`; `betas` overrides (beta1, beta2) for this step (OneCycle).
   void step(float* params, const float* grads, double lr,
@@ -118,7 +119,8 @@ class Optimizer {
             int64_t rounded_n = 0);
 
   int64_t step_count() const { return step_count_; }
-  // (A checkpoint load: a 1-bit optimizer's error buffers restart at zero, FACTS-2 §5.3.)
+  // (A checkpoint load: a 1-bit optimizer's error buffers restart at zero and its phase follows
+  // from n, FACTS-2 §5.3.)
   void set_step_count(int64_t n);
   // Names of the state buffers, as checkpoints store them (optimizer_state_names), and the
   // buffers themselves in the same order, each of state_type().
@@ -138,8 +140,9 @@ class Optimizer {
   int64_t step_count_ = 0;
   ElementwiseUpdater updater_;
   WidenScratch widened_;  // LAMB: one tensor's widened gradients
-  std::unique_ptr<OneBitAdam> onebit_;
-  std::vector<float> host_[4];  // 1-bit steps run on host arrays: parameters, gradients, m, v (GPU build)
+  std::unique_ptr<OneBitOptimizer> onebit_;
+  // 1-bit steps run on host arrays (GPU build): the parameters, the states, the gradients
+  std::vector<std::vector<float>> host_;
   void one_bit_step(TypedSpan params, const void* grads, DType grad_type, float grad_mul, double lr,
                     std::optional<std::pair<double, double>> betas, TypedSpan rounded, int64_t rounded_n);
 };

@@ -39,13 +39,16 @@ std::string optimizer_family(const OptimizerConfig& o) {
     case OptimizerType::Lamb: return "Lamb";
     case OptimizerType::Lion: return "Lion";
     case OptimizerType::Adagrad: return "Adagrad";
+    case OptimizerType::OneBitLamb: return "OneBitLamb";  // Lamb's states and exp_avg_sq_fresh, its coefficients
     case OptimizerType::Adam:
-    case OptimizerType::OneBitAdam: break;  // exp_avg and exp_avg_sq, as Adam's
+    case OptimizerType::OneBitAdam:
+    case OptimizerType::ZeroOneAdam: break;  // exp_avg and exp_avg_sq, as Adam's
   }
   return "Adam";
 }
 std::string update_rule(const OptimizerConfig& o) {
   if (o.type == OptimizerType::OneBitAdam) return "OneBitAdam";
+  if (o.type == OptimizerType::ZeroOneAdam) return "ZeroOneAdam";
   if (o.type != OptimizerType::Adam) return optimizer_family(o);
   return o.adam_w_mode ? "AdamW" : "Adam";
 }
@@ -53,6 +56,7 @@ std::string rule_text(const std::string& rule) {
   if (rule == "AdamW") return "decoupled weight decay, adam_w_mode true";
   if (rule == "Adam") return "L2 weight decay added to the gradient, adam_w_mode false";
   if (rule == "OneBitAdam") return "no bias correction, variance frozen after freeze_step";
+  if (rule == "ZeroOneAdam") return "no bias correction, variance updated at growing intervals, then local steps";
   return rule;
 }
 
@@ -311,8 +315,11 @@ void Engine::resume_from_checkpoint() {
     if (!m.update_rule.empty() && m.update_rule != rule)
       throw InputError(reader->dir() + ": saved with the " + m.update_rule + " update rule (" + rule_text(m.update_rule) +
                        "), the config gives " + rule + " (" + rule_text(rule) + "); " +
-                       (m.update_rule == "OneBitAdam" || rule == "OneBitAdam"
-                            ? "set optimizer.type to " + (m.update_rule == "OneBitAdam" ? std::string("OneBitAdam") : "Adam or AdamW")
+                       (m.update_rule == "OneBitAdam" || m.update_rule == "ZeroOneAdam" || rule == "OneBitAdam" ||
+                                rule == "ZeroOneAdam"
+                            ? "set optimizer.type to " + (m.update_rule == "AdamW" || m.update_rule == "Adam"
+                                                              ? std::string("Adam or AdamW")
+                                                              : m.update_rule)
                             : "set optimizer.params.adam_w_mode to " + std::string(m.update_rule == "AdamW" ? "true" : "false")) +
                        " to continue this run");
     // This rank's local range, read through the global offsets its elements have.

@@ -194,11 +194,21 @@ void Engine::print_startup() const {
               cfg_.training.peak_gflops > 0
                   ? "training.peak_gflops"
                   : (model_->compute_type() == DType::BF16 ? "measured bf16 gemm, all ranks" : "measured sgemm, all ranks"));
-  if (cfg_.optimizer.one_bit())  // FACTS-2 §5.3: the phases, as DeepSpeed's OnebitAdam prints them when they start
-    std::printf("optim   %s: step 1 initialises (no update); gradients all-reduced through step %lld, then the "
-                "variance is frozen and the momentum averaged by the 1-bit compressed all-reduce over %d ranks\n",
-                cfg_.optimizer.type_name.c_str(), (long long)std::max<int64_t>(cfg_.optimizer.freeze_step, 2),
-                dp_comm_->size());
+  const OptimizerConfig& oc = cfg_.optimizer;
+  if (oc.one_bit()) {  // FACTS-2 §5: the phases, as DeepSpeed's 1-bit optimizers print them when they start
+    std::printf("optim   %s: step 1 initialises (no update); ", oc.type_name.c_str());
+    if (oc.type == OptimizerType::ZeroOneAdam)
+      std::printf("the variance is updated from all-reduced gradients at intervals doubling every %lld updates "
+                  "(1-bit all-reduced gradients between) through step %lld, then frozen; local steps synchronised "
+                  "by the 1-bit compressed all-reduce over %d ranks every 1 to %lld steps\n",
+                  (long long)oc.var_update_scaler, (long long)std::max<int64_t>(oc.var_freeze_step, 1) + 1,
+                  dp_comm_->size(), (long long)oc.local_step_clipper);
+    else
+      std::printf("gradients all-reduced through step %lld, then the variance is frozen and the momentum averaged "
+                  "by the 1-bit compressed all-reduce over %d ranks%s\n",
+                  (long long)std::max<int64_t>(oc.freeze_step, 2), dp_comm_->size(),
+                  oc.type == OptimizerType::OneBitLamb ? " (one flat buffer, LAMB coefficients frozen)" : "");
+  }
   const PrecisionConfig& pc = cfg_.precision;
   std::string scaling = "no loss scaling";
   if (pc.param == DType::F16)

@@ -365,18 +365,27 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
       largest_bucket = std::max(largest_bucket, (k.end - k.begin) * static_cast<int64_t>(dtype_size(k.type)));
     b.comm_reduce += largest_bucket * (dp - 1) / dp;
   }
-  // A 1-bit optimizer past its freeze (FACTS-2 §5.3): per tensor a worker error buffer of its
-  // padded size and a server error buffer of padded/W (optim/onebit.hpp), the compressed
-  // all-reduce's fp32 scratch and packed signs for the largest tensor, and the widened gradient
-  // the step reads when it is clipped or 16-bit.
+  // A 1-bit optimizer past its freeze (FACTS-2 §5): worker error buffers of the padded size and
+  // server error buffers of padded/W (optim/onebit.hpp) — per tensor, or for OneBitLamb once over
+  // all momenta as one flat buffer —, the compressed all-reduce's fp32 scratch and packed signs
+  // for the largest buffer it is given, and the widened gradient the step reads when it is
+  // clipped or 16-bit; 0/1 Adam's accumulator (and the copy of a gradient it compresses), 1-bit
+  // Lamb's copy of the last momenta and its padded flat momentum (and an update tensor).
   if (cfg.optimizer.one_bit() && dp > 1) {
-    int64_t largest_padded = 0;
-    for (const TensorSpec& t : layout.tensors()) {
-      const int64_t padded = onebit_padded_size(t.numel, static_cast<int>(dp));
+    int64_t largest_padded = 0, largest = 0;
+    const auto errors = [&](int64_t numel) {
+      const int64_t padded = onebit_padded_size(numel, static_cast<int>(dp));
       b.comm_reduce += 4 * (padded + padded / dp);
       largest_padded = std::max(largest_padded, padded);
+    };
+    if (cfg.optimizer.type == OptimizerType::OneBitLamb) errors(layout.total());
+    for (const TensorSpec& t : layout.tensors()) {
+      if (cfg.optimizer.type != OptimizerType::OneBitLamb) errors(t.numel);
+      largest = std::max(largest, t.numel);
     }
     b.comm_reduce += 4 * (largest_padded + largest_padded / dp) + 3 * (largest_padded / 8) + 4 * layout.total();
+    if (cfg.optimizer.type == OptimizerType::ZeroOneAdam) b.comm_reduce += 4 * (layout.total() + largest);
+    if (cfg.optimizer.type == OptimizerType::OneBitLamb) b.comm_reduce += 4 * (layout.total() + largest_padded + largest);
   }
   if (b.stage == 3) {
     // Gathered units: ZeroOptimizer's fetch and release decisions along the step's trace

@@ -150,7 +150,7 @@ TEST(ConfigValidation, UnknownOptimizerSuggestsTheRightSpelling) {
 
 TEST(ConfigValidation, DeepSpeedOptimizerZero3dLacksIsNamedUnsupported) {
   json j = minimal();
-  j["optimizer"] = {{"type", "ZeroOneAdam"}};
+  j["optimizer"] = {{"type", "MuAdam"}};
   EXPECT_NE(error_of(j).find("not supported by zero3d"), std::string::npos);
 }
 

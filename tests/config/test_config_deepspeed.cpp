@@ -101,9 +101,6 @@ TEST(KeyKinds, AMissingFeatureNamesTheNearestAlternative) {
   json j = minimal();
   j["sequence_parallel_size"] = 2;
   EXPECT_NE(error_of(j).find("use tensor_parallel.sequence_parallel"), std::string::npos) << error_of(j);
-  j = minimal();
-  j["optimizer"] = {{"type", "ZeroOneAdam"}};
-  EXPECT_NE(error_of(j).find("1-bit"), std::string::npos) << error_of(j);
 }
 
 TEST(KeyKinds, KeysWhoseDeepSpeedMeaningZero3dHasAreAccepted) {

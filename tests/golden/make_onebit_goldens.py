@@ -40,6 +40,14 @@ torch.set_num_threads(1)
 f32 = np.float32
 
 
+def engine_gradients(grads, s, w, averaged):
+    """What each worker's optimizer is given at step s: the engine's all-reduce of the local
+    gradients (sum, then 1/W) when it is on, else the worker's own."""
+    local = [torch.from_numpy(grads[s, i].copy()) for i in range(w)]
+    mean = sum(local[1:], local[0].clone()) * (1.0 / w)
+    return [mean if averaged else local[i] for i in range(w)]
+
+
 def padded_size(n, w):
     divider = w * 8 // math.gcd(w, 8)
     unit = w * divider
@@ -47,6 +55,18 @@ def padded_size(n, w):
 
 
 # ---- NumPy simulation of §5.2 ------------------------------------------------------------------
+def np_compress(x):
+    """One side's compression with error feedback: the scale ‖x‖₂/sqrt(len), the sign bits
+    (x >= 0: sign(0) = +1) packed 8 per byte, and the error x − scale·(±1)."""
+    scale = f32(np.sqrt(np.sum(x.astype(np.float64) ** 2))) / f32(np.sqrt(x.size))
+    pm = np.where(x >= 0, f32(1), f32(-1))
+    return f32(scale), np.packbits(x >= 0), (x - f32(scale) * pm).astype(f32)
+
+
+def np_decode(bits):
+    return np.unpackbits(bits).astype(f32) * f32(2) - f32(1)
+
+
 def np_compressed_allreduce(bufs, worker_err, server_err):
     """bufs: list of W float32 arrays (n); worker_err: W arrays (padded); server_err: W arrays (chunk).
     Returns the common result (n) and updates the error lists in place."""
@@ -55,37 +75,31 @@ def np_compressed_allreduce(bufs, worker_err, server_err):
     padded = worker_err[0].size
     chunk = padded // w
     signs, scales = [], []
-    for i in range(w):
+    for i in range(w):  # each worker compresses its padded buffer; the wire: chunk j for worker j
         x = np.zeros(padded, dtype=f32)
         x[:n] = bufs[i]
-        x = (x + worker_err[i]).astype(f32)
-        scale = f32(np.sqrt(np.sum(x.astype(np.float64) ** 2))) / f32(np.sqrt(padded))
-        pm = np.where(x >= 0, f32(1), f32(-1))
-        worker_err[i] = (x - f32(scale) * pm).astype(f32)
-        # the wire: sign bits packed 8 per byte, chunk j for worker j
-        signs.append(np.packbits(x >= 0))
-        scales.append(f32(scale))
+        scale, bits, worker_err[i] = np_compress((x + worker_err[i]).astype(f32))
+        signs.append(bits)
+        scales.append(scale)
     out = np.zeros(padded, dtype=f32)
-    server_signs, server_scales = [], []
     cb = chunk // 8
     for j in range(w):  # worker j as the server of chunk j
         y = np.zeros(chunk, dtype=f32)
         for i in range(w):
-            bits = np.unpackbits(signs[i][j * cb:(j + 1) * cb]).astype(f32)
-            y = (y + (bits * f32(2) - f32(1)) * (scales[i] * f32(1.0 / w))).astype(f32)
-        y = (y + server_err[j]).astype(f32)
-        s = f32(np.sqrt(np.sum(y.astype(np.float64) ** 2))) / f32(np.sqrt(chunk))
-        pm = np.where(y >= 0, f32(1), f32(-1))
-        server_err[j] = (y - f32(s) * pm).astype(f32)
-        server_signs.append(np.packbits(y >= 0))
-        server_scales.append(f32(s))
-    for j in range(w):
-        bits = np.unpackbits(server_signs[j]).astype(f32)
-        out[j * chunk:(j + 1) * chunk] = (bits * f32(2) - f32(1)) * server_scales[j]
+            y = (y + np_decode(signs[i][j * cb:(j + 1) * cb]) * (scales[i] * f32(1.0 / w))).astype(f32)
+        s, bits, server_err[j] = np_compress((y + server_err[j]).astype(f32))
+        out[j * chunk:(j + 1) * chunk] = np_decode(bits) * s
     return out[:n].copy()
 
 
 # ---- torch version (DeepSpeed's own tensor operations, all workers in one process) -------------
+def torch_compress(x):
+    """DeepSpeed's scale, ±1 signs and error of one side: norm/sqrt(numel), sign().add_(1).bool()."""
+    scale = torch.linalg.norm(x) / np.sqrt(x.numel())
+    pm = x.sign().add_(1).bool().float().add_(-0.5).mul_(2.0)
+    return scale, pm, x - scale * pm
+
+
 def torch_compressed_allreduce(bufs, worker_err, server_err):
     w = len(bufs)
     n = bufs[0].numel()
@@ -93,10 +107,7 @@ def torch_compressed_allreduce(bufs, worker_err, server_err):
     chunk = padded // w
     pms, scales = [], []
     for i in range(w):
-        x = torch.cat([bufs[i], torch.zeros(padded - n)]) + worker_err[i]
-        scale = torch.linalg.norm(x) / np.sqrt(x.numel())
-        pm = x.sign().add_(1).bool().float().add_(-0.5).mul_(2.0)
-        worker_err[i] = x - scale * pm
+        scale, pm, worker_err[i] = torch_compress(torch.cat([bufs[i], torch.zeros(padded - n)]) + worker_err[i])
         pms.append(pm)
         scales.append(scale)
     server = []
@@ -106,10 +117,7 @@ def torch_compressed_allreduce(bufs, worker_err, server_err):
         y = torch.zeros(chunk)
         for i in range(w):  # the workers' terms in rank order
             y = y + recv[i] * sc[i]
-        y = y + server_err[j]
-        s = torch.linalg.norm(y) / np.sqrt(y.numel())
-        pm = y.sign().add_(1).bool().float().add_(-0.5).mul_(2.0)
-        server_err[j] = y - s * pm
+        s, pm, server_err[j] = torch_compress(y + server_err[j])
         server.append(pm * s)
     return torch.cat(server)[:n].clone()
 
@@ -192,22 +200,243 @@ def onebit_adam(w, p0, grads, lrs):
     return np.stack(out)
 
 
+# ---- ZeroOneAdam, W workers (runtime/fp16/onebit/zoadam.py ZeroOneAdam.step, §5.4) ---------------
+ZO = dict(var_freeze_step=8, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4, beta1=0.9,
+          beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def zero_one_adam(w, p0, grads, lrs):
+    """Each worker's parameters after each step [S, W, N]: between synchronisations of the local
+    steps the workers' parameters differ. Per parameter the state DeepSpeed keeps (step,
+    var_interval, var_counter, local_step_interval, local_step_counter, lrs: the same on every
+    worker, so held once), per worker m, v, the momentum accumulator and the parameters."""
+    c = ZO
+    b1, b2, eps, wd = c["beta1"], c["beta2"], c["eps"], c["weight_decay"]
+    offs = np.cumsum([0] + SIZES)
+    K = len(SIZES)
+    P = [[torch.from_numpy(p0[offs[k]:offs[k + 1]].copy()) for k in range(K)] for _ in range(w)]
+    M = [[torch.zeros(s) for s in SIZES] for _ in range(w)]
+    V = [[torch.zeros(s) for s in SIZES] for _ in range(w)]
+    ACC = [[torch.zeros(s) for s in SIZES] for _ in range(w)]
+    state = [dict(step=0, var_interval=1, var_counter=0, local_step_interval=1, local_step_counter=0, lrs=0.0)
+             for _ in range(K)]
+    werr = [[torch.zeros(padded_size(s, w)) for _ in range(w)] for s in SIZES]
+    serr = [[torch.zeros(padded_size(s, w) // w) for _ in range(w)] for s in SIZES]
+    initialize, freeze_key, reinitial_error_buffer = False, False, False
+    enable_backward_allreduce = True  # the engine's flag, which the optimizer switches
+    out = []
+    for s in range(STEPS):
+        g = engine_gradients(grads, s, w, enable_backward_allreduce)
+        lr = float(lrs[s])
+        for k in range(K):
+            sl = slice(offs[k], offs[k + 1])
+            st = state[k]
+            st["step"] += 1
+            if initialize:
+                if not freeze_key:
+                    if st["step"] % st["var_interval"] == 0:
+                        for i in range(w):
+                            V[i][k].mul_(b2).addcmul_(g[i][sl], g[i][sl], value=1 - b2)
+                            M[i][k].mul_(b1).add_(g[i][sl], alpha=1 - b1)
+                    elif w > 1:
+                        onebit = torch_compressed_allreduce([g[i][sl] for i in range(w)], werr[k], serr[k])
+                        for i in range(w):
+                            M[i][k].mul_(b1).add_(onebit, alpha=1 - b1)
+                else:
+                    for i in range(w):
+                        M[i][k].mul_(b1).add_(g[i][sl], alpha=1 - b1)
+                    st["lrs"] += lr
+            # (not initialize: the compressed all-reduce of the zero accumulator gives zero)
+            if initialize:
+                for i in range(w):
+                    update = M[i][k] / (V[i][k].sqrt() + eps)
+                    if wd > 0.0:
+                        update += wd * P[i][k]
+                    P[i][k].add_(-lr * update)
+                    if freeze_key:
+                        ACC[i][k].add_(-lr * update)
+                if st["step"] % st["local_step_interval"] == 0 and freeze_key:
+                    for i in range(w):
+                        P[i][k].add_(-1 * ACC[i][k])
+                        ACC[i][k].mul_(V[i][k].sqrt() + eps)
+                    if w > 1:
+                        avg = torch_compressed_allreduce([ACC[i][k] for i in range(w)], werr[k], serr[k])
+                        for i in range(w):
+                            ACC[i][k].copy_(avg)
+                    for i in range(w):
+                        M[i][k].zero_().add_(ACC[i][k] / st["lrs"], alpha=-1)
+                        P[i][k].add_(ACC[i][k] / (V[i][k].sqrt() + eps))
+                        ACC[i][k].zero_()
+                    st["lrs"] = 0
+                if not freeze_key:
+                    if st["step"] % st["var_interval"] == 0:
+                        st["var_counter"] += 1
+                        if st["var_counter"] == c["var_update_scaler"]:
+                            st["var_counter"] = 0
+                            st["var_interval"] *= 2
+                    enable_backward_allreduce = (st["step"] + 1) % st["var_interval"] == 0
+                else:
+                    st["local_step_counter"] += 1
+                    if st["local_step_counter"] == c["local_step_scaler"]:
+                        st["local_step_counter"] = 0
+                        st["local_step_interval"] = min(c["local_step_clipper"], st["local_step_interval"] * 2)
+        if not initialize:
+            initialize = True
+        else:
+            if state[0]["step"] > c["var_freeze_step"]:
+                freeze_key = True
+                enable_backward_allreduce = False
+            if freeze_key and not reinitial_error_buffer:
+                for k in range(K):
+                    for i in range(w):
+                        werr[k][i].zero_()
+                        serr[k][i].zero_()
+                reinitial_error_buffer = True
+        out.append(np.stack([torch.cat(P[i]).numpy().copy() for i in range(w)]))
+    return np.stack(out)
+
+
+# ---- OneBitLamb, W workers (runtime/fp16/onebit/lamb.py OnebitLamb.step, §5.5) ------------------
+LAMB = dict(freeze_step=8, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, max_coeff=10.0, min_coeff=0.01,
+            coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1)
+
+
+def onebit_lamb(w, p0, grads, lrs):
+    """The parameters after each step [S, N] (the same on every worker: the warm-up averages the
+    gradients, the compressed stage the momenta), and each tensor's lamb_coeff_freeze at the end.
+    Per worker the state DeepSpeed keeps; the momenta of all parameters and a zero tail up to
+    the padded size form exp_avg_flat, which the compressed all-reduce overwrites in place."""
+    c = LAMB
+    b1, b2, eps, wd = c["beta1"], c["beta2"], c["eps"], c["weight_decay"]
+    offs = np.cumsum([0] + SIZES)
+    K, N = len(SIZES), sum(SIZES)
+    padded = padded_size(N, w)
+    P = [[torch.from_numpy(p0[offs[k]:offs[k + 1]].copy()) for k in range(K)] for _ in range(w)]
+    st = [[dict(step=0, lamb_coeff_freeze=0.0, last_factor=1.0, exp_avg_sq=torch.zeros(s),
+                exp_avg_sq_fresh=torch.zeros(s)) for s in SIZES] for _ in range(w)]
+    flat = [torch.zeros(padded) for _ in range(w)]  # exp_avg_flat: exp_avg of parameter k is flat[offs[k]:offs[k+1]]
+    M = [[flat[i][offs[k]:offs[k + 1]] for k in range(K)] for i in range(w)]
+    werr = [torch.zeros(padded) for _ in range(w)]
+    serr = [torch.zeros(padded // w) for _ in range(w)]
+    initialize, freeze_key, enable_backward_allreduce = False, False, True
+    out = []
+    for s in range(STEPS):
+        g = engine_gradients(grads, s, w, enable_backward_allreduce)
+        lr = float(lrs[s])
+        if freeze_key:
+            last = [[M[i][k].detach().clone() for k in range(K)] for i in range(w)]
+            for i in range(w):
+                if "scaling_coeff" not in st[i][0]:
+                    scales = [(torch.linalg.vector_norm(M[i][k]) / np.sqrt(torch.numel(M[i][k]))).item()
+                              for k in range(K)]
+                    united = sum(scales) / len(scales)
+                    for k in range(K):
+                        st[i][k]["scaling_coeff"] = united / scales[k]
+        for k in range(K):
+            sl = slice(offs[k], offs[k + 1])
+            if not initialize:
+                freeze_key = True
+            for i in range(w):
+                S = st[i][k]
+                S["step"] += 1
+                m, v, vf = M[i][k], S["exp_avg_sq"], S["exp_avg_sq_fresh"]
+                if not freeze_key:
+                    m.mul_(b1).add_(g[i][sl], alpha=1 - b1)
+                    v.mul_(b2).addcmul_(g[i][sl], g[i][sl], value=1 - b2)
+                    if S["step"] == c["freeze_step"]:
+                        vf.copy_(v)
+                    if initialize:
+                        weight_norm = P[i][k].pow(2).sum().sqrt()
+                        update = m / (v.sqrt() + eps)
+                        if wd > 0.0:
+                            update += wd * P[i][k]
+                        update_norm = update.pow(2).sum().sqrt()
+                        lamb_coeff = 1.0
+                        if weight_norm != 0 and update_norm != 0:
+                            lamb_coeff = (weight_norm / update_norm).item()
+                            if lamb_coeff > c["max_coeff"]:
+                                lamb_coeff = c["max_coeff"]
+                            if lamb_coeff < c["min_coeff"]:
+                                lamb_coeff = c["min_coeff"]
+                        if lamb_coeff != 1.0:
+                            S["lamb_coeff_freeze"] = c["coeff_beta"] * S["lamb_coeff_freeze"] + \
+                                (1 - c["coeff_beta"]) * lamb_coeff
+                        P[i][k].add_(-lr * lamb_coeff * update)
+                elif initialize:
+                    m.mul_(b1).add_(g[i][sl], alpha=1 - b1)
+                    m.mul_(S["scaling_coeff"])
+        if freeze_key and initialize and w > 1:
+            avg = torch_compressed_allreduce([flat[i] for i in range(w)], werr, serr)
+            for i in range(w):
+                flat[i].copy_(avg)
+        if freeze_key and initialize:
+            for i in range(w):
+                for k in range(K):
+                    S = st[i][k]
+                    m, v, vf = M[i][k], S["exp_avg_sq"], S["exp_avg_sq_fresh"]
+                    m.div_(S["scaling_coeff"])
+                    grad_reconstruct = (m - last[i][k] * b1) / (1 - b1)
+                    vf.mul_(b2).addcmul_(grad_reconstruct, grad_reconstruct, value=1 - b2)
+                    denom = v.sqrt() + eps
+                    update_prelim = m / denom
+                    update = update_prelim + wd * P[i][k] if wd > 0.0 else update_prelim
+                    update_norm = update.pow(2).sum().sqrt()
+                    denom_real = vf.sqrt() + eps
+                    factor = (denom / denom_real).max().item()
+                    if wd > 0.0:
+                        update_ratio = min(1.0, (update_prelim.pow(2).sum().sqrt() / update_norm).item())
+                        factor = factor * update_ratio + (1.0 - update_ratio)
+                    if factor > c["factor_max"]:
+                        factor = c["factor_max"]
+                    if factor < c["factor_min"]:
+                        factor = c["factor_min"]
+                    if factor > S["last_factor"] * (1.0 + c["factor_threshold"]):
+                        factor = S["last_factor"] * (1.0 + c["factor_threshold"])
+                    if factor < S["last_factor"] * (1.0 - c["factor_threshold"]):
+                        factor = S["last_factor"] * (1.0 - c["factor_threshold"])
+                    S["last_factor"] = factor
+                    P[i][k].add_(-lr * (S["lamb_coeff_freeze"] * factor) * update)
+        if not initialize:
+            freeze_key = False
+            initialize = True
+        elif not freeze_key and st[0][K - 1]["step"] >= c["freeze_step"]:
+            freeze_key = True
+            enable_backward_allreduce = False
+        for i in range(1, w):
+            assert torch.equal(torch.cat(P[i]), torch.cat(P[0])), "the workers agree"
+        out.append(torch.cat(P[0]).numpy().copy())
+    return np.stack(out), np.array([st[0][k]["lamb_coeff_freeze"] for k in range(K)])
+
+
 def adam_goldens(f, rng):
     n = sum(SIZES)
     p0 = rng.standard_normal(n).astype(f32) * f32(0.5)
     lrs = np.array([1e-2 * (1.0 + 0.05 * s) for s in range(STEPS)], dtype=np.float64)
+    grads_of = {}
     for w in (2, 4):
         # a common signal plus worker noise, so the local gradients differ but agree in trend
         base = rng.standard_normal((STEPS, 1, n)).astype(f32)
         grads = (base + f32(0.5) * rng.standard_normal((STEPS, w, n)).astype(f32)).astype(f32)
-        g = f.create_group(f"onebit_adam/w{w}")
-        for key, val in ADAM.items():
-            g.attrs[key] = val
-        g.create_dataset("sizes", data=np.array(SIZES, dtype=np.int32))
-        g.create_dataset("p0", data=p0)
-        g.create_dataset("grads", data=grads)
-        g.create_dataset("lr", data=lrs)
-        g.create_dataset("params", data=onebit_adam(w, p0, grads, lrs))
+        grads_of[w] = grads
+        write_run(f, f"onebit_adam/w{w}", ADAM, p0, grads, lrs, onebit_adam(w, p0, grads, lrs))
+    # the same parameters, gradients and learning rates for the other two
+    for w in (2, 4):
+        write_run(f, f"zero_one_adam/w{w}", ZO, p0, grads_of[w], lrs, zero_one_adam(w, p0, grads_of[w], lrs))
+        params, coeff = onebit_lamb(w, p0, grads_of[w], lrs)
+        g = write_run(f, f"onebit_lamb/w{w}", LAMB, p0, grads_of[w], lrs, params)
+        g.create_dataset("lamb_coeff_freeze", data=coeff)
+
+
+def write_run(f, name, hyper, p0, grads, lrs, params):
+    g = f.create_group(name)
+    for key, val in hyper.items():
+        g.attrs[key] = val
+    g.create_dataset("sizes", data=np.array(SIZES, dtype=np.int32))
+    g.create_dataset("p0", data=p0)
+    g.create_dataset("grads", data=grads)
+    g.create_dataset("lr", data=lrs)
+    g.create_dataset("params", data=params)
+    return g
 
 
 def main():
