@@ -88,14 +88,6 @@ std::string deepspeed_table(const std::vector<DeepSpeedEstimateRow>& rows, doubl
   return out;
 }
 
-GPTShape gpt_shape_of(const ModelConfig& m) {
-  GPTShape s{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
-  s.moe = MoeShape{m.moe.num_experts, m.moe.every, m.moe.use_residual, m.moe.enable_expert_tensor_parallelism};
-  s.sparse = m.sparse_attention;
-  s.family = m.family;
-  return s;
-}
-
 MoeRouting moe_routing_of(const MoeConfig& m, uint64_t seed) {
   MoeRouting r;
   if (!m.enabled()) return r;
@@ -110,6 +102,7 @@ MoeRouting moe_routing_of(const MoeConfig& m, uint64_t seed) {
             : m.noisy_gate_policy == "RSample" ? kernels::moe::NoisyGate::RSample
                                                : kernels::moe::NoisyGate::None;
   r.aux_loss_coef = m.aux_loss_coef;
+  r.mixtral = m.mixtral_routing;
   r.seed = seed;
   return r;
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "config/config.hpp"
+#include "config/model_shape.hpp"
 #include "model/model.hpp"
 #include "zero/zero.hpp"
 
@@ -42,9 +43,8 @@ struct ModelCounts {
 };
 ModelCounts count_model(const ModelConfig& model);
 
-// The model a config describes, and how its MoE blocks route (model.moe; the expert group is
-// the engine's to attach): what the engine builds and what the planner counts.
-GPTShape gpt_shape_of(const ModelConfig& model);
+// How a config's MoE blocks route (model.moe; the expert group is the engine's to attach); the
+// model itself is gpt_shape_of's (config/model_shape.hpp).
 MoeRouting moe_routing_of(const MoeConfig& moe, uint64_t seed);
 
 // The element types the engine hands a ZeroOptimizer over `layout` (the dense model's, or the

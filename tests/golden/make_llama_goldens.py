@@ -98,7 +98,7 @@ class Shape:
         self.o_bias = cfg.get("attention_bias", False)
         self.mlp_bias = cfg.get("mlp_bias", False)
         # the sliding window of each layer (None: full causal attention)
-        if cfg["model_type"] == "mistral":
+        if cfg["model_type"] in ("mistral", "mixtral"):
             self.windows = [cfg.get("sliding_window")] * self.L
         elif qwen2 and cfg.get("use_sliding_window", False):
             self.windows = [cfg["sliding_window"] if l >= cfg["max_window_layers"] else None for l in range(self.L)]
@@ -171,37 +171,52 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def forward(p, tokens, s):
-    B, T = tokens.shape
+def rope_cos_sin(s, T):
+    """cos and sin [T, d] of positions 0..T-1 (the attention factor folded in)."""
     pos = torch.arange(T).double()
     freqs = pos[:, None] * s.inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos() * s.attention_factor, emb.sin() * s.attention_factor  # [T, d]
+    return emb.cos() * s.attention_factor, emb.sin() * s.attention_factor
+
+
+def attention_half(p, n, x, s, l, cos, sin):
+    """x + o_proj(attention(...)) on input_layernorm(x), layer l with parameter prefix n."""
+    B, T = x.shape[0], x.shape[1]
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    x = p["model.embed_tokens.weight"][tokens]
-    for l in range(s.L):
-        n = f"model.layers.{l}."
-        h = rms_norm(x, p[n + "input_layernorm.weight"], s.eps)
-        q = linear(h, p, n + "self_attn.q_proj").view(B, T, s.H, s.d).transpose(1, 2)
-        k = linear(h, p, n + "self_attn.k_proj").view(B, T, s.Hkv, s.d).transpose(1, 2)
-        v = linear(h, p, n + "self_attn.v_proj").view(B, T, s.Hkv, s.d).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        G = s.H // s.Hkv  # repeat_kv
-        k = k[:, :, None].expand(B, s.Hkv, G, T, s.d).reshape(B, s.H, T, s.d)
-        v = v[:, :, None].expand(B, s.Hkv, G, T, s.d).reshape(B, s.H, T, s.d)
-        visible = j <= i
-        if s.windows[l] is not None:
-            visible = visible & (j > i - s.windows[l])
-        att = (q @ k.transpose(-2, -1)) * s.d ** -0.5
-        att = att.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, s.H * s.d)
-        x = x + linear(y, p, n + "self_attn.o_proj")
-        h = rms_norm(x, p[n + "post_attention_layernorm.weight"], s.eps)
-        gate, up = linear(h, p, n + "mlp.gate_proj"), linear(h, p, n + "mlp.up_proj")
-        x = x + linear(torch.nn.functional.silu(gate) * up, p, n + "mlp.down_proj")
+    h = rms_norm(x, p[n + "input_layernorm.weight"], s.eps)
+    q = linear(h, p, n + "self_attn.q_proj").view(B, T, s.H, s.d).transpose(1, 2)
+    k = linear(h, p, n + "self_attn.k_proj").view(B, T, s.Hkv, s.d).transpose(1, 2)
+    v = linear(h, p, n + "self_attn.v_proj").view(B, T, s.Hkv, s.d).transpose(1, 2)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    G = s.H // s.Hkv  # repeat_kv
+    k = k[:, :, None].expand(B, s.Hkv, G, T, s.d).reshape(B, s.H, T, s.d)
+    v = v[:, :, None].expand(B, s.Hkv, G, T, s.d).reshape(B, s.H, T, s.d)
+    visible = j <= i
+    if s.windows[l] is not None:
+        visible = visible & (j > i - s.windows[l])
+    att = (q @ k.transpose(-2, -1)) * s.d ** -0.5
+    att = att.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    y = (att @ v).transpose(1, 2).reshape(B, T, s.H * s.d)
+    return x + linear(y, p, n + "self_attn.o_proj")
+
+
+def lm_head(p, x, s):
+    """The final model.norm, then lm_head (or embed_tokens.weight with tie_word_embeddings)."""
     x = rms_norm(x, p["model.norm.weight"], s.eps)
     head = p["model.embed_tokens.weight"] if s.tied else p["lm_head.weight"]
     return x @ head.T
+
+
+def forward(p, tokens, s):
+    cos, sin = rope_cos_sin(s, tokens.shape[1])
+    x = p["model.embed_tokens.weight"][tokens]
+    for l in range(s.L):
+        n = f"model.layers.{l}."
+        x = attention_half(p, n, x, s, l, cos, sin)
+        h = rms_norm(x, p[n + "post_attention_layernorm.weight"], s.eps)
+        gate, up = linear(h, p, n + "mlp.gate_proj"), linear(h, p, n + "mlp.up_proj")
+        x = x + linear(torch.nn.functional.silu(gate) * up, p, n + "mlp.down_proj")
+    return lm_head(p, x, s)
 
 
 def write(path, case, seed):
