@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from golden_common import write_pass  # noqa: E402
+from golden_common import write_adamw_steps, write_pass  # noqa: E402
 from make_llama_kernels_golden import rope_inv_freq  # noqa: E402  (modeling_rope_utils.py's formulas)
 
 torch.set_num_threads(1)
@@ -221,7 +221,6 @@ def forward(p, tokens, s):
 
 def write(path, case, seed):
     cfg, T, B, hp = case["config"], case["T"], case["B"], case["hparams"]
-    lr, b1, b2, eps, wd, clip = hp
     s = Shape(cfg, T)
     gen = torch.Generator().manual_seed(seed)
     params = make_params(s, gen)
@@ -239,18 +238,11 @@ def write(path, case, seed):
         g = f.create_group("golden")
         write_pass(g, tokens, targets, logits, loss, params, extra={"stream": stream})
 
-        opt = torch.optim.AdamW(params.values(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
-        losses, norms = [], []
-        for _ in range(STEPS):
-            opt.zero_grad()
+        def step_loss():
             loss = torch.nn.functional.cross_entropy(forward(params, tokens, s).view(-1, s.V), targets.reshape(-1))
-            losses.append(loss.item())
-            loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(params.values(), clip if clip > 0 else float("inf")).item())
-            opt.step()
-        g.create_dataset("adamw_losses", data=np.array(losses, dtype=np.float64))
-        g.create_dataset("grad_norms", data=np.array(norms, dtype=np.float64))
-        g.create_dataset("hparams", data=np.array(hp, dtype=np.float64))
+            return loss, loss
+
+        losses, norms = write_adamw_steps(g, params, hp, STEPS, step_loss)
     print(f"{path}: loss {losses[0]:.6f} -> {losses[-1]:.6f} after {STEPS} AdamW steps, grad norm {norms[0]:.4f}")
 
 

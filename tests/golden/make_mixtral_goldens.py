@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from golden_common import write_pass  # noqa: E402
+from golden_common import write_adamw_steps, write_pass  # noqa: E402
 from make_llama_goldens import Shape, attention_half, linear, lm_head, param_shapes, rms_norm, rope_cos_sin  # noqa: E402
 
 torch.set_num_threads(1)
@@ -124,7 +124,6 @@ def forward(p, tokens, s, cfg):
 
 def write(path, case, seed):
     cfg, T, B, hp = case["config"], case["T"], case["B"], case["hparams"]
-    lr, b1, b2, eps, wd, clip = hp
     s = Shape(cfg, T)
     coef = cfg["router_aux_loss_coef"]
     gen = torch.Generator().manual_seed(seed)
@@ -149,18 +148,11 @@ def write(path, case, seed):
         write_pass(g, tokens, targets, logits, ce, params, extra={"stream": stream})
         g.create_dataset("aux_loss", data=np.float32(aux.item()))
 
-        opt = torch.optim.AdamW(params.values(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
-        losses, norms = [], []
-        for _ in range(STEPS):
-            opt.zero_grad()
+        def step_loss():
             _, ce, aux = losses_of()
-            losses.append(ce.item())
-            (ce + coef * aux).backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(params.values(), clip if clip > 0 else float("inf")).item())
-            opt.step()
-        g.create_dataset("adamw_losses", data=np.array(losses, dtype=np.float64))
-        g.create_dataset("grad_norms", data=np.array(norms, dtype=np.float64))
-        g.create_dataset("hparams", data=np.array(hp, dtype=np.float64))
+            return ce, ce + coef * aux
+
+        losses, norms = write_adamw_steps(g, params, hp, STEPS, step_loss)
     print(f"{path}: loss {losses[0]:.6f} -> {losses[-1]:.6f} after {STEPS} AdamW steps, grad norm {norms[0]:.4f}, "
           f"aux {float(aux):.6f}")
 
