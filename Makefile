@@ -88,6 +88,7 @@ goldens:
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_sparse_attention_goldens.py tests/golden
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_llama_kernels_golden.py tests/golden
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_llama_goldens.py tests/golden
+	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_mixtral_goldens.py tests/golden
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_generate_goldens.py tests/golden
 
 clean:

@@ -44,6 +44,11 @@ struct GateConfig {
   bool top2_2nd_expert_sampling = true;
   NoisyGate noise = NoisyGate::None;
   bool training = true;  // eval: eval_capacity_factor, and neither Jitter nor RSample
+  // Hugging Face's MixtralSparseMoeBlock (modeling_mixtral.py): for any k the k most probable
+  // experts (torch.topk of the fp32 softmax), their weights renormalised to sum to 1 (k = 1: 1),
+  // and l_aux = E·Σ_e (share of all k choices picking e)·mean_s(gates[:, e]), one layer's
+  // load_balancing_loss_func. Used without drops (no capacity) and without noise.
+  bool mixtral = false;
 };
 
 // Which draws a gate call consumes (each [S, ·] float32, from the caller's random stream).
@@ -102,6 +107,7 @@ struct Routing {
   std::vector<int32_t> expert;         // [S, k] expert, or -1 when the capacity dropped the choice
   std::vector<int32_t> slot;           // [S, k] position in the expert's buffer, or -1
   std::vector<float> weight;           // [S, k] combine weight (0 when dropped)
+  bool renormalized = false;           // weights over the kept choices' sum (k ≥ 2, or Mixtral's any k)
   std::vector<float> kept_gate_sum;    // [S] k ≥ 2: Σ of kept choices' gates, before the eps clamp
   std::vector<int64_t> kept_per_expert;  // [E]
   std::vector<int64_t> row_offset;     // [E+1] first dispatch row of each expert (rows expert-major)
@@ -134,6 +140,7 @@ inline void check_draw(const float* p, const char* what, const GateConfig& c) {
 //          top2_2nd_expert_sampling) with the first masked out; l_aux over first choices only.
 //   top-k: the k highest probabilities; l_aux over the k-hot mask, divided by k.
 // l_aux = E·Σ_e mean_s(gates[:,e])·mean_s(mask[:,e]) (top-k: ·1/k), mask before any dropping.
+// Mixtral: any k as top-k; l_aux over the k-hot mask, not divided by k.
 ZERO3D_KERNEL void gate_forward_choose(const float* logits, int64_t S, const GateConfig& c, const GateDraws& draws,
                                 Routing& r) {
   const int E = c.num_experts, k = c.k;
@@ -145,6 +152,7 @@ ZERO3D_KERNEL void gate_forward_choose(const float* logits, int64_t S, const Gat
                      std::to_string(S) + " tokens a top-1 gate routes per micro-batch; lower it or raise the batch");
   const bool rsample = k == 1 && c.noise == NoisyGate::RSample && c.training;
   const bool sample2 = k == 2 && c.top2_2nd_expert_sampling;
+  const bool argmax = k <= 2 && !c.mixtral;
   if (rsample || sample2) detail::check_draw(draws.gumbel, "Gumbel", c);
   r.num_tokens = S;
   r.num_experts = E;
@@ -164,7 +172,7 @@ ZERO3D_KERNEL void gate_forward_choose(const float* logits, int64_t S, const Gat
     const float inv = static_cast<float>(1.0 / sum);
     for (int e = 0; e < E; ++e) p[e] *= inv;
     int32_t* ch = choice + s * k;
-    if (k <= 2) {  // argmax: the first maximum, as torch.argmax
+    if (argmax) {  // argmax: the first maximum, as torch.argmax
       int best = 0;
       if (rsample) {
         for (int e = 1; e < E; ++e)
@@ -212,8 +220,8 @@ ZERO3D_KERNEL void gate_forward_choose(const float* logits, int64_t S, const Gat
   // l_aux: ce from the top-1 mask, the top-2 first choices, or the top-k k-hot mask.
   std::vector<int64_t> aux_count(E, 0);
   for (int64_t s = 0; s < S; ++s)
-    for (int j = 0; j < (k == 2 ? 1 : k); ++j) ++aux_count[choice[s * k + j]];
-  r.aux_scale = k <= 2 ? E : static_cast<double>(E) / k;
+    for (int j = 0; j < (k == 2 && !c.mixtral ? 1 : k); ++j) ++aux_count[choice[s * k + j]];
+  r.aux_scale = k <= 2 || c.mixtral ? E : static_cast<double>(E) / k;
   r.aux_fraction.resize(E);
   double l_aux = 0.0;
   for (int e = 0; e < E; ++e) {
@@ -243,7 +251,9 @@ ZERO3D_KERNEL void gate_forward_assign(int64_t C, const GateConfig& c, const Gat
   r.expert.assign(S * k, -1);
   r.slot.assign(S * k, -1);
   r.weight.resize(S * k);
-  r.kept_gate_sum.assign(k >= 2 ? S : 0, 0.0f);
+  const bool renormalize = k >= 2 || c.mixtral;
+  r.renormalized = renormalize;
+  r.kept_gate_sum.assign(renormalize ? S : 0, 0.0f);
   r.kept_per_expert.resize(E);
   r.scratch_key.resize(S * k);
   r.scratch_order.resize(S * k);
@@ -284,7 +294,7 @@ ZERO3D_KERNEL void gate_forward_assign(int64_t C, const GateConfig& c, const Gat
   float* sum_out = r.kept_gate_sum.data();
   const int32_t* choice = r.choice.data();
   Kokkos::parallel_for("moe_gate_weights", range(S), KOKKOS_LAMBDA(Index s) {
-    if (k == 1) {
+    if (!renormalize) {
       weight[s] = expert[s] >= 0 ? gates[s * E + choice[s]] : 0.0f;
       return;
     }
@@ -323,10 +333,11 @@ ZERO3D_KERNEL void gate_backward(const Routing& r, const float* d_weight, float 
   const float* ce = r.aux_fraction.data();
   const float* sums = r.kept_gate_sum.data();
   const float aux = static_cast<float>(d_l_aux * r.aux_scale / S);
+  const bool renormalized = r.renormalized;
   Kokkos::parallel_for("moe_gate_backward", range(S), KOKKOS_LAMBDA(Index s) {
     float* dg = d_logits + s * E;  // d(gates) first, then turned into d(logits) in place
     for (int e = 0; e < E; ++e) dg[e] = aux * ce[e];
-    if (k == 1) {
+    if (!renormalized) {
       if (expert[s] >= 0) dg[expert[s]] += d_weight[s];
     } else {
       const float sum = sums[s];

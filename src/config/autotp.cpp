@@ -9,6 +9,8 @@
 //   `.*\.self_attn\.o_proj\.weight$` row, `.*\.self_attn\.[qkv]_proj\.weight$` column,
 //   `.*\.mlp\.down_proj\.weight$` row, `.*\.mlp\.(up|gate)_proj\.weight$` column.
 //   DeepSpeed has no mistral preset; zero3d's "mistral" is the llama rules on a Mistral.
+//   mixtral (MODEL-FAMILIES.md §1): q/k/v_proj and block_sparse_moe.experts.N.w1/w3 column,
+//   o_proj and experts.N.w2 row, block_sparse_moe.gate skip.
 // - partition_config is AutoTPConfig.from_dict: layer_specs (each TPLayerSpec: patterns,
 //   partition_type "column" (default) | "row" | "skip", lower-cased; shape; partition_dim;
 //   model_types; gather_output; grad_allreduce), use_default_specs (true), strict_mode (false),
@@ -40,8 +42,8 @@
 #include <optional>
 #include <regex>
 
-#include "config/section.hpp"
 #include "config/model_shape.hpp"
+#include "config/section.hpp"
 
 namespace zero3d::config_detail {
 
@@ -90,12 +92,19 @@ struct LayerSpec {
   }
 };
 
-// AutoTPPresets.llama() / qwen2() (autotp_config.py): the same four specs.
+// AutoTPPresets.llama() / qwen2() (autotp_config.py): the same four specs; mixtral() its five.
 std::vector<LayerSpec> llama_preset(const std::string& name) {
-  const std::vector<std::pair<std::string, Split>> rules = {{R"(.*\.self_attn\.o_proj\.weight$)", Split::Row},
-                                                            {R"(.*\.self_attn\.[qkv]_proj\.weight$)", Split::Column},
-                                                            {R"(.*\.mlp\.down_proj\.weight$)", Split::Row},
-                                                            {R"(.*\.mlp\.(up|gate)_proj\.weight$)", Split::Column}};
+  const std::vector<std::pair<std::string, Split>> rules =
+      name == "mixtral"
+          ? std::vector<std::pair<std::string, Split>>{{R"(.*\.self_attn\.o_proj\.weight$)", Split::Row},
+                                                       {R"(.*\.self_attn\.[qkv]_proj\.weight$)", Split::Column},
+                                                       {R"(.*\.block_sparse_moe\.experts\.\d+\.w2\.weight$)", Split::Row},
+                                                       {R"(.*\.block_sparse_moe\.experts\.\d+\.w[13]\.weight$)", Split::Column},
+                                                       {R"(.*\.block_sparse_moe\.gate\.weight$)", Split::Skip}}
+          : std::vector<std::pair<std::string, Split>>{{R"(.*\.self_attn\.o_proj\.weight$)", Split::Row},
+                                                       {R"(.*\.self_attn\.[qkv]_proj\.weight$)", Split::Column},
+                                                       {R"(.*\.mlp\.down_proj\.weight$)", Split::Row},
+                                                       {R"(.*\.mlp\.(up|gate)_proj\.weight$)", Split::Column}};
   std::vector<LayerSpec> out;
   for (size_t i = 0; i < rules.size(); ++i) {
     LayerSpec s;
@@ -114,18 +123,21 @@ struct Candidate {
   std::string name;
   int64_t rows = 0, cols = 0;  // [out, in]
   enum Kind { Embedding, Head, Projection } kind = Projection;
-  Split zero3d = Split::Column;  // projections: column (q/k/v, gate/up) or row (o, down)
+  Split zero3d = Split::Column;  // projections: column (q/k/v, gate/up) or row (o, down); skip: Mixtral's router
 };
 
 std::vector<Candidate> candidates_of(const ModelConfig& m) {
-  const GPTShape s = gpt_shape_of(m);
+  const GPTShape s = gpt_shape_of(m);  // Mixtral's router and experts included
   std::vector<Candidate> out;
   out.push_back({"model.embed_tokens.weight", m.vocab_size, m.n_embd, Candidate::Embedding, Split::Column});
   const ParamLayout layout = gpt_layout(s);
+  const auto has = [](const std::string& name, const char* part) { return name.find(part) != std::string::npos; };
   for (const TensorSpec& t : layout.tensors()) {
     if (t.shape.size() != 2 || t.name.rfind("model.layers.", 0) != 0) continue;
-    const bool row = t.name.find("o_proj.weight") != std::string::npos || t.name.find("down_proj.weight") != std::string::npos;
-    out.push_back({t.name, t.shape[0], t.shape[1], Candidate::Projection, row ? Split::Row : Split::Column});
+    const bool row = has(t.name, "o_proj.weight") || has(t.name, "down_proj.weight") || has(t.name, ".w2.weight");
+    // every tensor rank routes the same tokens: the router stays whole
+    const Split split = has(t.name, "block_sparse_moe.gate.") ? Split::Skip : row ? Split::Row : Split::Column;
+    out.push_back({t.name, t.shape[0], t.shape[1], Candidate::Projection, split});
   }
   // LlamaForCausalLM always has its lm_head Linear; tied, its weight is the embedding's matrix
   out.push_back({"lm_head.weight", m.vocab_size, m.n_embd, Candidate::Head, Split::Column});
@@ -336,8 +348,10 @@ std::string disagreement(const LayerSpec& spec, const Candidate& c, int64_t t) {
       c.kind == Candidate::Embedding ? "zero3d's embedding is vocab-parallel (rows over the ranks)"
       : c.kind == Candidate::Head    ? "zero3d's head is vocab-parallel (column-parallel: rows over the ranks)"
       : c.zero3d == Split::Column    ? "zero3d splits it column-parallel (output rows in contiguous blocks: whole K/V-head groups)"
-                                     : "zero3d splits it row-parallel (input columns in contiguous blocks)";
-  if (c.kind != Candidate::Projection && spec.split == Split::Skip) return "";  // left whole: computes the same
+      : c.zero3d == Split::Row       ? "zero3d splits it row-parallel (input columns in contiguous blocks)"
+                                     : "zero3d keeps the router whole on every rank (each tensor rank routes every token)";
+  if ((c.kind != Candidate::Projection || c.zero3d == Split::Skip) && spec.split == Split::Skip) return "";  // left whole: computes the same
+  if (c.zero3d == Split::Skip) return "partition_type \"" + std::string(split_name(spec.split)) + "\"; " + ours;
   if (c.kind == Candidate::Embedding)
     return "DeepSpeed splits an embedding along its hidden dimension (auto_tp.py _slice_embedding, dim 1); " + ours;
   if (spec.split == Split::Skip) return "\"skip\" keeps it whole on every rank; " + ours;
@@ -372,16 +386,16 @@ void read_autotp_rules(Section& tp, const ModelConfig& m, TensorParallelConfig& 
   std::vector<LayerSpec> preset;
   if (const json* v = tp.raw("preset_model"); v && !v->is_null()) {
     tp.record("preset_model", *v);
-    if (!v->is_string()) tp.fail_key("preset_model", "expected a preset name (llama, mistral, qwen2), got " + show(*v));
+    if (!v->is_string()) tp.fail_key("preset_model", "expected a preset name (llama, mistral, qwen2, mixtral), got " + show(*v));
     std::string name = v->get<std::string>();
     for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));  // get_preset lower-cases
     const bool deepspeed = std::find(deepspeed_presets.begin(), deepspeed_presets.end(), name) != deepspeed_presets.end();
-    if (name != "llama" && name != "mistral" && name != "qwen2")
+    if (name != "llama" && name != "mistral" && name != "qwen2" && name != "mixtral")
       tp.fail_key("preset_model", "value " + show(*v) +
                                       (deepspeed ? ": DeepSpeed's AutoTP preset for a family zero3d does not train"
                                                  : ": not an AutoTP preset (DeepSpeed's are llama, bloom, chatglm, mixtral, "
                                                    "deepseek_v2, qwen2, phi3)") +
-                                      "; zero3d trains llama, mistral and qwen2 (mistral: the llama rules)");
+                                      "; zero3d trains llama, mistral, qwen2 and mixtral (mistral: the llama rules)");
     if (!m.family.llama())
       tp.fail_key("preset_model", "value " + show(*v) + ": model.architecture is gpt2, which AutoTP does not support "
                                                           "(DeepSpeed's AutoTP tutorial lists gpt2 as unsupported); zero3d "
@@ -399,7 +413,7 @@ void read_autotp_rules(Section& tp, const ModelConfig& m, TensorParallelConfig& 
     if (preset.empty()) return;
   } else if (!m.family.llama()) {
     tp.fail_key("partition_config", "AutoTP rules over Hugging Face parameter names apply to the Llama family "
-                                    "(model.architecture llama, mistral, qwen2); model.architecture is gpt2, which zero3d "
+                                    "(model.architecture llama, mistral, qwen2, mixtral); model.architecture is gpt2, which zero3d "
                                     "splits Megatron's way (DeepSpeed's AutoTP does not support gpt2)");
   }
   std::vector<LayerSpec> custom;
@@ -461,7 +475,7 @@ void read_autotp_rules(Section& tp, const ModelConfig& m, TensorParallelConfig& 
         break;
       }
     if (!rule) {  // AutoTP leaves it whole; zero3d splits every projection, and the pair computes the same
-      if (c.kind == Candidate::Projection) unruled.push_back(c.name);
+      if (c.kind == Candidate::Projection && c.zero3d != Split::Skip) unruled.push_back(c.name);
       if (c.kind == Candidate::Head && strict_mode)
         tp.report_key(key, "lm_head.weight matches no layer spec and strict_mode is true (DeepSpeed: \"No matching spec\")");
       continue;
@@ -484,9 +498,10 @@ void read_autotp_rules(Section& tp, const ModelConfig& m, TensorParallelConfig& 
                            "column-parallel, o/down row-parallel); add layer specs for them");
     return;
   }
+  const std::string mlp = m.family.mixtral() ? "each expert's w1/w3 column-parallel, o_proj and w2 row-parallel, the router whole"
+                                              : "gate/up_proj column-parallel, o_proj and down_proj row-parallel";
   tp.note("autotp  tensor_parallel." + key + ": the rules agree with zero3d's split of this " + arch +
-          " model (q/k/v_proj and gate/up_proj column-parallel by whole K/V-head groups, o_proj and down_proj "
-          "row-parallel, embed_tokens and lm_head vocab-parallel)" +
+          " model (q/k/v_proj by whole K/V-head groups and " + mlp + ", embed_tokens and lm_head vocab-parallel)" +
           (t.size <= 1 ? std::string("; autotp_size is ") + std::to_string(t.size) + ", so nothing is split" : std::string()));
 }
 

@@ -159,7 +159,9 @@ std::vector<PipeLayer> pipe_layers_of(const ModelConfig& m) {
   const int64_t C = m.n_embd, V = m.vocab_size, A = m.n_head * f.head_dim, QKV = A + 2 * f.num_key_value_heads * f.head_dim,
                 I = f.intermediate_size;
   // two RMSNorms, q/k/v, o_proj, gate/up/down (model_layout.cpp llama_block_tensors)
-  const int64_t block = 2 * C + QKV * C + (f.qkv_bias ? QKV : 0) + C * A + (f.o_bias ? C : 0) + 3 * I * C +
+  // (Mixtral: the router and its experts in place of the MLP)
+  const int64_t mlp = f.mixtral() ? m.moe.num_experts * C + m.moe.num_experts * 3 * I * C : 3 * I * C;
+  const int64_t block = 2 * C + QKV * C + (f.qkv_bias ? QKV : 0) + C * A + (f.o_bias ? C : 0) + mlp +
                         (f.mlp_bias ? 2 * I + C : 0);
   return decoder_pipe_layers(V * C, block, m.n_layer, C + V * C);
 }
@@ -169,7 +171,8 @@ const std::vector<std::string> kLlamaFamilyKeys = {
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
     "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
-    "max_window_layers", "seq_length", "hidden_act", "initializer_range", "attention_dropout"};
+    "max_window_layers", "seq_length", "hidden_act", "initializer_range", "attention_dropout", "num_local_experts",
+    "num_experts_per_tok", "router_aux_loss_coef", "router_jitter_noise", "output_router_logits"};
 
 ModelConfig read_model(Section& top) {
   ModelConfig m;
@@ -189,33 +192,35 @@ ModelConfig read_model(Section& top) {
   const json* model_type = hf.is_object() && hf.contains("model_type") ? &hf["model_type"] : nullptr;
   const std::vector<std::string> families = {"gpt2", "llama", "mistral", "qwen2", "mixtral"};
   std::string arch = sec.choice("architecture", "gpt2", families);
-  if (arch == "mixtral" || (!sec.has("architecture") && model_type && *model_type == "mixtral")) {
-    // the one problem to report: the rest of the section is a Mixtral's, which nothing here reads
-    sec.report_key(sec.has("architecture") ? "architecture" : "hf_config",
-                   "mixtral (sparse MoE blocks: Hugging Face's MixtralSparseMoeBlock, top-k routing without token "
-                   "dropping) is not implemented yet; llama, mistral and qwen2 are");
-    return m;
-  }
   if (!sec.has("architecture") && model_type) {
     arch = model_type->is_string() ? model_type->get<std::string>() : show(*model_type);
     if (std::find(families.begin(), families.end(), arch) == families.end() || arch == "gpt2") {
       sec.report_key("hf_config", hf_file + ": model_type " + show(*model_type) +
-                                      " is not a family zero3d reads from a Hugging Face config (llama, mistral, qwen2)");
+                                      " is not a family zero3d reads from a Hugging Face config (llama, mistral, qwen2, "
+                                      "mixtral)");
       return m;
     }
     sec.record("architecture", arch);
   } else if (model_type && *model_type != arch) {
     sec.report_key("architecture", "value " + show(json(arch)) + " differs from model_type " + show(*model_type) +
                                        " in " + hf_file);
+    return m;  // the one problem to report: the file's keys are another family's
   }
   if (arch != "gpt2") {
-    const Architecture a = arch == "llama" ? Architecture::Llama : arch == "mistral" ? Architecture::Mistral : Architecture::Qwen2;
+    const Architecture a = arch == "llama"     ? Architecture::Llama
+                           : arch == "mistral" ? Architecture::Mistral
+                           : arch == "qwen2"   ? Architecture::Qwen2
+                                               : Architecture::Mixtral;
     read_llama_family(sec, m, a, hf.is_object() ? &hf : nullptr, hf_file);
     m.init_from = sec.path("init_from", "");
-    m.moe = read_moe(sec);
-    if (m.moe.enabled())
-      sec.report("model.moe.num_experts", "zero3d's MoE layers replace GPT-2 MLPs; experts in a " + arch +
-                                              " block (Mixtral's sparse MoE) are not implemented yet");
+    if (a == Architecture::Mixtral) {
+      read_mixtral_moe(sec, m.moe);
+    } else {
+      m.moe = read_moe(sec);
+      if (m.moe.enabled())
+        sec.report("model.moe.num_experts", "zero3d's MoE layers replace GPT-2 MLPs; a " + arch +
+                                                " block has a dense MLP (model.architecture mixtral has sparse MoE blocks)");
+    }
     sec.finish();
     return m;
   }
@@ -223,12 +228,12 @@ ModelConfig read_model(Section& top) {
   if (!sec.has("architecture")) sec.forget("architecture");
   if (!sec.has("hf_config")) sec.forget("hf_config");
   if (!m.hf_config.empty())
-    sec.report_key("hf_config", "reads a Llama-family config.json (llama, mistral, qwen2); model.architecture gpt2 "
+    sec.report_key("hf_config", "reads a Llama-family config.json (llama, mistral, qwen2, mixtral); model.architecture gpt2 "
                                 "takes its sizes from n_embd, n_layer, n_head and n_positions");
   for (const std::string& key : kLlamaFamilyKeys) {
     sec.mark_known(key);
     if (sec.has(key))
-      sec.report_key(key, "a key of the Llama family; set model.architecture to llama, mistral or qwen2 (GPT-2 "
+      sec.report_key(key, "a key of the Llama family; set model.architecture to llama, mistral, qwen2 or mixtral (GPT-2 "
                           "takes n_embd, n_layer, n_head and n_positions)");
   }
   m.vocab_size = sec.integer("vocab_size", 256, 2, 1 << 24);

@@ -1,6 +1,7 @@
 // config/model_family.cpp — the `model` section of a Llama-family decoder (model.architecture
-// llama, mistral or qwen2): Hugging Face's config.json keys and defaults (configuration_llama.py,
-// configuration_mistral.py, configuration_qwen2.py; MODEL-FAMILIES.md §4-5), given in the section
+// llama, mistral, qwen2 or mixtral): Hugging Face's config.json keys and defaults
+// (configuration_llama.py, configuration_mistral.py, configuration_qwen2.py,
+// configuration_mixtral.py; MODEL-FAMILIES.md §4-5), given in the section
 // or read from a Hugging Face config.json (`hf_config`, the section's own keys winning).
 //
 // A key of such a file that zero3d does not read is an error naming it, unless it is one of the
@@ -13,6 +14,7 @@
 
 #include "base/errors.hpp"
 #include "base/input_file.hpp"
+#include "config/model_shape.hpp"
 #include "config/section.hpp"
 
 namespace zero3d::config_detail {
@@ -30,12 +32,14 @@ struct FamilyDefaults {
   int64_t vocab_size, hidden_size, intermediate_size, num_key_value_heads;  // num_key_value_heads 0: None
   int64_t max_position_embeddings;
   int64_t sliding_window;  // 0: None (Llama has no such key)
+  double rms_norm_eps, rope_theta;
 };
 FamilyDefaults defaults_of(Architecture a) {
   switch (a) {
-    case Architecture::Mistral: return {32000, 4096, 14336, 8, 4096 * 32, 4096};
-    case Architecture::Qwen2: return {151936, 4096, 22016, 32, 32768, 4096};
-    default: return {32000, 4096, 11008, 0, 2048, 0};
+    case Architecture::Mistral: return {32000, 4096, 14336, 8, 4096 * 32, 4096, 1e-6, 10000.0};
+    case Architecture::Qwen2: return {151936, 4096, 22016, 32, 32768, 4096, 1e-6, 10000.0};
+    case Architecture::Mixtral: return {32000, 4096, 14336, 8, 4096 * 32, 0, 1e-5, 1e6};
+    default: return {32000, 4096, 11008, 0, 2048, 0, 1e-6, 10000.0};
   }
 }
 
@@ -44,6 +48,7 @@ std::string config_class(Architecture a) {
   switch (a) {
     case Architecture::Mistral: return "MistralConfig";
     case Architecture::Qwen2: return "Qwen2Config";
+    case Architecture::Mixtral: return "MixtralConfig";
     default: return "LlamaConfig";
   }
 }
@@ -128,13 +133,13 @@ struct Knobs {
 // RoPE: rope_theta and rope_scaling (legacy Hub files; "type" an alias of "rope_type"), or
 // transformers v5's rope_parameters holding both (modeling_rope_utils.py). Each type's
 // required keys as Hugging Face's _validate_*_rope_parameters lists them.
-kernels::RopeConfig read_rope(Knobs& k, int64_t max_position_embeddings) {
+kernels::RopeConfig read_rope(Knobs& k, int64_t max_position_embeddings, double theta) {
   kernels::RopeConfig r;
   r.max_position_embeddings = max_position_embeddings;
   const bool legacy = !k.is_null("rope_scaling"), v5 = !k.is_null("rope_parameters");
   if (legacy && v5)
     k.from("rope_parameters").report_key("rope_parameters", "give either rope_parameters (transformers v5) or rope_scaling, not both");
-  r.theta = k.number("rope_theta", 10000.0, 0.0, 1e12, /*lo_open=*/true);
+  r.theta = k.number("rope_theta", theta, 0.0, 1e12, /*lo_open=*/true);
   if (!legacy && !v5) return r;
   const std::string key = v5 ? "rope_parameters" : "rope_scaling";
   // Read from the Hugging Face file, the section's resolved form keeps it too, so that the
@@ -186,6 +191,34 @@ kernels::RopeConfig read_rope(Knobs& k, int64_t max_position_embeddings) {
   }
   rs.finish();
   return r;
+}
+
+// Mixtral's sparse MoE block (configuration_mixtral.py, modeling_mixtral.py
+// MixtralSparseMoeBlock) as zero3d's MoE layer: every layer routes, top-num_experts_per_tok of
+// an fp32 softmax over all experts with the chosen weights renormalised, no capacity (no token
+// is dropped), SwiGLU experts; model.moe holds ep_size only (config.cpp).
+void read_mixtral_router(Knobs& k, ModelConfig& m) {
+  DecoderFamily& f = m.family;
+  MoeConfig& moe = m.moe;
+  moe.num_experts = k.integer("num_local_experts", 8, 1, 1 << 16);
+  moe.k = k.integer("num_experts_per_tok", 2, 1, 1 << 16);
+  if (moe.k > moe.num_experts)
+    k.from("num_experts_per_tok")
+        .report_key("num_experts_per_tok", "value " + std::to_string(moe.k) + " is more than num_local_experts (" +
+                                               std::to_string(moe.num_experts) + "): a token picks distinct experts");
+  f.router_aux_loss_coef = k.number("router_aux_loss_coef", 0.001, 0.0, 1e6);
+  f.output_router_logits = k.boolean("output_router_logits", false);
+  k.only("router_jitter_noise", 0.0, "the router's multiplicative jitter noise is not implemented; 0.0 is "
+                                     "Hugging Face's default");
+  moe.every = 1;
+  moe.drop_tokens = false;
+  moe.use_rts = false;
+  moe.top2_2nd_expert_sampling = false;
+  moe.min_capacity = 0;
+  moe.mixtral_routing = true;
+  // AutoTP's mixtral preset splits each expert as a SwiGLU MLP (w1, w3 column-, w2 row-parallel).
+  moe.enable_expert_tensor_parallelism = true;
+  moe.aux_loss_coef = f.output_router_logits ? f.router_aux_loss_coef : 0.0;
 }
 
 }  // namespace
@@ -241,9 +274,9 @@ void read_llama_family(Section& sec, ModelConfig& m, Architecture arch, const js
         .report_key("num_key_value_heads", "value " + std::to_string(f.num_key_value_heads) +
                                                " does not divide num_attention_heads (" + std::to_string(m.n_head) +
                                                "): each K/V head serves a whole group of query heads");
-  f.rms_norm_eps = k.number("rms_norm_eps", 1e-6, 0.0, 1.0, /*lo_open=*/true);
+  f.rms_norm_eps = k.number("rms_norm_eps", d.rms_norm_eps, 0.0, 1.0, /*lo_open=*/true);
   const int64_t max_pos = k.integer("max_position_embeddings", d.max_position_embeddings, 1, int64_t(1) << 30);
-  f.rope = read_rope(k, max_pos);
+  f.rope = read_rope(k, max_pos, d.rope_theta);
   f.tie_word_embeddings = k.boolean("tie_word_embeddings", false);
   f.initializer_range = k.number("initializer_range", 0.02, 0.0, 1.0, /*lo_open=*/true);
   f.bos_token_id = k.token_ids("bos_token_id");
@@ -258,9 +291,10 @@ void read_llama_family(Section& sec, ModelConfig& m, Architecture arch, const js
     f.qkv_bias = f.o_bias = attention_bias;
     f.mlp_bias = k.boolean("mlp_bias", false);
     k.only("pretraining_tp", 1, "Hugging Face's slice-wise products for tensor-parallel pretraining are not implemented");
-  } else if (arch == Architecture::Mistral) {  // every layer slides when sliding_window is set
-    const std::optional<int64_t> w = k.nullable_integer("sliding_window", d.sliding_window, 1, 1 << 30);
+  } else if (arch == Architecture::Mistral || arch == Architecture::Mixtral) {  // every layer slides when sliding_window is set
+    const std::optional<int64_t> w = k.nullable_integer("sliding_window", d.sliding_window ? std::optional<int64_t>(d.sliding_window) : std::nullopt, 1, 1 << 30);
     std::fill(f.window.begin(), f.window.end(), w.value_or(0));
+    if (arch == Architecture::Mixtral) read_mixtral_router(k, m);
   } else {  // Qwen2: q/k/v biases; a window on the layers layer_types names (default: those >= max_window_layers)
     f.qkv_bias = true;
     const bool use = k.boolean("use_sliding_window", false);
@@ -302,3 +336,15 @@ void read_llama_family(Section& sec, ModelConfig& m, Architecture arch, const js
 }
 
 }  // namespace zero3d::config_detail
+
+namespace zero3d {
+
+GPTShape gpt_shape_of(const ModelConfig& m) {
+  GPTShape s{m.vocab_size, m.n_positions, m.n_layer, m.n_head, m.n_embd};
+  s.moe = MoeShape{m.moe.num_experts, m.moe.every, m.moe.use_residual, m.moe.enable_expert_tensor_parallelism};
+  s.sparse = m.sparse_attention;
+  s.family = m.family;
+  return s;
+}
+
+}  // namespace zero3d

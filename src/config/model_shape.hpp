@@ -1,6 +1,6 @@
-// model_shape.hpp — the model a config's model section describes, as the model layer's
-// GPTShape: what the engine builds, the planner counts, AutoTP matches its rules against and a
-// checkpoint's tensors are checked against.
+// model_shape.hpp — the model a `model` section describes, as the model code takes it: what the
+// engine builds, the planner counts, AutoTP's rules are checked against and `zero3d convert`
+// checks a checkpoint's tensors against.
 #pragma once
 
 #include "config/config.hpp"

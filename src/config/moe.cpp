@@ -41,9 +41,37 @@ MoeConfig read_moe(Section& model) {
   return m;
 }
 
+void read_mixtral_moe(Section& model, MoeConfig& m) {
+  if (!model.has("moe")) return;
+  Section sec = model.child("moe");
+  m.ep_size = sec.integer("ep_size", 1, 1, 1 << 16);
+  // the rest is Mixtral's routing, set by its own keys (num_local_experts, num_experts_per_tok, ...)
+  for (const char* key : {"num_experts", "every", "k", "capacity_factor", "eval_capacity_factor", "min_capacity",
+                          "use_residual", "noisy_gate_policy", "drop_tokens", "use_rts", "top2_2nd_expert_sampling",
+                          "enable_expert_tensor_parallelism", "aux_loss_coef", "use_tutel"}) {
+    sec.mark_known(key);
+    if (sec.has(key))
+      sec.report_key(key, "model.architecture mixtral routes as Hugging Face's MixtralSparseMoeBlock (experts from "
+                          "num_local_experts, top-k from num_experts_per_tok, no capacity, router_aux_loss_coef); "
+                          "model.moe takes ep_size only");
+  }
+  sec.finish();
+  if (m.num_experts % m.ep_size != 0)
+    sec.report_key("ep_size", "num_local_experts (" + std::to_string(m.num_experts) + ") is not divisible by ep_size (" +
+                                  std::to_string(m.ep_size) + ")");
+}
+
 void check_moe(Section& top, const Config& c, int64_t dp) {
   const MoeConfig& m = c.model.moe;
   if (!m.enabled()) return;
+  // transformers' load_balancing_loss_func takes every layer's router logits at once (fractions
+  // and mean probabilities over all layers' tokens together), so one rank must hold every layer.
+  if (m.mixtral_routing && m.aux_loss_coef > 0.0 && c.pipeline.stages > 1)
+    top.report("pipeline.stages", "Mixtral's load-balancing loss (output_router_logits true, router_aux_loss_coef " +
+                                      show(json(m.aux_loss_coef)) +
+                                      ") couples the routing of every layer, which pipeline stages " +
+                                      std::to_string(c.pipeline.stages) +
+                                      " split; use pipeline.stages 1, or output_router_logits false");
   if (m.every > c.model.n_layer)
     top.report("model.moe.every", "every " + std::to_string(m.every) + " leaves no MoE block among model.n_layer (" +
                                       std::to_string(c.model.n_layer) + ") blocks");

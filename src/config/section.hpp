@@ -536,6 +536,8 @@ void read_llama_family(Section& sec, ModelConfig& m, Architecture arch, const js
 void read_autotp_rules(Section& tp, const ModelConfig& m, TensorParallelConfig& t);
 // model.moe (config/moe.cpp): the section, then its checks against the layout and the rest of the run.
 MoeConfig read_moe(Section& model);
+// model.moe of a Mixtral: ep_size only (the routing is the model's, from its Hugging Face keys).
+void read_mixtral_moe(Section& model, MoeConfig& m);
 void check_moe(Section& top, const Config& c, int64_t data_parallel_size);
 // sparse_attention (config/sparse_attention.cpp): the layout's keys for its mode and DeepSpeed's checks.
 SparseAttention read_sparse_attention(Section& top, const Config& c);

@@ -270,7 +270,7 @@ ModelShape llama_family_shape_of(const CheckpointReader& reader, const ParamLayo
   if (hf_config.empty() || !fs::exists(hf_config, ec)) model.erase("hf_config");
   model.erase("init_from");  // where the first run's weights came from, not the model
   const ModelConfig m = read_model_section(model, where + " (saved model section)");
-  const ParamLayout expected = gpt_layout(gpt_shape_of(m));
+  const ParamLayout expected = gpt_layout(gpt_shape_of(m));  // Mixtral's experts included
   for (const TensorSpec& t : expected.tensors()) {
     const TensorSpec* saved = layout.find(t.name);
     if (!saved || saved->shape != t.shape)
@@ -396,6 +396,7 @@ const char* causal_lm_class(Architecture a) {
   switch (a) {
     case Architecture::Mistral: return "MistralForCausalLM";
     case Architecture::Qwen2: return "Qwen2ForCausalLM";
+    case Architecture::Mixtral: return "MixtralForCausalLM";
     default: return "LlamaForCausalLM";
   }
 }
@@ -432,9 +433,16 @@ nlohmann::json llama_family_config(const ModelConfig& m, const OutputDType& dtyp
     out["attention_bias"] = f.qkv_bias;  // q/k/v and o_proj biases together (zero3d reads them so)
     out["mlp_bias"] = f.mlp_bias;
     out["pretraining_tp"] = 1;
-  } else if (f.arch == Architecture::Mistral) {  // one window on every layer, or none
+  } else if (f.arch == Architecture::Mistral || f.arch == Architecture::Mixtral) {  // one window on every layer, or none
     const int64_t w = f.window_of(0);
     out["sliding_window"] = w > 0 ? nlohmann::json(w) : nlohmann::json();
+    if (f.arch == Architecture::Mixtral) {  // MixtralConfig's router
+      out["num_local_experts"] = m.moe.num_experts;
+      out["num_experts_per_tok"] = m.moe.k;
+      out["router_aux_loss_coef"] = f.router_aux_loss_coef;
+      out["router_jitter_noise"] = 0.0;
+      out["output_router_logits"] = f.output_router_logits;
+    }
   } else {  // Qwen2: the window on the layers layer_types names (max_window_layers: the first of them)
     int64_t w = 0, first = m.n_layer;
     nlohmann::json types = nlohmann::json::array();

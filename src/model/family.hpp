@@ -7,6 +7,9 @@
 // position embedding, a final RMSNorm and an LM head that is untied by default. The families
 // differ in defaults and in two switches: q/k/v biases (Qwen2) and a sliding window
 // (Mistral on every layer, Qwen2 on layers >= max_window_layers when use_sliding_window).
+// Mixtral (modeling_mixtral.py MixtralDecoderLayer) is Mistral's attention with the MLP replaced
+// by a sparse MoE block in every layer (MixtralSparseMoeBlock: a router, num_local_experts
+// SwiGLU experts), which runs on zero3d's MoE machinery (moe_layer.cpp).
 #pragma once
 
 #include <cstdint>
@@ -16,14 +19,15 @@
 
 namespace zero3d {
 
-enum class Architecture { GPT2, Llama, Mistral, Qwen2 };
+enum class Architecture { GPT2, Llama, Mistral, Qwen2, Mixtral };
 
-// "gpt2", "llama", "mistral", "qwen2": the model.architecture value (Hugging Face's model_type).
+// "gpt2", "llama", "mistral", "qwen2", "mixtral": the model.architecture value (Hugging Face's model_type).
 inline const char* architecture_name(Architecture a) {
   switch (a) {
     case Architecture::Llama: return "llama";
     case Architecture::Mistral: return "mistral";
     case Architecture::Qwen2: return "qwen2";
+    case Architecture::Mixtral: return "mixtral";
     case Architecture::GPT2: break;
   }
   return "gpt2";
@@ -49,8 +53,14 @@ struct DecoderFamily {
   // end-of-turn ids); empty for None. Informational: no computation reads them, `zero3d
   // convert` writes them back.
   std::vector<int64_t> bos_token_id, eos_token_id;
+  // Mixtral's router (configuration_mixtral.py): the expert count and top-k are model.moe's
+  // num_experts and k; these two say whether the load-balancing loss enters the loss, as
+  // MixtralForCausalLM adds router_aux_loss_coef · aux only when output_router_logits is true.
+  double router_aux_loss_coef = 0.001;
+  bool output_router_logits = false;
 
   bool llama() const { return arch != Architecture::GPT2; }
+  bool mixtral() const { return arch == Architecture::Mixtral; }
   int64_t window_of(int64_t layer) const {
     return layer < static_cast<int64_t>(window.size()) ? window[static_cast<size_t>(layer)] : 0;
   }

@@ -17,6 +17,10 @@
 // after another, so each rank's products stay fused. With sequence parallelism the RMSNorms
 // and residual adds run on this rank's 1/t of the tokens, gathered before the column-parallel
 // products and reduce-scattered after the row-parallel ones.
+//
+// Mixtral (modeling_mixtral.py MixtralDecoderLayer): the same attention half; the MLP half is
+// out = h + MixtralSparseMoeBlock(RMSNorm(h)), run by moe_forward/moe_backward (moe_layer.cpp)
+// with the router in this block's unit and the experts in their own.
 #include "base/profiler.hpp"
 #include "kernels/attention_gqa.hpp"
 #include "kernels/elementwise.hpp"
@@ -36,7 +40,7 @@ using namespace kernels;
 
 template <typename P>
 void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
-                              double* attention_ms) {
+                              double* attention_ms, ActivationBuffer* buf) {
   const DecoderFamily& f = shape_.family;
   const int64_t t = part_.tp_size, B = B_, T = T_, C = shape_.n_embd, BT = B * T, Ns = Ns_, H = Hl_,
                 Hkv = f.num_key_value_heads / t, d = f.head_dim, I = widths_.act;
@@ -80,6 +84,14 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   // out = h + down_proj(silu(gate) · up) on post_attention_layernorm(h)
   region.next(obs::mlp_module(global_block));
   rmsnorm_forward(a.ln_2, a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
+  if (f.mixtral()) {  // model.moe's checks keep sequence parallelism and full recompute away (Ns = B·T, buf given)
+    BlockTensors<const P> router{};
+    router.gate_w = p.router_w;
+    moe_forward<P>(global_block, a, *moe_saves(c, l, *buf), router, *buf, store);
+    store.release(u);
+    store.progress();
+    return;
+  }
   linear_forward(a.fch, column_parallel_input(a.ln_2), p.gate_up_w, p.gate_up_b, BT, C, w.fc, false, cmp);  // rows [gate | up]
   swiglu_forward(a.fch_gelu, a.fch, a.fch + I, BT, I, w.fc);
   residual_product(a.res_3, a.res_2, a.fch_gelu, p.down_w, p.down_b, I);
@@ -94,7 +106,8 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
 // numbers. Tensor-parallel regions sit on the lines mirroring the forward's.
 template <typename P>
 void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivations& a, const float* residual,
-                               ActivationBuffer& buf, float* dres, ParamStore& store, BackwardPart part) {
+                               ActivationBuffer& buf, float* dres, ParamStore& store, BackwardPart part,
+                               float grad_scale) {
   const DecoderFamily& f = shape_.family;
   const int64_t t = part_.tp_size, B = B_, T = T_, C = shape_.n_embd, BT = B * T, Ns = Ns_, H = Hl_,
                 Hkv = f.num_key_value_heads / t, d = f.head_dim, I = widths_.act;
@@ -128,12 +141,21 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   // MLP half: dres holds d(out) (this rank's tokens), which is also the residual path's d(h)
   const float* d_out = part == BackwardPart::Weight ? g.d_res_3 : row_output_grad(dres, saved ? g.d_res_3 : gathered_);
   if (keep && !sp) copy(g.d_res_3, dres, BT * C);
-  linear_backward(input ? dact_ : nullptr, weights ? dw.down_w : nullptr, weights ? dw.down_b : nullptr, d_out,
-                  a.fch_gelu, p.down_w, BT, I, C, cmp, add_dw);
-  store.progress();
-  if (input) swiglu_backward(d_fch, d_fch + I, dact_, a.fch, a.fch + I, BT, I, w.fc);
-  column_backward(input ? d_ln_2 : nullptr, weights ? dw.gate_up_w : nullptr, weights ? dw.gate_up_b : nullptr, d_fch,
-                  a.ln_2, p.gate_up_w, w.fc);
+  if (f.mixtral()) {  // the sparse MoE block adds its input gradients into d(ln_2) (a full backward: model.moe's checks)
+    BlockTensors<const P> router{};
+    BlockTensors<float> d_router{};
+    router.gate_w = p.router_w;
+    d_router.gate_w = dw.router_w;
+    Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(d_ln_2, BT * C), 0.0f);
+    moe_backward<P>(global_block, a, *moe_saves(c, l, buf), router, d_router, d_out, d_ln_2, grad_scale, store);
+  } else {
+    linear_backward(input ? dact_ : nullptr, weights ? dw.down_w : nullptr, weights ? dw.down_b : nullptr, d_out,
+                    a.fch_gelu, p.down_w, BT, I, C, cmp, add_dw);
+    store.progress();
+    if (input) swiglu_backward(d_fch, d_fch + I, dact_, a.fch, a.fch + I, BT, I, w.fc);
+    column_backward(input ? d_ln_2 : nullptr, weights ? dw.gate_up_w : nullptr, weights ? dw.gate_up_b : nullptr,
+                    d_fch, a.ln_2, p.gate_up_w, w.fc);
+  }
   store.progress();
   rmsnorm_backward(input ? dres : nullptr, weights ? dw.post_norm : nullptr, d_ln_2, a.res_2, p.post_norm, a.ln_2_rstd,
                    Ns, C);
@@ -167,9 +189,9 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
 
 #define ZERO3D_LLAMA_BLOCK(P)                                                                                        \
   template void GPT::llama_block_forward<P>(const ModelChunk&, int, BlockActivations&, const float*, ParamStore&,     \
-                                            double*);                                                                 \
+                                            double*, ActivationBuffer*);                                              \
   template void GPT::llama_block_backward<P>(const ModelChunk&, int, const BlockActivations&, const float*,           \
-                                             ActivationBuffer&, float*, ParamStore&, BackwardPart);
+                                             ActivationBuffer&, float*, ParamStore&, BackwardPart, float);
 ZERO3D_LLAMA_BLOCK(float)
 ZERO3D_LLAMA_BLOCK(bf16)
 ZERO3D_LLAMA_BLOCK(fp16)

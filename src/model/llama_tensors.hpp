@@ -10,10 +10,12 @@
 namespace zero3d {
 
 // One block's tensors inside its unit (a flat buffer of T: parameters, or fp32 gradients), in
-// llama_block_tensors' order at this rank's widths w; absent biases are null.
+// llama_block_tensors' order at this rank's widths w; absent biases are null. Mixtral's block has
+// its router (block_sparse_moe.gate.weight [E, C], replicated) in place of the MLP (null).
 template <typename T>
 struct LlamaTensors {
   T *input_norm, *qkv_w, *qkv_b, *o_w, *o_b, *post_norm, *gate_up_w, *gate_up_b, *down_w, *down_b;
+  T* router_w;
 };
 
 template <typename T>
@@ -32,6 +34,10 @@ LlamaTensors<T> llama_tensors(T* p, const GPTShape& s, const BlockWidths& w) {
   t.o_w = take(C * w.attn);
   if (f.o_bias) t.o_b = take(C);
   t.post_norm = take(C);
+  if (f.mixtral()) {
+    t.router_w = take(s.moe.num_experts * C);
+    return t;
+  }
   t.gate_up_w = take(w.fc * C);
   if (f.mlp_bias) t.gate_up_b = take(w.fc);
   t.down_w = take(C * w.act);

@@ -118,7 +118,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   if (shape_.llama()) {
     // progressive layer drop is refused for the Llama family at validation (config.cpp)
     if (scale != 1.0f) throw std::logic_error("progressive layer drop reached a Llama-family block");
-    return llama_block_forward<P>(c, l, a, residual, store, attention_ms);
+    return llama_block_forward<P>(c, l, a, residual, store, attention_ms, buf);
   }
   if (scale == 0.0f) return dropped_block_forward(a, residual);  // progressive layer drop: the identity
   const int64_t B = B_, T = T_, C = shape_.n_embd, Cl = Cl_, H = Hl_, BT = B * T, Ns = Ns_;
@@ -274,6 +274,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
       if (timed) time_of(c.first_block + l, 1).forward_ms += attention_ms;
     }
   }
+  if (shape_.family.mixtral()) mixtral_router_loss(c, buf);
   if (!c.final) return 0.0f;
   const float* x = chunk_output(c, buf);
   const P* F = static_cast<const P*>(store.fetch(c.final_unit));  // weight [C] then bias [C] (model.norm: weight)
@@ -378,7 +379,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     const float s = block_scale(buf, c, l);  // progressive layer drop: 0 dropped, else the branches' 1/p
     if (shape_.llama()) {
       if (s != 1.0f) throw std::logic_error("progressive layer drop reached a Llama-family block");
-      return llama_block_backward<P>(c, l, a, residual, buf, dres, store, part);
+      return llama_block_backward<P>(c, l, a, residual, buf, dres, store, part, grad_scale);
     }
     if (s == 0.0f) return dropped_block_backward(c, l, store, part);
     const int u = c.first_block_unit + l, global_block = c.first_block + l;

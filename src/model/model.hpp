@@ -55,7 +55,8 @@ struct GPTShape {
 
 // The widths of one block's activations on a rank holding `t` of its tensor-parallel parts:
 // GPT-2: qkv 3C/t, attention output C/t, c_fc output and GELU 4C/t. The Llama family (t = 1):
-// qkv (H + 2·Hkv)·d, attention output H·d, the fused [gate | up] output 2I, SwiGLU's I.
+// qkv (H + 2·Hkv)·d, attention output H·d, the fused [gate | up] output 2I, SwiGLU's I (Mixtral:
+// 0 and 0, its MLP half being the experts').
 struct BlockWidths {
   int64_t qkv = 0, attn = 0, fc = 0, act = 0;
 };
@@ -79,10 +80,19 @@ struct BlockTensors {
 };
 
 // Builds the Hugging Face GPT-2 parameter layout for `shape`; with MoE, every expert's tensors
-// follow ln_f, named h.{l}.mlp.experts.{e}.c_fc.weight etc. (whole tensors, any expert layout).
+// follow ln_f, named h.{l}.mlp.experts.{e}.c_fc.weight etc. (whole tensors, any expert layout);
+// Mixtral's follow lm_head as model.layers.{l}.block_sparse_moe.experts.{e}.w1/w3/w2.weight.
 ParamLayout gpt_layout(const GPTShape& shape);
 // The tensor names of one expert's MLP, in layout order.
 extern const char* const kExpertTensorNames[4];
+
+// The widths of an expert's saved rows on a rank holding `t` tensor parts: its first product's
+// output (GPT-2: c_fc, F = 4C; Mixtral: the fused [w1 | w3], 2I) and its activation (GELU, F;
+// SwiGLU, I), each divided by t under expert tensor parallelism.
+struct ExpertWidths {
+  int64_t fch = 0, act = 0;
+};
+ExpertWidths moe_expert_widths(const GPTShape& shape, int64_t t);
 
 // Model FLOPs per trained token: 6N + 12·L·T·C (forward + backward, attention included); the
 // Llama family: 6N without the embedding lookup's V·C when the head is untied, and 12·L·T·H·d. With
@@ -240,6 +250,9 @@ struct MoeRouting {
   bool drop_tokens = true, use_rts = true, top2_2nd_expert_sampling = true;
   kernels::moe::NoisyGate noise = kernels::moe::NoisyGate::None;
   double aux_loss_coef = 0.01;
+  // Mixtral (MixtralSparseMoeBlock): top-k of the softmax with renormalised weights, no
+  // capacity, and transformers' load_balancing_loss_func over every layer (GPT::mixtral_router_loss).
+  bool mixtral = false;
   uint64_t seed = 0;               // with ActivationBuffer::draw_key, every random draw of the gate
   Communicator* expert = nullptr;  // ep ranks: dispatch/combine all-to-all, the no-drop capacity's max
 };
@@ -252,7 +265,7 @@ int64_t moe_rows_bound(const MoeShape& shape, const MoeRouting& routing, int64_t
 struct MoeActivations {
   float* gate_noise = nullptr;  // [S, C] Jitter factors of the gate's input (null without Jitter)
   float* expert_in = nullptr;   // [R, C] rows this rank's experts received, expert-major
-  float *expert_fch = nullptr, *expert_fch_gelu = nullptr;  // [R, 4C]
+  float *expert_fch = nullptr, *expert_fch_gelu = nullptr;  // [R, fch], [R, act] (moe_expert_widths)
   float* returned = nullptr;    // [S·k, C] expert outputs of this rank's routed tokens, in dispatch order
   float *moe_out = nullptr, *mlp_out = nullptr, *coef = nullptr;  // residual MoE: [S, C], [S, C], [S, 2]
   std::shared_ptr<kernels::moe::Routing> routing;
@@ -298,7 +311,8 @@ struct ActivationBuffer {
   std::vector<MoeActivations> moe;  // one per MoE block of the largest chunk, in block order
   // MoE: the key of this micro-batch's random draws (its first global sample: the same on any
   // layout), whether the forward trains (noise, capacity_factor) or evaluates, and the sum of
-  // its MoE blocks' l_aux (what aux_loss_coef weighs into the loss).
+  // its MoE blocks' l_aux (what aux_loss_coef weighs into the loss; Mixtral: the one
+  // load-balancing loss over all its layers).
   uint64_t draw_key = 0;
   bool training = true;
   double aux_loss = 0.0;
@@ -428,10 +442,9 @@ class GPT {
                     const BlockTensors<float>& dw, const float* d_res_3, float* d_ln_2, float grad_scale,
                     ParamStore& store);
   MoeActivations* moe_saves(const ModelChunk& c, int l, ActivationBuffer& buf) const;
-  // An expert's hidden width on this rank: 4C, or 4C/t with expert tensor parallelism.
-  int64_t moe_hidden() const {
-    return shape_.moe.expert_tensor_parallel && part_.tp_size > 1 ? 4 * shape_.n_embd / part_.tp_size : 4 * shape_.n_embd;
-  }
+  // Mixtral's load-balancing loss (transformers load_balancing_loss_func) once every layer of
+  // the chunk has routed: into buf.aux_loss, and into each layer's routing for its backward.
+  void mixtral_router_loss(const ModelChunk& c, ActivationBuffer& buf) const;
   // Tensor parallelism's backward regions around a block's products (Megatron's mappings,
   // tp_regions.hpp), shared by both families' blocks. row_output_grad: a row-parallel product's
   // output gradient over all tokens — this rank's tokens' gradient all-gathered with sequence
@@ -451,12 +464,13 @@ class GPT {
   // The Llama family's block (llama_block.cpp): the same contract as block_forward and as the
   // block backward of backward_impl (dres: d(res_3) on entry, d(residual) on exit; a split
   // backward's operands in buf.grad_operands[l]).
+  // Mixtral's MLP half is its sparse MoE block (moe_forward/moe_backward with buf's saves).
   template <typename P>
   void llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,
-                           double* attention_ms);
+                           double* attention_ms, ActivationBuffer* buf);
   template <typename P>
   void llama_block_backward(const ModelChunk& c, int l, const BlockActivations& a, const float* residual,
-                            ActivationBuffer& buf, float* dres, ParamStore& store, BackwardPart part);
+                            ActivationBuffer& buf, float* dres, ParamStore& store, BackwardPart part, float grad_scale);
   template <typename P>
   float forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& store);
   template <typename P>
@@ -525,7 +539,10 @@ class GPT {
   int64_t sparse_att_stride_ = 0;  // kept probabilities per (sample, head): sparse_probs_per_head
   int64_t moe_rows_ = 0;  // R: rows this rank's experts can receive per block
   FlatBuffer moe_ws_;
-  float *moe_send_ = nullptr, *moe_recv_ = nullptr, *moe_rows_c_ = nullptr, *moe_rows_4c_ = nullptr;
+  ExpertWidths expert_widths_;  // this rank's expert row widths
+  // d(expert rows' first product) [R, fch]; Mixtral also d(SwiGLU output) [R, act]
+  float *moe_send_ = nullptr, *moe_recv_ = nullptr, *moe_rows_c_ = nullptr, *moe_rows_4c_ = nullptr,
+        *moe_rows_act_ = nullptr;
   float *moe_logits_ = nullptr, *moe_dlogits_ = nullptr, *moe_dweight_ = nullptr, *moe_tokens_c_ = nullptr;
   float *moe_dmoe_ = nullptr, *moe_dcoef_ = nullptr;
   std::vector<MoeLayerStats> moe_stats_;

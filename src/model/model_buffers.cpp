@@ -129,7 +129,9 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
     moe_send_ = take(S * k * C);
     moe_recv_ = take(moe_rows_ * C);
     moe_rows_c_ = take(moe_rows_ * C);
-    moe_rows_4c_ = take(moe_hidden() * moe_rows_);
+    expert_widths_ = moe_expert_widths(shape, t);
+    moe_rows_4c_ = take(expert_widths_.fch * moe_rows_);
+    if (shape.family.mixtral()) moe_rows_act_ = take(expert_widths_.act * moe_rows_);
     moe_logits_ = take(S * E);
     moe_dlogits_ = take(S * E);
     moe_dweight_ = take(S * k);
@@ -183,8 +185,8 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
     MoeActivations m;
     if (moe_.noise == kernels::moe::NoisyGate::Jitter) m.gate_noise = take(S * C);
     m.expert_in = take(R * C);
-    m.expert_fch = take(moe_hidden() * R);
-    m.expert_fch_gelu = take(moe_hidden() * R);
+    m.expert_fch = take(expert_widths_.fch * R);
+    m.expert_fch_gelu = take(expert_widths_.act * R);
     m.returned = take(S * moe_.k * C);
     if (shape_.moe.use_residual) {
       m.moe_out = take(S * C);

@@ -44,6 +44,10 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> llama_block_tensors(co
   out.push_back({"self_attn.o_proj.weight", {C, A}});
   if (f.o_bias) out.push_back({"self_attn.o_proj.bias", {C}});
   out.push_back({"post_attention_layernorm.weight", {C}});
+  if (f.mixtral()) {  // MixtralSparseMoeBlock's router, nn.Linear(C, E, bias=False); its experts follow lm_head
+    out.push_back({"block_sparse_moe.gate.weight", {s.moe.num_experts, C}});
+    return out;
+  }
   out.push_back({"mlp.gate_proj.weight", {I, C}});
   out.push_back({"mlp.up_proj.weight", {I, C}});
   if (f.mlp_bias) {
@@ -75,17 +79,43 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> block_tensors(const GP
   if (moe) out.emplace_back("mlp.gate.weight", std::vector<int64_t>{C, s.moe.num_experts});
   return out;
 }
-std::vector<std::vector<int64_t>> expert_shapes(int64_t C) { return {{C, 4 * C}, {4 * C}, {4 * C, C}, {C}}; }
-std::string expert_prefix(int64_t l, int64_t e) {
+// One expert's tensors in layout order (global shapes): GPT-2's MLP (c_fc, c_proj with biases),
+// or Mixtral's SwiGLU MLP w1 (gate), w3 (up), w2 (down), nn.Linear weights [out, in] without
+// biases. w1 and w3 follow one another, so together they are one [2I, C] matrix whose product is
+// SwiGLU's fused [gate | up] row, as the dense Llama MLP's gate_proj and up_proj.
+std::vector<std::pair<std::string, std::vector<int64_t>>> expert_tensors(const GPTShape& s) {
+  const int64_t C = s.n_embd, I = s.family.intermediate_size;
+  if (s.family.mixtral()) return {{"w1.weight", {I, C}}, {"w3.weight", {I, C}}, {"w2.weight", {C, I}}};
+  return {{kExpertTensorNames[0], {C, 4 * C}},
+          {kExpertTensorNames[1], {4 * C}},
+          {kExpertTensorNames[2], {4 * C, C}},
+          {kExpertTensorNames[3], {C}}};
+}
+std::string expert_prefix(const GPTShape& s, int64_t l, int64_t e) {
+  if (s.family.mixtral())
+    return "model.layers." + std::to_string(l) + ".block_sparse_moe.experts." + std::to_string(e) + ".";
   return "h." + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".";
 }
+// Every MoE block's experts, after the dense tensors.
+void add_experts(ParamLayout& layout, const GPTShape& s) {
+  for (int64_t l = 0; l < s.n_layer; ++l)
+    if (s.moe.is_moe_block(l))
+      for (int64_t e = 0; e < s.moe.num_experts; ++e)
+        for (const auto& [name, shape] : expert_tensors(s)) layout.add(expert_prefix(s, l, e) + name, shape);
+}
 }  // namespace
+
+ExpertWidths moe_expert_widths(const GPTShape& s, int64_t t) {
+  const int64_t parts = s.moe.expert_tensor_parallel && t > 1 ? t : 1;
+  if (s.family.mixtral()) return {2 * s.family.intermediate_size / parts, s.family.intermediate_size / parts};
+  return {4 * s.n_embd / parts, 4 * s.n_embd / parts};
+}
 
 BlockWidths block_widths(const GPTShape& s, int64_t t) {
   if (!s.llama()) return {3 * s.n_embd / t, s.n_embd / t, 4 * s.n_embd / t, 4 * s.n_embd / t};
   const DecoderFamily& f = s.family;  // whole K/V-head groups and I/t of the MLP per tensor rank
-  return {(s.n_head + 2 * f.num_key_value_heads) * f.head_dim / t, s.n_head * f.head_dim / t,
-          2 * f.intermediate_size / t, f.intermediate_size / t};
+  const int64_t I = f.mixtral() ? 0 : f.intermediate_size;  // Mixtral has no dense MLP (its experts' rows: ExpertWidths)
+  return {(s.n_head + 2 * f.num_key_value_heads) * f.head_dim / t, s.n_head * f.head_dim / t, 2 * I / t, I / t};
 }
 
 std::string embedding_tensor_name(const GPTShape& s) { return s.llama() ? "model.embed_tokens.weight" : "wte.weight"; }
@@ -103,6 +133,7 @@ ParamLayout gpt_layout(const GPTShape& s) {
       for (const auto& [name, shape] : block_tensors(s, l)) layout.add(block_prefix(s, l) + name, shape);
     layout.add("model.norm.weight", {C});
     if (!s.tied_head()) layout.add("lm_head.weight", {V, C});
+    add_experts(layout, s);
     return layout;
   }
   layout.add("wte.weight", {V, C});
@@ -113,17 +144,19 @@ ParamLayout gpt_layout(const GPTShape& s) {
   }
   layout.add("ln_f.weight", {C});
   layout.add("ln_f.bias", {C});
-  for (int64_t l = 0; l < s.n_layer; ++l)
-    if (s.moe.is_moe_block(l))
-      for (int64_t e = 0; e < s.moe.num_experts; ++e)
-        for (int k = 0; k < 4; ++k) layout.add(expert_prefix(l, e) + kExpertTensorNames[k], expert_shapes(C)[k]);
+  add_experts(layout, s);
   return layout;
 }
 
 int64_t gpt_active_params(const GPTShape& s, int64_t k) {
   const ParamLayout layout = gpt_layout(s);
   if (!s.moe.enabled()) return layout.total();
-  const int64_t C = s.n_embd, expert = 8 * C * C + 5 * C;
+  int64_t expert = 0;
+  for (const auto& [name, shape] : expert_tensors(s)) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    expert += n;
+  }
   int64_t moe_blocks = 0;
   for (int64_t l = 0; l < s.n_layer; ++l) moe_blocks += s.moe.is_moe_block(l) ? 1 : 0;
   // every expert is stored; a token meets k of them per MoE block
@@ -137,8 +170,10 @@ std::vector<ParamUnit> gpt_units(const ParamLayout& layout, int64_t n_layer) {
   std::vector<int64_t> starts = {0};
   for (int64_t l = 0; l < n_layer; ++l) starts.push_back(layout.find(block_first_tensor_name(s, l))->offset);
   starts.push_back(layout.find(final_first_tensor_name(s))->offset);
-  if (s.llama()) starts.push_back(layout.total());
-  else starts.push_back(layout.find("ln_f.bias")->offset + layout.find("ln_f.bias")->numel);  // experts follow (their own units)
+  if (s.llama()) {  // model.norm, then lm_head unless tied; experts follow (their own units)
+    const TensorSpec* last = layout.find("lm_head.weight") ? layout.find("lm_head.weight") : layout.find("model.norm.weight");
+    starts.push_back(last->offset + last->numel);
+  } else starts.push_back(layout.find("ln_f.bias")->offset + layout.find("ln_f.bias")->numel);  // experts follow (their own units)
   std::vector<ParamUnit> units;
   for (size_t u = 0; u + 1 < starts.size(); ++u) {
     const UnitKind kind = u == 0 ? UnitKind::Embedding : u + 2 == starts.size() ? UnitKind::FinalNorm : UnitKind::Block;
@@ -308,15 +343,19 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
     for (int b = c.first_block; b < c.first_block + c.num_blocks; ++b)
       if (s.moe.is_moe_block(b)) held.push_back(b);
   std::sort(held.begin(), held.end());
-  // Expert tensor parallelism: c_fc column-parallel, c_proj row-parallel with its bias replicated.
+  // Expert tensor parallelism: c_fc column-parallel, c_proj row-parallel with its bias replicated;
+  // Mixtral's (AutoTP's mixtral preset) w1 and w3 column-parallel (rows), w2 row-parallel (columns).
   const bool split_experts = s.moe.expert_tensor_parallel && tp_size > 1;
-  const TensorSplit expert_how[] = {split_experts ? cols : replicated, split_experts ? rows : replicated,
-                                    split_experts ? rows : replicated, replicated};
+  const std::vector<TensorSplit> expert_how =
+      !split_experts     ? std::vector<TensorSplit>(4, replicated)
+      : s.family.mixtral() ? std::vector<TensorSplit>{rows, rows, cols}
+                           : std::vector<TensorSplit>{cols, rows, rows, replicated};
+  const auto expert_names = expert_tensors(s);
   for (int b : held) {
     const int64_t begin = layout.total();
     for (int64_t i = 0; i < local_experts; ++i)
-      for (int k = 0; k < 4; ++k)
-        add(expert_prefix(b, ep_rank * local_experts + i) + kExpertTensorNames[k], expert_how[k], true);
+      for (size_t k = 0; k < expert_names.size(); ++k)
+        add(expert_prefix(s, b, ep_rank * local_experts + i) + expert_names[k].first, expert_how[k], true);
     if (part.first_expert_unit < 0) part.first_expert_unit = static_cast<int>(part.units.size());
     part.expert_unit[static_cast<size_t>(b)] = add_unit(UnitKind::Experts, b, begin);
   }
@@ -507,11 +546,11 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
       for (int b = c.first_block; b < c.first_block + c.num_blocks; ++b) n += shape.moe.is_moe_block(b) ? 1 : 0;
       p.moe_blocks = std::max(p.moe_blocks, n);
     }
-    const int64_t F = shape.moe.expert_tensor_parallel ? 4 * C / t : 4 * C;  // an expert's hidden width here
-    p.per_moe_block = (moe.noise == kernels::moe::NoisyGate::Jitter ? S * C : 0) + R * C + 2 * R * F + S * k * C +
-                      (shape.moe.use_residual ? 2 * S * C + 2 * S : 0);
-    p.scratch += S * k * C + 2 * R * C + R * F + 2 * S * E + S * k + S * C +
-                 (shape.moe.use_residual ? S * C + 2 * S : 0);
+    const ExpertWidths F = moe_expert_widths(shape, t);  // an expert's row widths here
+    p.per_moe_block = (moe.noise == kernels::moe::NoisyGate::Jitter ? S * C : 0) + R * C + R * (F.fch + F.act) +
+                      S * k * C + (shape.moe.use_residual ? 2 * S * C + 2 * S : 0);
+    p.scratch += S * k * C + 2 * R * C + R * F.fch + (shape.family.mixtral() ? R * F.act : 0) + 2 * S * E + S * k +
+                 S * C + (shape.moe.use_residual ? S * C + 2 * S : 0);
   }
   return p;
 }

@@ -18,6 +18,7 @@
 #include "kernels/gelu.hpp"
 #include "kernels/matmul.hpp"
 #include "kernels/moe.hpp"
+#include "kernels/swiglu.hpp"
 #include "model/model.hpp"
 #include "parallel/comm.hpp"
 
@@ -39,6 +40,7 @@ moe::GateConfig gate_config(const MoeShape& shape, const MoeRouting& r, bool tra
   g.top2_2nd_expert_sampling = r.top2_2nd_expert_sampling;
   g.noise = r.noise;
   g.training = training;
+  g.mixtral = r.mixtral;
   return g;
 }
 
@@ -59,15 +61,20 @@ void draw(std::vector<float>& out, int64_t n, const MoeRouting& r, uint64_t key,
 }
 
 // One expert's weights inside its unit: c_fc [C, F], c_fc.b [F], c_proj [F, C], c_proj.b [C], with
-// F = 4C, or 4C/t of it under expert tensor parallelism.
+// F = 4C, or 4C/t of it under expert tensor parallelism. Mixtral's: w1 and w3 [I, C] (one [2I, C]
+// matrix, fc_w), w2 [C, I] (proj_w), no biases; I/t of each under expert tensor parallelism.
 template <typename T>
 struct ExpertTensors {
   T *fc_w, *fc_b, *proj_w, *proj_b;
 };
 template <typename T>
-ExpertTensors<T> expert_tensors(T* unit, int64_t i, int64_t C, int64_t F) {
-  T* p = unit + i * (2 * C * F + F + C);
-  return {p, p + C * F, p + C * F + F, p + 2 * C * F + F};
+ExpertTensors<T> expert_tensors(T* unit, int64_t i, int64_t C, const ExpertWidths& F, bool mixtral) {
+  if (mixtral) {
+    T* p = unit + i * (F.fch + F.act) * C;
+    return {p, nullptr, p + F.fch * C, nullptr};
+  }
+  T* p = unit + i * (2 * C * F.fch + F.fch + C);
+  return {p, p + C * F.fch, p + C * F.fch + F.fch, p + 2 * C * F.fch + F.fch};
 }
 
 void copy_rows(float* dst, const float* src, int64_t rows, int64_t width) {
@@ -120,6 +127,7 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
   const int64_t local = E / ep;
   const DType cmp = compute_type();
   const moe::GateConfig gc = gate_config(shape_.moe, moe_, buf.training);
+  const bool mixtral = shape_.family.mixtral();
   // The gate in fp32 (TopKGate casts input and wg to fp32): logits = (ln_2 ∘ jitter) · wg
   const float* gate_in = a.ln_2;
   std::vector<float> draws_a, draws_b;
@@ -129,7 +137,9 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
     moe::jitter_forward(moe_tokens_c_, a.ln_2, m.gate_noise, S * C);
     gate_in = moe_tokens_c_;
   }
-  matmul_forward(moe_logits_, gate_in, w.gate_w, static_cast<const P*>(nullptr), S, C, E, false, DType::F32);
+  // (Mixtral's router is an nn.Linear [E, C]; GPT-2's gate is stored input-major [C, E])
+  if (mixtral) linear_forward(moe_logits_, gate_in, w.gate_w, static_cast<const P*>(nullptr), S, C, E, false, DType::F32);
+  else matmul_forward(moe_logits_, gate_in, w.gate_w, static_cast<const P*>(nullptr), S, C, E, false, DType::F32);
   moe::GateDraws draws;
   if (moe::uses_rts_uniform(gc)) draw(draws_a, S * E, moe_, buf.draw_key, block, Draw::Uniform), draws.rts_uniform = draws_a.data();
   if (moe::uses_gumbel(gc)) draw(draws_b, S * E, moe_, buf.draw_key, block, Draw::Gumbel), draws.gumbel = draws_b.data();
@@ -168,27 +178,35 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
     received = moe_recv_;
   }
   permute_rows(m.expert_in, received, m.recv_counts, ep, local, C, /*to_expert_major=*/true);
-  // The experts: GPT-2 MLPs over their rows
-  // The experts: GPT-2 MLPs over their rows. Expert tensor parallelism (Megatron's MLP per
-  // expert): each tensor rank computes F = 4C/t of the hidden units, the partial outputs are
-  // summed over the tensor group once for all rows, then each expert's c_proj bias is added.
+  // The experts: GPT-2 MLPs over their rows, or Mixtral's SwiGLU MLPs w2(silu(w1 x) · w3 x).
+  // Expert tensor parallelism (Megatron's MLP per expert): each tensor rank computes 1/t of the
+  // hidden units, the partial outputs are summed over the tensor group once for all rows, then
+  // each expert's c_proj bias is added.
   const int eu = part_.expert_unit[static_cast<size_t>(block)];
-  const int64_t F = moe_hidden();
-  const bool split = F != 4 * C;
+  const ExpertWidths F = expert_widths_;
+  const bool split = shape_.moe.expert_tensor_parallel && part_.tp_size > 1;
   const P* experts = static_cast<const P*>(store.fetch(eu));
   for (int64_t i = 0; i < local; ++i) {
     const int64_t n = offsets[i + 1] - offsets[i], o = offsets[i];
     if (n == 0) continue;
-    const ExpertTensors<const P> x = expert_tensors(experts, i, C, F);
-    matmul_forward(m.expert_fch + o * F, m.expert_in + o * C, x.fc_w, x.fc_b, n, C, F, false, cmp);
-    gelu_forward(m.expert_fch_gelu + o * F, m.expert_fch + o * F, n * F);
-    matmul_forward(moe_rows_c_ + o * C, m.expert_fch_gelu + o * F, x.proj_w, split ? static_cast<const P*>(nullptr) : x.proj_b,
-                   n, F, C, false, cmp);
+    const ExpertTensors<const P> x = expert_tensors(experts, i, C, F, mixtral);
+    float *fch = m.expert_fch + o * F.fch, *act = m.expert_fch_gelu + o * F.act;
+    if (mixtral) {  // rows [w1 x | w3 x], then silu(gate) · up
+      linear_forward(fch, m.expert_in + o * C, x.fc_w, static_cast<const P*>(nullptr), n, C, F.fch, false, cmp);
+      swiglu_forward(act, fch, fch + F.act, n, F.act, F.fch);
+      linear_forward(moe_rows_c_ + o * C, act, x.proj_w, static_cast<const P*>(nullptr), n, F.act, C, false, cmp);
+      continue;
+    }
+    matmul_forward(fch, m.expert_in + o * C, x.fc_w, x.fc_b, n, C, F.fch, false, cmp);
+    gelu_forward(act, fch, n * F.fch);
+    matmul_forward(moe_rows_c_ + o * C, act, x.proj_w, split ? static_cast<const P*>(nullptr) : x.proj_b, n, F.fch, C,
+                   false, cmp);
   }
   if (split) {
     reduce_from_tp_region_forward(tp_, moe_rows_c_, R * C);
-    for (int64_t i = 0; i < local; ++i)
-      add_bias_rows(moe_rows_c_ + offsets[i] * C, expert_tensors(experts, i, C, F).proj_b, offsets[i + 1] - offsets[i], C);
+    for (int64_t i = 0; i < local && !mixtral; ++i)
+      add_bias_rows(moe_rows_c_ + offsets[i] * C, expert_tensors(experts, i, C, F, false).proj_b,
+                    offsets[i + 1] - offsets[i], C);
   }
   store.release(eu);
   // Return: expert-major outputs back to source-major, then to the tokens' ranks (dispatch order)
@@ -216,6 +234,41 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
   }
 }
 
+// transformers' load_balancing_loss_func (modeling_mixtral.py) over the router logits of all L
+// layers concatenated: aux = E·Σ_e f_e·P_e, where f_e is the share of all L·S·k choices that pick
+// expert e and P_e the mean over all L·S tokens of its probability. Its gradient reaches layer l's
+// probabilities as E·f_e/(L·S), which gate_backward computes from aux_scale·ce/S: every layer's
+// routing gets ce = f and aux_scale = E/L. (config's check_moe keeps every layer on this chunk
+// whenever the loss is weighed in.)
+void GPT::mixtral_router_loss(const ModelChunk& c, ActivationBuffer& buf) const {
+  const int64_t E = shape_.moe.num_experts, S = B_ * T_;
+  const int layers = c.num_blocks;
+  if (layers == 0) return;
+  std::vector<double> choices(static_cast<size_t>(E), 0.0), prob(static_cast<size_t>(E), 0.0);
+  for (int l = 0; l < layers; ++l) {
+    const moe::Routing& r = *buf.moe[static_cast<size_t>(l)].routing;
+    for (int64_t e = 0; e < E; ++e) {
+      choices[e] += r.exp_counts[e];
+      double p = 0.0;
+      for (int64_t s = 0; s < S; ++s) p += r.gates[s * E + e];
+      prob[e] += p;
+    }
+  }
+  const double tokens = static_cast<double>(layers) * static_cast<double>(S);
+  std::vector<float> f(static_cast<size_t>(E));
+  double aux = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    f[e] = static_cast<float>(choices[e] / tokens);
+    aux += static_cast<double>(f[e]) * (prob[e] / tokens);
+  }
+  buf.aux_loss = static_cast<double>(E) * aux;
+  for (int l = 0; l < layers; ++l) {
+    moe::Routing& r = *buf.moe[static_cast<size_t>(l)].routing;
+    r.aux_fraction = f;
+    r.aux_scale = static_cast<double>(E) / layers;
+  }
+}
+
 void GPT::moe_mix_backward(const MoeActivations& m, const float* d_res_3, float* d_mlp_out) {
   moe::residual_mix_backward(moe_dmoe_, d_mlp_out, moe_dcoef_, d_res_3, m.moe_out, m.mlp_out, m.coef, B_ * T_,
                              shape_.n_embd);
@@ -230,6 +283,7 @@ void GPT::moe_backward(int block, const BlockActivations& a, const MoeActivation
   const int64_t local = E / ep;
   const DType cmp = compute_type();
   const moe::Routing& r = *m.routing;
+  const bool mixtral = shape_.family.mixtral();
   const auto add_into = [](float* dst, const float* src, int64_t n) { kernels::add_into(dst, src, n, "moe_add"); };
   // PR-MoE's coefficient: d(ln_2) += d(coef_logits) · Wcᵀ
   if (shape_.moe.use_residual) {
@@ -252,22 +306,33 @@ void GPT::moe_backward(int block, const BlockActivations& a, const MoeActivation
   permute_rows(moe_rows_c_, received, m.recv_counts, ep, local, C, /*to_expert_major=*/true);
   // The experts' backward: d(rows) expert-major into moe_recv_ (free once permuted)
   const int eu = part_.expert_unit[static_cast<size_t>(block)];
-  const int64_t F = moe_hidden();
+  const ExpertWidths F = expert_widths_;
   const P* experts = static_cast<const P*>(store.fetch(eu));
   float* grads = store.grad_target(eu);
   for (int64_t i = 0; i < local; ++i) {
     const int64_t n = offsets[i + 1] - offsets[i], o = offsets[i];
     if (n == 0) continue;
-    const ExpertTensors<const P> x = expert_tensors(experts, i, C, F);
-    const ExpertTensors<float> dx = expert_tensors(grads, i, C, F);
-    float* d_fch = moe_rows_4c_ + o * F;
-    matmul_backward(d_fch, dx.proj_w, dx.proj_b, moe_rows_c_ + o * C, m.expert_fch_gelu + o * F, x.proj_w, n, F, C, cmp);
-    gelu_backward(d_fch, m.expert_fch + o * F, d_fch, n * F);
-    matmul_backward(moe_recv_ + o * C, dx.fc_w, dx.fc_b, d_fch, m.expert_in + o * C, x.fc_w, n, C, F, cmp);
+    const ExpertTensors<const P> x = expert_tensors(experts, i, C, F, mixtral);
+    const ExpertTensors<float> dx = expert_tensors(grads, i, C, F, mixtral);
+    const float *fch = m.expert_fch + o * F.fch, *act = m.expert_fch_gelu + o * F.act;
+    float* d_fch = moe_rows_4c_ + o * F.fch;
+    if (mixtral) {  // d(w2), d(SwiGLU output), d[gate | up], then d(w1 | w3) and d(rows)
+      float* d_act = moe_rows_act_ + o * F.act;
+      linear_backward(d_act, dx.proj_w, static_cast<float*>(nullptr), moe_rows_c_ + o * C, act, x.proj_w, n, F.act, C, cmp);
+      swiglu_backward(d_fch, d_fch + F.act, d_act, fch, fch + F.act, n, F.act, F.fch);
+      linear_backward(moe_recv_ + o * C, dx.fc_w, static_cast<float*>(nullptr), d_fch, m.expert_in + o * C, x.fc_w, n, C,
+                      F.fch, cmp);
+      store.progress();
+      continue;
+    }
+    matmul_backward(d_fch, dx.proj_w, dx.proj_b, moe_rows_c_ + o * C, act, x.proj_w, n, F.fch, C, cmp);
+    gelu_backward(d_fch, fch, d_fch, n * F.fch);
+    matmul_backward(moe_recv_ + o * C, dx.fc_w, dx.fc_b, d_fch, m.expert_in + o * C, x.fc_w, n, C, F.fch, cmp);
     store.progress();
   }
   // expert tensor parallelism: each rank's input gradient is partial over the hidden units
-  if (F != 4 * C) copy_to_tp_region_backward(tp_, moe_recv_, offsets.back() * C);
+  if (shape_.moe.expert_tensor_parallel && part_.tp_size > 1)
+    copy_to_tp_region_backward(tp_, moe_recv_, offsets.back() * C);
   store.release(eu);
   store.grads_done(eu);
   // ... and back to the tokens' ranks, then summed per token into d(ln_2)
@@ -285,8 +350,12 @@ void GPT::moe_backward(int block, const BlockActivations& a, const MoeActivation
     moe::jitter_forward(moe_rows_c_, a.ln_2, m.gate_noise, S * C);  // the gate's input again (its rows are free)
     gate_in = moe_rows_c_;
   }
-  matmul_backward(moe_tokens_c_, dw.gate_w, static_cast<float*>(nullptr), moe_dlogits_, gate_in, w.gate_w, S, C, E,
-                  DType::F32);
+  if (mixtral)
+    linear_backward(moe_tokens_c_, dw.gate_w, static_cast<float*>(nullptr), moe_dlogits_, gate_in, w.gate_w, S, C, E,
+                    DType::F32);
+  else
+    matmul_backward(moe_tokens_c_, dw.gate_w, static_cast<float*>(nullptr), moe_dlogits_, gate_in, w.gate_w, S, C, E,
+                    DType::F32);
   if (m.gate_noise) moe::jitter_backward(moe_tokens_c_, moe_tokens_c_, m.gate_noise, S * C);
   add_into(d_ln_2, moe_tokens_c_, S * C);
 }

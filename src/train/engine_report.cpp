@@ -137,12 +137,21 @@ void Engine::print_startup() const {
     std::string blocks;
     for (int b = 0; b < s.n_layer; ++b)
       if (s.moe.is_moe_block(b)) blocks += (blocks.empty() ? "" : ",") + std::to_string(b);
-    std::printf("moe     %lld experts, top-%lld, in blocks %s | ep_size %lld (%lld experts per rank) | capacity factor "
-                "%g (eval %g), min %lld%s%s | %lld of %lld parameters active per token\n",
+    char routing[160];
+    if (mo.mixtral_routing && mo.aux_loss_coef > 0)  // MixtralSparseMoeBlock: renormalised top-k, no capacity
+      std::snprintf(routing, sizeof(routing), "Mixtral routing (renormalised top-k, no capacity), load-balancing loss x %g",
+                    mo.aux_loss_coef);
+    else if (mo.mixtral_routing)
+      std::snprintf(routing, sizeof(routing), "Mixtral routing (renormalised top-k, no capacity), no load-balancing loss");
+    else
+      std::snprintf(routing, sizeof(routing), "capacity factor %g (eval %g), min %lld%s%s", mo.capacity_factor,
+                    mo.eval_capacity_factor, (long long)mo.min_capacity, mo.drop_tokens ? "" : ", no drops",
+                    mo.use_residual ? ", residual" : "");
+    std::printf("moe     %lld experts, top-%lld, in blocks %s | ep_size %lld (%lld experts per rank) | %s | %lld of %lld "
+                "parameters active per token\n",
                 (long long)mo.num_experts, (long long)mo.k, blocks.c_str(), (long long)mo.ep_size,
-                (long long)(mo.num_experts / mo.ep_size), mo.capacity_factor, mo.eval_capacity_factor,
-                (long long)mo.min_capacity, mo.drop_tokens ? "" : ", no drops", mo.use_residual ? ", residual" : "",
-                (long long)gpt_active_params(s, mo.k), (long long)gpt_layout(s).total());
+                (long long)(mo.num_experts / mo.ep_size), routing, (long long)gpt_active_params(s, mo.k),
+                (long long)gpt_layout(s).total());
   }
   if (s.sparse.enabled)
     std::printf("sparse  %s\n", sparse_attention_summary(s.sparse, s.n_head, s.n_positions, s.n_layer).c_str());

@@ -102,6 +102,7 @@ MoeRouting moe_routing_of(const MoeConfig& m, uint64_t seed) {
             : m.noisy_gate_policy == "RSample" ? kernels::moe::NoisyGate::RSample
                                                : kernels::moe::NoisyGate::None;
   r.aux_loss_coef = m.aux_loss_coef;
+  r.mixtral = m.mixtral_routing;
   r.seed = seed;
   return r;
 }

@@ -43,8 +43,8 @@ struct ModelCounts {
 };
 ModelCounts count_model(const ModelConfig& model);
 
-// How the MoE blocks of the model a config describes (config/model_shape.hpp) route (model.moe;
-// the expert group is the engine's to attach).
+// How a config's MoE blocks route (model.moe; the expert group is the engine's to attach); the
+// model itself is gpt_shape_of's (config/model_shape.hpp).
 MoeRouting moe_routing_of(const MoeConfig& moe, uint64_t seed);
 
 // The element types the engine hands a ZeroOptimizer over `layout` (the dense model's, or the

@@ -1,4 +1,4 @@
-// test_cli_convert_llama.cpp — `zero3d convert` for the Llama family (Llama, Mistral, Qwen2):
+// test_cli_convert_llama.cpp — `zero3d convert` for the Llama family (Llama, Mistral, Qwen2, Mixtral):
 // Hugging Face's names and shapes (LlamaForCausalLM's state_dict, written out here from the
 // config, independently of zero3d's layout), the shards and their index, the dtypes, the
 // family's config.json; and the round trip: the converted directory, read back through
@@ -46,6 +46,14 @@ json llama_model() {
           {"max_position_embeddings", 64}, {"seq_length", 16}};
 }
 
+// A Mixtral: GQA 4/2, 4 SwiGLU experts, top-2, its load-balancing loss in the gradient.
+json mixtral_model() {
+  return {{"architecture", "mixtral"}, {"vocab_size", 256}, {"hidden_size", 32}, {"intermediate_size", 24},
+          {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"num_local_experts", 4},
+          {"num_experts_per_tok", 2}, {"router_aux_loss_coef", 0.01}, {"output_router_logits", true},
+          {"max_position_embeddings", 64}, {"seq_length", 16}};
+}
+
 struct Trained {
   std::string name, config, dir;
   json model;
@@ -71,7 +79,8 @@ const Trained& trained(const std::string& name) {
   static std::map<std::string, Trained> cache;
   auto it = cache.find(name);
   if (it != cache.end()) return it->second;
-  Trained t{name, "", temp_path("convert_" + name + "_trained"), name == "qwen2" ? qwen2_model() : llama_model()};
+  Trained t{name, "", temp_path("convert_" + name + "_trained"),
+            name == "qwen2" ? qwen2_model() : name == "mixtral" ? mixtral_model() : llama_model()};
   t.config = write_config("convert_" + name + ".json", run_config(t.model));
   std::system(("rm -rf " + t.dir).c_str());
   const Result r = run("train " + t.config + " --output " + t.dir, 1);
@@ -92,8 +101,9 @@ double loss_from(const Trained& t, const std::string& hf_dir, const std::string&
 }
 
 
-// LlamaForCausalLM's / Qwen2ForCausalLM's parameters, from the config's sizes
-// (modeling_llama.py, modeling_qwen2.py): what transformers' from_pretrained expects.
+// LlamaForCausalLM's / Qwen2ForCausalLM's / MixtralForCausalLM's parameters, from the config's
+// sizes (modeling_llama.py, modeling_qwen2.py, modeling_mixtral.py with the on-disk expert names):
+// what transformers' from_pretrained expects.
 std::vector<std::pair<std::string, std::vector<int64_t>>> hugging_face_parameters(const json& c) {
   const int64_t C = c["hidden_size"], I = c["intermediate_size"], V = c["vocab_size"], H = c["num_attention_heads"];
   const int64_t KV = c["num_key_value_heads"], d = c["head_dim"], L = c["num_hidden_layers"];
@@ -112,6 +122,17 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> hugging_face_parameter
     p.push_back({b + "self_attn.o_proj.weight", {C, H * d}});
     if (o_bias) p.push_back({b + "self_attn.o_proj.bias", {C}});
     p.push_back({b + "post_attention_layernorm.weight", {C}});
+    if (c["model_type"] == "mixtral") {
+      const int64_t E = c["num_local_experts"];
+      p.push_back({b + "block_sparse_moe.gate.weight", {E, C}});
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string x = b + "block_sparse_moe.experts." + std::to_string(e) + ".";
+        p.push_back({x + "w1.weight", {I, C}});
+        p.push_back({x + "w2.weight", {C, I}});
+        p.push_back({x + "w3.weight", {I, C}});
+      }
+      continue;
+    }
     p.push_back({b + "mlp.gate_proj.weight", {I, C}});
     p.push_back({b + "mlp.up_proj.weight", {I, C}});
     if (mlp_bias) {
@@ -172,10 +193,29 @@ TEST(ConvertLlamaFamily, ConfigJsonIsTheFamilysConfigWithEveryFieldOfTheModel) {
   EXPECT_EQ(meta["step"], "10");
 }
 
+TEST(ConvertLlamaFamily, MixtralsConfigJsonHoldsItsRouter) {
+  const std::string dir = temp_path("convert_mixtral_config");
+  const Result r = run("convert " + trained("mixtral").checkpoints() + " " + dir + "/model.safetensors");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json c = json::parse(slurp(dir + "/config.json"));
+  EXPECT_EQ(c["architectures"], json({"MixtralForCausalLM"}));
+  EXPECT_EQ(c["model_type"], "mixtral");
+  for (const char* key : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+                          "output_router_logits", "max_position_embeddings"})
+    EXPECT_EQ(c[key], mixtral_model()[key]) << key;
+  EXPECT_EQ(c["router_jitter_noise"], 0.0);
+  EXPECT_EQ(c["rms_norm_eps"], 1e-5);   // MixtralConfig's defaults, which the run took
+  EXPECT_EQ(c["rope_theta"], 1e6);
+  EXPECT_TRUE(c["sliding_window"].is_null());
+  EXPECT_FALSE(c.contains("mlp_bias")) << "a LlamaConfig key, not MixtralConfig's";
+}
+
 TEST(ConvertLlamaFamily, ShardsAndIndexHoldHuggingFacesNamesShapesAndDtypes) {
-  const Trained& t = trained("qwen2");
-  for (const std::string dtype : {"fp32", "bf16"}) {
-    const std::string dir = temp_path("convert_qwen2_shards_" + dtype);
+  for (const auto& [family, dtype] : std::vector<std::pair<std::string, std::string>>{
+           {"qwen2", "fp32"}, {"qwen2", "bf16"}, {"mixtral", "fp32"}}) {
+    const Trained& t = trained(family);
+    const std::string dir = temp_path("convert_" + family + "_shards_" + dtype);
     std::system(("rm -rf " + dir).c_str());
     const Result r = run("convert " + t.checkpoints() + " " + dir + "/model.safetensors --max-shard-size 20KB --dtype " + dtype);
     ASSERT_EQ(r.code, 0) << r.err;
@@ -235,7 +275,7 @@ TEST(ConvertLlamaFamily, ShardsAndIndexHoldHuggingFacesNamesShapesAndDtypes) {
 }
 
 TEST(ConvertLlamaFamily, TheConvertedDirectoryIsTheTrainedModel) {
-  for (const std::string name : {"qwen2", "llama"}) {
+  for (const std::string name : {"qwen2", "llama", "mixtral"}) {
     const Trained& t = trained(name);
     const std::string dir = temp_path("convert_" + name + "_roundtrip");
     std::system(("rm -rf " + dir).c_str());

@@ -4,6 +4,8 @@
 // layout, ZeRO stage and activation-checkpointing setting gives the losses of one rank; its
 // checkpoints resume across layouts, its evaluation is PyTorch's loss, its 16-bit runs track
 // fp32; combinations the family does not have stop at validation with one line naming the key.
+// Mixtral (tests/golden/make_mixtral_goldens.py): the same, with its sparse MoE blocks over expert,
+// data, tensor and ZeRO-3 layouts.
 #include <gtest/gtest.h>
 
 #include <hdf5.h>
@@ -116,7 +118,7 @@ TEST_P(LlamaFamily, TrainsAsPyTorchDoesFromAHuggingFaceDirectory) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Goldens, LlamaFamily,
-                         ::testing::Values("llama_gqa", "llama_biases", "qwen2_bias", "mistral_window"));
+                         ::testing::Values("llama_gqa", "llama_biases", "qwen2_bias", "mistral_window", "mixtral_moe"));
 
 struct Layout {
   std::string golden;
@@ -180,6 +182,12 @@ INSTANTIATE_TEST_SUITE_P(
                "--set tensor_parallel.autotp_size=2 --set zero_optimization.stage=2 "
                "--set tensor_parallel.sequence_parallel=true",
                "np4_t2_d2_sp"},
+        // Mixtral at t 2 (one data rank: the same micro-batch as one rank): attention split as the
+        // llama preset's, every expert's w1/w3 column- and w2 row-parallel, the router whole
+        Layout{"mixtral_moe", 2, "--set tensor_parallel.autotp_size=2", "np2_t2"},
+        Layout{"mixtral_moe", 2, "--set tensor_parallel.autotp_size=2 --set tensor_parallel.preset_model=mixtral",
+               "np2_t2_preset"},
+        Layout{"mixtral_moe", 2, "--set tensor_parallel.autotp_size=2 --set zero_optimization.stage=3", "np2_t2_z3"},
         Layout{"llama_gqa", 2,
                "--set tensor_parallel.autotp_size=2 --set pipeline.activation_checkpoint_interval=1 "
                "--set activation_checkpointing.partition_activations=true",
@@ -194,6 +202,106 @@ INSTANTIATE_TEST_SUITE_P(
                "--set pipeline.activation_checkpoint_interval=1 --set activation_checkpointing.recompute_granularity=selective",
                "np1_selective_ac"}),
     [](const ::testing::TestParamInfo<Layout>& info) { return info.param.golden + "_" + info.param.name; });
+
+// Mixtral's load-balancing loss is taken per micro-batch (over its tokens and every layer, as
+// transformers' load_balancing_loss_func over one forward), so a layout with several data ranks
+// gives the losses of one rank running the same micro-batches: one sample each here. Expert
+// parallelism moves each token to the rank holding its experts and back; the experts' ZeRO runs
+// over the expert-data group.
+struct MixtralLayout {
+  int np;
+  std::string args, name;
+  bool aux = true;  // output_router_logits (the golden's true): the load-balancing loss in the gradient
+};
+
+void PrintTo(const MixtralLayout& l, std::ostream* os) { *os << l.name; }
+
+class MixtralLayouts : public ::testing::TestWithParam<MixtralLayout> {};
+
+TEST_P(MixtralLayouts, GiveTheLossesOfOneRankOverTheSameMicroBatches) {
+  const MixtralLayout& l = GetParam();
+  const Golden& g = golden("mixtral_moe");
+  const std::string aux = l.aux ? "" : "--set model.output_router_logits=false ";
+  static std::map<std::string, std::vector<double>> reference;
+  if (!reference.count(aux)) reference[aux] = losses_of(train(g, 1, l.aux ? "ref_micro1" : "ref_micro1_noaux", kMicro1 + aux));
+  const std::vector<json> rows = train(g, l.np, l.name, kMicro1 + aux + l.args);
+  expect_losses_close(losses_of(rows), reference[aux], 1e-5, "mixtral " + l.name);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ExpertDataZeroTensorPipeline, MixtralLayouts,
+    ::testing::Values(MixtralLayout{2, "--set model.moe.ep_size=2", "np2_ep2"},
+                      MixtralLayout{2, "--set model.moe.ep_size=2 --set zero_optimization.stage=2", "np2_ep2_z2"},
+                      MixtralLayout{2, "--set model.moe.ep_size=2 --set zero_optimization.stage=3", "np2_ep2_z3"},
+                      MixtralLayout{2, "--set zero_optimization.stage=3", "np2_ep1_z3"},
+                      MixtralLayout{4, "--set model.moe.ep_size=2 --set tensor_parallel.autotp_size=2", "np4_ep2_t2"},
+                      // without the loss that couples all layers, the stages may split them
+                      MixtralLayout{2, "--set pipeline.stages=2", "np2_p2_noaux", false}),
+    [](const ::testing::TestParamInfo<MixtralLayout>& info) { return info.param.name; });
+
+// A Mixtral checkpoint saved at ep 2 holds whole experts under Hugging Face's names and resumes on
+// one rank to the uninterrupted run's last four losses within 1e-6.
+TEST(MixtralCheckpoint, SavedAtExpertParallelTwoResumesOnOneRank) {
+  const Golden& g = golden("mixtral_moe");
+  const std::string config = write_config("mixtral_ckpt.json", golden_run(g));
+  const std::string saved = temp_path("mixtral_saved");
+  std::system(("rm -rf " + saved).c_str());
+  Result r = run("train " + config + " --output " + saved + " " + kMicro1 +
+                     "--set model.moe.ep_size=2 --set zero_optimization.stage=2 --set training.save_interval=4",
+                 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::vector<double> whole = losses_of(read_metrics(saved));
+  ASSERT_EQ(whole.size(), 8u);
+  const std::string dir = temp_path("mixtral_resumed");
+  std::system(("rm -rf " + dir).c_str());
+  r = run("train " + config + " --output " + dir + " " + kMicro1 + "--set training.resume=" + saved +
+              "/checkpoints/global_step4",
+          1);
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_losses_close(losses_of(read_metrics(dir)), std::vector<double>(whole.begin() + 4, whole.end()), 1e-6,
+                      "resumed at np 1");
+  r = run("inspect " + saved + "/checkpoints --tag global_step8 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json report = json::parse(r.out);
+  std::map<std::string, json> shapes;
+  for (const json& t : report.at("tensors")) shapes[t.at("name").get<std::string>()] = t.at("shape");
+  EXPECT_EQ(shapes.size(), 1u + 2 * (7 + 4 * 3) + 2);  // embed_tokens, per layer 7 + 4 experts × 3, norm, lm_head
+  EXPECT_EQ(shapes["model.layers.1.block_sparse_moe.gate.weight"], json::array({4, 64}));
+  EXPECT_EQ(shapes["model.layers.1.block_sparse_moe.experts.3.w1.weight"], json::array({32, 64}));
+  EXPECT_EQ(shapes["model.layers.0.block_sparse_moe.experts.2.w2.weight"], json::array({64, 32}));
+}
+
+// Bad Mixtral input: exit 2 at validation, one line naming the key and the reason.
+TEST(MixtralValidation, UnsupportedOrInconsistentRoutingStopsWithOneLine) {
+  const Golden& g = golden("mixtral_moe");
+  const std::string config = write_config("mixtral_bad.json", golden_run(g));
+  expect_one_line_rejection(run("validate " + config + " --set model.num_experts_per_tok=5", 0),
+                            "`model.num_experts_per_tok`: value 5 is more than num_local_experts (4)");
+  expect_one_line_rejection(run("validate " + config + " --set model.router_jitter_noise=0.1", 0),
+                            "`model.router_jitter_noise`: value 0.1: the router's multiplicative jitter noise is not "
+                            "implemented");
+  expect_one_line_rejection(run("validate " + config + " --set model.moe.k=1", 0),
+                            "`model.moe.k`: model.architecture mixtral routes as Hugging Face's MixtralSparseMoeBlock");
+  expect_one_line_rejection(run("validate " + config + " --world-size 3 --set train_batch_size=6 --set model.moe.ep_size=3", 0),
+                            "`model.moe.ep_size`: num_local_experts (4) is not divisible by ep_size (3)");
+  expect_one_line_rejection(run("validate " + config + " --world-size 2 --set pipeline.stages=2", 0),
+                            "`pipeline.stages`: Mixtral's load-balancing loss (output_router_logits true, "
+                            "router_aux_loss_coef 0.02) couples the routing of every layer");
+  expect_one_line_rejection(run("validate " + config + " --set tensor_parallel.sequence_parallel=true "
+                                "--world-size 2 --set tensor_parallel.autotp_size=2", 0),
+                            "`tensor_parallel.sequence_parallel`: an MoE layer routes the micro-batch's tokens together");
+  json hostile = json::parse(slurp(g.hf_dir + "/config.json"));
+  hostile["num_experts_per_tok"] = 6;
+  const std::string hf = temp_path("mixtral_hostile_hf");
+  std::system(("mkdir -p " + hf).c_str());
+  std::ofstream(hf + "/config.json") << hostile.dump(2);
+  expect_one_line_rejection(run("validate " + config + " --set model.hf_config=" + hf, 0),
+                            "`model.hf_config.num_experts_per_tok`: value 6 is more than num_local_experts (4)");
+  const Result ok = run("validate " + config + " --world-size 2 --set tensor_parallel.autotp_size=2 "
+                        "--set tensor_parallel.preset_model=mixtral", 0);
+  EXPECT_EQ(ok.code, 0) << ok.err;
+  EXPECT_NE(ok.out.find("the rules agree with zero3d's split of this mixtral model"), std::string::npos) << ok.out;
+}
 
 // A checkpoint is one logical model under Hugging Face's names, whole tensors: saved by a
 // two-stage pipeline at step 4, it resumes on one rank and at np 2 with ZeRO-3 to the
@@ -305,7 +413,7 @@ TEST(LlamaFamilyValidation, UnsupportedCombinationsStopWithOneLine) {
   expect_one_line_rejection(run("validate " + config + " --set model.num_key_value_heads=3", 0),
                             "`model.num_key_value_heads`: value 3 does not divide num_attention_heads (4)");
   expect_one_line_rejection(run("validate " + config + " --set model.architecture=mixtral", 0),
-                            "`model.architecture`: mixtral (sparse MoE blocks");
+                            "`model.architecture`: value \"mixtral\" differs from model_type \"llama\"");
   expect_one_line_rejection(run("validate " + config + " --set model.n_embd=64", 0),
                             "`model.n_embd`: GPT-2's key; model.architecture llama takes hidden_size");
   json hostile = json::parse(slurp(g.hf_dir + "/config.json"));

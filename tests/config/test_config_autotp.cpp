@@ -70,10 +70,13 @@ TEST(AutoTp, APresetOfAnotherOrUntrainedFamilyExitsNamingKeyAndValue) {
   other["tensor_parallel"]["preset_model"] = "qwen2";
   EXPECT_EQ(error_of(other), "cfg.json: `tensor_parallel.preset_model`: value \"qwen2\" does not match model.architecture "
                              "\"llama\"; use preset_model \"llama\"");
-  json mixtral = llama();
+  json bloom = llama();
+  bloom["tensor_parallel"]["preset_model"] = "bloom";
+  EXPECT_TRUE(contains(error_of(bloom), "`tensor_parallel.preset_model`: value \"bloom\": DeepSpeed's AutoTP preset for "
+                                        "a family zero3d does not train"));
+  json mixtral = llama();  // a preset zero3d trains, for another model
   mixtral["tensor_parallel"]["preset_model"] = "mixtral";
-  EXPECT_TRUE(contains(error_of(mixtral), "`tensor_parallel.preset_model`: value \"mixtral\": DeepSpeed's AutoTP preset for "
-                                          "a family zero3d does not train"));
+  EXPECT_TRUE(contains(error_of(mixtral), "value \"mixtral\" does not match model.architecture \"llama\""));
   json unknown = llama();
   unknown["tensor_parallel"]["preset_model"] = "gptj";
   EXPECT_TRUE(contains(error_of(unknown), "value \"gptj\": not an AutoTP preset"));

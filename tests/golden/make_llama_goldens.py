@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from golden_common import write_pass  # noqa: E402
+from golden_common import write_adamw_steps, write_pass  # noqa: E402
 from make_llama_kernels_golden import rope_inv_freq  # noqa: E402  (modeling_rope_utils.py's formulas)
 
 torch.set_num_threads(1)
@@ -98,7 +98,7 @@ class Shape:
         self.o_bias = cfg.get("attention_bias", False)
         self.mlp_bias = cfg.get("mlp_bias", False)
         # the sliding window of each layer (None: full causal attention)
-        if cfg["model_type"] == "mistral":
+        if cfg["model_type"] in ("mistral", "mixtral"):
             self.windows = [cfg.get("sliding_window")] * self.L
         elif qwen2 and cfg.get("use_sliding_window", False):
             self.windows = [cfg["sliding_window"] if l >= cfg["max_window_layers"] else None for l in range(self.L)]
@@ -171,42 +171,56 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def forward(p, tokens, s):
-    B, T = tokens.shape
+def rope_cos_sin(s, T):
+    """cos and sin [T, d] of positions 0..T-1 (the attention factor folded in)."""
     pos = torch.arange(T).double()
     freqs = pos[:, None] * s.inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos() * s.attention_factor, emb.sin() * s.attention_factor  # [T, d]
+    return emb.cos() * s.attention_factor, emb.sin() * s.attention_factor
+
+
+def attention_half(p, n, x, s, l, cos, sin):
+    """x + o_proj(attention(...)) on input_layernorm(x), layer l with parameter prefix n."""
+    B, T = x.shape[0], x.shape[1]
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    x = p["model.embed_tokens.weight"][tokens]
-    for l in range(s.L):
-        n = f"model.layers.{l}."
-        h = rms_norm(x, p[n + "input_layernorm.weight"], s.eps)
-        q = linear(h, p, n + "self_attn.q_proj").view(B, T, s.H, s.d).transpose(1, 2)
-        k = linear(h, p, n + "self_attn.k_proj").view(B, T, s.Hkv, s.d).transpose(1, 2)
-        v = linear(h, p, n + "self_attn.v_proj").view(B, T, s.Hkv, s.d).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        G = s.H // s.Hkv  # repeat_kv
-        k = k[:, :, None].expand(B, s.Hkv, G, T, s.d).reshape(B, s.H, T, s.d)
-        v = v[:, :, None].expand(B, s.Hkv, G, T, s.d).reshape(B, s.H, T, s.d)
-        visible = j <= i
-        if s.windows[l] is not None:
-            visible = visible & (j > i - s.windows[l])
-        att = (q @ k.transpose(-2, -1)) * s.d ** -0.5
-        att = att.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, s.H * s.d)
-        x = x + linear(y, p, n + "self_attn.o_proj")
-        h = rms_norm(x, p[n + "post_attention_layernorm.weight"], s.eps)
-        gate, up = linear(h, p, n + "mlp.gate_proj"), linear(h, p, n + "mlp.up_proj")
-        x = x + linear(torch.nn.functional.silu(gate) * up, p, n + "mlp.down_proj")
+    h = rms_norm(x, p[n + "input_layernorm.weight"], s.eps)
+    q = linear(h, p, n + "self_attn.q_proj").view(B, T, s.H, s.d).transpose(1, 2)
+    k = linear(h, p, n + "self_attn.k_proj").view(B, T, s.Hkv, s.d).transpose(1, 2)
+    v = linear(h, p, n + "self_attn.v_proj").view(B, T, s.Hkv, s.d).transpose(1, 2)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    G = s.H // s.Hkv  # repeat_kv
+    k = k[:, :, None].expand(B, s.Hkv, G, T, s.d).reshape(B, s.H, T, s.d)
+    v = v[:, :, None].expand(B, s.Hkv, G, T, s.d).reshape(B, s.H, T, s.d)
+    visible = j <= i
+    if s.windows[l] is not None:
+        visible = visible & (j > i - s.windows[l])
+    att = (q @ k.transpose(-2, -1)) * s.d ** -0.5
+    att = att.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    y = (att @ v).transpose(1, 2).reshape(B, T, s.H * s.d)
+    return x + linear(y, p, n + "self_attn.o_proj")
+
+
+def lm_head(p, x, s):
+    """The final model.norm, then lm_head (or embed_tokens.weight with tie_word_embeddings)."""
     x = rms_norm(x, p["model.norm.weight"], s.eps)
     head = p["model.embed_tokens.weight"] if s.tied else p["lm_head.weight"]
     return x @ head.T
 
 
+def forward(p, tokens, s):
+    cos, sin = rope_cos_sin(s, tokens.shape[1])
+    x = p["model.embed_tokens.weight"][tokens]
+    for l in range(s.L):
+        n = f"model.layers.{l}."
+        x = attention_half(p, n, x, s, l, cos, sin)
+        h = rms_norm(x, p[n + "post_attention_layernorm.weight"], s.eps)
+        gate, up = linear(h, p, n + "mlp.gate_proj"), linear(h, p, n + "mlp.up_proj")
+        x = x + linear(torch.nn.functional.silu(gate) * up, p, n + "mlp.down_proj")
+    return lm_head(p, x, s)
+
+
 def write(path, case, seed):
     cfg, T, B, hp = case["config"], case["T"], case["B"], case["hparams"]
-    lr, b1, b2, eps, wd, clip = hp
     s = Shape(cfg, T)
     gen = torch.Generator().manual_seed(seed)
     params = make_params(s, gen)
@@ -224,18 +238,11 @@ def write(path, case, seed):
         g = f.create_group("golden")
         write_pass(g, tokens, targets, logits, loss, params, extra={"stream": stream})
 
-        opt = torch.optim.AdamW(params.values(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
-        losses, norms = [], []
-        for _ in range(STEPS):
-            opt.zero_grad()
+        def step_loss():
             loss = torch.nn.functional.cross_entropy(forward(params, tokens, s).view(-1, s.V), targets.reshape(-1))
-            losses.append(loss.item())
-            loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(params.values(), clip if clip > 0 else float("inf")).item())
-            opt.step()
-        g.create_dataset("adamw_losses", data=np.array(losses, dtype=np.float64))
-        g.create_dataset("grad_norms", data=np.array(norms, dtype=np.float64))
-        g.create_dataset("hparams", data=np.array(hp, dtype=np.float64))
+            return loss, loss
+
+        losses, norms = write_adamw_steps(g, params, hp, STEPS, step_loss)
     print(f"{path}: loss {losses[0]:.6f} -> {losses[-1]:.6f} after {STEPS} AdamW steps, grad norm {norms[0]:.4f}")
 
 
