@@ -55,7 +55,9 @@ std::string write_tokenizer_json(const std::string& name) {
     else merges.push_back(line);
   }
   tj["model"]["merges"] = merges;
-  const std::string dir = ::testing::TempDir() + "tokenizer_json_" + name;
+  // a directory per test: tests that add files beside tokenizer.json may run in parallel (ctest -j)
+  const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string dir = ::testing::TempDir() + "tokenizer_json_" + name + "_" + test;
   std::filesystem::create_directories(dir);
   std::ofstream(dir + "/tokenizer.json") << tj.dump();
   return dir;
