@@ -31,14 +31,13 @@ And --dtype bf16 must hold torch's .to(torch.bfloat16) of the fp32 weights bit f
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
 import h5py
 import torch
 
-from check_converted_with_torch import read_safetensors  # the safetensors reader both checks share
+from check_converted_with_torch import fresh_work_dir, read_safetensors  # what both checks share
 
 TEXT = "zero3d trains GPT models, fast!\n"  # 32 bytes: divides every B*T below
 
@@ -234,11 +233,7 @@ def check_config(cfg, model):
 
 def main():
     zero3d, mpiexec, work = sys.argv[1:4]
-    shutil.rmtree(work, ignore_errors=True)  # a rerun starts fresh: zero3d refuses to overwrite a run's checkpoints
-    os.makedirs(work)
-    text = os.path.join(work, "periodic.txt")
-    with open(text, "w") as f:
-        f.write(TEXT * 400)
+    text = fresh_work_dir(work, TEXT)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
 
     def run(*args):

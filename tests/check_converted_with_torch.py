@@ -69,13 +69,20 @@ def hugging_face_loss(directory, tokens, targets):
     return torch.nn.functional.cross_entropy(logits.view(-1, config["vocab_size"]), targets.reshape(-1)).item()
 
 
-def main():
-    zero3d, mpiexec, work = sys.argv[1:4]
-    shutil.rmtree(work, ignore_errors=True)  # a rerun starts fresh: zero3d refuses to overwrite a run's checkpoints
+def fresh_work_dir(work, line):
+    """An empty work directory (a rerun starts fresh: zero3d refuses to overwrite a run's
+    checkpoints) holding periodic.txt, `line` 400 times; its path."""
+    shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     text = os.path.join(work, "periodic.txt")
     with open(text, "w") as f:
-        f.write("zero3d trains GPT models, fast!\n" * 400)  # 32 bytes: divides B*T = 2*16
+        f.write(line * 400)
+    return text
+
+
+def main():
+    zero3d, mpiexec, work = sys.argv[1:4]
+    text = fresh_work_dir(work, "zero3d trains GPT models, fast!\n")  # 32 bytes: divides B*T = 2*16
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
            "model": {"vocab_size": 256, "n_positions": 16, "n_layer": 2, "n_head": 2, "n_embd": 32},
