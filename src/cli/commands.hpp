@@ -34,6 +34,7 @@ struct EstimateArgs {
   std::string model, report, memory_per_rank;
   ConfigArgs config;
   int64_t world_size = 1;
+  int64_t ranks_per_node = 0;  // --config: nodes of this many ranks for the bytes by link (0: one node)
   bool json = false;
   std::set<std::string> given;  // the options on the command line
   bool has(const char* option) const { return given.count(option) > 0; }

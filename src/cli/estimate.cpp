@@ -1,7 +1,9 @@
 // estimate.cpp — `zero3d estimate`: DeepSpeed's model-state tables, or the full per-rank budget
 // of a config and what fits in a given memory.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -9,6 +11,7 @@
 #include "base/input_file.hpp"
 #include "cli/commands.hpp"
 #include "config/config.hpp"
+#include "train/comm_volume.hpp"
 #include "train/estimator.hpp"
 
 namespace zero3d::cli {
@@ -20,7 +23,8 @@ void check_estimate_mode(const EstimateArgs& a) {
   const bool table = a.kind == "zero2" || a.kind == "zero3";
   const std::set<std::string> table_only = {"--params", "--largest-layer-params", "--gpus-per-node", "--nodes",
                                             "--additional-buffer-factor", "--model"};
-  const std::set<std::string> budget_only = {"--config", "--world-size", "--memory-per-rank", "--report", "--json"};
+  const std::set<std::string> budget_only = {"--config", "--world-size", "--memory-per-rank", "--report", "--json",
+                                             "--ranks-per-node"};
   for (const std::string& o : a.given) {
     if (table && budget_only.count(o))
       throw InputError("estimate " + a.kind + " " + o + ": DeepSpeed's " + a.kind +
@@ -63,6 +67,39 @@ std::string mib(int64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%10.1f MiB", bytes / 1048576.0);
   return buf;
+}
+
+// The data-parallel groups' bytes per step, by link and by group, one column per ZeRO stage.
+void print_comm_volumes(const std::vector<CommVolume>& volumes, int64_t per_node, int64_t world,
+                        const std::optional<CommVolume>& compressed) {
+  const auto row = [](const char* label, const std::vector<int64_t>& bytes) {
+    std::printf("%-25s", label);
+    for (int64_t b : bytes) std::printf(" %s", mib(b).c_str());
+    std::printf("\n");
+  };
+  std::printf("bytes per step, rank 0's data-parallel groups (bus bytes; %s)\n",
+              per_node >= world ? "every rank on one node"
+                                : ("nodes of " + std::to_string(per_node) + " ranks").c_str());
+  std::vector<int64_t> intra, inter;
+  for (const CommVolume& v : volumes) intra.push_back(v.intra_node()), inter.push_back(v.inter_node());
+  row("  intra-node", intra);
+  row("  inter-node", inter);
+  std::vector<std::string> axes;  // every group that moves bytes at some stage, in first-seen order
+  for (const CommVolume& v : volumes)
+    for (const GroupBytes& g : v.groups)
+      if (g.bytes > 0 && std::find(axes.begin(), axes.end(), g.axis) == axes.end()) axes.push_back(g.axis);
+  for (const std::string& axis : axes) {
+    std::vector<int64_t> bytes;
+    for (const CommVolume& v : volumes) {
+      int64_t b = 0;
+      for (const GroupBytes& g : v.groups) b += g.axis == axis ? g.bytes : 0;
+      bytes.push_back(b);
+    }
+    row(("  " + axis).c_str(), bytes);
+  }
+  if (compressed)
+    std::printf("1-bit optimizer past its freeze (stage 0): intra-node %s, inter-node %s per step\n",
+                mib(compressed->intra_node()).c_str(), mib(compressed->inter_node()).c_str());
 }
 
 }  // namespace
@@ -115,6 +152,15 @@ int cmd_estimate(EstimateArgs a, int rank) {
                                     {"communication", dtype_name(cfg.precision.comm)}}},
                         {"budgets", nlohmann::json::array()}};
   for (const auto& b : budgets) doc["budgets"].push_back(b.to_json());
+  // Bytes per step by link (comm_volume.hpp): every ZeRO stage, and a 1-bit optimizer's compressed phase.
+  const int64_t per_node = a.ranks_per_node > 0 ? a.ranks_per_node : a.world_size;
+  const bool onebit = cfg.optimizer.type == OptimizerType::OneBitAdam || cfg.optimizer.type == OptimizerType::OneBitLamb;
+  std::vector<CommVolume> volumes;
+  for (int stage = 0; stage <= 3; ++stage) volumes.push_back(estimate_comm_volume(cfg, a.world_size, stage, per_node));
+  doc["ranks_per_node"] = per_node;
+  doc["communication"] = nlohmann::json::array();
+  for (const CommVolume& v : volumes) doc["communication"].push_back(v.to_json());
+  if (onebit) doc["communication_compressed"] = estimate_comm_volume(cfg, a.world_size, 0, per_node, true).to_json();
   const RankLayout layout = rank_layout(cfg, a.world_size);
   doc["pipeline_stages"] = layout.stages;
   doc["tensor_parallel_size"] = layout.tensor;
@@ -209,6 +255,9 @@ int cmd_estimate(EstimateArgs a, int rank) {
                   f.stage, (long long)f.none, (long long)f.selective, (long long)f.full, mb, verdict);
     }
   }
+  print_comm_volumes(volumes, per_node, a.world_size,
+                     onebit ? std::optional<CommVolume>(estimate_comm_volume(cfg, a.world_size, 0, per_node, true))
+                            : std::nullopt);
   if (!a.report.empty()) std::printf("report  %s\n", a.report.c_str());
   return kExitOk;
 }

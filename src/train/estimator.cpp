@@ -17,6 +17,7 @@
 #include "model/model.hpp"
 #include "parallel/compressed_allreduce.hpp"
 #include "parallel/pipe_schedule.hpp"
+#include "train/rank_plan.hpp"
 #include "zero/zero.hpp"
 
 namespace zero3d {
@@ -161,20 +162,7 @@ std::string layout_text(const RankLayout& l, int64_t world) {
          std::to_string(l.tensor) + " tensor-parallel";
 }
 
-namespace {
-// What the engine builds on one (pipeline stage, tensor rank): Engine::setup_local.
-struct RankPlan {
-  int pipe_stage = 0, tensor_rank = 0;
-  ModelPart part;
-  int64_t partition_numel = 0;  // every stage partitions the largest stage's element count
-  int num_buffers = 1;          // activation buffers the schedule keeps in flight
-  bool split = false;           // zb-h1: buffers keep the weight-gradient operands
-  std::vector<int> trace;       // the dense units one step fetches, as the engine sets ZeRO-3's trace
-};
-
-// Tensor ranks hold equal element counts (every split is even, the vocabulary padded to a
-// multiple of t), so tensor rank 0 stands for its stage's whole tensor group.
-std::vector<RankPlan> plan_ranks(const Config& cfg) {
+std::vector<RankPlan> plan_ranks(const Config& cfg, int64_t trace_micro_batches) {
   const ModelConfig& m = cfg.model;
   const GPTShape shape = gpt_shape_of(m);
   const int stages = std::max(1, cfg.pipeline.stages), t = std::max(1, cfg.tensor.size);
@@ -201,21 +189,22 @@ std::vector<RankPlan> plan_ranks(const Config& cfg) {
       for (const pipe::Instruction& in : step) p.split = p.split || in.op == pipe::Op::BackwardInput;
     // Engine::setup_local's trace (forward and backward fetch orders along the schedule); a
     // step's pattern repeats every micro-batch, so four of them show what more would hold.
-    const pipe::ScheduleSpec trace_spec{cfg.pipeline.schedule, stages, static_cast<int>(std::min<int64_t>(micro, 4)),
-                                        cfg.pipeline.virtual_stages};
+    const int64_t traced = trace_micro_batches > 0 ? trace_micro_batches : std::min<int64_t>(micro, 4);
+    const pipe::ScheduleSpec trace_spec{cfg.pipeline.schedule, stages, static_cast<int>(traced), cfg.pipeline.virtual_stages};
     for (const auto& step : pipe::make_schedule(trace_spec, s).steps)
       for (const pipe::Instruction& in : step) {
         const bool forward = in.op == pipe::Op::Forward;
         if (!forward && in.op != pipe::Op::Backward && in.op != pipe::Op::BackwardInput) continue;
         for (int u : gpt_fetch_order(shape, p.part, cfg.activation_checkpointing, in.chunk, forward))
-          if (p.part.first_expert_unit < 0 || u < p.part.first_expert_unit) p.trace.push_back(u);
+          if (p.part.first_expert_unit < 0 || u < p.part.first_expert_unit) {
+            p.trace.push_back(u);
+            p.trace_backward.push_back(!forward);
+          }
       }
   }
   for (RankPlan& p : plans) p.partition_numel = stages > 1 ? largest : p.part.expert_begin;
   return plans;
 }
-
-}  // namespace
 
 StateTypes state_types_of(const Config& cfg, const ParamLayout& layout) {
   const PrecisionConfig& pc = cfg.precision;

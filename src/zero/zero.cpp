@@ -116,7 +116,9 @@ GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit
   GatherElems out;
   int64_t live_elems = 0, prefetched = 0;
   const auto numel = [&](int u) { return units[static_cast<size_t>(u)].numel; };
-  const auto gather = [&](int u, bool prefetch) {
+  int step = 0;
+  const auto gather = [&](int u, bool prefetch, size_t k) {
+    if (step == 1) out.gathers.emplace_back(u, k);
     const auto spare = spares.find(numel(u));
     if (spare != spares.end()) spares.erase(spare);
     else out.allocated += numel(u);
@@ -131,7 +133,7 @@ GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit
     live_elems -= numel(u);
     spares.insert(numel(u));
   };
-  for (int step = 0; step < 2; ++step) {  // the second step reuses the first one's buffers
+  for (; step < 2; ++step) {  // the second step reuses the first one's buffers
     for (size_t k = 0; k < trace.size(); ++k) {
       const int u = trace[k];
       if (!live.count(u)) {
@@ -139,7 +141,7 @@ GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit
           const int v = (it++)->first;
           if (!persistent[static_cast<size_t>(v)] && !live[v]) free(v);
         }
-        gather(u, false);
+        gather(u, false, k);
       } else if (live[u]) {
         live[u] = false;
         prefetched -= numel(u);
@@ -149,7 +151,7 @@ GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit
         const int next = trace[j];
         if (live.count(next)) continue;
         if (numel(next) > budget) break;
-        gather(next, true);
+        gather(next, true, j);
         budget -= numel(next);
       }
       // release(u): kept when persistent, or used again within max_reuse_distance elements

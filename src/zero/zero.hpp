@@ -71,9 +71,12 @@ std::vector<bool> persistent_units(const ZeroConfig& zero, const std::vector<Par
 // use, prefetches within min(prefetch_bucket_size, the live budget), units kept for reuse within
 // max_reuse_distance, persistent ones. A freed buffer is kept for the next gather of its size,
 // so the memory is the most buffers of each size ever live together. The memory planner counts
-// `allocated` (elements), of it at most `prefetched` held by prefetches at once.
+// `allocated` (elements), of it at most `prefetched` held by prefetches at once; the
+// communication planner counts `gathers`, the gathers of a steady step (the second) in the
+// order they start, each as (unit, trace position that started it).
 struct GatherElems {
   int64_t allocated = 0, prefetched = 0;
+  std::vector<std::pair<int, size_t>> gathers;
 };
 GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit>& units, const std::vector<int>& trace);
 

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Communication-efficient training (issue 34): the bytes each mode moves per step on 4 ranks in
+# 2 emulated nodes (ZERO3D_RANKS_PER_NODE=2), gpt-small-cpu, against `zero3d estimate --config`'s
+# prediction of the same step (comm_volume.hpp); then an α–β time model built from the measured
+# intra-node link (benchmarks/bench_comm.cpp) and INTER_GBPS inter-node (25 GB/s by default)
+# predicts each mode's step time on 2–64 nodes of RANKS_PER_NODE ranks (8 by default), with
+# the compute time of a step measured on one rank (the per-rank work of data parallelism).
+# Model: t = compute + Σ_groups calls·(W−1)·α + bytes/β_link (no overlap: an upper bound).
+# The uncompressed peers (AdamW at ZeRO-0, ZeRO-3) come from the same run.
+# Usage: benchmarks/comm_efficiency.sh [BUILD_DIR] [WORKDIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build}
+DIR=${2:-output/comm_efficiency}
+INTER_GBPS=${INTER_GBPS:-25}
+RANKS_PER_NODE=${RANKS_PER_NODE:-8}
+mkdir -p "$DIR"
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+BASE=(--set train_micro_batch_size_per_gpu=1 --set train_batch_size=4)
+S3=(--set zero_optimization.stage=3)
+declare -A MODES=(
+  [adamw_zero0]=""
+  [onebit_adam]="--set optimizer.type=OneBitAdam --set optimizer.params.freeze_step=2"
+  [onebit_lamb]="--set optimizer.type=OneBitLamb --set optimizer.params.freeze_step=2"
+  [zero3]="${S3[*]}"
+  [mics2]="${S3[*]} --set zero_optimization.mics_shard_size=2"
+  [mics4_hierarchical]="${S3[*]} --set zero_optimization.mics_shard_size=4 --set zero_optimization.mics_hierarchical_params_gather=true"
+  [hpz2]="${S3[*]} --set zero_optimization.zero_hpz_partition_size=2"
+)
+ORDER=(adamw_zero0 onebit_adam onebit_lamb zero3 mics2 mics4_hierarchical hpz2)
+for mode in "${ORDER[@]}"; do
+  # shellcheck disable=SC2086
+  args=("${BASE[@]}" ${MODES[$mode]})
+  ZERO3D_RANKS_PER_NODE=2 mpirun -np 4 "$BUILD/zero3d" train input/gpt-small-cpu.json "${args[@]}" \
+    --set training.steps=4 --output "$DIR/$mode" > "$DIR/$mode.log" 2>&1
+  "$BUILD/zero3d" estimate --config input/gpt-small-cpu.json "${args[@]}" --world-size 4 --ranks-per-node 2 --json \
+    > "$DIR/$mode.estimate.json"
+  for nodes in 2 4 8 16 32 64; do
+    "$BUILD/zero3d" estimate --config input/gpt-small-cpu.json "${args[@]}" --world-size $((nodes * RANKS_PER_NODE)) \
+      --ranks-per-node "$RANKS_PER_NODE" --json > "$DIR/$mode.estimate.n$nodes.json"
+  done
+done
+"$BUILD/zero3d" train input/gpt-small-cpu.json "${BASE[@]}" --set train_batch_size=1 --set training.steps=6 \
+  --output "$DIR/compute" > "$DIR/compute.log" 2>&1
+mpirun -np 2 "$BUILD/benchmarks/zero3d_comm_bench" --benchmark_filter='^all_reduce/communicator/(1024|67108864)$' \
+  --benchmark_format=json > "$DIR/link.json" 2> "$DIR/link.err"
+python3 - "$DIR" "$INTER_GBPS" "$RANKS_PER_NODE" "${ORDER[@]}" <<'PY'
+import json, statistics, sys
+d, inter_gbps, per_node, modes = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+rows = lambda m: [json.loads(l) for l in open(f"{d}/{m}/metrics.jsonl")]
+link = {b["name"]: b for b in json.load(open(f"{d}/link.json"))["benchmarks"] if b.get("aggregate_name") == "median"}
+small = link["all_reduce/communicator/1024_median"]["real_time"] * 1e-6      # seconds, np 2: 2 ring steps
+alpha = small / 2
+beta_intra = link["all_reduce/communicator/67108864_median"]["busbw_GB/s"] * 1e9
+beta_inter = inter_gbps * 1e9
+compute = statistics.median(r["elapsed_ms"] for r in rows("compute")[1:]) / 1e3
+print(f"links: intra-node {beta_intra / 1e9:.2f} GB/s bus bandwidth, α {alpha * 1e6:.1f} us per ring step "
+      f"(all_reduce np 2, this machine); inter-node {inter_gbps:g} GB/s (assumed), same α")
+print(f"compute per step on one rank (gpt-small-cpu, micro-batch 1): {compute * 1e3:.1f} ms")
+print("\nbytes per step, rank 0, 4 ranks in 2 emulated nodes (measured = last step; estimate = zero3d estimate --config)")
+print(f"{'mode':<20} {'inter measured':>15} {'inter estimate':>15} {'intra measured':>15} {'intra estimate':>15}  vs AdamW inter")
+adamw = None
+for m in modes:
+    last = rows(m)[-1]["comm_bytes_by_link"]
+    est = json.load(open(f"{d}/{m}.estimate.json"))
+    stage = est["configured_stage"]
+    e = (est.get("communication_compressed") or est["communication"][stage])["comm_bytes_by_link"]
+    adamw = adamw or last["inter_node"]
+    ok = "" if (e["inter_node"], e["intra_node"]) == (last["inter_node"], last["intra_node"]) else "  MISMATCH"
+    print(f"{m:<20} {last['inter_node']:>15,} {e['inter_node']:>15,} {last['intra_node']:>15,} {e['intra_node']:>15,}"
+          f"  {adamw / max(1, last['inter_node']):6.1f}x fewer{ok}")
+def predicted(m, nodes):
+    est = json.load(open(f"{d}/{m}.estimate.n{nodes}.json"))
+    v = est.get("communication_compressed") or est["communication"][est["configured_stage"]]
+    t = compute
+    # β of each link for its bytes; α for each ring step of each group's collectives
+    t += v["comm_bytes_by_link"]["intra_node"] / beta_intra + v["comm_bytes_by_link"]["inter_node"] / beta_inter
+    ranks = v["ranks_by_group"]
+    return t + alpha * sum(calls * max(0, ranks[g] - 1) for g, calls in v["collectives_by_group"].items())
+print(f"\npredicted step time (ms), nodes of {per_node} ranks, {inter_gbps:g} GB/s between nodes (α–β model)")
+print(f"{'mode':<20}" + "".join(f"{n:>10} nodes" for n in (2, 4, 8, 16, 32, 64)))
+for m in modes:
+    print(f"{m:<20}" + "".join(f"{predicted(m, n) * 1e3:>16.1f}" for n in (2, 4, 8, 16, 32, 64)))
+PY

@@ -1,0 +1,211 @@
+// comm_volume.cpp — see comm_volume.hpp. Each count below names the ZeroOptimizer (or 1-bit
+// optimizer) call it stands for; a change there that moves bytes must move them here too, and
+// the estimate-against-measurement test (test_cli_comm_volume.cpp) says so.
+#include "train/comm_volume.hpp"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "parallel/compressed_allreduce.hpp"
+#include "parallel/grad_reducer.hpp"
+#include "parallel/partition.hpp"
+#include "train/estimator.hpp"
+#include "train/rank_plan.hpp"
+#include "zero/zero.hpp"
+
+namespace zero3d {
+
+namespace {
+
+// Communicator::count_bus_bytes for one call: factor · elements · element size, rounded down.
+int64_t bus(double factor, int64_t elements, DType type) {
+  return static_cast<int64_t>(factor * static_cast<double>(elements) * static_cast<double>(dtype_size(type)));
+}
+double ring(int w) { return w > 1 ? double(w - 1) / w : 0.0; }
+
+// The world ranks of rank 0's groups (ProcessTopology pipe_data_model: model fastest, then data)
+// and whether they share a node when ranks fill nodes in order.
+struct Placement {
+  RankLayout layout;
+  int64_t per_node = 1;
+  int64_t world_rank(int64_t pipe, int64_t data) const { return (pipe * layout.data + data) * layout.tensor; }
+  int64_t node(int64_t rank) const { return rank / per_node; }
+  bool one_node(const std::vector<int64_t>& ranks) const {
+    for (int64_t r : ranks)
+      if (node(r) != node(ranks.front())) return false;
+    return true;
+  }
+  // Data ranks `first`, `first + stride`, ... (`count` of them) at pipeline stage 0.
+  std::vector<int64_t> data_ranks(int64_t first, int64_t count, int64_t stride = 1) const {
+    std::vector<int64_t> out;
+    for (int64_t i = 0; i < count; ++i) out.push_back(world_rank(0, first + i * stride));
+    return out;
+  }
+};
+
+}  // namespace
+
+int64_t CommVolume::intra_node() const {
+  int64_t n = 0;
+  for (const GroupBytes& g : groups) n += g.intra_node ? g.bytes : 0;
+  return n;
+}
+
+int64_t CommVolume::inter_node() const {
+  int64_t n = 0;
+  for (const GroupBytes& g : groups) n += g.intra_node ? 0 : g.bytes;
+  return n;
+}
+
+nlohmann::json CommVolume::to_json() const {
+  // metrics.jsonl counts the embedding group's bytes with the data axis
+  nlohmann::json by_axis = nlohmann::json::object();
+  nlohmann::json calls = nlohmann::json::object(), ranks = nlohmann::json::object();
+  for (const GroupBytes& g : groups) {
+    calls[g.axis] = g.calls;
+    ranks[g.axis] = g.ranks;
+    const std::string axis = g.axis == "embedding" ? "data" : g.axis;
+    by_axis[axis] = by_axis.value(axis, int64_t(0)) + g.bytes;
+  }
+  return {{"stage", stage},
+          {"comm_bytes_by_axis", by_axis},
+          {"collectives_by_group", calls},
+          {"ranks_by_group", ranks},
+          {"comm_bytes_by_link", {{"intra_node", intra_node()}, {"inter_node", inter_node()}}}};
+}
+
+CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int64_t ranks_per_node, bool compressed) {
+  const ZeroConfig& zero = cfg.zero;
+  Placement at{rank_layout(cfg, world), std::max<int64_t>(1, ranks_per_node)};
+  const int64_t dp = at.layout.data, micro = std::max<int64_t>(1, cfg.batch.gradient_accumulation_steps);
+  // Rank 0's stage over the step's whole trace (every micro-batch's fetches).
+  const RankPlan plan = plan_ranks(cfg, micro).front();
+  const ParamLayout& layout = plan.part.dense_layout;
+  const std::vector<ParamUnit>& units = plan.part.dense_units;
+  const StateTypes types = state_types_of(cfg, layout);
+
+  // ZeroOptimizer partitions over the data group, or MiCS's shard group (stage 3).
+  const bool mics = stage == 3 && zero.mics_shard_size > 0;
+  const int64_t w = mics ? zero.mics_shard_size : dp;
+  const Partition part(plan.partition_numel, static_cast<int>(w));
+  const std::vector<int64_t> partition_ranks = at.data_ranks(0, w);
+  CommVolume out;
+  out.stage = stage;
+  GroupBytes data{"data", static_cast<int>(dp), at.one_node(at.data_ranks(0, dp)), 0};
+  GroupBytes shard{"mics_shard", static_cast<int>(w), at.one_node(partition_ranks), 0};
+  GroupBytes& partition_group = mics ? shard : data;
+  const int W = static_cast<int>(w);
+  const bool onebit = cfg.optimizer.type == OptimizerType::OneBitAdam || cfg.optimizer.type == OptimizerType::OneBitLamb;
+  const bool reduces = !(onebit && compressed);  // ZeroOptimizer::reduces_gradients
+
+  // Gradients (GradientReducer over reduce_work's ranges, cut into its buckets): stages 0-1
+  // once at the accumulation boundary, stages 2-3 every backward (each unit's fp32 window).
+  if (reduces) {
+    const ReduceWork work = reduce_work(stage, zero, types, layout, units, part);
+    const std::vector<CommSegment> segments = gradient_segments(layout, stage == 0 ? layout.total() : part.padded, types);
+    GroupBytes one_pass;
+    for (const auto& [lo, hi] : work.ranges)
+      for (const ReduceBucket& b : cut_buckets(segments, lo, hi, zero.reduce_bucket_size, types.comm))
+        one_pass.add(bus(stage == 0 ? 2.0 * ring(W) : ring(W), b.end - b.begin, b.type));
+    const int64_t passes = stage >= 2 ? micro : 1;
+    partition_group.add(passes * one_pass.bytes, passes * one_pass.calls);
+  }
+  // Stages 1-2: the updated partitions all-gathered in allgather_bucket_size pieces (gather_updated_params).
+  if (stage == 1 || stage == 2) {
+    const int64_t bucket = std::max<int64_t>(2 * w, zero.allgather_bucket_size);
+    for (int64_t a = 0; a < part.padded; a += bucket)
+      partition_group.add(bus(ring(W), std::min(part.padded, a + bucket) - a, types.param));
+  }
+  // The gradient norm's sum of squares over the partition group (grad_stats), and a 1-bit
+  // optimizer's agreed overflow flag past its freeze.
+  if (stage > 0) partition_group.add(bus(2.0 * ring(W), 1, DType::F64));
+  if (!reduces && W > 1) partition_group.add(bus(2.0 * ring(W), 1, DType::I64));
+
+  std::vector<GroupBytes> shard_groups;
+  // Stage 3: every gather of a steady step, as ZeroOptimizer's fetch and release decide them.
+  if (stage == 3) {
+    const GatherElems g = simulate_gathers(zero, units, plan.trace);
+    const int hpz = zero.hpz_partition_size;
+    GroupBytes secondary{"hpz", hpz, at.one_node(at.data_ranks(0, hpz)), 0};
+    // MiCS hierarchical: the shard's ranks by node; rank 0 is position 0 on the first.
+    std::map<int64_t, std::vector<int64_t>> by_node;
+    for (int64_t d = 0; d < w; ++d) by_node[at.node(partition_ranks[d])].push_back(d);
+    const bool hierarchical = mics && zero.mics_hierarchical_params_gather;
+    const int nodes = static_cast<int>(by_node.size()), k = static_cast<int>(by_node.begin()->second.size());
+    GroupBytes inter{"mics_inter", nodes, nodes == 1, 0}, intra{"mics_intra", k, true, 0};
+    std::set<int> primary;  // units whose hpZ secondary slice this step already holds (keep_secondary)
+    for (const auto& [u, pos] : g.gathers) {
+      const ParamUnit& unit = units[static_cast<size_t>(u)];
+      const bool backward = pos < plan.trace_backward.size() && plan.trace_backward[pos];
+      if (hpz > 1 && backward && primary.count(u)) {  // start_secondary_gather
+        secondary.add(bus(ring(hpz), unit.numel, types.param));
+      } else if (hierarchical) {  // start_hierarchical_gather: across nodes at position 0, then inside the node
+        int64_t across = 0;
+        for (const auto& [node, ds] : by_node) {
+          const auto [a, b] = part.owned(static_cast<int>(ds.front()), unit.offset, unit.offset + unit.numel);
+          across += b - a;
+        }
+        inter.add(bus(ring(nodes), across, types.param));
+        intra.add(bus(ring(k), unit.numel, types.param));
+      } else if (types.autocast != DType::F32) {  // the autocast tensors travel in their dtype, packed as bytes
+        int64_t bytes = 0;
+        bool mixed = false;
+        for (size_t i = 0; i < layout.tensors().size(); ++i) {
+          const TensorSpec& t = layout.tensors()[i];
+          const int64_t n = std::min(t.offset + t.numel, unit.offset + unit.numel) - std::max(t.offset, unit.offset);
+          if (n <= 0) continue;
+          bytes += n * static_cast<int64_t>(dtype_size(types.low(i) ? types.autocast : types.param));
+          mixed = mixed || types.low(i);
+        }
+        partition_group.add(mixed ? bus(ring(W), bytes, DType::U8) : bus(ring(W), unit.numel, types.param));
+      } else {
+        partition_group.add(bus(ring(W), unit.numel, types.param));
+      }
+      if (!backward) primary.insert(u);
+    }
+    if (hpz > 1) shard_groups.push_back(secondary);
+    if (hierarchical) {
+      shard_groups.push_back(inter);
+      shard_groups.push_back(intra);
+    }
+  }
+  // MiCS: the shard's gradient partition summed over its replicas (reduce_over_replicas).
+  if (mics) {
+    const int64_t replicas = dp / w;
+    GroupBytes rep{"mics_replicate", static_cast<int>(replicas), at.one_node(at.data_ranks(0, replicas, w)), 0};
+    rep.add(bus(2.0 * ring(static_cast<int>(replicas)), part.part, types.grad));
+    shard_groups.insert(shard_groups.begin(), rep);
+  }
+  // A 1-bit optimizer past its freeze: the compressed all-reduce (compressed_allreduce.hpp) of
+  // each tensor's momentum (OneBitAdam) or of all of them at once (OneBitLamb): sign bits through
+  // an all-to-all and an all-gather, and two all-gathers of one fp32 scale per rank.
+  if (onebit && compressed && W > 1) {
+    const auto call = [&](int64_t n) {
+      const int64_t chunk_bytes = onebit_padded_size(n, W) / W / 8;
+      return 2 * bus(ring(W), chunk_bytes * W, DType::U8) + 2 * bus(ring(W), W, DType::F32);
+    };
+    if (cfg.optimizer.type == OptimizerType::OneBitAdam) {
+      for (const TensorSpec& t : layout.tensors()) data.add(call(t.numel), 4);
+    } else {
+      data.add(call(layout.total()), 4);
+    }
+  }
+  // Pipelines: the tied wte's gradient summed between the first and the last stage (Engine::
+  // finalize_grads' sum_grad_range over the embedding group, counted with the data axis).
+  const int64_t tied = plan.part.vocab_local * gpt_shape_of(cfg.model).n_embd;
+  if (at.layout.stages > 1 && gpt_shape_of(cfg.model).tied_head() && reduces) {
+    const int64_t n = stage == 0 ? tied : [&] {
+      const auto [lo, hi] = part.owned(0, 0, tied);
+      return hi - lo;
+    }();
+    const std::vector<int64_t> pair = {at.world_rank(0, 0), at.world_rank(at.layout.stages - 1, 0)};
+    shard_groups.insert(shard_groups.begin(), {"embedding", 2, at.one_node(pair), bus(2.0 * ring(2), n, types.grad), 1});
+  }
+  out.groups.push_back(data);
+  if (mics) out.groups.push_back(shard);
+  for (const GroupBytes& g : shard_groups) out.groups.push_back(g);
+  return out;
+}
+
+}  // namespace zero3d
