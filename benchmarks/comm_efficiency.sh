@@ -36,8 +36,9 @@ for mode in "${ORDER[@]}"; do
   "$BUILD/zero3d" estimate --config input/gpt-small-cpu.json "${args[@]}" --world-size 4 --ranks-per-node 2 --json \
     > "$DIR/$mode.estimate.json"
   for nodes in 2 4 8 16 32 64; do
-    "$BUILD/zero3d" estimate --config input/gpt-small-cpu.json "${args[@]}" --world-size $((nodes * RANKS_PER_NODE)) \
-      --ranks-per-node "$RANKS_PER_NODE" --json > "$DIR/$mode.estimate.n$nodes.json"
+    world=$((nodes * RANKS_PER_NODE))  # one micro-batch of 1 per rank, as measured
+    "$BUILD/zero3d" estimate --config input/gpt-small-cpu.json "${args[@]}" --set train_batch_size=$world \
+      --world-size $world --ranks-per-node "$RANKS_PER_NODE" --json > "$DIR/$mode.estimate.n$nodes.json"
   done
 done
 "$BUILD/zero3d" train input/gpt-small-cpu.json "${BASE[@]}" --set train_batch_size=1 --set training.steps=6 \

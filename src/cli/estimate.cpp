@@ -80,6 +80,7 @@ void print_comm_volumes(const std::vector<CommVolume>& volumes, int64_t per_node
   std::printf("bytes per step, rank 0's data-parallel groups (bus bytes; %s)\n",
               per_node >= world ? "every rank on one node"
                                 : ("nodes of " + std::to_string(per_node) + " ranks").c_str());
+  std::printf("%-25s %14s %14s %14s %14s\n", "", "stage 0", "stage 1", "stage 2", "stage 3");
   std::vector<int64_t> intra, inter;
   for (const CommVolume& v : volumes) intra.push_back(v.intra_node()), inter.push_back(v.inter_node());
   row("  intra-node", intra);
