@@ -14,6 +14,7 @@ BUILD=${1:-build}
 DIR=${2:-output/comm_efficiency}
 INTER_GBPS=${INTER_GBPS:-25}
 RANKS_PER_NODE=${RANKS_PER_NODE:-8}
+INTRA_GBPS=${INTRA_GBPS:-measured}  # a number (e.g. an NVLink node's bus bandwidth) replaces the measured link
 mkdir -p "$DIR"
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 BASE=(--set train_micro_batch_size_per_gpu=1 --set train_batch_size=4)
@@ -43,20 +44,25 @@ for mode in "${ORDER[@]}"; do
 done
 "$BUILD/zero3d" train input/gpt-small-cpu.json "${BASE[@]}" --set train_batch_size=1 --set training.steps=6 \
   --output "$DIR/compute" > "$DIR/compute.log" 2>&1
-mpirun -np 2 "$BUILD/benchmarks/zero3d_comm_bench" --benchmark_filter='^all_reduce/communicator/(1024|67108864)$' \
+mpirun -np 2 "$BUILD/benchmarks/zero3d_comm_bench" --benchmark_filter='^all_reduce/communicator/(1024|67108864)/' \
   --benchmark_format=json > "$DIR/link.json" 2> "$DIR/link.err"
-python3 - "$DIR" "$INTER_GBPS" "$RANKS_PER_NODE" "${ORDER[@]}" <<'PY'
+python3 - "$DIR" "$INTER_GBPS" "$RANKS_PER_NODE" "$INTRA_GBPS" "${ORDER[@]}" <<'PY'
 import json, statistics, sys
-d, inter_gbps, per_node, modes = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+d, inter_gbps, per_node, intra_given, modes = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 rows = lambda m: [json.loads(l) for l in open(f"{d}/{m}/metrics.jsonl")]
-link = {b["name"]: b for b in json.load(open(f"{d}/link.json"))["benchmarks"] if b.get("aggregate_name") == "median"}
-small = link["all_reduce/communicator/1024_median"]["real_time"] * 1e-6      # seconds, np 2: 2 ring steps
-alpha = small / 2
-beta_intra = link["all_reduce/communicator/67108864_median"]["busbw_GB/s"] * 1e9
+link = {b["run_name"].split("/")[2]: b for b in json.load(open(f"{d}/link.json"))["benchmarks"]
+        if b.get("aggregate_name") == "median"}
+alpha = link["1024"]["real_time"] * 1e-6 / 2  # seconds; a 1 KiB all-reduce on 2 ranks is 2 ring steps
+beta_intra = link["67108864"]["busbw_GB/s"] * 1e9
+measured_intra = beta_intra
+if intra_given != "measured":
+    beta_intra = float(intra_given) * 1e9
 beta_inter = inter_gbps * 1e9
 compute = statistics.median(r["elapsed_ms"] for r in rows("compute")[1:]) / 1e3
-print(f"links: intra-node {beta_intra / 1e9:.2f} GB/s bus bandwidth, α {alpha * 1e6:.1f} us per ring step "
-      f"(all_reduce np 2, this machine); inter-node {inter_gbps:g} GB/s (assumed), same α")
+print(f"links: intra-node {beta_intra / 1e9:.2f} GB/s bus bandwidth ("
+      + ("measured: all_reduce 64 MiB, np 2, this machine" if intra_given == "measured"
+         else f"INTRA_GBPS; measured here {measured_intra / 1e9:.2f}")
+      + f"), α {alpha * 1e6:.1f} us per ring step (all_reduce 1 KiB, np 2); inter-node {inter_gbps:g} GB/s, same α")
 print(f"compute per step on one rank (gpt-small-cpu, micro-batch 1): {compute * 1e3:.1f} ms")
 print("\nbytes per step, rank 0, 4 ranks in 2 emulated nodes (measured = last step; estimate = zero3d estimate --config)")
 print(f"{'mode':<20} {'inter measured':>15} {'inter estimate':>15} {'intra measured':>15} {'intra estimate':>15}  vs AdamW inter")
