@@ -707,9 +707,10 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
 namespace config_detail {
 
 double read_dropout_probability(Section& sec, const std::string& key) {
-  const double p = sec.number(key, 0.0, 0.0, 1.0);
-  if (p >= 1.0)
-    sec.report_key(key, "value " + show(json(p)) + " would drop every element: a dropout probability lies in [0, 1)");
+  const double p = sec.number(key, 0.0, std::numeric_limits<double>::lowest(), std::numeric_limits<double>::max());
+  if (p < 0.0 || p >= 1.0)
+    sec.report_key(key, "value " + show(json(p)) + " is outside [0, 1): a dropout probability" +
+                            (p >= 1.0 ? " of 1 or more would drop every element" : " is not negative"));
   else if (p > 0.0 && p < kDropoutResolution)
     sec.report_key(key, "value " + show(json(p)) + " is below 2^-24, the resolution of zero3d's dropout masks (it "
                         "would drop nothing); use 0 for no dropout");

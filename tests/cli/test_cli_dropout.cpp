@@ -175,9 +175,9 @@ TEST(Dropout, ConvertWritesTheProbabilitiesIntoConfigJson) {
 
 // Hostile values: one line, exit 2, naming the key (before any work).
 TEST(DropoutSettings, OutsideZeroToOneOrNotANumberExitTwoNamingTheKey) {
-  const std::vector<std::pair<json, std::string>> values = {{-0.1, "out of range"},
+  const std::vector<std::pair<json, std::string>> values = {{-0.1, "is outside [0, 1)"},
                                                            {1.0, "would drop every element"},
-                                                           {1.5, "out of range"},
+                                                           {1.5, "is outside [0, 1)"},
                                                            {"0.1", "expected a number"},
                                                            {true, "expected a number"},
                                                            {1e-9, "below 2^-24"}};
