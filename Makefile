@@ -90,6 +90,7 @@ goldens:
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_llama_goldens.py tests/golden
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_mixtral_goldens.py tests/golden
 	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_generate_goldens.py tests/golden
+	OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_dropout_goldens.py tests/golden
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -7,6 +7,9 @@
 // compute = BF16 runs attention_bf16.hpp's kernels instead: on CPUs with AVX512-BF16 the fused
 // FlashAttention-2 style kernel (attention_flash_bf16.hpp; att then holds each row's log-sum-exp
 // and the bf16 output, no probabilities), else the tiled kernel (bf16 probabilities in att).
+// Attention dropout (GPT2Attention.attn_dropout; fp32 only): att keeps the undropped
+// probabilities, Y = (P ∘ M)·V, and the backward redraws M (kernels/dropout.hpp):
+// dV = (P ∘ M)ᵀ·dY, and the softmax backward reads dP ∘ M.
 #pragma once
 
 #include <cblas.h>
@@ -19,6 +22,7 @@
 #include "base/profiler.hpp"
 #include "kernels/attention_bf16.hpp"
 #include "kernels/common.hpp"
+#include "kernels/dropout.hpp"
 #include "kernels/fastmath.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/memory.hpp"
@@ -48,10 +52,15 @@ ZERO3D_KERNEL void causal_softmax_rows(float* s, Index r0, Index r1, Index cols,
   });
 }
 
+// The CPU forms' kept probabilities of one row block (kRowBlock·T floats) under dropout.
+inline DeviceScratch& dropped_scratch() { return static_scratch<3>("attention_dropped"); }
+
 // fp32: sgemm per (batch, head) and row block.
-inline void attention_forward_fp32(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+inline void attention_forward_fp32(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H,
+                                   DropoutMask dropout = {}) {
   const Index hs = C / H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  float* dropped = dropout.on() ? dropped_scratch().take<float>(kRowBlock * T) : nullptr;
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h) {
       const float* q = qkv + b * T * C3 + h * hs;
@@ -65,8 +74,12 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, hs, scale, q + r0 * C3, C3, k, C3, 0.0f,
                     p + r0 * T, T);
         causal_softmax_rows(p, r0, r0 + rows, cols, T);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, cols, 1.0f, p + r0 * T, T, v, C3, 0.0f,
-                    o + r0 * C, C);
+        const float* pv = p + r0 * T;
+        if (dropped) {
+          dropout_probability_rows(dropped, T, pv, T, dropout, b, h, r0, rows, 0, cols, T);
+          pv = dropped;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, cols, 1.0f, pv, T, v, C3, 0.0f, o + r0 * C, C);
       }
     }
 }
@@ -139,7 +152,8 @@ ZERO3D_KERNEL void causal_softmax_backward(float* ds, const float* p, Index BH, 
   });
 }
 
-inline void attention_forward_fp32(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H) {
+inline void attention_forward_fp32(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H,
+                                   DropoutMask dropout = {}) {
   const Index hs = C / H, BH = B * H, n = B * T * C;
   float* q = head_scratch().take<float>(7 * n);
   float *k = q + n, *v = k + n, *y = v + n;
@@ -148,12 +162,18 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
   split_heads(v, qkv, 2, B, T, C, H);
   gemm_batched(BH, T, T, hs, q, false, k, true, att, false);  // S = Q·Kᵀ
   causal_softmax(att, BH, T, 1.0f / std::sqrt(static_cast<float>(hs)));
-  gemm_batched(BH, T, hs, T, att, false, v, false, y, false);  // Y = P·V
+  const float* p = att;
+  if (dropout.on()) {  // the kept probabilities in the backward's score scratch
+    float* dropped = score_scratch().take<float>(BH * T * T);
+    dropout_probabilities(dropped, att, dropout, B, H, T);
+    p = dropped;
+  }
+  gemm_batched(BH, T, hs, T, p, false, v, false, y, false);  // Y = (P ∘ M)·V
   merge_heads(out, C, 0, y, B, T, C, H);
 }
 
 ZERO3D_KERNEL void attention_backward_fp32(float* dqkv, const float* dout, const float* qkv, const float* att, Index B,
-                                    Index T, Index C, Index H) {
+                                    Index T, Index C, Index H, DropoutMask dropout = {}) {
   const Index hs = C / H, BH = B * H, n = B * T * C;
   float* q = head_scratch().take<float>(7 * n);
   float *k = q + n, *v = k + n, *dy = v + n, *dq = dy + n, *dk = dq + n, *dv = dk + n;
@@ -165,8 +185,14 @@ ZERO3D_KERNEL void attention_backward_fp32(float* dqkv, const float* dout, const
     const Index x = e % hs, t = (e / hs) % T, bh = e / (hs * T), b = bh / H, h = bh % H;
     dy[e] = dout[(b * T + t) * C + h * hs + x];
   });
-  gemm_batched(BH, T, T, hs, dy, false, v, true, ds, false);   // dP = dY·Vᵀ
-  gemm_batched(BH, T, hs, T, att, true, dy, false, dv, false);  // dV = Pᵀ·dY
+  const float* pk = att;  // dV = (P ∘ M)ᵀ·dY (under dropout the kept probabilities in ds), then dP = (dY·Vᵀ) ∘ M
+  if (dropout.on()) {
+    dropout_probabilities(ds, att, dropout, B, H, T);
+    pk = ds;
+  }
+  gemm_batched(BH, T, hs, T, pk, true, dy, false, dv, false);
+  gemm_batched(BH, T, T, hs, dy, false, v, true, ds, false);
+  if (dropout.on()) dropout_probabilities(ds, ds, dropout, B, H, T);
   causal_softmax_backward(ds, att, BH, T, 1.0f / std::sqrt(static_cast<float>(hs)));
   gemm_batched(BH, T, hs, T, ds, false, k, false, dq, false);   // dQ = dS·K
   gemm_batched(BH, T, hs, T, ds, true, q, false, dk, false);    // dK = dSᵀ·Q
@@ -179,16 +205,21 @@ ZERO3D_KERNEL void attention_backward_fp32(float* dqkv, const float* dout, const
 
 // O: the output's type; Q: qkv's. bf16 (an output that only feeds a bf16 product, a qkv its
 // product already rounded) needs compute = BF16.
+// dropout: the probabilities' mask (off by default); fp32 compute only.
 template <typename O = float, typename Q = float>
 inline void attention_forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H,
-                              DType compute = DType::F32) {
+                              DType compute = DType::F32, DropoutMask dropout = {}) {
   obs::add_macs(2.0 * B * T * T * C);  // q·kᵀ and p·v, counted densely as the FLOPs formula does
   const ProfileRegion region("attention_forward");
+  if (compute == DType::BF16 && dropout.on())
+    throw std::invalid_argument("attention_forward: attention dropout runs in fp32 only");
   if (compute == DType::BF16) return attention_forward_bf16(out, att, qkv, B, T, C, H);
 #ifdef ZERO3D_DEVICE
-  if constexpr (std::is_same_v<O, float> && std::is_same_v<Q, float>) gpu::attention_forward_fp32(out, att, qkv, B, T, C, H);
+  if constexpr (std::is_same_v<O, float> && std::is_same_v<Q, float>)
+    gpu::attention_forward_fp32(out, att, qkv, B, T, C, H, dropout);
 #else
-  if constexpr (std::is_same_v<O, float> && std::is_same_v<Q, float>) attention_forward_fp32(out, att, qkv, B, T, C, H);
+  if constexpr (std::is_same_v<O, float> && std::is_same_v<Q, float>)
+    attention_forward_fp32(out, att, qkv, B, T, C, H, dropout);
 #endif
   else throw std::invalid_argument("attention_forward: bf16 operands need bf16 compute");
 }
@@ -216,17 +247,20 @@ inline void attention_backward_summing_columns(bf16* dqkv, float* dbias, float* 
   convert_summing_columns(dqkv, dbias, scratch, B * T, 3 * C);
 }
 
-// dqkv written (all of it); scratch needs kRowBlock*T floats (fp32 only).
+// dqkv written (all of it); scratch needs kRowBlock*T floats (fp32 only). dropout: the
+// forward's mask, redrawn.
 ZERO3D_KERNEL void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
-                               Index B, Index T, Index C, Index H, DType compute = DType::F32) {
+                               Index B, Index T, Index C, Index H, DType compute = DType::F32, DropoutMask dropout = {}) {
   const Index hs = C / H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   obs::add_macs(4.0 * B * T * T * C);  // dp, dv, dq, dk: twice the forward's products
   const ProfileRegion region("attention_backward");
+  if (compute == DType::BF16 && dropout.on())
+    throw std::invalid_argument("attention_backward: attention dropout runs in fp32 only");
   if (compute == DType::BF16) return attention_backward_bf16(dqkv, dout, qkv, att, B, T, C, H);
 #ifdef ZERO3D_DEVICE
   (void)scratch, (void)C3, (void)scale;
-  gpu::attention_backward_fp32(dqkv, dout, qkv, att, B, T, C, H);
+  gpu::attention_backward_fp32(dqkv, dout, qkv, att, B, T, C, H, dropout);
 #else
   // dk and dv accumulate over row blocks: start from zero.
   Kokkos::parallel_for("zero_dkv", range(B * T), KOKKOS_LAMBDA(Index bt) {
@@ -247,12 +281,16 @@ ZERO3D_KERNEL void attention_backward(float* dqkv, float* scratch, const float* 
         const Index rows = r0 + kRowBlock < T ? kRowBlock : T - r0;
         const Index cols = r0 + rows;
         const float* prow = p + r0 * T;
-        // dP = dY · Vᵀ  (rows × cols), row stride T in scratch
+        // dV += (P ∘ M)ᵀ · dY (under dropout the kept probabilities in scratch), then dP = (dY · Vᵀ) ∘ M
+        const float* pk = prow;
+        if (dropout.on()) {
+          dropout_probability_rows(scratch, T, prow, T, dropout, b, h, r0, rows, 0, cols, T);
+          pk = scratch;
+        }
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, hs, rows, 1.0f, pk, T, dy + r0 * C, C, 1.0f, dv, C3);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, hs, 1.0f, dy + r0 * C, C, v, C3, 0.0f,
                     scratch, T);
-        // dV += Pᵀ · dY
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, hs, rows, 1.0f, prow, T, dy + r0 * C, C, 1.0f, dv,
-                    C3);
+        if (dropout.on()) dropout_probability_rows(scratch, T, scratch, T, dropout, b, h, r0, rows, 0, cols, T);
         // softmax backward: dS_ij = P_ij (dP_ij - Σ_k P_ik dP_ik), zero above the diagonal
         Kokkos::parallel_for("softmax_backward", range(rows), KOKKOS_LAMBDA(Index kr) {
           const Index i = r0 + kr;

@@ -12,7 +12,9 @@
 // Key j is visible to query i when j <= i and, with a window W > 0, i − j < W (transformers
 // masking_utils: causal_mask_function and sliding_window_overlay, kv_idx > q_idx − W); W = 0 is
 // plain causal attention. att[B,H,T,T] keeps the softmax probabilities, zero on every key a
-// query does not see, for the backward.
+// query does not see, for the backward. Attention dropout (LlamaAttention's attention_dropout,
+// training only) as attention.hpp's: att keeps the undropped probabilities, Y = (P ∘ M)·V, the
+// backward redraws M (kernels/dropout.hpp) for dV = (P ∘ M)ᵀ·dY and dP ∘ M.
 //
 // The CPU form runs sgemm per (batch, head) and block of kRowBlock query rows straight on the
 // strided qkv (a block reads keys from its first row's window start to its last row only); the
@@ -101,7 +103,7 @@ ZERO3D_KERNEL void gqa_softmax_backward(float* ds, const float* p, Index rows, I
 
 // The scratch layout: q [B·H][T][d], k and v [B·Hkv][T][d], then y (or dy), dq, dk, dv.
 inline void gqa_attention_forward(float* out, float* att, const float* qkv, Index B, Index T, Index H, Index Hkv,
-                                  Index d, Index window) {
+                                  Index d, Index window, DropoutMask dropout = {}) {
   const Index G = H / Hkv, W = (H + 2 * Hkv) * d, nq = B * H * T * d, nkv = B * Hkv * T * d;
   float* q = head_scratch().take<float>(2 * nq + 2 * nkv);
   float *k = q + nq, *v = k + nkv, *y = v + nkv;
@@ -110,12 +112,18 @@ inline void gqa_attention_forward(float* out, float* att, const float* qkv, Inde
   gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
   gemm_batched(B * Hkv, G * T, T, d, q, false, k, true, att, false);  // S = Q·Kᵀ, a group's heads stacked
   gqa_softmax(att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
-  gemm_batched(B * Hkv, G * T, d, T, att, false, v, false, y, false);  // Y = P·V
+  const float* p = att;
+  if (dropout.on()) {  // the kept probabilities in the backward's score scratch
+    float* dropped = score_scratch().take<float>(B * H * T * T);
+    dropout_probabilities(dropped, att, dropout, B, H, T);
+    p = dropped;
+  }
+  gemm_batched(B * Hkv, G * T, d, T, p, false, v, false, y, false);  // Y = (P ∘ M)·V
   gqa_merge_heads(out, H * d, 0, y, B, T, H, d);
 }
 
 inline void gqa_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, Index B, Index T,
-                                   Index H, Index Hkv, Index d, Index window) {
+                                   Index H, Index Hkv, Index d, Index window, DropoutMask dropout = {}) {
   const Index G = H / Hkv, W = (H + 2 * Hkv) * d, nq = B * H * T * d, nkv = B * Hkv * T * d;
   float* q = head_scratch().take<float>(3 * nq + 4 * nkv);
   float *k = q + nq, *v = k + nkv, *dy = v + nkv, *dq = dy + nq, *dk = dq + nq, *dv = dk + nkv;
@@ -124,8 +132,14 @@ inline void gqa_attention_backward(float* dqkv, const float* dout, const float* 
   gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
   gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
   gqa_split_heads(dy, dout, H * d, 0, B, T, H, d);
-  gemm_batched(B * Hkv, G * T, T, d, dy, false, v, true, ds, false);   // dP = dY·Vᵀ
-  gemm_batched(B * Hkv, T, d, G * T, att, true, dy, false, dv, false);  // dV = Pᵀ·dY, the group summed
+  const float* pk = att;  // dV = (P ∘ M)ᵀ·dY, the group summed (under dropout the kept probabilities in ds)
+  if (dropout.on()) {
+    dropout_probabilities(ds, att, dropout, B, H, T);
+    pk = ds;
+  }
+  gemm_batched(B * Hkv, T, d, G * T, pk, true, dy, false, dv, false);
+  gemm_batched(B * Hkv, G * T, T, d, dy, false, v, true, ds, false);  // dP = (dY·Vᵀ) ∘ M
+  if (dropout.on()) dropout_probabilities(ds, ds, dropout, B, H, T);
   gqa_softmax_backward(ds, att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
   gemm_batched(B * Hkv, G * T, d, T, ds, false, k, false, dq, false);  // dQ = dS·K
   gemm_batched(B * Hkv, T, d, G * T, ds, true, q, false, dk, false);   // dK = dSᵀ·Q, the group summed
@@ -170,15 +184,17 @@ inline GqaBlock gqa_block(Index r0, Index T, Index window) {
 }
 
 // out[B,T,H·d], att[B,H,T,T] from qkv; window 0: causal, else also i − j < window.
+// dropout: the probabilities' mask (off by default).
 ZERO3D_KERNEL void gqa_attention_forward(float* out, float* att, const float* qkv, Index B, Index T, Index H, Index Hkv,
-                                         Index d, Index window) {
+                                         Index d, Index window, DropoutMask dropout = {}) {
   obs::add_macs(2.0 * B * T * T * H * d);  // q·kᵀ and p·v, counted densely as the FLOPs formula does
   const ProfileRegion region("attention_forward");
 #ifdef ZERO3D_DEVICE
-  gpu::gqa_attention_forward(out, att, qkv, B, T, H, Hkv, d, window);
+  gpu::gqa_attention_forward(out, att, qkv, B, T, H, Hkv, d, window, dropout);
 #else
   const Index G = H / Hkv, W = (H + 2 * Hkv) * d, A = H * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  float* dropped = dropout.on() ? dropped_scratch().take<float>(kRowBlock * T) : nullptr;
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h) {
       const float* q = qkv + b * T * W + h * d;
@@ -192,8 +208,15 @@ ZERO3D_KERNEL void gqa_attention_forward(float* out, float* att, const float* qk
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, blk.rows, keys, d, scale, q + r0 * W, W, k + blk.c0 * W, W,
                     0.0f, p + r0 * T + blk.c0, T);
         gqa_softmax_rows(p, r0, r0 + blk.rows, T, window);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, blk.rows, d, keys, 1.0f, p + r0 * T + blk.c0, T,
-                    v + blk.c0 * W, W, 0.0f, o + r0 * A, A);
+        const float* pv = p + r0 * T + blk.c0;
+        Index ld = T;
+        if (dropped) {  // the block's kept probabilities, row stride keys
+          dropout_probability_rows(dropped, keys, pv, T, dropout, b, h, r0, blk.rows, blk.c0, keys, T);
+          pv = dropped;
+          ld = keys;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, blk.rows, d, keys, 1.0f, pv, ld, v + blk.c0 * W, W, 0.0f,
+                    o + r0 * A, A);
       }
     }
 #endif
@@ -202,12 +225,13 @@ ZERO3D_KERNEL void gqa_attention_forward(float* out, float* att, const float* qk
 // dqkv written (all of it: q's, and k's and v's summed over each group's query heads); scratch
 // needs kRowBlock·T floats (the CPU form's: one row block's dP, then dS).
 ZERO3D_KERNEL void gqa_attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv,
-                                          const float* att, Index B, Index T, Index H, Index Hkv, Index d, Index window) {
+                                          const float* att, Index B, Index T, Index H, Index Hkv, Index d, Index window,
+                                          DropoutMask dropout = {}) {
   obs::add_macs(4.0 * B * T * T * H * d);  // dp, dv, dq, dk: twice the forward's products
   const ProfileRegion region("attention_backward");
 #ifdef ZERO3D_DEVICE
   (void)scratch;
-  gpu::gqa_attention_backward(dqkv, dout, qkv, att, B, T, H, Hkv, d, window);
+  gpu::gqa_attention_backward(dqkv, dout, qkv, att, B, T, H, Hkv, d, window, dropout);
 #else
   const Index G = H / Hkv, W = (H + 2 * Hkv) * d, A = H * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -230,12 +254,19 @@ ZERO3D_KERNEL void gqa_attention_backward(float* dqkv, float* scratch, const flo
         const GqaBlock blk = gqa_block(r0, T, window);
         const Index keys = blk.cols - blk.c0;
         const float* pb = p + r0 * T + blk.c0;
-        // dP = dY · Vᵀ (rows × keys), row stride T in scratch
+        // dV += (P ∘ M)ᵀ · dY (under dropout the kept probabilities in scratch), then dP = (dY · Vᵀ) ∘ M
+        // (rows × keys), row stride T in scratch
+        const float* pk = pb;
+        if (dropout.on()) {
+          dropout_probability_rows(scratch, T, pb, T, dropout, b, h, r0, blk.rows, blk.c0, keys, T);
+          pk = scratch;
+        }
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, blk.rows, 1.0f, pk, T, dy + r0 * A, A, 1.0f,
+                    dv + blk.c0 * W, W);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, blk.rows, keys, d, 1.0f, dy + r0 * A, A, v + blk.c0 * W, W,
                     0.0f, scratch, T);
-        // dV += Pᵀ · dY
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, d, blk.rows, 1.0f, pb, T, dy + r0 * A, A, 1.0f,
-                    dv + blk.c0 * W, W);
+        if (dropout.on())
+          dropout_probability_rows(scratch, T, scratch, T, dropout, b, h, r0, blk.rows, blk.c0, keys, T);
         // dS_ij = P_ij (dP_ij − Σ_k P_ik dP_ik) over the visible keys, zero on the block's other columns
         Kokkos::parallel_for("gqa_softmax_backward", range(blk.rows), KOKKOS_LAMBDA(Index kr) {
           const Index i = r0 + kr, j0 = gqa_first_key(i, window) - blk.c0, j1 = i - blk.c0;

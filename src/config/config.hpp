@@ -58,6 +58,7 @@ struct ModelConfig {
   std::string init_from;  // HDF5 or safetensors file with Hugging Face names; empty = init from seed
   std::string hf_config;  // the Hugging Face config.json the Llama family's knobs were read from (empty: none)
   DecoderFamily family;   // architecture (GPT2 by default) and the Llama family's knobs
+  DropoutRates dropout;   // embd_pdrop, attn_pdrop, resid_pdrop (GPT-2), attention_dropout (the Llama family)
   MoeConfig moe;
   SparseAttention sparse_attention;  // the top-level `sparse_attention` section (a model property here)
 };

@@ -282,7 +282,9 @@ void read_llama_family(Section& sec, ModelConfig& m, Architecture arch, const js
   f.bos_token_id = k.token_ids("bos_token_id");
   f.eos_token_id = k.token_ids("eos_token_id");
   k.only("hidden_act", "silu", "zero3d's MLP is SwiGLU with silu (" + cls + "'s default); another activation is not implemented");
-  k.only("attention_dropout", 0.0, "attention dropout is not implemented; 0.0 is Hugging Face's default");
+  // LlamaAttention drops the attention probabilities in training (0.0, Hugging Face's default: none)
+  m.dropout.attn = read_dropout_probability(k.from("attention_dropout"), "attention_dropout");
+  sec.record("attention_dropout", m.dropout.attn);
   // zero3d's own: the sequence length trained on (T)
   m.n_positions = sec.integer("seq_length", 256, 1, 1 << 20);
   f.window.assign(static_cast<size_t>(m.n_layer), 0);
@@ -344,6 +346,7 @@ GPTShape gpt_shape_of(const ModelConfig& m) {
   s.moe = MoeShape{m.moe.num_experts, m.moe.every, m.moe.use_residual, m.moe.enable_expert_tensor_parallelism};
   s.sparse = m.sparse_attention;
   s.family = m.family;
+  s.dropout = m.dropout;
   return s;
 }
 

@@ -249,6 +249,7 @@ h5::Handle fp16_type() {
 struct ModelShape {
   int64_t vocab_size = 0, n_positions = 0, n_embd = 0, n_layer = 0, n_head = 0;
   nlohmann::json moe;  // the saved model.moe section (null for a dense model)
+  DropoutRates dropout;  // GPT-2's embd_pdrop, attn_pdrop, resid_pdrop as trained
   std::optional<ModelConfig> family;  // the Llama family's model (absent: GPT-2)
 };
 
@@ -310,22 +311,25 @@ ModelShape model_shape_of(const CheckpointReader& reader, const ParamLayout& lay
     throw InputError(where + ": the checkpoint metadata has no model.n_head, which config.json needs");
   s.n_head = model["n_head"].get<int64_t>();
   if (model.contains("moe") && model["moe"].is_object()) s.moe = model["moe"];
+  s.dropout.embd = model.value("embd_pdrop", 0.0);
+  s.dropout.attn = model.value("attn_pdrop", 0.0);
+  s.dropout.resid = model.value("resid_pdrop", 0.0);
   if (s.n_head <= 0 || s.n_embd % s.n_head != 0)
     throw InputError(where + ": model.n_head " + std::to_string(s.n_head) + " does not divide n_embd " +
                      std::to_string(s.n_embd));
   return s;
 }
 
-// Hugging Face's GPT2Config for the checkpoint's model, as save_pretrained writes it. zero3d
-// trains without dropout, so the dropout probabilities are 0; special tokens exist only with
-// GPT-2's own tokenizer (50257 tokens and more).
+// Hugging Face's GPT2Config for the checkpoint's model, as save_pretrained writes it, with the
+// dropout probabilities it trained with (0 unless the config set them); special tokens exist only
+// with GPT-2's own tokenizer (50257 tokens and more).
 nlohmann::json hugging_face_config(const ModelShape& s, const OutputDType& dtype) {
   const nlohmann::json eos = s.vocab_size > 50256 ? nlohmann::json(50256) : nlohmann::json();
   nlohmann::json out = {{"activation_function", "gelu_new"},  // GELU, tanh approximation
           {"architectures", {"GPT2LMHeadModel"}},
-          {"attn_pdrop", 0.0},
+          {"attn_pdrop", s.dropout.attn},
           {"bos_token_id", eos},
-          {"embd_pdrop", 0.0},
+          {"embd_pdrop", s.dropout.embd},
           {"eos_token_id", eos},
           {"initializer_range", 0.02},
           {"layer_norm_epsilon", 1e-5},
@@ -337,7 +341,7 @@ nlohmann::json hugging_face_config(const ModelShape& s, const OutputDType& dtype
           {"n_layer", s.n_layer},
           {"n_positions", s.n_positions},
           {"reorder_and_upcast_attn", false},
-          {"resid_pdrop", 0.0},
+          {"resid_pdrop", s.dropout.resid},
           {"scale_attn_by_inverse_layer_idx", false},
           {"scale_attn_weights", true},
           {"summary_activation", nullptr},
@@ -409,7 +413,7 @@ const char* causal_lm_class(Architecture a) {
 nlohmann::json llama_family_config(const ModelConfig& m, const OutputDType& dtype) {
   const DecoderFamily& f = m.family;
   nlohmann::json out = {{"architectures", {causal_lm_class(f.arch)}},
-                        {"attention_dropout", 0.0},
+                        {"attention_dropout", m.dropout.attn},
                         {"bos_token_id", token_ids_json(f.bos_token_id)},
                         {"eos_token_id", token_ids_json(f.eos_token_id)},
                         {"head_dim", f.head_dim},

@@ -21,6 +21,19 @@ namespace zero3d {
 
 enum class Architecture { GPT2, Llama, Mistral, Qwen2, Mixtral };
 
+// Dropout in training (kernels/dropout.hpp): GPT-2's embd_pdrop (after wte + wpe), attn_pdrop
+// (the attention probabilities) and resid_pdrop (each residual branch's output); the Llama
+// family's attention_dropout is attn. All 0 (zero3d's default): no dropout, today's bits.
+// seed: the masks' stream (training.seed).
+// The masks compare 24 random bits with ⌊p·2²⁴⌋ (kernels/dropout.hpp): a p > 0 below this
+// would drop nothing, so the reader refuses it.
+constexpr double kDropoutResolution = 1.0 / 16777216.0;
+struct DropoutRates {
+  double embd = 0.0, attn = 0.0, resid = 0.0;
+  uint64_t seed = 0;
+  bool any() const { return embd > 0.0 || attn > 0.0 || resid > 0.0; }
+};
+
 // "gpt2", "llama", "mistral", "qwen2", "mixtral": the model.architecture value (Hugging Face's model_type).
 inline const char* architecture_name(Architecture a) {
   switch (a) {

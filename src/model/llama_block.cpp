@@ -8,7 +8,8 @@
 // another (model_layout.cpp llama_block_tensors), so they form one [(H + 2·Hkv)·d, C] and one
 // [2I, C] matrix. Attention is grouped-query with the layer's sliding window
 // (kernels/attention_gqa.hpp). Activations stay fp32; the products run in the model's compute
-// dtype.
+// dtype. attention_dropout drops the probabilities in training (LlamaAttention's dropout on
+// attn_weights), inside the attention kernels.
 //
 // Tensor parallelism (DeepSpeed AutoTP's llama preset, Megatron's split): q/k/v_proj and
 // gate/up_proj column-parallel, each rank holding H/t query heads with their Hkv/t K/V heads
@@ -77,7 +78,8 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // q and k rotated in place: the saves hold them rotated
   {
     const Stopwatch sw(attention_ms != nullptr);
-    gqa_attention_forward(a.atty, a.att, a.qkv, B, T, H, Hkv, d, f.window_of(global_block));
+    gqa_attention_forward(a.atty, a.att, a.qkv, B, T, H, Hkv, d, f.window_of(global_block),
+                          dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities));
     if (attention_ms) *attention_ms += sw.ms();
   }
   residual_product(a.res_2, residual, a.atty, p.o_w, p.o_b, w.attn);
@@ -175,7 +177,8 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
                   BT, w.attn, C, cmp, add_dw);
   store.progress();
   if (input) {
-    gqa_attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, H, Hkv, d, window);
+    gqa_attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, H, Hkv, d, window,
+                           dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities));
     rope_backward(d_qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // to the gradient of q and k before rotation
   }
   store.progress();

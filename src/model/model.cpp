@@ -93,13 +93,31 @@ void GPT::backward(int chunk, ActivationBuffer& buf, float grad_scale, ParamStor
 }
 
 float GPT::forward(const int32_t* tokens, const int32_t* targets, ParamStore& store) {
-  if (own_.storage.extent(0) == 0) own_ = make_buffer(false);
+  if (own_.storage.extent(0) == 0) {  // what the setters gave the buffer before it existed stays
+    ActivationBuffer fresh = make_buffer(false);
+    fresh.block_scale = std::move(own_.block_scale);
+    fresh.first_sample = own_.first_sample;
+    fresh.training = own_.training;
+    own_ = std::move(fresh);
+  }
   own_.tokens = tokens;
   own_.targets = targets;
   return forward(0, own_, store);
 }
 
 void GPT::backward(float grad_scale, ParamStore& store) { backward(0, own_, grad_scale, store); }
+
+void GPT::begin_pass(const ActivationBuffer& buf) {
+  pass_trains_ = buf.training && shape_.dropout.any();
+  pass_first_sample_ = buf.first_sample;
+}
+
+DropoutMask GPT::dropout_mask(double p, int64_t layer, DropoutSite site) const {
+  if (!pass_trains_ || p == 0.0) return {};
+  DropoutMask m = kernels::dropout_mask(p, shape_.dropout.seed, pass_first_sample_, layer, site);
+  m.first_head = part_.tp_rank * Hl_;  // tensor rank r holds heads r·H/t, ... (whole heads, model_part's split)
+  return m;
+}
 
 namespace {
 // bf16 compute without tensor parallelism keeps the inputs of the bf16 products (ln_1, the
@@ -126,18 +144,30 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   const DType cmp = compute_type();
   // A row-parallel product's partial sums (row_out_, all tokens) summed over the group into
   // this rank's tokens, then the bias once and the residual: res = residual + Σ partial + bias.
-  const auto row_output = [&](float* res, const float* res_in, const P* bias) {
+  // With dropout on the branch: res = residual + mask ∘ (Σ partial + bias).
+  const auto row_output = [&](float* res, const float* res_in, const P* bias, const DropoutMask& drop) {
+    const float* sum = row_out_;
     if (!sp) {
       reduce_from_tp_region_forward(tp_, row_out_, BT * C);
-      add_residual_and_bias(res, res_in, row_out_, bias, BT, C);
     } else {
       reduce_scatter_to_sequence_parallel_region_forward(tp_, row_out_, shard_, Ns * C);
-      add_residual_and_bias(res, res_in, shard_, bias, Ns, C);
+      sum = shard_;
     }
+    if (drop.on()) dropout_residual_add(res, res_in, sum, bias, drop, first_row(), Ns, T, C);
+    else add_residual_and_bias(res, res_in, sum, bias, Ns, C);
+  };
+  // One rank's product: res = residual + mask ∘ (inp · W + bias), the branch made in res first.
+  const auto dropped_output = [&](float* res, const float* res_in, const float* inp, const P* weight, const P* bias,
+                                  int64_t IC, const DropoutMask& drop) {
+    matmul_forward(res, inp, weight, bias, BT, IC, C, /*accumulate=*/false, cmp);
+    dropout_residual_add(res, res_in, res, static_cast<const float*>(nullptr), drop, 0, BT, T, C);
   };
   const int u = c.first_block_unit + l;
   const int global_block = c.first_block + l;
   const BlockTensors<const P> w = block(static_cast<const P*>(store.fetch(u)), global_block);
+  const DropoutMask attn_drop = dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities),
+                    attn_out_drop = dropout_mask(shape_.dropout.resid, global_block, DropoutSite::AttentionOutput),
+                    mlp_out_drop = dropout_mask(shape_.dropout.resid, global_block, DropoutSite::MlpOutput);
   // Inputs of bf16 products kept in bf16 where they are made (activations_bf16): the products
   // round them anyway, so the rounding passes go and the backward reads half the bytes.
   const bool moe_block = shape_.moe.is_moe_block(global_block);
@@ -159,18 +189,20 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     if (shape_.sparse.enabled)
       sparse_attention_forward(a.atty, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[global_block].data(),
                                shape_.sparse.block, B, T, Cl, H);
-    else if (lp) attention_forward(as_bf16(a.atty), a.att, as_bf16(a.qkv), B, T, Cl, H, cmp);
-    else attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp);
+    else if (lp) attention_forward(as_bf16(a.atty), a.att, as_bf16(a.qkv), B, T, Cl, H, cmp, attn_drop);
+    else attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp, attn_drop);
     if (attention_ms) *attention_ms += sw.ms();
   }
-  if (lp) {
+  if (lp) {  // (dropout runs in fp32 compute: config.cpp)
     matmul_forward_adding(a.res_2, residual, as_bf16(a.atty), w.attn_proj_w, w.attn_proj_b, BT, C, C);
+  } else if (!tp && attn_out_drop.on()) {
+    dropped_output(a.res_2, residual, a.atty, w.attn_proj_w, w.attn_proj_b, C, attn_out_drop);
   } else if (!tp) {
     copy(a.res_2, residual, BT * C);
     matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
   } else {
     matmul_forward(row_out_, a.atty, w.attn_proj_w, static_cast<const P*>(nullptr), BT, Cl, C, false, cmp);
-    row_output(a.res_2, residual, w.attn_proj_b);
+    row_output(a.res_2, residual, w.attn_proj_b, attn_out_drop);
   }
   if (scale != 1.0f) scale_residual_branch(a.res_2, residual, scale, Ns * C);  // progressive layer drop's 1/p
   // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
@@ -208,12 +240,14 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   }
   matmul_forward(a.fch, column_parallel_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl, /*accumulate=*/false, cmp);
   gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
-  if (!tp) {
+  if (!tp && mlp_out_drop.on()) {
+    dropped_output(a.res_3, a.res_2, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, 4 * C, mlp_out_drop);
+  } else if (!tp) {
     copy(a.res_3, a.res_2, BT * C);
     matmul_forward(a.res_3, a.fch_gelu, w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C, /*accumulate=*/true, cmp);
   } else {
     matmul_forward(row_out_, a.fch_gelu, w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false, cmp);
-    row_output(a.res_3, a.res_2, w.mlp_proj_b);
+    row_output(a.res_3, a.res_2, w.mlp_proj_b, mlp_out_drop);
   }
   if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
   store.release(u);
@@ -226,6 +260,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
   buf.aux_loss = 0.0;
+  begin_pass(buf);
   if (c.embedding) {
     const P* E = static_cast<const P*>(store.fetch(c.embed_unit));  // wte [V(/t),C] then wpe [T,C]
     const obs::Region region(obs::embedding_module());
@@ -245,6 +280,8 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
       else reduce_scatter_to_sequence_parallel_region_forward(tp_, row_out_, buf.input, Ns * C);
       add_position_embedding(buf.input, E + V * C, sp ? tp_.rank * Ns : 0, Ns, T, C);
     }
+    const DropoutMask drop = dropout_mask(shape_.dropout.embd, 0, DropoutSite::Embedding);  // GPT2Model's drop
+    if (drop.on()) dropout_rows(buf.input, buf.input, drop, first_row(), Ns, T, C);
     store.release(c.embed_unit);
   }
   if (ac_.full()) {
@@ -322,6 +359,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
   const bool keep = part == BackwardPart::Input;  // save operands for the later W pass
   float* dres = buf.d_input;  // the residual stream's gradient (this rank's tokens), from the chunk's end down
   float* dE = nullptr;        // the head's wte gradient stays open until the chunk is done
+  begin_pass(buf);
   // A column-parallel layer's backward (tp_regions.hpp) with Conv1D's products.
   const auto column_backward = [&](float* dinp_shard, float* dweight, float* dbias, const float* dout, const float* x,
                                    const P* weight, int64_t IC, int64_t OC) {
@@ -396,10 +434,14 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     float* d_ln_2 = saved ? g.d_ln_2 : dln_;
     float* d_qkv = saved ? g.d_qkv : dqkv_;
     float* d_ln_1 = saved ? g.d_ln_1 : dln_;
-    // MLP half: dres holds d(res_3); the row-parallel product's output gradient covers all tokens
+    // MLP half: dres holds d(res_3); the row-parallel product's output gradient covers all tokens.
+    // Under resid_pdrop the branch's gradient is d(res_3) ∘ mask, made in dln_ (free until c_fc's
+    // backward writes d(ln_2), after the branch's product has read it).
     if (input && s != 1.0f) scaled_branch_backward_begin(dres, s);
-    const float* d_res_3 = part == BackwardPart::Weight ? g.d_res_3 : row_output_grad(dres, saved ? g.d_res_3 : gathered_);
-    if (keep && !sp) copy(g.d_res_3, dres, BT * C);
+    const float* d_branch = input ? dropped_gradient(dres, global_block, DropoutSite::MlpOutput) : dres;
+    const float* d_res_3 =
+        part == BackwardPart::Weight ? g.d_res_3 : row_output_grad(d_branch, saved ? g.d_res_3 : gathered_);
+    if (keep && !sp) copy(g.d_res_3, d_branch, BT * C);
     // An MoE block (full backward only: model.moe excludes split schedules): the dense branch of
     // residual MoE reads d(mlp_out), the MoE part then adds its input gradients into d(ln_2).
     const bool moe = shape_.moe.is_moe_block(global_block);
@@ -448,8 +490,10 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     // attention half: dres now holds d(res_2)
     region.next(obs::attention_module(c.first_block + l));
     if (input && s != 1.0f) scaled_branch_backward_begin(dres, s);
-    const float* d_res_2 = part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(dres, saved ? g.d_res_2 : gathered_);
-    if (keep && !sp) copy(g.d_res_2, dres, BT * C);
+    const float* d_branch_2 = input ? dropped_gradient(dres, global_block, DropoutSite::AttentionOutput) : dres;
+    const float* d_res_2 =
+        part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(d_branch_2, saved ? g.d_res_2 : gathered_);
+    if (keep && !sp) copy(g.d_res_2, d_branch_2, BT * C);
     if (input && ac_.selective()) {  // the attention probabilities were not kept: recompute them
       const obs::PassScope recompute(obs::Pass::Recompute);
       checkpoint_boundary();
@@ -479,7 +523,9 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       attention_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(dqkv_slot.data)), dw.c_attn_b, d_qkv,
                                          datty_, as_bf16(a.qkv), a.att, B, T, Cl, H);
     else if (input && lp) attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, Cl, H, cmp);
-    else if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp);
+    else if (input)
+      attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp,
+                         dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities));
     store.progress();
     if (dqkv_bf16) {
       matmul_backward(d_ln_1, dw.c_attn_w, dqkv_slot, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);
@@ -526,7 +572,10 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     const obs::Region region(obs::embedding_module());
     // one stage: the head already opened the embedding unit's gradients (asking again would reset them)
     float* dEmb = dE && c.head_unit == c.embed_unit ? dE : store.grad_target(c.embed_unit);
-    // the embedding's output gradient over all tokens (gathered from the shards with sequence parallelism)
+    // the embedding's output gradient over all tokens (gathered from the shards with sequence
+    // parallelism); through embd_pdrop's mask first (in place: no later pass reads this chunk's d(input))
+    const DropoutMask drop = dropout_mask(shape_.dropout.embd, 0, DropoutSite::Embedding);
+    if (drop.on()) dropout_rows(dres, dres, drop, first_row(), Ns, T, C);
     const float* d_embedded = dres;
     if (sp) {
       reduce_scatter_to_sequence_parallel_region_backward(tp_, dres, gathered_, Ns * C);
@@ -596,6 +645,13 @@ const float* GPT::column_parallel_input(const float* x) {
   }
   copy_to_tp_region_forward(tp_, x, B_ * T_ * shape_.n_embd);  // "f": the identity forward
   return x;
+}
+
+const float* GPT::dropped_gradient(const float* d_res, int64_t layer, DropoutSite site) {
+  const DropoutMask drop = dropout_mask(shape_.dropout.resid, layer, site);
+  if (!drop.on()) return d_res;
+  dropout_rows(dln_, d_res, drop, first_row(), Ns_, T_, shape_.n_embd);
+  return dln_;
 }
 
 const float* GPT::row_output_grad(const float* d_shard, float* full) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "base/dtype.hpp"
+#include "kernels/dropout.hpp"
 #include "kernels/moe.hpp"  // the gate's settings and routing (MPI-free kernels)
 #include "model/activation_checkpointing.hpp"
 #include "model/autocast.hpp"
@@ -47,6 +48,7 @@ struct GPTShape {
   // GPT-2, or a Llama-family decoder (n_embd = hidden_size, n_layer = num_hidden_layers,
   // n_head = num_attention_heads; n_positions is the sequence length trained on).
   DecoderFamily family = {};
+  DropoutRates dropout = {};  // training's dropout probabilities (0: none)
   bool llama() const { return family.llama(); }
   // Whether the LM head reads the embedding's matrix: GPT-2 always, the Llama family with
   // tie_word_embeddings (else the final unit holds lm_head.weight).
@@ -315,6 +317,9 @@ struct ActivationBuffer {
   // load-balancing loss over all its layers).
   uint64_t draw_key = 0;
   bool training = true;
+  // The micro-batch's first global sample: the key of its dropout masks with the sample index
+  // (kernels/dropout.hpp), the same on every layout. Dropout runs only when `training`.
+  int64_t first_sample = 0;
   double aux_loss = 0.0;
   // Progressive layer drop (pld.hpp): per global block, 0 = dropped in this training micro-batch,
   // else the factor its residual branches are scaled by. Empty: every block runs unscaled.
@@ -400,6 +405,12 @@ class GPT {
   const float* logits() const { return own_.logits; }  // of the last one-stage forward
   // The one-stage buffer's progressive-layer-drop scales (ActivationBuffer::block_scale).
   void set_block_scales(std::vector<float> scale) { own_.block_scale = std::move(scale); }
+  // The one-stage buffer's first global sample (ActivationBuffer::first_sample) and whether its
+  // passes train (dropout) or evaluate.
+  void set_samples(int64_t first_sample, bool training) {
+    own_.first_sample = first_sample;
+    own_.training = training;
+  }
   // The workspaces every buffer shares: backward scratch and the recompute workspace.
   int64_t scratch_bytes() const { return static_cast<int64_t>((scratch_.extent(0) + recompute_.extent(0)) * 4); }
   const ActivationCheckpointing& checkpointing() const { return ac_; }
@@ -450,6 +461,9 @@ class GPT {
   // output gradient over all tokens — this rank's tokens' gradient all-gathered with sequence
   // parallelism (into `full`), else the same array, all-reduced.
   const float* row_output_grad(const float* d_shard, float* full);
+  // A residual branch's output gradient under resid_pdrop: d(res) ∘ the site's mask, in dln_
+  // (d_res itself without dropout).
+  const float* dropped_gradient(const float* d_res, int64_t layer, kernels::DropoutSite site);
   // The input of a column-parallel product (forward): this rank's tokens, or all of them gathered
   // into gathered_ with sequence parallelism.
   const float* column_parallel_input(const float* x);
@@ -500,6 +514,13 @@ class GPT {
   // Where the LM head's matrix starts in its unit: 0 (wte, embed_tokens), or after model.norm.weight.
   int64_t head_offset() const { return shape_.tied_head() ? 0 : shape_.n_embd; }
   float* chunk_output(const ModelChunk& c, const ActivationBuffer& buf) const;
+  // Dropout (kernels/dropout.hpp): begin_pass takes the buffer's sample and mode for the pass
+  // that follows (forward, or backward with its recompute); dropout_mask is then the mask of
+  // probability p at one site of global block `layer` (off with p 0 or outside training).
+  void begin_pass(const ActivationBuffer& buf);
+  kernels::DropoutMask dropout_mask(double p, int64_t layer, kernels::DropoutSite site) const;
+  // The first global token row of this rank's Ns: its shard's with sequence parallelism.
+  int64_t first_row() const { return tp_.sequence_parallel ? tp_.rank * Ns_ : 0; }
 
   GPTShape shape_;
   DType param_type_ = DType::F32;
@@ -547,6 +568,8 @@ class GPT {
   float *moe_dmoe_ = nullptr, *moe_dcoef_ = nullptr;
   std::vector<MoeLayerStats> moe_stats_;
   ActivationBuffer own_;  // the one-stage convenience API's buffer (allocated on first use)
+  bool pass_trains_ = false;       // begin_pass: the pass drops (training, some p > 0)
+  int64_t pass_first_sample_ = 0;  // begin_pass: the micro-batch's first global sample
 };
 
 // Convenience for callers without ZeRO (tests, tools): a model with its own flat buffers.

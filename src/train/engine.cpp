@@ -126,7 +126,8 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
 void Engine::setup_local() {
   const int64_t B = cfg_.batch.micro_batch, T = cfg_.model.n_positions;
   const PrecisionConfig& pc = cfg_.precision;
-  const GPTShape shape = shape_of(cfg_.model);
+  GPTShape shape = shape_of(cfg_.model);
+  shape.dropout.seed = cfg_.training.seed;  // dropout masks: the training seed's stream
   const int t = tp_comm_->size(), tp_rank = tp_comm_->rank();
   const int ep = ep_comm_ ? ep_comm_->size() : 1, ep_rank = ep_comm_ ? ep_comm_->rank() : 0;
   model_ = std::make_unique<GPT>(shape, B, T, pc.param,
@@ -567,6 +568,7 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
           (eval_ ? eval_->first_sample : samples_) + (in.micro_batch * world_ + rank_) * cfg_.batch.micro_batch;
       buf.draw_key = static_cast<uint64_t>(first) * 2 + (eval_ ? 1 : 0);
       buf.training = !eval_;
+      buf.first_sample = first;  // and dropout's masks, keyed by global sample
       // Progressive layer drop: this micro-batch's blocks, decided alike on every rank (pld.hpp).
       if (cfg_.pld.enabled && !eval_)
         buf.block_scale = pld_block_scales(cfg_.pld, cfg_.training.seed, step_, in.micro_batch, cfg_.model.n_layer);

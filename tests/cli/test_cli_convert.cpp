@@ -177,7 +177,7 @@ TEST(Convert, ConfigJsonIsHuggingFacesGpt2ConfigOfTheModel) {
   EXPECT_EQ(c["layer_norm_epsilon"], 1e-5);
   EXPECT_EQ(c["tie_word_embeddings"], true);
   EXPECT_EQ(c["torch_dtype"], "bfloat16");
-  EXPECT_EQ(c["attn_pdrop"], 0.0) << "zero3d trains without dropout";
+  EXPECT_EQ(c["attn_pdrop"], 0.0) << "a config without attn_pdrop trains without attention dropout";
 }
 
 TEST(Convert, WeightFilesRecordTheModelShape) {

@@ -165,15 +165,15 @@ TEST(ModelFamily, RopeScalingWithoutItsRequiredKeysOrOfAnotherTypeIsAnError) {
             std::string::npos);
 }
 
-// What zero3d's block cannot compute is refused, naming the key: another activation, attention
-// dropout, Llama's pretraining_tp, a key of another family, a key a Hugging Face file holds
+// What zero3d's block cannot compute is refused, naming the key: another activation, an
+// attention dropout of 1 (everything dropped), Llama's pretraining_tp, a key of another family, a key a Hugging Face file holds
 // that zero3d does not read.
 TEST(ModelFamily, KeysThatWouldChangeTheArchitectureAreErrors) {
   EXPECT_NE(error_of(with_model({{"architecture", "llama"}, {"hidden_act", "gelu"}}))
                 .find("`model.hidden_act`: value \"gelu\": zero3d's MLP is SwiGLU with silu"),
             std::string::npos);
-  EXPECT_NE(error_of(with_model({{"architecture", "qwen2"}, {"attention_dropout", 0.1}}))
-                .find("`model.attention_dropout`: value 0.1: attention dropout is not implemented"),
+  EXPECT_NE(error_of(with_model({{"architecture", "qwen2"}, {"attention_dropout", 1.0}}))
+                .find("`model.attention_dropout`: value 1.0 is outside [0, 1)"),
             std::string::npos);
   EXPECT_NE(error_of(with_model({{"architecture", "mistral"}, {"attention_bias", true}})).find("`model.attention_bias`: unknown key"),
             std::string::npos);

@@ -179,8 +179,9 @@ def rope_cos_sin(s, T):
     return emb.cos() * s.attention_factor, emb.sin() * s.attention_factor
 
 
-def attention_half(p, n, x, s, l, cos, sin):
-    """x + o_proj(attention(...)) on input_layernorm(x), layer l with parameter prefix n."""
+def attention_half(p, n, x, s, l, cos, sin, att_mask=None):
+    """x + o_proj(attention(...)) on input_layernorm(x), layer l with parameter prefix n; att_mask
+    (make_dropout_goldens.py): factors multiplying the probabilities, LlamaAttention's dropout."""
     B, T = x.shape[0], x.shape[1]
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     h = rms_norm(x, p[n + "input_layernorm.weight"], s.eps)
@@ -196,6 +197,8 @@ def attention_half(p, n, x, s, l, cos, sin):
         visible = visible & (j > i - s.windows[l])
     att = (q @ k.transpose(-2, -1)) * s.d ** -0.5
     att = att.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    if att_mask is not None:
+        att = att * att_mask
     y = (att @ v).transpose(1, 2).reshape(B, T, s.H * s.d)
     return x + linear(y, p, n + "self_attn.o_proj")
 

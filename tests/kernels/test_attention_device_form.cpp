@@ -57,6 +57,30 @@ TEST_P(Fp32AttentionDeviceForm, ForwardAndBackwardAgreeWithTheCpuForm) {
       for (Index j = i + 1; j < T; ++j) ASSERT_EQ(att[(bh * T + i) * T + j], 0.0f) << bh << " " << i << " " << j;
 }
 
+// Attention dropout: both forms draw the same mask (global heads from first_head) and keep the
+// undropped probabilities; the output differs from the undropped one.
+TEST_P(Fp32AttentionDeviceForm, WithDropoutAgreeWithTheCpuForm) {
+  const auto [B, T, C, H] = GetParam();
+  DropoutMask drop = dropout_mask(0.3, 17, 40, 2, DropoutSite::Probabilities);
+  drop.first_head = 3;  // as tensor rank 1 of heads 3, 4, ...
+  const auto qkv = random_vector(B * T * 3 * C, 5), dout = random_vector(B * T * C, 6);
+  std::vector<float> out_cpu(B * T * C), att_cpu(B * H * T * T), dqkv_cpu(B * T * 3 * C), scratch(kRowBlock * T);
+  std::vector<float> plain(B * T * C), plain_att(B * H * T * T);
+  attention_forward_fp32(out_cpu.data(), att_cpu.data(), qkv.data(), B, T, C, H, drop);
+  attention_backward(dqkv_cpu.data(), scratch.data(), dout.data(), qkv.data(), att_cpu.data(), B, T, C, H, DType::F32,
+                     drop);
+  attention_forward_fp32(plain.data(), plain_att.data(), qkv.data(), B, T, C, H);
+  EXPECT_EQ(att_cpu, plain_att) << "the kept probabilities are the undropped ones";
+  EXPECT_GT(worst_error(out_cpu, plain), 1e-3) << "dropout changes the output";
+
+  std::vector<float> out(B * T * C), att(B * H * T * T, -1.0f), dqkv(B * T * 3 * C, -1.0f);
+  gpu::attention_forward_fp32(out.data(), att.data(), qkv.data(), B, T, C, H, drop);
+  gpu::attention_backward_fp32(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, H, drop);
+  EXPECT_LE(worst_error(out, out_cpu), 2e-6) << "output";
+  EXPECT_LE(worst_error(dqkv, dqkv_cpu), 1e-5) << "dqkv";
+  EXPECT_LE(worst_error(att, att_cpu), 1e-6) << "probabilities";
+}
+
 TEST_P(Fp32AttentionDeviceForm, TwoRunsGiveTheSameBits) {
   const auto [B, T, C, H] = GetParam();
   const auto qkv = random_vector(B * T * 3 * C, 3), dout = random_vector(B * T * C, 4);

@@ -478,6 +478,30 @@ TEST(LlamaGqaAttention, DeviceFormMatchesCpuForm) {
   }
 }
 
+// Attention dropout (first_head: a tensor rank's global heads): the device form draws the CPU
+// form's mask, and dropping changes the output.
+TEST(LlamaGqaAttention, DeviceFormMatchesCpuFormWithDropout) {
+  for (const GqaCase& c : kGqaCases) {
+    const std::string at = describe(c);
+    DropoutMask drop = dropout_mask(0.25, 9, 12, 1, DropoutSite::Probabilities);
+    drop.first_head = 2;
+    const GqaRun plain(c, 17);
+    Buffer<float> out(c.B * c.T * c.H * c.d), att(c.B * c.H * c.T * c.T), dqkv(c.B * c.T * (c.H + 2 * c.Hkv) * c.d),
+        scratch(kRowBlock * c.T);
+    gqa_attention_forward(out.data(), att.data(), plain.in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window, drop);
+    gqa_attention_backward(dqkv.data(), scratch.data(), plain.dout.data(), plain.in.data(), att.data(), c.B, c.T, c.H,
+                           c.Hkv, c.d, c.window, drop);
+    expect_same_bits("kept probabilities are the undropped ones" + at, att.host(), plain.att.host());
+    EXPECT_NE(out.host(), plain.out.host()) << at;
+    Buffer<float> gout(c.B * c.T * c.H * c.d), gatt(c.B * c.H * c.T * c.T), gdqkv(c.B * c.T * (c.H + 2 * c.Hkv) * c.d);
+    gpu::gqa_attention_forward(gout.data(), gatt.data(), plain.in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window, drop);
+    gpu::gqa_attention_backward(gdqkv.data(), plain.dout.data(), plain.in.data(), gatt.data(), c.B, c.T, c.H, c.Hkv,
+                                c.d, c.window, drop);
+    expect_close("out" + at, gout.host(), out.host(), 1e-6, 1e-5);
+    expect_close("dqkv" + at, gdqkv.host(), dqkv.host(), 1e-6, 1e-4);
+  }
+}
+
 // With one K/V head per query head and no window, grouped-query attention is GPT-2's causal
 // attention (attention.hpp) on the same [q | k | v] rows, bit for bit.
 TEST(LlamaGqaAttention, MultiHeadWithoutWindowIsGpt2AttentionBitForBit) {

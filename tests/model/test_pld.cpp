@@ -22,12 +22,7 @@ const std::string kGolden = std::string(ZERO3D_GOLDEN_DIR) + "/pld.h5";
 
 using test::read_doubles;
 
-double group_attr(const h5::File& f, const std::string& group, const char* name) {
-  double v = 0.0;
-  h5::Handle a(H5Aopen_by_name(f.id(), group.c_str(), name, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-  H5Aread(a.get(), H5T_NATIVE_DOUBLE, &v);
-  return v;
-}
+const auto group_attr = test::group_attribute;
 
 // DeepSpeed's test_pld.py: θ after step i equals (1−θ̄)·exp(−γ·i) + θ̄ for θ̄ ∈ {0, 0.1, 0.9, 1.0}.
 TEST(ProgressiveLayerDrop, ThetaAfterEachStepIsDeepSpeeds) {
@@ -83,14 +78,10 @@ TEST_P(PldGolden, TenAdamWStepsWithLayerDropFollowPyTorch) {
   const std::string name = GetParam();
   const h5::File f = h5::File::open_read(kGolden);
   const h5::File weights = h5::File::open_read(std::string(ZERO3D_GOLDEN_DIR) + "/" + name + ".h5");
-  int64_t V = 0, T = 0, L = 0, H = 0, C = 0, B = 0;
-  h5::read_attribute(weights.id(), "vocab_size", V);
-  h5::read_attribute(weights.id(), "n_positions", T);
-  h5::read_attribute(weights.id(), "n_layer", L);
-  h5::read_attribute(weights.id(), "n_head", H);
-  h5::read_attribute(weights.id(), "n_embd", C);
-  h5::read_attribute(weights.id(), "batch", B);
-  FlatModel model(GPTShape{V, T, L, H, C}, B, T);
+  int64_t B = 0;
+  const GPTShape shape = test::golden_gpt_shape(weights, B);
+  const int64_t T = shape.n_positions, L = shape.n_layer;
+  FlatModel model(shape, B, T);
   load_weights(weights.path(), model.model.layout(), model.params.data());
   const std::vector<int32_t> inputs = weights.read_ints("golden/inputs");
   const std::vector<int32_t> targets = weights.read_ints("golden/targets");
