@@ -252,6 +252,7 @@ std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const s
           std::vector<Generated> done = slot.seq->finish(sink);
           for (size_t b = 0; b < index.size(); ++b) out[static_cast<size_t>(index[b])] = std::move(done[b]);
           slot.seq.reset();
+          slot.wait_sends();  // the last stage's tokens may still be going out of slot.ids
           start_group(slot);
         }
       }
