@@ -2,10 +2,12 @@
 // token ids, the generated ids out. The token-id input and output live here, so that a tokenizer
 // can put text on either side without touching generation (src/infer).
 //
-// The model is built and loaded as `zero3d eval` builds it (the engine, any tensor-parallel and
-// data-parallel layout, ZeRO stage 0-3), then infer::generate_all runs prefill and decode steps
-// over its parameters. Every data-parallel rank generates every prompt (ZeRO-3's gathers need
-// every rank of the data group in each pass), so their outputs are the same; rank 0 prints.
+// The model is built and loaded as `zero3d eval` builds it (the engine, any pipeline, tensor-
+// parallel and data-parallel layout, ZeRO stage 0-3), then infer::generate_all runs prefill and
+// decode steps over its parameters: pipeline stages pass hidden states on, and each
+// data-parallel replica generates its block of the prompts (with ZeRO-3 the replicas run their
+// passes in lockstep, as its gathers need every rank of the data group). Every rank ends with
+// every prompt's output; rank 0 prints.
 //
 // With a tokenizer the text streams to stdout as tokens are chosen (TextOutput): whole UTF-8
 // characters only, and never text that a stop string (--stop) could still claim, so what is
@@ -386,8 +388,9 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
   }
   TextOutput text_out(tokenizer.get(), stops, prompts, rank == 0 && !a.json);
   infer::GenerationStats stats;
-  const std::vector<infer::Generated> out =
-      infer::generate_all(engine.model(), engine.inference_store(), ids, a.batch_size, options, stats, &text_out);
+  const infer::DecodeGroups groups{&engine.pipe_group(), &engine.data_group(), cfg.zero.stage == 3};
+  const std::vector<infer::Generated> out = infer::generate_all(engine.model(), engine.inference_store(), ids,
+                                                                a.batch_size, options, stats, &text_out, groups);
   if (rank != 0) return kExitOk;
 
   if (a.json) {
@@ -415,13 +418,30 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
         {"decode_ms", stats.decode_ms},
         {"decode_tokens_per_s", stats.decode_tokens_per_s()},
         {"prefill_cpu_ms", stats.prefill_cpu_ms},
-        {"decode_cpu_ms", stats.decode_cpu_ms}};
+        {"decode_cpu_ms", stats.decode_cpu_ms},
+        {"pipeline_stages", cfg.pipeline.stages},
+        {"data_parallel", cfg.batch.world_size},
+        {"prompts_per_s", stats.prompts_per_s()},
+        {"new_tokens", stats.new_tokens},
+        {"tokens_per_s", stats.tokens_per_s()},
+        {"wall_ms", stats.wall_ms},
+        {"stage_wait_ms", stats.stage_wait_ms}};
     std::printf("%s\n", doc.dump().c_str());
     return kExitOk;
   }
   std::printf("speed   prefill %lld tokens in %.1f ms (%.1f tokens/s) | decode %lld tokens in %.1f ms (%.1f tokens/s)\n",
               (long long)stats.prefill_tokens, stats.prefill_ms, stats.prefill_tokens_per_s(),
               (long long)stats.decode_tokens, stats.decode_ms, stats.decode_tokens_per_s());
+  std::printf("total   %lld prompts, %lld new tokens in %.1f ms (%.2f prompts/s, %.1f tokens/s) | %d stage%s x %lld "
+              "data-parallel replica%s\n",
+              (long long)stats.prompts, (long long)stats.new_tokens, stats.wall_ms, stats.prompts_per_s(),
+              stats.tokens_per_s(), cfg.pipeline.stages, cfg.pipeline.stages == 1 ? "" : "s", (long long)cfg.batch.world_size,
+              cfg.batch.world_size == 1 ? "" : "s");
+  if (cfg.pipeline.stages > 1) {
+    std::string waits;
+    for (const double w : stats.stage_wait_ms) waits += (waits.empty() ? "" : ", ") + std::to_string(static_cast<int64_t>(w));
+    std::printf("pipe    waited on other stages (ms per stage): %s of %.1f ms\n", waits.c_str(), stats.wall_ms);
+  }
   return kExitOk;
 }
 

@@ -45,8 +45,8 @@ int64_t max_sequence_length(const GPTShape& shape) {
 Decoder::Decoder(const GPT& model, ParamStore& store, int64_t batch, int64_t max_tokens)
     : model_(model), store_(store), shape_(model.shape()), batch_(batch), max_tokens_(max_tokens) {
   const ModelPart& part = model.part();
-  if (model.num_chunks() != 1 || !part.chunks[0].embedding || !part.chunks[0].final)
-    throw std::invalid_argument("generation needs the whole model on one pipeline stage");
+  if (model.num_chunks() != 1)
+    throw std::invalid_argument("generation runs one model chunk per pipeline stage (no interleaved virtual stages)");
   if (shape_.moe.enabled() || shape_.sparse.enabled)
     throw std::invalid_argument("generation runs dense models with dense attention");
   if (batch < 1 || max_tokens < 1 || max_tokens > max_sequence_length(shape_))
@@ -57,7 +57,7 @@ Decoder::Decoder(const GPT& model, ParamStore& store, int64_t batch, int64_t max
   heads_ = shape_.n_head / t;
   kv_heads_ = shape_.llama() ? shape_.family.num_key_value_heads / t : heads_;
   head_dim_ = shape_.llama() ? shape_.family.head_dim : shape_.n_embd / shape_.n_head;
-  cache_ = KVCache(shape_.n_layer, batch, kv_heads_, max_tokens, head_dim_);
+  cache_ = KVCache(part.chunks[0].num_blocks, batch, kv_heads_, max_tokens, head_dim_);
   if (shape_.llama()) {
     // RoPE's cos and sin for positions 0 .. max_tokens − 1: rope_tables' values, the frequencies
     // those of the length the model runs at (only dynamic RoPE reads it: modeling_rope_utils.py).
@@ -101,7 +101,7 @@ void Decoder::reserve(int64_t tokens) {
   work_tokens_ = tokens;
 }
 
-const std::vector<float>& Decoder::prefill(const std::vector<std::vector<int32_t>>& prompts) {
+int64_t Decoder::start(const std::vector<std::vector<int32_t>>& prompts) {
   const int64_t rows = static_cast<int64_t>(prompts.size());
   if (rows < 1 || rows > batch_) throw std::invalid_argument("prefill: " + std::to_string(rows) + " prompts");
   size_t longest = 0;
@@ -115,56 +115,82 @@ const std::vector<float>& Decoder::prefill(const std::vector<std::vector<int32_t
   slots_ = 0;
   start_.assign(static_cast<size_t>(rows), 0);
   // Left padding: row b's prompt ends at slot n − 1. Padding slots take id 0, which no query reads.
-  std::vector<int32_t> tokens(static_cast<size_t>(rows * n), 0);
+  prompt_tokens_.assign(static_cast<size_t>(rows * n), 0);
   for (int64_t b = 0; b < rows; ++b) {
     const auto& p = prompts[static_cast<size_t>(b)];
     start_[static_cast<size_t>(b)] = static_cast<int32_t>(n - static_cast<int64_t>(p.size()));
-    std::copy(p.begin(), p.end(), tokens.begin() + b * n + start_[static_cast<size_t>(b)]);
+    std::copy(p.begin(), p.end(), prompt_tokens_.begin() + b * n + start_[static_cast<size_t>(b)]);
   }
   copy_to_device(start_dev_.data(), start_.data(), start_.size() * sizeof(int32_t));
+  return n;
+}
+
+float* Decoder::input(int64_t n) {
+  reserve(rows_ * n);
+  return x_;
+}
+
+void Decoder::run(const std::vector<int32_t>& tokens, int64_t n) {
+  if (rows_ == 0) throw std::invalid_argument("decode: no rows started");
+  if (first_stage() && static_cast<int64_t>(tokens.size()) != rows_ * n)
+    throw std::invalid_argument("decode: " + std::to_string(tokens.size()) + " tokens for " + std::to_string(rows_) +
+                                " rows of " + std::to_string(n));
+  if (slots_ + n > max_tokens_) throw std::invalid_argument("decode: the cache is full");
   switch (model_.param_type()) {
     case DType::BF16: forward<bf16>(tokens, n); break;
     case DType::F16: forward<fp16>(tokens, n); break;
     default: forward<float>(tokens, n); break;
   }
-  slots_ = n;
+  slots_ += n;
+}
+
+const std::vector<float>& Decoder::prefill(const std::vector<std::vector<int32_t>>& prompts) {
+  const int64_t n = start(prompts);
+  run(prompt_tokens_, n);
   return logits_;
 }
 
 const std::vector<float>& Decoder::decode(const std::vector<int32_t>& tokens) {
-  if (static_cast<int64_t>(tokens.size()) != rows_ || rows_ == 0)
-    throw std::invalid_argument("decode: " + std::to_string(tokens.size()) + " tokens for " + std::to_string(rows_) +
-                                " rows");
-  if (slots_ >= max_tokens_) throw std::invalid_argument("decode: the cache is full");
-  switch (model_.param_type()) {
-    case DType::BF16: forward<bf16>(tokens, 1); break;
-    case DType::F16: forward<fp16>(tokens, 1); break;
-    default: forward<float>(tokens, 1); break;
-  }
-  slots_ += 1;
+  run(tokens, 1);
   return logits_;
 }
 
+void fetch_pass(const GPT& model, ParamStore& store) {
+  for (const int u : model.fetch_order(0, /*forward=*/true)) {
+    store.fetch(u);
+    store.release(u);
+  }
+  store.progress();
+}
+
 // n new tokens of every row at slots slots_ .. slots_ + n − 1, in the layer order of forward_impl
-// (embedding, blocks, final norm, head), each unit fetched and released as it fetches them.
+// (embedding, blocks, final norm, head: those of them on this stage), each unit fetched and
+// released as it fetches them.
 template <typename P>
 void Decoder::forward(const std::vector<int32_t>& tokens, int64_t n) {
-  const ModelPart& part = model_.part();
-  const ModelChunk& c = part.chunks[0];
-  const TensorGroup& tp = model_.tensor_group();
-  const bool tensor_parallel = part.tp_size > 1;
-  const int64_t B = rows_, N = B * n, C = shape_.n_embd, Vl = part.vocab_local;
-  const DType cmp = model_.compute_type();
+  const ModelChunk& c = model_.part().chunks[0];
+  const int64_t B = rows_, N = B * n;
   reserve(N);
   std::vector<int32_t> pos(static_cast<size_t>(N));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < n; ++i)  // a padding slot's position is never read by a real token
       pos[static_cast<size_t>(b * n + i)] = static_cast<int32_t>(std::max<int64_t>(0, slots_ + i - start_[static_cast<size_t>(b)]));
-  copy_to_device(ids_dev_.data(), tokens.data(), static_cast<size_t>(N) * sizeof(int32_t));
   copy_to_device(pos_dev_.data(), pos.data(), static_cast<size_t>(N) * sizeof(int32_t));
+  if (c.embedding) embed<P>(tokens, N);  // a later stage's x_ holds the previous stage's output
+  for (int l = 0; l < c.num_blocks; ++l) block<P>(l, N, n);
+  if (c.final) head<P>(n);
+}
 
-  // Embedding: token rows (vocabulary-parallel: each rank its own ids, summed over the group),
-  // plus GPT-2's learned position of each token.
+// Embedding: token rows (vocabulary-parallel: each rank its own ids, summed over the group),
+// plus GPT-2's learned position of each token.
+template <typename P>
+void Decoder::embed(const std::vector<int32_t>& tokens, int64_t N) {
+  const ModelPart& part = model_.part();
+  const ModelChunk& c = part.chunks[0];
+  const TensorGroup& tp = model_.tensor_group();
+  const bool tensor_parallel = part.tp_size > 1;
+  const int64_t C = shape_.n_embd, Vl = part.vocab_local;
+  copy_to_device(ids_dev_.data(), tokens.data(), static_cast<size_t>(N) * sizeof(int32_t));
   const P* E = static_cast<const P*>(store_.fetch(c.embed_unit));  // wte [V(/t), C], then wpe [T, C] (GPT-2)
   if (!tensor_parallel) {
     token_embedding_forward(x_, ids_dev_.data(), E, N, C);
@@ -174,10 +200,17 @@ void Decoder::forward(const std::vector<int32_t>& tokens, int64_t n) {
   }
   if (!shape_.llama()) add_position_embedding_at(x_, E + Vl * C, pos_dev_.data(), N, C);
   store_.release(c.embed_unit);
+}
 
-  for (int l = 0; l < c.num_blocks; ++l) block<P>(l, N, n);
-
-  // The head on each row's last token: final norm, then logits = ln_f · Eᵀ over this rank's rows.
+// The head on each row's last token: final norm, then logits = ln_f · Eᵀ over this rank's rows.
+template <typename P>
+void Decoder::head(int64_t n) {
+  const ModelPart& part = model_.part();
+  const ModelChunk& c = part.chunks[0];
+  const TensorGroup& tp = model_.tensor_group();
+  const bool tensor_parallel = part.tp_size > 1;
+  const int64_t B = rows_, C = shape_.n_embd, Vl = part.vocab_local;
+  const DType cmp = model_.compute_type();
   float* lnf = head_.data();
   float* mean = lnf + B * C;
   float* rstd = mean + B;
@@ -193,8 +226,8 @@ void Decoder::forward(const std::vector<int32_t>& tokens, int64_t n) {
   else layernorm_forward(lnf, mean, rstd, last, F, F + C, B, C);
   store_.release(c.final_unit);
   // an untied head's lm_head.weight [V, C] follows model.norm.weight in the final unit
-  const P* head = static_cast<const P*>(store_.fetch(c.head_unit)) + (shape_.tied_head() ? 0 : C);
-  gemm(B, Vl, C, {lnf, DType::F32, false, C}, {head, dtype_of<P>(), true, C}, logits, Vl, false, cmp);
+  const P* W = static_cast<const P*>(store_.fetch(c.head_unit)) + (shape_.tied_head() ? 0 : C);
+  gemm(B, Vl, C, {lnf, DType::F32, false, C}, {W, dtype_of<P>(), true, C}, logits, Vl, false, cmp);
   store_.release(c.head_unit);
   store_.progress();
 
@@ -244,8 +277,8 @@ void Decoder::block(int l, int64_t N, int64_t n) {
     // sized once for the prefill or for the longest decode step, whichever is larger
     if (static_cast<int64_t>(scores_buf_.extent(0)) < B * H * n * S)
       scores_buf_ = make_scratch_buffer("generation_scores", B * H * std::max(n * S, max_tokens_));
-    kv_cache_write(cache_.keys(global), cache_.values(global), qkv_, B, n, slots_, H, Hkv, d, max_tokens_, round_bf16);
-    cached_attention(atty_, scores_buf_.data(), qkv_, cache_.keys(global), cache_.values(global), start_dev_.data(), B,
+    kv_cache_write(cache_.keys(l), cache_.values(l), qkv_, B, n, slots_, H, Hkv, d, max_tokens_, round_bf16);
+    cached_attention(atty_, scores_buf_.data(), qkv_, cache_.keys(l), cache_.values(l), start_dev_.data(), B,
                      n, slots_, H, Hkv, d, max_tokens_, window, round_bf16);
   };
 

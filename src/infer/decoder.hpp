@@ -10,6 +10,11 @@
 // split, as training runs it), its cache holds its K/V heads, and the vocabulary-parallel logits
 // are gathered over the tensor group, so every rank holds the whole last-position logits.
 //
+// On a pipeline stage the decoder runs the stage's layers alone (start, input, run, output): the
+// first stage embeds the tokens, a later one starts from the hidden states the stage before it
+// computed (the caller moves them, generate.cpp), its KV cache holds its own layers, and the last
+// stage alone runs the head.
+//
 // Rows are left-padded to the longest prompt: row b's first real token is at slot start[b], its
 // positions (learned embeddings, RoPE) count from there, and no query attends to a padding slot,
 // so each row computes what it would compute alone.
@@ -45,21 +50,43 @@ class KVCache {
 // longer.
 int64_t max_sequence_length(const GPTShape& shape);
 
+// A pass whose tokens another data-parallel replica computes: this stage's units fetched and
+// released in a pass's order, nothing computed (ZeRO-3's gathers are collective over the data
+// group: HF generate's synced_gpus).
+void fetch_pass(const GPT& model, ParamStore& store);
+
 class Decoder {
  public:
-  // model: one pipeline stage holding the whole model (embedding, every block, the head), any
+  // model: one pipeline stage (one chunk: the whole model, or a stage's part of it), any
   // tensor-parallel rank; its parameters come from `store`. batch: the most rows a prefill
   // takes; max_tokens: the most slots a row fills (the longest prompt plus new tokens), at most
   // max_sequence_length. Collective over the tensor group (and over the data group where the
   // store gathers) in every pass.
   Decoder(const GPT& model, ParamStore& store, int64_t batch, int64_t max_tokens);
 
-  // Starts the rows (1..batch of them, each prompt non-empty and shorter than max_tokens) and
-  // runs the prefill. Returns the last position's logits, [rows][V] (host memory).
+  // The whole model on one stage: starts the rows (1..batch of them, each prompt non-empty and
+  // shorter than max_tokens) and runs the prefill. Returns the last position's logits, [rows][V] (host memory).
   const std::vector<float>& prefill(const std::vector<std::vector<int32_t>>& prompts);
   // Appends one token to every row (a finished row's too: it is computed and not read) and
   // returns the logits after it. At most max_tokens − slots() times after a prefill.
   const std::vector<float>& decode(const std::vector<int32_t>& tokens);
+
+  // The same passes a stage at a time (prefill = start, then run of its tokens; decode = run of
+  // one token per row). start: the rows as prefill takes them; returns the prefill's tokens per
+  // row (the longest prompt), and its ids, left-padded, are prompt_tokens().
+  int64_t start(const std::vector<std::vector<int32_t>>& prompts);
+  const std::vector<int32_t>& prompt_tokens() const { return prompt_tokens_; }
+  // Where a stage after the first takes the next pass's hidden states, [rows·n, C] fp32 in model
+  // memory (the previous stage's output()).
+  float* input(int64_t n);
+  // This stage's layers on n tokens a row (tokens: what the first stage embeds; other stages
+  // ignore them); the last stage's logits are logits() afterwards.
+  void run(const std::vector<int32_t>& tokens, int64_t n);
+  // After run on a stage before the last: the hidden states for the next stage, [rows·n, C].
+  const float* output() const { return x_; }
+  const std::vector<float>& logits() const { return logits_; }
+  bool first_stage() const { return model_.part().chunks[0].embedding; }
+  bool last_stage() const { return model_.part().chunks[0].final; }
 
   int64_t vocab_size() const { return shape_.vocab_size; }
   int64_t rows() const { return rows_; }
@@ -71,7 +98,11 @@ class Decoder {
   template <typename P>
   void forward(const std::vector<int32_t>& tokens, int64_t n);
   template <typename P>
-  void block(int layer, int64_t N, int64_t n);
+  void embed(const std::vector<int32_t>& tokens, int64_t N);
+  template <typename P>
+  void block(int layer, int64_t N, int64_t n);  // layer: the stage's own block index
+  template <typename P>
+  void head(int64_t n);
   void reserve(int64_t tokens);
 
   const GPT& model_;
@@ -79,10 +110,11 @@ class Decoder {
   GPTShape shape_;
   int64_t batch_, max_tokens_;
   int64_t heads_, kv_heads_, head_dim_;  // this rank's query and K/V heads
-  KVCache cache_;
+  KVCache cache_;                        // this stage's layers, local block order
   FlatBuffer rope_;                      // Llama family: cos then sin, [max_tokens, d/2] each
   int64_t rows_ = 0, slots_ = 0;
   std::vector<int32_t> start_;           // per row: its first real slot
+  std::vector<int32_t> prompt_tokens_;   // the prefill's ids, [rows, n] left-padded
   Kokkos::View<int32_t*> start_dev_, ids_dev_, pos_dev_;
   FlatBuffer work_;                      // activations of one pass, sized for its tokens
   int64_t work_tokens_ = 0;

@@ -6,6 +6,12 @@
 // Sampling draws come from a stream per prompt, Rng(seed, prompt index), one uniform per new
 // token: a prompt's output depends on its index, the seed and the model alone, never on the
 // batch it runs in or on which rank runs it.
+//
+// Layouts (DecodeGroups): data-parallel replicas each generate a contiguous block of the prompts
+// and exchange the results at the end; pipeline stages pass each pass's hidden states stage to
+// stage, the last stage chooses the tokens and sends them to every other stage (the first
+// embeds them, all of them keep the same account of which sequences have ended), and up to p
+// groups of prompts are in flight at once so that the stages work on different groups.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +20,7 @@
 
 #include "infer/decoder.hpp"
 #include "infer/sampling.hpp"
+#include "parallel/comm.hpp"
 
 namespace zero3d::infer {
 
@@ -53,12 +60,35 @@ class TokenSink {
 // tokens are the new tokens that decode steps computed (a sequence's first comes from the prefill).
 // The *_cpu_ms are this process's CPU time over the same spans: on a machine whose cores other
 // jobs share, tokens per CPU second measure the code where wall-clock rates measure the load.
+// With pipeline stages prefill and decode passes of different groups overlap: each pass is timed
+// on this stage from the moment it may start (its inputs awaited) to its end. With data-parallel
+// replicas the tokens are every replica's and the times the slowest replica's.
+// prompts, new_tokens and wall_ms: the whole generation over every replica (prompts/s, tokens/s).
 struct GenerationStats {
   int64_t prefill_tokens = 0, decode_tokens = 0;
   double prefill_ms = 0.0, decode_ms = 0.0;
   double prefill_cpu_ms = 0.0, decode_cpu_ms = 0.0;
+  int64_t prompts = 0, new_tokens = 0;
+  double wall_ms = 0.0;
+  // Per pipeline stage (one entry on one stage): the time it waited on the others, for hidden
+  // states or for tokens: what the decode schedule leaves idle (rank 0's data-parallel replica).
+  std::vector<double> stage_wait_ms;
   double prefill_tokens_per_s() const { return prefill_ms > 0 ? prefill_tokens / (prefill_ms / 1e3) : 0.0; }
   double decode_tokens_per_s() const { return decode_ms > 0 ? decode_tokens / (decode_ms / 1e3) : 0.0; }
+  double prompts_per_s() const { return wall_ms > 0 ? prompts / (wall_ms / 1e3) : 0.0; }
+  double tokens_per_s() const { return wall_ms > 0 ? new_tokens / (wall_ms / 1e3) : 0.0; }
+};
+
+// Where this rank generates: its pipeline group (its stage is its rank there) and its
+// data-parallel group (its replica is its rank there); null for one stage or one replica. The
+// communicators take buffers in model memory (hidden states) and on the host (token ids).
+// lockstep: the store gathers parameters over the data group (ZeRO-3), so every replica runs a
+// pass whenever one does (a replica without work fetches and discards: HF generate's
+// synced_gpus).
+struct DecodeGroups {
+  Communicator* pipe = nullptr;
+  Communicator* data = nullptr;
+  bool lockstep = false;
 };
 
 // One batch: prompts[k] is prompt number index[k] (its sampling stream). The decoder must take
@@ -67,9 +97,16 @@ std::vector<Generated> generate_batch(Decoder& decoder, const std::vector<std::v
                                       const std::vector<int64_t>& index, const GenerationOptions& o,
                                       GenerationStats& stats, TokenSink* sink = nullptr);
 
-// Every prompt, `batch` at a time in order, through one decoder sized for them.
+// Every prompt, `batch` at a time in order (with data-parallel replicas: each replica its block
+// of them, `batch` at a time), through decoders sized for them; collective over the groups. Every
+// rank returns every prompt's output, and its sink sees every prompt (another replica's once they
+// are exchanged).
 std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const std::vector<std::vector<int32_t>>& prompts,
                                     int64_t batch, const GenerationOptions& o, GenerationStats& stats,
-                                    TokenSink* sink = nullptr);
+                                    TokenSink* sink = nullptr, const DecodeGroups& groups = {});
+
+// Replica `replica` of `replicas`: its block [first, last) of `prompts` prompts, contiguous,
+// the first prompts % replicas blocks one longer.
+std::pair<int64_t, int64_t> replica_prompts(int64_t prompts, int replicas, int replica);
 
 }  // namespace zero3d::infer

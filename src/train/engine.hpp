@@ -108,6 +108,10 @@ class Engine {
   // The same while training: runs `f` with inference_store(), then puts training's fetch traces
   // back, so the next step fetches and prefetches as if nothing had run in between.
   void with_inference_store(const std::function<void(ParamStore&)>& f);
+  // Generation's groups over model memory: the pipeline group (this rank's stage is its rank) and
+  // the data-parallel group (its replica).
+  Communicator& pipe_group() { return model_comms_.of(*pipe_comm_); }
+  Communicator& data_group() { return model_comms_.of(*dp_comm_); }
 
   // Called by train() on every rank after each step's report line and before its save (the
   // training samples of training.sample_every: src/infer, set up by the train command). It may

@@ -1,9 +1,11 @@
 // zero3d generate, black-box: from the goldens' weights (tests/golden/make_generate_goldens.py,
 // PyTorch with its own KV cache) through model.init_from, the greedy continuations of PyTorch
 // token for token for every family, batched; the same tokens with tensor parallelism, ZeRO-3 and
-// data parallelism at np 2 and from a checkpoint saved by training; sampling reproducible and
-// independent of the batch and the layout; EOS stops a prompt; a pipeline and every bad option are
-// refused before any work, exit 2, one line naming the option.
+// data parallelism at np 2, with pipeline stages (alone, with tensor ranks inside each stage, with
+// data-parallel replicas) and from a checkpoint saved by training; sampling reproducible and
+// independent of the batch and the layout; EOS and stop strings end a prompt at the same token in
+// every layout; interleaved virtual stages and every bad option are refused before any work,
+// exit 2, one line naming the option.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -87,7 +89,8 @@ std::vector<std::vector<int32_t>> tokens_of(const json& doc) {
   return out;
 }
 
-const char* kGreedy = "--greedy --max-new-tokens 10 --eos-id -1 --batch-size 3";
+const std::string kGreedyAnyBatch = "--greedy --max-new-tokens 10 --eos-id -1";
+const std::string kGreedy = kGreedyAnyBatch + " --batch-size 3";
 
 class GenerateFamily : public ::testing::TestWithParam<std::string> {};
 
@@ -108,31 +111,50 @@ INSTANTIATE_TEST_SUITE_P(Families, GenerateFamily, ::testing::Values("gpt2", "ll
 
 struct Layout {
   std::string family, name, set;
+  int np = 2;
+  std::string batch = "--batch-size 3";
 };
 void PrintTo(const Layout& l, std::ostream* os) { *os << l.family << " " << l.name; }
 
 class GenerateLayout : public ::testing::TestWithParam<Layout> {};
 
 // Two ranks: the heads (and the KV cache) split over the tensor group, parameters gathered from
-// ZeRO-3's partitions, or two data-parallel replicas: PyTorch's tokens all the same.
-TEST_P(GenerateLayout, TwoRanksGiveTheOneRankTokens) {
+// ZeRO-3's partitions, or two data-parallel replicas each with its block of the prompts (with
+// ZeRO-3 the replica with fewer runs passes in lockstep); two pipeline stages, one prompt a group
+// so that two groups are in flight, alone, with two tensor ranks in each stage, or with two
+// data-parallel replicas: PyTorch's tokens all the same.
+TEST_P(GenerateLayout, SeveralRanksGiveTheOneRankTokens) {
   const Layout& l = GetParam();
   const GoldenRun& g = golden(l.family);
   const std::string config = write_config(l.family + "_" + l.name + ".json", config_of(g));
-  EXPECT_EQ(tokens_of(generate(config, "--prompt-ids-file " + prompts_file(g) + " " + kGreedy + " " + l.set, 2)),
-            g.greedy)
-      << l.family << " " << l.name;
+  const json doc = generate(config, "--prompt-ids-file " + prompts_file(g) + " " + kGreedyAnyBatch + " " + l.batch + " " +
+                                        l.set, l.np);
+  EXPECT_EQ(tokens_of(doc), g.greedy) << l.family << " " << l.name;
+  if (doc.is_null()) return;
+  // every replica's prompts and tokens counted
+  EXPECT_EQ(doc.at("prefill_tokens"), 5 + 2 + 7);
+  EXPECT_EQ(doc.at("decode_tokens"), 3 * 9);
+  EXPECT_EQ(doc.at("new_tokens"), 3 * 10);
+  EXPECT_GT(doc.at("tokens_per_s").get<double>(), 0.0);
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    NpTwo, GenerateLayout,
+    Layouts, GenerateLayout,
     ::testing::Values(Layout{"gpt2", "tp2", "--set tensor_parallel.autotp_size=2"},
                       Layout{"gpt2", "zero3", "--set zero_optimization.stage=3"},
                       Layout{"gpt2", "dp2", "--set zero_optimization.stage=1"},
                       Layout{"llama", "tp2", "--set tensor_parallel.autotp_size=2"},
                       Layout{"llama", "zero3", "--set zero_optimization.stage=3"},
                       Layout{"qwen2", "tp2", "--set tensor_parallel.autotp_size=2"},
-                      Layout{"mistral", "zero3", "--set zero_optimization.stage=3"}),
+                      Layout{"mistral", "zero3", "--set zero_optimization.stage=3"},
+                      Layout{"gpt2", "p2", "--set pipeline.stages=2", 2, "--batch-size 1"},
+                      Layout{"llama", "p2", "--set pipeline.stages=2", 2, "--batch-size 1"},
+                      Layout{"qwen2", "p2_batch2", "--set pipeline.stages=2", 2, "--batch-size 2"},
+                      Layout{"gpt2", "p2_t2", "--set pipeline.stages=2 tensor_parallel.autotp_size=2", 4, "--batch-size 1"},
+                      Layout{"gpt2", "dp2_batch1", "--set zero_optimization.stage=1", 2, "--batch-size 1"},
+                      Layout{"gpt2", "p2_dp2", "--set pipeline.stages=2 zero_optimization.stage=1", 4, "--batch-size 1"},
+                      Layout{"mistral", "p2_dp2_zero3", "--set pipeline.stages=2 zero_optimization.stage=3", 4,
+                             "--batch-size 1"}),
     [](const ::testing::TestParamInfo<Layout>& info) { return info.param.family + "_" + info.param.name; });
 
 // Sampled tokens depend on the seed and the prompt's place in the file, not on the batch or
@@ -149,6 +171,38 @@ TEST(Generate, SamplingIsReproducibleAcrossBatchesAndLayouts) {
             batch3);
   EXPECT_NE(tokens_of(generate(config, args + " --seed 6 --batch-size 3")), batch3);
   EXPECT_NE(batch3, g.greedy);
+}
+
+// The sampled tokens of one rank over two pipeline stages (with two tensor ranks each) and two
+// data-parallel replicas (with two stages each, ZeRO-3).
+TEST(Generate, SamplingGivesTheOneRankTokensOverStagesAndReplicas) {
+  const GoldenRun& g = golden("llama");
+  const std::string config = write_config("llama_sampling_layouts.json", config_of(g));
+  const std::string args = "--prompt-ids-file " + prompts_file(g) +
+                           " --temperature 1.5 --top-k 20 --top-p 0.95 --max-new-tokens 10 --eos-id -1 --seed 5"
+                           " --batch-size 1";
+  const auto one = tokens_of(generate(config, args));
+  ASSERT_EQ(one.size(), 3u);
+  EXPECT_NE(one, g.greedy);
+  for (const auto& [layout, np] : std::vector<std::pair<std::string, int>>{
+           {"pipeline.stages=2", 2},
+           {"pipeline.stages=2 tensor_parallel.autotp_size=2", 4},
+           {"zero_optimization.stage=1", 2},
+           {"pipeline.stages=2 zero_optimization.stage=3", 4}})
+    EXPECT_EQ(tokens_of(generate(config, args + " --set " + layout, np)), one) << layout;
+}
+
+// bf16 and fp16 weights: two stages with two tensor ranks each give the one-rank run's tokens.
+TEST(Generate, PipelineStagesGiveTheOneRankTokensInHalfPrecision) {
+  const GoldenRun& g = golden("llama");
+  const std::string config = write_config("llama_half_pipe.json", config_of(g));
+  const std::string args = "--prompt-ids-file " + prompts_file(g) + " " + kGreedyAnyBatch + " --batch-size 1 --set ";
+  for (const std::string half : {"bf16.enabled=true", "fp16.enabled=true"}) {
+    const auto one = tokens_of(generate(config, args + half));
+    ASSERT_EQ(one.size(), 3u) << half;
+    EXPECT_EQ(tokens_of(generate(config, args + half + " pipeline.stages=2 tensor_parallel.autotp_size=2", 4)), one)
+        << half;
+  }
 }
 
 // An EOS id ends its prompt (returned as its last token); the other prompts run on.
@@ -168,6 +222,27 @@ TEST(Generate, EosEndsAPrompt) {
     EXPECT_EQ(o.at("finish_reason"), end == want.end() ? "length" : "eos") << "prompt " << k;
   }
   EXPECT_EQ(doc.at("eos"), json::array({eos}));
+}
+
+// An EOS or --max-new-tokens ends each prompt at the same token over pipeline stages and
+// data-parallel replicas as on one rank.
+TEST(Generate, EosAndMaxNewTokensEndTheSameOverStagesAndReplicas) {
+  const GoldenRun& g = golden("gpt2");
+  const std::string config = write_config("gpt2_eos_layouts.json", config_of(g));
+  const int32_t eos = g.greedy[0][2];
+  const std::string args = "--prompt-ids-file " + prompts_file(g) + " --greedy --batch-size 1 --eos-id " +
+                           std::to_string(eos);
+  for (const std::string tokens : {"10", "4"}) {
+    const json one = generate(config, args + " --max-new-tokens " + tokens);
+    ASSERT_FALSE(one.is_null());
+    for (const auto& [layout, np] : std::vector<std::pair<std::string, int>>{
+             {"pipeline.stages=2", 2}, {"zero_optimization.stage=1", 2}, {"pipeline.stages=2 zero_optimization.stage=3", 4}}) {
+      const json doc = generate(config, args + " --max-new-tokens " + tokens + " --set " + layout, np);
+      ASSERT_FALSE(doc.is_null()) << layout;
+      EXPECT_EQ(doc.at("outputs"), one.at("outputs")) << layout << ", --max-new-tokens " << tokens;
+    }
+    EXPECT_EQ(one.at("outputs")[0].at("finish_reason"), "eos");
+  }
 }
 
 // GPT-2's vocabulary: <|endoftext|> (50256) is the EOS without being asked for.
@@ -213,11 +288,12 @@ TEST(Generate, FromATrainingCheckpointAtAnyLayout) {
   EXPECT_NE(tokens_of(one), g.greedy);
 }
 
-TEST(Generate, APipelineIsRefusedWithTheReason) {
+TEST(Generate, InterleavedVirtualStagesAreRefusedWithTheReason) {
   const GoldenRun& g = golden("gpt2");
   const std::string config = write_config("gpt2_pipe.json", config_of(g));
-  const Result r = run("generate " + config + " --prompt-ids 1,2 --set pipeline.stages=2", 2);
-  expect_one_line_rejection(r, "`pipeline.stages` 2: zero3d generate runs every layer on each rank");
+  const Result r = run("generate " + config + " --prompt-ids 1,2 --set pipeline.stages=2 pipeline.schedule=interleaved "
+                       "pipeline.virtual_stages=2 gradient_accumulation_steps=2", 2);
+  expect_one_line_rejection(r, "`pipeline.virtual_stages` 2: zero3d generate runs one chunk of layers per pipeline stage");
 }
 
 TEST(Generate, BadOptionsAreRefusedByNameBeforeAnyWork) {
@@ -376,6 +452,32 @@ TEST(GenerateText, BatchedPromptsPrintInOrder) {
     if (found != std::string::npos) at = found + line.size();
     EXPECT_EQ(o.at("text").get<std::string>().find('\n'), std::string::npos);
   }
+}
+
+// The printed text between the header line and the speeds: what rank 0 streams.
+std::string streamed_text(const std::string& out) {
+  const size_t begin = out.find("[0] text: "), end = out.find("speed   ");
+  return begin == std::string::npos || end == std::string::npos ? "" : out.substr(begin, end - begin);
+}
+
+// A stop string ends the same prompts at the same tokens over two pipeline stages times two
+// data-parallel replicas (ZeRO-3) as on one rank, and rank 0 prints the same text and ids lines in
+// the same order (the second replica's prompt after the first replica's).
+TEST(GenerateText, StopStringsAndTheTextAreTheOneRankRunsOverStagesAndReplicas) {
+  const std::string prompts = temp_path("text_prompts_layouts.txt");
+  std::ofstream(prompts) << "The cat\nOnce upon a time\nIn the\n";
+  const std::string common = " --prompt-file " + prompts + " --batch-size 1 --max-new-tokens 10 --seed 3 --eos-id -1";
+  const Result free_run = run("generate " + kTextModel + common + " --json");
+  ASSERT_EQ(free_run.code, 0) << free_run.err;
+  const std::string stop = stop_from_middle(last_json_line(free_run.out).at("outputs").at(0).at("text"));
+  ASSERT_FALSE(stop.empty());
+  const std::string stopped = "generate " + kTextModel + common + " --stop '" + stop + "'";
+  const Result one = run(stopped);
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_NE(streamed_text(one.out).find(" (stop)\n[1] text: "), std::string::npos) << one.out;
+  const Result spread = run(stopped + " --set pipeline.stages=2 zero_optimization.stage=3", 4);
+  ASSERT_EQ(spread.code, 0) << spread.err;
+  EXPECT_EQ(streamed_text(spread.out), streamed_text(one.out));
 }
 
 TEST(GenerateText, StopStringsNeedATokenizerAndText) {

@@ -6,7 +6,8 @@
 //   * the three prompts as one left-padded batch: every row's logits within 1e-5 of its unbatched
 //     run's and the same continuation (padding masked, positions from each row's first token);
 //   * generate_batch, the loop the CLI runs, gives the golden continuations in any batch size;
-//     its TokenSink sees every token and may end a prompt (a stop string); vocab_limit bars ids.
+//     its TokenSink sees every token and may end a prompt (a stop string); vocab_limit bars ids;
+//   * data-parallel replicas take contiguous blocks of the prompts, in order.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -188,5 +189,25 @@ TEST_P(GenerateGolden, AVocabularyLimitBarsTheIdsPastIt) {
 
 INSTANTIATE_TEST_SUITE_P(Families, GenerateGolden, ::testing::ValuesIn(families()),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+// Replica r of D generates prompts [first, last): the blocks follow each other in prompt order,
+// cover every prompt once, and differ by at most one prompt, the longer ones first.
+TEST(ReplicaPrompts, AreContiguousBlocksInOrder) {
+  using Block = std::pair<int64_t, int64_t>;
+  EXPECT_EQ(infer::replica_prompts(5, 2, 0), Block(0, 3));
+  EXPECT_EQ(infer::replica_prompts(5, 2, 1), Block(3, 5));
+  EXPECT_EQ(infer::replica_prompts(2, 4, 3), Block(2, 2));  // more replicas than prompts: an empty block
+  for (int64_t P = 0; P < 10; ++P)
+    for (int D = 1; D <= 4; ++D) {
+      int64_t at = 0;
+      for (int r = 0; r < D; ++r) {
+        const Block b = infer::replica_prompts(P, D, r);
+        EXPECT_EQ(b.first, at) << P << " prompts, replica " << r << " of " << D;
+        EXPECT_EQ(b.second - b.first, P / D + (r < P % D ? 1 : 0)) << P << " prompts, replica " << r << " of " << D;
+        at = b.second;
+      }
+      EXPECT_EQ(at, P);
+    }
+}
 
 }  // namespace
