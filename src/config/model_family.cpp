@@ -344,6 +344,7 @@ GPTShape gpt_shape_of(const ModelConfig& m) {
   s.moe = MoeShape{m.moe.num_experts, m.moe.every, m.moe.use_residual, m.moe.enable_expert_tensor_parallelism};
   s.sparse = m.sparse_attention;
   s.family = m.family;
+  s.make_vocab_size_divisible_by = m.make_vocab_size_divisible_by;
   return s;
 }
 
