@@ -292,7 +292,7 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   head.next(obs::lm_head_module(static_cast<int>(shape_.n_layer)));
   gemm(BT, V, C, {buf.ln_f, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, buf.logits, V, false, cmp);
   store.release(c.head_unit);
-  if (!tp) {  // the real V columns of the Vp = V rounded up to make_vocab_size_divisible_by
+  if (!tp) {  // the real columns (ids < V) of rows padded to make_vocab_size_divisible_by
     crossentropy_forward(buf.losses, buf.lse, buf.logits, buf.targets, BT, part_.vocab_real, V);
   } else {  // vocab-parallel cross-entropy: max, then sum-exp and target logit, over the group
     const int64_t real = part_.vocab_real, v0 = part_.vocab_begin;

@@ -56,7 +56,7 @@ TrainRun train(const std::string& family, int np, const std::string& name, const
 
 struct Case {
   std::string family;
-  int np;
+  int np, t;
   std::string layout;
   int64_t multiple;
   std::string name;
@@ -73,18 +73,20 @@ TEST_P(PaddedVocabulary, TrainsToTheUnpaddedLossesWithinOneInAMillion) {
   ASSERT_EQ(padded.code, 0) << padded.out;
   ASSERT_EQ(padded.losses.size(), 6u);
   expect_losses_close(padded.losses, plain.losses, 1e-6, c.name);
-  const int64_t t = c.layout.empty() ? 1 : 2, unit = c.multiple * t, vp = (61 + unit - 1) / unit * unit;
-  const std::string said = t == 1 ? "vocab   padded 61 -> " + std::to_string(vp) : "vocabulary padded 61 -> " + std::to_string(vp);
+  const int64_t unit = c.multiple * c.t, vp = (61 + unit - 1) / unit * unit;
+  const std::string said = c.t == 1 ? "vocab   padded 61 -> " + std::to_string(vp) : "vocabulary padded 61 -> " + std::to_string(vp);
   EXPECT_NE(padded.out.find(said), std::string::npos) << padded.out;
   EXPECT_EQ(plain.out.find("vocab   padded"), std::string::npos) << plain.out;  // nothing to say unpadded
 }
 
 INSTANTIATE_TEST_SUITE_P(
     FamiliesAndLayouts, PaddedVocabulary,
-    ::testing::Values(Case{"gpt2", 1, "", 128, "gpt2_t1_128"},
-                      Case{"gpt2", 2, "--set tensor_parallel.autotp_size=2", 64, "gpt2_t2_64"},
-                      Case{"llama", 1, "", 128, "llama_t1_128"},
-                      Case{"llama", 2, "--set tensor_parallel.autotp_size=2", 64, "llama_t2_64"}),
+    ::testing::Values(Case{"gpt2", 1, 1, "", 128, "gpt2_t1_128"},
+                      Case{"gpt2", 2, 2, "--set tensor_parallel.autotp_size=2", 64, "gpt2_t2_64"},
+                      // the last stage's tied wte copy (DeepSpeed's TiedLayerSpec) padded as the first's
+                      Case{"gpt2", 2, 1, "--set pipeline.stages=2 --set zero_optimization.stage=1", 128, "gpt2_p2_128"},
+                      Case{"llama", 1, 1, "", 128, "llama_t1_128"},
+                      Case{"llama", 2, 2, "--set tensor_parallel.autotp_size=2", 64, "llama_t2_64"}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // Checkpoints hold the real V rows: a save at one padding (and layout) resumes at another and
