@@ -43,7 +43,8 @@ ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const float* 
 ZERO3D_KERNEL void crossentropy_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index N,
                                   Index V, Index Vp) {
   Kokkos::parallel_for("crossentropy_backward", range(N * Vp), KOKKOS_LAMBDA(Index j) {
-    logits[j] = j % Vp < V ? fast_exp(logits[j] - lse[j / Vp]) * dloss : 0.0f;
+    const Index i = j / Vp;  // one division: the row, and the column j − i·Vp
+    logits[j] = j - i * Vp < V ? fast_exp(logits[j] - lse[i]) * dloss : 0.0f;
   });
   Kokkos::parallel_for("crossentropy_backward_target", range(N), KOKKOS_LAMBDA(Index i) {
     logits[i * Vp + targets[i]] -= dloss;
