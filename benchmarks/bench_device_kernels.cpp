@@ -142,8 +142,8 @@ void BM_CrossEntropyForwardBackward(benchmark::State& state) {
   Floats logits(BT * V, 1, 2.0f), losses(BT), lse(BT);
   Tokens targets(BT);
   for (auto _ : state) {
-    crossentropy_forward(losses.get(), lse.get(), logits.get(), targets.get(), BT, V);
-    crossentropy_backward(logits.get(), lse.get(), targets.get(), 1.0f / BT, BT, V);
+    crossentropy_forward(losses.get(), lse.get(), logits.get(), targets.get(), BT, V, V);
+    crossentropy_backward(logits.get(), lse.get(), targets.get(), 1.0f / BT, BT, V, V);
     fence();
   }
   rate(state, 3.0 * BT * V * sizeof(float));  // logits read by the forward, read and written by the backward
@@ -189,6 +189,25 @@ BENCHMARK(BM_ForwardProduct)
     ->Args({4 * C, C, 1})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+
+// The tied LM head's forward as the model runs it (logits = ln_f · wteᵀ, then the loss over the
+// real V columns) at GPT-2's V and at V padded to 50,304 (model.make_vocab_size_divisible_by 128,
+// the GPU build's default; llm.c's padded_vocab_size). Args: the padded V, compute 0 fp32 / 1 bf16.
+void BM_HeadAndLoss(benchmark::State& state) {
+  const Index Vp = state.range(0);
+  const DType compute = state.range(1) ? DType::BF16 : DType::F32;
+  Floats x(BT * C), wte(Vp * C, 2, 0.02f), logits(BT * Vp), losses(BT), lse(BT);
+  Tokens targets(BT);
+  for (auto _ : state) {
+    gemm(BT, Vp, C, GemmOperand{x.get(), DType::F32, false, C}, GemmOperand{wte.get(), DType::F32, true, C}, logits.get(),
+         Vp, false, compute);
+    crossentropy_forward(losses.get(), lse.get(), logits.get(), targets.get(), BT, V, Vp);
+    fence();
+  }
+  rate(state, 0, 2.0 * BT * C * V);  // the useful products: the padding columns' are overhead
+  state.SetLabel(gemm_path(compute));
+}
+BENCHMARK(BM_HeadAndLoss)->ArgsProduct({{V, 50304}, {0, 1}})->UseRealTime()->Unit(benchmark::kMillisecond);
 
 // Causal attention at T 1024 (arg: compute 0 fp32 / 1 bf16): forward and backward.
 void BM_Attention(benchmark::State& state) {

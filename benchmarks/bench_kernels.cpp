@@ -373,8 +373,8 @@ void BM_SoftmaxCrossEntropy(benchmark::State& state) {
   std::vector<float> losses(BT), lse(BT), work(BT * V);
   for (auto _ : state) {
     std::copy(logits.begin(), logits.end(), work.begin());
-    crossentropy_forward(losses.data(), lse.data(), work.data(), targets.data(), BT, V);
-    crossentropy_backward(work.data(), lse.data(), targets.data(), 1.0f / BT, BT, V);
+    crossentropy_forward(losses.data(), lse.data(), work.data(), targets.data(), BT, V, V);
+    crossentropy_backward(work.data(), lse.data(), targets.data(), 1.0f / BT, BT, V, V);
     benchmark::ClobberMemory();
   }
   state.counters["GB/s"] = benchmark::Counter(4.0 * BT * V * 4, benchmark::Counter::kIsIterationInvariantRate,

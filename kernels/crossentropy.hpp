@@ -2,6 +2,9 @@
 //
 // The forward keeps the logits and saves one log-sum-exp per row; the backward turns the
 // logits into their gradient in place, so no [N,V] probability buffer is ever held.
+// Rows are Vp apart: a padded vocabulary (Megatron's make_vocab_size_divisible_by; llm.c's
+// fused_classifier takes V and Vp alike) has Vp − V columns past the real V, masked out of the
+// softmax and given a zero gradient. Vp = V is the unpadded head.
 #pragma once
 
 #include <cmath>
@@ -17,11 +20,11 @@ namespace gpu {
 // vocabulary: the max and the sum of exponentials are lane-strided reductions (llm.c
 // fused_classifier.cuh:68-140 takes a block per row; 8192 rows of warps already fill an H100).
 ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, Index N,
-                                 Index V) {
+                                 Index V, Index Vp) {
   Kokkos::parallel_for("crossentropy_forward", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
     if (i >= N) return;
-    const float* z = logits + i * V;
+    const float* z = logits + i * Vp;
     float mx;  // the reducer's result; its identity, -FLT_MAX, leaves finite logits the CPU form's max
     Kokkos::parallel_reduce(
         Kokkos::ThreadVectorRange(team, V), [&](Index v, float& m) { m = z[v] > m ? z[v] : m; }, Kokkos::Max<float>(mx));
@@ -38,25 +41,26 @@ ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const float* 
 // A thread per logit, then a thread per row takes dloss off its target: each element's
 // arithmetic, and the rounding between the two steps, are the CPU form's (the same bits).
 ZERO3D_KERNEL void crossentropy_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index N,
-                                  Index V) {
-  Kokkos::parallel_for("crossentropy_backward", range(N * V), KOKKOS_LAMBDA(Index j) {
-    logits[j] = fast_exp(logits[j] - lse[j / V]) * dloss;
+                                  Index V, Index Vp) {
+  Kokkos::parallel_for("crossentropy_backward", range(N * Vp), KOKKOS_LAMBDA(Index j) {
+    const Index i = j / Vp;  // one division: the row, and the column j − i·Vp
+    logits[j] = j - i * Vp < V ? fast_exp(logits[j] - lse[i]) * dloss : 0.0f;
   });
   Kokkos::parallel_for("crossentropy_backward_target", range(N), KOKKOS_LAMBDA(Index i) {
-    logits[i * V + targets[i]] -= dloss;
+    logits[i * Vp + targets[i]] -= dloss;
   });
 }
 
 }  // namespace gpu
 
-// losses[i] = logsumexp(logits[i,:]) - logits[i, target[i]]; lse[i] saved for the backward.
+// losses[i] = logsumexp(logits[i,:V]) - logits[i, target[i]]; lse[i] saved for the backward.
 ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, Index N,
-                                 Index V) {
+                                 Index V, Index Vp) {
 #ifdef ZERO3D_DEVICE
-  gpu::crossentropy_forward(losses, lse, logits, targets, N, V);
+  gpu::crossentropy_forward(losses, lse, logits, targets, N, V, Vp);
 #else
   Kokkos::parallel_for("crossentropy_forward", range(N), KOKKOS_LAMBDA(Index i) {
-    const float* z = logits + i * V;
+    const float* z = logits + i * Vp;
     float mx = z[0];
 #pragma omp simd reduction(max : mx)  // a float reduction vectorises only when told it may reorder
     for (Index v = 1; v < V; ++v) mx = z[v] > mx ? z[v] : mx;
@@ -70,16 +74,18 @@ ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const float* 
 #endif
 }
 
-// logits[i,:] <- dloss * (softmax(logits[i,:]) - onehot(target[i])); dloss = d(total)/d(loss_i).
+// logits[i,:V] <- dloss * (softmax(logits[i,:V]) - onehot(target[i])), the padding columns 0;
+// dloss = d(total)/d(loss_i).
 ZERO3D_KERNEL void crossentropy_backward(float* logits, const float* lse, const int32_t* targets, float dloss, Index N,
-                                  Index V) {
+                                  Index V, Index Vp) {
 #ifdef ZERO3D_DEVICE
-  gpu::crossentropy_backward(logits, lse, targets, dloss, N, V);
+  gpu::crossentropy_backward(logits, lse, targets, dloss, N, V, Vp);
 #else
   Kokkos::parallel_for("crossentropy_backward", range(N), KOKKOS_LAMBDA(Index i) {
-    float* z = logits + i * V;
+    float* z = logits + i * Vp;
     const float l = lse[i];
     for (Index v = 0; v < V; ++v) z[v] = fast_exp(z[v] - l) * dloss;
+    for (Index v = V; v < Vp; ++v) z[v] = 0.0f;
     z[targets[i]] -= dloss;
   });
 #endif

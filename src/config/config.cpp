@@ -206,6 +206,9 @@ ModelConfig read_model(Section& top) {
                                        " in " + hf_file);
     return m;  // the one problem to report: the file's keys are another family's
   }
+  // Megatron's _vocab_size_with_padding: a GPU's products want tile-sized shapes (128 as Megatron's
+  // default, llm.c's 50,304 for GPT-2); a CPU build keeps the vocabulary as it is (its bits).
+  m.make_vocab_size_divisible_by = sec.integer("make_vocab_size_divisible_by", kernels::kGpuBuild ? 128 : 1, 1, 1 << 16);
   if (arch != "gpt2") {
     const Architecture a = arch == "llama"     ? Architecture::Llama
                            : arch == "mistral" ? Architecture::Mistral

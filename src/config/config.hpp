@@ -55,6 +55,10 @@ struct ModelConfig {
   int64_t n_layer = 2;
   int64_t n_head = 2;
   int64_t n_embd = 64;
+  // Megatron's make_vocab_size_divisible_by: the embedding and LM head hold the vocabulary
+  // padded to a multiple of this × t (rows of zeros masked out of the loss, never saved), so
+  // the head's products have tile-sized shapes. The reader's default: 1 on a CPU build, 128 on a GPU build.
+  int64_t make_vocab_size_divisible_by = 1;
   std::string init_from;  // HDF5 or safetensors file with Hugging Face names; empty = init from seed
   std::string hf_config;  // the Hugging Face config.json the Llama family's knobs were read from (empty: none)
   DecoderFamily family;   // architecture (GPT2 by default) and the Llama family's knobs

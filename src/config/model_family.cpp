@@ -347,6 +347,7 @@ GPTShape gpt_shape_of(const ModelConfig& m) {
   s.sparse = m.sparse_attention;
   s.family = m.family;
   s.dropout = m.dropout;
+  s.make_vocab_size_divisible_by = m.make_vocab_size_divisible_by;
   return s;
 }
 

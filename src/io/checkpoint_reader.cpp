@@ -266,6 +266,8 @@ void CheckpointReader::check_model(const nlohmann::json& model_section) const {
   }
   for (const auto& [key, value] : saved.items()) {
     if (key == "init_from") continue;  // where the first run's weights came from, not the model
+    // how a run pads the vocabulary in memory: checkpoints hold the real V rows at any padding
+    if (key == "make_vocab_size_divisible_by") continue;
     if (key == "moe" && value.is_object()) {
       // Which blocks hold which experts is the model; ep_size, k, capacity and noise are how a run
       // routes and lays them out, and may change on resume (DeepSpeed reloads experts at any ep_size).

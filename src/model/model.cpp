@@ -329,8 +329,8 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   head.next(obs::lm_head_module(static_cast<int>(shape_.n_layer)));
   gemm(BT, V, C, {buf.ln_f, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, buf.logits, V, false, cmp);
   store.release(c.head_unit);
-  if (!tp) {
-    crossentropy_forward(buf.losses, buf.lse, buf.logits, buf.targets, BT, V);
+  if (!tp) {  // the real columns (ids < V) of rows padded to make_vocab_size_divisible_by
+    crossentropy_forward(buf.losses, buf.lse, buf.logits, buf.targets, BT, part_.vocab_real, V);
   } else {  // vocab-parallel cross-entropy: max, then sum-exp and target logit, over the group
     const int64_t real = part_.vocab_real, v0 = part_.vocab_begin;
     vocab_ce_local_max(ce_max_, buf.logits, BT, V, real);
@@ -376,7 +376,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     if (input) {
       // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
       const float dloss = grad_scale / static_cast<float>(BT);
-      if (!tp) crossentropy_backward(buf.logits, buf.lse, buf.targets, dloss, BT, V);
+      if (!tp) crossentropy_backward(buf.logits, buf.lse, buf.targets, dloss, BT, part_.vocab_real, V);
       else vocab_ce_backward(buf.logits, buf.lse, buf.targets, dloss, part_.vocab_begin, BT, V, part_.vocab_real);
     }
     const float* dlogits = buf.logits;

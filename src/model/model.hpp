@@ -49,6 +49,9 @@ struct GPTShape {
   // n_head = num_attention_heads; n_positions is the sequence length trained on).
   DecoderFamily family = {};
   DropoutRates dropout = {};  // training's dropout probabilities (0: none)
+  // The embedding and LM head hold the vocabulary padded to a multiple of this × t (Megatron's
+  // make_vocab_size_divisible_by); the global layout, checkpoints and files keep V rows.
+  int64_t make_vocab_size_divisible_by = 1;
   bool llama() const { return family.llama(); }
   // Whether the LM head reads the embedding's matrix: GPT-2 always, the Llama family with
   // tie_word_embeddings (else the final unit holds lm_head.weight).
@@ -186,7 +189,7 @@ struct ModelPart {
   ParamLayout dense_layout, expert_layout;
   std::vector<ParamUnit> dense_units, expert_units;
   int num_dense_units() const { return first_expert_unit < 0 ? static_cast<int>(units.size()) : first_expert_unit; }
-  int64_t vocab_padded = 0;  // V rounded up to a multiple of tp_size
+  int64_t vocab_padded = 0;  // V rounded up to a multiple of make_vocab_size_divisible_by × tp_size
   int64_t vocab_local = 0;   // wte rows this rank holds: vocab_padded / tp_size
   int64_t vocab_begin = 0;   // first global id of them
   int64_t vocab_real = 0;    // of them, ids < V (the rest is padding, never looked up)

@@ -216,9 +216,11 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
   ModelPart part;
   part.tp_size = tp_size;
   part.tp_rank = tp_rank;
-  // Megatron pads the vocabulary to a multiple of the tensor size; padded rows hold zeros,
-  // are never looked up, and their logits are masked, so they change no loss.
-  part.vocab_padded = (s.vocab_size + t - 1) / t * t;
+  // Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by × t
+  // (_vocab_size_with_padding); padded rows hold zeros, are never looked up, and their logits
+  // are masked, so they change no loss.
+  const int64_t multiple = s.make_vocab_size_divisible_by * t;
+  part.vocab_padded = (s.vocab_size + multiple - 1) / multiple * multiple;
   part.vocab_local = part.vocab_padded / t;
   part.vocab_begin = tp_rank * part.vocab_local;
   part.vocab_real = std::max<int64_t>(0, std::min(part.vocab_local, s.vocab_size - part.vocab_begin));

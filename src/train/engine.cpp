@@ -223,8 +223,9 @@ void Engine::setup_local() {
       std::copy(tensor_values.begin() + (lo - ts.offset), tensor_values.begin() + (hi - ts.offset), out + (lo - gb));
     }
   };
+  const bool padded = part.vocab_padded > shape.vocab_size;  // rows the runs skip: zeros
   zero_->init_params([&](float* out, int64_t begin, int64_t end) {
-    if (t > 1) std::fill(out, out + (end - begin), 0.0f);
+    if (t > 1 || padded) std::fill(out, out + (end - begin), 0.0f);
     for (const LayoutSegment& run : part.global_runs(begin, end, /*saving=*/false))
       fill_global(out + (run.local_begin - begin), run.global_begin,
                   run.global_begin + (run.local_end - run.local_begin));

@@ -132,6 +132,10 @@ void Engine::print_startup() const {
                 (long long)s.vocab_size, (long long)s.n_positions, (long long)s.n_layer, (long long)s.n_head,
                 (long long)s.n_embd, (long long)total_params, total_params * 4.0 / 1e6, init.c_str());
   }
+  if (tp_comm_->size() == 1 && model_->part().vocab_padded > s.vocab_size)  // (with t > 1 the tensor line says it)
+    std::printf("vocab   padded %lld -> %lld (model.make_vocab_size_divisible_by %lld): the padding rows hold zeros, "
+                "are masked out of the loss and never saved\n",
+                (long long)s.vocab_size, (long long)model_->part().vocab_padded, (long long)s.make_vocab_size_divisible_by);
   if (cfg_.model.moe.enabled()) {
     const MoeConfig& mo = cfg_.model.moe;
     std::string blocks;

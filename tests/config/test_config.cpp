@@ -7,6 +7,7 @@
 
 #include "base/errors.hpp"
 #include "config/config.hpp"
+#include "kernels/device.hpp"
 #include "support/config_test_helpers.hpp"
 
 using namespace zero3d;
@@ -186,6 +187,27 @@ TEST(ConfigValidation, ResolvedConfigHoldsEveryDefault) {
   EXPECT_EQ(c.resolved["optimizer"]["params"]["betas"], json({0.9, 0.999}));
   EXPECT_EQ(c.resolved["gradient_accumulation_steps"], 1);
   EXPECT_EQ(c.resolved["model"]["n_layer"], 2);
+}
+
+// model.make_vocab_size_divisible_by (Megatron's key): the build's default (1 on the CPU, whose
+// vocabulary and bits stay as they are; 128 on a GPU, whose products want tile-sized shapes),
+// for every family, resolved; only a positive integer is a multiple.
+TEST(ConfigValidation, VocabularyPaddingDefaultsByBuildAndTakesOnlyPositiveIntegers) {
+  const int64_t build_default = kernels::kGpuBuild ? 128 : 1;
+  for (const json& model : {json::object(), json{{"architecture", "llama"}}}) {
+    json j = minimal();
+    j["model"] = model;
+    const Config c = read_config(j, "cfg.json", 2);
+    EXPECT_EQ(c.model.make_vocab_size_divisible_by, build_default) << model;
+    EXPECT_EQ(c.resolved["model"]["make_vocab_size_divisible_by"], build_default) << model;
+    j["model"]["make_vocab_size_divisible_by"] = 64;
+    EXPECT_EQ(read_config(j, "cfg.json", 2).model.make_vocab_size_divisible_by, 64) << model;
+  }
+  for (const json& bad : {json(0), json(-128), json(1.5), json("128"), json(true)}) {
+    json j = minimal();
+    j["model"] = {{"make_vocab_size_divisible_by", bad}};
+    EXPECT_NE(error_of(j).find("`model.make_vocab_size_divisible_by`"), std::string::npos) << bad << ": " << error_of(j);
+  }
 }
 
 TEST(ConfigValidation, OffloadWithoutAnOptimizerPartitionIsRejectedNamingTheKey) {

@@ -89,29 +89,35 @@ TEST(GpuKernels, GeluForwardAndBackwardMatchTheHost) {
   expect_close(Dx.host(), dx, 1e-4, 1e-5, "gelu dinp");
 }
 
-// The classifier's loss over the 50,257-word vocabulary: 1024 rows.
+// The classifier's loss over the 50,257-word vocabulary: 1024 rows, Vp apart: unpadded, and
+// padded to 50,304 (model.make_vocab_size_divisible_by 128, the GPU build's default), whose
+// padding columns hold logits the loss must ignore and get a zero gradient.
 TEST(GpuKernels, CrossEntropyForwardAndBackwardMatchTheHostOverGpt2sVocabulary) {
   const Index N = 1024, V = kV;
-  const std::vector<float> z = normal(N * V, 3.0f, 7);
-  const std::vector<int32_t> t = tokens(N, static_cast<int32_t>(V), 8);
-  const float dloss = 1.0f / N;
-  std::vector<double> loss(N), dz(N * V);
-  for (Index i = 0; i < N; ++i) {
-    double mx = z[i * V];
-    for (Index v = 1; v < V; ++v) mx = std::max<double>(mx, z[i * V + v]);
-    double sum = 0;
-    for (Index v = 0; v < V; ++v) sum += std::exp(z[i * V + v] - mx);
-    const double lse = mx + std::log(sum);
-    loss[i] = lse - z[i * V + t[i]];
-    for (Index v = 0; v < V; ++v) dz[i * V + v] = std::exp(z[i * V + v] - lse) * dloss;
-    dz[i * V + t[i]] -= dloss;
+  for (const Index Vp : {kV, Index{50304}}) {
+    const std::vector<float> z = normal(N * Vp, 3.0f, 7);
+    const std::vector<int32_t> t = tokens(N, static_cast<int32_t>(V), 8);
+    const float dloss = 1.0f / N;
+    std::vector<double> loss(N), dz(N * Vp, 0.0);
+    for (Index i = 0; i < N; ++i) {
+      const float* zi = z.data() + i * Vp;
+      double mx = zi[0];
+      for (Index v = 1; v < V; ++v) mx = std::max<double>(mx, zi[v]);
+      double sum = 0;
+      for (Index v = 0; v < V; ++v) sum += std::exp(zi[v] - mx);
+      const double lse = mx + std::log(sum);
+      loss[i] = lse - zi[t[i]];
+      for (Index v = 0; v < V; ++v) dz[i * Vp + v] = std::exp(zi[v] - lse) * dloss;
+      dz[i * Vp + t[i]] -= dloss;
+    }
+    const std::string at = " (rows " + std::to_string(Vp) + " apart)";
+    ModelArray<float> Z(z), Loss(N), Lse(N);
+    ModelArray<int32_t> Tg(t);
+    crossentropy_forward(Loss.data(), Lse.data(), Z.data(), Tg.data(), N, V, Vp);
+    expect_close(Loss.host(), loss, 1e-5, 1e-5, ("crossentropy losses" + at).c_str());
+    crossentropy_backward(Z.data(), Lse.data(), Tg.data(), dloss, N, V, Vp);
+    expect_close(Z.host(), dz, 1e-4, 1e-10, ("crossentropy dlogits" + at).c_str());
   }
-  ModelArray<float> Z(z), Loss(N), Lse(N);
-  ModelArray<int32_t> Tg(t);
-  crossentropy_forward(Loss.data(), Lse.data(), Z.data(), Tg.data(), N, V);
-  expect_close(Loss.host(), loss, 1e-5, 1e-5, "crossentropy losses");
-  crossentropy_backward(Z.data(), Lse.data(), Tg.data(), dloss, N, V);
-  expect_close(Z.host(), dz, 1e-4, 1e-10, "crossentropy dlogits");
 }
 
 // Token and position embeddings; the backward adds every row of a repeated token (a 64-word

@@ -157,15 +157,38 @@ TEST(KernelGradients, CrossEntropyBackwardMatchesFiniteDifferences) {
   const std::vector<int32_t> targets = {3, 0, 8, 3};
   std::vector<float> losses(N), lse(N);
   auto f = [&] {
-    crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+    crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V, V);
     double s = 0.0;
     for (float l : losses) s += l;
     return s / N;
   };
   f();
   std::vector<float> grad = logits;
-  crossentropy_backward(grad.data(), lse.data(), targets.data(), 1.0f / N, N, V);
+  crossentropy_backward(grad.data(), lse.data(), targets.data(), 1.0f / N, N, V, V);
   expect_gradient("dlogits", logits, grad, f, 36);
+}
+
+// A padded vocabulary (rows Vp apart, Vp − V columns past the real V, whatever the head's
+// product wrote there): the real columns give the unpadded kernel's bits, the padding a zero gradient.
+TEST(KernelGradients, CrossEntropyOverPaddedRowsIsTheUnpaddedOneWithZeroPaddingGradients) {
+  const Index N = 5, V = 61, Vp = 64;
+  const auto real = random_vector(N * V, 17, 3.0f);
+  std::vector<float> padded(static_cast<size_t>(N * Vp), 1e4f);  // large logits: a leak would dominate the sum
+  for (Index i = 0; i < N; ++i)
+    for (Index v = 0; v < V; ++v) padded[i * Vp + v] = real[i * V + v];
+  const std::vector<int32_t> targets = {60, 0, 17, 59, 3};
+  std::vector<float> losses(N), lse(N), padded_losses(N), padded_lse(N);
+  crossentropy_forward(losses.data(), lse.data(), real.data(), targets.data(), N, V, V);
+  crossentropy_forward(padded_losses.data(), padded_lse.data(), padded.data(), targets.data(), N, V, Vp);
+  std::vector<float> grad = real;
+  crossentropy_backward(grad.data(), lse.data(), targets.data(), 0.25f, N, V, V);
+  crossentropy_backward(padded.data(), padded_lse.data(), targets.data(), 0.25f, N, V, Vp);
+  for (Index i = 0; i < N; ++i) {
+    EXPECT_EQ(padded_losses[i], losses[i]) << "row " << i;
+    EXPECT_EQ(padded_lse[i], lse[i]) << "row " << i;
+    for (Index v = 0; v < V; ++v) EXPECT_EQ(padded[i * Vp + v], grad[i * V + v]) << "row " << i << " column " << v;
+    for (Index v = V; v < Vp; ++v) EXPECT_EQ(padded[i * Vp + v], 0.0f) << "row " << i << " padding column " << v;
+  }
 }
 
 TEST(KernelGradients, AttentionBackwardMatchesFiniteDifferencesAcrossRowBlocks) {

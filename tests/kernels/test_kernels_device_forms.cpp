@@ -234,18 +234,20 @@ TEST(KernelDeviceForms, VocabParallelEmbeddingMatchesTheCpuForm) {
 }
 
 TEST(KernelDeviceForms, CrossEntropyMatchesTheCpuForm) {
-  for (const auto& size : {std::pair<Index, Index>{3, 17}, {64, 1000}, {4, 50257}}) {
-    const Index N = size.first, V = size.second;
-    const std::string at = shape(N, V);
-    const auto z = random_vector(N * V, 22, 3.0f);
+  // (N, V, Vp): unpadded rows, and GPT-2's vocabulary padded to 50,304 (make_vocab_size_divisible_by 128)
+  for (const auto& size : {std::tuple<Index, Index, Index>{3, 17, 17}, {64, 1000, 1000}, {4, 50257, 50257},
+                           {8, 61, 64}, {4, 50257, 50304}}) {
+    const Index N = std::get<0>(size), V = std::get<1>(size), Vp = std::get<2>(size);
+    const std::string at = shape(N, Vp) + " V " + std::to_string(V);
+    const auto z = random_vector(N * Vp, 22, 3.0f);
     std::vector<int32_t> t(N);
     for (Index i = 0; i < N; ++i) t[i] = static_cast<int32_t>((i * 7919) % V);
     Buffer<float> logits(z);
     Buffer<int32_t> targets(t);
     auto forward = [&](bool device) {
       Buffer<float> losses(N), lse(N);
-      if (device) gpu::crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
-      else crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+      if (device) gpu::crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V, Vp);
+      else crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V, Vp);
       return std::make_pair(losses.host(), lse.host());
     };
     const auto [losses, lse] = forward(true);
@@ -262,8 +264,8 @@ TEST(KernelDeviceForms, CrossEntropyMatchesTheCpuForm) {
     Buffer<float> lse_in(cpu_lse);
     auto backward = [&](bool device) {
       Buffer<float> grad(z);
-      if (device) gpu::crossentropy_backward(grad.data(), lse_in.data(), targets.data(), 0.125f, N, V);
-      else crossentropy_backward(grad.data(), lse_in.data(), targets.data(), 0.125f, N, V);
+      if (device) gpu::crossentropy_backward(grad.data(), lse_in.data(), targets.data(), 0.125f, N, V, Vp);
+      else crossentropy_backward(grad.data(), lse_in.data(), targets.data(), 0.125f, N, V, Vp);
       return grad.host();
     };
     expect_same_bits("crossentropy_backward" + at, backward(true), backward(false));
