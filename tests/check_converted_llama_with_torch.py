@@ -5,7 +5,8 @@ alone, computes zero3d's loss on the same batch.
 For each model (input/llama-tiny.json's Llama; a Llama with every bias, a tied head and llama3
 RoPE, written as shards; a Qwen2 with its q/k/v biases and a sliding window on its second
 layer; a Mistral with a sliding window shorter than the sequence, linear RoPE and a head_dim
-other than hidden_size / heads):
+other than hidden_size / heads; a Mixtral with 4 SwiGLU experts, top-2 routing, the
+load-balancing loss on and a sliding window, trained with its experts split over 2 ranks):
 
   1. zero3d trains it 10 steps at np 2, ZeRO stage 2, on a periodic text (every micro-batch is
      the same window) and saves a checkpoint;
@@ -18,7 +19,8 @@ other than hidden_size / heads):
   4. the Llama below, written here from transformers' modeling_llama.py / modeling_qwen2.py /
      modeling_mistral.py semantics (RMSNorm, rotate_half RoPE with the config's rope_theta and
      rope_scaling, repeat_kv grouped-query attention, the sliding window of masking_utils,
-     SwiGLU, the tied or untied head) in float64, built from config.json only, with the
+     SwiGLU, or modeling_mixtral.py's MixtralSparseMoeBlock, the tied or untied head) in float64,
+     built from config.json only, with the
      weights read from the safetensors files by a reader written from the format's
      specification (no safetensors or transformers package), must give zero3d's loss within a
      relative 1e-5. Its parameter names and shapes come from config.json, and must be exactly
@@ -64,6 +66,13 @@ MODELS = {
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 12,
         "sliding_window": 8, "rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0},
         "max_position_embeddings": 128, "seq_length": 32}, convert=[]),
+    # ep_size 2: each rank trains half the experts; the checkpoint still holds every expert whole
+    "mixtral_experts": dict(model={
+        "architecture": "mixtral", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 12,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
+        "router_aux_loss_coef": 0.02, "max_position_embeddings": 128, "seq_length": 32,
+        "moe": {"ep_size": 2}}, convert=["--max-shard-size", "60KB"]),
 }
 
 
@@ -87,7 +96,8 @@ def read_directory(directory):
 
 
 def expected_parameters(cfg):
-    """LlamaForCausalLM's / MistralForCausalLM's / Qwen2ForCausalLM's state_dict names and shapes."""
+    """LlamaForCausalLM's / MistralForCausalLM's / Qwen2ForCausalLM's / MixtralForCausalLM's
+    state_dict names and shapes (Mixtral's experts under their on-disk names, w1/w3/w2)."""
     C, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     H, L = cfg["num_attention_heads"], cfg["num_hidden_layers"]
     KV = cfg.get("num_key_value_heads") or H
@@ -107,6 +117,13 @@ def expected_parameters(cfg):
         p[b + "self_attn.o_proj.weight"] = [C, H * d]
         if o_bias:
             p[b + "self_attn.o_proj.bias"] = [C]
+        if cfg["model_type"] == "mixtral":
+            E = cfg["num_local_experts"]
+            p[b + "block_sparse_moe.gate.weight"] = [E, C]
+            for e in range(E):
+                for name, shape in (("w1", [I, C]), ("w3", [I, C]), ("w2", [C, I])):
+                    p[b + f"block_sparse_moe.experts.{e}.{name}.weight"] = shape
+            continue
         for name, shape in (("gate", [I, C]), ("up", [I, C]), ("down", [C, I])):
             p[b + f"mlp.{name}_proj.weight"] = shape
             if mlp_bias:
@@ -152,7 +169,7 @@ def rotate_half(x):
 def windows_of(cfg):
     """Each layer's sliding window (None: full causal attention), as each family decides it."""
     L, w = cfg["num_hidden_layers"], cfg.get("sliding_window")
-    if cfg["model_type"] == "mistral":
+    if cfg["model_type"] in ("mistral", "mixtral"):
         return [w] * L
     if cfg["model_type"] == "qwen2":
         if not cfg.get("use_sliding_window", False) or w is None:
@@ -161,6 +178,22 @@ def windows_of(cfg):
                                            else "full_attention" for l in range(L)]
         return [w if t == "sliding_attention" else None for t in types]
     return [None] * L
+
+
+def sparse_moe_block(cfg, h, linear, n):
+    """MixtralSparseMoeBlock: softmax over the router's logits, the top num_experts_per_tok
+    probabilities renormalised to sum to one, every token kept. Written densely: each token's
+    combine weights are zero outside its top-k, and every expert runs on every token."""
+    E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
+    probs = torch.softmax(linear(h, n + "gate"), dim=-1)
+    top, chosen = torch.topk(probs, k, dim=-1)
+    weights = torch.zeros_like(probs).scatter(-1, chosen, top / top.sum(dim=-1, keepdim=True))
+    out = torch.zeros_like(h)
+    for e in range(E):
+        x = f"{n}experts.{e}."
+        y = linear(torch.nn.functional.silu(linear(h, x + "w1")) * linear(h, x + "w3"), x + "w2")
+        out = out + weights[..., e:e + 1] * y
+    return out
 
 
 def llama_loss(cfg, params, tokens, targets):
@@ -202,6 +235,9 @@ def llama_loss(cfg, params, tokens, targets):
         att = torch.softmax(scores, dim=-1) @ v
         x = x + linear(att.transpose(1, 2).reshape(B, T, H * d), b + "self_attn.o_proj")
         h = rms_norm(x, w[b + "post_attention_layernorm.weight"])
+        if cfg["model_type"] == "mixtral":
+            x = x + sparse_moe_block(cfg, h, linear, b + "block_sparse_moe.")
+            continue
         gate = linear(h, b + "mlp.gate_proj")
         x = x + linear(torch.nn.functional.silu(gate) * linear(h, b + "mlp.up_proj"), b + "mlp.down_proj")
     x = rms_norm(x, w["model.norm.weight"])
@@ -212,14 +248,15 @@ def llama_loss(cfg, params, tokens, targets):
 
 def check_config(cfg, model):
     """config.json names the family's class and holds the trained model's sizes."""
-    classes = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+    classes = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "mixtral": "MixtralForCausalLM"}
     problems = []
     if cfg.get("model_type") != model["architecture"]:
         problems.append(f"model_type {cfg.get('model_type')!r}, expected {model['architecture']!r}")
     if cfg.get("architectures") != [classes[model["architecture"]]]:
         problems.append(f"architectures {cfg.get('architectures')!r}")
     for key, value in model.items():
-        if key in ("architecture", "seq_length"):
+        if key in ("architecture", "seq_length", "moe"):  # not the model's: the run's length and expert split
             continue
         got = cfg.get(key, "absent")
         if key == "rope_scaling":  # the legacy "type" alias is written as rope_type

@@ -145,9 +145,11 @@ int cmd_estimate(EstimateArgs a, int rank) {
     for (int stage = 0; stage <= 3; ++stage) fits.push_back(what_fits(cfg, a.world_size, stage, limit));
   }
   if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets, fits, limit);
+  const ModelCounts counts = count_model(cfg.model);
   nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"world_size_given", a.has("--world-size")},
                         {"configured_stage", cfg.zero.stage},
-                        {"parameters", count_model(cfg.model).params},
+                        {"parameters", counts.params},
+                        {"active_parameters", counts.active_params},
                         {"dtypes", {{"params", dtype_name(cfg.precision.param)},
                                     {"grad_accum", dtype_name(cfg.precision.grad_accum)},
                                     {"communication", dtype_name(cfg.precision.comm)}}},
@@ -187,9 +189,14 @@ int cmd_estimate(EstimateArgs a, int rank) {
     std::printf("%s\n", doc.dump(2).c_str());
     return kExitOk;
   }
-  std::printf("%s: %lld parameters, micro-batch %lld, %s (configured stage %lld), %s parameters, %s gradients, %s "
+  // MoE: every expert is stored, a token meets k of each block's E
+  const MoeConfig& moe = cfg.model.moe;
+  const std::string active = !moe.enabled() ? "" : " (" + std::to_string(counts.active_params) + " active: " +
+                                                       std::to_string(moe.k) + " of " + std::to_string(moe.num_experts) +
+                                                       " experts per token)";
+  std::printf("%s: %lld parameters%s, micro-batch %lld, %s (configured stage %lld), %s parameters, %s gradients, %s "
               "communication\n",
-              name.c_str(), (long long)doc["parameters"].get<int64_t>(), (long long)cfg.batch.micro_batch,
+              name.c_str(), (long long)counts.params, active.c_str(), (long long)cfg.batch.micro_batch,
               layout_text(layout, a.world_size).c_str(), (long long)cfg.zero.stage,
               dtype_name(cfg.precision.param).c_str(), dtype_name(cfg.precision.grad_accum).c_str(),
               dtype_name(cfg.precision.comm).c_str());

@@ -39,8 +39,10 @@ struct MoeConfig {
   bool enable_expert_tensor_parallelism = false;
   double aux_loss_coef = 0.01;  // weight of l_aux in the loss (Switch Transformer's alpha, Fedus et al. 2021)
   // Mixtral's router (model.architecture mixtral; the fields above then come from its keys):
-  // Hugging Face's top-k with renormalised weights and load_balancing_loss_func.
+  // Hugging Face's top-k with renormalised weights and load_balancing_loss_func, and
+  // router_jitter_noise, MixtralSparseMoeBlock's multiplicative U(1-j, 1+j) noise on its input.
   bool mixtral_routing = false;
+  double router_jitter_noise = 0.0;
   bool enabled() const { return num_experts > 0; }
   bool is_moe_block(int64_t l) const { return enabled() && (l + 1) % every == 0; }
 };

@@ -208,8 +208,8 @@ void read_mixtral_router(Knobs& k, ModelConfig& m) {
                                                std::to_string(moe.num_experts) + "): a token picks distinct experts");
   f.router_aux_loss_coef = k.number("router_aux_loss_coef", 0.001, 0.0, 1e6);
   f.output_router_logits = k.boolean("output_router_logits", false);
-  k.only("router_jitter_noise", 0.0, "the router's multiplicative jitter noise is not implemented; 0.0 is "
-                                     "Hugging Face's default");
+  // torch's uniform_(1 - j, 1 + j): j above 1 would flip signs; HF asserts nothing, 1 is the sane edge
+  moe.router_jitter_noise = k.number("router_jitter_noise", 0.0, 0.0, 1.0);
   moe.every = 1;
   moe.drop_tokens = false;
   moe.use_rts = false;

@@ -64,14 +64,6 @@ void read_mixtral_moe(Section& model, MoeConfig& m) {
 void check_moe(Section& top, const Config& c, int64_t dp) {
   const MoeConfig& m = c.model.moe;
   if (!m.enabled()) return;
-  // transformers' load_balancing_loss_func takes every layer's router logits at once (fractions
-  // and mean probabilities over all layers' tokens together), so one rank must hold every layer.
-  if (m.mixtral_routing && m.aux_loss_coef > 0.0 && c.pipeline.stages > 1)
-    top.report("pipeline.stages", "Mixtral's load-balancing loss (output_router_logits true, router_aux_loss_coef " +
-                                      show(json(m.aux_loss_coef)) +
-                                      ") couples the routing of every layer, which pipeline stages " +
-                                      std::to_string(c.pipeline.stages) +
-                                      " split; use pipeline.stages 1, or output_router_logits false");
   if (m.every > c.model.n_layer)
     top.report("model.moe.every", "every " + std::to_string(m.every) + " leaves no MoE block among model.n_layer (" +
                                       std::to_string(c.model.n_layer) + ") blocks");

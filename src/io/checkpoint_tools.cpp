@@ -444,7 +444,7 @@ nlohmann::json llama_family_config(const ModelConfig& m, const OutputDType& dtyp
       out["num_local_experts"] = m.moe.num_experts;
       out["num_experts_per_tok"] = m.moe.k;
       out["router_aux_loss_coef"] = f.router_aux_loss_coef;
-      out["router_jitter_noise"] = 0.0;
+      out["router_jitter_noise"] = m.moe.router_jitter_noise;
       out["output_router_logits"] = f.output_router_logits;
     }
   } else {  // Qwen2: the window on the layers layer_types names (max_window_layers: the first of them)

@@ -85,6 +85,7 @@ float GPT::forward(int chunk, ActivationBuffer& buf, ParamStore& store) {
 void GPT::backward(int chunk, ActivationBuffer& buf, float grad_scale, ParamStore& store, BackwardPart part) {
   const obs::PassScope pass(obs::Pass::Backward);
   const ModelChunk& c = part_.chunks[chunk];
+  if (shape_.family.mixtral()) mixtral_router_fractions(c, buf);
   switch (param_type_) {
     case DType::BF16: return backward_impl<bf16>(c, buf, grad_scale, store, part);
     case DType::F16: return backward_impl<fp16>(c, buf, grad_scale, store, part);

@@ -256,19 +256,27 @@ struct MoeRouting {
   kernels::moe::NoisyGate noise = kernels::moe::NoisyGate::None;
   double aux_loss_coef = 0.01;
   // Mixtral (MixtralSparseMoeBlock): top-k of the softmax with renormalised weights, no
-  // capacity, and transformers' load_balancing_loss_func over every layer (GPT::mixtral_router_loss).
+  // capacity, and transformers' load_balancing_loss_func over every layer (GPT::mixtral_router_loss);
+  // in training its input (the router's and the experts') times U(1-j, 1+j) noise, j =
+  // router_jitter_noise, drawn per global token and channel (GPT::moe_forward).
   bool mixtral = false;
+  double router_jitter_noise = 0.0;
+  // Whether a block keeps [S, C] noise factors of its input: DeepSpeed's Jitter, Mixtral's jitter.
+  bool keeps_noise() const { return noise == kernels::moe::NoisyGate::Jitter || router_jitter_noise > 0.0; }
   uint64_t seed = 0;               // with ActivationBuffer::draw_key, every random draw of the gate
   Communicator* expert = nullptr;  // ep ranks: dispatch/combine all-to-all, the no-drop capacity's max
 };
 // Rows one rank's experts can receive per MoE block: each of E experts takes at most
 // min(capacity, S) tokens from each of the tokens' ranks... of its group, i.e. E/ep experts ×
-// ep sources × min(capacity, S) — the size of DeepSpeed's dispatched [E, C, h] tensor.
-int64_t moe_rows_bound(const MoeShape& shape, const MoeRouting& routing, int64_t S);
+// ep sources × min(capacity, S) — the size of DeepSpeed's dispatched [E, C, h] tensor. Mixtral
+// has no capacity tensor (MixtralSparseMoeBlock indexes the tokens that chose each expert): a
+// token sends one row to each of its k distinct experts, so a rank receives at most
+// min(k, E/ep) rows per token of each of its ep sources.
+int64_t moe_rows_bound(const MoeShape& shape, const MoeRouting& routing, int64_t S, int ep);
 
 // The saves of one MoE block's forward in one micro-batch: what its backward reads.
 struct MoeActivations {
-  float* gate_noise = nullptr;  // [S, C] Jitter factors of the gate's input (null without Jitter)
+  float* gate_noise = nullptr;  // [S, C] noise factors of the gate's input (MoeRouting::keeps_noise; else null)
   float* expert_in = nullptr;   // [R, C] rows this rank's experts received, expert-major
   float *expert_fch = nullptr, *expert_fch_gelu = nullptr;  // [R, fch], [R, act] (moe_expert_widths)
   float* returned = nullptr;    // [S·k, C] expert outputs of this rank's routed tokens, in dispatch order
@@ -323,7 +331,14 @@ struct ActivationBuffer {
   // The micro-batch's first global sample: the key of its dropout masks with the sample index
   // (kernels/dropout.hpp), the same on every layout. Dropout runs only when `training`.
   int64_t first_sample = 0;
+  int64_t draw_sample() const { return static_cast<int64_t>(draw_key >> 1); }  // draw_key = 2·sample + eval
   double aux_loss = 0.0;
+  // Mixtral's load-balancing loss over every layer of the micro-batch, whichever stages hold
+  // them (GPT::mixtral_router_loss): per expert the choices and then the summed probabilities of
+  // the layers run so far (a later stage receives them with the activations), and each expert's
+  // share of all choices, f, every layer's gate backward reads (sent back with the gradients).
+  std::vector<double> router_sums;
+  std::vector<float> router_fraction;
   // Progressive layer drop (pld.hpp): per global block, 0 = dropped in this training micro-batch,
   // else the factor its residual branches are scaled by. Empty: every block runs unscaled.
   std::vector<float> block_scale;
@@ -376,6 +391,9 @@ class GPT {
   DType compute_type() const { return param_type_ == DType::BF16 ? DType::BF16 : autocast_; }
   int64_t batch() const { return B_; }
   int64_t stream_elements() const { return Ns_ * shape_.n_embd; }  // what one pipeline message carries
+  // Mixtral: E, the experts whose router sums (2E doubles) cross a stage boundary with the
+  // activations and whose fractions (E floats) with the gradients (ActivationBuffer); else 0.
+  int64_t router_experts() const { return shape_.family.mixtral() ? shape_.moe.num_experts : 0; }
   int64_t seq_len() const { return T_; }
   // What generation (src/infer) needs to run its own passes over the same parameters: the
   // tensor group, this rank's block widths, and a block's tensors inside its fetched unit.
@@ -456,9 +474,12 @@ class GPT {
                     const BlockTensors<float>& dw, const float* d_res_3, float* d_ln_2, float grad_scale,
                     ParamStore& store);
   MoeActivations* moe_saves(const ModelChunk& c, int l, ActivationBuffer& buf) const;
-  // Mixtral's load-balancing loss (transformers load_balancing_loss_func) once every layer of
-  // the chunk has routed: into buf.aux_loss, and into each layer's routing for its backward.
+  // Mixtral's load-balancing loss (transformers load_balancing_loss_func) once the chunk's layers
+  // have routed: their sums into buf.router_sums and, on the last chunk, the loss into
+  // buf.aux_loss and f into buf.router_fraction; mixtral_router_fractions gives each of the
+  // chunk's layers f for its backward.
   void mixtral_router_loss(const ModelChunk& c, ActivationBuffer& buf) const;
+  void mixtral_router_fractions(const ModelChunk& c, ActivationBuffer& buf) const;
   // Tensor parallelism's backward regions around a block's products (Megatron's mappings,
   // tp_regions.hpp), shared by both families' blocks. row_output_grad: a row-parallel product's
   // output gradient over all tokens — this rank's tokens' gradient all-gathered with sequence

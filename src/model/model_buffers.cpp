@@ -125,7 +125,7 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
   }
   if (shape.moe.enabled()) {  // the MoE workspace (gpt_activation_plan counts it)
     const int64_t S = BT, k = moe_.k, E = shape.moe.num_experts;
-    moe_rows_ = moe_rows_bound(shape.moe, moe_, S);
+    moe_rows_ = moe_rows_bound(shape.moe, moe_, S, part_.ep_size);
     moe_send_ = take(S * k * C);
     moe_recv_ = take(moe_rows_ * C);
     moe_rows_c_ = take(moe_rows_ * C);
@@ -183,7 +183,7 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
   for (int64_t j = 0; j < plan.moe_blocks; ++j) {
     const int64_t S = BT, R = moe_rows_;
     MoeActivations m;
-    if (moe_.noise == kernels::moe::NoisyGate::Jitter) m.gate_noise = take(S * C);
+    if (moe_.keeps_noise()) m.gate_noise = take(S * C);
     m.expert_in = take(R * C);
     m.expert_fch = take(expert_widths_.fch * R);
     m.expert_fch_gelu = take(expert_widths_.act * R);

@@ -374,8 +374,9 @@ ModelPart gpt_model_part(const GPTShape& s, const std::vector<int>& bounds, int 
   return part;
 }
 
-int64_t moe_rows_bound(const MoeShape& shape, const MoeRouting& r, int64_t S) {
+int64_t moe_rows_bound(const MoeShape& shape, const MoeRouting& r, int64_t S, int ep) {
   if (!shape.enabled()) return 0;
+  if (r.mixtral) return ep * S * std::min<int64_t>(r.k, shape.num_experts / ep);
   const double E = static_cast<double>(shape.num_experts);
   // DeepSpeed's _capacity: ceil(S/E · cf · k) raised to min_capacity (FACTS-2 §4.2); no-drop: up to S
   const auto capacity = [&](double cf) {
@@ -542,14 +543,14 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
     // MoE saves per block (S = B·T tokens, R rows received, k choices each): the experts' input,
     // fc and GELU rows, the returned outputs, Jitter's factors; residual MoE its two branches and
     // coefficients. The shared workspace: dispatch and return rows, gate logits and gradients.
-    const int64_t S = BT, R = moe_rows_bound(shape.moe, moe, S), k = moe.k, E = shape.moe.num_experts;
+    const int64_t S = BT, R = moe_rows_bound(shape.moe, moe, S, part.ep_size), k = moe.k, E = shape.moe.num_experts;
     for (const ModelChunk& c : part.chunks) {
       int64_t n = 0;
       for (int b = c.first_block; b < c.first_block + c.num_blocks; ++b) n += shape.moe.is_moe_block(b) ? 1 : 0;
       p.moe_blocks = std::max(p.moe_blocks, n);
     }
     const ExpertWidths F = moe_expert_widths(shape, t);  // an expert's row widths here
-    p.per_moe_block = (moe.noise == kernels::moe::NoisyGate::Jitter ? S * C : 0) + R * C + R * (F.fch + F.act) +
+    p.per_moe_block = (moe.keeps_noise() ? S * C : 0) + R * C + R * (F.fch + F.act) +
                       S * k * C + (shape.moe.use_residual ? 2 * S * C + 2 * S : 0);
     p.scratch += S * k * C + 2 * R * C + R * F.fch + (shape.family.mixtral() ? R * F.act : 0) + 2 * S * E + S * k +
                  S * C + (shape.moe.use_residual ? S * C + 2 * S : 0);

@@ -17,6 +17,7 @@
 #include "kernels/elementwise.hpp"
 #include "kernels/gelu.hpp"
 #include "kernels/matmul.hpp"
+#include "kernels/memory.hpp"
 #include "kernels/moe.hpp"
 #include "kernels/swiglu.hpp"
 #include "model/model.hpp"
@@ -58,6 +59,22 @@ void draw(std::vector<float>& out, int64_t n, const MoeRouting& r, uint64_t key,
       case Draw::Gumbel: out[i] = static_cast<float>(-std::log(-std::log(std::max(u, 1e-20)))); break;
     }
   }
+}
+
+// Mixtral's router jitter (MixtralSparseMoeBlock in training: hidden_states *= U(1 - j, 1 + j)):
+// the factor of channel c of global token g (sample · T + position) in layer `layer` is draw c of
+// Rng(seed ⊕ key, g · L + layer), SplitMix64 over a counter, so it depends on those alone and
+// every layout that holds the token (any micro-batch split, data, expert or tensor rank, pipeline
+// stage) multiplies it by the same factor. tests/golden/make_mixtral_goldens.py draws the same.
+void mixtral_jitter(float* factors, const MoeRouting& r, int64_t layers, int layer, int64_t first_token, int64_t S,
+                    int64_t C) {
+  std::vector<float> host(static_cast<size_t>(S * C));
+  const double j = r.router_jitter_noise;
+  for (int64_t s = 0; s < S; ++s) {
+    Rng rng(r.seed ^ 0x6a6974746572ull, static_cast<uint64_t>((first_token + s) * layers + layer));
+    for (int64_t c = 0; c < C; ++c) host[s * C + c] = static_cast<float>(1.0 - j + 2.0 * j * rng.uniform());
+  }
+  copy_to_device(factors, host.data(), host.size() * sizeof(float));
 }
 
 // One expert's weights inside its unit: c_fc [C, F], c_fc.b [F], c_proj [F, C], c_proj.b [C], with
@@ -136,6 +153,10 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
     copy_rows(m.gate_noise, draws_a.data(), S, C);
     moe::jitter_forward(moe_tokens_c_, a.ln_2, m.gate_noise, S * C);
     gate_in = moe_tokens_c_;
+  } else if (mixtral && moe_.router_jitter_noise > 0.0 && buf.training) {
+    mixtral_jitter(m.gate_noise, moe_, shape_.n_layer, block, buf.draw_sample() * T_, S, C);
+    moe::jitter_forward(moe_tokens_c_, a.ln_2, m.gate_noise, S * C);
+    gate_in = moe_tokens_c_;
   }
   // (Mixtral's router is an nn.Linear [E, C]; GPT-2's gate is stored input-major [C, E])
   if (mixtral) linear_forward(moe_logits_, gate_in, w.gate_w, static_cast<const P*>(nullptr), S, C, E, false, DType::F32);
@@ -156,8 +177,9 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
   }
   moe::gate_forward_assign(capacity, gc, draws, r);
   buf.aux_loss += r.l_aux;
-  // Dispatch: rows in expert order are grouped by expert rank; counts travel first.
-  moe::dispatch_forward(moe_send_, a.ln_2, r, C);
+  // Dispatch: rows in expert order are grouped by expert rank; counts travel first. (DeepSpeed's
+  // Jitter noises the gate's input only; Mixtral's experts take the noisy input the router saw.)
+  moe::dispatch_forward(moe_send_, mixtral ? gate_in : a.ln_2, r, C);
   m.send_rows.assign(static_cast<size_t>(ep), 0);
   for (int j = 0; j < ep; ++j) m.send_rows[j] = r.row_offset[(j + 1) * local] - r.row_offset[j * local];
   m.recv_counts.assign(static_cast<size_t>(ep * local), 0);
@@ -238,34 +260,39 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
 // layers concatenated: aux = E·Σ_e f_e·P_e, where f_e is the share of all L·S·k choices that pick
 // expert e and P_e the mean over all L·S tokens of its probability. Its gradient reaches layer l's
 // probabilities as E·f_e/(L·S), which gate_backward computes from aux_scale·ce/S: every layer's
-// routing gets ce = f and aux_scale = E/L. (config's check_moe keeps every layer on this chunk
-// whenever the loss is weighed in.)
+// routing gets ce = f and aux_scale = E/L. A pipeline splits the layers over stages, so the sums
+// of choices and probabilities run along the stages with the activations (the embedding's chunk
+// starts them), the last stage forms f and the loss, and f returns with the gradients: every
+// stage's backward of a micro-batch follows the last stage's forward of it.
 void GPT::mixtral_router_loss(const ModelChunk& c, ActivationBuffer& buf) const {
   const int64_t E = shape_.moe.num_experts, S = B_ * T_;
-  const int layers = c.num_blocks;
-  if (layers == 0) return;
-  std::vector<double> choices(static_cast<size_t>(E), 0.0), prob(static_cast<size_t>(E), 0.0);
-  for (int l = 0; l < layers; ++l) {
+  std::vector<double>& sums = buf.router_sums;  // [E] choices, then [E] summed probabilities
+  if (c.embedding) sums.assign(static_cast<size_t>(2 * E), 0.0);
+  for (int l = 0; l < c.num_blocks; ++l) {
     const moe::Routing& r = *buf.moe[static_cast<size_t>(l)].routing;
     for (int64_t e = 0; e < E; ++e) {
-      choices[e] += r.exp_counts[e];
+      sums[e] += r.exp_counts[e];
       double p = 0.0;
       for (int64_t s = 0; s < S; ++s) p += r.gates[s * E + e];
-      prob[e] += p;
+      sums[E + e] += p;
     }
   }
-  const double tokens = static_cast<double>(layers) * static_cast<double>(S);
-  std::vector<float> f(static_cast<size_t>(E));
+  if (!c.final) return;
+  const double tokens = static_cast<double>(shape_.n_layer) * static_cast<double>(S);
+  buf.router_fraction.resize(static_cast<size_t>(E));
   double aux = 0.0;
   for (int64_t e = 0; e < E; ++e) {
-    f[e] = static_cast<float>(choices[e] / tokens);
-    aux += static_cast<double>(f[e]) * (prob[e] / tokens);
+    buf.router_fraction[e] = static_cast<float>(sums[e] / tokens);
+    aux += static_cast<double>(buf.router_fraction[e]) * (sums[E + e] / tokens);
   }
   buf.aux_loss = static_cast<double>(E) * aux;
-  for (int l = 0; l < layers; ++l) {
+}
+
+void GPT::mixtral_router_fractions(const ModelChunk& c, ActivationBuffer& buf) const {
+  for (int l = 0; l < c.num_blocks; ++l) {
     moe::Routing& r = *buf.moe[static_cast<size_t>(l)].routing;
-    r.aux_fraction = f;
-    r.aux_scale = static_cast<double>(E) / layers;
+    r.aux_fraction = buf.router_fraction;
+    r.aux_scale = static_cast<double>(shape_.moe.num_experts) / static_cast<double>(shape_.n_layer);
   }
 }
 
@@ -340,9 +367,10 @@ void GPT::moe_backward(int block, const BlockActivations& a, const MoeActivation
   if (ep > 1) moe_.expert->all_to_all_v(moe_rows_c_, recv_elems, moe_send_, send_elems, DType::F32);
   else copy_rows(moe_send_, moe_rows_c_, r.num_rows(), C);
   moe::dispatch_backward(moe_tokens_c_, moe_send_, r, C);
+  if (mixtral && m.gate_noise) moe::jitter_backward(moe_tokens_c_, moe_tokens_c_, m.gate_noise, S * C);
   add_into(d_ln_2, moe_tokens_c_, S * C);
   // The gate: d(logits) from the combine weights and l_aux (weighted by aux_loss_coef in the
-  // loss, scaled as the loss is), then the fp32 product's backward; Jitter scales d(input).
+  // loss, scaled as the loss is), then the fp32 product's backward; the noise scales d(input).
   const float d_l_aux = static_cast<float>(moe_.aux_loss_coef) * grad_scale;
   moe::gate_backward(r, moe_dweight_, d_l_aux, moe_dlogits_);
   const float* gate_in = a.ln_2;

@@ -473,15 +473,17 @@ int Engine::peer_stage(int chunk, int delta) const {
   return ((v % stages_) + stages_) % stages_;
 }
 
-// Tags name the receiving virtual stage and the kind (0 activation, 1 gradient): messages of
-// one (pair, tag) are matched in posting order, which both sides take from the schedule.
-int Engine::tag(int chunk, int delta, int kind) const { return 2 * (chunk * stages_ + stage_ + delta) + kind; }
+// Tags name the receiving virtual stage and the kind (0 activation, 1 gradient, 2 router sums, 3
+// expert fractions): messages of one (pair, tag) are matched in posting order, which both sides
+// take from the schedule.
+int Engine::tag(int chunk, int delta, int kind) const { return 4 * (chunk * stages_ + stage_ + delta) + kind; }
 
 void Engine::Store::progress() {
   e_.zero_->progress();
   if (e_.expert_zero_) e_.expert_zero_->progress();
   for (Pending& p : e_.pending_)
-    for (auto* r : {&p.act_recv, &p.grad_recv, &p.act_send, &p.grad_send})
+    for (auto* r : {&p.act_recv, &p.grad_recv, &p.act_send, &p.grad_send, &p.sums_recv, &p.fraction_recv, &p.sums_send,
+                    &p.fraction_send})
       if (*r) (*r)->test();
 }
 
@@ -494,20 +496,23 @@ int64_t Engine::activation_bytes() const {
 
 void Engine::wait_sends(int b) {
   Pending& p = pending_[b];
-  if (p.act_send) {
-    auto t = timers_.time("pipe_send_output");
-    p.act_send->wait(), p.act_send.reset();
-  }
-  if (p.grad_send) {
-    auto t = timers_.time("pipe_send_grad");
-    p.grad_send->wait(), p.grad_send.reset();
-  }
+  for (auto* send : {&p.act_send, &p.sums_send})
+    if (*send) {
+      auto t = timers_.time("pipe_send_output");
+      (*send)->wait(), send->reset();
+    }
+  for (auto* send : {&p.grad_send, &p.fraction_send})
+    if (*send) {
+      auto t = timers_.time("pipe_send_grad");
+      (*send)->wait(), send->reset();
+    }
 }
 
 void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_loss) {
   using pipe::Op;
   // What crosses a stage boundary: the residual stream of this rank's tokens.
   const int64_t gas = cfg_.batch.gradient_accumulation_steps, BTC = model_->stream_elements();
+  const int64_t E = model_->router_experts();  // Mixtral: its router sums and fractions cross too
   const obs::TraceScope region(instruction_region(in.op));
   const auto waited = [this](std::unique_ptr<CommRequest>& req, const char* timer) {  // DeepSpeed's pipe timer names
     if (!req) return;
@@ -540,25 +545,44 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
       Kokkos::deep_copy(buf.target_ids, host_tgt);
       break;
     }
-    case Op::RecvActivation:
+    case Op::RecvActivation: {
       wait_sends(in.buffer);
-      pending_[in.buffer].act_recv = model_comms_.of(*pipe_comm_).irecv(buffers_[in.buffer].input, BTC, DType::F32,
+      ActivationBuffer& buf = buffers_[in.buffer];
+      pending_[in.buffer].act_recv = model_comms_.of(*pipe_comm_).irecv(buf.input, BTC, DType::F32,
                                                       peer_stage(in.chunk, -1), tag(in.chunk, 0, 0));
+      buf.router_sums.resize(static_cast<size_t>(2 * E));
+      if (E > 0)
+        pending_[in.buffer].sums_recv = pipe_comm_->irecv(buf.router_sums.data(), 2 * E, DType::F64,
+                                                          peer_stage(in.chunk, -1), tag(in.chunk, 0, 2));
       break;
+    }
     case Op::SendActivation:
       pending_[in.buffer].act_send = model_comms_.of(*pipe_comm_).isend(model_->output(in.chunk, buffers_[in.buffer]), BTC, DType::F32,
                                                       peer_stage(in.chunk, +1), tag(in.chunk, +1, 0));
+      if (E > 0)
+        pending_[in.buffer].sums_send = pipe_comm_->isend(buffers_[in.buffer].router_sums.data(), 2 * E, DType::F64,
+                                                          peer_stage(in.chunk, +1), tag(in.chunk, +1, 2));
       break;
-    case Op::RecvGrad:
-      pending_[in.buffer].grad_recv = model_comms_.of(*pipe_comm_).irecv(buffers_[in.buffer].d_output, BTC, DType::F32,
+    case Op::RecvGrad: {
+      ActivationBuffer& buf = buffers_[in.buffer];
+      pending_[in.buffer].grad_recv = model_comms_.of(*pipe_comm_).irecv(buf.d_output, BTC, DType::F32,
                                                        peer_stage(in.chunk, +1), tag(in.chunk, 0, 1));
+      buf.router_fraction.resize(static_cast<size_t>(E));
+      if (E > 0)
+        pending_[in.buffer].fraction_recv = pipe_comm_->irecv(buf.router_fraction.data(), E, DType::F32,
+                                                              peer_stage(in.chunk, +1), tag(in.chunk, 0, 3));
       break;
+    }
     case Op::SendGrad:
       pending_[in.buffer].grad_send = model_comms_.of(*pipe_comm_).isend(buffers_[in.buffer].d_input, BTC, DType::F32,
                                                        peer_stage(in.chunk, -1), tag(in.chunk, -1, 1));
+      if (E > 0)
+        pending_[in.buffer].fraction_send = pipe_comm_->isend(buffers_[in.buffer].router_fraction.data(), E, DType::F32,
+                                                              peer_stage(in.chunk, -1), tag(in.chunk, -1, 3));
       break;
     case Op::Forward: {
       waited(pending_[in.buffer].act_recv, "pipe_recv_input");
+      waited(pending_[in.buffer].sums_recv, "pipe_recv_input");
       wait_sends(in.buffer);
       auto t = timers_.time("forward");
       Busy busy{*this};
@@ -586,6 +610,7 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
     case Op::BackwardInput:
     case Op::BackwardWeight: {
       waited(pending_[in.buffer].grad_recv, "pipe_recv_grad");
+      waited(pending_[in.buffer].fraction_recv, "pipe_recv_grad");
       if (in.op != Op::BackwardWeight) waited(pending_[in.buffer].grad_send, "pipe_send_grad");  // d_input is rewritten
       const BackwardPart part = in.op == Op::Backward ? BackwardPart::Full
                                 : in.op == Op::BackwardInput ? BackwardPart::Input : BackwardPart::Weight;

@@ -196,6 +196,9 @@ class Engine {
   std::vector<ActivationBuffer> buffers_;
   struct Pending {
     std::unique_ptr<CommRequest> act_recv, grad_recv, act_send, grad_send;
+    // Mixtral's load-balancing loss: the router sums travel with the activations, the expert
+    // fractions with the gradients (ActivationBuffer::router_sums, router_fraction).
+    std::unique_ptr<CommRequest> sums_recv, fraction_recv, sums_send, fraction_send;
   };
   std::vector<Pending> pending_;
   // What the model calls: ZeRO's store, whose progress() also advances the pipeline's

@@ -141,12 +141,15 @@ void Engine::print_startup() const {
     std::string blocks;
     for (int b = 0; b < s.n_layer; ++b)
       if (s.moe.is_moe_block(b)) blocks += (blocks.empty() ? "" : ",") + std::to_string(b);
-    char routing[160];
+    char routing[200], jitter[64] = "";
+    if (mo.router_jitter_noise > 0) std::snprintf(jitter, sizeof(jitter), ", input jitter U(1 - %g, 1 + %g)", mo.router_jitter_noise, mo.router_jitter_noise);
     if (mo.mixtral_routing && mo.aux_loss_coef > 0)  // MixtralSparseMoeBlock: renormalised top-k, no capacity
-      std::snprintf(routing, sizeof(routing), "Mixtral routing (renormalised top-k, no capacity), load-balancing loss x %g",
-                    mo.aux_loss_coef);
+      std::snprintf(routing, sizeof(routing),
+                    "Mixtral routing (renormalised top-k, no capacity), load-balancing loss x %g%s", mo.aux_loss_coef,
+                    jitter);
     else if (mo.mixtral_routing)
-      std::snprintf(routing, sizeof(routing), "Mixtral routing (renormalised top-k, no capacity), no load-balancing loss");
+      std::snprintf(routing, sizeof(routing), "Mixtral routing (renormalised top-k, no capacity), no load-balancing loss%s",
+                    jitter);
     else
       std::snprintf(routing, sizeof(routing), "capacity factor %g (eval %g), min %lld%s%s", mo.capacity_factor,
                     mo.eval_capacity_factor, (long long)mo.min_capacity, mo.drop_tokens ? "" : ", no drops",

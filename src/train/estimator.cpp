@@ -104,14 +104,17 @@ MoeRouting moe_routing_of(const MoeConfig& m, uint64_t seed) {
                                                : kernels::moe::NoisyGate::None;
   r.aux_loss_coef = m.aux_loss_coef;
   r.mixtral = m.mixtral_routing;
+  r.router_jitter_noise = m.router_jitter_noise;
   r.seed = seed;
   return r;
 }
 
 ModelCounts count_model(const ModelConfig& m) {
-  const ParamLayout layout = gpt_layout(gpt_shape_of(m));
+  const GPTShape shape = gpt_shape_of(m);
+  const ParamLayout layout = gpt_layout(shape);
   ModelCounts c;
   c.params = layout.total();  // wte counted once: the LM head shares it
+  c.active_params = gpt_active_params(shape, m.moe.k);
   // A "layer" is a module's own parameters: weight and bias together (DeepSpeed's L).
   std::map<std::string, int64_t> modules;
   for (const TensorSpec& t : layout.tensors()) modules[t.name.substr(0, t.name.find_last_of('.'))] += t.numel;

@@ -36,9 +36,10 @@ std::vector<DeepSpeedEstimateRow> deepspeed_zero3_rows(double params, double lar
 std::string deepspeed_table(const std::vector<DeepSpeedEstimateRow>& rows, double params, double largest_layer,
                             int gpus_per_node, int nodes);
 
-// Parameter count and largest layer (params of one module: weight + bias) of a GPT config.
+// Parameter count and largest layer (params of one module: weight + bias) of a GPT config; with
+// MoE the parameters a token meets (k of each block's E experts), as the FLOPs count them.
 struct ModelCounts {
-  int64_t params = 0, largest_layer = 0;
+  int64_t params = 0, active_params = 0, largest_layer = 0;
   std::string largest_layer_name;
 };
 ModelCounts count_model(const ModelConfig& model);

@@ -211,6 +211,21 @@ TEST(ConvertLlamaFamily, MixtralsConfigJsonHoldsItsRouter) {
   EXPECT_FALSE(c.contains("mlp_bias")) << "a LlamaConfig key, not MixtralConfig's";
 }
 
+// A run with the router's jitter writes its router_jitter_noise into config.json.
+TEST(ConvertLlamaFamily, MixtralsConfigJsonHoldsItsJitter) {
+  json model = mixtral_model();
+  model["router_jitter_noise"] = 0.05;
+  json cfg = run_config(model);
+  cfg["training"]["steps"] = 2;
+  cfg["training"]["save_interval"] = 2;
+  const std::string trained_dir = temp_path("convert_mixtral_jitter_trained"), dir = temp_path("convert_mixtral_jitter");
+  std::system(("rm -rf " + trained_dir + " " + dir).c_str());
+  ASSERT_EQ(run("train " + write_config("convert_mixtral_jitter.json", cfg) + " --output " + trained_dir, 1).code, 0);
+  const Result r = run("convert " + trained_dir + "/checkpoints " + dir + "/model.safetensors");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(json::parse(slurp(dir + "/config.json"))["router_jitter_noise"], 0.05);
+}
+
 TEST(ConvertLlamaFamily, ShardsAndIndexHoldHuggingFacesNamesShapesAndDtypes) {
   for (const auto& [family, dtype] : std::vector<std::pair<std::string, std::string>>{
            {"qwen2", "fp32"}, {"qwen2", "bf16"}, {"mixtral", "fp32"}}) {

@@ -37,3 +37,19 @@ def write_adamw_steps(g, params, hp, steps, step_loss):
     g.create_dataset("grad_norms", data=np.array(norms, dtype=np.float64))
     g.create_dataset("hparams", data=np.array(hp, dtype=np.float64))
     return losses, norms
+
+
+def rng_uniforms(seed, streams, n):
+    """The first n uniform() draws of zero3d's Rng(seed, stream) for each of `streams` (src/base/rng.hpp:
+    SplitMix64; draw c is mix(seed·γ ⊕ mix(stream + 1) + (c + 1)·γ)), as float64 [len(streams), n]."""
+    gamma = np.uint64(0x9E3779B97F4A7C15)
+
+    def mix(z):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as C++'s does
+        state = (np.uint64(seed) * gamma) ^ mix(np.asarray(streams, dtype=np.uint64) + np.uint64(1))
+        x = mix(state[:, None] + np.arange(1, n + 1, dtype=np.uint64)[None, :] * gamma)
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
-"""Writes the Mixtral golden (tests/golden/mixtral_moe.h5) that tests/cli/test_cli_llama.cpp compares
-zero3d against.
+"""Writes the Mixtral goldens (tests/golden/mixtral_moe.h5, mixtral_jitter.h5) that
+tests/cli/test_cli_llama.cpp compares zero3d against.
 
 Independent reference: Hugging Face's MixtralForCausalLM written here in plain PyTorch (Debian's
 python3-torch 1.13; transformers is not installed), following models/mixtral/modeling_mixtral.py,
@@ -10,10 +10,17 @@ computed in float64:
   * MixtralSparseMoeBlock: router_logits = gate(x) (nn.Linear(C, E, bias=False)); routing_weights =
     softmax(router_logits) in fp32 (float64 here); torch.topk of num_experts_per_tok; the top-k
     weights divided by their sum; each expert w2(silu(w1 x) * w3 x) over the tokens that chose it,
-    weighted and summed (index_add_); every token kept (no capacity);
+    weighted and summed (index_add_); every token kept (no capacity); with router_jitter_noise j,
+    in training, its input (router's and experts' alike: hidden_states *= ...) times U(1-j, 1+j);
   * load_balancing_loss_func over the router logits of all layers concatenated:
     E * sum(mean_tokens(one_hot(top-k)) * mean_tokens(softmax)), and, as output_router_logits is
     true, loss = cross-entropy + router_aux_loss_coef * aux_loss.
+
+The jitter is the one zero3d draws (src/model/moe_layer.cpp mixtral_jitter): channel c of global
+token g = sample·T + position in layer l is factor 1 - j + 2j·u, u draw c of zero3d's
+Rng(seed ^ 0x6a6974746572, g·L + l) (golden_common.rng_uniforms re-implements SplitMix64), with
+seed the run's training.seed (attribute jitter_seed) and sample counting from 0 at the first step,
+B samples a step: PyTorch's own uniform_ would give other numbers, so the stream is fixed here.
 
 The file holds what make_llama_goldens.py's files hold (weights by Hugging Face name, golden/...,
 the config.json text as attribute hf_config); golden/loss and golden/adamw_losses are the
@@ -31,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from golden_common import write_adamw_steps, write_pass  # noqa: E402
+from golden_common import rng_uniforms, write_adamw_steps, write_pass  # noqa: E402
 from make_llama_goldens import Shape, attention_half, linear, lm_head, param_shapes, rms_norm, rope_cos_sin  # noqa: E402
 
 torch.set_num_threads(1)
@@ -48,6 +55,10 @@ CASE = dict(
                 num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02, router_jitter_noise=0.0,
                 output_router_logits=True),
     T=16, B=4, hparams=(3e-3, 0.9, 0.95, 1e-8, 0.01, 1.0))
+# The same model with the router's jitter at 0.2 (large enough to change routing), drawn with
+# training.seed 5 (test_cli_llama.cpp's golden_run).
+JITTER_CASE = dict(CASE, config=dict(CASE["config"], router_jitter_noise=0.2), jitter_seed=5)
+JITTER_KEY = 0x6a6974746572  # zero3d's key of the jitter stream ("jitter")
 
 
 def mixtral_param_shapes(s, cfg):
@@ -76,11 +87,21 @@ def make_params(shapes, gen):
     return params
 
 
-def sparse_moe_block(p, n, h, cfg):
-    """MixtralSparseMoeBlock.forward: (output [B, T, C], router_logits [B·T, E])."""
+def jitter_factors(seed, j, first_token, tokens, L, l, C):
+    """zero3d's jitter factors [tokens, C] of layer l for global tokens first_token, first_token + 1, ..."""
+    streams = (np.arange(first_token, first_token + tokens, dtype=np.uint64) * np.uint64(L) + np.uint64(l))
+    u = rng_uniforms(seed ^ JITTER_KEY, streams, C)
+    return torch.from_numpy((1.0 - j + 2.0 * j * u).astype(np.float32).astype(np.float64))
+
+
+def sparse_moe_block(p, n, h, cfg, noise=None):
+    """MixtralSparseMoeBlock.forward: (output [B, T, C], router_logits [B·T, E]); noise [B·T, C]: the
+    training jitter's factors, or None."""
     B, T, C = h.shape
     E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
     x = h.reshape(-1, C)
+    if noise is not None:
+        x = x * noise
     router_logits = x @ p[n + "gate.weight"].T
     routing_weights = router_logits.softmax(dim=-1)
     top_weights, top_experts = torch.topk(routing_weights, k, dim=-1)
@@ -108,15 +129,16 @@ def load_balancing_loss(router_logits, E, k):
     return (tokens_per_expert * router_prob_per_expert.unsqueeze(0)).sum() * E
 
 
-def forward(p, tokens, s, cfg):
-    """(logits, load-balancing loss)."""
+def forward(p, tokens, s, cfg, noise_of=None):
+    """(logits, load-balancing loss); noise_of(l): layer l's jitter factors (None: no jitter)."""
     cos, sin = rope_cos_sin(s, tokens.shape[1])
     x = p["model.embed_tokens.weight"][tokens]
     router_logits = []
     for l in range(s.L):
         n = f"model.layers.{l}."
         x = attention_half(p, n, x, s, l, cos, sin)
-        moe, logits = sparse_moe_block(p, n + "block_sparse_moe.", rms_norm(x, p[n + "post_attention_layernorm.weight"], s.eps), cfg)
+        h = rms_norm(x, p[n + "post_attention_layernorm.weight"], s.eps)
+        moe, logits = sparse_moe_block(p, n + "block_sparse_moe.", h, cfg, noise_of(l) if noise_of else None)
         x = x + moe
         router_logits.append(logits)
     return lm_head(p, x, s), load_balancing_loss(router_logits, cfg["num_local_experts"], cfg["num_experts_per_tok"])
@@ -131,8 +153,14 @@ def write(path, case, seed):
     stream = torch.randint(0, s.V, (B * T + 1,), generator=gen)
     tokens, targets = stream[:-1].view(B, T), stream[1:].view(B, T)
 
+    j = cfg["router_jitter_noise"]
+    step = [0]  # the step whose forward runs next: its B samples are step·B, ..., step·B + B - 1
+
     def losses_of():
-        logits, aux = forward(params, tokens, s, cfg)
+        noise_of = None
+        if j > 0:
+            noise_of = lambda l: jitter_factors(case["jitter_seed"], j, step[0] * B * T, B * T, s.L, l, s.C)  # noqa: E731
+        logits, aux = forward(params, tokens, s, cfg, noise_of)
         ce = torch.nn.functional.cross_entropy(logits.view(-1, s.V), targets.reshape(-1))
         return logits, ce, aux
 
@@ -140,6 +168,8 @@ def write(path, case, seed):
         f.attrs["batch"] = np.int64(B)
         f.attrs["steps"] = np.int64(STEPS)
         f.attrs["hf_config"] = np.bytes_(json.dumps(cfg, indent=2))  # fixed-length: zero3d's h5 reads those
+        if j > 0:
+            f.attrs["jitter_seed"] = np.int64(case["jitter_seed"])
         for name, t in params.items():
             f.create_dataset(name, data=t.detach().numpy().astype(np.float32))
         logits, ce, aux = losses_of()
@@ -150,6 +180,7 @@ def write(path, case, seed):
 
         def step_loss():
             _, ce, aux = losses_of()
+            step[0] += 1
             return ce, ce + coef * aux
 
         losses, norms = write_adamw_steps(g, params, hp, STEPS, step_loss)
@@ -160,6 +191,7 @@ def write(path, case, seed):
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
     write(os.path.join(out, "mixtral_moe.h5"), CASE, seed=3300)
+    write(os.path.join(out, "mixtral_jitter.h5"), JITTER_CASE, seed=3300)
 
 
 if __name__ == "__main__":
