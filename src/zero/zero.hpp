@@ -243,7 +243,8 @@ class ZeroOptimizer : public ParamStore {
     bool hierarchical = false;             // MiCS hierarchical: `packed` holds the slices by node position
     bool primary = true;                   // gathered over the whole partition group (hpZ: fills the secondary)
   };
-  // k: the trace entry the gather is for (hpZ: a backward entry reads the secondary partition).
+  // param_fetch.cpp. k: the trace entry the gather is for (hpZ: a backward entry reads the
+  // secondary partition).
   void start_gather(int u, size_t k);
   void unpack_gathered(int u, Gathered& g);
   // shard_groups.cpp: MiCS's hierarchical gather, hpZ's secondary partition.
