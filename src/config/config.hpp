@@ -235,6 +235,9 @@ struct ZeroConfig {
   int mics_shard_size = 0;
   bool mics_hierarchical_params_gather = false;
   int hpz_partition_size = 1;
+  // zero_quantized_weights: ZeRO++'s qwZ, stage 3's parameter gathers in int8 groups
+  // (parallel/quantized_gather.hpp).
+  bool quantized_weights = false;
 };
 
 // fp16 / bf16 / communication_data_type / data_types (DEEPSPEED-FACTS §1.4, §2).

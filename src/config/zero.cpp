@@ -21,7 +21,7 @@ const std::vector<std::pair<const char*, nlohmann::json>> kZeroDefaultOnlyKeys =
     {"stage3_module_granularity_threshold", 0}, {"use_all_reduce_for_fetch_params", false},
     {"stage3_use_all_reduce_for_fetch_params", false}, {"allgather_sequential", false},
     {"stage3_allgather_sequential", false}, {"ignore_unused_parameters", true},
-    {"zero_quantized_nontrainable_weights", false}, {"zeropp_loco_param", nullptr}, {"memory_efficient_linear", true},
+    {"zeropp_loco_param", nullptr}, {"memory_efficient_linear", true},
     {"pipeline_loading_checkpoint", false}, {"override_module_apply", true}, {"log_trace_cache_warnings", false},
     {"enable_sanity_checks", false}, {"save_muon_momentum_buffer_in_memory", false}, {"zenflow", nullptr},
     {"leaf_module", nullptr}};
@@ -204,16 +204,26 @@ void read_shard_groups(Section& sec, Config& c) {
                         "which these groups do not cut)");
 }
 
-// ZeRO++'s quantized weights (qwZ) and gradients (qgZ): not in zero3d; refused with the reason.
-void refuse_quantized_collectives(Section& sec) {
-  for (const auto& [key, what] : {std::pair<const char*, const char*>{"zero_quantized_weights",
-                                                                      "ZeRO++'s qwZ (int8 block-quantised parameter "
-                                                                      "all-gather)"},
-                                  {"zero_quantized_gradients",
-                                   "ZeRO++'s qgZ (int4 block-quantised hierarchical all-to-all gradient reduction)"}})
-    if (sec.boolean(key, false))
-      sec.report_key(key, std::string(what) + " is not implemented in zero3d: its gathers and reductions move "
-                                              "parameters and gradients unquantised; remove the key or set it false");
+// ZeRO++'s quantized weights (qwZ; parallel/quantized_gather.hpp) and gradients (qgZ: not in
+// zero3d, refused with the reason). DeepSpeed reads zero_quantized_weights only in stage 3's
+// partition_parameters.py; its MiCS gathers (mics.py, with a coalescing manager) never quantise.
+void read_quantized_collectives(Section& sec, ZeroConfig& z) {
+  z.quantized_weights = sec.boolean("zero_quantized_weights", false);
+  if (z.quantized_weights && z.stage != 3)
+    sec.report_key("zero_quantized_weights", "ZeRO++'s qwZ quantises stage 3's parameter gathers (DeepSpeed applies it "
+                                             "at stage 3 only and ignores the key at stage " + std::to_string(z.stage) +
+                                             "); set zero_optimization.stage 3 or remove it");
+  if (z.quantized_weights && z.mics_shard_size > 0)
+    sec.report_key("zero_quantized_weights", "cannot be combined with mics_shard_size: DeepSpeed's MiCS gathers "
+                                             "(zero/mics.py) move the parameters unquantised and ignore the key");
+  if (sec.boolean("zero_quantized_nontrainable_weights", false))
+    sec.report_key("zero_quantized_nontrainable_weights",
+                   "stores frozen (requires_grad false) parameters as int8 groups in DeepSpeed; zero3d trains every "
+                   "parameter and has no frozen ones to store so; remove the key or set it false");
+  if (sec.boolean("zero_quantized_gradients", false))
+    sec.report_key("zero_quantized_gradients", "ZeRO++'s qgZ (int4 block-quantised hierarchical all-to-all gradient "
+                                               "reduction) is not implemented in zero3d: gradients are reduced "
+                                               "unquantised; remove the key or set it false");
 }
 
 }  // namespace
@@ -285,7 +295,7 @@ void read_zero(Section& top, Config& c, bool tuning) {
     if (sec.boolean(key, false)) c.zero.gather_16bit_weights_on_model_save = true;
   for (const auto& [key, deepspeed_default] : kZeroDefaultOnlyKeys) sec.accept_default_only(key, deepspeed_default);
   read_shard_groups(sec, c);
-  refuse_quantized_collectives(sec);
+  read_quantized_collectives(sec, c.zero);
   sec.finish();
 }
 
@@ -308,9 +318,13 @@ void check_zero_optimizer(Section& top, const Config& c) {
                                std::to_string(c.zero.stage));
 }
 
-// MiCS's hierarchical gather moves the parameters in their own dtype: torch_autocast's gathers
-// in the autocast dtype for the listed modules are not combined with it.
+// MiCS's hierarchical gather moves the parameters in their own dtype, qwZ's in int8:
+// torch_autocast's gathers in the autocast dtype for the listed modules are not combined with them.
 void check_shard_groups(Section& top, const Config& c) {
+  if (c.zero.quantized_weights && c.precision.autocast.dtype != DType::F32)
+    top.fail("zero_optimization.zero_quantized_weights",
+             "is not combined with torch_autocast here (qwZ's gathers move every parameter as int8 groups, "
+             "torch_autocast gathers its modules' parameters in the autocast dtype)");
   if (c.zero.mics_hierarchical_params_gather && c.precision.autocast.dtype != DType::F32)
     top.fail("zero_optimization.mics_hierarchical_params_gather",
              "is not combined with torch_autocast here (the hierarchical gather moves parameters in their own dtype, "

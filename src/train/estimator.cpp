@@ -14,6 +14,7 @@
 #include "base/input_file.hpp"
 #include "io/h5.hpp"
 #include "kernels/attention.hpp"
+#include "kernels/quantize.hpp"
 #include "model/model.hpp"
 #include "parallel/compressed_allreduce.hpp"
 #include "parallel/pipe_schedule.hpp"
@@ -398,6 +399,13 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
       const double packed = (2.0 * double(low) + 4.0 * double(psi - low)) / double(std::max<int64_t>(1, psi));
       b.comm_gather += static_cast<int64_t>(packed * double(largest_unit));
       b.comm_prefetch += static_cast<int64_t>(packed * double(prefetch));
+    }
+    if (cfg.zero.quantized_weights) {
+      // qwZ's packed bytes of a gather in flight (kernels/quantize.hpp: int8 values, a scale a
+      // group), beside the unit it lands in; each rank's slice adds at most 7 bytes of padding
+      // and one scale.
+      b.comm_gather += kernels::quantized_bytes(largest_unit) + 11 * dp;
+      b.comm_prefetch += prefetch > 0 ? kernels::quantized_bytes(prefetch) + 11 * dp : 0;
     }
     if (cfg.zero.hpz_partition_size > 1)  // hpZ's secondary partition: each unit's slice in the hpZ group
       for (const ParamUnit& u : units) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "zero/zero.hpp"
 
@@ -111,6 +112,9 @@ void ZeroOptimizer::start_gather(int u, size_t k) {
   const auto [lo, hi] = part_.owned(rank_, unit.offset, unit.offset + unit.numel);
   if (gathers_secondary(u, k)) {
     start_secondary_gather(u, g);
+  } else if (cfg_.quantized_weights) {
+    start_quantized_gather(dp_, g, counts, displs,
+                           param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_)));
   } else if (shards_.gather_inter) {
     start_hierarchical_gather(u, g, param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_)));
   } else if (!gather_segments_.empty() && gather_mixed_[static_cast<size_t>(u)]) {
@@ -163,6 +167,46 @@ void ZeroOptimizer::unpack_gathered(int u, Gathered& g) {
   gather_staging_.give_back(std::move(g.packed));
 }
 
+// qwZ: 16-bit parameters are quantised from their values widened to fp32 (DeepSpeed's kernel reads
+// the fp16 values into fp32 the same way) and dequantised in fp32, then rounded to their type.
+void ZeroOptimizer::start_quantized_gather(Communicator& group, Gathered& g, std::vector<int64_t> counts,
+                                           std::vector<int64_t> displs, const void* own) {
+  g.quantized.emplace(std::move(counts));
+  g.displs = std::move(displs);
+  g.packed = gather_staging_.take(g.quantized->total);
+  const int64_t n = g.quantized->counts[static_cast<size_t>(group.rank())];
+  if (types_.param == DType::F32) {
+    g.pending = start_quantized_all_gather(group, *g.quantized, static_cast<const float*>(own), g.packed.data());
+    return;
+  }
+  kernels::StagingBuffer widened = gather_staging_.take(4 * n);
+  convert_any(widened.data(), DType::F32, own, types_.param, n);
+  g.pending = start_quantized_all_gather(group, *g.quantized, reinterpret_cast<const float*>(widened.data()),
+                                         g.packed.data());
+  gather_staging_.give_back(std::move(widened));
+}
+
+// Every rank's slice, this rank's own included, dequantised into the unit: all ranks compute with
+// the same weights (DeepSpeed dequantises the whole gathered buffer).
+void ZeroOptimizer::unpack_quantized(Gathered& g) {
+  const QuantizedGatherPlan& plan = *g.quantized;
+  kernels::StagingBuffer narrowed;
+  if (types_.param != DType::F32)
+    narrowed = gather_staging_.take(4 * *std::max_element(plan.counts.begin(), plan.counts.end()));
+  for (size_t r = 0; r < plan.counts.size(); ++r) {
+    void* out = g.buffer.at(g.displs[r]);
+    if (types_.param == DType::F32) {
+      dequantize_gathered_slice(plan, g.packed.data(), static_cast<int>(r), static_cast<float*>(out));
+    } else {
+      dequantize_gathered_slice(plan, g.packed.data(), static_cast<int>(r), reinterpret_cast<float*>(narrowed.data()));
+      convert_any(out, types_.param, narrowed.data(), DType::F32, plan.counts[r]);
+    }
+  }
+  gather_staging_.give_back(std::move(narrowed));
+  gather_staging_.give_back(std::move(g.packed));
+  g.quantized.reset();
+}
+
 void ZeroOptimizer::free_gathered(int u) {
   auto it = gathered_.find(u);
   if (it == gathered_.end()) return;
@@ -193,6 +237,7 @@ const void* ZeroOptimizer::fetch(int u) {
     g.pending->wait();
     g.pending.reset();
     if (g.hierarchical) unpack_hierarchical(u, g);
+    else if (g.quantized) unpack_quantized(g);
     else if (!g.packed.empty()) unpack_gathered(u, g);
     if (g.primary && shards_.hpz) keep_secondary(u, g);
   }

@@ -80,10 +80,14 @@ void ZeroOptimizer::start_secondary_gather(int u, Gathered& g) {
     counts[r] = b - a;
     displs[r] = a;
   }
+  g.primary = false;
+  if (cfg_.quantized_weights) {  // qwZ quantises the secondary gathers too (DeepSpeed's use_secondary_tensor path)
+    start_quantized_gather(group, g, counts, displs, secondary_[static_cast<size_t>(u)].data());
+    return;
+  }
   const auto [a, b] = split.owned(group.rank(), 0, unit.numel);
   convert_any(g.buffer.at(a), types_.param, secondary_[static_cast<size_t>(u)].data(), types_.param, b - a);
   g.pending = group.all_gather_v_async(g.buffer.data(), counts, displs, types_.param);
-  g.primary = false;
 }
 
 // hpZ's secondary partition: this rank's slice of the unit split over the hpZ group, kept from

@@ -46,6 +46,7 @@
 #include "parallel/comm.hpp"
 #include "parallel/grad_reducer.hpp"
 #include "parallel/partition.hpp"
+#include "parallel/quantized_gather.hpp"
 #include "zero/shard_groups.hpp"
 
 namespace zero3d {
@@ -241,12 +242,18 @@ class ZeroOptimizer : public ParamStore {
     std::unique_ptr<CommRequest> pending;  // prefetch in flight
     kernels::StagingBuffer packed;         // torch_autocast: the gather's bytes, mixed dtypes (else empty)
     bool hierarchical = false;             // MiCS hierarchical: `packed` holds the slices by node position
+    std::optional<QuantizedGatherPlan> quantized;  // qwZ: `packed` holds every rank's int8 groups and scales,
+    std::vector<int64_t> displs;                   // and rank r's slice goes to displs[r] in the unit
     bool primary = true;                   // gathered over the whole partition group (hpZ: fills the secondary)
   };
   // param_fetch.cpp. k: the trace entry the gather is for (hpZ: a backward entry reads the
   // secondary partition).
   void start_gather(int u, size_t k);
   void unpack_gathered(int u, Gathered& g);
+  // qwZ: the slices (counts, displs in the unit) over `group`, own = this rank's, quantised.
+  void start_quantized_gather(Communicator& group, Gathered& g, std::vector<int64_t> counts,
+                              std::vector<int64_t> displs, const void* own);
+  void unpack_quantized(Gathered& g);
   // shard_groups.cpp: MiCS's hierarchical gather, hpZ's secondary partition.
   void start_hierarchical_gather(int u, Gathered& g, const void* own);
   void unpack_hierarchical(int u, Gathered& g);

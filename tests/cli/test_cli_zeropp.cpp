@@ -1,8 +1,13 @@
-// test_cli_zeropp.cpp — MiCS and ZeRO++'s hpZ through `zero3d train` (issue 34; FACTS-2 §3.6),
+// test_cli_zeropp.cpp — MiCS and ZeRO++'s hpZ and qwZ through `zero3d train` (issue 34; FACTS-2 §3.6),
 // on 4 ranks in 2 emulated nodes (ZERO3D_RANKS_PER_NODE=2: ranks 0-1 and 2-3 share a node).
 // Each layout trains the losses of the single-rank run; each group's bytes are intra-node or
 // inter-node by where its ranks lie, and the bytes show where the collectives went.
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <numeric>
 
 #include "support/cli_helpers.hpp"
 
@@ -47,8 +52,12 @@ TEST(ZeroPlusPlus, MisplacedOrUnfinishedKeysAreRejectedWithTheReason) {
       {zero({{"stage", 1}, {"zero_hpz_partition_size", 2}}),
        "ZeRO++'s hpZ (a secondary partition of the parameters) is ZeRO-3's"},
       {zero({{"zero_hpz_partition_size", 2}, {"mics_shard_size", 2}}), "cannot be combined with mics_shard_size"},
-      {zero({{"zero_quantized_weights", true}}), "qwZ (int8 block-quantised parameter all-gather) is not implemented"},
+      {zero({{"stage", 2}, {"zero_quantized_weights", true}}), "qwZ quantises stage 3's parameter gathers"},
+      {zero({{"zero_quantized_weights", true}, {"mics_shard_size", 2}}), "DeepSpeed's MiCS gathers"},
+      {json{{"zero_optimization", {{"zero_quantized_weights", true}}}, {"torch_autocast", {{"enabled", true}}}},
+       "zero_quantized_weights`: is not combined with torch_autocast"},
       {zero({{"zero_quantized_gradients", true}}), "qgZ"},
+      {zero({{"zero_quantized_nontrainable_weights", true}}), "has no frozen ones to store so"},
       {json{{"zero_optimization", {{"mics_shard_size", 2}}}, {"pipeline", {{"stages", 2}}}},
        "is not run with pipeline.stages 2"}};
   for (const auto& [patch, message] : cases) {
@@ -107,17 +116,24 @@ TEST(ZeroPlusPlus, MicsHierarchicalGatherCrossesNodesWithFewerBytes) {
   }
 }
 
+// Trains c for 4 steps at np 4 and returns their rows; then, apart, for 2 steps saving a
+// checkpoint at step 2, and leaves c set up to resume from it to step 4.
+std::vector<json> train_and_save_at_step_2(json& c, const std::string& tag) {
+  const std::vector<json> whole = train(c, tag + "_whole", 4);
+  c["training"]["save_interval"] = 2;
+  c["training"]["save_dir"] = temp_path(tag + "_ckpt");
+  c["training"]["steps"] = 2;
+  train(c, tag + "_first", 4);
+  c["training"]["steps"] = 4;
+  c["training"]["resume"] = "auto";
+  return whole;
+}
+
 TEST(ZeroPlusPlus, MicsCheckpointsResumeAndLoadAtAnotherWorldSize) {
   json c = zero3_config();
   c["zero_optimization"]["mics_shard_size"] = 2;
-  const std::vector<json> whole = train(c, "zpp_ck_whole", 4);
+  const std::vector<json> whole = train_and_save_at_step_2(c, "zpp_ck");
   ASSERT_EQ(whole.size(), 4u);
-  c["training"]["save_interval"] = 2;
-  c["training"]["save_dir"] = temp_path("zpp_ckpt");
-  c["training"]["steps"] = 2;
-  train(c, "zpp_ck_first", 4);
-  c["training"]["steps"] = 4;
-  c["training"]["resume"] = "auto";
   // the checkpoint of step 2 on one rank (no MiCS, nothing saved): the flat buffers load into any layout
   json one = c;
   one["zero_optimization"].erase("mics_shard_size");
@@ -154,6 +170,170 @@ TEST(ZeroPlusPlus, HpzKeepsTheBackwardGathersInsideTheNode) {
     EXPECT_EQ(link_bytes(zero3[s], "intra_node"), 0);
     EXPECT_GT(hpz[s].at("memory").at("hpz_secondary").get<int64_t>(), 0);
   }
+}
+
+// qwZ's gathers: each rank's slice of a unit travels as int8 values padded to 8 and one fp32
+// scale per group, DeepSpeed's CUDAQuantizer grouping (groups = ⌈n8/8000⌉, raised until they cut
+// n8 into multiples of 8).
+int64_t quantized_slice_bytes(int64_t n) {
+  const int64_t n8 = (n + 7) / 8 * 8;
+  if (n8 == 0) return 0;
+  int64_t groups = (n8 + 7999) / 8000;
+  while (n8 % (8 * groups) != 0) ++groups;
+  return n8 + 4 * groups;
+}
+
+// The tiny model's ZeRO-3 units (V 64, T 16, C 32, L 2): wte+wpe, two blocks of 12C²+13C, ln_f.
+const std::vector<int64_t> kUnits = {2560, 12704, 12704, 64};
+
+// Bytes of one quantised gather of unit u over np ranks: the slices ZeRO's flat partition gives each rank.
+int64_t quantized_unit_bytes(size_t u, int np) {
+  int64_t offset = 0;
+  for (size_t v = 0; v < u; ++v) offset += kUnits[v];
+  const ZeroSplit split = zero_split(std::accumulate(kUnits.begin(), kUnits.end(), int64_t{0}), np);
+  int64_t bytes = 0;
+  for (int r = 0; r < np; ++r) {
+    const int64_t lo = std::max(offset, r * split.part), hi = std::min(offset + kUnits[u], (r + 1) * split.part);
+    bytes += quantized_slice_bytes(std::max<int64_t>(0, hi - lo));
+  }
+  return bytes;
+}
+
+// A group's all_gather records over a run (comms_logger.json): message bytes -> count.
+std::map<int64_t, int64_t> gathers(const std::string& dir, const char* group = "data") {
+  std::map<int64_t, int64_t> out;
+  const json log = json::parse(slurp(dir + "/comms_logger.json"));  // held: the loop reads into it
+  for (const json& axis : log.at("axes"))
+    if (axis.at("axis") == group)
+      for (const json& rec : axis.at("records"))
+        if (rec.at("op") == "all_gather") out[rec.at("msg_size").get<int64_t>()] += rec.at("count").get<int64_t>();
+  return out;
+}
+
+// What a group's gathers become under qwZ, from its gathers in the same run without it (fp32, or
+// 2 bytes an element with bf16): unit u's gathers (message 4n; the two blocks share one size, half
+// of those gathers each) move `quantized(u)` bytes instead, over a group of `ranks`. Bus bytes:
+// (ranks−1)/ranks of a message.
+struct QuantizedGathers {
+  std::map<int64_t, int64_t> records;  // message bytes -> count
+  int64_t fp32_bus = 0, int8_bus = 0;
+};
+QuantizedGathers quantized_from(const std::map<int64_t, int64_t>& fp32, int ranks,
+                                const std::function<int64_t(size_t)>& quantized, int64_t element_bytes = 4) {
+  QuantizedGathers q;
+  int64_t seen = 0;
+  for (size_t u = 0; u < kUnits.size(); ++u) {
+    const auto it = fp32.find(element_bytes * kUnits[u]);
+    if (it == fp32.end()) continue;
+    const int64_t count = it->second / (u == 1 || u == 2 ? 2 : 1);
+    q.records[quantized(u)] += count;
+    q.fp32_bus += count * (element_bytes * kUnits[u] * (ranks - 1) / ranks);
+    q.int8_bus += count * (quantized(u) * (ranks - 1) / ranks);
+    seen += count;
+  }
+  int64_t all = 0;
+  for (const auto& [bytes, count] : fp32) all += count;
+  EXPECT_EQ(seen, all) << "every fp32 gather is one of a unit";
+  return q;
+}
+
+// qwZ over 20 steps: the losses stay within 1% of ZeRO-3's (the weights each rank computes with
+// are the dequantised ones, |error| ≤ max|group|/128), and every gather of ZeRO-3 (4 bytes an
+// element) is one of qwZ's of exactly the quantised slices' bytes: about 4x fewer.
+void expect_quantized_gathers_close_to_zero3(int np) {
+  json c = zero3_config();
+  c["train_batch_size"] = 2 * np;
+  c["training"]["steps"] = 20;
+  c["comms_logger"] = {{"enabled", true}};
+  const std::string tag = "zpp_q" + std::to_string(np);
+  const std::vector<json> zero3 = train(c, tag + "_z3", np, "");
+  c["zero_optimization"]["zero_quantized_weights"] = true;
+  const std::vector<json> qwz = train(c, tag + "_qwz", np, "");
+  ASSERT_EQ(qwz.size(), 20u);
+  ASSERT_EQ(zero3.size(), 20u);
+  expect_losses_close(losses_of(qwz), losses_of(zero3), 1e-2, "qwZ vs ZeRO-3 at np " + std::to_string(np));
+  EXPECT_NE(losses_of(qwz), losses_of(zero3));  // the weights computed with are quantised
+  const std::map<int64_t, int64_t> fp32 = gathers(temp_path(tag + "_z3"));
+  ASSERT_EQ(fp32.size(), 3u) << "np " << np;  // the embedding, the blocks (one size), ln_f
+  const QuantizedGathers want =
+      quantized_from(fp32, np, [np](size_t u) { return quantized_unit_bytes(u, np); });
+  EXPECT_EQ(gathers(temp_path(tag + "_qwz")), want.records) << "np " << np;
+  // metrics.jsonl: the data group's bytes fall by the gathers' difference, the same every step
+  for (size_t s = 0; s < qwz.size(); ++s)
+    EXPECT_EQ(axis_bytes(zero3[s], "data") - axis_bytes(qwz[s], "data"), (want.fp32_bus - want.int8_bus) / 20)
+        << "np " << np << " step " << s + 1;
+  EXPECT_GT(double(want.fp32_bus) / double(want.int8_bus), 3.9) << "np " << np;
+}
+
+TEST(ZeroPlusPlus, QuantizedWeightsGatherInt8GroupsAndTrainCloseToZero3AtNp2) {
+  expect_quantized_gathers_close_to_zero3(2);
+}
+
+TEST(ZeroPlusPlus, QuantizedWeightsGatherInt8GroupsAndTrainCloseToZero3AtNp4) {
+  expect_quantized_gathers_close_to_zero3(4);
+}
+
+// hpZ with qwZ on 2 emulated nodes: the data group's gathers and the backward's gathers in the
+// node group (DeepSpeed quantises the secondary tensor's gather too, h = 2: the unit's halves)
+// both move int8 groups.
+TEST(ZeroPlusPlus, QuantizedWeightsWithHpzQuantiseTheNodeGathersToo) {
+  json c = zero3_config();
+  c["zero_optimization"]["zero_hpz_partition_size"] = 2;
+  c["comms_logger"] = {{"enabled", true}};
+  const std::vector<json> hpz = train(c, "zpp_qhpz_plain", 4);
+  c["zero_optimization"]["zero_quantized_weights"] = true;
+  const std::vector<json> qhpz = train(c, "zpp_qhpz", 4);
+  ASSERT_EQ(qhpz.size(), 4u);
+  ASSERT_EQ(hpz.size(), 4u);
+  expect_losses_close(losses_of(qhpz), losses_of(hpz), 1e-2, "qwZ with hpZ vs hpZ");
+  const QuantizedGathers data = quantized_from(gathers(temp_path("zpp_qhpz_plain")), 4,
+                                               [](size_t u) { return quantized_unit_bytes(u, 4); });
+  const QuantizedGathers node = quantized_from(gathers(temp_path("zpp_qhpz_plain"), "hpz"), 2, [](size_t u) {
+    return quantized_slice_bytes(kUnits[u] / 2) + quantized_slice_bytes(kUnits[u] - kUnits[u] / 2);
+  });
+  EXPECT_FALSE(node.records.empty());
+  EXPECT_EQ(gathers(temp_path("zpp_qhpz")), data.records);
+  EXPECT_EQ(gathers(temp_path("zpp_qhpz"), "hpz"), node.records);
+  for (size_t s = 0; s < qhpz.size(); ++s) {
+    EXPECT_EQ(axis_bytes(qhpz[s], "hpz"), node.int8_bus / 4) << "step " << s + 1;
+    EXPECT_EQ(axis_bytes(hpz[s], "data") - axis_bytes(qhpz[s], "data"), (data.fp32_bus - data.int8_bus) / 4)
+        << "step " << s + 1;
+  }
+}
+
+// bf16 parameters: quantised from their values, dequantised and rounded back to bf16; the gathers
+// move the int8 groups instead of 2 bytes an element, and the losses stay within 1% of bf16's.
+TEST(ZeroPlusPlus, QuantizedWeightsWithBf16ParametersGatherHalfTheBytes) {
+  json c = zero3_config();
+  c["train_batch_size"] = 4;
+  c["bf16"] = {{"enabled", true}};
+  c["comms_logger"] = {{"enabled", true}};
+  const std::vector<json> bf16 = train(c, "zpp_qbf16_plain", 2, "");
+  c["zero_optimization"]["zero_quantized_weights"] = true;
+  const std::vector<json> qbf16 = train(c, "zpp_qbf16", 2, "");
+  ASSERT_EQ(qbf16.size(), 4u);
+  ASSERT_EQ(bf16.size(), 4u);
+  expect_losses_close(losses_of(qbf16), losses_of(bf16), 1e-2, "qwZ vs ZeRO-3 in bf16");
+  const QuantizedGathers want = quantized_from(
+      gathers(temp_path("zpp_qbf16_plain")), 2, [](size_t u) { return quantized_unit_bytes(u, 2); }, 2);
+  EXPECT_EQ(gathers(temp_path("zpp_qbf16")), want.records);
+  for (size_t s = 0; s < qbf16.size(); ++s)
+    EXPECT_EQ(axis_bytes(bf16[s], "data") - axis_bytes(qbf16[s], "data"), (want.fp32_bus - want.int8_bus) / 4)
+        << "step " << s + 1;
+  EXPECT_GT(double(want.fp32_bus) / double(want.int8_bus), 1.95);
+}
+
+// The partition and the optimizer stay full precision: a qwZ run saved at step 2 and resumed
+// continues bit for bit.
+TEST(ZeroPlusPlus, QuantizedWeightsCheckpointsResumeBitForBit) {
+  json c = zero3_config();
+  c["zero_optimization"]["zero_quantized_weights"] = true;
+  const std::vector<json> whole = train_and_save_at_step_2(c, "zpp_qck");
+  ASSERT_EQ(whole.size(), 4u);
+  const std::vector<json> resumed = train(c, "zpp_qck_resumed", 4);
+  ASSERT_EQ(resumed.size(), 2u);
+  for (size_t s = 0; s < resumed.size(); ++s)
+    EXPECT_EQ(resumed[s].at("loss").get<double>(), whole[s + 2].at("loss").get<double>()) << "step " << s + 3;
 }
 
 }  // namespace

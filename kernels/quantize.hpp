@@ -1,0 +1,101 @@
+// quantize.hpp — ZeRO++'s qwZ quantiser (Wang et al. 2023 §4.1): symmetric int8 quantisation of a
+// buffer in groups, one fp32 scale a group, as DeepSpeed's CUDAQuantizer does for the stage-3
+// parameter all-gather (runtime/zero/partition_parameters.py CUDAQuantizer; the kernels in
+// csrc/includes/quantization_utils.h, Params<Symmetric, 8>).
+//
+// A buffer of n values is padded with zeros to n8 = a multiple of 8 (DeepSpeed asserts that n is
+// one; zeros leave every group's maximum as it is) and cut into quant_groups(n) equal groups.
+// Group g with m = max|x|: s = 2^8 / (2m) (1 when m = 0), q = clamp(rint(x·s), −128, 127) with ties
+// to even (__float2int_rn; std::nearbyint in the default rounding mode), and the scale stored and
+// sent is 1/s; a value comes back as q·(1/s). Error: at most (1/s)/2 = m/256 for every value
+// except +m itself, which clamps from 128 to 127 (error m/128).
+// Reference: tests/golden/make_quantize_goldens.py.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/common.hpp"
+
+namespace zero3d::kernels {
+
+constexpr Index kQuantTargetGroup = 8000;  // CUDAQuantizer.target_group_size
+inline Index quant_padded(Index n) { return (n + 7) / 8 * 8; }
+
+// CUDAQuantizer.quantize's group count for n8 elements: ceil(n8 / 8000), raised until the groups
+// split n8 into whole multiples of 8. (Its second loop, doubling the groups while a group holds
+// over 8000 elements, never applies after the first: the groups already hold at most 8000.)
+inline Index quant_groups(Index n) {
+  const Index n8 = quant_padded(n);
+  if (n8 == 0) return 0;
+  Index groups = (n8 + kQuantTargetGroup - 1) / kQuantTargetGroup;
+  while (n8 % (8 * groups) != 0) ++groups;
+  return groups;
+}
+
+// The bytes of n quantised values: n8 int8 values, then one fp32 scale a group.
+inline int64_t quantized_bytes(Index n) { return quant_padded(n) + 4 * quant_groups(n); }
+
+namespace gpu {
+
+// A team per group and Kokkos' max reduction over its elements.
+ZERO3D_KERNEL void group_absmax(const float* x, Index n, Index groups, Index group, float* m) {
+  Kokkos::parallel_for(
+      "quant_group_absmax", Kokkos::TeamPolicy<ExecSpace>(static_cast<int>(groups), Kokkos::AUTO),
+      KOKKOS_LAMBDA(const Kokkos::TeamPolicy<ExecSpace>::member_type& team) {
+        const Index lo = team.league_rank() * group, hi = lo + group < n ? lo + group : n;
+        float best = 0.0f;
+        Kokkos::parallel_reduce(
+            Kokkos::TeamThreadRange(team, lo < hi ? hi - lo : Index(0)),
+            [&](Index i, float& acc) {
+              const float a = std::fabs(x[lo + i]);
+              acc = a > acc ? a : acc;
+            },
+            Kokkos::Max<float>(best));
+        Kokkos::single(Kokkos::PerTeam(team), [&]() { m[team.league_rank()] = best; });
+      });
+}
+
+}  // namespace gpu
+
+// x (n fp32) -> q (quant_padded(n) int8, the padding 0) and scales (quant_groups(n) fp32, 1/s).
+ZERO3D_KERNEL void quantize_int8(const float* x, Index n, int8_t* q, float* scales) {
+  const Index groups = quant_groups(n);
+  if (groups == 0) return;
+  const Index group = quant_padded(n) / groups;
+#ifdef ZERO3D_DEVICE
+  gpu::group_absmax(x, n, groups, group, scales);
+#else
+  Kokkos::parallel_for(
+      "quant_group_absmax", range(groups), KOKKOS_LAMBDA(Index g) {
+        const Index lo = g * group, hi = lo + group < n ? lo + group : n;
+        float m = 0.0f;
+        for (Index i = lo; i < hi; ++i) m = std::fabs(x[i]) > m ? std::fabs(x[i]) : m;
+        scales[g] = m;
+      });
+#endif
+  // The group maxima become the stored scales 1/s once every value of their group is quantised.
+  Kokkos::parallel_for(
+      "quantize_int8", range(quant_padded(n)), KOKKOS_LAMBDA(Index i) {
+        const float m = scales[i / group], s = m == 0.0f ? 1.0f : 256.0f / (2.0f * m);
+        float v = i < n ? std::nearbyint(x[i] * s) : 0.0f;
+        v = v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v;
+        q[i] = static_cast<int8_t>(v);
+      });
+  Kokkos::parallel_for(
+      "quant_scales", range(groups), KOKKOS_LAMBDA(Index g) {
+        const float m = scales[g];
+        scales[g] = m == 0.0f ? 1.0f : 1.0f / (256.0f / (2.0f * m));
+      });
+}
+
+// q (n of them) and scales (1/s a group, as quantize_int8 wrote them) -> x (n fp32).
+ZERO3D_KERNEL void dequantize_int8(const int8_t* q, const float* scales, Index n, float* x) {
+  const Index groups = quant_groups(n);
+  if (groups == 0) return;
+  const Index group = quant_padded(n) / groups;
+  Kokkos::parallel_for(
+      "dequantize_int8", range(n), KOKKOS_LAMBDA(Index i) { x[i] = static_cast<float>(q[i]) * scales[i / group]; });
+}
+
+}  // namespace zero3d::kernels
