@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 
+#include "kernels/quantize.hpp"
 #include "parallel/compressed_allreduce.hpp"
 #include "parallel/grad_reducer.hpp"
 #include "parallel/partition.hpp"
@@ -135,11 +136,23 @@ CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int
     const int nodes = static_cast<int>(by_node.size()), k = static_cast<int>(by_node.begin()->second.size());
     GroupBytes inter{"mics_inter", nodes, nodes == 1, 0}, intra{"mics_intra", k, true, 0};
     std::set<int> primary;  // units whose hpZ secondary slice this step already holds (keep_secondary)
+    // qwZ (parallel/quantized_gather.hpp): each of `ranks` slices of [offset, offset + numel) under
+    // `split` as int8 groups and their scales, gathered as bytes.
+    const auto quantized = [](const Partition& split, int ranks, int64_t offset, int64_t numel) {
+      int64_t bytes = 0;
+      for (int r = 0; r < ranks; ++r) {
+        const auto [a, b] = split.owned(r, offset, offset + numel);
+        bytes += kernels::quantized_bytes(b - a);
+      }
+      return bytes;
+    };
     for (const auto& [u, pos] : g.gathers) {
       const ParamUnit& unit = units[static_cast<size_t>(u)];
       const bool backward = pos < plan.trace_backward.size() && plan.trace_backward[pos];
       if (hpz > 1 && backward && primary.count(u)) {  // start_secondary_gather
-        secondary.add(bus(ring(hpz), unit.numel, types.param));
+        secondary.add(zero.quantized_weights
+                          ? bus(ring(hpz), quantized(Partition(unit.numel, hpz), hpz, 0, unit.numel), DType::U8)
+                          : bus(ring(hpz), unit.numel, types.param));
       } else if (hierarchical) {  // start_hierarchical_gather: across nodes at position 0, then inside the node
         int64_t across = 0;
         for (const auto& [node, ds] : by_node) {
@@ -159,6 +172,8 @@ CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int
           mixed = mixed || types.low(i);
         }
         partition_group.add(mixed ? bus(ring(W), bytes, DType::U8) : bus(ring(W), unit.numel, types.param));
+      } else if (zero.quantized_weights) {
+        partition_group.add(bus(ring(W), quantized(part, W, unit.offset, unit.numel), DType::U8));
       } else {
         partition_group.add(bus(ring(W), unit.numel, types.param));
       }
