@@ -27,8 +27,10 @@ declare -A MODES=(
   [mics2]="${S3[*]} --set zero_optimization.mics_shard_size=2"
   [mics4_hierarchical]="${S3[*]} --set zero_optimization.mics_shard_size=4 --set zero_optimization.mics_hierarchical_params_gather=true"
   [hpz2]="${S3[*]} --set zero_optimization.zero_hpz_partition_size=2"
+  [zeropp_qwz]="${S3[*]} --set zero_optimization.zero_quantized_weights=true"
+  [zeropp_qwz_hpz2]="${S3[*]} --set zero_optimization.zero_quantized_weights=true --set zero_optimization.zero_hpz_partition_size=2"
 )
-ORDER=(adamw_zero0 onebit_adam onebit_lamb zero3 mics2 mics4_hierarchical hpz2)
+ORDER=(adamw_zero0 onebit_adam onebit_lamb zero3 mics2 mics4_hierarchical hpz2 zeropp_qwz zeropp_qwz_hpz2)
 for mode in "${ORDER[@]}"; do
   # shellcheck disable=SC2086
   args=("${BASE[@]}" ${MODES[$mode]})

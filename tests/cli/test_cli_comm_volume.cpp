@@ -80,7 +80,7 @@ TEST(CommVolume, EveryZeroStageMovesThePredictedBytes) {
   for (const Case& k : cases) expect_estimate_equals_run(k);
 }
 
-TEST(CommVolume, MicsAndHpzGroupsMoveThePredictedBytesOnTheirLinks) {
+TEST(CommVolume, ZeroPlusPlusAndMicsGroupsMoveThePredictedBytesOnTheirLinks) {
   const json s3 = {{"stage", 3}, {"param_persistence_threshold", 0}, {"max_reuse_distance", 0}};
   const auto with = [&](const json& keys) {
     json z = s3;
@@ -90,7 +90,10 @@ TEST(CommVolume, MicsAndHpzGroupsMoveThePredictedBytesOnTheirLinks) {
   for (const Case& k : std::vector<Case>{{"mics2", with({{"mics_shard_size", 2}})},
                                          {"mics4_hierarchical",
                                           with({{"mics_shard_size", 4}, {"mics_hierarchical_params_gather", true}})},
-                                         {"hpz2", with({{"zero_hpz_partition_size", 2}})}})
+                                         {"hpz2", with({{"zero_hpz_partition_size", 2}})},
+                                         // ZeRO++'s qwZ: int8 groups and their scales, in the data group and hpZ's
+                                         {"qwz", with({{"zero_quantized_weights", true}})},
+                                         {"qwz_hpz2", with({{"zero_quantized_weights", true}, {"zero_hpz_partition_size", 2}})}})
     expect_estimate_equals_run(k);
 }
 
