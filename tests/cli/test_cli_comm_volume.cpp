@@ -47,8 +47,9 @@ void expect_estimate_equals_run(const Case& k, const std::string& env = "ZERO3D_
   for (const auto& [axis, bytes] : predicted.at("comm_bytes_by_axis").items())
     EXPECT_EQ(measured.at("comm_bytes_by_axis").at(axis).get<int64_t>(), bytes.get<int64_t>()) << axis;
   const json& axes = measured.at("comm_bytes_by_axis");
-  if (axes.at("tensor").get<int64_t>() == 0 && axes.at("pipe").get<int64_t>() == 0)
+  if (axes.at("tensor").get<int64_t>() == 0 && axes.at("pipe").get<int64_t>() == 0) {
     EXPECT_EQ(measured.at("comm_bytes_by_link"), predicted.at("comm_bytes_by_link"));
+  }
 }
 
 TEST(CommVolume, EveryZeroStageMovesThePredictedBytes) {

@@ -117,7 +117,9 @@ TEST(PaddedVocabulary, CheckpointsResumeAcrossPaddingsAndLayouts) {
   ASSERT_EQ(inspect.code, 0) << inspect.err;
   const json report = json::parse(inspect.out);
   for (const json& ts : report.at("tensors"))
-    if (ts.at("name") == "wte.weight") EXPECT_EQ(ts.at("shape"), json::array({61, 32}));
+    if (ts.at("name") == "wte.weight") {
+      EXPECT_EQ(ts.at("shape"), json::array({61, 32}));
+    }
 }
 
 // The converted weights hold the real V rows and nothing else: from the same parameters (one
@@ -193,7 +195,7 @@ TEST(PaddedVocabulary, MemoryPlanCountsThePaddingRows) {
 // Only a positive integer is a multiple: anything else exits 2 with one line naming the key.
 TEST(PaddedVocabulary, AValueThatIsNotAPositiveIntegerIsRefusedNamingTheKey) {
   const std::string config = write_config("gpt2_bad_pad.json", gpt2_config());
-  for (const std::string& bad : {"0", "-128", "1.5", "'\"128\"'", "true"}) {
+  for (const char* bad : {"0", "-128", "1.5", "'\"128\"'", "true"}) {
     const Result r = run("validate " + config + " --set model.make_vocab_size_divisible_by=" + bad);
     expect_one_line_rejection(r, "model.make_vocab_size_divisible_by");
   }

@@ -25,7 +25,7 @@ TEST(ObserverBreakdown, AllgatherPhaseLeavesOutWhatCameBetweenSteps) {
   const Config cfg = read_config(j, "observer.json", world.size());
   const GPTShape shape{64, 16, 1, 2, 32};
   GPT model(shape, 1, 16);
-  Observer observer(cfg, world.rank(), ObservedComms{&data, nullptr, nullptr, &world, nullptr, nullptr}, model, "", 1.0);
+  Observer observer(cfg, world.rank(), ObservedComms{&data, nullptr, nullptr, &world, nullptr, nullptr, {}}, model, "", 1.0);
   ASSERT_NE(data.log(), nullptr);
   const auto step = [&](int64_t n, double during, double after) {
     observer.begin_step(n);
