@@ -328,10 +328,10 @@ struct ActivationBuffer {
   // load-balancing loss over all its layers).
   uint64_t draw_key = 0;
   bool training = true;
-  // The micro-batch's first global sample: the key of its dropout masks with the sample index
-  // (kernels/dropout.hpp), the same on every layout. Dropout runs only when `training`.
+  // The micro-batch's first global sample: the key of its dropout masks and of Mixtral's router
+  // jitter with the sample index (kernels/dropout.hpp), the same on every layout; both run only
+  // when `training`.
   int64_t first_sample = 0;
-  int64_t draw_sample() const { return static_cast<int64_t>(draw_key >> 1); }  // draw_key = 2·sample + eval
   double aux_loss = 0.0;
   // Mixtral's load-balancing loss over every layer of the micro-batch, whichever stages hold
   // them (GPT::mixtral_router_loss): per expert the choices and then the summed probabilities of

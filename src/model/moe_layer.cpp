@@ -154,7 +154,7 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
     moe::jitter_forward(moe_tokens_c_, a.ln_2, m.gate_noise, S * C);
     gate_in = moe_tokens_c_;
   } else if (mixtral && moe_.router_jitter_noise > 0.0 && buf.training) {
-    mixtral_jitter(m.gate_noise, moe_, shape_.n_layer, block, buf.draw_sample() * T_, S, C);
+    mixtral_jitter(m.gate_noise, moe_, shape_.n_layer, block, buf.first_sample * T_, S, C);
     moe::jitter_forward(moe_tokens_c_, a.ln_2, m.gate_noise, S * C);
     gate_in = moe_tokens_c_;
   }
