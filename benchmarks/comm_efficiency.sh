@@ -6,8 +6,12 @@
 # predicts each mode's step time on 2–64 nodes of RANKS_PER_NODE ranks (8 by default), with
 # the compute time of a step measured on one rank (the per-rank work of data parallelism).
 # Model: t = compute + Σ_groups calls·(W−1)·α + bytes/β_link (no overlap: an upper bound).
-# The uncompressed peers (AdamW at ZeRO-0, ZeRO-3) come from the same run.
-# Usage: benchmarks/comm_efficiency.sh [BUILD_DIR] [WORKDIR]
+# The uncompressed peers (AdamW at ZeRO-0, ZeRO-3) come from the same run. 0/1 Adam's bytes change
+# with its phase: it runs 8 steps with short intervals, every phase of §5.4 among them, and each
+# step is printed against the estimate of that step (`estimate --step S`); a mode's time model
+# averages its steady phases over the steps measured (`estimate --step-range`; a 1-bit
+# optimizer's initialisation step and warm-up left out).
+# Usage: benchmarks/comm_efficiency.sh [BUILD_DIR] [WORKDIR]  (MODES="adamw_zero0 zero_one_adam": a subset)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -23,6 +27,7 @@ declare -A MODES=(
   [adamw_zero0]=""
   [onebit_adam]="--set optimizer.type=OneBitAdam --set optimizer.params.freeze_step=2"
   [onebit_lamb]="--set optimizer.type=OneBitLamb --set optimizer.params.freeze_step=2"
+  [zero_one_adam]="--set optimizer.type=ZeroOneAdam --set optimizer.params.var_freeze_step=3 --set optimizer.params.var_update_scaler=1 --set optimizer.params.local_step_scaler=1 --set optimizer.params.local_step_clipper=4"
   [zero3]="${S3[*]}"
   [mics2]="${S3[*]} --set zero_optimization.mics_shard_size=2"
   [mics4_hierarchical]="${S3[*]} --set zero_optimization.mics_shard_size=4 --set zero_optimization.mics_hierarchical_params_gather=true"
@@ -30,18 +35,25 @@ declare -A MODES=(
   [zeropp_qwz]="${S3[*]} --set zero_optimization.zero_quantized_weights=true"
   [zeropp_qwz_hpz2]="${S3[*]} --set zero_optimization.zero_quantized_weights=true --set zero_optimization.zero_hpz_partition_size=2"
 )
-ORDER=(adamw_zero0 onebit_adam onebit_lamb zero3 mics2 mics4_hierarchical hpz2 zeropp_qwz zeropp_qwz_hpz2)
+declare -A STEPS=([zero_one_adam]=8)
+ORDER=(adamw_zero0 onebit_adam onebit_lamb zero_one_adam zero3 mics2 mics4_hierarchical hpz2 zeropp_qwz zeropp_qwz_hpz2)
+if [[ -n "${MODES_ONLY:-}" ]]; then read -r -a ORDER <<< "$MODES_ONLY"; fi
 for mode in "${ORDER[@]}"; do
   # shellcheck disable=SC2086
   args=("${BASE[@]}" ${MODES[$mode]})
+  steps=${STEPS[$mode]:-4}
   ZERO3D_RANKS_PER_NODE=2 mpirun -np 4 "$BUILD/zero3d" train input/gpt-small-cpu.json "${args[@]}" \
-    --set training.steps=4 --output "$DIR/$mode" > "$DIR/$mode.log" 2>&1
-  "$BUILD/zero3d" estimate --config input/gpt-small-cpu.json "${args[@]}" --world-size 4 --ranks-per-node 2 --json \
-    > "$DIR/$mode.estimate.json"
+    --set training.steps=$steps --output "$DIR/$mode" > "$DIR/$mode.log" 2>&1
+  for s in $(seq 1 "$steps"); do  # each measured step's own estimate (the last is the table's)
+    "$BUILD/zero3d" estimate --config input/gpt-small-cpu.json "${args[@]}" --world-size 4 --ranks-per-node 2 \
+      --step "$s" --step-range "1-$steps" --json > "$DIR/$mode.estimate.step$s.json"
+  done
+  cp "$DIR/$mode.estimate.step$steps.json" "$DIR/$mode.estimate.json"
   for nodes in 2 4 8 16 32 64; do
     world=$((nodes * RANKS_PER_NODE))  # one micro-batch of 1 per rank, as measured
     "$BUILD/zero3d" estimate --config input/gpt-small-cpu.json "${args[@]}" --set train_batch_size=$world \
-      --world-size $world --ranks-per-node "$RANKS_PER_NODE" --json > "$DIR/$mode.estimate.n$nodes.json"
+      --world-size $world --ranks-per-node "$RANKS_PER_NODE" --step-range "1-$steps" --json \
+      > "$DIR/$mode.estimate.n$nodes.json"
   done
 done
 "$BUILD/zero3d" train input/gpt-small-cpu.json "${BASE[@]}" --set train_batch_size=1 --set training.steps=6 \
@@ -72,20 +84,37 @@ adamw = None
 for m in modes:
     last = rows(m)[-1]["comm_bytes_by_link"]
     est = json.load(open(f"{d}/{m}.estimate.json"))
-    stage = est["configured_stage"]
-    e = (est.get("communication_compressed") or est["communication"][stage])["comm_bytes_by_link"]
+    e = est["optimizer_communication"]["communication"]["comm_bytes_by_link"]  # the last step's
     adamw = adamw or last["inter_node"]
     ok = "" if (e["inter_node"], e["intra_node"]) == (last["inter_node"], last["intra_node"]) else "  MISMATCH"
     print(f"{m:<20} {last['inter_node']:>15,} {e['inter_node']:>15,} {last['intra_node']:>15,} {e['intra_node']:>15,}"
           f"  {adamw / max(1, last['inter_node']):6.1f}x fewer{ok}")
-def predicted(m, nodes):
-    est = json.load(open(f"{d}/{m}.estimate.n{nodes}.json"))
-    v = est.get("communication_compressed") or est["communication"][est["configured_stage"]]
-    t = compute
+for m in modes:  # a mode whose bytes change by step: each step measured against its own estimate
+    per_step = [json.load(open(f"{d}/{m}.estimate.step{s}.json"))["optimizer_communication"]
+                for s in range(1, len(rows(m)) + 1)]
+    if len({p["phase"] for p in per_step}) < 2:
+        continue
+    print(f"\n{m} step by step (measured = that step's metrics.jsonl row; AdamW inter-node {adamw:,} per step)")
+    print(f"{'step':>4} {'phase':<26} {'inter measured':>15} {'inter estimate':>15} {'intra measured':>15} {'intra estimate':>15}")
+    for s, (row, p) in enumerate(zip(rows(m), per_step), 1):
+        got, e = row["comm_bytes_by_link"], p["communication"]["comm_bytes_by_link"]
+        ok = "" if got == e else "  MISMATCH"
+        print(f"{s:>4} {p['phase']:<26} {got['inter_node']:>15,} {e['inter_node']:>15,} {got['intra_node']:>15,}"
+              f" {e['intra_node']:>15,}{ok}")
+    r = per_step[0]["range"]
+    print(f"average over steps {r['first']}-{r['last']}: inter-node {r['average_bytes_by_link']['inter_node']:,.0f} "
+          f"per step, {adamw / max(1, r['average_bytes_by_link']['inter_node']):.1f}x fewer than AdamW")
+def step_time(v):
     # β of each link for its bytes; α for each ring step of each group's collectives
-    t += v["comm_bytes_by_link"]["intra_node"] / beta_intra + v["comm_bytes_by_link"]["inter_node"] / beta_inter
+    t = v["comm_bytes_by_link"]["intra_node"] / beta_intra + v["comm_bytes_by_link"]["inter_node"] / beta_inter
     ranks = v["ranks_by_group"]
     return t + alpha * sum(calls * max(0, ranks[g] - 1) for g, calls in v["collectives_by_group"].items())
+def predicted(m, nodes):
+    # the steady phases of the measured steps, each weighted by its steps (one phase for most
+    # modes; a 1-bit optimizer's initialisation step and warm-up are left out, as a long run would)
+    r = json.load(open(f"{d}/{m}.estimate.n{nodes}.json"))["optimizer_communication"]["range"]
+    steady = [p for p in r["phases"] if p["phase"] not in ("initialisation", "warm-up")]
+    return compute + sum(p["steps"] * step_time(p) for p in steady) / sum(p["steps"] for p in steady)
 print(f"\npredicted step time (ms), nodes of {per_node} ranks, {inter_gbps:g} GB/s between nodes (α–β model)")
 print(f"{'mode':<20}" + "".join(f"{n:>10} nodes" for n in (2, 4, 8, 16, 32, 64)))
 for m in modes:

@@ -20,6 +20,8 @@ namespace zero3d::cli {
 // The most ranks a size given on the command line may describe: far above any job, and low
 // enough that per-rank tables (topology, estimates) stay small and every product fits an int.
 constexpr int64_t kMaxRanks = int64_t(1) << 20;
+// estimate --step/--step-range replay the optimizer's schedule step by step: up to 10^8 steps.
+constexpr int64_t kMaxEstimateSteps = 100'000'000;
 
 struct ConfigArgs {
   std::string path;  // empty = the built-in quick-start
@@ -35,6 +37,8 @@ struct EstimateArgs {
   ConfigArgs config;
   int64_t world_size = 1;
   int64_t ranks_per_node = 0;  // --config: nodes of this many ranks for the bytes by link (0: one node)
+  int64_t step = 1;            // --config: the optimizer step whose bytes are reported (its phase's)
+  std::string step_range;      // --config: FIRST-LAST, the steps averaged (default 1 to training.steps)
   bool json = false;
   std::set<std::string> given;  // the options on the command line
   bool has(const char* option) const { return given.count(option) > 0; }

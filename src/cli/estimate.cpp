@@ -24,7 +24,7 @@ void check_estimate_mode(const EstimateArgs& a) {
   const std::set<std::string> table_only = {"--params", "--largest-layer-params", "--gpus-per-node", "--nodes",
                                             "--additional-buffer-factor", "--model"};
   const std::set<std::string> budget_only = {"--config", "--world-size", "--memory-per-rank", "--report", "--json",
-                                             "--ranks-per-node"};
+                                             "--ranks-per-node", "--step", "--step-range"};
   for (const std::string& o : a.given) {
     if (table && budget_only.count(o))
       throw InputError("estimate " + a.kind + " " + o + ": DeepSpeed's " + a.kind +
@@ -69,7 +69,7 @@ std::string mib(int64_t bytes) {
   return buf;
 }
 
-// The data-parallel groups' bytes per step, by link and by group, one column per ZeRO stage.
+// Rank 0's groups' bytes per step, by link and by group, one column per ZeRO stage.
 void print_comm_volumes(const std::vector<CommVolume>& volumes, int64_t per_node, int64_t world,
                         const std::optional<CommVolume>& compressed) {
   const auto row = [](const char* label, const std::vector<int64_t>& bytes) {
@@ -77,7 +77,7 @@ void print_comm_volumes(const std::vector<CommVolume>& volumes, int64_t per_node
     for (int64_t b : bytes) std::printf(" %s", mib(b).c_str());
     std::printf("\n");
   };
-  std::printf("bytes per step, rank 0's data-parallel groups (bus bytes; %s)\n",
+  std::printf("bytes per step, rank 0's groups (bus bytes; %s)\n",
               per_node >= world ? "every rank on one node"
                                 : ("nodes of " + std::to_string(per_node) + " ranks").c_str());
   std::printf("%-25s %14s %14s %14s %14s\n", "", "stage 0", "stage 1", "stage 2", "stage 3");
@@ -98,9 +98,36 @@ void print_comm_volumes(const std::vector<CommVolume>& volumes, int64_t per_node
     }
     row(("  " + axis).c_str(), bytes);
   }
+  if (!volumes.front().activations_not_predicted.empty())
+    std::printf("(the tensor axis counts the dense blocks only: %s)\n", volumes.front().activations_not_predicted.c_str());
   if (compressed)
     std::printf("1-bit optimizer past its freeze (stage 0): intra-node %s, inter-node %s per step\n",
                 mib(compressed->intra_node()).c_str(), mib(compressed->inter_node()).c_str());
+}
+
+// --step-range FIRST-LAST (default: the run's steps, 1 to training.steps).
+std::pair<int64_t, int64_t> step_range_of(const EstimateArgs& a, const Config& cfg) {
+  if (!a.has("--step-range")) return {1, std::max<int64_t>(1, cfg.training.steps)};
+  long long first = 0, last = 0;
+  char tail = 0;
+  if (std::sscanf(a.step_range.c_str(), "%lld-%lld%c", &first, &last, &tail) != 2 || first < 1 || last < first ||
+      last > kMaxEstimateSteps)
+    throw InputError("estimate --step-range " + echo(a.step_range) + ": expected FIRST-LAST with 1 <= FIRST <= LAST <= " +
+                     std::to_string(kMaxEstimateSteps));
+  return {first, last};
+}
+
+// The optimizer's phases over the step range (a 1-bit optimizer's bytes change with its phase),
+// in bytes: a local step's few bytes would vanish in MiB.
+void print_step_range(const StepRangeVolume& r, const std::string& optimizer) {
+  std::printf("%s, step %lld (%s): intra-node %lld, inter-node %lld bytes\n", optimizer.c_str(), (long long)r.step,
+              r.step_phase.c_str(), (long long)r.step_volume.intra_node(), (long long)r.step_volume.inter_node());
+  const double steps = static_cast<double>(r.last - r.first + 1);
+  std::printf("steps %lld-%lld: average per step intra-node %.0f, inter-node %.0f bytes\n", (long long)r.first,
+              (long long)r.last, double(r.total_intra_node()) / steps, double(r.total_inter_node()) / steps);
+  for (const StepRangeVolume::Phase& p : r.phases)
+    std::printf("  %-25s %9lld steps, each intra-node %lld, inter-node %lld bytes\n", p.traffic.phase.c_str(),
+                (long long)p.steps, (long long)p.volume.intra_node(), (long long)p.volume.inter_node());
 }
 
 }  // namespace
@@ -158,12 +185,17 @@ int cmd_estimate(EstimateArgs a, int rank) {
   // Bytes per step by link (comm_volume.hpp): every ZeRO stage, and a 1-bit optimizer's compressed phase.
   const int64_t per_node = a.ranks_per_node > 0 ? a.ranks_per_node : a.world_size;
   const bool onebit = cfg.optimizer.type == OptimizerType::OneBitAdam || cfg.optimizer.type == OptimizerType::OneBitLamb;
+  const auto [first_step, last_step] = step_range_of(a, cfg);
+  const StepRangeVolume by_step = estimate_step_range(cfg, a.world_size, per_node, a.step, first_step, last_step);
+  doc["optimizer_communication"] = by_step.to_json();
   std::vector<CommVolume> volumes;
   for (int stage = 0; stage <= 3; ++stage) volumes.push_back(estimate_comm_volume(cfg, a.world_size, stage, per_node));
   doc["ranks_per_node"] = per_node;
   doc["communication"] = nlohmann::json::array();
   for (const CommVolume& v : volumes) doc["communication"].push_back(v.to_json());
-  if (onebit) doc["communication_compressed"] = estimate_comm_volume(cfg, a.world_size, 0, per_node, true).to_json();
+  if (onebit)
+    doc["communication_compressed"] =
+        estimate_comm_volume(cfg, a.world_size, 0, per_node, compressed_traffic(cfg.optimizer)).to_json();
   const RankLayout layout = rank_layout(cfg, a.world_size);
   doc["pipeline_stages"] = layout.stages;
   doc["tensor_parallel_size"] = layout.tensor;
@@ -264,8 +296,11 @@ int cmd_estimate(EstimateArgs a, int rank) {
     }
   }
   print_comm_volumes(volumes, per_node, a.world_size,
-                     onebit ? std::optional<CommVolume>(estimate_comm_volume(cfg, a.world_size, 0, per_node, true))
+                     onebit ? std::optional<CommVolume>(estimate_comm_volume(cfg, a.world_size, 0, per_node,
+                                                                             compressed_traffic(cfg.optimizer)))
                             : std::nullopt);
+  if (cfg.optimizer.one_bit() || a.has("--step") || a.has("--step-range"))
+    print_step_range(by_step, cfg.optimizer.type_name);
   if (!a.report.empty()) std::printf("report  %s\n", a.report.c_str());
   return kExitOk;
 }

@@ -191,6 +191,11 @@ int main(int argc, char** argv) {
   estimate->add_option("--ranks-per-node", est.ranks_per_node,
                        "ranks per node for the bytes per step by link (default: every rank on one node)")
       ->check(CLI::Range(int64_t(1), int64_t(kMaxRanks)));
+  estimate->add_option("--step", est.step, "the optimizer step whose bytes are reported (a 1-bit optimizer's phases; "
+                                          "default 1)")
+      ->check(CLI::Range(int64_t(1), kMaxEstimateSteps));
+  estimate->add_option("--step-range", est.step_range,
+                       "FIRST-LAST: the steps whose bytes are averaged, by phase (default 1 to training.steps)");
   estimate->add_flag("--json", est.json, "machine-readable output");
 
   int code = kExitOk;

@@ -199,6 +199,11 @@ struct ModelPart {
   std::vector<std::pair<int64_t, int64_t>> replicated_ranges() const;
 };
 
+// Whether sequence parallelism leaves a tensor's gradient partial on each tensor rank: the
+// LayerNorms and RMSNorms, which see only the rank's token shard. Their gradients are summed over
+// the tensor group once per step (Megatron _allreduce_non_tensor_model_parallel_grads).
+bool sequence_parallel_partial(const std::string& name);
+
 // The part of pipeline rank `stage` of `stages` and tensor rank `tp_rank` of `tp_size`:
 // bounds are the p·v + 1 boundaries into the layer list [embedding, block × L, final]
 // (pipe_plan.hpp); chunk c is part c·p + stage. The whole model: stages = 1, bounds {0, L + 2}.

@@ -569,4 +569,9 @@ GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& 
   return out;
 }
 
+bool sequence_parallel_partial(const std::string& name) {
+  return name.rfind("ln_f.", 0) == 0 || name.find(".ln_") != std::string::npos ||
+         name.find("layernorm.") != std::string::npos || name == "model.norm.weight";  // the Llama family's RMSNorms
+}
+
 }  // namespace zero3d

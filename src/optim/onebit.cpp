@@ -111,23 +111,23 @@ void OneBitAdam::step(int64_t step, float* p, const float* g, float* const* stat
 // --- ZeroOneAdam (zoadam.py ZeroOneAdam.step) --------------------------------------------------
 
 ZeroOneAdam::ZeroOneAdam(const OptimizerConfig& cfg, const ParamLayout& layout, Communicator* dp)
-    : OneBitOptimizer(cfg, layout, dp, layout.tensors().size()) {}
+    : OneBitOptimizer(cfg, layout, dp, layout.tensors().size()), schedule_(cfg) {}
 
-bool ZeroOneAdam::frozen(int64_t step) const {
+bool ZeroOneAdamSchedule::frozen(int64_t step) const {
   // freeze_key is set at the end of a step whose count exceeds var_freeze_step (not of the
   // initialisation step, which returns first): step max(var_freeze_step, 1) + 1 still updates
   // the variance on its schedule; the steps after it are local.
   return step >= std::max<int64_t>(cfg_.var_freeze_step, 1) + 2;
 }
 
-bool ZeroOneAdam::backward_allreduce(int64_t step) const {
+bool ZeroOneAdamSchedule::backward_allreduce(int64_t step) const {
   // DeepSpeed switches the engine's all-reduce on at the end of step s − 1 when s % var_interval
   // == 0 (the interval after that step's bookkeeping), off otherwise and for good at the freeze;
   // the initialisation step leaves it at the engine's default, on.
-  return step <= 1 || (!frozen(step) && step % var_interval_ == 0);
+  return step <= 1 || variance_step(step);
 }
 
-void ZeroOneAdam::count(int64_t step) {
+void ZeroOneAdamSchedule::count(int64_t step) {
   if (!frozen(step)) {
     if (step % var_interval_ == 0 && ++var_counter_ == cfg_.var_update_scaler) {
       var_counter_ = 0;
@@ -137,6 +137,17 @@ void ZeroOneAdam::count(int64_t step) {
     local_counter_ = 0;
     local_interval_ = std::min(cfg_.local_step_clipper, local_interval_ * 2);
   }
+}
+
+void ZeroOneAdamSchedule::replay(int64_t step) {
+  var_interval_ = 1, var_counter_ = 0, local_interval_ = 1, local_counter_ = 0;
+  for (int64_t s = 2; s <= step; ++s) count(s);  // the initialisation step (1) counts nothing
+}
+
+bool ZeroOneAdam::backward_allreduce(int64_t step) const { return schedule_.backward_allreduce(step); }
+
+void ZeroOneAdam::count(int64_t step) {
+  schedule_.count(step);
   // At the freeze DeepSpeed zeroes the error buffers once: from now on they hold the errors of
   // the accumulated updates, no longer of gradients (reinitial_error_buffer).
   if (frozen(step + 1) && !frozen(step))
@@ -152,16 +163,15 @@ void ZeroOneAdam::loaded(int64_t step) {
   // from the initialisation step, as an unbroken run would have them.
   accumulator_.clear();
   lrs_ = 0.0;
-  var_interval_ = 1, var_counter_ = 0, local_interval_ = 1, local_counter_ = 0;
-  for (int64_t s = 2; s <= step; ++s) count(s);
+  schedule_.replay(step);
 }
 
 void ZeroOneAdam::step(int64_t step, float* p, const float* g, float* const* states, double lr, double beta1,
                        double beta2) {
   if (step == 1) return;  // the initialisation step (§5.4)
   const bool local = frozen(step);
-  const bool var_step = !local && step % var_interval_ == 0;
-  const bool sync = local && step % local_interval_ == 0;
+  const bool var_step = schedule_.variance_step(step);
+  const bool sync = schedule_.sync_step(step);
   const OneBitScalars k(cfg_, beta1, beta2);
   const float neg_lr = static_cast<float>(-lr);
   if (local) {

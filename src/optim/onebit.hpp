@@ -89,6 +89,28 @@ class OneBitAdam : public OneBitOptimizer {
             double beta2) override;
 };
 
+// 0/1 Adam's intervals (zoadam.py), which follow from the step alone: the optimizer keeps one,
+// and the communication estimate (train/comm_volume.cpp) replays one to predict each step's bytes.
+class ZeroOneAdamSchedule {
+ public:
+  explicit ZeroOneAdamSchedule(const OptimizerConfig& cfg) : cfg_(cfg) {}
+  // Whether step `step` runs with the variance frozen (local steps).
+  bool frozen(int64_t step) const;
+  // A phase-1 step that updates the variance from the averaged gradient (the engine's all-reduce on).
+  bool variance_step(int64_t step) const { return !frozen(step) && step % var_interval_ == 0; }
+  // A local step that ends by 1-bit all-reducing the accumulated update.
+  bool sync_step(int64_t step) const { return frozen(step) && step % local_interval_ == 0; }
+  bool backward_allreduce(int64_t step) const;
+  void count(int64_t step);   // DeepSpeed's interval bookkeeping at the end of step `step`
+  void replay(int64_t step);  // the intervals after steps 2..step, as an unbroken run has them
+  int64_t var_interval() const { return var_interval_; }
+  int64_t local_step_interval() const { return local_interval_; }
+
+ private:
+  OptimizerConfig cfg_;
+  int64_t var_interval_ = 1, var_counter_ = 0, local_interval_ = 1, local_counter_ = 0;
+};
+
 class ZeroOneAdam : public OneBitOptimizer {
  public:
   ZeroOneAdam(const OptimizerConfig& cfg, const ParamLayout& layout, Communicator* dp);
@@ -97,13 +119,13 @@ class ZeroOneAdam : public OneBitOptimizer {
             double beta2) override;
   void loaded(int64_t step) override;
   // Whether step `step` runs with the variance frozen (local steps).
-  bool frozen(int64_t step) const;
-  int64_t var_interval() const { return var_interval_; }
-  int64_t local_step_interval() const { return local_interval_; }
+  bool frozen(int64_t step) const { return schedule_.frozen(step); }
+  int64_t var_interval() const { return schedule_.var_interval(); }
+  int64_t local_step_interval() const { return schedule_.local_step_interval(); }
 
  private:
-  void count(int64_t step);  // DeepSpeed's interval bookkeeping at the end of step `step`
-  int64_t var_interval_ = 1, var_counter_ = 0, local_interval_ = 1, local_counter_ = 0;
+  void count(int64_t step);  // the schedule's bookkeeping at the end of step `step`, and the freeze's error reset
+  ZeroOneAdamSchedule schedule_;
   double lrs_ = 0.0;                  // the learning rates summed since the last synchronisation
   std::vector<float> accumulator_;    // DeepSpeed's momentum_accumulator (the paper's u), this rank's
   std::vector<float> onebit_grad_;    // a tensor's gradient through the 1-bit all-reduce

@@ -8,9 +8,11 @@
 #include <set>
 
 #include "kernels/quantize.hpp"
+#include "optim/onebit.hpp"
 #include "parallel/compressed_allreduce.hpp"
 #include "parallel/grad_reducer.hpp"
 #include "parallel/partition.hpp"
+#include "parallel/pipe_schedule.hpp"
 #include "train/estimator.hpp"
 #include "train/rank_plan.hpp"
 #include "zero/zero.hpp"
@@ -45,6 +47,86 @@ struct Placement {
   }
 };
 
+// The tensor and pipeline axes of rank 0 (pipeline stage 0, tensor rank 0): the activations of
+// each micro-batch through Megatron's regions (tensor_parallel.hpp, FACTS-2 §1.1, §1.8) as
+// GPT's forward and backward call them, the sequence-parallel LayerNorm gradients summed once
+// per step (Engine::finalize_grads), and what stage 0 sends down the pipeline (Engine::execute:
+// the residual stream, Mixtral's router sums) with the step's span all-reduce. `why_not`: the
+// reason a layout's tensor traffic depends on the data (MoE routing, progressive layer drop).
+std::vector<GroupBytes> activation_groups(const Config& cfg, const Placement& at, const RankPlan& plan,
+                                          const StateTypes& types, const Partition& part, int stage,
+                                          std::string& why_not) {
+  std::vector<GroupBytes> out;
+  const GPTShape shape = gpt_shape_of(cfg.model);
+  const int t = static_cast<int>(at.layout.tensor), p = static_cast<int>(at.layout.stages);
+  const bool sp = cfg.tensor.sequence_parallel && t > 1;
+  const int64_t C = shape.n_embd, BT = cfg.batch.micro_batch * shape.n_positions, X = BT * C;
+  const int64_t Ns = sp ? BT / t : BT, micro = std::max<int64_t>(1, cfg.batch.gradient_accumulation_steps);
+  const ActivationCheckpointing& ac = cfg.activation_checkpointing;
+  if (t > 1) {
+    std::vector<int64_t> ranks;
+    for (int i = 0; i < t; ++i) ranks.push_back(at.world_rank(0, 0) + i);
+    GroupBytes tensor{"tensor", t, at.one_node(ranks), 0};
+    // One token exchange of the whole stream: an all-reduce, or an all-gather or reduce-scatter
+    // of its shards with sequence parallelism.
+    const int64_t exchange = sp ? bus(ring(t), X, DType::F32) : bus(2.0 * ring(t), X, DType::F32);
+    GroupBytes per_micro;
+    for (const ModelChunk& c : plan.part.chunks) {
+      for (int l = 0; l < c.num_blocks; ++l)
+        if (shape.moe.is_moe_block(c.first_block + l)) why_not = "MoE blocks exchange the rows their routing sends";
+      // Each block: the two row-parallel outputs forward; backward their gradients (all-gathered
+      // with sequence parallelism, the identity without) and the two column-parallel input
+      // gradients, whose weight products re-gather their inputs with sequence parallelism.
+      const int64_t forward = sp ? 4 : 2, backward = sp ? 6 : 2;
+      const int64_t recomputed = ac.full() ? forward : 0;  // a checkpoint reruns its blocks' forward
+      per_micro.add(c.num_blocks * (forward + backward + recomputed) * exchange,
+                    c.num_blocks * (forward + backward + recomputed));
+      if (ac.full() && ac.partition_activations) {  // each checkpoint's input all-gathered from its 1/t slots
+        const int64_t checkpoints = (c.num_blocks + ac.interval - 1) / ac.interval;
+        per_micro.add(checkpoints * bus(ring(t), Ns * C / t * t, DType::F32), checkpoints);
+      }
+      if (c.embedding) per_micro.add((sp ? 2 : 1) * exchange, sp ? 2 : 1);  // vocab-parallel sum (and its gradient)
+      if (c.final) {
+        // ln_f gathered for the head and its gradient scattered back (the input gradient summed
+        // without sequence parallelism), and the vocab-parallel cross-entropy's max, sum-exp
+        // and target logit
+        per_micro.add((sp ? 2 : 1) * exchange, sp ? 2 : 1);
+        per_micro.add(bus(2.0 * ring(t), BT, DType::F32) + bus(2.0 * ring(t), 2 * BT, DType::F32), 2);
+      }
+    }
+    tensor.add(micro * per_micro.bytes, micro * per_micro.calls);
+    if (sp)  // each LayerNorm's gradient, partial over the token shards, summed over the group
+      for (const TensorSpec& ts : plan.part.dense_layout.tensors()) {
+        if (!sequence_parallel_partial(ts.name)) continue;
+        int64_t lo = ts.offset, hi = ts.offset + ts.numel;
+        if (stage > 0) {  // ZeroOptimizer::sum_grad_range: the partition's part of it
+          const auto owned = part.owned(0, lo, hi);
+          lo = owned.first, hi = owned.second;
+        }
+        if (hi > lo) tensor.add(bus(2.0 * ring(t), hi - lo, types.grad));
+      }
+    if (cfg.pld.enabled) why_not = "progressive layer drop skips the dropped blocks' exchanges";
+    out.push_back(tensor);
+  }
+  if (p > 1) {
+    std::vector<int64_t> ranks;
+    for (int s = 0; s < p; ++s) ranks.push_back(at.world_rank(s, 0));
+    GroupBytes pipe{"pipe", p, at.one_node(ranks), 0};
+    const int64_t E = shape.family.mixtral() ? shape.moe.num_experts : 0;  // GPT::router_experts
+    const pipe::ScheduleSpec spec{cfg.pipeline.schedule, p, static_cast<int>(micro), cfg.pipeline.virtual_stages};
+    for (const auto& step : pipe::make_schedule(spec, 0).steps)
+      for (const pipe::Instruction& in : step) {
+        if (in.op != pipe::Op::SendActivation && in.op != pipe::Op::SendGrad) continue;
+        pipe.add(bus(1.0, Ns * C, DType::F32));
+        const bool sums = in.op == pipe::Op::SendActivation;  // 2E fp64 sums forward, E fp32 fractions back
+        if (E > 0) pipe.add(sums ? bus(1.0, 2 * E, DType::F64) : bus(1.0, E, DType::F32));
+      }
+    pipe.add(bus(2.0 * ring(p), 1, DType::F64));  // the step's span, the pipeline's slowest stage
+    out.push_back(pipe);
+  }
+  return out;
+}
+
 }  // namespace
 
 int64_t CommVolume::intra_node() const {
@@ -69,14 +151,17 @@ nlohmann::json CommVolume::to_json() const {
     const std::string axis = g.axis == "embedding" ? "data" : g.axis;
     by_axis[axis] = by_axis.value(axis, int64_t(0)) + g.bytes;
   }
-  return {{"stage", stage},
-          {"comm_bytes_by_axis", by_axis},
-          {"collectives_by_group", calls},
-          {"ranks_by_group", ranks},
-          {"comm_bytes_by_link", {{"intra_node", intra_node()}, {"inter_node", inter_node()}}}};
+  nlohmann::json out = {{"stage", stage},
+                        {"comm_bytes_by_axis", by_axis},
+                        {"collectives_by_group", calls},
+                        {"ranks_by_group", ranks},
+                        {"comm_bytes_by_link", {{"intra_node", intra_node()}, {"inter_node", inter_node()}}}};
+  if (!activations_not_predicted.empty()) out["activations_not_predicted"] = activations_not_predicted;
+  return out;
 }
 
-CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int64_t ranks_per_node, bool compressed) {
+CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int64_t ranks_per_node,
+                                const OptimizerTraffic& traffic) {
   const ZeroConfig& zero = cfg.zero;
   Placement at{rank_layout(cfg, world), std::max<int64_t>(1, ranks_per_node)};
   const int64_t dp = at.layout.data, micro = std::max<int64_t>(1, cfg.batch.gradient_accumulation_steps);
@@ -97,8 +182,7 @@ CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int
   GroupBytes shard{"mics_shard", static_cast<int>(w), at.one_node(partition_ranks), 0};
   GroupBytes& partition_group = mics ? shard : data;
   const int W = static_cast<int>(w);
-  const bool onebit = cfg.optimizer.type == OptimizerType::OneBitAdam || cfg.optimizer.type == OptimizerType::OneBitLamb;
-  const bool reduces = !(onebit && compressed);  // ZeroOptimizer::reduces_gradients
+  const bool reduces = traffic.gradients_reduced;  // ZeroOptimizer::reduces_gradients
 
   // Gradients (GradientReducer over reduce_work's ranges, cut into its buckets): stages 0-1
   // once at the accumulation boundary, stages 2-3 every backward (each unit's fp32 window).
@@ -119,7 +203,7 @@ CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int
       partition_group.add(bus(ring(W), std::min(part.padded, a + bucket) - a, types.param));
   }
   // The gradient norm's sum of squares over the partition group (grad_stats), and a 1-bit
-  // optimizer's agreed overflow flag past its freeze.
+  // optimizer's agreed overflow flag on the steps that keep the gradients local.
   if (stage > 0) partition_group.add(bus(2.0 * ring(W), 1, DType::F64));
   if (!reduces && W > 1) partition_group.add(bus(2.0 * ring(W), 1, DType::I64));
 
@@ -192,16 +276,19 @@ CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int
     rep.add(bus(2.0 * ring(static_cast<int>(replicas)), part.part, types.grad));
     shard_groups.insert(shard_groups.begin(), rep);
   }
-  // A 1-bit optimizer past its freeze: the compressed all-reduce (compressed_allreduce.hpp) of
-  // each tensor's momentum (OneBitAdam) or of all of them at once (OneBitLamb): sign bits through
-  // an all-to-all and an all-gather, and two all-gathers of one fp32 scale per rank.
-  if (onebit && compressed && W > 1) {
+  // A 1-bit optimizer's compressed all-reduces (compressed_allreduce.hpp): each tensor's
+  // momentum (OneBitAdam), gradient or accumulated update (ZeroOneAdam), or all momenta at once
+  // (OneBitLamb); sign bits through an all-to-all and an all-gather, and two all-gathers of one
+  // fp32 scale per rank. Empty tensors are skipped, as the optimizers' loops skip them.
+  if (traffic.onebit != OptimizerTraffic::OneBit::None && dp > 1) {
+    const int D = static_cast<int>(dp);
     const auto call = [&](int64_t n) {
-      const int64_t chunk_bytes = onebit_padded_size(n, W) / W / 8;
-      return 2 * bus(ring(W), chunk_bytes * W, DType::U8) + 2 * bus(ring(W), W, DType::F32);
+      const int64_t chunk_bytes = onebit_padded_size(n, D) / D / 8;
+      return 2 * bus(ring(D), chunk_bytes * D, DType::U8) + 2 * bus(ring(D), D, DType::F32);
     };
-    if (cfg.optimizer.type == OptimizerType::OneBitAdam) {
-      for (const TensorSpec& t : layout.tensors()) data.add(call(t.numel), 4);
+    if (traffic.onebit == OptimizerTraffic::OneBit::EachTensor) {
+      for (const TensorSpec& t : layout.tensors())
+        if (t.numel > 0) data.add(call(t.numel), 4);
     } else {
       data.add(call(layout.total()), 4);
     }
@@ -220,6 +307,101 @@ CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int
   out.groups.push_back(data);
   if (mics) out.groups.push_back(shard);
   for (const GroupBytes& g : shard_groups) out.groups.push_back(g);
+  for (const GroupBytes& g : activation_groups(cfg, at, plan, types, part, stage, out.activations_not_predicted))
+    out.groups.push_back(g);
+  return out;
+}
+
+OptimizerTraffic compressed_traffic(const OptimizerConfig& cfg) {
+  OptimizerTraffic t;
+  t.phase = "compressed";
+  t.gradients_reduced = false;
+  t.onebit = cfg.type == OptimizerType::OneBitLamb ? OptimizerTraffic::OneBit::AllTensors
+                                                   : OptimizerTraffic::OneBit::EachTensor;
+  return t;
+}
+
+std::vector<OptimizerTraffic> optimizer_traffic(const OptimizerConfig& cfg, int64_t first, int64_t last) {
+  std::vector<OptimizerTraffic> out;
+  ZeroOneAdamSchedule zero_one(cfg);
+  zero_one.replay(first - 1);
+  for (int64_t s = first; s <= last; ++s) {
+    OptimizerTraffic t;
+    if (cfg.one_bit() && s == 1) {
+      t.phase = "initialisation";  // the engine all-reduces; the optimizer updates nothing (§5.3)
+    } else if (cfg.type == OptimizerType::OneBitAdam || cfg.type == OptimizerType::OneBitLamb) {
+      if (onebit_past_freeze(s, cfg.freeze_step)) t = compressed_traffic(cfg);
+      else t.phase = "warm-up";
+    } else if (cfg.type == OptimizerType::ZeroOneAdam) {
+      // ZeroOneAdam::step: the averaged gradient on variance steps; before the freeze the local
+      // gradient through the 1-bit all-reduce, after it local steps that 1-bit all-reduce their
+      // accumulated update every local_step_interval steps.
+      t.gradients_reduced = zero_one.variance_step(s);
+      if (t.gradients_reduced) {
+        t.phase = "variance update";
+      } else if (!zero_one.frozen(s)) {
+        t.phase = "compressed gradient";
+        t.onebit = OptimizerTraffic::OneBit::EachTensor;
+      } else if (zero_one.sync_step(s)) {
+        t.phase = "local step, synchronised";
+        t.onebit = OptimizerTraffic::OneBit::EachTensor;
+      } else {
+        t.phase = "local step";
+      }
+      zero_one.count(s);
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
+int64_t StepRangeVolume::total_intra_node() const {
+  int64_t n = 0;
+  for (const Phase& p : phases) n += p.steps * p.volume.intra_node();
+  return n;
+}
+
+int64_t StepRangeVolume::total_inter_node() const {
+  int64_t n = 0;
+  for (const Phase& p : phases) n += p.steps * p.volume.inter_node();
+  return n;
+}
+
+nlohmann::json StepRangeVolume::to_json() const {
+  const double steps = static_cast<double>(last - first + 1);
+  nlohmann::json by_phase = nlohmann::json::array();
+  for (const Phase& p : phases) {
+    nlohmann::json v = p.volume.to_json();
+    v["phase"] = p.traffic.phase;
+    v["steps"] = p.steps;
+    by_phase.push_back(v);
+  }
+  return {{"step", step},
+          {"phase", step_phase},
+          {"communication", step_volume.to_json()},
+          {"range",
+           {{"first", first},
+            {"last", last},
+            {"total_bytes_by_link", {{"intra_node", total_intra_node()}, {"inter_node", total_inter_node()}}},
+            {"average_bytes_by_link",
+             {{"intra_node", double(total_intra_node()) / steps}, {"inter_node", double(total_inter_node()) / steps}}},
+            {"phases", by_phase}}}};
+}
+
+StepRangeVolume estimate_step_range(const Config& cfg, int64_t world, int64_t ranks_per_node, int64_t step,
+                                    int64_t first, int64_t last) {
+  StepRangeVolume out;
+  out.first = first, out.last = last, out.step = step;
+  const int stage = static_cast<int>(cfg.zero.stage);
+  std::map<std::string, size_t> seen;  // phase -> its entry; a phase's steps all move the same bytes
+  for (const OptimizerTraffic& t : optimizer_traffic(cfg.optimizer, first, last)) {
+    auto [it, added] = seen.emplace(t.phase, out.phases.size());
+    if (added) out.phases.push_back({t, 0, estimate_comm_volume(cfg, world, stage, ranks_per_node, t)});
+    ++out.phases[it->second].steps;
+  }
+  const OptimizerTraffic at = optimizer_traffic(cfg.optimizer, step, step).front();
+  out.step_phase = at.phase;
+  out.step_volume = estimate_comm_volume(cfg, world, stage, ranks_per_node, at);
   return out;
 }
 

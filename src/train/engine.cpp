@@ -427,8 +427,7 @@ void Engine::finalize_grads() {
     // gradients are summed over the tensor group (Megatron _allreduce_non_tensor_model_parallel_grads).
     if (cfg_.tensor.sequence_parallel)
       for (const TensorSpec& ts : model_->layout().tensors())
-        if (ts.name.rfind("ln_f.", 0) == 0 || ts.name.find(".ln_") != std::string::npos ||
-            ts.name.find("layernorm.") != std::string::npos || ts.name == "model.norm.weight")  // the Llama family's RMSNorms
+        if (sequence_parallel_partial(ts.name))
           zero_->sum_grad_range(ts.offset, ts.offset + ts.numel, model_comms_.of(*tp_comm_));
   }
   // The norm counts every parameter once (Megatron _filter_grads_for_norm): the tied copy on the

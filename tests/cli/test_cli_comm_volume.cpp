@@ -1,8 +1,11 @@
-// test_cli_comm_volume.cpp — `zero3d estimate --config` predicts the bytes a step moves over the
-// data-parallel groups (issue 34: bytes per step by link class), and a run measures exactly them.
+// test_cli_comm_volume.cpp — `zero3d estimate --config` predicts the bytes a step moves over
+// rank 0's groups (issue 34: bytes per step by link class), and a run measures exactly them.
 // Each layout trains on 4 ranks in 2 emulated nodes (ranks 0-1 and 2-3 share one), so the data
-// group crosses nodes, MiCS's and hpZ's inner groups do not, and every group's link is tested.
+// and pipeline groups cross nodes, the tensor group and MiCS's and hpZ's inner groups do not,
+// and every group's link is tested.
 #include <gtest/gtest.h>
+
+#include <map>
 
 #include "support/cli_helpers.hpp"
 
@@ -42,14 +45,11 @@ void expect_estimate_equals_run(const Case& k, const std::string& env = "ZERO3D_
   const Result r = run("train " + config + " --output " + dir, 4, env);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const json measured = read_metrics(dir).back();
-  // Rank 0's groups: the data axis and the ZeRO shard groups (the tensor and pipe axes carry
-  // activations, which this estimate does not count; these layouts have none or say so).
-  for (const auto& [axis, bytes] : predicted.at("comm_bytes_by_axis").items())
-    EXPECT_EQ(measured.at("comm_bytes_by_axis").at(axis).get<int64_t>(), bytes.get<int64_t>()) << axis;
-  const json& axes = measured.at("comm_bytes_by_axis");
-  if (axes.at("tensor").get<int64_t>() == 0 && axes.at("pipe").get<int64_t>() == 0) {
-    EXPECT_EQ(measured.at("comm_bytes_by_link"), predicted.at("comm_bytes_by_link"));
-  }
+  // Rank 0's groups: the data axis, the ZeRO shard groups, and the tensor and pipe axes'
+  // activations; every axis that moves bytes is predicted.
+  for (const auto& [axis, bytes] : measured.at("comm_bytes_by_axis").items())
+    EXPECT_EQ(predicted.at("comm_bytes_by_axis").value(axis, int64_t(0)), bytes.get<int64_t>()) << axis;
+  EXPECT_EQ(measured.at("comm_bytes_by_link"), predicted.at("comm_bytes_by_link"));
 }
 
 TEST(CommVolume, EveryZeroStageMovesThePredictedBytes) {
@@ -98,6 +98,32 @@ TEST(CommVolume, ZeroPlusPlusAndMicsGroupsMoveThePredictedBytesOnTheirLinks) {
     expect_estimate_equals_run(k);
 }
 
+// The activations: Megatron's all-reduces of the tensor axis (inside a node here), its
+// all-gathers and reduce-scatters with sequence parallelism, the recomputed forward of full
+// checkpointing with partitioned activations, and the residual stream sent between pipeline
+// stages (across the nodes), alone and with a tensor axis.
+TEST(CommVolume, TensorAndPipelineActivationsArePredictedOnTheirLinks) {
+  const auto layout = [](int stages, int tensor, const json& extra = json::object()) {
+    json p = extra;
+    p["pipeline"]["stages"] = stages;
+    p["tensor_parallel"]["autotp_size"] = tensor;
+    return p;
+  };
+  const json sp = {{"tensor_parallel", {{"sequence_parallel", true}}}};
+  json sp_z1 = sp;
+  sp_z1["zero_optimization"] = {{"stage", 1}};
+  const json checkpointed = {
+      {"activation_checkpointing", {{"partition_activations", true}}},
+      {"pipeline", {{"activation_checkpoint_interval", 1}}}};
+  for (const Case& k : std::vector<Case>{{"t2", layout(1, 2)},
+                                         {"t2_sp", layout(1, 2, sp)},
+                                         {"t2_sp_z1", layout(1, 2, sp_z1)},
+                                         {"t2_full_checkpoints", layout(1, 2, checkpointed)},
+                                         {"p2", layout(2, 1)},
+                                         {"p2_t2_sp", layout(2, 2, sp)}})
+    expect_estimate_equals_run(k);
+}
+
 TEST(CommVolume, PipelineTiedEmbeddingAndOneBitPhasesArePredicted) {
   json pipe = zero(1);
   pipe["pipeline"] = {{"stages", 2}};
@@ -121,6 +147,75 @@ TEST(CommVolume, PipelineTiedEmbeddingAndOneBitPhasesArePredicted) {
     EXPECT_EQ(rows.back().at("comm_bytes_by_link"), doc.at("communication_compressed").at("comm_bytes_by_link"));
     EXPECT_LT(16 * rows.back().at("comm_bytes").get<int64_t>(), rows.front().at("comm_bytes").get<int64_t>());
   }
+}
+
+// 0/1 Adam's bytes change with its phase (§5.4): variance updates (the gradients all-reduced) at
+// steps 2 and 3, then every 2nd step (var_update_scaler 2 doubles the interval after two of
+// them), the steps between them 1-bit all-reduce the gradient; past var_freeze_step 6 (from step
+// 8) the ranks take local steps and 1-bit all-reduce their accumulated update every step, then
+// every 2nd (local_step_scaler 2), then every 4th (local_step_clipper 4): step 11 is local, 12
+// synchronises.
+TEST(CommVolume, ZeroOneAdamsPhasesArePredictedStepByStep) {
+  json c = base_config();
+  c["optimizer"] = {{"type", "ZeroOneAdam"},
+                    {"params",
+                     {{"lr", 1e-3}, {"var_freeze_step", 6}, {"var_update_scaler", 2}, {"local_step_scaler", 2},
+                      {"local_step_clipper", 4}}}};
+  c["training"]["steps"] = 12;
+  const std::string var = "variance update", onebit = "compressed gradient", local = "local step",
+                    sync = "local step, synchronised";
+  const std::vector<std::string> phases = {"initialisation", var, var, var, onebit, var, onebit, sync,
+                                           sync, sync, local, sync};
+  const std::string config = write_config("cv_zero_one_adam.json", c), dir = temp_path("cv_zero_one_adam");
+  const Result est = run("estimate --config " + config + " --world-size 4 --ranks-per-node 2 --json --step 12");
+  ASSERT_EQ(est.code, 0) << est.out << est.err;
+  const json doc = json::parse(est.out).at("optimizer_communication");
+  EXPECT_EQ(doc.at("phase"), sync);
+  const json& range = doc.at("range");
+  EXPECT_EQ(range.at("first"), 1);
+  EXPECT_EQ(range.at("last"), 12);  // training.steps
+  std::map<std::string, json> by_phase;
+  for (const json& p : range.at("phases")) by_phase[p.at("phase").get<std::string>()] = p;
+  ASSERT_EQ(by_phase.size(), 5u) << range.dump(1);
+  const Result r = run("train " + config + " --output " + dir, 4, "ZERO3D_RANKS_PER_NODE=2");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const std::vector<json> rows = read_metrics(dir);
+  ASSERT_EQ(rows.size(), phases.size());
+  int64_t intra = 0, inter = 0;
+  std::map<std::string, int64_t> steps;
+  for (size_t s = 0; s < rows.size(); ++s) {
+    SCOPED_TRACE("step " + std::to_string(s + 1) + ", " + phases[s]);
+    const json& predicted = by_phase.at(phases[s]);
+    EXPECT_EQ(rows[s].at("comm_bytes_by_link"), predicted.at("comm_bytes_by_link"));
+    EXPECT_EQ(rows[s].at("comm_bytes_by_axis").at("data"), predicted.at("comm_bytes_by_axis").at("data"));
+    intra += rows[s].at("comm_bytes_by_link").at("intra_node").get<int64_t>();
+    inter += rows[s].at("comm_bytes_by_link").at("inter_node").get<int64_t>();
+    ++steps[phases[s]];
+  }
+  for (const auto& [phase, n] : steps) EXPECT_EQ(by_phase.at(phase).at("steps"), n) << phase;
+  EXPECT_EQ(range.at("total_bytes_by_link").at("intra_node"), intra);
+  EXPECT_EQ(range.at("total_bytes_by_link").at("inter_node"), inter);
+  EXPECT_EQ(doc.at("communication").at("comm_bytes_by_link"), rows[11].at("comm_bytes_by_link"));
+  // A local step moves only the agreed overflow flag; a compressed step over 16x less than an
+  // all-reducing one (the tiny model's tensors are small, so the fp32 scales weigh in).
+  const auto inter_of = [&](const std::string& p) {
+    return by_phase.at(p).at("comm_bytes_by_link").at("inter_node").get<int64_t>();
+  };
+  EXPECT_LT(inter_of(local), 100);
+  EXPECT_LT(16 * inter_of(onebit), inter_of(var));
+  EXPECT_EQ(inter_of(onebit), inter_of(sync));
+  // An explicit range: steps 5-8 are one compressed gradient, one variance update, another
+  // compressed gradient and the first synchronised local step.
+  const Result part = run("estimate --config " + config + " --world-size 4 --ranks-per-node 2 --json --step-range 5-8");
+  ASSERT_EQ(part.code, 0) << part.out << part.err;
+  const json part_range = json::parse(part.out).at("optimizer_communication").at("range");
+  int64_t expected = 0;
+  for (size_t s = 4; s < 8; ++s) expected += rows[s].at("comm_bytes_by_link").at("inter_node").get<int64_t>();
+  EXPECT_EQ(part_range.at("total_bytes_by_link").at("inter_node"), expected);
+  EXPECT_DOUBLE_EQ(part_range.at("average_bytes_by_link").at("inter_node").get<double>(), expected / 4.0);
+  const Result backwards = run("estimate --config " + config + " --step-range 8-5");
+  EXPECT_EQ(backwards.code, 2);
+  EXPECT_NE(backwards.err.find("--step-range 8-5: expected FIRST-LAST"), std::string::npos) << backwards.err;
 }
 
 }  // namespace
