@@ -243,7 +243,7 @@ inline void attention_backward_summing_columns(bf16* dqkv, float* dbias, float* 
 #ifdef ZERO3D_FLASH_ATTENTION
   if (attention_flash_chosen(B * H, T, C / H)) return flash::backward(dqkv, dbias, dout, qkv, att, B, T, C, H);
 #endif
-  attention_backward_tiled_bf16(scratch, dout, qkv, att, B, T, C, H);
+  attention_backward_bf16(scratch, dout, qkv, att, B, T, C, H);  // the tiled kernel, or the GPU's fused one
   convert_summing_columns(dqkv, dbias, scratch, B * T, 3 * C);
 }
 

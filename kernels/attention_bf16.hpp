@@ -27,6 +27,9 @@
 #include "base/profiler.hpp"
 #include "kernels/common.hpp"
 #include "kernels/cpu/attention_flash_bf16.hpp"
+#ifdef ZERO3D_DEVICE
+#include "kernels/cuda/attention_flash_bf16.hpp"
+#endif
 #include "kernels/fastmath.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/half.hpp"
@@ -409,19 +412,27 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
 // The bf16 attention the model runs: the fused kernel (attention_flash_bf16.hpp) where it is
 // built and att has room for what it keeps, the tiled kernel above otherwise. A forward and
 // the backward that reads its att take the same branch (it depends on the shape only).
+// ZERO3D_ATTENTION_KERNEL=tiled keeps the tiled kernel. On a GPU the fused CUDA kernel
+// (kernels/cuda/attention_flash_bf16.hpp) is chosen only by ZERO3D_ATTENTION_KERNEL=flash until a
+// device run has checked it against the host (tests/gpu) and timed it against the dense tile.
 inline bool attention_flash_chosen(Index BH, Index T, Index hs) {
-  static const bool tiled = [] {
+  static const std::string kernel = [] {
     const char* e = std::getenv("ZERO3D_ATTENTION_KERNEL");
-    return e && std::string(e) == "tiled";
+    return std::string(e ? e : "");
   }();
-  return !tiled && attention_flash_fits(BH, T, hs);
+#ifdef ZERO3D_DEVICE
+  return kernel == "flash" && cuda_flash::serves(hs) &&
+         attention_flash_o_offset(BH, T) + (BH * T * hs + 1) / 2 <= BH * T * T;
+#else
+  return kernel != "tiled" && attention_flash_fits(BH, T, hs);
+#endif
 }
 
 // The floats of `att` the bf16 attention writes for B·H = BH heads: the fused kernel's log-sum-
 // exp and bf16 output (attention_flash_bf16.hpp), else the tiled kernel's bf16 probabilities, one
 // TB×TB tile per (query tile, key tile ≤ it) pair and head. What the model allocates for it.
 inline Index attention_bf16_saved_floats(Index BH, Index T, Index hs) {
-#ifdef ZERO3D_FLASH_ATTENTION
+#if defined(ZERO3D_FLASH_ATTENTION) || defined(ZERO3D_DEVICE)
   if (attention_flash_chosen(BH, T, hs)) return attention_flash_o_offset(BH, T) + (BH * T * hs + 1) / 2;
 #endif
   (void)hs;
@@ -436,6 +447,11 @@ inline void attention_forward_bf16(O* out, float* att, const Q* qkv, Index B, In
 #ifdef ZERO3D_FLASH_ATTENTION
   if (attention_flash_chosen(B * H, T, C / H)) return flash::forward(out, att, qkv, B, T, C, H);
 #endif
+#ifdef ZERO3D_DEVICE
+  if (attention_flash_chosen(B * H, T, C / H))
+    return cuda_flash::forward(out, att, reinterpret_cast<bf16*>(att + attention_flash_o_offset(B * H, T)), qkv, B, T,
+                               C, H);
+#endif
   attention_forward_tiled_bf16(out, att, qkv, B, T, C, H);
 }
 
@@ -444,6 +460,11 @@ inline void attention_backward_bf16(float* dqkv, const float* dout, const Q* qkv
                                     Index C, Index H) {
 #ifdef ZERO3D_FLASH_ATTENTION
   if (attention_flash_chosen(B * H, T, C / H)) return flash::backward(dqkv, nullptr, dout, qkv, att, B, T, C, H);
+#endif
+#ifdef ZERO3D_DEVICE
+  if (attention_flash_chosen(B * H, T, C / H))
+    return cuda_flash::backward(dqkv, dout, qkv, att,
+                                reinterpret_cast<const bf16*>(att + attention_flash_o_offset(B * H, T)), B, T, C, H);
 #endif
   attention_backward_tiled_bf16(dqkv, dout, qkv, att, B, T, C, H);
 }
