@@ -14,7 +14,8 @@
 //    read back sign-extended. An odd block's last byte has a zero low nibble here (DeepSpeed's
 //    blocks are always even: it asserts numel % (2·world) == 0).
 //  * the reduction (quant_reduce.cu dequant_reduce): the k received copies are dequantised and
-//    added in copy order from zero, then requantised with groups of the same size.
+//    added in copy order from zero (0 + the first is the first), then requantised with groups of
+//    the same size.
 // DeepSpeed's kernels read and add __half values; zero3d quantises its fp32 gradient windows and
 // adds in fp32 (every other formula is the same).
 //
@@ -66,16 +67,17 @@ ZERO3D_KERNEL void quantize_int4(const float* x, Index n, Index phase, Index gro
       });
 }
 
-// acc[i] = (first ? 0 : acc[i]) + q[i]·scale of its group: dequantise a block (as quantize_int4
-// wrote it) into a sum that starts from zero, as dequant_reduce's does (0 + −0 is +0).
-ZERO3D_KERNEL void dequantize_int4_add(const uint8_t* packed, const float* scales, Index n, Index phase, Index group,
-                                       float* acc, bool first = false) {
+// x[i] = q[i]·scale of its group: a block (as quantize_int4 wrote it) dequantised. A reduction
+// adds the copies with elementwise.hpp's add_into: the product is rounded to fp32 before the sum,
+// as DeepSpeed's dequantise-then-add (never one fused multiply-add).
+ZERO3D_KERNEL void dequantize_int4(const uint8_t* packed, const float* scales, Index n, Index phase, Index group,
+                                   float* x) {
   Kokkos::parallel_for(
-      "dequantize_int4_add", range(n), KOKKOS_LAMBDA(Index i) {
+      "dequantize_int4", range(n), KOKKOS_LAMBDA(Index i) {
         const auto byte = static_cast<int8_t>(packed[i / 2]);
         // the high nibble holds the even value; shifting left then right sign-extends either one
         const int q = (i % 2 == 0) ? (byte >> 4) : (static_cast<int8_t>(static_cast<uint8_t>(byte) << 4) >> 4);
-        acc[i] = (first ? 0.0f : acc[i]) + static_cast<float>(q) * scales[(phase + i) / group];
+        x[i] = static_cast<float>(q) * scales[(phase + i) / group];
       });
 }
 

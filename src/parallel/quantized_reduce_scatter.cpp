@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "kernels/elementwise.hpp"
 #include "kernels/quantize_int4.hpp"
 
 namespace zero3d {
@@ -46,8 +47,19 @@ QgzBytes qgz_sent_bytes(const std::vector<int64_t>& counts, int64_t group, int n
   return out;
 }
 
+void QuantizedReduceScatter::add_copy(const uint8_t* packed, const float* scales, const QgzBlock& b, int64_t group,
+                                      float* sum, bool first) {
+  if (first) {  // 0 + the first copy
+    kernels::dequantize_int4(packed, scales, b.count, b.phase, group, sum);
+    return;
+  }
+  kernels::dequantize_int4(packed, scales, b.count, b.phase, group, floats_of(copy_));
+  kernels::add_into(sum, floats_of(copy_), b.count, "qgz_add");
+}
+
 int64_t QuantizedReduceScatter::staging_bytes() const {
-  return static_cast<int64_t>(send_.size() + recv_.size() + send_scales_.size() + recv_scales_.size() + sum_.size());
+  return static_cast<int64_t>(send_.size() + recv_.size() + send_scales_.size() + recv_scales_.size() + sum_.size() +
+                              copy_.size());
 }
 
 void QuantizedReduceScatter::reduce(const float* src, const std::vector<int64_t>& counts, int64_t group, float* out) {
@@ -76,7 +88,8 @@ void QuantizedReduceScatter::reduce(const float* src, const std::vector<int64_t>
   fit(send_scales_, 4 * std::max(scales_total, mine_scales));
   fit(recv_, std::max(k * mine_values, nodes * block(node, local).values));
   fit(recv_scales_, 4 * std::max(k * mine_scales, nodes * block(node, local).scales));
-  fit(sum_, 4 * sum_values);
+  fit(sum_, 4 * std::max(sum_values, block(node, local).count));
+  fit(copy_, 4 * std::max(sum_values, block(node, local).count));
   {
     int64_t v = 0, s = 0;
     for (int l = 0; l < k; ++l)
@@ -101,8 +114,8 @@ void QuantizedReduceScatter::reduce(const float* src, const std::vector<int64_t>
     for (int m = 0; m < nodes; ++m) {
       const QgzBlock& b = block(m, local);
       for (int j = 0; j < k; ++j)
-        kernels::dequantize_int4_add(bytes_of(recv_) + j * mine_values + v, floats_of(recv_scales_) + j * mine_scales + s,
-                                     b.count, b.phase, group, floats_of(sum_), j == 0);
+        add_copy(bytes_of(recv_) + j * mine_values + v, floats_of(recv_scales_) + j * mine_scales + s, b, group,
+                 floats_of(sum_), j == 0);
       kernels::quantize_int4(floats_of(sum_), b.count, b.phase, group, bytes_of(send_) + v, floats_of(send_scales_) + s);
       inter_values[static_cast<size_t>(m)] = b.values;
       inter_scales[static_cast<size_t>(m)] = b.scales;
@@ -118,8 +131,7 @@ void QuantizedReduceScatter::reduce(const float* src, const std::vector<int64_t>
 
   // 3. This rank's block: every node's copy dequantised and added in node order.
   for (int m = 0; m < nodes; ++m)
-    kernels::dequantize_int4_add(bytes_of(recv_) + m * own.values, floats_of(recv_scales_) + m * own.scales, own.count,
-                                 own.phase, group, out, m == 0);
+    add_copy(bytes_of(recv_) + m * own.values, floats_of(recv_scales_) + m * own.scales, own, group, out, m == 0);
 }
 
 }  // namespace zero3d

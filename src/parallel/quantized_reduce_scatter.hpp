@@ -61,8 +61,11 @@ class QuantizedReduceScatter {
   int64_t staging_bytes() const;
 
  private:
+  // sum (+)= one dequantised copy of block b (first: sum = it, as 0 + it)
+  void add_copy(const uint8_t* packed, const float* scales, const QgzBlock& b, int64_t group, float* sum, bool first);
+
   Communicator &intra_, &inter_;
-  kernels::StagingBuffer send_, recv_, send_scales_, recv_scales_, sum_;
+  kernels::StagingBuffer send_, recv_, send_scales_, recv_scales_, sum_, copy_;
 };
 
 }  // namespace zero3d

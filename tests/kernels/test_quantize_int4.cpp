@@ -32,7 +32,7 @@ TEST(QuantizeInt4, MatchesDeepSpeedsQuantiserInTheNumPyReferenceBitForBit) {
     std::vector<uint8_t> packed(want_packed.size(), 0xAB);  // an odd block's spare nibble must be written as 0
     std::vector<float> scales(want_scales.size()), hat(x.size(), 123.0f);
     kernels::quantize_int4(x.data(), n, phase, group, packed.data(), scales.data());
-    kernels::dequantize_int4_add(packed.data(), scales.data(), n, phase, group, hat.data(), /*first=*/true);
+    kernels::dequantize_int4(packed.data(), scales.data(), n, phase, group, hat.data());
     EXPECT_EQ(scales, want_scales) << g;
     int64_t mismatched = 0;
     for (size_t j = 0; j < packed.size(); ++j) mismatched += packed[j] != static_cast<uint8_t>(want_packed[j]);
@@ -69,15 +69,16 @@ TEST(QuantizeInt4, GroupsOfABlockCountItsPartialGroups) {
   EXPECT_EQ(kernels::int4_block_bytes(37, 5, 16), 19 + 3 * 4);
 }
 
-// Accumulating: the second copy adds to the first (the reduction's peer order).
-TEST(QuantizeInt4, DequantiseAddsToTheRunningSum) {
-  const std::vector<float> x = {1.0f, -2.0f, 4.0f};  // max 4: scale 2, stored 0.5
+// Each value comes back as its nibble times its group's stored scale.
+TEST(QuantizeInt4, DequantiseMultipliesEachNibbleByItsGroupsScale) {
+  const std::vector<float> x = {1.0f, -2.0f, 4.0f, 0.25f};  // groups of 2 from phase 1: {1}, {-2, 4}, {0.25}
   std::vector<uint8_t> packed(2);
-  float scale = 0.0f;
-  kernels::quantize_int4(x.data(), 3, 0, 4, packed.data(), &scale);
-  std::vector<float> acc = {100.0f, 100.0f, 100.0f};
-  kernels::dequantize_int4_add(packed.data(), &scale, 3, 0, 4, acc.data());
-  EXPECT_EQ(acc, (std::vector<float>{101.0f, 98.0f, 103.5f}));  // 4 clamps to 7 steps of 0.5
+  std::vector<float> scales(3), hat(4, 99.0f);
+  kernels::quantize_int4(x.data(), 4, 1, 2, packed.data(), scales.data());
+  EXPECT_EQ(scales, (std::vector<float>{1.0f / 8.0f, 0.5f, 0.25f / 8.0f}));  // max/8: 8/max is the scale
+  kernels::dequantize_int4(packed.data(), scales.data(), 4, 1, 2, hat.data());
+  // 1 and 0.25 are their group's +max: 8 steps clamp to 7; −2·2 = −4 steps; 4 clamps to 7 of 0.5
+  EXPECT_EQ(hat, (std::vector<float>{7.0f / 8.0f, -2.0f, 3.5f, 7.0f * (0.25f / 8.0f)}));
 }
 
 }  // namespace

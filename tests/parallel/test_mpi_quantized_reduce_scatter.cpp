@@ -49,7 +49,8 @@ TEST(QuantizedReduceScatter, MatchesTheNumPySimulationOfDeepSpeedsTwoStageAllToA
     const QgzBytes b = qgz_sent_bytes(counts, group, nodes, k, r);
     EXPECT_EQ(intra.bus_bytes(), b.intra) << "rank " << r;
     EXPECT_EQ(inter.bus_bytes(), b.inter) << "rank " << r;
-    EXPECT_GT(b.inter, 0);
+    // something crosses nodes, but from rank 0 at np 4: its cross-node block (rank 2's) is empty
+    if (w == 2 || r != 0) EXPECT_GT(b.inter, 0) << "rank " << r;
   }
   MPI_Comm_free(&intra_comm);
   MPI_Comm_free(&inter_comm);
