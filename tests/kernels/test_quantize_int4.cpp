@@ -5,6 +5,7 @@
 // group (phase) and end in a partial one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -79,6 +80,23 @@ TEST(QuantizeInt4, DequantiseMultipliesEachNibbleByItsGroupsScale) {
   kernels::dequantize_int4(packed.data(), scales.data(), 4, 1, 2, hat.data());
   // 1 and 0.25 are their group's +max: 8 steps clamp to 7; −2·2 = −4 steps; 4 clamps to 7 of 0.5
   EXPECT_EQ(hat, (std::vector<float>{7.0f / 8.0f, -2.0f, 3.5f, 7.0f * (0.25f / 8.0f)}));
+}
+
+// The device form of the group maxima (a team per group) on blocks that start inside a group,
+// against the CPU form, on Kokkos Serial.
+TEST(QuantizeInt4, DeviceFormOfThePhasedGroupMaximaAgrees) {
+  std::vector<float> x(101);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.71f * static_cast<float>(i)) * (1.0f + float(i % 13));
+  for (const int64_t phase : {0, 5, 31}) {
+    const int64_t n = static_cast<int64_t>(x.size()), groups = kernels::int4_groups(n, phase, 32);
+    std::vector<float> team(static_cast<size_t>(groups)), loop(static_cast<size_t>(groups));
+    kernels::gpu::group_absmax(x.data(), n, groups, 32, team.data(), phase);
+    kernels::group_absmax(x.data(), n, groups, 32, loop.data(), phase);
+    EXPECT_EQ(team, loop) << "phase " << phase;
+    float first = 0.0f;  // the first group holds 32 − phase values
+    for (int64_t i = 0; i < 32 - phase; ++i) first = std::max(first, std::fabs(x[static_cast<size_t>(i)]));
+    EXPECT_EQ(team[0], first) << "phase " << phase;
+  }
 }
 
 }  // namespace
