@@ -50,7 +50,9 @@ TEST(QuantizedReduceScatter, MatchesTheNumPySimulationOfDeepSpeedsTwoStageAllToA
     EXPECT_EQ(intra.bus_bytes(), b.intra) << "rank " << r;
     EXPECT_EQ(inter.bus_bytes(), b.inter) << "rank " << r;
     // something crosses nodes, but from rank 0 at np 4: its cross-node block (rank 2's) is empty
-    if (w == 2 || r != 0) EXPECT_GT(b.inter, 0) << "rank " << r;
+    if (w == 2 || r != 0) {
+      EXPECT_GT(b.inter, 0) << "rank " << r;
+    }
   }
   MPI_Comm_free(&intra_comm);
   MPI_Comm_free(&inter_comm);
