@@ -29,8 +29,11 @@ declare -A MODES=(
   [hpz2]="${S3[*]} --set zero_optimization.zero_hpz_partition_size=2"
   [zeropp_qwz]="${S3[*]} --set zero_optimization.zero_quantized_weights=true"
   [zeropp_qwz_hpz2]="${S3[*]} --set zero_optimization.zero_quantized_weights=true --set zero_optimization.zero_hpz_partition_size=2"
+  [zeropp_qgz]="${S3[*]} --set zero_optimization.zero_quantized_gradients=true"
+  [zeropp_qwz_hpz2_qgz]="${S3[*]} --set zero_optimization.zero_quantized_weights=true --set zero_optimization.zero_hpz_partition_size=2 --set zero_optimization.zero_quantized_gradients=true"
 )
-ORDER=(adamw_zero0 onebit_adam onebit_lamb zero3 mics2 mics4_hierarchical hpz2 zeropp_qwz zeropp_qwz_hpz2)
+ORDER=(adamw_zero0 onebit_adam onebit_lamb zero3 mics2 mics4_hierarchical hpz2 zeropp_qwz zeropp_qwz_hpz2 zeropp_qgz
+       zeropp_qwz_hpz2_qgz)
 for mode in "${ORDER[@]}"; do
   # shellcheck disable=SC2086
   args=("${BASE[@]}" ${MODES[$mode]})
