@@ -425,7 +425,9 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
         {"new_tokens", stats.new_tokens},
         {"tokens_per_s", stats.tokens_per_s()},
         {"wall_ms", stats.wall_ms},
-        {"stage_wait_ms", stats.stage_wait_ms}};
+        {"stage_wait_ms", stats.stage_wait_ms},
+        {"groups_in_flight", stats.groups_in_flight},
+        {"group_rows", stats.group_rows}};
     std::printf("%s\n", doc.dump().c_str());
     return kExitOk;
   }
@@ -440,7 +442,10 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
   if (cfg.pipeline.stages > 1) {
     std::string waits;
     for (const double w : stats.stage_wait_ms) waits += (waits.empty() ? "" : ", ") + std::to_string(static_cast<int64_t>(w));
-    std::printf("pipe    waited on other stages (ms per stage): %s of %.1f ms\n", waits.c_str(), stats.wall_ms);
+    std::printf("pipe    %lld group%s of up to %lld prompt%s in flight | waited on other stages (ms per stage): %s of "
+                "%.1f ms\n",
+                (long long)stats.groups_in_flight, stats.groups_in_flight == 1 ? "" : "s", (long long)stats.group_rows,
+                stats.group_rows == 1 ? "" : "s", waits.c_str(), stats.wall_ms);
   }
   return kExitOk;
 }
