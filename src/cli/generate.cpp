@@ -331,6 +331,8 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
       throw InputError("--min-new-tokens " + std::to_string(a.min_new_tokens) + ": must be in [0, --max-new-tokens " +
                        std::to_string(a.max_new_tokens) + "]");
     if (a.batch_size < 1) throw InputError("--batch-size " + std::to_string(a.batch_size) + ": must be at least 1");
+    if (a.micro_batches < 1)
+      throw InputError("--micro-batches " + std::to_string(a.micro_batches) + ": must be at least 1");
     if (a.eos_given && a.eos_id < -1)
       throw InputError("--eos-id " + std::to_string(a.eos_id) + ": an id, or -1 for none");
     cfg = generation_config(a, size, name);
@@ -360,6 +362,7 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
     options.max_new_tokens = a.max_new_tokens;
     options.min_new_tokens = a.min_new_tokens;
     options.seed = a.seed;
+    options.micro_batches = a.micro_batches;
     options.eos = eos_ids(a, cfg);
     options.vocab_limit = tokenizer ? tokenizer->vocab_size() : 0;
     check_memory_fits(cfg, ranks_here, avail);

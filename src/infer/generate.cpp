@@ -213,9 +213,9 @@ void exchange_outputs(Communicator& data, std::vector<Generated>& out) {
 // virtual stages, arXiv:2104.04473 §2.2). Sends are nonblocking, waited on before the chunk's
 // next pass of the slot reuses their buffers.
 //
-// Micro-batches: each group is at most `batch` prompts, and the prompts are cut into at least p
-// groups where there are p of them, so that a single batch still overlaps over the stages (a
-// prompt's tokens do not depend on its group: left padding, its own sampling stream).
+// Micro-batches: each group is a batch of at most `batch` prompts, or a micro_batches-th of one,
+// so that a single batch can overlap over the stages (a prompt's tokens do not depend on its
+// group: left padding, its own sampling stream).
 std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const std::vector<std::vector<int32_t>>& prompts,
                                     int64_t batch, const GenerationOptions& o, GenerationStats& total, TokenSink* sink,
                                     const DecodeGroups& groups) {
@@ -233,7 +233,8 @@ std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const s
   // Groups of the block: as many slots as stages, or as the largest block has groups (the same
   // count on every replica: lockstep replicas visit alike).
   const int64_t largest = replica_prompts(P, replicas, 0).second;
-  const int64_t rows = std::max<int64_t>(1, std::min(batch, (largest + stages - 1) / stages));
+  const int64_t cut = std::max<int64_t>(1, std::min(o.micro_batches, largest));
+  const int64_t rows = std::max<int64_t>(1, (std::min(batch, largest) + cut - 1) / cut);
   const int num_slots = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(stages, (largest + rows - 1) / rows)));
   const int64_t max_tokens = static_cast<int64_t>(longest) + o.max_new_tokens - 1;
   stats.group_rows = rows;

@@ -13,7 +13,7 @@
 // …, stage 0's chunk 1, …), the last stage chooses the tokens and sends them to every other stage
 // (the first embeds them, all of them keep the same account of which sequences have ended), and
 // up to p groups of prompts are in flight at once so that the stages work on different groups: a
-// batch with fewer groups than stages is cut into micro-batches.
+// batch is one group, or GenerationOptions::micro_batches of them.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +36,10 @@ struct GenerationOptions {
   int64_t vocab_limit = 0;
   uint64_t seed = 0;
   int64_t first_stream = 0;  // prompt number k draws from Rng(seed, first_stream + k)
+  // With pipeline stages: each batch is cut into this many groups, which follow one another
+  // through the stages. More groups keep the stages busier, but every group reads the weights
+  // again, so a stage much slower than the others (GPT-2's vocabulary head) loses by it.
+  int64_t micro_batches = 1;
 };
 
 // Why a sequence ended (Hugging Face's and vLLM's finish_reason words).

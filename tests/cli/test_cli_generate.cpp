@@ -212,16 +212,22 @@ TEST(Generate, ABatchIsCutIntoMicroBatchesOverStages) {
   const std::string prompts = "--prompt-ids-file " + prompts_file(g) + " --batch-size 3 --max-new-tokens 10 --eos-id -1";
   for (const std::string sampling : {"--greedy", "--temperature 1.5 --top-k 20 --seed 5"}) {
     const json one = generate(config, prompts + " " + sampling);
-    const json split = generate(config, prompts + " " + sampling + " --set pipeline.stages=2", 2);
-    ASSERT_FALSE(one.is_null() || split.is_null()) << sampling;
+    const json whole = generate(config, prompts + " " + sampling + " --set pipeline.stages=2", 2);
+    const json split = generate(config, prompts + " " + sampling + " --micro-batches 2 --set pipeline.stages=2", 2);
+    ASSERT_FALSE(one.is_null() || whole.is_null() || split.is_null()) << sampling;
     EXPECT_EQ(one.at("groups_in_flight"), 1) << sampling;
     EXPECT_EQ(one.at("group_rows"), 3) << sampling;
+    EXPECT_EQ(whole.at("groups_in_flight"), 1) << sampling << ": one batch is one group by default";
+    EXPECT_EQ(whole.at("group_rows"), 3) << sampling;
     EXPECT_EQ(split.at("groups_in_flight"), 2) << sampling;
     EXPECT_EQ(split.at("group_rows"), 2) << sampling;
+    EXPECT_EQ(tokens_of(whole), tokens_of(one)) << sampling;
     EXPECT_EQ(tokens_of(split), tokens_of(one)) << sampling;
     EXPECT_EQ(split.at("stage_wait_ms").size(), 2u);
   }
-  const Result text = run("generate " + config + " " + prompts + " --greedy --set pipeline.stages=2", 2);
+  EXPECT_EQ(run("generate " + config + " " + prompts + " --greedy --micro-batches 0").code, 2);
+  const Result text =
+      run("generate " + config + " " + prompts + " --greedy --micro-batches 2 --set pipeline.stages=2", 2);
   ASSERT_EQ(text.code, 0) << text.err;
   EXPECT_NE(text.out.find("pipe    2 groups of up to 2 prompts in flight | waited on other stages (ms per stage): "),
             std::string::npos)
