@@ -107,7 +107,9 @@ TEST_P(DropoutLayout, GivesTheLossesAndGradientNormsOfOneRank) {
 const std::string kFull = "--set activation_checkpointing.partition_activations=false "
                           "--set pipeline.activation_checkpoint_interval=1";
 const std::string kSelective = "--set activation_checkpointing.recompute_granularity=selective";
-const double kBf16Layout = 1e-2;  // t = 2 keeps fp32 activations where one rank keeps bf16 ones
+// bf16 products: t = 2 keeps fp32 activations where one rank keeps bf16 ones, so the gradient
+// norms drift by bf16 rounding (1% by step 5 here; 0.6% without dropout)
+const double kBf16Layout = 2e-2;
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, DropoutLayout,
@@ -165,7 +167,7 @@ TEST(Dropout, Bf16ProductsDropAsFp32DoesWithinBf16Rounding) {
     differ = std::max(differ, std::fabs(unmasked[i] - fp32[i]) / fp32[i]);
   }
   std::printf("[ bf16     ] losses against fp32's: %.2e relative (without attn_pdrop: %.2e)\n", same, differ);
-  EXPECT_LT(same, kBf16Layout);
+  EXPECT_LT(same, 1e-3);
   EXPECT_GT(differ, 3 * same);
 }
 
