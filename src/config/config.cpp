@@ -678,7 +678,6 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
       top.report("progressive_layer_drop.enabled", "progressive layer drop is not implemented for " + family);
   }
   if (layout_ok) step([&] { check_moe(top, c, dp); });
-  step([&] { check_dropout(top, c); });
   step([&] { c.inference = read_inference(top); });
   step([&] { check_training_samples(top, c); });
   if (kernels::kGpuBuild)
@@ -718,28 +717,6 @@ double read_dropout_probability(Section& sec, const std::string& key) {
     sec.report_key(key, "value " + show(json(p)) + " is below 2^-24, the resolution of zero3d's dropout masks (it "
                         "would drop nothing); use 0 for no dropout");
   return p;
-}
-
-void check_dropout(Section& top, const Config& c) {
-  const DropoutRates& d = c.model.dropout;
-  const bool gpt2 = !c.model.family.llama();
-  // The one key to name: the first probability set (the Llama family has attention_dropout only).
-  const std::string key = !gpt2 ? "model.attention_dropout"
-                          : d.embd > 0.0 ? "model.embd_pdrop"
-                          : d.attn > 0.0 ? "model.attn_pdrop"
-                                         : "model.resid_pdrop";
-  if (!d.any()) return;
-  // GPT-2's bf16 products keep their activations in bf16 and run the bf16 attention kernels,
-  // which carry no masks; the Llama family's attention stays fp32 under any precision.
-  if (gpt2 && c.precision.products() == DType::BF16)
-    top.report(key, "dropout runs in GPT-2's fp32 kernels; bf16 products (bf16.enabled, torch_autocast) keep "
-                    "bf16 activations and the bf16 attention kernels, which do not drop (use fp32 or fp16)");
-  if (gpt2 && d.attn > 0.0 && c.model.sparse_attention.enabled)
-    top.report("model.attn_pdrop", "the block-sparse attention kernels do not drop probabilities; use attn_pdrop 0 "
-                                   "with sparse_attention");
-  if (gpt2 && d.resid > 0.0 && c.model.moe.enabled())
-    top.report("model.resid_pdrop", "an MoE block's output (the experts' combine) carries no dropout mask; use "
-                                    "resid_pdrop 0 with model.moe");
 }
 
 }  // namespace config_detail
