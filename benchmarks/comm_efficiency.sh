@@ -34,9 +34,12 @@ declare -A MODES=(
   [hpz2]="${S3[*]} --set zero_optimization.zero_hpz_partition_size=2"
   [zeropp_qwz]="${S3[*]} --set zero_optimization.zero_quantized_weights=true"
   [zeropp_qwz_hpz2]="${S3[*]} --set zero_optimization.zero_quantized_weights=true --set zero_optimization.zero_hpz_partition_size=2"
+  [zeropp_qgz]="${S3[*]} --set zero_optimization.zero_quantized_gradients=true"
+  [zeropp_qwz_hpz2_qgz]="${S3[*]} --set zero_optimization.zero_quantized_weights=true --set zero_optimization.zero_hpz_partition_size=2 --set zero_optimization.zero_quantized_gradients=true"
 )
 declare -A STEPS=([zero_one_adam]=8)
-ORDER=(adamw_zero0 onebit_adam onebit_lamb zero_one_adam zero3 mics2 mics4_hierarchical hpz2 zeropp_qwz zeropp_qwz_hpz2)
+ORDER=(adamw_zero0 onebit_adam onebit_lamb zero_one_adam zero3 mics2 mics4_hierarchical hpz2 zeropp_qwz zeropp_qwz_hpz2
+       zeropp_qgz zeropp_qwz_hpz2_qgz)
 if [[ -n "${MODES_ONLY:-}" ]]; then read -r -a ORDER <<< "$MODES_ONLY"; fi
 for mode in "${ORDER[@]}"; do
   # shellcheck disable=SC2086

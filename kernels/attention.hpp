@@ -7,9 +7,9 @@
 // compute = BF16 runs attention_bf16.hpp's kernels instead: on CPUs with AVX512-BF16 the fused
 // FlashAttention-2 style kernel (attention_flash_bf16.hpp; att then holds each row's log-sum-exp
 // and the bf16 output, no probabilities), else the tiled kernel (bf16 probabilities in att).
-// Attention dropout (GPT2Attention.attn_dropout; fp32 only): att keeps the undropped
-// probabilities, Y = (P ∘ M)·V, and the backward redraws M (kernels/dropout.hpp):
-// dV = (P ∘ M)ᵀ·dY, and the softmax backward reads dP ∘ M.
+// Attention dropout (GPT2Attention.attn_dropout): att keeps the undropped probabilities,
+// Y = (P ∘ M)·V, and the backward redraws M (kernels/dropout.hpp): dV = (P ∘ M)ᵀ·dY, and the
+// softmax backward reads dP ∘ M. BF16 compute draws the same M in its tiled kernel.
 #pragma once
 
 #include <cblas.h>
@@ -205,15 +205,13 @@ ZERO3D_KERNEL void attention_backward_fp32(float* dqkv, const float* dout, const
 
 // O: the output's type; Q: qkv's. bf16 (an output that only feeds a bf16 product, a qkv its
 // product already rounded) needs compute = BF16.
-// dropout: the probabilities' mask (off by default); fp32 compute only.
+// dropout: the probabilities' mask (off by default).
 template <typename O = float, typename Q = float>
 inline void attention_forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H,
                               DType compute = DType::F32, DropoutMask dropout = {}) {
   obs::add_macs(2.0 * B * T * T * C);  // q·kᵀ and p·v, counted densely as the FLOPs formula does
   const ProfileRegion region("attention_forward");
-  if (compute == DType::BF16 && dropout.on())
-    throw std::invalid_argument("attention_forward: attention dropout runs in fp32 only");
-  if (compute == DType::BF16) return attention_forward_bf16(out, att, qkv, B, T, C, H);
+  if (compute == DType::BF16) return attention_forward_bf16(out, att, qkv, B, T, C, H, dropout);
 #ifdef ZERO3D_DEVICE
   if constexpr (std::is_same_v<O, float> && std::is_same_v<Q, float>)
     gpu::attention_forward_fp32(out, att, qkv, B, T, C, H, dropout);
@@ -226,24 +224,25 @@ inline void attention_forward(O* out, float* att, const Q* qkv, Index B, Index T
 
 // The backward over a qkv its product rounded to bf16: the bf16 kernels only.
 inline void attention_backward(float* dqkv, float*, const float* dout, const bf16* qkv, const float* att, Index B,
-                               Index T, Index C, Index H, DType compute) {
+                               Index T, Index C, Index H, DType compute, DropoutMask dropout = {}) {
   if (compute != DType::BF16) throw std::invalid_argument("attention_backward: a bf16 qkv needs bf16 compute");
   obs::add_macs(4.0 * B * T * T * C);
   const ProfileRegion region("attention_backward");
-  attention_backward_bf16(dqkv, dout, qkv, att, B, T, C, H);
+  attention_backward_bf16(dqkv, dout, qkv, att, B, T, C, H, dropout);
 }
 
 // The backward for c_attn's bf16 products: dqkv rounded to bf16, and c_attn's bias gradient
 // added to dbias, the bits gemm_operand makes from an fp32 dqkv. The fused kernel writes them
 // as it goes; the tiled one writes fp32 into scratch (B·T·3C floats), converted after.
 inline void attention_backward_summing_columns(bf16* dqkv, float* dbias, float* scratch, const float* dout,
-                                               const bf16* qkv, const float* att, Index B, Index T, Index C, Index H) {
+                                               const bf16* qkv, const float* att, Index B, Index T, Index C, Index H,
+                                               DropoutMask dropout = {}) {
   obs::add_macs(4.0 * B * T * T * C);
   const ProfileRegion region("attention_backward");
 #ifdef ZERO3D_FLASH_ATTENTION
-  if (attention_flash_chosen(B * H, T, C / H)) return flash::backward(dqkv, dbias, dout, qkv, att, B, T, C, H);
+  if (attention_flash_chosen(B * H, T, C / H, dropout)) return flash::backward(dqkv, dbias, dout, qkv, att, B, T, C, H);
 #endif
-  attention_backward_tiled_bf16(scratch, dout, qkv, att, B, T, C, H);
+  attention_backward_bf16(scratch, dout, qkv, att, B, T, C, H, dropout);  // the tiled kernel, or the GPU's fused one
   convert_summing_columns(dqkv, dbias, scratch, B * T, 3 * C);
 }
 
@@ -255,9 +254,7 @@ ZERO3D_KERNEL void attention_backward(float* dqkv, float* scratch, const float* 
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   obs::add_macs(4.0 * B * T * T * C);  // dp, dv, dq, dk: twice the forward's products
   const ProfileRegion region("attention_backward");
-  if (compute == DType::BF16 && dropout.on())
-    throw std::invalid_argument("attention_backward: attention dropout runs in fp32 only");
-  if (compute == DType::BF16) return attention_backward_bf16(dqkv, dout, qkv, att, B, T, C, H);
+  if (compute == DType::BF16) return attention_backward_bf16(dqkv, dout, qkv, att, B, T, C, H, dropout);
 #ifdef ZERO3D_DEVICE
   (void)scratch, (void)C3, (void)scale;
   gpu::attention_backward_fp32(dqkv, dout, qkv, att, B, T, C, H, dropout);

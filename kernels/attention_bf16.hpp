@@ -17,6 +17,11 @@
 // attention_flash_bf16.hpp instead where it is built (AVX512-BF16) and att has room for what it
 // keeps; ZERO3D_ATTENTION_KERNEL=tiled in the environment keeps this tiled kernel, for A/B
 // benchmarks of the two in one binary (benchmarks/bf16_breakdown.sh).
+//
+// Attention dropout (attn_pdrop) runs the tiled kernel (the fused one carries no mask): att keeps
+// the undropped bf16 probabilities, O = Σ_j (P_ij ∘ M_ij)·V_j, and the backward redraws M for
+// dV = (P ∘ M)ᵀ·dY and dP ∘ M, as attention.hpp's fp32 kernels. M's bits are the fp32 kernels'
+// (kernels/dropout.hpp, element (head·T + query)·T + key), so the two differ by bf16 rounding only.
 #pragma once
 
 #include <algorithm>
@@ -27,6 +32,10 @@
 #include "base/profiler.hpp"
 #include "kernels/common.hpp"
 #include "kernels/cpu/attention_flash_bf16.hpp"
+#ifdef ZERO3D_DEVICE
+#include "kernels/cuda/attention_flash_bf16.hpp"
+#endif
+#include "kernels/dropout.hpp"
 #include "kernels/fastmath.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/half.hpp"
@@ -55,7 +64,7 @@ struct AttentionTiles {
 
 // Scratch reused by every call (grown on first use, so a training step allocates nothing).
 struct AttentionWorkspace {
-  Kokkos::View<bf16*> q, k, v, dy, ds;
+  Kokkos::View<bf16*> q, k, v, dy, ds, dropped;
   Kokkos::View<float*> scores, dq, dk, dv;
   template <typename V>
   static auto* take(V& view, Index n) {
@@ -63,7 +72,7 @@ struct AttentionWorkspace {
     return view.data();
   }
   int64_t bytes() const {
-    return static_cast<int64_t>((q.extent(0) + k.extent(0) + v.extent(0) + dy.extent(0) + ds.extent(0)) * 2 +
+    return static_cast<int64_t>((q.extent(0) + k.extent(0) + v.extent(0) + dy.extent(0) + ds.extent(0) + dropped.extent(0)) * 2 +
                                 (scores.extent(0) + dq.extent(0) + dk.extent(0) + dv.extent(0)) * 4);
   }
 };
@@ -126,6 +135,36 @@ ZERO3D_KERNEL void attention_unpack(O* dst, Index ld, const float* src, Index g0
     for (Index r = 0; r < rows; ++r)
 #pragma omp simd
       for (Index x = 0; x < hs; ++x) d[r * ld + x] = from_float<O>(s[r * hs + x]);
+  });
+#endif
+}
+
+// Tiles j = 0..i of row tile i of the head group g0.. ([j][G][TB][TB], at src_stride and
+// dst_stride apart): dst = src ∘ M, M the dense probabilities' mask at query i·TB + r, key
+// j·TB + c of pair (b, h) = g0 + g (dropout.hpp). Padding rows and keys (past T) get 0: their
+// probabilities meet only zero rows of dY. dst may be src.
+template <typename D, typename S>
+ZERO3D_KERNEL void attention_dropout_tiles(D* dst, Index dst_stride, const S* src, Index src_stride, DropoutMask m,
+                                           Index i, Index g0, Index G, Index TB, Index T, Index H) {
+#ifdef ZERO3D_DEVICE
+  Kokkos::parallel_for("attention_dropout_tiles", range((i + 1) * G * TB * TB), KOKKOS_LAMBDA(Index e) {
+    const Index c = e % TB, r = (e / TB) % TB, g = (e / (TB * TB)) % G, j = e / (G * TB * TB);
+    const Index bh = g0 + g, row = i * TB + r, key = j * TB + c, at = g * TB * TB + r * TB + c;
+    const float f = row < T && key < T
+                        ? m.factor(m.stream(bh / H), static_cast<uint64_t>(((m.first_head + bh % H) * T + row) * T + key))
+                        : 0.0f;
+    dst[j * dst_stride + at] = from_float<D>(to_float(src[j * src_stride + at]) * f);
+  });
+#else
+  // CPU: a row of one tile per iteration, the pair's stream once
+  Kokkos::parallel_for("attention_dropout_tiles", range((i + 1) * G * TB), KOKKOS_LAMBDA(Index x) {
+    const Index r = x % TB, g = (x / TB) % G, j = x / (G * TB);
+    const Index bh = g0 + g, row = i * TB + r, at = g * TB * TB + r * TB;
+    const uint64_t s = m.stream(bh / H), e0 = static_cast<uint64_t>(((m.first_head + bh % H) * T + row) * T + j * TB);
+    for (Index c = 0; c < TB; ++c) {
+      const float f = row < T && j * TB + c < T ? m.factor(s, e0 + static_cast<uint64_t>(c)) : 0.0f;
+      dst[j * dst_stride + at + c] = from_float<D>(to_float(src[j * src_stride + at + c]) * f);
+    }
   });
 #endif
 }
@@ -333,7 +372,8 @@ inline Index attention_head_group(Index T, Index hs, Index BH) {
 }
 
 template <typename O, typename Q>
-inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H) {
+inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H,
+                                         DropoutMask dropout = {}) {
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T);
@@ -344,6 +384,7 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
   bf16* v = AttentionWorkspace::take(w.v, t.n * G0 * TB * hs);
   float* s = AttentionWorkspace::take(w.scores, t.n * G0 * TB * TB);
   float* o = AttentionWorkspace::take(w.dq, t.n * G0 * TB * hs);
+  bf16* kept = dropout.on() ? AttentionWorkspace::take(w.dropped, t.n * G0 * TB * TB) : nullptr;  // P ∘ M, row tile i
   bf16* p = reinterpret_cast<bf16*>(att);
   for (Index g0 = 0; g0 < BH; g0 += G0) {
     const Index G = std::min(G0, BH - g0), tq = G * TB * hs, sg = G * TB * TB;
@@ -355,8 +396,14 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
       // S_ij = Q_i · K_jᵀ for the key tiles 0..i; softmax; O_i = Σ_j P_ij · V_j
       for (Index j = 0; j <= i; ++j) gemm_batched_bf16(G, TB, TB, hs, q + i * tq, false, k + j * tq, true, s + j * sg, false);
       attention_softmax_rows(pi, tile_p, s, i, G, TB, scale);
+      const bf16* pv = pi;
+      Index pv_stride = tile_p;
+      if (kept) {
+        attention_dropout_tiles(kept, sg, pi, tile_p, dropout, i, g0, G, TB, T, H);
+        pv = kept, pv_stride = sg;
+      }
       for (Index j = 0; j <= i; ++j)
-        gemm_batched_bf16(G, TB, hs, TB, pi + j * tile_p, false, v + j * tq, false, o + i * tq, j > 0);
+        gemm_batched_bf16(G, TB, hs, TB, pv + j * pv_stride, false, v + j * tq, false, o + i * tq, j > 0);
     }
     attention_unpack(out, C, o, g0, G, T, H, hs, t);
   }
@@ -365,7 +412,7 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
 // dqkv written (all of it) from dout = d(out), the forward's qkv and bf16 probabilities in att.
 template <typename Q>
 inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const Q* qkv, const float* att, Index B,
-                                          Index T, Index C, Index H) {
+                                          Index T, Index C, Index H, DropoutMask dropout = {}) {
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T);
@@ -380,6 +427,7 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
   float* dq = AttentionWorkspace::take(w.dq, t.n * G0 * TB * hs);
   float* dk = AttentionWorkspace::take(w.dk, t.n * G0 * TB * hs);
   float* dv = AttentionWorkspace::take(w.dv, t.n * G0 * TB * hs);
+  bf16* kept = dropout.on() ? AttentionWorkspace::take(w.dropped, t.n * G0 * TB * TB) : nullptr;
   const bf16* p = reinterpret_cast<const bf16*>(att);
   for (Index g0 = 0; g0 < BH; g0 += G0) {
     const Index G = std::min(G0, BH - g0), tq = G * TB * hs, sg = G * TB * TB;
@@ -389,15 +437,22 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
     attention_pack(dy, dout, C, g0, G, T, H, hs, t);
     for (Index i = 0; i < t.n; ++i) {
       const bf16* pi = p + AttentionTiles::pair(i, 0) * tile_p + g0 * TB * TB;
-      // dP_ij = dY_i · V_jᵀ, then dS
+      // dP_ij = (dY_i · V_jᵀ) ∘ M_ij, then dS
       for (Index j = 0; j <= i; ++j)
         gemm_batched_bf16(G, TB, TB, hs, dy + i * tq, false, v + j * tq, true, dp + j * sg, false);
+      const bf16* pv = pi;  // P ∘ M for dV
+      Index pv_stride = tile_p;
+      if (kept) {
+        attention_dropout_tiles(dp, sg, dp, sg, dropout, i, g0, G, TB, T, H);
+        attention_dropout_tiles(kept, sg, pi, tile_p, dropout, i, g0, G, TB, T, H);
+        pv = kept, pv_stride = sg;
+      }
       attention_softmax_backward_rows(ds, pi, tile_p, dp, i, G, TB, scale);
       // dQ_i = Σ_j dS_ij · K_j ; dK_j += dS_ijᵀ · Q_i ; dV_j += P_ijᵀ · dY_i (tile j is first met at i = j)
       for (Index j = 0; j <= i; ++j) {
         gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, false, k + j * tq, false, dq + i * tq, j > 0);
         gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, true, q + i * tq, false, dk + j * tq, i > j);
-        gemm_batched_bf16(G, TB, hs, TB, pi + j * tile_p, true, dy + i * tq, false, dv + j * tq, i > j);
+        gemm_batched_bf16(G, TB, hs, TB, pv + j * pv_stride, true, dy + i * tq, false, dv + j * tq, i > j);
       }
     }
     attention_unpack(dqkv, C3, dq, g0, G, T, H, hs, t);
@@ -407,45 +462,71 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
 }
 
 // The bf16 attention the model runs: the fused kernel (attention_flash_bf16.hpp) where it is
-// built and att has room for what it keeps, the tiled kernel above otherwise. A forward and
-// the backward that reads its att take the same branch (it depends on the shape only).
-inline bool attention_flash_chosen(Index BH, Index T, Index hs) {
-  static const bool tiled = [] {
+// built and att has room for what it keeps, the tiled kernel above otherwise or under dropout.
+// A forward and the backward that reads its att take the same branch (the shape and the mask,
+// which the backward redraws). ZERO3D_ATTENTION_KERNEL=tiled keeps the tiled kernel. On a GPU the
+// fused CUDA kernel (kernels/cuda/attention_flash_bf16.hpp) is chosen only by
+// ZERO3D_ATTENTION_KERNEL=flash until a device run has checked it against the host (tests/gpu)
+// and timed it against the dense tile.
+inline bool attention_flash_chosen(Index BH, Index T, Index hs, const DropoutMask& dropout = {}) {
+  static const std::string kernel = [] {
     const char* e = std::getenv("ZERO3D_ATTENTION_KERNEL");
-    return e && std::string(e) == "tiled";
+    return std::string(e ? e : "");
   }();
-  return !tiled && attention_flash_fits(BH, T, hs);
+#ifdef ZERO3D_DEVICE
+  return kernel == "flash" && !dropout.on() && cuda_flash::serves(hs) &&
+         attention_flash_o_offset(BH, T) + (BH * T * hs + 1) / 2 <= BH * T * T;
+#else
+  return kernel != "tiled" && !dropout.on() && attention_flash_fits(BH, T, hs);
+#endif
 }
 
 // The floats of `att` the bf16 attention writes for B·H = BH heads: the fused kernel's log-sum-
 // exp and bf16 output (attention_flash_bf16.hpp), else the tiled kernel's bf16 probabilities, one
-// TB×TB tile per (query tile, key tile ≤ it) pair and head. What the model allocates for it.
-inline Index attention_bf16_saved_floats(Index BH, Index T, Index hs) {
-#ifdef ZERO3D_FLASH_ATTENTION
-  if (attention_flash_chosen(BH, T, hs)) return attention_flash_o_offset(BH, T) + (BH * T * hs + 1) / 2;
-#endif
-  (void)hs;
+// TB×TB tile per (query tile, key tile ≤ it) pair and head. What the model allocates for it;
+// dropout (attn_pdrop set): training passes run the tiled kernel, evaluation the fused one,
+// room for either.
+inline Index attention_bf16_saved_floats(Index BH, Index T, Index hs, bool dropout = false) {
   const AttentionTiles t(T);
-  return ((AttentionTiles::pair(t.n - 1, t.n - 1) + 1) * BH * t.TB * t.TB + 1) / 2;
+  const Index tiled = ((AttentionTiles::pair(t.n - 1, t.n - 1) + 1) * BH * t.TB * t.TB + 1) / 2;
+#if defined(ZERO3D_FLASH_ATTENTION) || defined(ZERO3D_DEVICE)
+  if (attention_flash_chosen(BH, T, hs)) {
+    const Index fused = attention_flash_o_offset(BH, T) + (BH * T * hs + 1) / 2;
+    return dropout ? std::max(fused, tiled) : fused;
+  }
+#endif
+  (void)hs, (void)dropout;
+  return tiled;
 }
 
 // Q: qkv's type — fp32, or bf16 when the c_attn product rounded its own output (the kernels
 // round q, k and v to bf16 as they pack them, so both give the same bits).
 template <typename O, typename Q>
-inline void attention_forward_bf16(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H) {
+inline void attention_forward_bf16(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H,
+                                   DropoutMask dropout = {}) {
 #ifdef ZERO3D_FLASH_ATTENTION
-  if (attention_flash_chosen(B * H, T, C / H)) return flash::forward(out, att, qkv, B, T, C, H);
+  if (attention_flash_chosen(B * H, T, C / H, dropout)) return flash::forward(out, att, qkv, B, T, C, H);
 #endif
-  attention_forward_tiled_bf16(out, att, qkv, B, T, C, H);
+#ifdef ZERO3D_DEVICE
+  if (attention_flash_chosen(B * H, T, C / H, dropout))
+    return cuda_flash::forward(out, att, reinterpret_cast<bf16*>(att + attention_flash_o_offset(B * H, T)), qkv, B, T,
+                               C, H);
+#endif
+  attention_forward_tiled_bf16(out, att, qkv, B, T, C, H, dropout);
 }
 
 template <typename Q>
 inline void attention_backward_bf16(float* dqkv, const float* dout, const Q* qkv, const float* att, Index B, Index T,
-                                    Index C, Index H) {
+                                    Index C, Index H, DropoutMask dropout = {}) {
 #ifdef ZERO3D_FLASH_ATTENTION
-  if (attention_flash_chosen(B * H, T, C / H)) return flash::backward(dqkv, nullptr, dout, qkv, att, B, T, C, H);
+  if (attention_flash_chosen(B * H, T, C / H, dropout)) return flash::backward(dqkv, nullptr, dout, qkv, att, B, T, C, H);
 #endif
-  attention_backward_tiled_bf16(dqkv, dout, qkv, att, B, T, C, H);
+#ifdef ZERO3D_DEVICE
+  if (attention_flash_chosen(B * H, T, C / H, dropout))
+    return cuda_flash::backward(dqkv, dout, qkv, att,
+                                reinterpret_cast<const bf16*>(att + attention_flash_o_offset(B * H, T)), B, T, C, H);
+#endif
+  attention_backward_tiled_bf16(dqkv, dout, qkv, att, B, T, C, H, dropout);
 }
 
 }  // namespace zero3d::kernels

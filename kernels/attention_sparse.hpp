@@ -7,6 +7,10 @@
 // rows are gathered into one panel, so each product is a single sgemm over only the work the
 // layout keeps. att keeps the probabilities as those panels: for each (batch, head), at
 // att_stride apart, query block after query block, each bs rows of its n kept keys.
+// Attention dropout (attn_pdrop) drops the computed blocks' probabilities with the dense
+// kernel's mask (kernels/dropout.hpp: element (head·T + query)·T + key, the global key, not its
+// panel column), so every layout, and a dense layout against attention.hpp, draw the same bits;
+// att keeps the undropped probabilities and the backward redraws the mask, as attention.hpp.
 #pragma once
 
 #include <cblas.h>
@@ -17,6 +21,7 @@
 
 #include "base/profiler.hpp"
 #include "kernels/common.hpp"
+#include "kernels/dropout.hpp"
 #include "kernels/fastmath.hpp"
 
 namespace zero3d::kernels {
@@ -50,6 +55,14 @@ ZERO3D_KERNEL void scatter_add_rows(float* dst, const float* panel, const std::v
   });
 }
 
+// dst = src ∘ mask over a panel's bs rows (query rows r0..; row stride n): panel key block q is
+// dense keys [blocks[q]·bs, +bs), so each block takes the dense probabilities' bits. dst may be src.
+inline void drop_panel(float* dst, const float* src, Index n, const std::vector<Index>& blocks, const DropoutMask& m,
+                       Index b, Index h, Index r0, Index bs, Index T) {
+  for (size_t q = 0; q < blocks.size(); ++q)
+    dropout_probability_rows(dst + q * bs, n, src + q * bs, n, m, b, h, r0, bs, blocks[q] * bs, bs, T);
+}
+
 inline double macs(const uint8_t* layout, Index B, Index H, Index nb, Index bs, Index hs) {
   double blocks = 0;
   for (Index h = 0; h < H; ++h)
@@ -61,13 +74,13 @@ inline double macs(const uint8_t* layout, Index B, Index H, Index nb, Index bs, 
 }  // namespace sparse_detail
 
 ZERO3D_KERNEL void sparse_attention_forward(float* out, float* att, Index att_stride, const float* qkv, const uint8_t* layout,
-                                     Index block, Index B, Index T, Index C, Index H) {
+                                     Index block, Index B, Index T, Index C, Index H, DropoutMask dropout = {}) {
   using namespace sparse_detail;
   const Index hs = C / H, C3 = 3 * C, nb = T / block, bs = block;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   obs::add_macs(2.0 * macs(layout, B, H, nb, bs, hs));  // q·kᵀ and p·v over the computed blocks
   const ProfileRegion region("sparse_attention_forward");
-  std::vector<float> kp(T * hs), vp(T * hs);
+  std::vector<float> kp(T * hs), vp(T * hs), dropped(dropout.on() ? bs * T : 0);
   std::vector<Index> blocks;
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h) {
@@ -104,17 +117,23 @@ ZERO3D_KERNEL void sparse_attention_forward(float* out, float* att, Index att_st
           for (Index j = 0; j < valid; ++j) row[j] *= inv;
           for (Index j = valid; j < n; ++j) row[j] = 0.0f;
         });
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bs, hs, n, 1.0f, p, n, vp.data(), hs, 0.0f, o + r0 * C,
+        const float* pv = p;  // Y = (P ∘ M)·V
+        if (dropout.on()) {
+          drop_panel(dropped.data(), p, n, blocks, dropout, b, h, r0, bs, T);
+          pv = dropped.data();
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bs, hs, n, 1.0f, pv, n, vp.data(), hs, 0.0f, o + r0 * C,
                     C);
         p += bs * n;
       }
     }
 }
 
-// dqkv written (all of it), from the probabilities sparse_attention_forward kept in att.
+// dqkv written (all of it), from the probabilities sparse_attention_forward kept in att; dropout:
+// the forward's mask, redrawn.
 ZERO3D_KERNEL void sparse_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
                                       Index att_stride, const uint8_t* layout, Index block, Index B, Index T, Index C,
-                                      Index H) {
+                                      Index H, DropoutMask dropout = {}) {
   using namespace sparse_detail;
   const Index hs = C / H, C3 = 3 * C, nb = T / block, bs = block;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -124,7 +143,7 @@ ZERO3D_KERNEL void sparse_attention_backward(float* dqkv, const float* dout, con
   Kokkos::parallel_for("sparse_zero_dkv", range(B * T), KOKKOS_LAMBDA(Index bt) {
     for (Index c = C; c < C3; ++c) dqkv[bt * C3 + c] = 0.0f;
   });
-  std::vector<float> kp(T * hs), vp(T * hs), dp(bs * T), dkp(T * hs), dvp(T * hs);
+  std::vector<float> kp(T * hs), vp(T * hs), dp(bs * T), dkp(T * hs), dvp(T * hs), dropped(dropout.on() ? bs * T : 0);
   std::vector<Index> blocks;
   for (Index b = 0; b < B; ++b)
     for (Index h = 0; h < H; ++h) {
@@ -148,10 +167,16 @@ ZERO3D_KERNEL void sparse_attention_backward(float* dqkv, const float* dout, con
         gather_rows(vp.data(), v, blocks, bs, hs, C3);
         const float* pp = p;  // [bs, n], zero at the masked keys of the diagonal block
         p += bs * n;
-        // dP = dY · Vᵀ ; dV = Pᵀ · dY
+        // dP = (dY · Vᵀ) ∘ M ; dV = (P ∘ M)ᵀ · dY
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bs, n, hs, 1.0f, dy + r0 * C, C, vp.data(), hs, 0.0f,
                     dp.data(), n);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, hs, bs, 1.0f, pp, n, dy + r0 * C, C, 0.0f,
+        const float* pk = pp;
+        if (dropout.on()) {
+          drop_panel(dp.data(), dp.data(), n, blocks, dropout, b, h, r0, bs, T);
+          drop_panel(dropped.data(), pp, n, blocks, dropout, b, h, r0, bs, T);
+          pk = dropped.data();
+        }
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, hs, bs, 1.0f, pk, n, dy + r0 * C, C, 0.0f,
                     dvp.data(), hs);
         // softmax backward: dS = P ⊙ (dP − Σ P·dP); masked entries have P = 0
         float* dsp = dp.data();

@@ -38,12 +38,14 @@ inline int64_t quantized_bytes(Index n) { return quant_padded(n) + 4 * quant_gro
 
 namespace gpu {
 
-// A team per group and Kokkos' max reduction over its elements.
-ZERO3D_KERNEL void group_absmax(const float* x, Index n, Index groups, Index group, float* m) {
+// A team per group and Kokkos' max reduction over its elements. phase: x[0] sits at that position
+// of its group (qgZ's blocks, kernels/quantize_int4.hpp), so group g is [g·group − phase, +group).
+ZERO3D_KERNEL void group_absmax(const float* x, Index n, Index groups, Index group, float* m, Index phase = 0) {
   Kokkos::parallel_for(
       "quant_group_absmax", Kokkos::TeamPolicy<ExecSpace>(static_cast<int>(groups), Kokkos::AUTO),
       KOKKOS_LAMBDA(const Kokkos::TeamPolicy<ExecSpace>::member_type& team) {
-        const Index lo = team.league_rank() * group, hi = lo + group < n ? lo + group : n;
+        const Index start = team.league_rank() * group - phase, lo = start > 0 ? start : Index(0);
+        const Index hi = start + group < n ? start + group : n;
         float best = 0.0f;
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(team, lo < hi ? hi - lo : Index(0)),
@@ -58,22 +60,27 @@ ZERO3D_KERNEL void group_absmax(const float* x, Index n, Index groups, Index gro
 
 }  // namespace gpu
 
+// m[g] = max |x| over group g (groups of `group` values; x[0] at position `phase` of the first).
+ZERO3D_KERNEL void group_absmax(const float* x, Index n, Index groups, Index group, float* m, Index phase = 0) {
+#ifdef ZERO3D_DEVICE
+  gpu::group_absmax(x, n, groups, group, m, phase);
+#else
+  Kokkos::parallel_for(
+      "quant_group_absmax", range(groups), KOKKOS_LAMBDA(Index g) {
+        const Index start = g * group - phase, hi = start + group < n ? start + group : n;
+        float best = 0.0f;
+        for (Index i = start > 0 ? start : 0; i < hi; ++i) best = std::fabs(x[i]) > best ? std::fabs(x[i]) : best;
+        m[g] = best;
+      });
+#endif
+}
+
 // x (n fp32) -> q (quant_padded(n) int8, the padding 0) and scales (quant_groups(n) fp32, 1/s).
 ZERO3D_KERNEL void quantize_int8(const float* x, Index n, int8_t* q, float* scales) {
   const Index groups = quant_groups(n);
   if (groups == 0) return;
   const Index group = quant_padded(n) / groups;
-#ifdef ZERO3D_DEVICE
-  gpu::group_absmax(x, n, groups, group, scales);
-#else
-  Kokkos::parallel_for(
-      "quant_group_absmax", range(groups), KOKKOS_LAMBDA(Index g) {
-        const Index lo = g * group, hi = lo + group < n ? lo + group : n;
-        float m = 0.0f;
-        for (Index i = lo; i < hi; ++i) m = std::fabs(x[i]) > m ? std::fabs(x[i]) : m;
-        scales[g] = m;
-      });
-#endif
+  group_absmax(x, n, groups, group, scales);
   // The group maxima become the stored scales 1/s once every value of their group is quantised.
   Kokkos::parallel_for(
       "quantize_int8", range(quant_padded(n)), KOKKOS_LAMBDA(Index i) {

@@ -89,6 +89,7 @@ struct GenerateArgs {
   std::string prompt, prompt_file;          // the same as text, through the tokenizer
   std::string tokenizer;                    // --tokenizer; default: data.tokenizer, else model.hf_config's directory
   int64_t batch_size = 8, max_new_tokens = 32, min_new_tokens = 0;
+  int64_t micro_batches = 1;  // --micro-batches: groups a batch is cut into over pipeline stages
   double temperature = 1.0, top_p = 1.0;  // Hugging Face GenerationConfig's defaults
   int64_t top_k = 50;
   uint64_t seed = 0;

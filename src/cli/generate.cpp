@@ -331,6 +331,8 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
       throw InputError("--min-new-tokens " + std::to_string(a.min_new_tokens) + ": must be in [0, --max-new-tokens " +
                        std::to_string(a.max_new_tokens) + "]");
     if (a.batch_size < 1) throw InputError("--batch-size " + std::to_string(a.batch_size) + ": must be at least 1");
+    if (a.micro_batches < 1)
+      throw InputError("--micro-batches " + std::to_string(a.micro_batches) + ": must be at least 1");
     if (a.eos_given && a.eos_id < -1)
       throw InputError("--eos-id " + std::to_string(a.eos_id) + ": an id, or -1 for none");
     cfg = generation_config(a, size, name);
@@ -360,6 +362,7 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
     options.max_new_tokens = a.max_new_tokens;
     options.min_new_tokens = a.min_new_tokens;
     options.seed = a.seed;
+    options.micro_batches = a.micro_batches;
     options.eos = eos_ids(a, cfg);
     options.vocab_limit = tokenizer ? tokenizer->vocab_size() : 0;
     check_memory_fits(cfg, ranks_here, avail);
@@ -425,7 +428,9 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
         {"new_tokens", stats.new_tokens},
         {"tokens_per_s", stats.tokens_per_s()},
         {"wall_ms", stats.wall_ms},
-        {"stage_wait_ms", stats.stage_wait_ms}};
+        {"stage_wait_ms", stats.stage_wait_ms},
+        {"groups_in_flight", stats.groups_in_flight},
+        {"group_rows", stats.group_rows}};
     std::printf("%s\n", doc.dump().c_str());
     return kExitOk;
   }
@@ -440,7 +445,10 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
   if (cfg.pipeline.stages > 1) {
     std::string waits;
     for (const double w : stats.stage_wait_ms) waits += (waits.empty() ? "" : ", ") + std::to_string(static_cast<int64_t>(w));
-    std::printf("pipe    waited on other stages (ms per stage): %s of %.1f ms\n", waits.c_str(), stats.wall_ms);
+    std::printf("pipe    %lld group%s of up to %lld prompt%s in flight | waited on other stages (ms per stage): %s of "
+                "%.1f ms\n",
+                (long long)stats.groups_in_flight, stats.groups_in_flight == 1 ? "" : "s", (long long)stats.group_rows,
+                stats.group_rows == 1 ? "" : "s", waits.c_str(), stats.wall_ms);
   }
   return kExitOk;
 }

@@ -131,6 +131,9 @@ int main(int argc, char** argv) {
   generate->add_option("--tokenizer", gen.tokenizer, "tokenizer.json, a SentencePiece .model, or a directory with one "
                                                      "(default: data.tokenizer, else model.hf_config's directory)");
   generate->add_option("--batch-size", gen.batch_size, "prompts generated together, left-padded (default 8)");
+  generate->add_option("--micro-batches", gen.micro_batches,
+                       "with pipeline stages: groups each batch is cut into, one behind another through the stages "
+                       "(default 1)");
   generate->add_option("--max-new-tokens", gen.max_new_tokens, "new tokens per prompt at most (default 32)");
   generate->add_option("--min-new-tokens", gen.min_new_tokens, "no EOS before this many new tokens (default 0)");
   generate->add_option("--temperature", gen.temperature, "divides the logits (> 0; default 1)");

@@ -238,6 +238,9 @@ struct ZeroConfig {
   // zero_quantized_weights: ZeRO++'s qwZ, stage 3's parameter gathers in int8 groups
   // (parallel/quantized_gather.hpp).
   bool quantized_weights = false;
+  // zero_quantized_gradients: ZeRO++'s qgZ, stage 3's gradient reduce-scatter as int4 all-to-alls
+  // inside then across nodes (parallel/quantized_reduce_scatter.hpp).
+  bool quantized_gradients = false;
 };
 
 // fp16 / bf16 / communication_data_type / data_types (DEEPSPEED-FACTS §1.4, §2).

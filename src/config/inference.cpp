@@ -186,10 +186,6 @@ InferenceConfig read_inference(Section& top) {
 }  // namespace config_detail
 
 std::string generation_refusal(const Config& c) {
-  if (c.pipeline.virtual_stages > 1)
-    return "`pipeline.virtual_stages` " + std::to_string(c.pipeline.virtual_stages) +
-           ": zero3d generate runs one chunk of layers per pipeline stage (a decode step's hidden states pass "
-           "each stage once); use pipeline.virtual_stages 1, which loads the same checkpoint";
   if (c.model.moe.num_experts > 0)
     return "`moe`: zero3d generate's decoder runs dense blocks; this model routes tokens to experts";
   if (c.model.sparse_attention.enabled)

@@ -534,8 +534,6 @@ void read_llama_family(Section& sec, ModelConfig& m, Architecture arch, const js
 // A dropout probability (config.cpp): a number in [0, 1), 0 when absent; 1 (everything dropped)
 // and values below the masks' 24-bit resolution (which would drop nothing) are errors naming the key.
 double read_dropout_probability(Section& sec, const std::string& key);
-// The dropout checks against the rest of the run (config.cpp): which kernels carry each site.
-void check_dropout(Section& top, const Config& c);
 // tensor_parallel.preset_model and partition_config (config/autotp.cpp): DeepSpeed's AutoTP
 // rules, checked against the split zero3d makes of the model; the preset's name into t.
 void read_autotp_rules(Section& tp, const ModelConfig& m, TensorParallelConfig& t);

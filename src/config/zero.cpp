@@ -204,10 +204,12 @@ void read_shard_groups(Section& sec, Config& c) {
                         "which these groups do not cut)");
 }
 
-// ZeRO++'s quantized weights (qwZ; parallel/quantized_gather.hpp) and gradients (qgZ: not in
-// zero3d, refused with the reason). DeepSpeed reads zero_quantized_weights only in stage 3's
-// partition_parameters.py; its MiCS gathers (mics.py, with a coalescing manager) never quantise.
-void read_quantized_collectives(Section& sec, ZeroConfig& z) {
+// ZeRO++'s quantized weights (qwZ; parallel/quantized_gather.hpp) and gradients (qgZ;
+// parallel/quantized_reduce_scatter.hpp). DeepSpeed reads both only at stage 3 (zero_quantized_
+// weights in partition_parameters.py, zero_quantized_gradients as the all-to-all group stage3.py
+// receives); its MiCS optimizer (mics.py, with a coalescing manager) is built without either.
+void read_quantized_collectives(Section& sec, Config& c) {
+  ZeroConfig& z = c.zero;
   z.quantized_weights = sec.boolean("zero_quantized_weights", false);
   if (z.quantized_weights && z.stage != 3)
     sec.report_key("zero_quantized_weights", "ZeRO++'s qwZ quantises stage 3's parameter gathers (DeepSpeed applies it "
@@ -220,10 +222,25 @@ void read_quantized_collectives(Section& sec, ZeroConfig& z) {
     sec.report_key("zero_quantized_nontrainable_weights",
                    "stores frozen (requires_grad false) parameters as int8 groups in DeepSpeed; zero3d trains every "
                    "parameter and has no frozen ones to store so; remove the key or set it false");
-  if (sec.boolean("zero_quantized_gradients", false))
-    sec.report_key("zero_quantized_gradients", "ZeRO++'s qgZ (int4 block-quantised hierarchical all-to-all gradient "
-                                               "reduction) is not implemented in zero3d: gradients are reduced "
-                                               "unquantised; remove the key or set it false");
+  z.quantized_gradients = sec.boolean("zero_quantized_gradients", false);
+  if (!z.quantized_gradients) return;
+  if (z.stage != 3)
+    sec.report_key("zero_quantized_gradients", "ZeRO++'s qgZ replaces stage 3's gradient reduce-scatter (DeepSpeed "
+                                               "applies it at stage 3 only and ignores the key at stage " +
+                                                   std::to_string(z.stage) + "); set zero_optimization.stage 3 or remove it");
+  if (z.mics_shard_size > 0)
+    sec.report_key("zero_quantized_gradients", "cannot be combined with mics_shard_size: DeepSpeed's MiCS optimizer "
+                                               "(zero/mics.py) is built without qgZ's all-to-all groups and "
+                                               "reduce-scatters its gradients unquantised");
+  // DeepSpeed's all_to_all_quant_reduce cuts every tensor over the whole job (dist.get_world_size(),
+  // its nodes from device_count()), so its data group must be the job: no model-parallel axes.
+  if (c.pipeline.stages > 1 || c.tensor.size > 1)
+    sec.report_key("zero_quantized_gradients", "needs a purely data-parallel job: DeepSpeed's qgZ all-to-alls cut "
+                                               "gradients over every rank of the job (" +
+                                                   std::string(c.pipeline.stages > 1 ? "pipeline.stages " : "tensor "
+                                                                                       "parallel size ") +
+                                                   std::to_string(c.pipeline.stages > 1 ? c.pipeline.stages : c.tensor.size) +
+                                                   " makes the data group smaller)");
 }
 
 }  // namespace
@@ -295,7 +312,7 @@ void read_zero(Section& top, Config& c, bool tuning) {
     if (sec.boolean(key, false)) c.zero.gather_16bit_weights_on_model_save = true;
   for (const auto& [key, deepspeed_default] : kZeroDefaultOnlyKeys) sec.accept_default_only(key, deepspeed_default);
   read_shard_groups(sec, c);
-  read_quantized_collectives(sec, c.zero);
+  read_quantized_collectives(sec, c);
   sec.finish();
 }
 

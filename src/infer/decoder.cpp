@@ -42,11 +42,12 @@ int64_t max_sequence_length(const GPTShape& shape) {
   return std::max(shape.n_positions, shape.family.rope.max_position_embeddings);
 }
 
-Decoder::Decoder(const GPT& model, ParamStore& store, int64_t batch, int64_t max_tokens)
-    : model_(model), store_(store), shape_(model.shape()), batch_(batch), max_tokens_(max_tokens) {
+Decoder::Decoder(const GPT& model, ParamStore& store, int64_t batch, int64_t max_tokens, int chunk)
+    : model_(model), store_(store), chunk_(chunk), shape_(model.shape()), batch_(batch), max_tokens_(max_tokens) {
   const ModelPart& part = model.part();
-  if (model.num_chunks() != 1)
-    throw std::invalid_argument("generation runs one model chunk per pipeline stage (no interleaved virtual stages)");
+  if (chunk < 0 || chunk >= model.num_chunks())
+    throw std::invalid_argument("generation: chunk " + std::to_string(chunk) + " of a stage with " +
+                                std::to_string(model.num_chunks()));
   if (shape_.moe.enabled() || shape_.sparse.enabled)
     throw std::invalid_argument("generation runs dense models with dense attention");
   if (batch < 1 || max_tokens < 1 || max_tokens > max_sequence_length(shape_))
@@ -57,7 +58,7 @@ Decoder::Decoder(const GPT& model, ParamStore& store, int64_t batch, int64_t max
   heads_ = shape_.n_head / t;
   kv_heads_ = shape_.llama() ? shape_.family.num_key_value_heads / t : heads_;
   head_dim_ = shape_.llama() ? shape_.family.head_dim : shape_.n_embd / shape_.n_head;
-  cache_ = KVCache(part.chunks[0].num_blocks, batch, kv_heads_, max_tokens, head_dim_);
+  cache_ = KVCache(this->chunk().num_blocks, batch, kv_heads_, max_tokens, head_dim_);
   if (shape_.llama()) {
     // RoPE's cos and sin for positions 0 .. max_tokens − 1: rope_tables' values, the frequencies
     // those of the length the model runs at (only dynamic RoPE reads it: modeling_rope_utils.py).
@@ -132,7 +133,7 @@ float* Decoder::input(int64_t n) {
 
 void Decoder::run(const std::vector<int32_t>& tokens, int64_t n) {
   if (rows_ == 0) throw std::invalid_argument("decode: no rows started");
-  if (first_stage() && static_cast<int64_t>(tokens.size()) != rows_ * n)
+  if (first_part() && static_cast<int64_t>(tokens.size()) != rows_ * n)
     throw std::invalid_argument("decode: " + std::to_string(tokens.size()) + " tokens for " + std::to_string(rows_) +
                                 " rows of " + std::to_string(n));
   if (slots_ + n > max_tokens_) throw std::invalid_argument("decode: the cache is full");
@@ -155,8 +156,8 @@ const std::vector<float>& Decoder::decode(const std::vector<int32_t>& tokens) {
   return logits_;
 }
 
-void fetch_pass(const GPT& model, ParamStore& store) {
-  for (const int u : model.fetch_order(0, /*forward=*/true)) {
+void fetch_pass(const GPT& model, ParamStore& store, int chunk) {
+  for (const int u : model.fetch_order(chunk, /*forward=*/true)) {
     store.fetch(u);
     store.release(u);
   }
@@ -164,11 +165,11 @@ void fetch_pass(const GPT& model, ParamStore& store) {
 }
 
 // n new tokens of every row at slots slots_ .. slots_ + n − 1, in the layer order of forward_impl
-// (embedding, blocks, final norm, head: those of them on this stage), each unit fetched and
+// (embedding, blocks, final norm, head: those of them in this chunk), each unit fetched and
 // released as it fetches them.
 template <typename P>
 void Decoder::forward(const std::vector<int32_t>& tokens, int64_t n) {
-  const ModelChunk& c = model_.part().chunks[0];
+  const ModelChunk& c = chunk();
   const int64_t B = rows_, N = B * n;
   reserve(N);
   std::vector<int32_t> pos(static_cast<size_t>(N));
@@ -176,7 +177,7 @@ void Decoder::forward(const std::vector<int32_t>& tokens, int64_t n) {
     for (int64_t i = 0; i < n; ++i)  // a padding slot's position is never read by a real token
       pos[static_cast<size_t>(b * n + i)] = static_cast<int32_t>(std::max<int64_t>(0, slots_ + i - start_[static_cast<size_t>(b)]));
   copy_to_device(pos_dev_.data(), pos.data(), static_cast<size_t>(N) * sizeof(int32_t));
-  if (c.embedding) embed<P>(tokens, N);  // a later stage's x_ holds the previous stage's output
+  if (c.embedding) embed<P>(tokens, N);  // a later part's x_ holds the previous part's output
   for (int l = 0; l < c.num_blocks; ++l) block<P>(l, N, n);
   if (c.final) head<P>(n);
 }
@@ -186,7 +187,7 @@ void Decoder::forward(const std::vector<int32_t>& tokens, int64_t n) {
 template <typename P>
 void Decoder::embed(const std::vector<int32_t>& tokens, int64_t N) {
   const ModelPart& part = model_.part();
-  const ModelChunk& c = part.chunks[0];
+  const ModelChunk& c = chunk();
   const TensorGroup& tp = model_.tensor_group();
   const bool tensor_parallel = part.tp_size > 1;
   const int64_t C = shape_.n_embd, Vl = part.vocab_local;
@@ -206,7 +207,7 @@ void Decoder::embed(const std::vector<int32_t>& tokens, int64_t N) {
 template <typename P>
 void Decoder::head(int64_t n) {
   const ModelPart& part = model_.part();
-  const ModelChunk& c = part.chunks[0];
+  const ModelChunk& c = chunk();
   const TensorGroup& tp = model_.tensor_group();
   const bool tensor_parallel = part.tp_size > 1;
   const int64_t B = rows_, C = shape_.n_embd, Vl = part.vocab_local;
@@ -249,7 +250,7 @@ void Decoder::head(int64_t n) {
 template <typename P>
 void Decoder::block(int l, int64_t N, int64_t n) {
   const ModelPart& part = model_.part();
-  const ModelChunk& c = part.chunks[0];
+  const ModelChunk& c = chunk();
   const TensorGroup& tp = model_.tensor_group();
   const bool tensor_parallel = part.tp_size > 1;
   const BlockWidths& w = model_.widths();

@@ -10,10 +10,11 @@
 // split, as training runs it), its cache holds its K/V heads, and the vocabulary-parallel logits
 // are gathered over the tensor group, so every rank holds the whole last-position logits.
 //
-// On a pipeline stage the decoder runs the stage's layers alone (start, input, run, output): the
-// first stage embeds the tokens, a later one starts from the hidden states the stage before it
-// computed (the caller moves them, generate.cpp), its KV cache holds its own layers, and the last
-// stage alone runs the head.
+// On a pipeline stage a decoder runs one chunk of the stage's layers alone (start, input, run,
+// output): the model's first part embeds the tokens, a later one starts from the hidden states the
+// part before it computed (the caller moves them, generate.cpp), its KV cache holds the chunk's own
+// layers, and the last part alone runs the head. With interleaved virtual stages a stage holds
+// several chunks (part c·p + stage is its chunk c, model.hpp) and runs one decoder per chunk.
 //
 // Rows are left-padded to the longest prompt: row b's first real token is at slot start[b], its
 // positions (learned embeddings, RoPE) count from there, and no query attends to a padding slot,
@@ -50,19 +51,19 @@ class KVCache {
 // longer.
 int64_t max_sequence_length(const GPTShape& shape);
 
-// A pass whose tokens another data-parallel replica computes: this stage's units fetched and
-// released in a pass's order, nothing computed (ZeRO-3's gathers are collective over the data
-// group: HF generate's synced_gpus).
-void fetch_pass(const GPT& model, ParamStore& store);
+// A pass whose tokens another data-parallel replica computes: the units of the stage's chunk
+// `chunk` fetched and released in a pass's order, nothing computed (ZeRO-3's gathers are
+// collective over the data group: HF generate's synced_gpus).
+void fetch_pass(const GPT& model, ParamStore& store, int chunk);
 
 class Decoder {
  public:
-  // model: one pipeline stage (one chunk: the whole model, or a stage's part of it), any
-  // tensor-parallel rank; its parameters come from `store`. batch: the most rows a prefill
+  // model: one pipeline stage (the whole model, or a stage's chunks of it), any tensor-parallel
+  // rank; the decoder runs its chunk `chunk`, whose parameters come from `store`. batch: the most rows a prefill
   // takes; max_tokens: the most slots a row fills (the longest prompt plus new tokens), at most
   // max_sequence_length. Collective over the tensor group (and over the data group where the
   // store gathers) in every pass.
-  Decoder(const GPT& model, ParamStore& store, int64_t batch, int64_t max_tokens);
+  Decoder(const GPT& model, ParamStore& store, int64_t batch, int64_t max_tokens, int chunk = 0);
 
   // The whole model on one stage: starts the rows (1..batch of them, each prompt non-empty and
   // shorter than max_tokens) and runs the prefill. Returns the last position's logits, [rows][V] (host memory).
@@ -76,17 +77,17 @@ class Decoder {
   // row (the longest prompt), and its ids, left-padded, are prompt_tokens().
   int64_t start(const std::vector<std::vector<int32_t>>& prompts);
   const std::vector<int32_t>& prompt_tokens() const { return prompt_tokens_; }
-  // Where a stage after the first takes the next pass's hidden states, [rows·n, C] fp32 in model
-  // memory (the previous stage's output()).
+  // Where a part after the first takes the next pass's hidden states, [rows·n, C] fp32 in model
+  // memory (the previous part's output()).
   float* input(int64_t n);
-  // This stage's layers on n tokens a row (tokens: what the first stage embeds; other stages
-  // ignore them); the last stage's logits are logits() afterwards.
+  // The chunk's layers on n tokens a row (tokens: what the first part embeds; other parts ignore
+  // them); the last part's logits are logits() afterwards.
   void run(const std::vector<int32_t>& tokens, int64_t n);
-  // After run on a stage before the last: the hidden states for the next stage, [rows·n, C].
+  // After run on a part before the last: the hidden states for the next part, [rows·n, C].
   const float* output() const { return x_; }
   const std::vector<float>& logits() const { return logits_; }
-  bool first_stage() const { return model_.part().chunks[0].embedding; }
-  bool last_stage() const { return model_.part().chunks[0].final; }
+  bool first_part() const { return chunk().embedding; }
+  bool last_part() const { return chunk().final; }
 
   int64_t vocab_size() const { return shape_.vocab_size; }
   int64_t rows() const { return rows_; }
@@ -104,13 +105,15 @@ class Decoder {
   template <typename P>
   void head(int64_t n);
   void reserve(int64_t tokens);
+  const ModelChunk& chunk() const { return model_.part().chunks[static_cast<size_t>(chunk_)]; }
 
   const GPT& model_;
   ParamStore& store_;
+  int chunk_;
   GPTShape shape_;
   int64_t batch_, max_tokens_;
   int64_t heads_, kv_heads_, head_dim_;  // this rank's query and K/V heads
-  KVCache cache_;                        // this stage's layers, local block order
+  KVCache cache_;                        // the chunk's layers, local block order
   FlatBuffer rope_;                      // Llama family: cos then sin, [max_tokens, d/2] each
   int64_t rows_ = 0, slots_ = 0;
   std::vector<int32_t> start_;           // per row: its first real slot

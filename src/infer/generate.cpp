@@ -46,7 +46,7 @@ class Sequences {
  public:
   Sequences(const std::vector<int64_t>& index, const GenerationOptions& o, int64_t vocab)
       : index_(index), o_(o), vocab_(vocab), out_(index.size()), done_(index.size(), false), next_(index.size(), 0) {
-    for (const int64_t k : index) streams_.emplace_back(o.seed, static_cast<uint64_t>(k));
+    for (const int64_t k : index) streams_.emplace_back(o.seed, static_cast<uint64_t>(o.first_stream + k));
   }
 
   // The next token of every running row from its logits ([rows][vocab]); an ended row keeps its
@@ -138,21 +138,29 @@ namespace {
 // Tags of generation's pipeline messages (apart from training's, 2·virtual stage + kind).
 constexpr int kHiddenTag = 1 << 14, kTokensTag = (1 << 14) + 1;
 
-// One group of prompts in flight on this rank: its decoder (the stage's KV cache), its
-// sequences, and the messages it has in flight.
+// One group of prompts in flight on this rank: its decoders (one per chunk of the stage, each
+// with the chunk's KV cache), its sequences, and the messages it has in flight.
 struct Slot {
-  std::unique_ptr<Decoder> decoder;
+  std::vector<std::unique_ptr<Decoder>> decoders;
   std::unique_ptr<Sequences> seq;
   std::vector<std::vector<int32_t>> prompts;
   bool fresh = false;        // started, its prefill not run yet
+  bool pass = false;         // this round runs its passes here
+  bool anywhere = false;     // some lockstep replica runs this round's passes of the slot
   std::vector<int32_t> ids;  // the tokens of its last pass (chosen on the last stage)
-  std::unique_ptr<CommRequest> hidden_send;
+  std::vector<std::unique_ptr<CommRequest>> hidden_sends;  // per chunk, out of its decoder's output()
   std::vector<std::unique_ptr<CommRequest>> ids_sends;
-  void wait_sends() {
-    if (hidden_send) hidden_send->wait();
-    hidden_send.reset();
+  void wait_hidden(size_t chunk) {
+    if (chunk < hidden_sends.size() && hidden_sends[chunk]) hidden_sends[chunk]->wait();
+    if (chunk < hidden_sends.size()) hidden_sends[chunk].reset();
+  }
+  void wait_ids() {
     for (auto& r : ids_sends) r->wait();
     ids_sends.clear();
+  }
+  void wait_sends() {
+    for (size_t c = 0; c < hidden_sends.size(); ++c) wait_hidden(c);
+    wait_ids();
   }
 };
 
@@ -191,15 +199,23 @@ void exchange_outputs(Communicator& data, std::vector<Generated>& out) {
 
 }  // namespace
 
-// The decode schedule, the same sequence of visits on every stage: rounds over the slots (up to
-// p groups in flight); a visit records the slot's last tokens (sent by the last stage after its
-// pass), starts the next group if the slot's has ended, and runs the slot's next pass: receive
-// the hidden states (later stages), this stage's layers, send them on, or on the last stage
-// choose the tokens and send them to every other stage. Pass k of a round on stage s waits on
-// pass k of stage s − 1 and on slot k's pass of the round before on the last stage: with p slots
-// stage 0 starts slot k as the last stage ends slot k's previous pass, and no stage waits for
-// another once the pipeline is full (DeepSpeed's InferenceSchedule with its outputs fed back).
-// Sends are nonblocking, waited on before the slot's next pass reuses their buffers.
+// The decode schedule, the same sequence of visits on every stage: rounds over the chunks of a
+// stage and, within a chunk, over the slots (up to p groups in flight); a slot's first visit of a
+// round records its last tokens (sent by the last stage after its pass), starts the next group if
+// the slot's has ended; each visit runs the slot's pass of one chunk: receive the hidden states
+// (every part but the model's first, from the stage before it: stage − 1, or for chunk c > 0 of
+// stage 0 the last stage's chunk c − 1), the chunk's layers, send them on, or on the model's last
+// part choose the tokens and send them to every other stage. A visit waits only on visits earlier
+// in the order (round, chunk, slot) or on the same visit of an earlier part, so the schedule
+// cannot deadlock; with p slots stage 0 starts slot k's chunk c as the last stage ends slot k's
+// chunk c − 1 (or its previous round), and no stage waits for another once the pipeline is full
+// (DeepSpeed's InferenceSchedule with its outputs fed back; Megatron's interleaved order for
+// virtual stages, arXiv:2104.04473 §2.2). Sends are nonblocking, waited on before the chunk's
+// next pass of the slot reuses their buffers.
+//
+// Micro-batches: each group is a batch of at most `batch` prompts, or a micro_batches-th of one,
+// so that a single batch can overlap over the stages (a prompt's tokens do not depend on its
+// group: left padding, its own sampling stream).
 std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const std::vector<std::vector<int32_t>>& prompts,
                                     int64_t batch, const GenerationOptions& o, GenerationStats& total, TokenSink* sink,
                                     const DecodeGroups& groups) {
@@ -207,17 +223,22 @@ std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const s
   GenerationStats stats;  // this call's, added to `total` at the end
   const int stages = groups.pipe ? groups.pipe->size() : 1, stage = groups.pipe ? groups.pipe->rank() : 0;
   const int replicas = groups.data ? groups.data->size() : 1, replica = groups.data ? groups.data->rank() : 0;
+  const int chunks = model.num_chunks();
   const bool first_stage = stage == 0, last_stage = stage == stages - 1;
+  const int before = (stage + stages - 1) % stages, after = (stage + 1) % stages;
   const int64_t P = static_cast<int64_t>(prompts.size()), C = model.shape().n_embd;
   size_t longest = 0;
   for (const auto& p : prompts) longest = std::max(longest, p.size());
   const std::pair<int64_t, int64_t> mine = replica_prompts(P, replicas, replica);
-  // Groups of `batch` prompts of the block; as many slots as stages, or as the largest block has
-  // groups (the same count on every replica: lockstep replicas visit alike).
+  // Groups of the block: as many slots as stages, or as the largest block has groups (the same
+  // count on every replica: lockstep replicas visit alike).
   const int64_t largest = replica_prompts(P, replicas, 0).second;
-  const int64_t rows = std::max<int64_t>(1, std::min(batch, largest));
+  const int64_t cut = std::max<int64_t>(1, std::min(o.micro_batches, largest));
+  const int64_t rows = std::max<int64_t>(1, (std::min(batch, largest) + cut - 1) / cut);
   const int num_slots = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(stages, (largest + rows - 1) / rows)));
   const int64_t max_tokens = static_cast<int64_t>(longest) + o.max_new_tokens - 1;
+  stats.group_rows = rows;
+  stats.groups_in_flight = num_slots;
 
   std::vector<Generated> out(static_cast<size_t>(P));
   std::vector<Slot> slots(static_cast<size_t>(num_slots));
@@ -230,7 +251,9 @@ std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const s
     std::vector<int64_t> index;
     for (int64_t k = next_prompt; k < end; ++k) index.push_back(k);
     next_prompt = end;
-    if (!slot.decoder) slot.decoder = std::make_unique<Decoder>(model, store, rows, max_tokens);
+    if (slot.decoders.empty())
+      for (int c = 0; c < chunks; ++c) slot.decoders.push_back(std::make_unique<Decoder>(model, store, rows, max_tokens, c));
+    slot.hidden_sends.resize(static_cast<size_t>(chunks));
     slot.seq = std::make_unique<Sequences>(index, o, model.shape().vocab_size);
     slot.ids.assign(index.size(), 0);
     slot.fresh = true;
@@ -239,57 +262,66 @@ std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const s
 
   for (bool passes = true; passes;) {
     passes = false;
-    for (Slot& slot : slots) {
-      const Span visit;
-      if (slot.seq && !slot.fresh) {
-        if (!last_stage) {
+    for (int c = 0; c < chunks; ++c) {
+      for (Slot& slot : slots) {
+        const Span visit;
+        if (c == 0) {
+          if (slot.seq && !slot.fresh) {
+            if (!last_stage) {
+              const Span waited;
+              groups.pipe->recv(slot.ids.data(), static_cast<int64_t>(slot.ids.size()), DType::I32, stages - 1, kTokensTag);
+              waited.add_to(wait_ms, cpu_unused);
+            }
+            if (!slot.seq->record(slot.ids, sink)) {
+              const std::vector<int64_t> index = slot.seq->index();
+              std::vector<Generated> done = slot.seq->finish(sink);
+              for (size_t b = 0; b < index.size(); ++b) out[static_cast<size_t>(index[b])] = std::move(done[b]);
+              slot.seq.reset();
+              slot.wait_sends();  // the last stage's tokens may still be going out of slot.ids
+              start_group(slot);
+            }
+          }
+          slot.pass = slot.seq != nullptr;
+          int32_t anywhere = slot.pass ? 1 : 0;
+          if (groups.lockstep && replicas > 1) groups.data->all_reduce(&anywhere, 1, DType::I32, ReduceOp::Max);
+          slot.anywhere = anywhere != 0;
+          passes = passes || slot.anywhere;
+        }
+        if (!slot.pass) {
+          if (slot.anywhere) fetch_pass(model, store, c);
+          continue;
+        }
+        slot.wait_hidden(static_cast<size_t>(c));
+        Decoder& dec = *slot.decoders[static_cast<size_t>(c)];
+        const bool prefill = slot.fresh;
+        const int64_t n = prefill ? dec.start(slot.prompts) : 1;
+        if (!dec.first_part()) {
+          float* hidden = dec.input(n);
           const Span waited;
-          groups.pipe->recv(slot.ids.data(), static_cast<int64_t>(slot.ids.size()), DType::I32, stages - 1, kTokensTag);
+          groups.pipe->recv(hidden, dec.rows() * n * C, DType::F32, before, kHiddenTag);
           waited.add_to(wait_ms, cpu_unused);
         }
-        if (!slot.seq->record(slot.ids, sink)) {
-          const std::vector<int64_t> index = slot.seq->index();
-          std::vector<Generated> done = slot.seq->finish(sink);
-          for (size_t b = 0; b < index.size(); ++b) out[static_cast<size_t>(index[b])] = std::move(done[b]);
-          slot.seq.reset();
-          slot.wait_sends();  // the last stage's tokens may still be going out of slot.ids
-          start_group(slot);
+        dec.run(prefill ? dec.prompt_tokens() : slot.ids, n);
+        if (!dec.last_part()) {
+          slot.hidden_sends[static_cast<size_t>(c)] =
+              groups.pipe->isend(dec.output(), dec.rows() * n * C, DType::F32, after, kHiddenTag);
+        } else {
+          slot.wait_ids();  // the previous step's tokens may still be going out of slot.ids
+          slot.ids = slot.seq->choose(dec.logits());
+          for (int s = 0; s + 1 < stages; ++s)
+            slot.ids_sends.push_back(
+                groups.pipe->isend(slot.ids.data(), static_cast<int64_t>(slot.ids.size()), DType::I32, s, kTokensTag));
         }
-      }
-      const bool pass = slot.seq != nullptr;
-      int32_t anywhere = pass ? 1 : 0;
-      if (groups.lockstep && replicas > 1) groups.data->all_reduce(&anywhere, 1, DType::I32, ReduceOp::Max);
-      passes = passes || anywhere;
-      if (!pass) {
-        if (anywhere) fetch_pass(model, store);
-        continue;
-      }
-      slot.wait_sends();
-      Decoder& dec = *slot.decoder;
-      const bool prefill = slot.fresh;
-      const int64_t n = prefill ? dec.start(slot.prompts) : 1;
-      if (!first_stage) {
-        float* hidden = dec.input(n);
-        const Span waited;
-        groups.pipe->recv(hidden, dec.rows() * n * C, DType::F32, stage - 1, kHiddenTag);
-        waited.add_to(wait_ms, cpu_unused);
-      }
-      dec.run(prefill ? dec.prompt_tokens() : slot.ids, n);
-      if (!last_stage) {
-        slot.hidden_send = groups.pipe->isend(dec.output(), dec.rows() * n * C, DType::F32, stage + 1, kHiddenTag);
-      } else {
-        slot.ids = slot.seq->choose(dec.logits());
-        for (int s = 0; s + 1 < stages; ++s)
-          slot.ids_sends.push_back(
-              groups.pipe->isend(slot.ids.data(), static_cast<int64_t>(slot.ids.size()), DType::I32, s, kTokensTag));
-      }
-      slot.fresh = false;
-      if (prefill) {
-        visit.add_to(stats.prefill_ms, stats.prefill_cpu_ms);
-        for (const auto& p : slot.prompts) stats.prefill_tokens += static_cast<int64_t>(p.size());
-      } else {
-        visit.add_to(stats.decode_ms, stats.decode_cpu_ms);
-        stats.decode_tokens += slot.seq->running();
+        const bool round_done = c == chunks - 1;
+        if (prefill) {
+          visit.add_to(stats.prefill_ms, stats.prefill_cpu_ms);
+          if (round_done)
+            for (const auto& p : slot.prompts) stats.prefill_tokens += static_cast<int64_t>(p.size());
+        } else {
+          visit.add_to(stats.decode_ms, stats.decode_cpu_ms);
+          if (round_done) stats.decode_tokens += slot.seq->running();
+        }
+        if (round_done) slot.fresh = false;
       }
     }
   }
@@ -327,6 +359,8 @@ std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const s
   total.prefill_ms += stats.prefill_ms, total.decode_ms += stats.decode_ms;
   total.prefill_cpu_ms += stats.prefill_cpu_ms, total.decode_cpu_ms += stats.decode_cpu_ms;
   total.prompts += stats.prompts, total.new_tokens += stats.new_tokens, total.wall_ms += stats.wall_ms;
+  total.group_rows = std::max(total.group_rows, stats.group_rows);
+  total.groups_in_flight = std::max(total.groups_in_flight, stats.groups_in_flight);
   total.stage_wait_ms.resize(stats.stage_wait_ms.size(), 0.0);
   for (size_t s = 0; s < stats.stage_wait_ms.size(); ++s) total.stage_wait_ms[s] += stats.stage_wait_ms[s];
   return out;

@@ -3,15 +3,17 @@
 // per new token, sampling as Hugging Face's generate does (sampling.hpp), stopping at an EOS id
 // or after max_new_tokens, or where the caller's TokenSink says so (a stop string).
 //
-// Sampling draws come from a stream per prompt, Rng(seed, prompt index), one uniform per new
+// Sampling draws come from a stream per prompt, Rng(seed, first_stream + prompt index), one uniform per new
 // token: a prompt's output depends on its index, the seed and the model alone, never on the
 // batch it runs in or on which rank runs it.
 //
 // Layouts (DecodeGroups): data-parallel replicas each generate a contiguous block of the prompts
 // and exchange the results at the end; pipeline stages pass each pass's hidden states stage to
-// stage, the last stage chooses the tokens and sends them to every other stage (the first
-// embeds them, all of them keep the same account of which sequences have ended), and up to p
-// groups of prompts are in flight at once so that the stages work on different groups.
+// stage (with interleaved virtual stages, chunk to chunk: stage 0's chunk 0, stage 1's chunk 0,
+// …, stage 0's chunk 1, …), the last stage chooses the tokens and sends them to every other stage
+// (the first embeds them, all of them keep the same account of which sequences have ended), and
+// up to p groups of prompts are in flight at once so that the stages work on different groups: a
+// batch is one group, or GenerationOptions::micro_batches of them.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +35,11 @@ struct GenerationOptions {
   // has rows with no text (llm.c samples from vocab_size, not padded_vocab_size).
   int64_t vocab_limit = 0;
   uint64_t seed = 0;
+  int64_t first_stream = 0;  // prompt number k draws from Rng(seed, first_stream + k)
+  // With pipeline stages: each batch is cut into this many groups, which follow one another
+  // through the stages. More groups keep the stages busier, but every group reads the weights
+  // again, so a stage much slower than the others (GPT-2's vocabulary head) loses by it.
+  int64_t micro_batches = 1;
 };
 
 // Why a sequence ended (Hugging Face's and vLLM's finish_reason words).
@@ -73,6 +80,8 @@ struct GenerationStats {
   // Per pipeline stage (one entry on one stage): the time it waited on the others, for hidden
   // states or for tokens: what the decode schedule leaves idle (rank 0's data-parallel replica).
   std::vector<double> stage_wait_ms;
+  // The groups in flight at once (up to one per stage) and the most prompts a group takes.
+  int64_t groups_in_flight = 0, group_rows = 0;
   double prefill_tokens_per_s() const { return prefill_ms > 0 ? prefill_tokens / (prefill_ms / 1e3) : 0.0; }
   double decode_tokens_per_s() const { return decode_ms > 0 ? decode_tokens / (decode_ms / 1e3) : 0.0; }
   double prompts_per_s() const { return wall_ms > 0 ? prompts / (wall_ms / 1e3) : 0.0; }
@@ -98,7 +107,8 @@ std::vector<Generated> generate_batch(Decoder& decoder, const std::vector<std::v
                                       GenerationStats& stats, TokenSink* sink = nullptr);
 
 // Every prompt, `batch` at a time in order (with data-parallel replicas: each replica its block
-// of them, `batch` at a time), through decoders sized for them; collective over the groups. Every
+// of them, `batch` at a time; with p stages at most a p-th of the block at a time), through
+// decoders sized for them; collective over the groups. Every
 // rank returns every prompt's output, and its sink sees every prompt (another replica's once they
 // are exchanged).
 std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const std::vector<std::vector<int32_t>>& prompts,

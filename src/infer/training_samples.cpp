@@ -36,14 +36,17 @@ void TrainingSampler::after_step(Engine& engine, int64_t step) {
   o.sampling = {false, 1.0, 0, 1.0};  // llm.c's sample_softmax: the whole distribution
   o.max_new_tokens = tokens_;
   o.seed = seed_;
+  o.first_stream = step;  // the sample's draws: Rng(seed, step)
   o.vocab_limit = tokenizer_->vocab_size();
   const std::vector<int32_t> start = {tokenizer_->document_delimiter()};
   std::vector<Generated> out;
   GenerationStats stats;
-  engine.with_inference_store([&](ParamStore& store) {
-    Decoder decoder(engine.model(), store, 1, tokens_);  // the start token and tokens_ − 1 fed back
-    out = generate_batch(decoder, {start}, {step}, o, stats);
-  });
+  // Every data-parallel replica samples alike (no data group: each runs the same passes, so a
+  // ZeRO-3 store's gathers match); pipeline stages, and each stage's interleaved chunks, pass the
+  // hidden states on as zero3d generate does.
+  const DecodeGroups groups{&engine.pipe_group(), nullptr, false};
+  engine.with_inference_store(
+      [&](ParamStore& store) { out = generate_all(engine.model(), store, {start}, 1, o, stats, nullptr, groups); });
   if (rank_ != 0) return;
   const std::string text = text::sanitize_utf8(tokenizer_->decode(out[0].tokens));
   std::printf("sample  step %lld | %s\n", (long long)step, nlohmann::json(text).dump().c_str());

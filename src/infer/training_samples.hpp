@@ -1,12 +1,13 @@
 // training_samples.hpp — llm.c's samples while training (training.sample_every): every N steps
-// every rank generates training.sample_tokens tokens from the tokenizer's document delimiter
-// (the token every document in llm.c's shards starts with) with the model being trained, and
+// the model being trained generates training.sample_tokens tokens from the tokenizer's document
+// delimiter (the token every document in llm.c's shards starts with), every rank its part, and
 // rank 0 prints the text and appends {"step", "tokens", "text"} to <output>/samples.jsonl.
 //
 // Sampling is the full softmax (temperature 1, no top-k or top-p), llm.c's sample_softmax, with
 // draws from Rng(training.seed, step): a stream of its own, so a sample is the same in every run
 // and layout and the training's random streams are never touched. The forward passes are
-// generation's (decoder.hpp) over the engine's parameters (Engine::with_inference_store), with
+// generation's (generate.hpp: over the pipeline stages and their interleaved chunks as the model
+// is laid out for training) over the engine's parameters (Engine::with_inference_store), with
 // buffers of their own: the training losses are the same bits with and without samples.
 #pragma once
 

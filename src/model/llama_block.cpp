@@ -143,12 +143,11 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   // MLP half: dres holds d(out) (this rank's tokens), which is also the residual path's d(h)
   const float* d_out = part == BackwardPart::Weight ? g.d_res_3 : row_output_grad(dres, saved ? g.d_res_3 : gathered_);
   if (keep && !sp) copy(g.d_res_3, dres, BT * C);
-  if (f.mixtral()) {  // the sparse MoE block adds its input gradients into d(ln_2) (a full backward: model.moe's checks)
+  if (f.mixtral()) {  // the sparse MoE block writes d(ln_2) (a full backward: model.moe's checks)
     BlockTensors<const P> router{};
     BlockTensors<float> d_router{};
     router.gate_w = p.router_w;
     d_router.gate_w = dw.router_w;
-    Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(d_ln_2, BT * C), 0.0f);
     moe_backward<P>(global_block, a, *moe_saves(c, l, buf), router, d_router, d_out, d_ln_2, grad_scale, store);
   } else {
     linear_backward(input ? dact_ : nullptr, weights ? dw.down_w : nullptr, weights ? dw.down_b : nullptr, d_out,

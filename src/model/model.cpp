@@ -157,8 +157,9 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     if (drop.on()) dropout_residual_add(res, res_in, sum, bias, drop, first_row(), Ns, T, C);
     else add_residual_and_bias(res, res_in, sum, bias, Ns, C);
   };
-  // One rank's product: res = residual + mask ∘ (inp · W + bias), the branch made in res first.
-  const auto dropped_output = [&](float* res, const float* res_in, const float* inp, const P* weight, const P* bias,
+  // One rank's product: res = residual + mask ∘ (inp · W + bias), the branch made in res first
+  // (inp fp32, or bf16 where activations_bf16 keeps it).
+  const auto dropped_output = [&](float* res, const float* res_in, const auto* inp, const P* weight, const P* bias,
                                   int64_t IC, const DropoutMask& drop) {
     matmul_forward(res, inp, weight, bias, BT, IC, C, /*accumulate=*/false, cmp);
     dropout_residual_add(res, res_in, res, static_cast<const float*>(nullptr), drop, 0, BT, T, C);
@@ -189,12 +190,14 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     const Stopwatch sw(attention_ms != nullptr);
     if (shape_.sparse.enabled)
       sparse_attention_forward(a.atty, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[global_block].data(),
-                               shape_.sparse.block, B, T, Cl, H);
+                               shape_.sparse.block, B, T, Cl, H, attn_drop);
     else if (lp) attention_forward(as_bf16(a.atty), a.att, as_bf16(a.qkv), B, T, Cl, H, cmp, attn_drop);
     else attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp, attn_drop);
     if (attention_ms) *attention_ms += sw.ms();
   }
-  if (lp) {  // (dropout runs in fp32 compute: config.cpp)
+  if (lp && attn_out_drop.on()) {
+    dropped_output(a.res_2, residual, as_bf16(a.atty), w.attn_proj_w, w.attn_proj_b, C, attn_out_drop);
+  } else if (lp) {
     matmul_forward_adding(a.res_2, residual, as_bf16(a.atty), w.attn_proj_w, w.attn_proj_b, BT, C, C);
   } else if (!tp && attn_out_drop.on()) {
     dropped_output(a.res_2, residual, a.atty, w.attn_proj_w, w.attn_proj_b, C, attn_out_drop);
@@ -233,7 +236,10 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   if (lp_mlp) {  // c_fc writes bf16 (as autocast's linear does): GELU reads half the bytes
     matmul_forward(as_bf16(a.fch), as_bf16(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl);
     gelu_forward(as_bf16(a.fch_gelu), as_bf16(a.fch), BT * 4 * Cl);
-    matmul_forward_adding(a.res_3, a.res_2, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C);
+    if (mlp_out_drop.on())
+      dropped_output(a.res_3, a.res_2, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, 4 * C, mlp_out_drop);
+    else
+      matmul_forward_adding(a.res_3, a.res_2, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C);
     if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
     store.release(u);
     store.progress();
@@ -480,8 +486,6 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
         column_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
                         a.ln_2, w.c_fc_w, C, 4 * Cl);
       }
-    } else {
-      Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(d_ln_2, BT * C), 0.0f);
     }
     if (moe) moe_backward<P>(global_block, a, *m, w, dw, d_res_3, d_ln_2, grad_scale, store);
     store.progress();
@@ -495,15 +499,17 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     const float* d_res_2 =
         part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(d_branch_2, saved ? g.d_res_2 : gathered_);
     if (keep && !sp) copy(g.d_res_2, d_branch_2, BT * C);
+    // attn_pdrop's mask, redrawn (also by the recompute: the bf16 kernel it picks depends on it)
+    const DropoutMask attn_drop = dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities);
     if (input && ac_.selective()) {  // the attention probabilities were not kept: recompute them
       const obs::PassScope recompute(obs::Pass::Recompute);
       checkpoint_boundary();
       const Stopwatch sw(ac_.profile);
       if (shape_.sparse.enabled)  // datty_ is free until the product below
         sparse_attention_forward(datty_, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[c.first_block + l].data(),
-                                 shape_.sparse.block, B, T, Cl, H);
-      else if (lp) attention_forward(datty_, a.att, as_bf16(a.qkv), B, T, Cl, H, cmp);
-      else attention_forward(datty_, a.att, a.qkv, B, T, Cl, H, cmp);
+                                 shape_.sparse.block, B, T, Cl, H, attn_drop);
+      else if (lp) attention_forward(datty_, a.att, as_bf16(a.qkv), B, T, Cl, H, cmp, attn_drop);
+      else attention_forward(datty_, a.att, a.qkv, B, T, Cl, H, cmp, attn_drop);
       if (ac_.profile) time_of(c.first_block + l, 1).recompute_ms += sw.ms();
       checkpoint_boundary();
     }
@@ -519,14 +525,13 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     const GemmOperand dqkv_slot = dqkv_bf16 ? gemm_operand_slot(BT, 3 * Cl) : GemmOperand{};
     if (input && shape_.sparse.enabled)
       sparse_attention_backward(d_qkv, datty_, a.qkv, a.att, sparse_att_stride_, sparse_layouts_[c.first_block + l].data(),
-                                shape_.sparse.block, B, T, Cl, H);
+                                shape_.sparse.block, B, T, Cl, H, attn_drop);
     else if (dqkv_bf16)
       attention_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(dqkv_slot.data)), dw.c_attn_b, d_qkv,
-                                         datty_, as_bf16(a.qkv), a.att, B, T, Cl, H);
-    else if (input && lp) attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, Cl, H, cmp);
-    else if (input)
-      attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp,
-                         dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities));
+                                         datty_, as_bf16(a.qkv), a.att, B, T, Cl, H, attn_drop);
+    else if (input && lp)
+      attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, Cl, H, cmp, attn_drop);
+    else if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp, attn_drop);
     store.progress();
     if (dqkv_bf16) {
       matmul_backward(d_ln_1, dw.c_attn_w, dqkv_slot, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);

@@ -472,8 +472,9 @@ class GPT {
   // Residual MoE's mix, backward: d(moe_out) and d(mlp_out) from d(res_3); the coefficient's logits
   // gradient is kept for moe_backward.
   void moe_mix_backward(const MoeActivations& m, const float* d_res_3, float* d_mlp_out);
-  // Adds the experts', the gate's and the coefficient's input gradients into d_ln_2 and their
-  // weight gradients into dw and the block's Experts unit.
+  // The experts', the gate's and the coefficient's input gradients into d_ln_2 (added to the dense
+  // branch's with use_residual, else written: d_res_3 may share d_ln_2's buffer, read first) and
+  // their weight gradients into dw and the block's Experts unit.
   template <typename P>
   void moe_backward(int block, const BlockActivations& a, const MoeActivations& m, const BlockTensors<const P>& w,
                     const BlockTensors<float>& dw, const float* d_res_3, float* d_ln_2, float grad_scale,

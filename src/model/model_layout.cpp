@@ -486,7 +486,7 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   z.stats = z.mean = Ns;
   z.qkv = attn16 ? half(3 * BT * Cl) : 3 * BT * Cl;
   z.att = shape.sparse.enabled ? attention_probs_size(shape, B, H, T)
-          : bf16               ? kernels::attention_bf16_saved_floats(B * H, T, Cl / H)
+          : bf16               ? kernels::attention_bf16_saved_floats(B * H, T, Cl / H, shape.dropout.attn > 0.0)
                                : B * H * T * T;
   z.atty = attn16 ? half(BT * Cl) : BT * Cl;
   z.res = Ns * C;

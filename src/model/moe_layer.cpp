@@ -243,7 +243,12 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
     matmul_forward(coef_logits, a.ln_2, w.coef_w, w.coef_b, S, C, 2, false, cmp);
     moe::residual_mix_forward(moe_tokens_c_, m.coef, m.moe_out, m.mlp_out, coef_logits, S, C);
   }
-  add(a.res_3, a.res_2, moe_tokens_c_, S * C, "moe_residual");
+  // resid_pdrop on the block's output, where GPT2MLP's dropout sits (DeepSpeed's MoE layer replaces
+  // the MLP, the model's residual dropout stays): keyed by the token's row in its micro-batch, as
+  // the dense MLP's mask, whichever expert rank computed it.
+  const DropoutMask drop = dropout_mask(shape_.dropout.resid, block, DropoutSite::MlpOutput);
+  if (drop.on()) dropout_residual_add(a.res_3, a.res_2, moe_tokens_c_, static_cast<const float*>(nullptr), drop, 0, S, T_, C);
+  else add(a.res_3, a.res_2, moe_tokens_c_, S * C, "moe_residual");
   if (buf.training) {
     for (MoeLayerStats& st : moe_stats_)
       if (st.block == block) {
@@ -320,6 +325,8 @@ void GPT::moe_backward(int block, const BlockActivations& a, const MoeActivation
   // Combine backward: d(returned rows) in dispatch order, d(combine weights)
   const float* d_moe_out = shape_.moe.use_residual ? moe_dmoe_ : d_res_3;
   moe::combine_backward(moe_send_, moe_dweight_, d_moe_out, m.returned, r, C);
+  // without the dense branch d(ln_2) starts here: resid_pdrop's masked d(res_3) may live in its buffer
+  if (!shape_.moe.use_residual) Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(d_ln_2, S * C), 0.0f);
   // The rows' gradients travel the dispatch's way to the experts
   std::vector<int64_t> send_elems(static_cast<size_t>(ep));
   for (int j = 0; j < ep; ++j) send_elems[j] = m.send_rows[j] * C;

@@ -22,16 +22,17 @@ std::vector<ReduceBucket> cut_buckets(const std::vector<CommSegment>& segments, 
   }
   // From the last segment down (backward's order), DeepSpeed's IPG rule: a gradient joins the
   // open bucket if it fits and has the bucket's dtype, else the bucket is reduced and it opens
-  // the next one, however large it is.
+  // the next one, however large it is. qgZ's tensors (quant_group > 0) share a bucket only with
+  // tensors of their group size, as they share one with tensors of their dtype.
   ReduceBucket open{hi, hi, type};
   for (auto it = segments.rbegin(); it != segments.rend(); ++it) {
     const int64_t a = std::max(lo, it->begin), b = std::min(hi, it->end);
     if (a >= b) continue;
-    if (open.begin < open.end && (it->type != open.type || open.end - a > cap)) {
+    if (open.begin < open.end && (it->type != open.type || it->quant_group != open.quant_group || open.end - a > cap)) {
       out.push_back(open);
-      open = {b, b, it->type};
+      open = {b, b, it->type, it->quant_group};
     }
-    if (open.begin == open.end) open = {a, b, it->type};
+    if (open.begin == open.end) open = {a, b, it->type, it->quant_group};
     else open.begin = a;
   }
   if (open.begin < open.end) out.push_back(open);
@@ -139,6 +140,17 @@ void GradientReducer::launch(const void* src, DType src_type, const ReduceBucket
     send = s.send.data();
   } else if (pre_ != 1.0f) {
     convert_any(const_cast<void*>(src), src_type, src, src_type, end - begin, pre_);  // in place, as DeepSpeed's mul_
+  }
+  if (qgz_ && bucket.quant_group > 0) {  // qgZ: blocking, as DeepSpeed's all_to_all_quant_reduce
+    std::vector<int64_t> counts(static_cast<size_t>(comm_.size()));
+    for (int r = 0; r < comm_.size(); ++r) {
+      const auto [lo, hi] = partition_.owned(r, begin, end);
+      counts[r] = hi - lo;
+    }
+    fit(s.recv, counts[comm_.rank()] * static_cast<int64_t>(sizeof(float)));
+    qgz_->reduce(static_cast<const float*>(send), counts, bucket.quant_group, reinterpret_cast<float*>(s.recv.data()));
+    complete(f);
+    return;
   }
   if (mode_ == Mode::AllReduce) {
     f.request = comm_.all_reduce_async(const_cast<void*>(send), end - begin, type, ReduceOp::Sum);

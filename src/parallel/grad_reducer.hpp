@@ -38,6 +38,7 @@
 #include "kernels/typed.hpp"
 #include "parallel/comm.hpp"
 #include "parallel/partition.hpp"
+#include "parallel/quantized_reduce_scatter.hpp"
 
 namespace zero3d {
 
@@ -56,13 +57,17 @@ ReduceScaling reduce_scaling(bool prescale_gradients, double gradient_predivide_
 
 // Global elements [begin, end) form one gradient (a tensor, or the partition's padding) that
 // is communicated in `type`. Segments are sorted and cover the reduced buffer.
+// quant_group > 0: a tensor qgZ reduces as int4 groups of that many values (type F32: the fp32
+// window it is quantised from; parallel/quantized_reduce_scatter.hpp).
 struct CommSegment {
   int64_t begin = 0, end = 0;
   DType type = DType::F32;
+  int64_t quant_group = 0;
 };
 struct ReduceBucket {
   int64_t begin = 0, end = 0;
   DType type = DType::F32;
+  int64_t quant_group = 0;
 };
 // The buckets of [lo, hi), highest first: whole segments (clipped to the range) while they fit
 // in `bucket_elems` and share a type, a larger segment alone; no segments: bucket-sized pieces
@@ -127,6 +132,9 @@ class GradientReducer {
   // is scaled where it lies before the collective reads it (DeepSpeed scales its bucket in place).
   void set_scaling(const ReduceScaling& s);
   const ReduceScaling& scaling() const { return scaling_; }
+  // ZeRO++'s qgZ (ReduceScatter mode): the buckets of quant_group > 0 are reduced through it
+  // (the data group's ranks, this reducer's comm, in its node-major order).
+  void set_quantized(QuantizedReduceScatter* qgz) { qgz_ = qgz; }
 
  private:
   struct InFlight {
@@ -165,6 +173,7 @@ class GradientReducer {
   std::vector<InFlight> inflight_;
   ReduceScaling scaling_;
   float pre_ = 1.0f, post_ = 1.0f;  // scaling_ in fp32, as the buckets are multiplied
+  QuantizedReduceScatter* qgz_ = nullptr;
 };
 
 }  // namespace zero3d

@@ -196,6 +196,27 @@ void ProcessGroups::build_data_shards(const DataShards& shards, int dp, int data
                        " does not divide the data-parallel size (" + std::to_string(dp) + ")");
     split(world_, base + data / shards.hpz, data % shards.hpz, "hpz");
   }
+  if (shards.qgz) {
+    // DeepSpeed's qgZ needs the same number of ranks on every node (num_nodes = W / device_count)
+    // and falls back to its reduce-scatter on one node (stage3.py: num_nodes > 1).
+    const std::vector<int> nodes = nodes_.nodes_of(comms_.at("data"));
+    const int k = static_cast<int>(std::count(nodes.begin(), nodes.end(), nodes[static_cast<size_t>(data)]));
+    int regular = dp % k == 0 ? 1 : 0;
+    for (int i = 0; i < dp && regular; ++i)
+      regular = nodes[static_cast<size_t>(i)] == nodes[static_cast<size_t>(i / k * k)] &&
+                (i < k || nodes[static_cast<size_t>(i)] != nodes[static_cast<size_t>(i - k)]);
+    int all = regular;
+    MPI_Allreduce(&regular, &all, 1, MPI_INT, MPI_MIN, world_);
+    if (!all)
+      throw AgreedFailure("zero_optimization.zero_quantized_gradients: qgZ's all-to-alls need the data group's ranks "
+                          "on its nodes in runs of the same number of consecutive ranks (DeepSpeed derives the nodes "
+                          "as world size / devices per node; nodes: " + nodes_.describe() + ")",
+                          kExitBadInput, 0, rank_ == 0);
+    if (k < dp) {
+      split(comms_.at("data"), data / k, data % k, "qgz_intra");
+      split(comms_.at("data"), data % k, data / k, "qgz_inter");
+    }
+  }
 }
 
 ProcessGroups::~ProcessGroups() {

@@ -66,12 +66,17 @@ class ProcessTopology {
 //  * with mics_hierarchical, inside each shard group that spans n nodes of k ranks each,
 //    "mics_intra" (the shard's ranks on this node) and "mics_inter" (the shard's ranks at this
 //    rank's position on every node): the gather crosses nodes in the smaller group first;
-//  * "hpz": d / hpz, hpZ's secondary partition group.
-// Groups not asked for (mics_shard 0, hpz 1) are not built.
+//  * "hpz": d / hpz, hpZ's secondary partition group;
+//  * with qgz, when the data group spans more than one node (k ranks on each, consecutively):
+//    "qgz_intra" (the data group's ranks on this node, ranked by position) and "qgz_inter" (its
+//    ranks at this position on every node, ranked by node), DeepSpeed's local_<node> and
+//    global_<position> (utils/groups.py _get_local_all_to_all_group).
+// Groups not asked for (mics_shard 0, hpz 1, qgz false, or qgz on one node) are not built.
 struct DataShards {
   int mics_shard = 0;
   bool mics_hierarchical = false;
   int hpz = 1;
+  bool qgz = false;
 };
 
 // Owned here and handed out by name; nothing is global. nodes(): which ranks share a node.

@@ -13,6 +13,7 @@
 #include "parallel/grad_reducer.hpp"
 #include "parallel/partition.hpp"
 #include "parallel/pipe_schedule.hpp"
+#include "parallel/quantized_reduce_scatter.hpp"
 #include "train/estimator.hpp"
 #include "train/rank_plan.hpp"
 #include "zero/zero.hpp"
@@ -126,6 +127,33 @@ std::vector<GroupBytes> activation_groups(const Config& cfg, const Placement& at
   }
   return out;
 }
+// ZeRO++'s qgZ (ZeroOptimizer with zero_quantized_gradients; parallel/quantized_reduce_scatter.hpp):
+// over a data group of `dp` ranks on several nodes of k ranks, each quantised bucket is two
+// all-to-alls in "qgz_intra" and two in "qgz_inter" (values, then scales); rank 0 sends
+// qgz_sent_bytes of them. One node: DeepSpeed's plain reduce-scatter, no groups.
+struct QgzGroups {
+  int per_node = 1, nodes = 1;
+  GroupBytes intra{"qgz_intra", 1, true, 0}, inter{"qgz_inter", 1, false, 0};
+  QgzGroups(const ZeroConfig& zero, int stage, int64_t dp, int64_t ranks_per_node) {
+    per_node = static_cast<int>(std::min(dp, ranks_per_node));
+    if (stage == 3 && zero.quantized_gradients && per_node < dp) nodes = static_cast<int>(dp / per_node);
+    intra.ranks = per_node;
+    inter.ranks = nodes;
+  }
+  bool on() const { return nodes > 1; }
+  int64_t world() const { return on() ? int64_t(per_node) * nodes : 0; }  // gradient_segments' qgz_world
+  // A bucket of `part`'s ranks, `passes` times a step.
+  void add(const ReduceBucket& b, const Partition& part, int64_t passes) {
+    std::vector<int64_t> counts;
+    for (int r = 0; r < part.world; ++r) {
+      const auto [lo, hi] = part.owned(r, b.begin, b.end);
+      counts.push_back(hi - lo);
+    }
+    const QgzBytes q = qgz_sent_bytes(counts, b.quant_group, nodes, per_node, 0);
+    intra.add(passes * q.intra, passes * 2);
+    inter.add(passes * q.inter, passes * 2);
+  }
+};
 
 }  // namespace
 
@@ -186,14 +214,18 @@ CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int
 
   // Gradients (GradientReducer over reduce_work's ranges, cut into its buckets): stages 0-1
   // once at the accumulation boundary, stages 2-3 every backward (each unit's fp32 window).
+  QgzGroups qgz(zero, stage, mics ? 1 : dp, at.per_node);
   if (reduces) {
-    const ReduceWork work = reduce_work(stage, zero, types, layout, units, part);
-    const std::vector<CommSegment> segments = gradient_segments(layout, stage == 0 ? layout.total() : part.padded, types);
+    const ReduceWork work = reduce_work(stage, zero, types, layout, units, part, qgz.world());
+    const std::vector<CommSegment> segments =
+        gradient_segments(layout, stage == 0 ? layout.total() : part.padded, types, qgz.world());
     GroupBytes one_pass;
-    for (const auto& [lo, hi] : work.ranges)
-      for (const ReduceBucket& b : cut_buckets(segments, lo, hi, zero.reduce_bucket_size, types.comm))
-        one_pass.add(bus(stage == 0 ? 2.0 * ring(W) : ring(W), b.end - b.begin, b.type));
     const int64_t passes = stage >= 2 ? micro : 1;
+    for (const auto& [lo, hi] : work.ranges)
+      for (const ReduceBucket& b : cut_buckets(segments, lo, hi, zero.reduce_bucket_size, types.comm)) {
+        if (qgz.on() && b.quant_group > 0) qgz.add(b, part, passes);
+        else one_pass.add(bus(stage == 0 ? 2.0 * ring(W) : ring(W), b.end - b.begin, b.type));
+      }
     partition_group.add(passes * one_pass.bytes, passes * one_pass.calls);
   }
   // Stages 1-2: the updated partitions all-gathered in allgather_bucket_size pieces (gather_updated_params).
@@ -307,6 +339,10 @@ CommVolume estimate_comm_volume(const Config& cfg, int64_t world, int stage, int
   out.groups.push_back(data);
   if (mics) out.groups.push_back(shard);
   for (const GroupBytes& g : shard_groups) out.groups.push_back(g);
+  if (qgz.on()) {
+    out.groups.push_back(qgz.intra);
+    out.groups.push_back(qgz.inter);
+  }
   for (const GroupBytes& g : activation_groups(cfg, at, plan, types, part, stage, out.activations_not_predicted))
     out.groups.push_back(g);
   return out;

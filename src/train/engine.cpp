@@ -42,6 +42,8 @@ ShardGroups Engine::shard_groups() {
     if (name == "mics_inter") s.gather_inter = &m;
     if (name == "mics_intra") s.gather_intra = &m;
     if (name == "hpz") s.hpz = &m;
+    if (name == "qgz_intra") s.qgz_intra = &m;
+    if (name == "qgz_inter") s.qgz_inter = &m;
   }
   return s;
 }
@@ -61,7 +63,7 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
     edp_comm_ = std::make_unique<MpiCommunicator>(groups.axis("expert_data"), watchdog);
     enorm_comm_ = std::make_unique<MpiCommunicator>(groups.axis("expert_norm"), watchdog);
   }
-  for (const char* name : {"mics_shard", "mics_replicate", "mics_inter", "mics_intra", "hpz"})
+  for (const char* name : {"mics_shard", "mics_replicate", "mics_inter", "mics_intra", "hpz", "qgz_intra", "qgz_inter"})
     if (groups.has(name)) shard_comms_.emplace_back(name, std::make_unique<MpiCommunicator>(groups.axis(name), watchdog));
   // Each group's bytes are intra-node or inter-node by where its ranks lie (parallel/nodes.hpp).
   for (MpiCommunicator* c : {dp_comm_.get(), pipe_comm_.get(), tp_comm_.get(), world_comm_.get(), mp_comm_.get(),

@@ -154,7 +154,12 @@ EvalResult Engine::evaluate() {
 }
 
 ParamStore& Engine::inference_store() {
-  zero_->set_fetch_trace(model_->fetch_order(0, true));
+  // Stage 3 gathers along a forward pass of each chunk of the stage, in order (generation's
+  // passes: one chunk after another for a group of prompts).
+  std::vector<int> trace;
+  for (int c = 0; c < model_->num_chunks(); ++c)
+    for (const int u : model_->fetch_order(c, true)) trace.push_back(u);
+  zero_->set_fetch_trace(std::move(trace));
   return store_;
 }
 

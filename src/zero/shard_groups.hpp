@@ -27,12 +27,15 @@ struct ShardGroups {
   Communicator* gather_inter = nullptr;  // MiCS hierarchical gather (null: the flat gather)
   Communicator* gather_intra = nullptr;
   Communicator* hpz = nullptr;  // hpZ's secondary partition group (null: none)
+  // qgZ's all-to-all groups (parallel/quantized_reduce_scatter.hpp; null: unquantised reduce-scatter)
+  Communicator* qgz_intra = nullptr;
+  Communicator* qgz_inter = nullptr;
   int replica_count() const { return replicas ? replicas->size() : 1; }
 };
 
 // The groups ProcessGroups builds for a config's MiCS and hpZ keys.
 inline DataShards data_shards(const ZeroConfig& z) {
-  return {z.mics_shard_size, z.mics_hierarchical_params_gather, z.hpz_partition_size};
+  return {z.mics_shard_size, z.mics_hierarchical_params_gather, z.hpz_partition_size, z.quantized_gradients};
 }
 
 }  // namespace zero3d

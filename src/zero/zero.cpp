@@ -67,17 +67,27 @@ const float* in_model_memory(const float* host, int64_t n, kernels::DeviceScratc
 }
 }  // namespace
 
-std::vector<CommSegment> gradient_segments(const ParamLayout& layout, int64_t n, const StateTypes& types) {
+int64_t qgz_group_size(const TensorSpec& tensor, int64_t world) {
+  if (tensor.shape.size() < 2 || tensor.numel % (2 * world) != 0) return 0;
+  return tensor.numel / std::max({tensor.shape[0], tensor.shape[1], world});
+}
+
+std::vector<CommSegment> gradient_segments(const ParamLayout& layout, int64_t n, const StateTypes& types,
+                                           int64_t qgz_world) {
   std::vector<CommSegment> out;
   const std::vector<TensorSpec>& tensors = layout.tensors();
-  for (size_t i = 0; i < tensors.size(); ++i)
-    out.push_back({tensors[i].offset, tensors[i].offset + tensors[i].numel, types.low(i) ? types.autocast : types.comm});
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t group = qgz_world > 0 ? qgz_group_size(tensors[i], qgz_world) : 0;
+    // qgZ quantises the fp32 window itself, whatever the communication dtype
+    const DType type = group > 0 ? DType::F32 : types.low(i) ? types.autocast : types.comm;
+    out.push_back({tensors[i].offset, tensors[i].offset + tensors[i].numel, type, group});
+  }
   if (n > layout.total()) out.push_back({layout.total(), n, types.comm});
   return out;
 }
 
 ReduceWork reduce_work(int stage, const ZeroConfig& zero, const StateTypes& types, const ParamLayout& layout,
-                       const std::vector<ParamUnit>& units, const Partition& part) {
+                       const std::vector<ParamUnit>& units, const Partition& part, int64_t qgz_world) {
   ReduceWork w;
   if (stage >= 2) {  // each unit's fp32 window as backward completes them: the last unit first
     for (auto u = units.rbegin(); u != units.rend(); ++u) w.ranges.emplace_back(u->offset, u->offset + u->numel);
@@ -86,7 +96,7 @@ ReduceWork reduce_work(int stage, const ZeroConfig& zero, const StateTypes& type
     w.source = types.grad;
   }
   const int64_t n = stage == 0 ? layout.total() : part.padded;
-  const std::vector<CommSegment> segments = gradient_segments(layout, n, types);
+  const std::vector<CommSegment> segments = gradient_segments(layout, n, types, qgz_world);
   std::vector<ReduceBucket> sequence;  // one backward's buckets in launch order (GradientReducer::reserve_staging)
   for (const auto& [lo, hi] : w.ranges)
     for (const ReduceBucket& b : cut_buckets(segments, lo, hi, zero.reduce_bucket_size, types.comm)) sequence.push_back(b);
@@ -114,6 +124,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
       part_(partition_numel < 0 ? layout.total() : partition_numel, dp.size()) {
   ordered_backward_ = ordered_backward;
   shards_ = shards;
+  const int64_t qgz_world = stage_ == 3 && shards_.qgz_intra ? world_ : 0;
   const ZeroStateElems elems = zero_state_elems(stage_, layout.total(), part_);
   const bool params_on_nvme = stage_ == 3 && zero.offload_param.device == OffloadDevice::Nvme;
   params_ = TypedBuffer("params", types_.param, params_on_nvme ? 0 : elems.params);
@@ -158,10 +169,15 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
     void* dest = stage_ == 1 ? grads_.at(part_.begin(rank_)) : grads_.data();
     reducer_ = std::make_unique<GradientReducer>(dp_, part_, dest, types_.grad, stage_ >= 2, cfg_.reduce_bucket_size,
                                                  cfg_.overlap_comm, types_.comm, types_.grad,
-                                                 gradient_segments(layout, part_.padded, types_));
+                                                 gradient_segments(layout, part_.padded, types_, qgz_world));
+  }
+  if (qgz_world > 0) {
+    qgz_ = std::make_unique<QuantizedReduceScatter>(*shards_.qgz_intra, *shards_.qgz_inter);
+    if (qgz_->data_rank() != rank_) throw std::logic_error("qgZ's groups do not rank the data group node by node");
+    reducer_->set_quantized(qgz_.get());
   }
   // The bucket slots, allocated now: the start-up table and the memory plan (reduce_work) count them.
-  const ReduceWork work = reduce_work(stage_, cfg_, types_, layout, units_, part_);
+  const ReduceWork work = reduce_work(stage_, cfg_, types_, layout, units_, part_, qgz_world);
   reducer_->reserve_staging(work.ranges, work.source);
   // MiCS: the mean over every replica's ranks, completed by the replicas' all-reduce (shard_groups.hpp)
   reducer_->set_scaling(reduce_scaling(zero.prescale_gradients, zero.gradient_predivide_factor,
@@ -683,7 +699,7 @@ MemoryBytes ZeroOptimizer::memory() const {
       m.swap_buffers = param_swap_->cached_peak_bytes();
     }
   }
-  m.comm_buffers = reducer_->staging_peak_bytes();
+  m.comm_buffers = reducer_->staging_peak_bytes() + (qgz_ ? qgz_->staging_bytes() : 0);
   for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
   m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(dtype_size(types_.param));
   m.gathered = gathered_bytes_;

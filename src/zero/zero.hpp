@@ -131,7 +131,16 @@ struct StateTypes {
 
 // The gradients of `layout` as the reducer buckets them: one segment per tensor in its
 // communication dtype, and the padding up to `n` (a partition's padded size) in comm's.
-std::vector<CommSegment> gradient_segments(const ParamLayout& layout, int64_t n, const StateTypes& types);
+// qgz_world > 0 (ZeRO++'s qgZ over that many data ranks on several nodes): the tensors qgZ
+// quantises carry their group size (qgz_group_size).
+std::vector<CommSegment> gradient_segments(const ParamLayout& layout, int64_t n, const StateTypes& types,
+                                           int64_t qgz_world = 0);
+
+// DeepSpeed's qgZ groups for a tensor (runtime/comm/coalesced_collectives.py
+// all_to_all_quant_reduce): numel / max(shape[0], shape[1], world) values a group; 0 (reduce-
+// scattered unquantised, as DeepSpeed falls back) for a one-dimensional tensor or one whose numel
+// is not a multiple of 2·world.
+int64_t qgz_group_size(const TensorSpec& tensor, int64_t world);
 
 // What a ZeroOptimizer's gradient reducer reduces: the flat buffer whole (stages 0-1, from the
 // gradient buffer's type) or each unit's fp32 window (stages 2-3), and with it the staging
@@ -142,7 +151,7 @@ struct ReduceWork {
   int64_t staging_bytes = 0;
 };
 ReduceWork reduce_work(int stage, const ZeroConfig& zero, const StateTypes& types, const ParamLayout& layout,
-                       const std::vector<ParamUnit>& units, const Partition& part);
+                       const std::vector<ParamUnit>& units, const Partition& part, int64_t qgz_world = 0);
 
 // DeepSpeed's unscale-and-clip in one factor (FACTS §3; stage_1_and_2.py
 // unscale_and_clip_grads): c = ((norm_scaled/scale) + 1e-6)/clip, c = max(c, 1); the
@@ -309,6 +318,7 @@ class ZeroOptimizer : public ParamStore {
   void read_params(int64_t begin, int64_t n, void* out);
   void write_params(int64_t begin, int64_t n, const void* in);
   std::unique_ptr<GradientReducer> reducer_;
+  std::unique_ptr<QuantizedReduceScatter> qgz_;  // ZeRO++'s qgZ (null: off, or the data group on one node)
   bool boundary_ = false;
   bool ordered_backward_ = true;
   bool reduction_begun_ = false;  // stages 0-1: the boundary reduction has its frontier set

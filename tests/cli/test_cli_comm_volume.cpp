@@ -94,7 +94,13 @@ TEST(CommVolume, ZeroPlusPlusAndMicsGroupsMoveThePredictedBytesOnTheirLinks) {
                                          {"hpz2", with({{"zero_hpz_partition_size", 2}})},
                                          // ZeRO++'s qwZ: int8 groups and their scales, in the data group and hpZ's
                                          {"qwz", with({{"zero_quantized_weights", true}})},
-                                         {"qwz_hpz2", with({{"zero_quantized_weights", true}, {"zero_hpz_partition_size", 2}})}})
+                                         {"qwz_hpz2", with({{"zero_quantized_weights", true}, {"zero_hpz_partition_size", 2}})},
+                                         // qgZ: int4 groups and scales in two all-to-alls inside the node
+                                         // (qgz_intra), two across (qgz_inter), the vectors reduce-scattered
+                                         {"qgz", with({{"zero_quantized_gradients", true}})},
+                                         {"zeropp", with({{"zero_quantized_weights", true},
+                                                          {"zero_hpz_partition_size", 2},
+                                                          {"zero_quantized_gradients", true}})}})
     expect_estimate_equals_run(k);
 }
 

@@ -2,10 +2,10 @@
 // PyTorch with its own KV cache) through model.init_from, the greedy continuations of PyTorch
 // token for token for every family, batched; the same tokens with tensor parallelism, ZeRO-3 and
 // data parallelism at np 2, with pipeline stages (alone, with tensor ranks inside each stage, with
-// data-parallel replicas) and from a checkpoint saved by training; sampling reproducible and
-// independent of the batch and the layout; EOS and stop strings end a prompt at the same token in
-// every layout; interleaved virtual stages and every bad option are refused before any work,
-// exit 2, one line naming the option.
+// data-parallel replicas, with interleaved virtual stages, a batch cut into micro-batches) and from
+// a checkpoint saved by training; sampling reproducible and independent of the batch and the
+// layout; EOS and stop strings end a prompt at the same token in every layout; every bad option is
+// refused before any work, exit 2, one line naming the option.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -109,6 +109,10 @@ TEST_P(GenerateFamily, GreedyGivesPyTorchsContinuations) {
 INSTANTIATE_TEST_SUITE_P(Families, GenerateFamily, ::testing::Values("gpt2", "llama", "mistral", "qwen2"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
+// Two stages of two interleaved chunks each (a checkpoint trained with the interleaved schedule).
+const std::string kInterleaved =
+    "pipeline.stages=2 pipeline.schedule=interleaved pipeline.virtual_stages=2 gradient_accumulation_steps=2";
+
 struct Layout {
   std::string family, name, set;
   int np = 2;
@@ -154,6 +158,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"gpt2", "dp2_batch1", "--set zero_optimization.stage=1", 2, "--batch-size 1"},
                       Layout{"gpt2", "p2_dp2", "--set pipeline.stages=2 zero_optimization.stage=1", 4, "--batch-size 1"},
                       Layout{"mistral", "p2_dp2_zero3", "--set pipeline.stages=2 zero_optimization.stage=3", 4,
+                             "--batch-size 1"},
+                      Layout{"gpt2", "p2_batch3", "--set pipeline.stages=2", 2, "--batch-size 3"},
+                      Layout{"gpt2", "p2_v2", "--set " + kInterleaved, 2, "--batch-size 1"},
+                      Layout{"llama", "p2_v2_batch3", "--set " + kInterleaved, 2, "--batch-size 3"},
+                      Layout{"gpt2", "p2_v2_t2", "--set tensor_parallel.autotp_size=2 " + kInterleaved, 4,
                              "--batch-size 1"}),
     [](const ::testing::TestParamInfo<Layout>& info) { return info.param.family + "_" + info.param.name; });
 
@@ -188,8 +197,41 @@ TEST(Generate, SamplingGivesTheOneRankTokensOverStagesAndReplicas) {
            {"pipeline.stages=2", 2},
            {"pipeline.stages=2 tensor_parallel.autotp_size=2", 4},
            {"zero_optimization.stage=1", 2},
-           {"pipeline.stages=2 zero_optimization.stage=3", 4}})
+           {"pipeline.stages=2 zero_optimization.stage=3", 4},
+           {kInterleaved, 2},
+           {kInterleaved + " zero_optimization.stage=3", 4}})
     EXPECT_EQ(tokens_of(generate(config, args + " --set " + layout, np)), one) << layout;
+}
+
+// One batch of three prompts over two stages runs as two micro-batches in flight (two prompts,
+// then one), so that the stages overlap; greedy and sampled tokens are the one-rank batch's, and
+// the text form names the groups with each stage's wait.
+TEST(Generate, ABatchIsCutIntoMicroBatchesOverStages) {
+  const GoldenRun& g = golden("llama");
+  const std::string config = write_config("llama_micro_batches.json", config_of(g));
+  const std::string prompts = "--prompt-ids-file " + prompts_file(g) + " --batch-size 3 --max-new-tokens 10 --eos-id -1";
+  for (const std::string sampling : {"--greedy", "--temperature 1.5 --top-k 20 --seed 5"}) {
+    const json one = generate(config, prompts + " " + sampling);
+    const json whole = generate(config, prompts + " " + sampling + " --set pipeline.stages=2", 2);
+    const json split = generate(config, prompts + " " + sampling + " --micro-batches 2 --set pipeline.stages=2", 2);
+    ASSERT_FALSE(one.is_null() || whole.is_null() || split.is_null()) << sampling;
+    EXPECT_EQ(one.at("groups_in_flight"), 1) << sampling;
+    EXPECT_EQ(one.at("group_rows"), 3) << sampling;
+    EXPECT_EQ(whole.at("groups_in_flight"), 1) << sampling << ": one batch is one group by default";
+    EXPECT_EQ(whole.at("group_rows"), 3) << sampling;
+    EXPECT_EQ(split.at("groups_in_flight"), 2) << sampling;
+    EXPECT_EQ(split.at("group_rows"), 2) << sampling;
+    EXPECT_EQ(tokens_of(whole), tokens_of(one)) << sampling;
+    EXPECT_EQ(tokens_of(split), tokens_of(one)) << sampling;
+    EXPECT_EQ(split.at("stage_wait_ms").size(), 2u);
+  }
+  EXPECT_EQ(run("generate " + config + " " + prompts + " --greedy --micro-batches 0").code, 2);
+  const Result text =
+      run("generate " + config + " " + prompts + " --greedy --micro-batches 2 --set pipeline.stages=2", 2);
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_NE(text.out.find("pipe    2 groups of up to 2 prompts in flight | waited on other stages (ms per stage): "),
+            std::string::npos)
+      << text.out;
 }
 
 // bf16 and fp16 weights: two stages with two tensor ranks each give the one-rank run's tokens.
@@ -286,14 +328,6 @@ TEST(Generate, FromATrainingCheckpointAtAnyLayout) {
   EXPECT_EQ(one.at("step"), 2);
   EXPECT_EQ(tokens_of(generate(config, args + " --set tensor_parallel.autotp_size=2", 2)), tokens_of(one));
   EXPECT_NE(tokens_of(one), g.greedy);
-}
-
-TEST(Generate, InterleavedVirtualStagesAreRefusedWithTheReason) {
-  const GoldenRun& g = golden("gpt2");
-  const std::string config = write_config("gpt2_pipe.json", config_of(g));
-  const Result r = run("generate " + config + " --prompt-ids 1,2 --set pipeline.stages=2 pipeline.schedule=interleaved "
-                       "pipeline.virtual_stages=2 gradient_accumulation_steps=2", 2);
-  expect_one_line_rejection(r, "`pipeline.virtual_stages` 2: zero3d generate runs one chunk of layers per pipeline stage");
 }
 
 TEST(Generate, BadOptionsAreRefusedByNameBeforeAnyWork) {

@@ -15,12 +15,19 @@ Independent reference, written here without zero3d's code:
     and AdamW settings (make_goldens.py), with the masks above multiplied in where nn.Dropout sits.
   * Hugging Face's Llama with attention_dropout (LlamaAttention: dropout on attn_weights in
     training), make_llama_goldens.py's float64 model on llama_gqa.h5's weights, the masks at site 1.
+  * Causal attention alone with attn_pdrop, in float64 PyTorch: dense (the reference of the fp32
+    and bf16 kernels), and block-sparse with make_sparse_attention_goldens.py's layout expanded to a
+    token mask: the probabilities of the computed blocks times the dense mask's factors at
+    element (h·T + i)·T + j (the global key j), which is what every layout draws.
 Step s (0-based) of B samples draws samples s·B .. s·B + B - 1 (zero3d's global sample index).
 
 dropout.h5:
   /mask/keep [3, 4096] int8: sample 0..2 of (seed 99, first sample 5, layer 3, site 1, p 0.3), elements 0..4095
   /<case>/adamw_losses [S], /<case>/grad_norms [S] (before clipping), attributes seed, embd, attn, resid
   case gpt2: gpt_tiny.h5;  case llama: llama_gqa.h5 (its hf_config with attention_dropout)
+  /attention/<case>: attrs config (sparse_attention, JSON), B, T, C, H, seed, first_sample, layer, p;
+    layout [H, nb, nb] int32, qkv [B,T,3C], d_out [B,T,C], out [B,T,C], d_qkv [B,T,3C] (float32,
+    gradients of sum(out * d_out));  case dense (T 128), fixed (DeepSpeed's fixed layout, per head)
 
 Run:  OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/golden/make_dropout_goldens.py tests/golden
 """
@@ -35,6 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_llama_goldens as llama  # noqa: E402  (the float64 Llama's pieces: norms, RoPE, head)
+import make_sparse_attention_goldens as sparse  # noqa: E402  (DeepSpeed's layouts, rebuilt in NumPy)
 
 torch.set_num_threads(1)
 torch.set_default_dtype(torch.float64)
@@ -126,6 +134,29 @@ def llama_forward(p, tokens, s, rate, seed, first):
     return llama.lm_head(p, x, s)
 
 
+def attention_case(f, name, c, B, T, C, H, p, seed, first, layer, gen):
+    """Causal attention with the probabilities of the layout's blocks dropped; output and gradients."""
+    lay = sparse.make_layout(c, H, T)
+    block, hs = c["block"], C // H
+    qkv = torch.randn(B, T, 3 * C, generator=gen, dtype=torch.float32).to(torch.float64).requires_grad_(True)
+    d_out = torch.randn(B, T, C, generator=gen, dtype=torch.float32).to(torch.float64)
+    q, k, v = (t.reshape(B, T, H, hs).transpose(1, 2) for t in qkv.split(C, dim=2))
+    allowed = torch.from_numpy(np.kron(lay, np.ones((block, block), dtype=np.int32))).bool()
+    allowed = allowed & torch.tril(torch.ones(T, T, dtype=torch.bool))
+    att = ((q @ k.transpose(-1, -2)) / math.sqrt(hs)).masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    out = (dropped(att, mask(p, seed, first, layer, PROBABILITIES, (B, H, T, T))) @ v).transpose(1, 2).reshape(B, T, C)
+    (out * d_out).sum().backward()
+    g = f.create_group("attention/" + name)
+    g.attrs["config"] = np.bytes_(json.dumps(c))  # fixed-length, as zero3d's h5 reader expects
+    for key, val in (("B", B), ("T", T), ("C", C), ("H", H), ("seed", seed), ("first_sample", first), ("layer", layer)):
+        g.attrs[key] = np.int64(val)
+    g.attrs["p"] = p
+    g["layout"] = lay
+    for key, val in (("qkv", qkv.detach()), ("d_out", d_out), ("out", out.detach()), ("d_qkv", qkv.grad)):
+        g[key] = val.numpy().astype(np.float32)
+    print(f"attention/{name}: |out| {out.abs().mean().item():.4f}, |d_qkv| {qkv.grad.abs().mean().item():.4f}")
+
+
 def read_golden(path):
     with h5py.File(path, "r") as f:
         params = {name: torch.tensor(np.array(f[name]), dtype=torch.float64).requires_grad_(True)
@@ -181,6 +212,12 @@ def main():
         B, rate, seed = tokens.shape[0], 0.25, 4321
         losses, norms = adamw(params, hp, lambda st: llama_forward(params, tokens, s, rate, seed, st * B), targets, s.V)
         write_case(f, "llama", losses, norms, seed, dict(embd=0.0, attn=rate, resid=0.0))
+
+        gen = torch.Generator().manual_seed(32)
+        attention_case(f, "dense", {"mode": "dense", "block": 8}, 2, 128, 16, 2, 0.2, 17, 6, 1, gen)
+        attention_case(f, "fixed", {"mode": "fixed", "block": 8, "different_layout_per_head": True,
+                                    "num_local_blocks": 2, "num_different_global_patterns": 2},
+                       2, 64, 16, 4, 0.3, 77, 3, 2, gen)
 
 
 if __name__ == "__main__":

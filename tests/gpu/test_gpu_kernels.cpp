@@ -221,56 +221,99 @@ TEST(GpuProducts, ForwardProductWithBiasMatchesTheHostInFp32AndBf16) {
   }
 }
 
-// Causal attention in fp32, B 1, T 1024, C 768, H 12: the output, the probabilities the
-// backward reads, and dqkv against a host reference of softmax(q·kᵀ/√hs)·v and its gradient.
-TEST(GpuAttention, Fp32ForwardAndBackwardMatchTheHostAtGpt2Shapes) {
-  const Index B = 1, T = kT, C = kC, H = kH, hs = C / H, C3 = 3 * C;
-  const std::vector<float> qkv = normal(B * T * C3, 1.0f, 21), dy = normal(B * T * C, 1.0f, 22);
+// softmax(q·kᵀ/√hs)·v over causal rows, and its gradient, in double: out [B][T][C] and dqkv
+// [B][T][3C] from qkv [B][T][3C] and dY [B][T][C].
+void host_attention(const std::vector<float>& qkv, const std::vector<float>& dy, Index B, Index T, Index C, Index H,
+                    std::vector<double>& out, std::vector<double>& dqkv) {
+  const Index hs = C / H, C3 = 3 * C;
   const double scale = 1.0 / std::sqrt(double(hs));
-  std::vector<double> out(B * T * C), dqkv(B * T * C3);
+  out.assign(B * T * C, 0.0);
+  dqkv.assign(B * T * C3, 0.0);
   std::vector<double> p(T * T), dp(T);
-  for (Index h = 0; h < H; ++h) {
-    const auto q = [&](Index t, Index d) { return double(qkv[t * C3 + h * hs + d]); };
-    const auto k = [&](Index t, Index d) { return double(qkv[t * C3 + C + h * hs + d]); };
-    const auto v = [&](Index t, Index d) { return double(qkv[t * C3 + 2 * C + h * hs + d]); };
-    for (Index i = 0; i < T; ++i) {
-      double mx = -1e300;
-      for (Index j = 0; j <= i; ++j) {
-        double s = 0;
-        for (Index d = 0; d < hs; ++d) s += q(i, d) * k(j, d);
-        p[i * T + j] = s * scale;
-        mx = std::max(mx, p[i * T + j]);
-      }
-      double sum = 0;
-      for (Index j = 0; j <= i; ++j) sum += (p[i * T + j] = std::exp(p[i * T + j] - mx));
-      for (Index j = 0; j <= i; ++j) p[i * T + j] /= sum;
-      for (Index d = 0; d < hs; ++d) {
-        double o = 0;
-        for (Index j = 0; j <= i; ++j) o += p[i * T + j] * v(j, d);
-        out[i * C + h * hs + d] = o;
-      }
-      // dP = dY·Vᵀ; dS = P ∘ (dP − Σ P·dP); dQ = scale·dS·K; dK += scale·dSᵀ·Q; dV += Pᵀ·dY
-      double dot = 0;
-      for (Index j = 0; j <= i; ++j) {
-        dp[j] = 0;
-        for (Index d = 0; d < hs; ++d) dp[j] += dy[i * C + h * hs + d] * v(j, d);
-        dot += p[i * T + j] * dp[j];
-      }
-      for (Index j = 0; j <= i; ++j) {
-        const double ds = p[i * T + j] * (dp[j] - dot) * scale;
+  for (Index b = 0; b < B; ++b)
+    for (Index h = 0; h < H; ++h) {
+      const float* x = qkv.data() + b * T * C3;
+      const float* g = dy.data() + b * T * C;
+      double* o = out.data() + b * T * C;
+      double* dx = dqkv.data() + b * T * C3;
+      const auto q = [&](Index t, Index d) { return double(x[t * C3 + h * hs + d]); };
+      const auto k = [&](Index t, Index d) { return double(x[t * C3 + C + h * hs + d]); };
+      const auto v = [&](Index t, Index d) { return double(x[t * C3 + 2 * C + h * hs + d]); };
+      for (Index i = 0; i < T; ++i) {
+        double mx = -1e300;
+        for (Index j = 0; j <= i; ++j) {
+          double s = 0;
+          for (Index d = 0; d < hs; ++d) s += q(i, d) * k(j, d);
+          p[i * T + j] = s * scale;
+          mx = std::max(mx, p[i * T + j]);
+        }
+        double sum = 0;
+        for (Index j = 0; j <= i; ++j) sum += (p[i * T + j] = std::exp(p[i * T + j] - mx));
+        for (Index j = 0; j <= i; ++j) p[i * T + j] /= sum;
         for (Index d = 0; d < hs; ++d) {
-          dqkv[i * C3 + h * hs + d] += ds * k(j, d);
-          dqkv[j * C3 + C + h * hs + d] += ds * q(i, d);
-          dqkv[j * C3 + 2 * C + h * hs + d] += p[i * T + j] * dy[i * C + h * hs + d];
+          double acc = 0;
+          for (Index j = 0; j <= i; ++j) acc += p[i * T + j] * v(j, d);
+          o[i * C + h * hs + d] = acc;
+        }
+        // dP = dY·Vᵀ; dS = P ∘ (dP − Σ P·dP); dQ = scale·dS·K; dK += scale·dSᵀ·Q; dV += Pᵀ·dY
+        double dot = 0;
+        for (Index j = 0; j <= i; ++j) {
+          dp[j] = 0;
+          for (Index d = 0; d < hs; ++d) dp[j] += g[i * C + h * hs + d] * v(j, d);
+          dot += p[i * T + j] * dp[j];
+        }
+        for (Index j = 0; j <= i; ++j) {
+          const double ds = p[i * T + j] * (dp[j] - dot) * scale;
+          for (Index d = 0; d < hs; ++d) {
+            dx[i * C3 + h * hs + d] += ds * k(j, d);
+            dx[j * C3 + C + h * hs + d] += ds * q(i, d);
+            dx[j * C3 + 2 * C + h * hs + d] += p[i * T + j] * g[i * C + h * hs + d];
+          }
         }
       }
     }
-  }
+}
+
+// Causal attention in fp32, B 1, T 1024, C 768, H 12: the output, the probabilities the
+// backward reads, and dqkv against a host reference of softmax(q·kᵀ/√hs)·v and its gradient.
+TEST(GpuAttention, Fp32ForwardAndBackwardMatchTheHostAtGpt2Shapes) {
+  const Index B = 1, T = kT, C = kC, H = kH, C3 = 3 * C;
+  const std::vector<float> qkv = normal(B * T * C3, 1.0f, 21), dy = normal(B * T * C, 1.0f, 22);
+  std::vector<double> out, dqkv;
+  host_attention(qkv, dy, B, T, C, H, out, dqkv);
   ModelArray<float> Qkv(qkv), Dy(dy), Out(B * T * C), Att(B * H * T * T), Dqkv(B * T * C3), Scratch(64 * T);
   attention_forward(Out.data(), Att.data(), Qkv.data(), B, T, C, H);
   expect_close(Out.host(), out, 1e-4, 1e-5, "attention out");
   attention_backward(Dqkv.data(), Scratch.data(), Dy.data(), Qkv.data(), Att.data(), B, T, C, H);
   expect_close(Dqkv.host(), dqkv, 1e-3, 1e-4, "attention dqkv");
+}
+
+// Causal attention with bf16 products, as the build chooses it (the CPU's fused AVX512-BF16 or
+// tiled kernel; on a GPU the dense tile, or the fused CUDA kernel under
+// ZERO3D_ATTENTION_KERNEL=flash, which benchmarks/gpu_check.sh runs too): at GPT-2's head size 64
+// (B 2, T 1024) and 128 with a T that is no multiple of 64, against the host reference on the
+// bf16-rounded q, k, v and dY. What remains is the bf16 rounding of P and dS (2⁻⁹ relative),
+// summed over up to T keys. Two runs give the same bits (no atomics).
+TEST(GpuAttention, Bf16ForwardAndBackwardMatchTheHostAndRepeatTheirBits) {
+  struct Shape {
+    Index B, T, C, H;
+  };
+  const auto round_bf16 = [](float f) { return to_float(from_float<bf16>(f)); };
+  for (const Shape& s : {Shape{2, kT, kC, kH}, Shape{1, 1000, 512, 4}}) {
+    const Index B = s.B, T = s.T, C = s.C, H = s.H, C3 = 3 * C;
+    std::vector<float> qkv = normal(B * T * C3, 1.0f, 23), dy = normal(B * T * C, 1.0f, 24);
+    for (float& x : qkv) x = round_bf16(x);
+    for (float& x : dy) x = round_bf16(x);
+    std::vector<double> out, dqkv;
+    host_attention(qkv, dy, B, T, C, H, out, dqkv);
+    ModelArray<float> Qkv(qkv), Dy(dy), Out(B * T * C), Att(B * H * T * T), Dqkv(B * T * C3), Again(B * T * C3);
+    attention_forward(Out.data(), Att.data(), Qkv.data(), B, T, C, H, DType::BF16);
+    expect_close(Out.host(), out, 1e-2, 1e-2, "bf16 attention out");
+    attention_backward(Dqkv.data(), nullptr, Dy.data(), Qkv.data(), Att.data(), B, T, C, H, DType::BF16);
+    expect_close(Dqkv.host(), dqkv, 3e-2, 3e-2, "bf16 attention dqkv");
+    attention_backward(Again.data(), nullptr, Dy.data(), Qkv.data(), Att.data(), B, T, C, H, DType::BF16);
+    EXPECT_TRUE(Dqkv.host() == Again.host()) << "T " << T << ": a second backward changed bits";
+  }
 }
 
 }  // namespace

@@ -3,9 +3,13 @@
 // and AdamW steps of Hugging Face's GPT-2 (embd_pdrop, attn_pdrop, resid_pdrop) and Llama
 // (attention_dropout) in float64 PyTorch with those masks: losses and gradient norms within
 // 1e-5 relative. The masks keep 1 − p of a large tensor within the binomial spread, and a
-// model that evaluates (or has every p 0) is the model without dropout, bit for bit.
+// model that evaluates (or has every p 0) is the model without dropout, bit for bit. Causal
+// attention alone with attn_pdrop in float64 PyTorch holds the fp32 kernels, the bf16 kernels
+// (the same mask: within bf16 rounding) and the block-sparse kernels (the dense mask on the
+// computed blocks) to one reference.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -16,6 +20,8 @@
 #include "config/model_shape.hpp"
 #include "io/h5.hpp"
 #include "io/weights.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/attention_sparse.hpp"
 #include "kernels/dropout.hpp"
 #include "model/model.hpp"
 #include "optim/optimizer.hpp"
@@ -181,6 +187,97 @@ Pass pass_of(const GPTShape& shape, int64_t B, int64_t T, bool training) {
   p.logits.assign(model.model.logits(), model.model.logits() + B * T * shape.vocab_size);
   p.grads.assign(model.grads.data(), model.grads.data() + model.model.num_params());
   return p;
+}
+
+// dropout.h5's /attention/<case>: qkv, the upstream gradient, PyTorch's output and d(qkv), and
+// the mask (seed, first sample, layer; first head 0).
+struct AttentionGolden {
+  int64_t B, T, C, H, block;
+  std::vector<uint8_t> layout;
+  std::vector<float> qkv, d_out, out, d_qkv;
+  DropoutMask mask;
+  explicit AttentionGolden(const std::string& name) {
+    const h5::File f = h5::File::open_read(kGoldenDir + "/dropout.h5");
+    const std::string g = "attention/" + name;
+    const auto integer = [&](const char* key) { return static_cast<int64_t>(attr(f, g, key)); };
+    B = integer("B"), T = integer("T"), C = integer("C"), H = integer("H");
+    const std::vector<int32_t> lay = f.read_ints(g + "/layout");
+    layout.assign(lay.begin(), lay.end());
+    block = T / static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(lay.size() / H))));
+    qkv = f.read_floats(g + "/qkv"), d_out = f.read_floats(g + "/d_out");
+    out = f.read_floats(g + "/out"), d_qkv = f.read_floats(g + "/d_qkv");
+    mask = dropout_mask(attr(f, g, "p"), static_cast<uint64_t>(integer("seed")), integer("first_sample"),
+                        integer("layer"), DropoutSite::Probabilities);
+  }
+};
+
+// The largest difference, relative to the reference's largest magnitude.
+double worst(const std::vector<float>& got, const std::vector<float>& want) {
+  double d = 0, m = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    d = std::max(d, std::fabs(static_cast<double>(got[i]) - want[i]));
+    m = std::max(m, std::fabs(static_cast<double>(want[i])));
+  }
+  return d / m;
+}
+
+struct AttentionResult {
+  std::vector<float> out, d_qkv;
+};
+// The dense kernels' forward and backward in `compute` (fp32, or bf16's tiled kernel under dropout).
+AttentionResult dense_attention(const AttentionGolden& g, DType compute, const DropoutMask& mask) {
+  const int64_t B = g.B, T = g.T, C = g.C, H = g.H;
+  std::vector<float> att(std::max(B * H * T * T, attention_bf16_saved_floats(B * H, T, C / H, true)));
+  std::vector<float> scratch(kRowBlock * T);
+  AttentionResult r{std::vector<float>(B * T * C), std::vector<float>(B * T * 3 * C)};
+  attention_forward(r.out.data(), att.data(), g.qkv.data(), B, T, C, H, compute, mask);
+  attention_backward(r.d_qkv.data(), scratch.data(), g.d_out.data(), g.qkv.data(), att.data(), B, T, C, H, compute, mask);
+  return r;
+}
+
+TEST(DropoutAttention, Fp32KernelsFollowPyTorch) {
+  const AttentionGolden g("dense");
+  const AttentionResult r = dense_attention(g, DType::F32, g.mask);
+  EXPECT_LT(worst(r.out, g.out), 1e-5);
+  EXPECT_LT(worst(r.d_qkv, g.d_qkv), 1e-5);
+}
+
+// bf16 products draw the fp32 kernels' bits: the output and gradients within bf16 rounding of
+// the reference, where the same kernel without the mask is off by the dropout itself.
+TEST(DropoutAttention, Bf16KernelsDrawTheFp32KernelsMaskWithinBf16Rounding) {
+  const AttentionGolden g("dense");
+  const AttentionResult r = dense_attention(g, DType::BF16, g.mask), plain = dense_attention(g, DType::BF16, {});
+  const double out = worst(r.out, g.out), grad = worst(r.d_qkv, g.d_qkv);
+  std::printf("[ bf16     ] attention with dropout: output %.2e, d(qkv) %.2e (without the mask %.2e, %.2e)\n", out,
+              grad, worst(plain.out, g.out), worst(plain.d_qkv, g.d_qkv));
+  EXPECT_LT(out, 2e-2);
+  EXPECT_LT(grad, 2e-2);
+  EXPECT_GT(worst(plain.out, g.out), 0.1);
+  EXPECT_GT(worst(plain.d_qkv, g.d_qkv), 0.1);
+}
+
+// Block-sparse attention drops the computed blocks' probabilities with the dense mask at the
+// global key: a DeepSpeed fixed layout (per-head patterns, blocks skipped inside each row), and
+// the dense layout, which is the dense kernel's attention.
+TEST(DropoutAttention, SparseKernelsDropTheComputedBlocksWithTheDenseMask) {
+  for (const std::string name : {"fixed", "dense"}) {
+    const AttentionGolden g(name);
+    const int64_t B = g.B, T = g.T, C = g.C, H = g.H, nb = T / g.block;
+    int64_t most = 0;  // the panels' stride: the most blocks any head computes
+    for (int64_t h = 0; h < H; ++h) {
+      int64_t on = 0;
+      for (int64_t q = 0; q < nb; ++q)
+        for (int64_t k = 0; k <= q; ++k) on += g.layout[(h * nb + q) * nb + k];
+      most = std::max(most, on);
+    }
+    const int64_t stride = most * g.block * g.block;
+    std::vector<float> out(B * T * C), att(B * H * stride), d_qkv(B * T * 3 * C);
+    sparse_attention_forward(out.data(), att.data(), stride, g.qkv.data(), g.layout.data(), g.block, B, T, C, H, g.mask);
+    sparse_attention_backward(d_qkv.data(), g.d_out.data(), g.qkv.data(), att.data(), stride, g.layout.data(), g.block,
+                              B, T, C, H, g.mask);
+    EXPECT_LT(worst(out, g.out), 1e-5) << name;
+    EXPECT_LT(worst(d_qkv, g.d_qkv), 1e-5) << name;
+  }
 }
 
 // Evaluation (zero3d eval, evaluation in training) runs the model without dropout whatever the
