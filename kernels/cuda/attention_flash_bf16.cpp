@@ -12,6 +12,7 @@
 #include <Kokkos_Core.hpp>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "base/errors.hpp"
 #include "kernels/half.hpp"
@@ -29,8 +30,6 @@ constexpr int kThreads = 32 * kWarps;
 constexpr float kLog2e = 1.4426950408889634f;
 
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bfloat, wmma::row_major>;
-using FragBRow = wmma::fragment<wmma::matrix_b, 16, 16, 16, bfloat, wmma::row_major>;
-using FragBCol = wmma::fragment<wmma::matrix_b, 16, 16, 16, bfloat, wmma::col_major>;
 using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
 __device__ inline float widen(float x) { return x; }
@@ -51,40 +50,38 @@ __device__ inline void load_rows(bfloat* dst, const S* src, int64_t row0, int va
   }
 }
 
-// A warp's 16×64 fp32 tile out[r][n] = Σ_d a[r][d]·b[n][d]: a [16][HS] rows, b [64][HS] rows (read
-// transposed), both bf16 with row stride HS; out's row stride 64.
-template <int HS>
-__device__ inline void rows_times_rows_t(float* out, const bfloat* a, const bfloat* b) {
-  for (int n = 0; n < kRows / 16; ++n) {
+// A warp's 16×N fp32 tile c (row stride ldc) = a·b, or c + a·b: a [16][K] bf16 rows (stride lda);
+// b [K][N] stored row-major (Layout row_major) or as the rows of its transpose [N][K] (col_major),
+// row stride ldb.
+template <int N, int K, typename Layout, bool Accumulate>
+__device__ inline void warp_product(float* c, int ldc, const bfloat* a, int lda, const bfloat* b, int ldb) {
+  constexpr bool row_major = std::is_same<Layout, wmma::row_major>::value;
+  for (int n = 0; n < N / 16; ++n) {
     FragAcc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (int k = 0; k < HS / 16; ++k) {
+    if constexpr (Accumulate) wmma::load_matrix_sync(acc, c + n * 16, ldc, wmma::mem_row_major);
+    else wmma::fill_fragment(acc, 0.0f);
+    for (int k = 0; k < K / 16; ++k) {
       FragA fa;
-      FragBCol fb;
-      wmma::load_matrix_sync(fa, a + k * 16, HS);
-      wmma::load_matrix_sync(fb, b + n * 16 * HS + k * 16, HS);
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bfloat, Layout> fb;
+      wmma::load_matrix_sync(fa, a + k * 16, lda);
+      wmma::load_matrix_sync(fb, row_major ? b + k * 16 * ldb + n * 16 : b + n * 16 * ldb + k * 16, ldb);
       wmma::mma_sync(acc, fa, fb, acc);
     }
-    wmma::store_matrix_sync(out + n * 16, acc, kRows, wmma::mem_row_major);
+    wmma::store_matrix_sync(c + n * 16, acc, ldc, wmma::mem_row_major);
   }
 }
 
-// A warp's 16×HS fp32 accumulator acc[r][d] += Σ_j p[r][j]·b[j][d]: p [16][64] bf16 (stride 64),
-// b [64][HS] bf16 rows, acc's row stride HS.
+// out[r][n] = Σ_d a[r][d]·b[n][d] over a warp's 16 rows and a block's 64: a [16][HS], b [64][HS]
+// (read transposed), out's row stride 64.
+template <int HS>
+__device__ inline void rows_times_rows_t(float* out, const bfloat* a, const bfloat* b) {
+  warp_product<kRows, HS, wmma::col_major, false>(out, kRows, a, HS, b, HS);
+}
+
+// acc[r][d] += Σ_j p[r][j]·b[j][d]: p a warp's [16][64] tile, b [64][HS] rows, acc's row stride HS.
 template <int HS>
 __device__ inline void accumulate_tile_times_rows(float* acc, const bfloat* p, const bfloat* b) {
-  for (int n = 0; n < HS / 16; ++n) {
-    FragAcc c;
-    wmma::load_matrix_sync(c, acc + n * 16, HS, wmma::mem_row_major);
-    for (int k = 0; k < kRows / 16; ++k) {
-      FragA fa;
-      FragBRow fb;
-      wmma::load_matrix_sync(fa, p + k * 16, kRows);
-      wmma::load_matrix_sync(fb, b + k * 16 * HS + n * 16, HS);
-      wmma::mma_sync(c, fa, fb, c);
-    }
-    wmma::store_matrix_sync(acc + n * 16, c, HS, wmma::mem_row_major);
-  }
+  warp_product<HS, kRows, wmma::row_major, true>(acc, HS, p, kRows, b, HS);
 }
 
 template <int HS>

@@ -114,7 +114,7 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   const int64_t t = part_.tp_size, B = B_, T = T_, C = shape_.n_embd, BT = B * T, Ns = Ns_, H = Hl_,
                 Hkv = f.num_key_value_heads / t, d = f.head_dim, I = widths_.act;
   const BlockWidths& w = widths_;
-  const bool tp = t > 1, sp = tp_.sequence_parallel;
+  const bool sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
   const bool input = part != BackwardPart::Weight, weights = part != BackwardPart::Input;
   const bool keep = part == BackwardPart::Input;
