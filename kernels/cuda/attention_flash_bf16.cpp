@@ -177,6 +177,30 @@ constexpr size_t backward_smem() {
          2 * kRows * HS * sizeof(float) + 2 * kRows * sizeof(float);
 }
 
+// The backward kernels' shared memory as backward_smem() sizes it: four bf16 operand blocks
+// [64][HS], the fp32 tiles S and dP and the bf16 tiles P and dS [64][64] (a warp's 16 rows each),
+// two fp32 accumulators [64][HS], and L and D of the 64 query rows in play.
+template <int HS>
+struct BackwardSmem {
+  bfloat* operand[4];
+  float *s, *dp;
+  bfloat *p, *ds;
+  float* acc[2];
+  float *l, *d;
+  __device__ explicit BackwardSmem(unsigned char* base) {
+    bfloat* b = reinterpret_cast<bfloat*>(base);
+    for (int i = 0; i < 4; ++i) operand[i] = b + i * kRows * HS;
+    s = reinterpret_cast<float*>(b + 4 * kRows * HS);
+    dp = s + kRows * kRows;
+    p = reinterpret_cast<bfloat*>(dp + kRows * kRows);
+    ds = p + kRows * kRows;
+    acc[0] = reinterpret_cast<float*>(ds + kRows * kRows);
+    acc[1] = acc[0] + kRows * HS;
+    l = acc[1] + kRows * HS;
+    d = l + kRows;
+  }
+};
+
 // The tile of a warp's 16 rows once the fp32 tiles s (scores) and dp are in place: p = exp(s·scale
 // − L) where `keep`, dS = p∘(dp − D), as bf16 in pb and dsb. For dK/dV the rows are keys and the
 // columns queries (transposed: `rows_are_keys`), for dQ the other way round.
@@ -201,18 +225,9 @@ template <int HS, typename QT>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float* dout, const QT* qkv, const float* lse,
                                                         const float* dd, int T, int H, float scale) {
   extern __shared__ __align__(128) unsigned char smem[];
-  bfloat* sk = reinterpret_cast<bfloat*>(smem);
-  bfloat* sv = sk + kRows * HS;
-  bfloat* sq = sv + kRows * HS;
-  bfloat* sdo = sq + kRows * HS;
-  float* ss = reinterpret_cast<float*>(sdo + kRows * HS);  // Sᵀ [key][query]
-  float* sdp = ss + kRows * kRows;                          // dPᵀ
-  bfloat* sp = reinterpret_cast<bfloat*>(sdp + kRows * kRows);
-  bfloat* sds = sp + kRows * kRows;
-  float* sdk = reinterpret_cast<float*>(sds + kRows * kRows);
-  float* sdv = sdk + kRows * HS;
-  float* sl = sdv + kRows * HS;
-  float* sd = sl + kRows;
+  const BackwardSmem<HS> m(smem);
+  bfloat *sk = m.operand[0], *sv = m.operand[1], *sq = m.operand[2], *sdo = m.operand[3], *sp = m.p, *sds = m.ds;
+  float *ss = m.s, *sdp = m.dp, *sdk = m.acc[0], *sdv = m.acc[1], *sl = m.l, *sd = m.d;  // S, dP transposed: [key][query]
   const int64_t C = int64_t(H) * HS, C3 = 3 * C;
   const int bh = blockIdx.y, b = bh / H, h = bh % H, k0 = blockIdx.x * kRows;
   const int64_t row0 = int64_t(b) * T;
@@ -251,17 +266,9 @@ template <int HS, typename QT>
 __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* dout, const QT* qkv, const float* lse,
                                                       const float* dd, int T, int H, float scale) {
   extern __shared__ __align__(128) unsigned char smem[];
-  bfloat* sq = reinterpret_cast<bfloat*>(smem);
-  bfloat* sdo = sq + kRows * HS;
-  bfloat* sk = sdo + kRows * HS;
-  bfloat* sv = sk + kRows * HS;
-  float* ss = reinterpret_cast<float*>(sv + kRows * HS);  // S [query][key]
-  float* sdp = ss + kRows * kRows;
-  bfloat* sp = reinterpret_cast<bfloat*>(sdp + kRows * kRows);
-  bfloat* sds = sp + kRows * kRows;
-  float* sdq = reinterpret_cast<float*>(sds + kRows * kRows);
-  float* sl = sdq + 2 * kRows * HS;  // past the unused second accumulator of the shared layout
-  float* sd = sl + kRows;
+  const BackwardSmem<HS> m(smem);
+  bfloat *sq = m.operand[0], *sdo = m.operand[1], *sk = m.operand[2], *sv = m.operand[3], *sp = m.p, *sds = m.ds;
+  float *ss = m.s, *sdp = m.dp, *sdq = m.acc[0], *sl = m.l, *sd = m.d;  // S, dP: [query][key]
   const int64_t C = int64_t(H) * HS, C3 = 3 * C;
   const int bh = blockIdx.y, b = bh / H, h = bh % H, q0 = blockIdx.x * kRows;
   const int64_t row0 = int64_t(b) * T;
