@@ -122,14 +122,19 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
     const float* srow = ss + r * kRows + half * 32;
     bfloat* prow = sp + r * kRows + half * 32;
     const int kfirst = k0 + half * 32;
+    // Column c + lane (mod 32): the lanes of a warp read 32 different shared-memory banks where
+    // the same c would put all of them on one (rows are 64 floats apart).
     float mx = -INFINITY;
-    for (int c = 0; c < 32; ++c)
+    for (int i = 0; i < 32; ++i) {
+      const int c = (i + lane) & 31;
       if (kfirst + c <= q && kfirst + c < T) mx = fmaxf(mx, srow[c]);
+    }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     const float mnew = fmaxf(m, mx);
     const float alpha = exp2f((m - mnew) * scale2);  // 0 on the first block (m = -inf)
     float sum = 0.0f;
-    for (int c = 0; c < 32; ++c) {
+    for (int i = 0; i < 32; ++i) {
+      const int c = (i + lane) & 31;
       const float p = (kfirst + c <= q && kfirst + c < T) ? exp2f((srow[c] - mnew) * scale2) : 0.0f;
       prow[c] = __float2bfloat16_rn(p);
       sum += p;
@@ -138,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
     l = l * alpha + sum;
     m = mnew;
     float* orow = so + r * HS + half * (HS / 2);
-    for (int d = 0; d < HS / 2; ++d) orow[d] *= alpha;
+    for (int i = 0; i < HS / 2; ++i) orow[(i + lane) % (HS / 2)] *= alpha;
     __syncwarp();
     accumulate_tile_times_rows<HS>(so + warp * 16 * HS, sp + warp * 16 * kRows, sv);
     __syncwarp();
@@ -209,7 +214,8 @@ __device__ inline void probabilities_and_ds(bfloat* pb, bfloat* dsb, const float
                                             const float* sd, int row_pos, int col0, int r, int half, int T,
                                             float scale) {
   const float scale2 = scale * kLog2e;
-  for (int c = half * 32; c < half * 32 + 32; ++c) {
+  for (int i = 0; i < 32; ++i) {
+    const int c = half * 32 + ((i + threadIdx.x) & 31);  // one bank per lane, as in the forward
     const int col = col0 + c;
     const int query = rows_are_keys ? col : row_pos, key = rows_are_keys ? row_pos : col;
     const int qi = rows_are_keys ? c : r;  // the query's index into sl and sd
