@@ -224,7 +224,7 @@ std::vector<Generated> generate_all(const GPT& model, ParamStore& store, const s
   const int stages = groups.pipe ? groups.pipe->size() : 1, stage = groups.pipe ? groups.pipe->rank() : 0;
   const int replicas = groups.data ? groups.data->size() : 1, replica = groups.data ? groups.data->rank() : 0;
   const int chunks = model.num_chunks();
-  const bool first_stage = stage == 0, last_stage = stage == stages - 1;
+  const bool last_stage = stage == stages - 1;
   const int before = (stage + stages - 1) % stages, after = (stage + 1) % stages;
   const int64_t P = static_cast<int64_t>(prompts.size()), C = model.shape().n_embd;
   size_t longest = 0;
