@@ -1,5 +1,6 @@
 // grad_reducer.cpp
 #include "parallel/grad_reducer.hpp"
+#include "parallel/staging.hpp"
 
 #include <algorithm>
 
@@ -73,12 +74,6 @@ GradientReducer::GradientReducer(Communicator& comm, const Partition& partition,
       bucket_(std::max<int64_t>(1, bucket_elems)), overlap_(overlap) {
   flat_buckets_ = buckets(0, n_);
   set_scaling(reduce_scaling(false, 1.0, comm.size()));
-}
-
-void GradientReducer::fit(kernels::StagingBuffer& buffer, int64_t bytes) {
-  if (static_cast<int64_t>(buffer.size()) >= bytes) return;
-  buffer = kernels::StagingBuffer();  // the old one goes before the new one arrives
-  buffer = kernels::StagingBuffer(static_cast<size_t>(bytes));
 }
 
 void GradientReducer::reserve_staging(const std::vector<std::pair<int64_t, int64_t>>& ranges, DType source) {

@@ -154,7 +154,6 @@ class GradientReducer {
   void launch(const void* src, DType src_type, const ReduceBucket& bucket, int tag);
   void complete(InFlight& f);
   void wait_slot(int slot);                 // completes the bucket in flight in `slot`, if any
-  static void fit(kernels::StagingBuffer& buffer, int64_t bytes);  // at least `bytes`, contents undefined
 
   Communicator& comm_;
   Mode mode_;

@@ -2,6 +2,7 @@
 // over the Communicator interface, so its bytes are counted and logged as every other
 // collective's, intra-node or inter-node by the group that moves them.
 #include "parallel/quantized_reduce_scatter.hpp"
+#include "parallel/staging.hpp"
 
 #include <algorithm>
 
@@ -11,12 +12,6 @@
 namespace zero3d {
 
 namespace {
-
-void fit(kernels::StagingBuffer& buffer, int64_t bytes) {
-  if (static_cast<int64_t>(buffer.size()) >= bytes) return;
-  buffer = kernels::StagingBuffer();  // the old one goes before the new one arrives
-  buffer = kernels::StagingBuffer(static_cast<size_t>(bytes));
-}
 
 uint8_t* bytes_of(kernels::StagingBuffer& b) { return reinterpret_cast<uint8_t*>(b.data()); }
 float* floats_of(kernels::StagingBuffer& b) { return reinterpret_cast<float*>(b.data()); }
