@@ -64,7 +64,13 @@ for model in gpt2_124m; do
     "$root/input/$(echo $model | tr _ -).json" --output "$out/${model}_bf16_flash" --set train_micro_batch_size_per_gpu=16 \
     --set training.steps=12 --set steps_per_print=4 --set bf16.enabled=true
 done
-step gpu_training_tests 260 zero3d_gpu_tests --gtest_filter='GpuTraining.*:GpuGenerate.*' --gtest_output="json:$out/gpu_training_tests.json"
+# ZeRO-Offload's GPU form (opt-in until this check has passed): GPT-2 124M bf16 with DeepSpeed's
+# CPU Adam over a page-locked host tier, its step time beside the device optimizer's run below.
+step gpt2_124m_bf16_offload 90 env ZERO3D_GPU_OFFLOAD=1 zero3d train "$root/input/gpt2-124m.json" \
+  --output "$out/gpt2_124m_bf16_offload" --set train_micro_batch_size_per_gpu=16 --set training.steps=8 \
+  --set steps_per_print=4 --set bf16.enabled=true --set zero_optimization.stage=2 \
+  --set zero_optimization.offload_optimizer.device=cpu
+step gpu_training_tests 320 zero3d_gpu_tests --gtest_filter='GpuTraining.*:GpuGenerate.*' --gtest_output="json:$out/gpu_training_tests.json"
 step kernels 75 zero3d_device_bench --benchmark_counters_tabular=true --benchmark_min_time=0.1 \
   --benchmark_out="$out/kernels.json"
 for model in gpt2_124m llama_125m; do

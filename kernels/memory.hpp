@@ -79,6 +79,47 @@ class DeviceBuffer {
 // device bytes on a GPU build.
 using StagingBuffer = std::conditional_t<kHostIsDevice, std::vector<char>, DeviceBuffer>;
 
+// Page-locked host memory on a GPU build (DeepSpeed's pin_memory: copies to and from the
+// device run at the link's rate, without a bounce through a driver buffer); the host's own
+// memory on a CPU build.
+#if defined(KOKKOS_ENABLE_CUDA)
+using PinnedHostSpace = Kokkos::CudaHostPinnedSpace;
+#else
+using PinnedHostSpace = Kokkos::HostSpace;
+#endif
+
+// Host bytes that model memory is copied to and from (the offload tiers, their staging):
+// page-locked when `pinned` on a GPU build. Contents start zeroed; grow() keeps none of them.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  HostBuffer(const std::string& label, size_t bytes, bool pinned) : label_(label), pinned_(pinned) { grow(bytes); }
+  char* data() const { return pinned_ ? locked_.data() : plain_.data(); }
+  size_t size() const { return pinned_ ? locked_.extent(0) : plain_.extent(0); }
+  // At least `bytes`, reallocated (contents undefined) when smaller.
+  char* grow(size_t bytes) {
+    if (bytes <= size()) return data();
+    if (pinned_) locked_ = Kokkos::View<char*, PinnedHostSpace>(label_, bytes);
+    else plain_ = Kokkos::View<char*, Kokkos::HostSpace>(label_, bytes);
+    return data();
+  }
+
+ private:
+  std::string label_ = "host_buffer";
+  bool pinned_ = false;
+  Kokkos::View<char*, Kokkos::HostSpace> plain_;
+  Kokkos::View<char*, PinnedHostSpace> locked_;
+};
+
+// Model memory [src, src + bytes) in `stage` for the host, or the memory itself where the host
+// is the device.
+inline const char* host_view_of(HostBuffer& stage, const void* src, size_t bytes) {
+  if (kHostIsDevice) return static_cast<const char*>(src);
+  char* h = stage.grow(bytes);
+  copy_to_host(h, src, bytes);
+  return h;
+}
+
 // Scratch in model memory that grows to the largest request and is then reused, so a training
 // step allocates nothing. take() may move it: a pointer is valid until the next take().
 class DeviceScratch {

@@ -43,6 +43,36 @@ void convert_any(void* dst, DType dst_type, const void* src, DType src_type, int
   });
 }
 
+void convert_serial(void* dst, DType dst_type, const void* src, DType src_type, int64_t n, float scale,
+                    bool accumulate) {
+  dispatch(dst_type, [&](auto d) {
+    using D = decltype(d);
+    dispatch(src_type, [&](auto s) {
+      using S = decltype(s);
+      D* out = static_cast<D*>(dst);
+      const S* in = static_cast<const S*>(src);
+      // convert()'s three loops, each expression as written there (its contraction decides the bits)
+      if (accumulate)
+        for (int64_t i = 0; i < n; ++i) out[i] = kernels::from_float<D>(kernels::to_float(out[i]) + kernels::to_float(in[i]) * scale);
+      else if (scale == 1.0f)
+        for (int64_t i = 0; i < n; ++i) out[i] = kernels::from_float<D>(kernels::to_float(in[i]));
+      else
+        for (int64_t i = 0; i < n; ++i) out[i] = kernels::from_float<D>(kernels::to_float(in[i]) * scale);
+      return 0;
+    });
+    return 0;
+  });
+}
+
+void convert_on_host(void* dst, DType dst_type, const void* src, DType src_type, int64_t n, float scale,
+                     bool accumulate) {
+#ifdef ZERO3D_GPU_BUILD
+  convert_serial(dst, dst_type, src, src_type, n, scale, accumulate);
+#else
+  convert_any(dst, dst_type, src, src_type, n, scale, accumulate);
+#endif
+}
+
 double sum_of_squares_any(const void* x, DType type, int64_t n) {
   return dispatch(type, [&](auto t) {
     using T = decltype(t);

@@ -35,6 +35,14 @@ class TypedBuffer {
 // dst[i] (=|+=) src[i]·scale, computed in fp32, rounded once to dst's type (RNE).
 void convert_any(void* dst, DType dst_type, const void* src, DType src_type, int64_t n, float scale = 1.0f,
                  bool accumulate = false);
+// convert_any for host memory (the offload tiers, checkpoint chunks): the same arithmetic,
+// run by the host thread. On a CPU build host memory is model memory and it is convert_any;
+// on a GPU build a kernel could not read pageable host memory.
+void convert_on_host(void* dst, DType dst_type, const void* src, DType src_type, int64_t n, float scale = 1.0f,
+                     bool accumulate = false);
+// The host loop itself, on every build (its bits are convert_any's: tested on the CPU build).
+void convert_serial(void* dst, DType dst_type, const void* src, DType src_type, int64_t n, float scale = 1.0f,
+                    bool accumulate = false);
 // Σ x² in fp64 (inf/NaN propagate).
 double sum_of_squares_any(const void* x, DType type, int64_t n);
 void zero_any(void* x, DType type, int64_t n);

@@ -9,6 +9,7 @@
 #include "parallel/pipe_schedule.hpp"
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -729,9 +730,15 @@ std::vector<std::pair<std::string, std::string>> gpu_build_problems(const Config
     p.emplace_back("model.moe.num_experts", "Mixture of Experts" + not_yet + " (its routing tables live in host memory)");
   if (c.model.sparse_attention.enabled)
     p.emplace_back("sparse_attention", "block-sparse attention" + not_yet + " (its panels are host products)");
-  if (c.zero.offload_optimizer.device != OffloadDevice::None)
+  // ZeRO-Offload of the optimizer state has its GPU form (host tiers page-locked per pin_memory,
+  // the CPU optimizer on host copies of each sub-group) but no device run has checked it yet:
+  // it runs when asked for by name, as the fused CUDA attention does.
+  const char* offload_opt_in = std::getenv("ZERO3D_GPU_OFFLOAD");
+  if (c.zero.offload_optimizer.device != OffloadDevice::None &&
+      (offload_opt_in == nullptr || std::string(offload_opt_in) != "1"))
     p.emplace_back("zero_optimization.offload_optimizer.device",
-                   "ZeRO-Offload" + not_yet + " (its host and NVMe tiers need pinned copies to and from the device)");
+                   "ZeRO-Offload has not yet run on a GPU: its GPU form is built but unchecked on a device; set "
+                   "ZERO3D_GPU_OFFLOAD=1 in the environment to run it");
   if (c.zero.offload_param.device != OffloadDevice::None)
     p.emplace_back("zero_optimization.offload_param.device", "parameter offload" + not_yet);
   return p;

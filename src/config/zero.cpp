@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "config/section.hpp"
+#include "kernels/device.hpp"
 #include "parallel/grad_reducer.hpp"
 
 namespace zero3d::config_detail {
@@ -72,7 +73,8 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
     o.nvme_path = offload_nvme_path(off, o.device);
     o.buffer_count = off.integer("buffer_count", 4, 1, 1 << 20);
     o.pin_memory = off.boolean("pin_memory", old_opt ? old_pin : true);
-    if (off.has("pin_memory")) off.note(pin_memory_note(off, o.pin_memory));
+    // (a GPU build page-locks the host tier and its staging when it is true)
+    if (off.has("pin_memory") && !kernels::kGpuBuild) off.note(pin_memory_note(off, o.pin_memory));
     o.pipeline_read = off.boolean("pipeline_read", false);
     o.pipeline_write = off.boolean("pipeline_write", false);
     o.fast_init = off.boolean("fast_init", false);

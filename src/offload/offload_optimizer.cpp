@@ -24,7 +24,9 @@ const char* kNvmeKey = "zero_optimization.offload_optimizer.nvme_path";
 OffloadedOptimizer::OffloadedOptimizer(const OffloadOptimizerConfig& off, const AioConfig& aio,
                                        const OptimizerConfig& opt, int64_t numel, int64_t sub_group_size,
                                        bool hold_master, const std::string& swap_dir, DType state_type)
-    : off_(off), opt_(opt), numel_(numel), master_(hold_master), dir_(swap_dir) {
+    : off_(off), opt_(opt), numel_(numel), master_(hold_master),
+      grad_stage_("offload_grad_stage", 0, off.pin_memory), param_stage_("offload_param_stage", 0, off.pin_memory),
+      dir_(swap_dir) {
   if (opt.type != OptimizerType::Adam && opt.type != OptimizerType::Lion && opt.type != OptimizerType::Adagrad)
     throw std::logic_error("offloaded optimizer state is updated by DeepSpeed's CPU Adam, Lion or Adagrad only");
   if (hold_master) {
@@ -45,7 +47,8 @@ OffloadedOptimizer::OffloadedOptimizer(const OffloadOptimizerConfig& off, const 
   cut_elems_ = cut_ < g ? groups_[static_cast<size_t>(cut_)].begin : numel;
   for (int s = 0; s < states(); ++s) device_.emplace_back("resident_" + names_[s], types_[s], cut_elems_);
   if (off_.device == OffloadDevice::Cpu) {
-    for (int s = 0; s < states(); ++s) host_.emplace_back("host_" + names_[s], (numel - cut_elems_) * esize(s));
+    for (int s = 0; s < states(); ++s)
+      host_.emplace_back("host_" + names_[s], static_cast<size_t>((numel - cut_elems_) * esize(s)), off_.pin_memory);
     return;
   }
   // device nvme: one file per state and offloaded sub-group, space reserved up front
@@ -131,8 +134,20 @@ void OffloadedOptimizer::update(int64_t k, char* const* st, const ParamAccess& p
   std::vector<TypedSpan> moments;
   for (int s = master_ ? 1 : 0; s < states(); ++s) moments.push_back({st[s], types_[static_cast<size_t>(s)]});
   const char* g = static_cast<const char*>(grads) + gr.begin * static_cast<int64_t>(dtype_size(grad_type));
-  updater_.run(step_, p, g, grad_type, grad_mul, moments, gr.n, on_host);
-  params.release(gr.begin, gr.n, p);
+  // The CPU optimizer reads host memory: on a GPU build the sub-group's gradients come over first
+  // (DeepSpeed's D2H of the gradient partition, stage3.py), and parameters held in device memory
+  // go there and back around the update.
+  const size_t param_bytes = static_cast<size_t>(gr.n) * dtype_size(p.type);
+  const bool stage_params = on_host && !master_ && params.in_model_memory && !kernels::kHostIsDevice;
+  TypedSpan updated = p;
+  if (on_host) g = kernels::host_view_of(grad_stage_, g, static_cast<size_t>(gr.n) * dtype_size(grad_type));
+  if (stage_params) updated.data = const_cast<char*>(kernels::host_view_of(param_stage_, p.data, param_bytes));
+  updater_.run(step_, updated, g, grad_type, grad_mul, moments, gr.n, on_host);
+  if (stage_params) kernels::copy_to_device(p.data, updated.data, param_bytes);
+  // release() takes the fp32 master copy in host memory: the device tier's goes through a host copy
+  if (master_ && !on_host && !kernels::kHostIsDevice)
+    updated.data = const_cast<char*>(kernels::host_view_of(param_stage_, p.data, param_bytes));
+  params.release(gr.begin, gr.n, master_ ? updated : p);
 }
 
 void OffloadedOptimizer::start_read(Slot& slot, int64_t k) {
@@ -204,6 +219,18 @@ void OffloadedOptimizer::file_access(int s, int64_t k, int64_t a, int64_t b, con
             (b - gr.begin) * esize(s), gr.n * esize(s), use, write_back);
 }
 
+void OffloadedOptimizer::on_host(int s, int64_t k, int64_t a, int64_t b, const std::function<void(char*)>& use,
+                                 bool write_back) {
+  if (k >= cut_ && off_.device == OffloadDevice::Nvme) return file_access(s, k, a, b, use, write_back);
+  char* at = resident(s, a);
+  if (k >= cut_ || kernels::kHostIsDevice) return use(at);
+  const size_t bytes = static_cast<size_t>((b - a) * esize(s));
+  char* copy = const_cast<char*>(kernels::host_view_of(param_stage_, at, bytes));
+  use(copy);
+  if (write_back) kernels::copy_to_device(at, copy, bytes);
+}
+
+// (out and in are host memory: the checkpoint's chunks)
 void OffloadedOptimizer::read(const std::string& state, int64_t begin, int64_t n, float* out) {
   const int s = state_at(state);
   const DType type = types_[static_cast<size_t>(s)];
@@ -211,8 +238,7 @@ void OffloadedOptimizer::read(const std::string& state, int64_t begin, int64_t n
     const Group& gr = groups_[static_cast<size_t>(k)];
     const int64_t a = std::max(begin, gr.begin), b = std::min(begin + n, gr.begin + gr.n);
     if (a >= b) continue;
-    if (off_.device == OffloadDevice::Cpu || k < cut_) convert_any(out + (a - begin), DType::F32, resident(s, a), type, b - a);
-    else file_access(s, k, a, b, [&](char* at) { convert_any(out + (a - begin), DType::F32, at, type, b - a); }, false);
+    on_host(s, k, a, b, [&](char* at) { convert_on_host(out + (a - begin), DType::F32, at, type, b - a); }, false);
   }
 }
 
@@ -223,8 +249,7 @@ void OffloadedOptimizer::write(const std::string& state, int64_t begin, int64_t 
     const Group& gr = groups_[static_cast<size_t>(k)];
     const int64_t a = std::max(begin, gr.begin), b = std::min(begin + n, gr.begin + gr.n);
     if (a >= b) continue;
-    if (off_.device == OffloadDevice::Cpu || k < cut_) convert_any(resident(s, a), type, in + (a - begin), DType::F32, b - a);
-    else file_access(s, k, a, b, [&](char* at) { convert_any(at, type, in + (a - begin), DType::F32, b - a); }, true);
+    on_host(s, k, a, b, [&](char* at) { convert_on_host(at, type, in + (a - begin), DType::F32, b - a); }, true);
   }
 }
 

@@ -25,6 +25,7 @@
 
 #include "base/dtype.hpp"
 #include "config/config.hpp"
+#include "kernels/memory.hpp"
 #include "kernels/typed.hpp"
 #include "model/buffer.hpp"
 #include "offload/aio.hpp"
@@ -46,8 +47,12 @@ struct ParamAccess {
   // The parameters to update in place: fp32, or bf16 master weights (bf16_master_weights_and_grads);
   // {nullptr} when the master copy is held by the optimizer.
   std::function<TypedSpan(int64_t begin, int64_t n)> acquire;
-  // After the update: the updated values (the fp32 master copy, or what acquire() gave).
+  // After the update: the updated values (the fp32 master copy, in host memory, or what
+  // acquire() gave).
   std::function<void(int64_t begin, int64_t n, TypedSpan updated)> release;
+  // Whether acquire() gives model memory (device memory on a GPU build, where the CPU optimizer
+  // updates a host copy) rather than host memory (parameters read from their swap files).
+  bool in_model_memory = true;
 };
 
 class OffloadedOptimizer {
@@ -83,7 +88,6 @@ class OffloadedOptimizer {
   const std::vector<std::string>& swap_files() const { return paths_; }
 
  private:
-  using HostBuffer = Kokkos::View<char*, Kokkos::HostSpace>;
   struct Group {
     int64_t begin, n;
   };
@@ -96,6 +100,10 @@ class OffloadedOptimizer {
   int state_at(const std::string& name) const;
   int64_t esize(int s) const { return static_cast<int64_t>(dtype_size(types_[static_cast<size_t>(s)])); }
   char* resident(int s, int64_t begin);  // device tier (k < cut) or host tier (device cpu)
+  // Elements [a, b) of state s in sub-group k as host memory for use(): the host tier or a swap
+  // buffer where they lie, a host copy of the device tier's on a GPU build (written back after
+  // use() when write_back).
+  void on_host(int s, int64_t k, int64_t a, int64_t b, const std::function<void(char*)>& use, bool write_back);
   void update(int64_t k, char* const* state, const ParamAccess& params, const void* grads, DType grad_type,
               float grad_mul, bool on_host);
   void start_read(Slot& slot, int64_t k);
@@ -115,7 +123,10 @@ class OffloadedOptimizer {
   std::vector<Group> groups_;
   int64_t cut_ = 0, cut_elems_ = 0;  // sub-groups (elements) kept in device memory
   std::vector<TypedBuffer> device_;  // per state, the resident sub-groups
-  std::vector<HostBuffer> host_;     // per state, the offloaded sub-groups (device cpu)
+  std::vector<kernels::HostBuffer> host_;  // per state, the offloaded sub-groups (device cpu), pinned per pin_memory
+  // A GPU build's CPU optimizer works on host copies of a sub-group's gradients and of
+  // parameters held in device memory; checkpoints read the device tier through them too.
+  kernels::HostBuffer grad_stage_, param_stage_;
   // device nvme
   std::string dir_;
   std::unique_ptr<AioEngine> aio_;

@@ -114,18 +114,22 @@ void ElementwiseUpdater::run(const ElementwiseStep& s, TypedSpan params, const v
   const int64_t chunk = (all_fp32 && !rounded.data) || (kernels::kGpuBuild && scratch_free) ? std::max<int64_t>(n, 1)
                         : kernels::kGpuBuild                                                ? kDeviceChunk
                                                                                             : kChunk;
+  // The host's step (the CPU optimizers over an offload tier) converts on the host thread.
+  auto convert = [on_host](void* dst, DType dt, const void* src, DType st, int64_t c, float mul = 1.0f) {
+    if (on_host) convert_on_host(dst, dt, src, st, c, mul);
+    else convert_any(dst, dt, src, st, c, mul);
+  };
   // Elements [a, a + c) of an array as fp32: the array itself, or a widened copy in `scratch`.
   auto fp32 = [&](TypedSpan t, int64_t a, int64_t c, WidenScratch& scratch, float mul = 1.0f) -> float* {
     char* at = static_cast<char*>(t.data) + a * static_cast<int64_t>(dtype_size(t.type));
     if (t.type == DType::F32 && mul == 1.0f) return reinterpret_cast<float*>(at);
     float* widened = scratch.take(c, on_host);
-    convert_any(widened, DType::F32, at, t.type, c, mul);
+    convert(widened, DType::F32, at, t.type, c, mul);
     return widened;
   };
   auto narrow = [&](TypedSpan t, int64_t a, int64_t c, const float* values) {
     if (t.type == DType::F32) return;  // updated where it lies
-    convert_any(static_cast<char*>(t.data) + a * static_cast<int64_t>(dtype_size(t.type)), t.type, values,
-                DType::F32, c);
+    convert(static_cast<char*>(t.data) + a * static_cast<int64_t>(dtype_size(t.type)), t.type, values, DType::F32, c);
   };
   for (int64_t a = 0; a < n; a += chunk) {
     const int64_t c = std::min(chunk, n - a);
@@ -143,8 +147,8 @@ void ElementwiseUpdater::run(const ElementwiseStep& s, TypedSpan params, const v
     narrow(params, a, c, p);
     for (size_t k = 0; k < states.size(); ++k) narrow(states[k], a, c, st[k]);
     if (rounded.data && a < rounded_n)
-      convert_any(static_cast<char*>(rounded.data) + a * static_cast<int64_t>(dtype_size(rounded.type)), rounded.type,
-                  p, DType::F32, std::min(c, rounded_n - a));
+      convert(static_cast<char*>(rounded.data) + a * static_cast<int64_t>(dtype_size(rounded.type)), rounded.type, p,
+              DType::F32, std::min(c, rounded_n - a));
   }
 }
 

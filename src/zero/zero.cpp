@@ -491,6 +491,7 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
       if (mixed_) cast_range_to_params(begin, n, static_cast<const float*>(updated.data));
       else if (param_swap_) write_params(begin, n, updated.data);
     };
+    params.in_model_memory = !param_swap_;
     offloaded_->step(params, grad_partition(), types_.grad, mul, lr, betas);
     if (stage_ == 1 || stage_ == 2) gather_updated_params();
     drop_gathered_params();

@@ -1,9 +1,11 @@
 // test_config.cpp — validation messages and DeepSpeed's batch-triad derivation (FACTS §1.2).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include "base/errors.hpp"
 #include "config/config.hpp"
@@ -464,4 +466,27 @@ TEST(GpuBuild, WhatItDoesNotRunYetIsNamedByKey) {
   layout["pipeline"] = {{"stages", 2}};
   layout["tensor_parallel"] = {{"autotp_size", 2}};
   EXPECT_TRUE(gpu_build_problems(read_config(layout, "c.json", 8), 8).empty());
+}
+
+// ZeRO-Offload of the optimizer has a GPU form that no device has run yet: it runs when asked
+// for by name (ZERO3D_GPU_OFFLOAD=1); parameter offload stays refused.
+TEST(GpuBuild, OffloadOfTheOptimizerRunsWhenAskedForByName) {
+  json j = minimal();
+  j["zero_optimization"] = {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}};
+  const Config c = read_config(j, "c.json", 2);
+  const auto keys = [&] {
+    std::set<std::string> k;
+    for (const auto& [key, why] : gpu_build_problems(c, 2)) k.insert(key);
+    return k;
+  };
+  ASSERT_EQ(::setenv("ZERO3D_GPU_OFFLOAD", "1", 1), 0);
+  EXPECT_TRUE(keys().empty());
+  j["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
+  const Config with_params = read_config(j, "c.json", 2);
+  std::set<std::string> refused;
+  for (const auto& [key, why] : gpu_build_problems(with_params, 2)) refused.insert(key);
+  EXPECT_EQ(refused, std::set<std::string>{"zero_optimization.offload_param.device"});
+  ASSERT_EQ(::setenv("ZERO3D_GPU_OFFLOAD", "0", 1), 0);
+  EXPECT_EQ(keys(), std::set<std::string>{"zero_optimization.offload_optimizer.device"});
+  ::unsetenv("ZERO3D_GPU_OFFLOAD");
 }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/cli_helpers.hpp"
@@ -95,6 +96,32 @@ TEST(GpuTraining, TwoRanksSharingOneGpuTrainTheLlamaFamilyAsOneRank) {
     const std::vector<double> two = train_losses("llama-tiny", layout, 2, temp_path("llama_np2"));
     expect_losses_close(two, one, 1e-5, "llama np 2 " + layout);
   }
+}
+
+// ZeRO-Offload (asked for by name: ZERO3D_GPU_OFFLOAD=1): DeepSpeed's CPU Adam over host tiers,
+// page-locked or not, partly resident (ratio) or on NVMe, trains the device optimizer's losses.
+TEST(GpuTraining, ZeroOffloadTrainsTheLossesOfTheDeviceOptimizer) {
+  ASSERT_EQ(::setenv("ZERO3D_GPU_OFFLOAD", "1", 1), 0);
+  const std::string cpu = " --set zero_optimization.offload_optimizer.device=cpu";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"--set zero_optimization.stage=2",
+       {cpu, cpu + " --set zero_optimization.offload_optimizer.pin_memory=false",
+        cpu + " --set zero_optimization.offload_optimizer.ratio=0.5 --set zero_optimization.sub_group_size=20000",
+        " --set zero_optimization.offload_optimizer.device=nvme --set zero_optimization.offload_optimizer.nvme_path=" +
+            temp_path("offload_swap_fp32")}},
+      {"--set zero_optimization.stage=3 --set bf16.enabled=true",
+       {cpu, " --set zero_optimization.offload_optimizer.device=nvme --set zero_optimization.offload_optimizer.nvme_path=" +
+                 temp_path("offload_swap_bf16")}}};
+  int run_id = 0;
+  for (const auto& [base, tiers] : cases) {
+    const std::vector<double> want = train_losses("quickstart", base, 1, temp_path("offload_none_" + std::to_string(run_id++)));
+    ASSERT_FALSE(want.empty());
+    for (const std::string& tier : tiers) {
+      const std::vector<double> got = train_losses("quickstart", base + tier, 1, temp_path("offload_" + std::to_string(run_id++)));
+      expect_losses_close(got, want, 1e-5, base + tier);
+    }
+  }
+  ::unsetenv("ZERO3D_GPU_OFFLOAD");
 }
 
 // A checkpoint written by the GPU build at step 5 resumes on the CPU build (ZERO3D_CPU_EXE):

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -14,7 +15,9 @@
 
 #include "base/errors.hpp"
 #include "config/config.hpp"
+#include "kernels/memory.hpp"
 #include "kernels/optimizers.hpp"
+#include "kernels/typed.hpp"
 #include "offload/aio.hpp"
 #include "offload/offload_optimizer.hpp"
 #include "offload/param_swapper.hpp"
@@ -624,6 +627,47 @@ TEST(OffloadedOptimizer, RangesAcrossSubGroupsReadAndWriteLikeOneBuffer) {
   EXPECT_EQ(got[15], values[705]);
   a.read("exp_avg_sq", 4000, 10, got.data());  // never written: zeros
   EXPECT_EQ(got[0], 0.0f);
+}
+
+// The host tier is converted by the host thread (convert_on_host; on a GPU build a kernel could
+// not read pageable host memory): the host loop gives convert_any's bits for every type pair,
+// scale and accumulation, including values that round to even, overflow fp16 and are subnormal.
+TEST(HostConversion, TheHostLoopGivesConvertAnysBitsForEveryTypePair) {
+  const int64_t n = 4099;  // a tail after every vector width
+  std::vector<float> source = random_values(n, 21);
+  const float edges[] = {0.0f, -0.0f, 1.00390625f, 1.01171875f, 65504.0f, 70000.0f, -1e-40f, 6e-8f, 3e38f, 1e-30f};
+  for (size_t i = 0; i < std::size(edges); ++i) source[i] = edges[i];
+  const DType types[] = {DType::F32, DType::BF16, DType::F16};
+  for (DType from : types)
+    for (DType to : types)
+      for (float scale : {1.0f, 0.37f})
+        for (bool accumulate : {false, true}) {
+          std::vector<char> src(n * dtype_size(from)), a(n * dtype_size(to)), b(n * dtype_size(to));
+          convert_any(src.data(), from, source.data(), DType::F32, n);
+          convert_any(a.data(), to, source.data(), DType::F32, n, 0.5f);  // a non-zero start to accumulate onto
+          b = a;
+          convert_any(a.data(), to, src.data(), from, n, scale, accumulate);
+          convert_serial(b.data(), to, src.data(), from, n, scale, accumulate);
+          EXPECT_EQ(a, b) << dtype_name(from) << " -> " << dtype_name(to) << " scale " << scale
+                          << (accumulate ? " accumulating" : "");
+        }
+}
+
+// The host tier's memory: zeroed, grown on demand (page-locked on a GPU build when asked).
+TEST(HostBuffer, StartsZeroedAndGrowsToTheLargestRequest) {
+  for (bool pinned : {false, true}) {
+    kernels::HostBuffer b("test_host_buffer", 64, pinned);
+    ASSERT_NE(b.data(), nullptr);
+    EXPECT_EQ(b.size(), 64u);
+    EXPECT_EQ(std::count(b.data(), b.data() + 64, 0), 64);
+    char* same = b.grow(32);
+    EXPECT_EQ(same, b.data());
+    EXPECT_EQ(b.size(), 64u);
+    b.grow(4096);
+    EXPECT_EQ(b.size(), 4096u);
+    std::vector<char> host(100, 7);
+    EXPECT_EQ(kernels::host_view_of(b, host.data(), 100)[99], 7);  // model memory is host memory here
+  }
 }
 
 // ---- the parameter tier ----------------------------------------------------------------
