@@ -73,7 +73,8 @@ class OffloadedOptimizer {
   int64_t step_count() const { return step_count_; }
   void set_step_count(int64_t n) { step_count_ = n; }
 
-  // "master" (when held), then the optimizer's states; read/write any range of one state in fp32.
+  // "master" (when held), then the optimizer's states; read/write any range of one state in fp32,
+  // from and into host memory.
   std::vector<std::string> state_names() const;
   std::vector<std::string> optimizer_states() const;  // without "master"
   void read(const std::string& state, int64_t begin, int64_t n, float* out);

@@ -568,11 +568,22 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
     ckpt_staging_.push_back(make_flat_buffer("checkpoint_staging", n));
     return ckpt_staging_.back().data();
   };
+  // The offload tiers are read by the host thread (OffloadedOptimizer::read): through host memory
+  // into the staging, where model memory is not host memory.
+  auto offloaded = [&](const std::string& state) {
+    float* s = staging();
+    if constexpr (kernels::kHostIsDevice) {
+      offloaded_->read(state, b - pb, n, s);
+    } else {
+      std::vector<float> host(static_cast<size_t>(n));
+      offloaded_->read(state, b - pb, n, host.data());
+      kernels::copy_to_device(s, host.data(), host.size() * sizeof(float));
+    }
+    return s;
+  };
   std::vector<std::pair<std::string, const float*>> arrays;
   if (mixed_ && offloaded_) {
-    float* s = staging();
-    offloaded_->read("master", b - pb, n, s);
-    arrays.emplace_back("params", s);
+    arrays.emplace_back("params", offloaded("master"));
   } else if (mixed_) {
     arrays.emplace_back("params", master_.data() + at);
   } else if (param_swap_) {  // the partition lies in its swap files (host memory; CPU build)
@@ -589,11 +600,7 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
     arrays.emplace_back("params", params_.as<float>() + (stage_ == 3 ? b - pb : b));
   }
   if (offloaded_) {
-    for (const std::string& state : offloaded_->optimizer_states()) {
-      float* s = staging();
-      offloaded_->read(state, b - pb, n, s);
-      arrays.emplace_back(state, s);
-    }
+    for (const std::string& state : offloaded_->optimizer_states()) arrays.emplace_back(state, offloaded(state));
     return arrays;
   }
   const auto names = optimizer_->state_names();
