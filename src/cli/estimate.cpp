@@ -102,8 +102,8 @@ void print_comm_volumes(const std::vector<CommVolume>& volumes, int64_t per_node
     std::printf("(the tensor axis counts the exchanges the data cannot change only: %s)\n",
                 volumes.front().activations_not_predicted.c_str());
   if (!volumes.front().expert_not_predicted.empty())
-    std::printf("(%s; at most %s per step)\n", volumes.front().expert_not_predicted.c_str(),
-                mib(volumes.front().expert_bound).c_str());
+    std::printf("(%s; at most %.1f MiB per step)\n", volumes.front().expert_not_predicted.c_str(),
+                volumes.front().expert_bound / 1048576.0);
   if (compressed)
     std::printf("1-bit optimizer past its freeze (stage 0): intra-node %s, inter-node %s per step\n",
                 mib(compressed->intra_node()).c_str(), mib(compressed->inter_node()).c_str());

@@ -358,7 +358,8 @@ std::vector<GroupBytes> expert_groups(const Config& cfg, const Placement& at, co
                 (moe.drop_tokens ? "" : " and the capacity") + " only";
       per_block.calls += 4;
     }
-    if (cfg.pld.enabled) why_not = "progressive layer drop skips the dropped blocks' all-to-alls";
+    if (cfg.pld.enabled)  // the count then takes every block as kept: at most what the run moves
+      why_not += std::string(why_not.empty() ? "" : "; ") + "progressive layer drop skips the dropped blocks' all-to-alls";
     expert.add(micro * moe_blocks * per_block.bytes, micro * moe_blocks * per_block.calls);
     if (!why_not.empty()) bound = expert.bytes + (fixed >= 0 ? 0 : micro * moe_blocks * rows_bytes);
   }
