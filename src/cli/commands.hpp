@@ -36,7 +36,7 @@ struct EstimateArgs {
   std::string model, report, memory_per_rank;
   ConfigArgs config;
   int64_t world_size = 1;
-  int64_t ranks_per_node = 0;  // --config: nodes of this many ranks for the bytes by link (0: one node)
+  int64_t ranks_per_node = 0;  // --config: nodes of this many ranks for the bytes by link and qgZ (0: one node)
   int64_t step = 1;            // --config: the optimizer step whose bytes are reported (its phase's)
   std::string step_range;      // --config: FIRST-LAST, the steps averaged (default 1 to training.steps)
   bool json = false;

@@ -99,7 +99,11 @@ void print_comm_volumes(const std::vector<CommVolume>& volumes, int64_t per_node
     row(("  " + axis).c_str(), bytes);
   }
   if (!volumes.front().activations_not_predicted.empty())
-    std::printf("(the tensor axis counts the dense blocks only: %s)\n", volumes.front().activations_not_predicted.c_str());
+    std::printf("(the tensor axis counts the exchanges the data cannot change only: %s)\n",
+                volumes.front().activations_not_predicted.c_str());
+  if (!volumes.front().expert_not_predicted.empty())
+    std::printf("(%s; at most %.1f MiB per step)\n", volumes.front().expert_not_predicted.c_str(),
+                volumes.front().expert_bound / 1048576.0);
   if (compressed)
     std::printf("1-bit optimizer past its freeze (stage 0): intra-node %s, inter-node %s per step\n",
                 mib(compressed->intra_node()).c_str(), mib(compressed->inter_node()).c_str());
@@ -162,8 +166,10 @@ int cmd_estimate(EstimateArgs a, int rank) {
   if (a.config.path.empty()) throw InputError("estimate: give zero2/zero3 with --params, or --config CONFIG");
   std::string name;
   const Config cfg = resolve_config(load_with_overrides(a.config, name), name, a.world_size, set_keys(a.config));
+  // Nodes of --ranks-per-node ranks (default: every rank on one node): the bytes by link, and qgZ's staging.
+  const int64_t per_node = a.ranks_per_node > 0 ? a.ranks_per_node : a.world_size;
   std::vector<MemoryBudget> budgets;
-  for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage));
+  for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage, per_node));
   int64_t limit = 0;
   std::vector<FitAnswer> fits;  // --memory-per-rank: what fits at each ZeRO stage
   if (a.has("--memory-per-rank")) {  // given empty is a bad size, not an absent option
@@ -183,7 +189,6 @@ int cmd_estimate(EstimateArgs a, int rank) {
                         {"budgets", nlohmann::json::array()}};
   for (const auto& b : budgets) doc["budgets"].push_back(b.to_json());
   // Bytes per step by link (comm_volume.hpp): every ZeRO stage, and a 1-bit optimizer's compressed phase.
-  const int64_t per_node = a.ranks_per_node > 0 ? a.ranks_per_node : a.world_size;
   const bool onebit = cfg.optimizer.type == OptimizerType::OneBitAdam || cfg.optimizer.type == OptimizerType::OneBitLamb;
   const auto [first_step, last_step] = step_range_of(a, cfg);
   const StepRangeVolume by_step = estimate_step_range(cfg, a.world_size, per_node, a.step, first_step, last_step);
@@ -202,7 +207,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
   doc["data_parallel_size"] = layout.data;
   doc["ranks"] = nlohmann::json::array();  // every pipeline stage's budgets (tensor rank 0 stands for its group)
   for (int stage = 0; stage <= 3; ++stage) {
-    const std::vector<MemoryBudget> per_rank = estimate_rank_budgets(cfg, a.world_size, stage);
+    const std::vector<MemoryBudget> per_rank = estimate_rank_budgets(cfg, a.world_size, stage, per_node);
     for (size_t s = 0; s < per_rank.size(); ++s) {
       if (stage == 0) doc["ranks"].push_back({{"pipe_stage", per_rank[s].pipe_stage},
                                               {"tensor_rank", per_rank[s].tensor_rank},
@@ -278,7 +283,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
       } else {
         Config one = cfg;
         one.batch.micro_batch = 1;
-        const MemoryBudget b = estimate_budget(one, a.world_size, stage);
+        const MemoryBudget b = estimate_budget(one, a.world_size, stage, per_node);
         std::printf("  stage %d: none (model states alone %.1f MiB, total at micro-batch 1 %.1f MiB)", stage,
                     b.model_states() / 1048576.0, b.total() / 1048576.0);
       }

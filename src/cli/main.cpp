@@ -192,7 +192,7 @@ int main(int argc, char** argv) {
   estimate->add_option("--memory-per-rank", est.memory_per_rank, "find the largest micro-batch that fits (e.g. 16GiB)");
   estimate->add_option("--report", est.report, "write the budget to this HDF5 file");
   estimate->add_option("--ranks-per-node", est.ranks_per_node,
-                       "ranks per node for the bytes per step by link (default: every rank on one node)")
+                       "ranks per node for the bytes per step by link and qgZ's staging (default: every rank on one node)")
       ->check(CLI::Range(int64_t(1), int64_t(kMaxRanks)));
   estimate->add_option("--step", est.step, "the optimizer step whose bytes are reported (a 1-bit optimizer's phases; "
                                           "default 1)")

@@ -137,11 +137,7 @@ void GradientReducer::launch(const void* src, DType src_type, const ReduceBucket
     convert_any(const_cast<void*>(src), src_type, src, src_type, end - begin, pre_);  // in place, as DeepSpeed's mul_
   }
   if (qgz_ && bucket.quant_group > 0) {  // qgZ: blocking, as DeepSpeed's all_to_all_quant_reduce
-    std::vector<int64_t> counts(static_cast<size_t>(comm_.size()));
-    for (int r = 0; r < comm_.size(); ++r) {
-      const auto [lo, hi] = partition_.owned(r, begin, end);
-      counts[r] = hi - lo;
-    }
+    const std::vector<int64_t> counts = partition_.counts(begin, end);
     fit(s.recv, counts[comm_.rank()] * static_cast<int64_t>(sizeof(float)));
     qgz_->reduce(static_cast<const float*>(send), counts, bucket.quant_group, reinterpret_cast<float*>(s.recv.data()));
     complete(f);
@@ -150,11 +146,7 @@ void GradientReducer::launch(const void* src, DType src_type, const ReduceBucket
   if (mode_ == Mode::AllReduce) {
     f.request = comm_.all_reduce_async(const_cast<void*>(send), end - begin, type, ReduceOp::Sum);
   } else {
-    std::vector<int64_t> counts(static_cast<size_t>(comm_.size()));
-    for (int r = 0; r < comm_.size(); ++r) {
-      const auto [lo, hi] = partition_.owned(r, begin, end);
-      counts[r] = hi - lo;
-    }
+    const std::vector<int64_t> counts = partition_.counts(begin, end);
     fit(s.recv, counts[comm_.rank()] * static_cast<int64_t>(esize));
     f.request = comm_.reduce_scatter_v_async(send, s.recv.data(), counts, type, ReduceOp::Sum);
   }

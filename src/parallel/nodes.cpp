@@ -55,6 +55,10 @@ NodeMap::NodeMap(MPI_Comm world) : world_(world) {
   nodes_ = static_cast<int>(firsts.size());
 }
 
+int NodeMap::ranks_per_node() const {
+  return static_cast<int>(std::count(node_of_.begin(), node_of_.end(), 0));
+}
+
 std::vector<int> NodeMap::nodes_of(MPI_Comm comm) const {
   MPI_Group g, w;
   int n = 0;

@@ -24,6 +24,9 @@ class NodeMap {
   int node_of(int world_rank) const { return node_of_[static_cast<size_t>(world_rank)]; }
   // The emulated ranks per node (0: real nodes from MPI_COMM_TYPE_SHARED).
   int emulated_ranks_per_node() const { return emulated_; }
+  // The ranks of the first node (nodes fill in rank order: each node's count where they are even,
+  // as qgZ requires), for the planners that place groups on nodes.
+  int ranks_per_node() const;
   // Whether every rank of `comm` (a group of world's ranks) lies on one node. Local (no messages).
   bool within_one_node(MPI_Comm comm) const;
   // Every rank's node, of the ranks of `comm` in comm's rank order. Local.

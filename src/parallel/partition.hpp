@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace zero3d {
 
@@ -25,6 +26,15 @@ struct Partition {
   std::pair<int64_t, int64_t> owned(int r, int64_t a, int64_t b) const {
     const int64_t lo = a > begin(r) ? a : begin(r), hi = b < end(r) ? b : end(r);
     return lo < hi ? std::make_pair(lo, hi) : std::make_pair(lo, lo);
+  }
+  // How many elements of [a, b) each rank owns, in rank order (a reduce-scatter's counts).
+  std::vector<int64_t> counts(int64_t a, int64_t b) const {
+    std::vector<int64_t> out(static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) {
+      const auto [lo, hi] = owned(r, a, b);
+      out[static_cast<size_t>(r)] = hi - lo;
+    }
+    return out;
   }
 };
 

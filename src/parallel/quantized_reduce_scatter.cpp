@@ -42,6 +42,34 @@ QgzBytes qgz_sent_bytes(const std::vector<int64_t>& counts, int64_t group, int n
   return out;
 }
 
+void QgzStaging::grow(const QgzStaging& o) {
+  send = std::max(send, o.send), send_scales = std::max(send_scales, o.send_scales);
+  recv = std::max(recv, o.recv), recv_scales = std::max(recv_scales, o.recv_scales);
+  sum = std::max(sum, o.sum), copy = std::max(copy, o.copy);
+}
+
+QgzStaging qgz_staging(const std::vector<QgzBlock>& blocks, int nodes, int per_node, int d) {
+  const int k = per_node, node = d / k, local = d % k;
+  const auto block = [&](int m, int l) -> const QgzBlock& { return blocks[static_cast<size_t>(m * k + l)]; };
+  // Step 1 sends every block (the whole bucket quantised); each local peer sends this rank the
+  // blocks (m, local) of every node m, and step 2 sends those sums on; step 3 receives its own
+  // block from every node.
+  int64_t values_total = 0, scales_total = 0, mine_values = 0, mine_scales = 0, sum_values = 0;
+  for (const QgzBlock& b : blocks) values_total += b.values, scales_total += b.scales;
+  for (int m = 0; m < nodes; ++m) {
+    mine_values += block(m, local).values, mine_scales += block(m, local).scales;
+    sum_values = std::max(sum_values, block(m, local).count);
+  }
+  const QgzBlock& own = block(node, local);
+  QgzStaging s;
+  s.send = std::max(values_total, mine_values);
+  s.send_scales = 4 * std::max(scales_total, mine_scales);
+  s.recv = std::max(k * mine_values, nodes * own.values);
+  s.recv_scales = 4 * std::max(k * mine_scales, nodes * own.scales);
+  s.sum = s.copy = 4 * std::max(sum_values, own.count);
+  return s;
+}
+
 void QuantizedReduceScatter::add_copy(const uint8_t* packed, const float* scales, const QgzBlock& b, int64_t group,
                                       float* sum, bool first) {
   if (first) {  // 0 + the first copy
@@ -67,24 +95,21 @@ void QuantizedReduceScatter::reduce(const float* src, const std::vector<int64_t>
   // 1. Swizzled quantisation: peer l's chunk holds the blocks (m, l) for every node m, in node
   //    order (swizzled_quantize.cu's output_partition = (p mod k)·nodes + p / k).
   std::vector<int64_t> send_values(static_cast<size_t>(k)), send_scales(static_cast<size_t>(k));
-  int64_t values_total = 0, scales_total = 0;
   for (int l = 0; l < k; ++l)
     for (int m = 0; m < nodes; ++m) {
       send_values[static_cast<size_t>(l)] += block(m, l).values;
       send_scales[static_cast<size_t>(l)] += block(m, l).scales;
     }
-  for (int l = 0; l < k; ++l) values_total += send_values[static_cast<size_t>(l)], scales_total += send_scales[static_cast<size_t>(l)];
   // What every local peer sends this rank: the blocks (m, local) of every node m.
   int64_t mine_values = 0, mine_scales = 0;
   for (int m = 0; m < nodes; ++m) mine_values += block(m, local).values, mine_scales += block(m, local).scales;
-  int64_t sum_values = 0;
-  for (int m = 0; m < nodes; ++m) sum_values = std::max(sum_values, block(m, local).count);
-  fit(send_, std::max(values_total, mine_values));
-  fit(send_scales_, 4 * std::max(scales_total, mine_scales));
-  fit(recv_, std::max(k * mine_values, nodes * block(node, local).values));
-  fit(recv_scales_, 4 * std::max(k * mine_scales, nodes * block(node, local).scales));
-  fit(sum_, 4 * std::max(sum_values, block(node, local).count));
-  fit(copy_, 4 * std::max(sum_values, block(node, local).count));
+  const QgzStaging need = qgz_staging(blocks, nodes, k, data_rank());
+  fit(send_, need.send);
+  fit(send_scales_, need.send_scales);
+  fit(recv_, need.recv);
+  fit(recv_scales_, need.recv_scales);
+  fit(sum_, need.sum);
+  fit(copy_, need.copy);
   {
     int64_t v = 0, s = 0;
     for (int l = 0; l < k; ++l)

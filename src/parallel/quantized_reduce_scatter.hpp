@@ -46,6 +46,17 @@ struct QgzBytes {
 };
 QgzBytes qgz_sent_bytes(const std::vector<int64_t>& counts, int64_t group, int nodes, int per_node, int d);
 
+// The bytes reduce() fits each staging buffer to for one bucket at data rank d (the send of
+// step 1, reused for step 2's requantised sums; the receive of both all-to-alls; the fp32 sum and
+// copy of a block). The buffers only grow, so a run holds each one's largest over its buckets:
+// the memory planner grows a QgzStaging over a step's buckets the same way.
+struct QgzStaging {
+  int64_t send = 0, send_scales = 0, recv = 0, recv_scales = 0, sum = 0, copy = 0;
+  void grow(const QgzStaging& o);
+  int64_t total() const { return send + send_scales + recv + recv_scales + sum + copy; }
+};
+QgzStaging qgz_staging(const std::vector<QgzBlock>& blocks, int nodes, int per_node, int d);
+
 class QuantizedReduceScatter {
  public:
   QuantizedReduceScatter(Communicator& intra, Communicator& inter) : intra_(intra), inter_(inter) {}

@@ -2,7 +2,9 @@
 // from the config before a run (`zero3d estimate --config`, issue 34's bytes per step by link).
 //
 // Rank 0's tensor and pipeline axes carry the activations: Megatron's all-reduces, all-gathers
-// and reduce-scatters of each micro-batch and the sends between pipeline stages.
+// and reduce-scatters of each micro-batch and the sends between pipeline stages. With MoE, the
+// expert axis carries each MoE block's token all-to-alls and the expert-data axis the experts'
+// own ZeRO traffic.
 //
 // The count is the communicator's: nccl-tests' bus bytes (all-reduce 2(W−1)/W·n, reduce-scatter
 // and all-gather (W−1)/W·n, each call rounded down), of rank 0 (pipeline stage 0, tensor rank 0),
@@ -37,9 +39,14 @@ struct GroupBytes {
 struct CommVolume {
   int stage = 0;
   std::vector<GroupBytes> groups;
-  // Set when the tensor axis's exchanges depend on the data (the reason), so its bytes are the
-  // dense blocks' only: a lower bound.
+  // Set when some of the tensor axis's exchanges depend on the data (the reason), so its bytes
+  // are the others' only: a lower bound.
   std::string activations_not_predicted;
+  // Set when the expert axis's all-to-alls carry rows that routing decides (the reason): its
+  // bytes are then the fixed exchanges only (a lower bound), and expert_bound the most the
+  // axis can move, every expert receiving all it may keep.
+  std::string expert_not_predicted;
+  int64_t expert_bound = 0;
   int64_t intra_node() const;
   int64_t inter_node() const;
   nlohmann::json to_json() const;

@@ -275,7 +275,7 @@ void Engine::print_startup() const {
     std::printf("checkpointing %s (pipeline.activation_checkpoint_interval %d)\n", how.c_str(), ac.interval);
   }
   {
-    const MemoryBudget b = estimate_budget(cfg_, world_comm_->size(), cfg_.zero.stage);
+    const MemoryBudget b = estimate_budget(cfg_, world_comm_->size(), cfg_.zero.stage, groups_.nodes().ranks_per_node());
     char tiers[128] = "";  // offload: where model states live besides device memory
     if (b.offload_host > 0 || b.offload_nvme > 0)
       std::snprintf(tiers, sizeof tiers, " (offload: %.1f MB of them in host memory, %.1f MB in swap files, not counted)",

@@ -18,6 +18,7 @@
 #include "model/model.hpp"
 #include "parallel/compressed_allreduce.hpp"
 #include "parallel/pipe_schedule.hpp"
+#include "parallel/quantized_reduce_scatter.hpp"
 #include "train/rank_plan.hpp"
 #include "zero/zero.hpp"
 
@@ -203,6 +204,8 @@ std::vector<RankPlan> plan_ranks(const Config& cfg, int64_t trace_micro_batches)
           if (p.part.first_expert_unit < 0 || u < p.part.first_expert_unit) {
             p.trace.push_back(u);
             p.trace_backward.push_back(!forward);
+          } else {
+            p.expert_trace.push_back(u - p.part.first_expert_unit);
           }
       }
   }
@@ -252,7 +255,7 @@ void add_expert_states(const Config& cfg, const RankPlan& plan, int64_t dp, Memo
   if (b.stage == 3) b.comm_gather += ps * unit;
 }
 
-MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, int stage) {
+MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, int stage, int64_t ranks_per_node = 0) {
   const ModelConfig& m = cfg.model;
   const GPTShape shape = gpt_shape_of(m);
   // The dense state; MoE experts have an optimizer of their own (add_expert_states below).
@@ -345,8 +348,18 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   // The reducer's bucket slots (one, two with overlap_comm: DeepSpeed double-buffers
   // reduce_bucket_size), sized by the buckets it cuts, as ZeroOptimizer reserves them.
   const StateTypes types = state_types_of(cfg, layout);
-  const ReduceWork work = reduce_work(b.stage, cfg.zero, types, layout, units, part);
+  const QgzPlacement qgz = qgz_placement(cfg.zero, b.stage, dp, ranks_per_node);
+  const ReduceWork work = reduce_work(b.stage, cfg.zero, types, layout, units, part, qgz.world());
   b.comm_reduce = work.staging_bytes;
+  // qgZ's own staging (QuantizedReduceScatter): each buffer grows to its largest over the
+  // quantised buckets, as qgz_staging sizes them for data rank 0.
+  if (qgz.on()) {
+    QgzStaging peak;
+    for (const ReduceBucket& k : work.buckets)
+      if (k.quant_group > 0)
+        peak.grow(qgz_staging(qgz_blocks(part.counts(k.begin, k.end), k.quant_group), qgz.nodes, qgz.per_node, 0));
+    b.comm_reduce += peak.total();
+  }
   const bool windows = b.stage >= 2 || pc.grad_accum != DType::F32;
   if (windows) b.comm_reduce += 4 * (non_block + largest_block * (overlap ? 2 : 1));
   // MPI's own temporary for a whole-bucket reduction at stages 0-1: (N-1)/N of the message
@@ -481,15 +494,22 @@ MemoryBudget largest_of(const std::vector<MemoryBudget>& budgets) {
 }
 }  // namespace
 
-std::vector<MemoryBudget> estimate_rank_budgets(const Config& cfg, int64_t world, int stage) {
+QgzPlacement qgz_placement(const ZeroConfig& zero, int stage, int64_t dp, int64_t ranks_per_node) {
+  QgzPlacement q;
+  q.per_node = static_cast<int>(ranks_per_node > 0 ? std::min(dp, ranks_per_node) : dp);
+  if (stage == 3 && zero.quantized_gradients && q.per_node < dp) q.nodes = static_cast<int>(dp / q.per_node);
+  return q;
+}
+
+std::vector<MemoryBudget> estimate_rank_budgets(const Config& cfg, int64_t world, int stage, int64_t ranks_per_node) {
   const int64_t dp = rank_layout(cfg, world).data;
   std::vector<MemoryBudget> out;
-  for (const RankPlan& p : plan_ranks(cfg)) out.push_back(rank_budget(cfg, p, dp, stage));
+  for (const RankPlan& p : plan_ranks(cfg)) out.push_back(rank_budget(cfg, p, dp, stage, ranks_per_node));
   return out;
 }
 
-MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage) {
-  return largest_of(estimate_rank_budgets(cfg, world, stage));
+MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage, int64_t ranks_per_node) {
+  return largest_of(estimate_rank_budgets(cfg, world, stage, ranks_per_node));
 }
 
 int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank) {

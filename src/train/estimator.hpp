@@ -52,6 +52,16 @@ MoeRouting moe_routing_of(const MoeConfig& moe, uint64_t seed);
 // experts'): the configured dtypes, and torch_autocast's tensors.
 StateTypes state_types_of(const Config& cfg, const ParamLayout& layout);
 
+// ZeRO++'s qgZ as ProcessGroups places it for `dp` data ranks on nodes of `ranks_per_node`
+// (0: every rank on one node): on at stage 3 with zero_quantized_gradients when the data group
+// spans more than one node; off (DeepSpeed's plain reduce-scatter) otherwise.
+struct QgzPlacement {
+  int nodes = 1, per_node = 1;
+  bool on() const { return nodes > 1; }
+  int64_t world() const { return on() ? int64_t(per_node) * nodes : 0; }  // gradient_segments' qgz_world
+};
+QgzPlacement qgz_placement(const ZeroConfig& zero, int stage, int64_t dp, int64_t ranks_per_node);
+
 // --- the complete budget -------------------------------------------------------------------------
 struct MemoryBudget {
   int stage = 0;
@@ -64,7 +74,7 @@ struct MemoryBudget {
   // the same memory, so counted in the total), and the bytes in swap files instead (not counted).
   int64_t offload_host = 0, offload_nvme = 0;
   int64_t offload_nvme_params = 0;  // of offload_nvme, the stage-3 parameters' (offload_param nvme)
-  int64_t comm_reduce = 0;    // gradient buckets, reduce-scatter staging and fp32 gradient windows
+  int64_t comm_reduce = 0;    // gradient buckets, reduce-scatter staging, fp32 gradient windows, qgZ's staging
   int64_t comm_gather = 0;    // stage 3: the unit being gathered for use (the largest)
   int64_t comm_prefetch = 0;  // stage 3: units gathered ahead along the fetch trace (prefetch_bucket_size)
   int64_t live_params = 0;    // stage 3: further gathered units kept for reuse (max_live_parameters)
@@ -102,10 +112,13 @@ std::string layout_text(const RankLayout& layout, int64_t world_size);
 // if < 0), in stage order. Model states are what that rank's ZeroOptimizer allocates (its
 // local layout: tensor slices, vocabulary padding, the tied wte copy of a last stage; the
 // partition the largest stage's), activations what its schedule's buffers and the backward
-// scratch take. Tensor ranks of one stage hold equal sizes: each entry is tensor rank 0's.
-std::vector<MemoryBudget> estimate_rank_budgets(const Config& cfg, int64_t world_size, int stage = -1);
+// scratch take. Tensor ranks of one stage hold equal sizes: each entry is tensor rank 0's (data
+// rank 0's where data ranks differ: qgZ's blocks). ranks_per_node: nodes of that many ranks (0:
+// every rank on one node), which decide whether qgZ runs.
+std::vector<MemoryBudget> estimate_rank_budgets(const Config& cfg, int64_t world_size, int stage = -1,
+                                                int64_t ranks_per_node = 0);
 // The largest of them (by total; ties: the lowest stage): the budget per rank.
-MemoryBudget estimate_budget(const Config& cfg, int64_t world_size, int stage = -1);
+MemoryBudget estimate_budget(const Config& cfg, int64_t world_size, int stage = -1, int64_t ranks_per_node = 0);
 
 // A GPU build's start-up check, before any model memory exists: `ranks_on_device` ranks each
 // planning `plan_bytes` (the budget's total) share a device with `free_bytes` free. Empty when

@@ -20,6 +20,7 @@ struct RankPlan {
   bool split = false;           // zb-h1: buffers keep the weight-gradient operands
   std::vector<int> trace;       // the dense units one step fetches, as the engine sets ZeRO-3's trace
   std::vector<bool> trace_backward;  // per trace entry: fetched by a backward pass (hpZ gathers those in its group)
+  std::vector<int> expert_trace;     // MoE: the expert units it fetches, numbered from the first (the experts' optimizer's trace)
 };
 
 // One plan per pipeline stage, in stage order. Tensor ranks hold equal element counts (every

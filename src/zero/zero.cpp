@@ -97,10 +97,9 @@ ReduceWork reduce_work(int stage, const ZeroConfig& zero, const StateTypes& type
   }
   const int64_t n = stage == 0 ? layout.total() : part.padded;
   const std::vector<CommSegment> segments = gradient_segments(layout, n, types, qgz_world);
-  std::vector<ReduceBucket> sequence;  // one backward's buckets in launch order (GradientReducer::reserve_staging)
-  for (const auto& [lo, hi] : w.ranges)
-    for (const ReduceBucket& b : cut_buckets(segments, lo, hi, zero.reduce_bucket_size, types.comm)) sequence.push_back(b);
-  for (const StagingBytes& s : slot_staging_bytes(sequence, w.source, stage >= 1, part, zero.overlap_comm))
+  for (const auto& [lo, hi] : w.ranges)  // as GradientReducer::reserve_staging cuts them
+    for (const ReduceBucket& b : cut_buckets(segments, lo, hi, zero.reduce_bucket_size, types.comm)) w.buckets.push_back(b);
+  for (const StagingBytes& s : slot_staging_bytes(w.buckets, w.source, stage >= 1, part, zero.overlap_comm))
     w.staging_bytes += s.send + s.recv;
   return w;
 }

@@ -147,6 +147,7 @@ int64_t qgz_group_size(const TensorSpec& tensor, int64_t world);
 // bytes it reserves (one bucket slot, two with overlap_comm). The memory planner counts these.
 struct ReduceWork {
   std::vector<std::pair<int64_t, int64_t>> ranges;
+  std::vector<ReduceBucket> buckets;  // one backward's buckets in launch order, cut from `ranges`
   DType source = DType::F32;
   int64_t staging_bytes = 0;
 };

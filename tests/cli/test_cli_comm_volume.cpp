@@ -32,21 +32,35 @@ struct Case {
   json patch;
 };
 
-// The estimate's communication entry for the config's own stage, and the run's last step.
-void expect_estimate_equals_run(const Case& k, const std::string& env = "ZERO3D_RANKS_PER_NODE=2") {
-  SCOPED_TRACE(k.name);
+// The estimate's communication entry for the config's own stage, and the run's last step (np
+// ranks, 2 a node).
+struct Measured {
+  json predicted, measured;
+};
+Measured estimate_and_run(const Case& k, int np = 4) {
   json c = base_config();
   c.merge_patch(k.patch);
   const std::string config = write_config("cv_" + k.name + ".json", c), dir = temp_path("cv_" + k.name);
-  const Result est = run("estimate --config " + config + " --world-size 4 --ranks-per-node 2 --json");
-  ASSERT_EQ(est.code, 0) << est.out << est.err;
+  const Result est =
+      run("estimate --config " + config + " --world-size " + std::to_string(np) + " --ranks-per-node 2 --json");
+  EXPECT_EQ(est.code, 0) << est.out << est.err;
+  if (est.code != 0) return {};
   const int stage = c.contains("zero_optimization") ? c["zero_optimization"].value("stage", 0) : 0;
-  const json predicted = json::parse(est.out).at("communication").at(stage);
-  const Result r = run("train " + config + " --output " + dir, 4, env);
-  ASSERT_EQ(r.code, 0) << r.out << r.err;
-  const json measured = read_metrics(dir).back();
-  // Rank 0's groups: the data axis, the ZeRO shard groups, and the tensor and pipe axes'
-  // activations; every axis that moves bytes is predicted.
+  const Result r = run("train " + config + " --output " + dir, np, "ZERO3D_RANKS_PER_NODE=2");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  if (r.code != 0) return {};
+  return {json::parse(est.out).at("communication").at(stage), read_metrics(dir).back()};
+}
+
+void expect_estimate_equals_run(const Case& k, int np = 4) {
+  SCOPED_TRACE(k.name);
+  const auto [predicted, measured] = estimate_and_run(k, np);
+  ASSERT_FALSE(measured.is_null());
+  // Rank 0's groups: the data axis, the ZeRO shard groups, the tensor and pipe axes'
+  // activations and MoE's expert and expert-data axes; every axis that moves bytes is predicted,
+  // none of them only bounded.
+  EXPECT_FALSE(predicted.contains("activations_not_predicted")) << predicted.dump();
+  EXPECT_FALSE(predicted.contains("expert_not_predicted")) << predicted.dump();
   for (const auto& [axis, bytes] : measured.at("comm_bytes_by_axis").items())
     EXPECT_EQ(predicted.at("comm_bytes_by_axis").value(axis, int64_t(0)), bytes.get<int64_t>()) << axis;
   EXPECT_EQ(measured.at("comm_bytes_by_link"), predicted.at("comm_bytes_by_link"));
@@ -152,6 +166,68 @@ TEST(CommVolume, PipelineTiedEmbeddingAndOneBitPhasesArePredicted) {
     EXPECT_EQ(rows.front().at("comm_bytes_by_link"), doc.at("communication").at(0).at("comm_bytes_by_link"));
     EXPECT_EQ(rows.back().at("comm_bytes_by_link"), doc.at("communication_compressed").at("comm_bytes_by_link"));
     EXPECT_LT(16 * rows.back().at("comm_bytes").get<int64_t>(), rows.front().at("comm_bytes").get<int64_t>());
+  }
+}
+
+// MoE (the tiny model's two blocks both MoE): the experts' ZeRO traffic over the expert-data
+// group (every ep-th data rank: across the nodes here) and each block's token all-to-alls over the
+// expert group (ep consecutive ranks: inside a node), forward and backward. Top-2 of 2 experts
+// routes every token to both, so each expert keeps min(S, capacity) rows of a rank's S = 32
+// tokens whatever the gate decides: capacity factor 0.75 keeps 24 and drops 8, without
+// drop_tokens all 32 (after the capacity's MAX over the group).
+json moe(const json& routing, const json& rest = json::object()) {
+  json p = rest;
+  p["model"]["moe"] = {{"num_experts", 2}, {"k", 2}, {"ep_size", 2}, {"capacity_factor", 0.75}, {"min_capacity", 2}};
+  p["model"]["moe"].merge_patch(routing);
+  return p;
+}
+
+TEST(CommVolume, ExpertAllToAllsAndExpertDataZeroArePredictedExactlyWhereRoutingCannotMoveThem) {
+  const json z3 = {{"zero_optimization", {{"stage", 3}, {"param_persistence_threshold", 0}, {"max_reuse_distance", 0}}}};
+  expect_estimate_equals_run({"moe_ep2", moe(json::object())}, 2);
+  expect_estimate_equals_run({"moe_edp2_ep2_z3", moe(json::object(), z3)}, 4);
+  expect_estimate_equals_run({"moe_edp2_ep2_z2_nodrop", moe({{"drop_tokens", false}}, zero(2))}, 4);
+}
+
+// MoE with tensor parallelism: an MoE block exchanges its attention half's activations (and
+// PR-MoE's dense branch's); split experts (expert tensor parallelism) also sum the rows they
+// receive, forward and backward: every choice on one expert rank without drop_tokens (32 tokens
+// x top-2), or 2 experts x 24 kept rows with top-2 of 2 on two expert ranks.
+TEST(CommVolume, MoeWithTensorParallelismIsPredictedExactly) {
+  const json t2 = {{"tensor_parallel", {{"autotp_size", 2}}}};
+  expect_estimate_equals_run(
+      {"moe_t2_split_nodrop",
+       moe({{"num_experts", 4}, {"ep_size", 1}, {"drop_tokens", false}, {"enable_expert_tensor_parallelism", true}},
+           t2)},
+      2);
+  expect_estimate_equals_run(
+      {"moe_t2_ep2_split_residual", moe({{"enable_expert_tensor_parallelism", true}, {"use_residual", true}}, t2)}, 4);
+  expect_estimate_equals_run({"moe_t2_ep2", moe(json::object(), t2)}, 4);
+}
+
+// Top-2 of 4 experts: how many rows go to the other expert rank is the gate's choice. The
+// estimate says so, counts what is fixed (the kept-row counts, and without drop_tokens the
+// capacity's MAX) and bounds the rest by every expert receiving all it may keep; the run lands
+// between the two.
+TEST(CommVolume, RoutedExpertRowsAreBoundedAndSaySo) {
+  for (const bool drop : {true, false}) {
+    SCOPED_TRACE(drop ? "drop_tokens" : "no drop_tokens");
+    const auto [predicted, measured] =
+        estimate_and_run({drop ? "moe_top2_of_4" : "moe_top2_of_4_nodrop",
+                          moe({{"num_experts", 4}, {"drop_tokens", drop}})},
+                         4);
+    ASSERT_FALSE(measured.is_null());
+    EXPECT_NE(predicted.value("expert_not_predicted", "").find("depend on the gate's choices (k 2 of 4 experts)"),
+              std::string::npos)
+        << predicted.dump();
+    const int64_t fixed = predicted.at("comm_bytes_by_axis").at("expert").get<int64_t>(),
+                  most = predicted.at("expert_bytes_at_most").get<int64_t>(),
+                  got = measured.at("comm_bytes_by_axis").at("expert").get<int64_t>();
+    EXPECT_GT(fixed, 0);
+    EXPECT_LT(fixed, got);
+    EXPECT_LE(got, most);
+    for (const char* axis : {"data", "expert_data"})
+      EXPECT_EQ(predicted.at("comm_bytes_by_axis").at(axis), measured.at("comm_bytes_by_axis").at(axis)) << axis;
   }
 }
 

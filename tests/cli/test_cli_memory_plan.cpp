@@ -88,6 +88,34 @@ TEST(MemoryPlan, Zero3GatherBuffersAreThoseThePlanSimulates) {
   }
 }
 
+// ZeRO++'s qgZ on 2 emulated nodes (np 2, one rank a node; np 4, two): its staging buffers (int4
+// blocks and scales sent and received, the fp32 sums) grow to each one's largest over a step's
+// buckets, and the plan counts them with the reducer's slots and windows byte for byte
+// (memory.comm_buffers, data rank 0's); the start-up plan is the estimate's. On one node qgZ
+// falls back to the reduce-scatter and the plan has no such buffers.
+TEST(MemoryPlan, QgzStagingBuffersAreThoseThePlanCounts) {
+  json j = tiny_config();
+  j["train_micro_batch_size_per_gpu"] = 2;
+  j["training"]["steps"] = 2;
+  j["zero_optimization"] = {{"stage", 3}, {"param_persistence_threshold", 0}, {"zero_quantized_gradients", true}};
+  const std::string config = write_config("qgz_plan.json", j);
+  for (const int np : {2, 4}) {
+    const std::string k = std::to_string(np / 2), dir = temp_path("qgz_plan" + std::to_string(np));
+    const Result r = run("train " + config + " --output " + dir, np, "ZERO3D_RANKS_PER_NODE=" + k);
+    ASSERT_EQ(r.code, 0) << r.out << r.err;
+    const json row = read_metrics(dir).back();
+    const Result e = run("estimate --config " + config + " --world-size " + std::to_string(np) + " --ranks-per-node " + k +
+                         " --json");
+    ASSERT_EQ(e.code, 0) << e.err;
+    const json b = json::parse(e.out)["budgets"][3];
+    EXPECT_EQ(b["comm_reduce"].get<int64_t>(), row.at("memory").at("comm_buffers").get<int64_t>()) << "np " << np;
+    EXPECT_EQ(b["total"].get<int64_t>(), row.at("memory_plan").at("predicted_peak_bytes").get<int64_t>()) << "np " << np;
+    const Result one = run("estimate --config " + config + " --world-size " + std::to_string(np) + " --json");
+    ASSERT_EQ(one.code, 0) << one.err;
+    EXPECT_NE(json::parse(one.out)["budgets"][3]["comm_reduce"].get<int64_t>(), b["comm_reduce"].get<int64_t>());
+  }
+}
+
 // reduce_bucket_size 1 (or 0): one gradient per bucket, as DeepSpeed reads it, not one element:
 // a step's data-parallel all-reduces number the model's tensors (28) plus the loss and norm, not
 // its 28,032 parameters. The comms logger prints every operation.

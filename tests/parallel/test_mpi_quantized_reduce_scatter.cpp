@@ -46,6 +46,8 @@ TEST(QuantizedReduceScatter, MatchesTheNumPySimulationOfDeepSpeedsTwoStageAllToA
     std::vector<float> out(want.size(), -1.0f);
     qgz.reduce(mine.data(), counts, group, out.data());
     EXPECT_EQ(out, want) << "rank " << r;
+    // the buffers it holds are the ones the memory planner counts for this rank
+    EXPECT_EQ(qgz.staging_bytes(), qgz_staging(qgz_blocks(counts, group), nodes, k, r).total()) << "rank " << r;
     const QgzBytes b = qgz_sent_bytes(counts, group, nodes, k, r);
     EXPECT_EQ(intra.bus_bytes(), b.intra) << "rank " << r;
     EXPECT_EQ(inter.bus_bytes(), b.inter) << "rank " << r;
@@ -71,6 +73,27 @@ TEST(QuantizedReduceScatter, BytesFollowTheBlocksEachAllToAllMoves) {
   EXPECT_EQ(qgz_sent_bytes(counts, 12, 2, 2, 0).inter, 0);
   EXPECT_EQ(qgz_sent_bytes(counts, 12, 2, 2, 3).inter, 17 + 16);  // node 1, local 1: block 1 to node 0
   EXPECT_EQ(qgz_sent_bytes(counts, 12, 2, 2, 3).intra, (20 + 16) + 0);
+}
+
+// The staging the same bucket needs (the memory planner's qgZ rows): rank 0 quantises the whole
+// bucket (51 value bytes, 11 scales), receives blocks 0 and 2 from both local peers and then its
+// block 0 from both nodes (2·20 bytes, 2·4 scales), and sums 40-value blocks; rank 3 receives
+// blocks 1 and 3 from both peers (2·31 bytes, 2·7 scales) and sums up to 33 values.
+TEST(QuantizedReduceScatter, StagingIsEachBuffersLargestNeed) {
+  const std::vector<QgzBlock> b = qgz_blocks({40, 33, 0, 27}, 12);
+  const QgzStaging r0 = qgz_staging(b, 2, 2, 0), r3 = qgz_staging(b, 2, 2, 3);
+  EXPECT_EQ(r0.send, 51);
+  EXPECT_EQ(r0.send_scales, 4 * 11);
+  EXPECT_EQ(r0.recv, 2 * 20);
+  EXPECT_EQ(r0.recv_scales, 4 * 2 * 4);
+  EXPECT_EQ(r0.sum, 4 * 40);
+  EXPECT_EQ(r0.total(), 51 + 44 + 40 + 32 + 2 * 160);
+  EXPECT_EQ(r3.recv, 2 * 31);
+  EXPECT_EQ(r3.recv_scales, 4 * 2 * 7);
+  EXPECT_EQ(r3.copy, 4 * 33);
+  QgzStaging grown = r0;  // buffers only grow: each one's larger need
+  grown.grow(r3);
+  EXPECT_EQ(grown.total(), 51 + 44 + 62 + 56 + 2 * 160);
 }
 
 }  // namespace
