@@ -427,7 +427,8 @@ TEST(LlamaFamilyPrecision, SixteenBitRunsTrackPyTorchsFp32Losses) {
 // the forward's bits), give one rank's losses over the same micro-batches within 1e-5; ZB-H1's
 // split backward (its input pass keeps SwiGLU's gradient in fp32 for the weight pass, where the
 // whole backward rounds it to bf16 as it makes it) within 3e-5, as GPT-2's (test_cli_pipeline.cpp);
-// ZeRO-3 at np 2 splits each product's rows over the ranks, within bf16 reduction-order noise.
+// ZeRO-3 at np 2 splits each product's rows over the ranks, whose fp32 sums round apart from one
+// rank's (by 1.2e-7 relative at most over the 8 steps on Zen 4; pipelines and recompute: exactly).
 // llama_biases has mlp_bias: the gate/up biases' gradients summed beside SwiGLU's bf16 gradient.
 TEST(LlamaFamilyPrecision, Bf16LayoutsGiveTheLossesOfOneRank) {
   const std::string bf16 =
@@ -443,7 +444,7 @@ TEST(LlamaFamilyPrecision, Bf16LayoutsGiveTheLossesOfOneRank) {
                         one_micro1, 3e-5, std::string(name) + " bf16 p2 zb-h1");
     expect_losses_close(losses_of(train(g, 1, "bf16_full_ac", bf16 + "--set pipeline.activation_checkpoint_interval=1")),
                         one, 1e-5, std::string(name) + " bf16 full activation checkpointing");
-    expect_losses_close(losses_of(train(g, 2, "bf16_np2_z3", bf16 + "--set zero_optimization.stage=3")), one, 1e-3,
+    expect_losses_close(losses_of(train(g, 2, "bf16_np2_z3", bf16 + "--set zero_optimization.stage=3")), one, 1e-5,
                         std::string(name) + " bf16 np 2 ZeRO-3");
   }
 }
