@@ -19,16 +19,13 @@
 #include "kernels/rope_config.hpp"
 #include "kernels/swiglu.hpp"
 #include "kernels/vocab_parallel.hpp"
+#include "model/bf16_activations.hpp"
 #include "model/llama_tensors.hpp"
 #include "parallel/tensor_parallel.hpp"
 
 namespace zero3d::infer {
 
 using namespace kernels;
-
-namespace {
-bf16* as_bf16(float* x) { return reinterpret_cast<bf16*>(x); }
-}  // namespace
 
 KVCache::KVCache(int64_t layers, int64_t batch, int64_t heads, int64_t max_tokens, int64_t head_dim)
     : storage_(make_flat_buffer("kv_cache", 2 * layers * batch * heads * max_tokens * head_dim)),
@@ -288,15 +285,30 @@ void Decoder::block(int l, int64_t N, int64_t n) {
     const float eps = static_cast<float>(f.rms_norm_eps);
     const LlamaTensors<const P> p = llama_tensors(unit, shape_, w);
     const int64_t I = w.act;
-    rmsnorm_forward(ln_, rstd_, x_, p.input_norm, N, C, eps);
-    linear_forward(qkv_, ln_, p.qkv_w, p.qkv_b, N, C, w.qkv, false, cmp);
+    // as llama_block_forward: bf16 compute keeps the norms' outputs and the MLP's activations in
+    // bf16 (no MoE block reaches the decoder)
+    const bool lp = activations_bf16(cmp, tensor_parallel, false, true);
+    if (lp) {
+      rmsnorm_forward(as_bf16(ln_), rstd_, x_, p.input_norm, N, C, eps);
+      linear_forward(qkv_, as_bf16(ln_), p.qkv_w, p.qkv_b, N, C, w.qkv, false, cmp);
+    } else {
+      rmsnorm_forward(ln_, rstd_, x_, p.input_norm, N, C, eps);
+      linear_forward(qkv_, ln_, p.qkv_w, p.qkv_b, N, C, w.qkv, false, cmp);
+    }
     rope_at_positions(qkv_, rope_.data(), rope_.data() + max_tokens_ * (d / 2), pos_dev_.data(), N, H, Hkv, d);
     attend(f.window_of(global), false);  // the Llama family's attention runs in fp32 (llama_block.cpp)
     residual_product(atty_, p.o_w, p.o_b, w.attn, true);
-    rmsnorm_forward(ln_, rstd_, x_, p.post_norm, N, C, eps);
-    linear_forward(fch_, ln_, p.gate_up_w, p.gate_up_b, N, C, w.fc, false, cmp);  // rows [gate | up]
-    swiglu_forward(act_, fch_, fch_ + I, N, I, w.fc);
-    residual_product(act_, p.down_w, p.down_b, I, true);
+    if (lp) {  // gate_up_proj writes bf16, SwiGLU reads and writes bf16
+      rmsnorm_forward(as_bf16(ln_), rstd_, x_, p.post_norm, N, C, eps);
+      linear_forward(as_bf16(fch_), as_bf16(ln_), p.gate_up_w, p.gate_up_b, N, C, w.fc);  // rows [gate | up]
+      swiglu_forward(as_bf16(act_), as_bf16(fch_), as_bf16(fch_) + I, N, I, w.fc);
+      linear_forward(x_, as_bf16(act_), p.down_w, p.down_b, N, I, C, /*accumulate=*/true, cmp);
+    } else {
+      rmsnorm_forward(ln_, rstd_, x_, p.post_norm, N, C, eps);
+      linear_forward(fch_, ln_, p.gate_up_w, p.gate_up_b, N, C, w.fc, false, cmp);  // rows [gate | up]
+      swiglu_forward(act_, fch_, fch_ + I, N, I, w.fc);
+      residual_product(act_, p.down_w, p.down_b, I, true);
+    }
   } else {
     const BlockTensors<const P> p = model_.block_tensors(unit, global);
     const int64_t Cl = w.attn;

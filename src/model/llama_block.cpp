@@ -7,9 +7,12 @@
 // q/k/v_proj and gate/up_proj are each one product: the layout stores their weights one after
 // another (model_layout.cpp llama_block_tensors), so they form one [(H + 2·Hkv)·d, C] and one
 // [2I, C] matrix. Attention is grouped-query with the layer's sliding window
-// (kernels/attention_gqa.hpp). Activations stay fp32; the products run in the model's compute
-// dtype. attention_dropout drops the probabilities in training (LlamaAttention's dropout on
-// attn_weights), inside the attention kernels.
+// (kernels/attention_gqa.hpp). The products run in the model's compute dtype; bf16 compute
+// without tensor parallelism keeps the RMSNorms' outputs and the MLP's activations in bf16 where
+// they are made (bf16_activations.hpp, as GPT-2's block): gate_up_proj writes bf16, SwiGLU reads
+// and writes bf16, and its backward makes [dgate | dup] in bf16 straight into the gate/up
+// product's operand; the rest stays fp32. attention_dropout drops the probabilities in training
+// (LlamaAttention's dropout on attn_weights), inside the attention kernels.
 //
 // Tensor parallelism (DeepSpeed AutoTP's llama preset, Megatron's split): q/k/v_proj and
 // gate/up_proj column-parallel, each rank holding H/t query heads with their Hkv/t K/V heads
@@ -29,6 +32,7 @@
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
 #include "kernels/swiglu.hpp"
+#include "model/bf16_activations.hpp"
 #include "model/llama_tensors.hpp"
 #include "model/model.hpp"
 #include "model/stopwatch.hpp"
@@ -49,6 +53,8 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   const bool tp = t > 1, sp = tp_.sequence_parallel;
   const float eps = static_cast<float>(f.rms_norm_eps);
   const DType cmp = compute_type();
+  // the RMSNorms' outputs (and the MLP half's activations, but for Mixtral's MoE MLP) in bf16
+  const bool lp = activations_bf16(cmp, tp, f.mixtral(), false), lp_mlp = activations_bf16(cmp, tp, f.mixtral(), true);
   // res = res_in + inp · Wᵀ + bias: one product on one rank; a row-parallel product's partial
   // sums over the group (into this rank's tokens with sequence parallelism) then the bias once.
   const auto residual_product = [&](float* res, const float* res_in, const float* inp, const P* weight, const P* bias,
@@ -73,8 +79,13 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   const LlamaTensors<const P> p = llama_tensors(static_cast<const P*>(store.fetch(u)), shape_, w);
   obs::Region region(obs::attention_module(global_block));
   // h = x + o_proj(attention(...)) on input_layernorm(x)
-  rmsnorm_forward(a.ln_1, a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
-  linear_forward(a.qkv, column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
+  if (lp) {
+    rmsnorm_forward(as_bf16(a.ln_1), a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
+    linear_forward(a.qkv, as_bf16(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
+  } else {
+    rmsnorm_forward(a.ln_1, a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
+    linear_forward(a.qkv, column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
+  }
   rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // q and k rotated in place: the saves hold them rotated
   {
     const Stopwatch sw(attention_ms != nullptr);
@@ -85,6 +96,15 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   residual_product(a.res_2, residual, a.atty, p.o_w, p.o_b, w.attn);
   // out = h + down_proj(silu(gate) · up) on post_attention_layernorm(h)
   region.next(obs::mlp_module(global_block));
+  if (lp_mlp) {  // gate_up_proj writes bf16 (as autocast's linear does): SwiGLU reads half the bytes
+    rmsnorm_forward(as_bf16(a.ln_2), a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
+    linear_forward(as_bf16(a.fch), as_bf16(a.ln_2), p.gate_up_w, p.gate_up_b, BT, C, w.fc);  // rows [gate | up]
+    swiglu_forward(as_bf16(a.fch_gelu), as_bf16(a.fch), as_bf16(a.fch) + I, BT, I, w.fc);
+    linear_forward_adding(a.res_3, a.res_2, as_bf16(a.fch_gelu), p.down_w, p.down_b, BT, I, C);
+    store.release(u);
+    store.progress();
+    return;
+  }
   rmsnorm_forward(a.ln_2, a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
   if (f.mixtral()) {  // model.moe's checks keep sequence parallelism and full recompute away (Ns = B·T, buf given)
     BlockTensors<const P> router{};
@@ -116,6 +136,7 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   const BlockWidths& w = widths_;
   const bool sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
+  const bool lp = activations_bf16(cmp, t > 1, f.mixtral(), false), lp_mlp = activations_bf16(cmp, t > 1, f.mixtral(), true);
   const bool input = part != BackwardPart::Weight, weights = part != BackwardPart::Input;
   const bool keep = part == BackwardPart::Input;
   const int u = c.first_block_unit + l, global_block = c.first_block + l;
@@ -149,6 +170,20 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
     router.gate_w = p.router_w;
     d_router.gate_w = dw.router_w;
     moe_backward<P>(global_block, a, *moe_saves(c, l, buf), router, d_router, d_out, d_ln_2, grad_scale, store);
+  } else if (lp_mlp) {  // the forward kept ln_2, [gate | up] and SwiGLU's output in bf16
+    linear_backward(input ? dact_ : nullptr, weights ? dw.down_w : nullptr, weights ? dw.down_b : nullptr, d_out,
+                    as_bf16(a.fch_gelu), p.down_w, BT, I, C, cmp, add_dw);
+    store.progress();
+    if (part == BackwardPart::Full) {  // SwiGLU's gradient made in the products' bf16, gate/up's bias gradients beside it
+      const GemmOperand d = gemm_operand_slot(BT, w.fc);
+      swiglu_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(d.data)), dw.gate_up_b, dact_, as_bf16(a.fch),
+                                      BT, I);
+      linear_backward(d_ln_2, dw.gate_up_w, d, as_bf16(a.ln_2), p.gate_up_w, BT, C, w.fc, cmp, add_dw);
+    } else {  // a split backward keeps the fp32 gradient for its weight pass (as GPT-2's block)
+      if (input) swiglu_backward(d_fch, d_fch + I, dact_, as_bf16(a.fch), as_bf16(a.fch) + I, BT, I, w.fc);
+      linear_backward(input ? d_ln_2 : nullptr, weights ? dw.gate_up_w : nullptr, weights ? dw.gate_up_b : nullptr, d_fch,
+                      as_bf16(a.ln_2), p.gate_up_w, BT, C, w.fc, cmp, add_dw);
+    }
   } else {
     linear_backward(input ? dact_ : nullptr, weights ? dw.down_w : nullptr, weights ? dw.down_b : nullptr, d_out,
                     a.fch_gelu, p.down_w, BT, I, C, cmp, add_dw);
@@ -181,8 +216,12 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
     rope_backward(d_qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // to the gradient of q and k before rotation
   }
   store.progress();
-  column_backward(input ? d_ln_1 : nullptr, weights ? dw.qkv_w : nullptr, weights ? dw.qkv_b : nullptr, d_qkv, a.ln_1,
-                  p.qkv_w, w.qkv);
+  if (lp)  // ln_1 kept in bf16
+    linear_backward(input ? d_ln_1 : nullptr, weights ? dw.qkv_w : nullptr, weights ? dw.qkv_b : nullptr, d_qkv,
+                    as_bf16(a.ln_1), p.qkv_w, BT, C, w.qkv, cmp, add_dw);
+  else
+    column_backward(input ? d_ln_1 : nullptr, weights ? dw.qkv_w : nullptr, weights ? dw.qkv_b : nullptr, d_qkv, a.ln_1,
+                    p.qkv_w, w.qkv);
   rmsnorm_backward(input ? dres : nullptr, weights ? dw.input_norm : nullptr, d_ln_1, residual, p.input_norm,
                    a.ln_1_rstd, Ns, C);
   if (input) store.release(u);

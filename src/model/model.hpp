@@ -619,12 +619,12 @@ struct FlatModel {
 
 // One block's saves in floats, as GPT carves them (carve_block) and the plan counts them. bf16
 // compute keeps the inputs and outputs of its products in bf16 where the forward makes them that
-// way (model.cpp activations_bf16: ln_1, qkv, the attention output, ln_2, fc and its GELU), so
+// way (bf16_activations.hpp: ln_1, qkv, the attention output, ln_2, fc and its GELU), so
 // those take half the floats; `att` is what the chosen attention kernel keeps: fp32 B·H·T²
 // probabilities, the tiled bf16 kernel's bf16 tiles, or the fused kernel's log-sum-exp and bf16
 // output, never probabilities (kernels::attention_bf16_saved_floats).
-// The Llama family keeps every save in fp32, two rstd and no means, and its act (SwiGLU's output)
-// is half its fch ([gate | up]).
+// The Llama family keeps two rstd and no means, act (SwiGLU's output) half of fch ([gate | up]);
+// bf16 compute without tensor parallelism keeps ln_1 in bf16, and ln_2, fch and act but for Mixtral.
 struct BlockSaveSizes {
   int64_t ln_1 = 0, stats = 0, mean = 0, qkv = 0, att = 0, atty = 0, res = 0, ln_2 = 0, fch = 0, act = 0;
   // ln_1, two rstd and two means, qkv, att, atty, res_2 and res_3, ln_2, fch and fch_gelu

@@ -464,23 +464,26 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, H = shape.n_head / t, BT = B * T,
                 Ns = sequence_parallel && t > 1 ? BT / t : BT;
   const bool bf16 = compute == DType::BF16;
-  if (shape.llama()) {  // every save fp32 (the products take fp32 inputs); rstd only
+  const auto half = [](int64_t n) { return (n + 1) / 2; };  // n bf16 values in floats
+  if (shape.llama()) {  // rstd only; the halves llama_block.cpp keeps in bf16 (bf16_activations.hpp)
     const BlockWidths w = block_widths(shape, t);
+    const bool norm16 = bf16 && t == 1, mlp16 = norm16 && !shape.family.mixtral();
     BlockSaveSizes z;
-    z.ln_1 = z.res = z.ln_2 = Ns * C;
+    z.res = Ns * C;
+    z.ln_1 = norm16 ? half(Ns * C) : Ns * C;
+    z.ln_2 = mlp16 ? half(Ns * C) : Ns * C;
     z.stats = Ns;
     z.qkv = BT * w.qkv;
     z.att = B * H * T * T;
     z.atty = BT * w.attn;
-    z.fch = BT * w.fc;
-    z.act = BT * w.act;
+    z.fch = mlp16 ? half(BT * w.fc) : BT * w.fc;
+    z.act = mlp16 ? half(BT * w.act) : BT * w.act;
     return z;
   }
-  // The halves kept in bf16 (model.cpp activations_bf16, decided per block there; here for every
+  // The halves kept in bf16 (bf16_activations.hpp, decided per block in model.cpp; here for every
   // block of the model): no tensor parallelism, and for the attention half no sparse attention
   // (its kernel is fp32), for the MLP half no MoE block anywhere (their MLP half keeps fp32).
   const bool attn16 = bf16 && t == 1 && !shape.sparse.enabled, mlp16 = bf16 && t == 1 && !shape.moe.enabled();
-  const auto half = [](int64_t n) { return (n + 1) / 2; };  // n bf16 values in floats
   BlockSaveSizes z;
   z.ln_1 = attn16 ? half(Ns * C) : Ns * C;
   z.stats = z.mean = Ns;

@@ -403,8 +403,8 @@ TEST(LlamaFamilyEval, EvaluatesToPyTorchsLossInEveryLayout) {
   }
 }
 
-// 16-bit runs: bf16 and fp16 parameters and torch_autocast run the products in 16 bits (the
-// activations, RMSNorm and attention stay fp32) and follow PyTorch's fp32 losses within the
+// 16-bit runs: bf16 and fp16 parameters and torch_autocast run the products in 16 bits (bf16
+// parameters keep the RMSNorms' outputs and the MLP's activations in bf16) and follow PyTorch's fp32 losses within the
 // rounding of their products; a bf16 run at np 2 with ZeRO-2 stays within bf16 reduction-order
 // noise of one rank's.
 TEST(LlamaFamilyPrecision, SixteenBitRunsTrackPyTorchsFp32Losses) {
@@ -419,6 +419,34 @@ TEST(LlamaFamilyPrecision, SixteenBitRunsTrackPyTorchsFp32Losses) {
                                       "--set bf16.enabled=true --set zero_optimization.stage=2 "
                                       "--set train_micro_batch_size_per_gpu=2")),
                       bf16, 1e-3, "bf16 np 2 ZeRO-2 against bf16 np 1");
+}
+
+// bf16 compute keeps the RMSNorms' outputs and the MLP's activations in bf16 (llama_block.cpp), and
+// every layout still computes one rank's bf16 run. With fp32 gradient accumulation and fp32
+// reductions: pipeline stages under 1F1B, and full activation checkpointing (the recompute makes
+// the forward's bits), give one rank's losses over the same micro-batches within 1e-5; ZB-H1's
+// split backward (its input pass keeps SwiGLU's gradient in fp32 for the weight pass, where the
+// whole backward rounds it to bf16 as it makes it) within 3e-5, as GPT-2's (test_cli_pipeline.cpp);
+// ZeRO-3 at np 2 splits each product's rows over the ranks, whose fp32 sums round apart from one
+// rank's (by 1.2e-7 relative at most over the 8 steps on Zen 4; pipelines and recompute: exactly).
+// llama_biases has mlp_bias: the gate/up biases' gradients summed beside SwiGLU's bf16 gradient.
+TEST(LlamaFamilyPrecision, Bf16LayoutsGiveTheLossesOfOneRank) {
+  const std::string bf16 =
+      "--set bf16.enabled=true --set data_types.grad_accum_dtype=fp32 --set communication_data_type=fp32 ";
+  for (const char* name : {"llama_gqa", "llama_biases"}) {
+    const Golden& g = golden(name);
+    const std::vector<double> one = losses_of(train(g, 1, "bf16_fp32acc", bf16)),
+                              one_micro1 = losses_of(train(g, 1, "bf16_fp32acc_gas", bf16 + kMicro1));
+    expect_losses_close(one, g.losses, 2e-3, std::string(name) + " bf16 against PyTorch fp32");
+    expect_losses_close(losses_of(train(g, 2, "bf16_p2_1f1b", bf16 + kPipe2 + "--set pipeline.schedule=1f1b")),
+                        one_micro1, 1e-5, std::string(name) + " bf16 p2 1f1b");
+    expect_losses_close(losses_of(train(g, 2, "bf16_p2_zbh1", bf16 + kPipe2 + "--set pipeline.schedule=zb-h1")),
+                        one_micro1, 3e-5, std::string(name) + " bf16 p2 zb-h1");
+    expect_losses_close(losses_of(train(g, 1, "bf16_full_ac", bf16 + "--set pipeline.activation_checkpoint_interval=1")),
+                        one, 1e-5, std::string(name) + " bf16 full activation checkpointing");
+    expect_losses_close(losses_of(train(g, 2, "bf16_np2_z3", bf16 + "--set zero_optimization.stage=3")), one, 1e-5,
+                        std::string(name) + " bf16 np 2 ZeRO-3");
+  }
 }
 
 // A vocabulary that does not split evenly: the tensor ranks pad embed_tokens and the untied

@@ -4,7 +4,9 @@
 // type's cos/sin, silu(gate)·up, float64 autograd), within the per-tensor max |diff| of 1e-4 that
 // the GPT-2 goldens use (tests/model/test_golden.cpp); then RMSNorm's device form (namespace gpu)
 // against the CPU form, as tests/kernels/test_kernels_device_forms.cpp does for LayerNorm.
-// RoPE and SwiGLU are element-wise, one form on every build, so they have no second form to compare.
+// RoPE and SwiGLU's forward are element-wise, one form on every build (SwiGLU's bf16 forward has an
+// AVX-512 form, checked against its definition); SwiGLU's bf16 backward sums columns, and its device
+// form is compared with the CPU form.
 // Grouped-query attention with a sliding window (kernels/attention_gqa.hpp) against its definition
 // computed in double here, its device form against its CPU form, and GPT-2's attention where the
 // two coincide (one K/V head per query head, no window).
@@ -261,6 +263,85 @@ TEST(LlamaSwiGlu, FusedLayoutAndBf16MatchTheFp32Form) {
   swiglu_forward(out_w.data(), gw.data(), uw.data(), N, I, I);
   swiglu_forward(out_in16.data(), g16.data(), u16.data(), N, I, I);
   expect_same_bits("out from bf16 inputs", out_in16.host(), out_w.host());
+}
+
+// The bf16 MLP's SwiGLU (gate_up_proj wrote a fused bf16 [gate | up]; its output goes to the bf16
+// down product): against silu(g)·u in double on the bf16 inputs. The output is the reference
+// rounded to bf16; the fast exponential may move a value across a rounding boundary, so one bf16
+// step (2⁻⁸ relative) is allowed. 67 columns: four full vectors and a 3-lane tail per row.
+TEST(LlamaSwiGlu, Bf16ForwardIsSiluTimesUpRounded) {
+  const Index N = 5, I = 67;
+  const std::vector<bf16> fused = rounded(random_vector(N * 2 * I, 41, 4.0f));
+  Buffer<bf16> in(fused), out(N * I);
+  swiglu_forward(out.data(), in.data(), in.data() + I, N, I, 2 * I);
+  const std::vector<bf16> y = out.host();
+  for (Index i = 0; i < N; ++i)
+    for (Index c = 0; c < I; ++c) {
+      const double g = to_float(fused[i * 2 * I + c]), u = to_float(fused[i * 2 * I + I + c]);
+      const double want = g / (1.0 + std::exp(-g)) * u;
+      EXPECT_NEAR(to_float(y[i * I + c]), want, 1e-6 + std::fabs(want) / 256) << i << " " << c;
+    }
+}
+
+// Its backward writes [dgate | dup] in bf16 straight into the gate/up product's operand and adds
+// the unrounded values' column sums into the biases' gradient (mlp_bias; null: none, the same
+// gradient): against silu's derivative in double, each value within one bf16 step, the sums
+// within fp32 rounding of N terms.
+TEST(LlamaSwiGlu, Bf16BackwardSummingColumnsMatchesSilusDerivative) {
+  const Index N = 5, I = 67;
+  const std::vector<bf16> fused = rounded(random_vector(N * 2 * I, 42, 4.0f));
+  const auto dy = random_vector(N * I, 43);
+  Buffer<bf16> in(fused), d(N * 2 * I), d_no_sums(N * 2 * I);
+  Buffer<float> dout(dy), sums(std::vector<float>(2 * I, 0.5f));
+  swiglu_backward_summing_columns(d.data(), sums.data(), dout.data(), in.data(), N, I);
+  swiglu_backward_summing_columns(d_no_sums.data(), static_cast<float*>(nullptr), dout.data(), in.data(), N, I);
+  expect_same_bits("gradient without sums", d_no_sums.host(), d.host());
+  const std::vector<bf16> got = d.host();
+  const std::vector<float> got_sums = sums.host();
+  std::vector<double> want_sums(2 * I, 0.5);
+  for (Index i = 0; i < N; ++i)
+    for (Index c = 0; c < I; ++c) {
+      const double g = to_float(fused[i * 2 * I + c]), u = to_float(fused[i * 2 * I + I + c]), y = dy[i * I + c];
+      const double s = 1.0 / (1.0 + std::exp(-g));
+      const double dgate = y * u * s * (1.0 + g * (1.0 - s)), dup = y * g * s;
+      EXPECT_NEAR(to_float(got[i * 2 * I + c]), dgate, 1e-6 + std::fabs(dgate) / 256) << i << " " << c;
+      EXPECT_NEAR(to_float(got[i * 2 * I + I + c]), dup, 1e-6 + std::fabs(dup) / 256) << i << " " << c;
+      want_sums[c] += dgate;
+      want_sums[I + c] += dup;
+    }
+  for (Index o = 0; o < 2 * I; ++o) EXPECT_NEAR(got_sums[o], want_sums[o], 1e-5) << o;
+}
+
+// The device form (namespace gpu) against the CPU form: one chunk of rows and several, I a
+// multiple of 16 and not, with and without the bias sums.
+TEST(LlamaSwiGlu, Bf16BackwardDeviceFormMatchesCpuForm) {
+  for (const auto& [N, I] : {std::pair<Index, Index>{5, 37}, {64, 256}, {130, 100}}) {
+    const std::string at = " [" + std::to_string(N) + " x " + std::to_string(I) + "]";
+    Buffer<bf16> in(rounded(random_vector(N * 2 * I, 44, 2.0f)));
+    Buffer<float> dout(random_vector(N * I, 45));
+    const auto sums0 = random_vector(2 * I, 46);
+    auto run = [&](bool device, bool with_sums) {
+      Buffer<float> s(sums0);
+      Buffer<bf16> d(N * 2 * I);
+      float* sums = with_sums ? s.data() : nullptr;
+      if (device) gpu::swiglu_backward_summing_columns(d.data(), sums, dout.data(), in.data(), N, I);
+      else swiglu_backward_summing_columns(d.data(), sums, dout.data(), in.data(), N, I);
+      return std::make_pair(d.host(), s.host());
+    };
+    const auto [d, sums] = run(true, true);
+    const auto [cpu_d, cpu_sums] = run(false, true);
+    // The CPU form's AVX-512 lanes take σ through a 2^x polynomial (relative error 2⁻²²), the
+    // device form through fast_exp: the gradients differ by a few ulp of fp32 and a bf16
+    // rounding may flip (one bf16 ulp, 2⁻⁷ relative); the column sums add those over N rows, in
+    // chunks past 64 rows.
+    expect_close("d[gate | up]" + at, d, cpu_d, 1e-6, 1.0 / 128);
+    expect_close("column sums" + at, sums, cpu_sums, 2e-6 * N, 0.0);
+    expect_same_bits("d without sums" + at, run(true, false).first, d);
+    expect_same_bits("sums untouched without sums" + at, run(true, false).second, sums0);
+    const auto [again_d, again_sums] = run(true, true);
+    expect_same_bits("d, second run" + at, again_d, d);
+    expect_same_bits("column sums, second run" + at, again_sums, sums);
+  }
 }
 
 // ---- RoPE --------------------------------------------------------------------------------------

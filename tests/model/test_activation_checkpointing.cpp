@@ -214,7 +214,7 @@ TEST(ActivationCheckpointing, BuffersAndWorkspacesFollowTheFormulaOfEachGranular
 }
 
 // bf16 keeps ln_1, qkv, the attention output, ln_2, fc and its GELU in bf16 where the forward
-// makes them (model.cpp activations_bf16), so a buffer allocates half the floats for them, and
+// makes them (model/bf16_activations.hpp), so a buffer allocates half the floats for them, and
 // for attention what its kernel keeps: the tiled kernel's bf16 probability tiles (T = 16 with
 // head size 32, where the fused kernel's saves would not be smaller), the fused kernel's
 // log-sum-exp and bf16 output at T = 64 (no B·H·T² probabilities at all).
