@@ -36,15 +36,15 @@ void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* 
 
 // C[M,N] = A·B (+ bias) rounded to bf16 (dense C): a product whose only reader wants bf16, so
 // the fp32 result is never written (the MLP's c_fc output, which GELU reads). A is bf16 (no
-// rounding of its own: it is an activation kept in bf16), neither operand transposed; compute
-// is BF16.
+// rounding of its own: it is an activation kept in bf16; an fp32 A takes the route of an fp32
+// result and a rounding pass) and not transposed (B may be); compute is BF16.
 void gemm_bf16_output(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, kernels::bf16* C,
                       const void* bias = nullptr, DType bias_type = DType::F32);
 
 // C[M,N] = A·B + bias + R (R fp32 [M][N], C dense fp32): a residual added in the product's
 // epilogue (oneDNN's binary post-op) where copying R into C and accumulating the product onto
 // it made an extra pass over C; the same bits (the epilogue adds R to the same A·B + bias).
-// A is bf16, neither operand transposed; compute is BF16.
+// A is bf16 and not transposed (B may be); compute is BF16.
 void gemm_adding(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, const float* R,
                  const void* bias = nullptr, DType bias_type = DType::F32);
 

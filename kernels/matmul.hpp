@@ -168,26 +168,43 @@ inline void matmul_backward(float* dinp, float* dweight, const GemmOperand& dout
 
 // nn.Linear: out[N,OC] = inp[N,IC] · weight[OC,IC]ᵀ + bias (+ out when accumulate: a residual
 // folded into the product). gemm adds the bias (in oneDNN's epilogue for bf16 products, a pass
-// after sgemm otherwise).
-template <typename P>
-inline void linear_forward(float* out, const float* inp, const P* weight, const P* bias, Index N, Index IC, Index OC,
+// after sgemm otherwise). In: fp32, or bf16 kept for a bf16 product (compute BF16).
+template <typename P, typename In>
+inline void linear_forward(float* out, const In* inp, const P* weight, const P* bias, Index N, Index IC, Index OC,
                            bool accumulate = false, DType compute = DType::F32) {
-  gemm(N, OC, IC, {inp, DType::F32, false, IC}, {weight, dtype_of<P>(), true, IC}, out, OC, accumulate, compute, bias,
-       dtype_of<P>());
+  gemm(N, OC, IC, {inp, dtype_of<In>(), false, IC}, {weight, dtype_of<P>(), true, IC}, out, OC, accumulate, compute,
+       bias, dtype_of<P>());
+}
+
+// out = bf16(inp · weightᵀ + bias): nn.Linear rounding its own result (gemm_bf16_output) for a
+// reader that takes bf16 (attention's q, k and v). compute is BF16.
+template <typename P, typename In>
+inline void linear_forward(bf16* out, const In* inp, const P* weight, const P* bias, Index N, Index IC, Index OC) {
+  gemm_bf16_output(N, OC, IC, {inp, dtype_of<In>(), false, IC}, {weight, dtype_of<P>(), true, IC}, out, bias,
+                   dtype_of<P>());
+}
+
+// out = residual + inp · weightᵀ + bias with the residual in the product's epilogue
+// (gemm_adding), nn.Linear's matmul_forward_adding. compute is BF16.
+template <typename P>
+inline void linear_forward_adding(float* out, const float* residual, const bf16* inp, const P* weight, const P* bias,
+                                  Index N, Index IC, Index OC) {
+  gemm_adding(N, OC, IC, {inp, DType::BF16, false, IC}, {weight, dtype_of<P>(), true, IC}, out, residual, bias,
+              dtype_of<P>());
 }
 
 // nn.Linear's backward: dinp = dout · weight (written, skipped when null); dweight[OC,IC] +=
 // doutᵀ · inp (skipped when null); dbias += Σ rows of dout (skipped when null). dout is
 // converted to `compute` once for both products, the bias gradient taken in that pass;
 // add_dweight = false says dweight holds zeros (dweight_accumulates).
-template <typename P>
-inline void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+template <typename P, typename In>
+inline void linear_backward(float* dinp, float* dweight, float* dbias, const float* dout, const In* inp,
                             const P* weight, Index N, Index IC, Index OC, DType compute = DType::F32,
                             bool add_dweight = true) {
   const GemmOperand d = gemm_operand({dout, DType::F32, false, OC}, N * OC, compute, dbias);
   if (dinp) gemm(N, IC, OC, d, {weight, dtype_of<P>(), false, IC}, dinp, IC, false, compute);
   if (dweight)
-    gemm(OC, IC, N, {d.data, d.type, true, OC}, {inp, DType::F32, false, IC}, dweight, IC,
+    gemm(OC, IC, N, {d.data, d.type, true, OC}, {inp, dtype_of<In>(), false, IC}, dweight, IC,
          dweight_accumulates(add_dweight, compute), compute);
 }
 

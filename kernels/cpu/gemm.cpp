@@ -267,19 +267,19 @@ void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* 
 
 namespace {
 // The bf16 product with its epilogue in oneDNN (output rounded to bf16, or a residual added)
-// for untransposed 16-bit-input operands; false where it does not apply (no oneDNN, or other
+// for a 16-bit untransposed A (B plain or transposed); false where it does not apply (no oneDNN, or other
 // layouts), for the caller's fp32 route.
 bool gemm_epilogue_in_onednn(int64_t M, int64_t N, int64_t K, const GemmOperand& A, const GemmOperand& B, void* C,
                              bool c_bf16, const float* addend, const void* bias, DType bias_type) {
 #ifdef ZERO3D_HAVE_ONEDNN
-  if (A.trans || B.trans || A.type == DType::F32) return false;
+  if (A.trans || A.type == DType::F32) return false;
   bias = bias_in(DType::BF16, bias, bias_type, N);
   obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));
   const kernels::ProfileRegion region("gemm_bf16");
   Workspace& w = workspace();
   const bf16* a = as_bf16(A, stored_elems(M, A), w.a16);
-  const bf16* b = as_bf16(B, stored_elems(K, B), w.b16);
-  gemm_onednn(M, N, K, a, false, A.ld, b, false, B.ld, C, N, false, bias, bias_type, c_bf16, addend);
+  const bf16* b = as_bf16(B, stored_elems(B.trans ? N : K, B), w.b16);  // a Linear's weight: transposed
+  gemm_onednn(M, N, K, a, false, A.ld, b, B.trans, B.ld, C, N, false, bias, bias_type, c_bf16, addend);
   return true;
 #else
   (void)M, (void)N, (void)K, (void)A, (void)B, (void)C, (void)c_bf16, (void)addend, (void)bias, (void)bias_type;

@@ -7,9 +7,13 @@
 // q/k/v_proj and gate/up_proj are each one product: the layout stores their weights one after
 // another (model_layout.cpp llama_block_tensors), so they form one [(H + 2·Hkv)·d, C] and one
 // [2I, C] matrix. Attention is grouped-query with the layer's sliding window
-// (kernels/attention_gqa.hpp). Activations stay fp32; the products run in the model's compute
-// dtype. attention_dropout drops the probabilities in training (LlamaAttention's dropout on
-// attn_weights), inside the attention kernels.
+// (kernels/attention_gqa.hpp). The products run in the model's compute dtype. bf16 compute
+// without tensor parallelism (activations_bf16, as GPT-2's block) keeps the attention half's
+// product inputs in bf16: q/k/v_proj rounds its output, rope rotates it in place in bf16,
+// attention reads bf16 q, k, v (the fused AVX512-BF16 kernel where built) and writes the bf16
+// output o_proj reads; the backward's gradients stay fp32. attention_dropout drops the
+// probabilities in training (LlamaAttention's dropout on attn_weights), inside the attention
+// kernels.
 //
 // Tensor parallelism (DeepSpeed AutoTP's llama preset, Megatron's split): q/k/v_proj and
 // gate/up_proj column-parallel, each rank holding H/t query heads with their Hkv/t K/V heads
@@ -29,6 +33,7 @@
 #include "kernels/rmsnorm.hpp"
 #include "kernels/rope.hpp"
 #include "kernels/swiglu.hpp"
+#include "model/activations_bf16.hpp"
 #include "model/llama_tensors.hpp"
 #include "model/model.hpp"
 #include "model/stopwatch.hpp"
@@ -49,6 +54,7 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   const bool tp = t > 1, sp = tp_.sequence_parallel;
   const float eps = static_cast<float>(f.rms_norm_eps);
   const DType cmp = compute_type();
+  const bool lp = activations_bf16(cmp, tp, f.mixtral(), /*mlp_half=*/false);  // the attention half in bf16
   // res = res_in + inp · Wᵀ + bias: one product on one rank; a row-parallel product's partial
   // sums over the group (into this rank's tokens with sequence parallelism) then the bias once.
   const auto residual_product = [&](float* res, const float* res_in, const float* inp, const P* weight, const P* bias,
@@ -74,15 +80,22 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   obs::Region region(obs::attention_module(global_block));
   // h = x + o_proj(attention(...)) on input_layernorm(x)
   rmsnorm_forward(a.ln_1, a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
-  linear_forward(a.qkv, column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
-  rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // q and k rotated in place: the saves hold them rotated
+  const DropoutMask attn_drop = dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities);
+  if (lp) {  // q/k/v_proj rounds its own output: attention reads q, k and v in bf16
+    linear_forward(as_bf16(a.qkv), a.ln_1, p.qkv_w, p.qkv_b, BT, C, w.qkv);
+    rope_forward(as_bf16(a.qkv), rope_cos_, rope_sin_, B, T, H, Hkv, d);
+  } else {
+    linear_forward(a.qkv, column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
+    rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // q and k rotated in place: the saves hold them rotated
+  }
   {
     const Stopwatch sw(attention_ms != nullptr);
-    gqa_attention_forward(a.atty, a.att, a.qkv, B, T, H, Hkv, d, f.window_of(global_block),
-                          dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities));
+    if (lp) gqa_attention_forward(as_bf16(a.atty), a.att, as_bf16(a.qkv), B, T, H, Hkv, d, f.window_of(global_block), attn_drop);
+    else gqa_attention_forward(a.atty, a.att, a.qkv, B, T, H, Hkv, d, f.window_of(global_block), attn_drop);
     if (attention_ms) *attention_ms += sw.ms();
   }
-  residual_product(a.res_2, residual, a.atty, p.o_w, p.o_b, w.attn);
+  if (lp) linear_forward_adding(a.res_2, residual, as_bf16(a.atty), p.o_w, p.o_b, BT, w.attn, C);
+  else residual_product(a.res_2, residual, a.atty, p.o_w, p.o_b, w.attn);
   // out = h + down_proj(silu(gate) · up) on post_attention_layernorm(h)
   region.next(obs::mlp_module(global_block));
   rmsnorm_forward(a.ln_2, a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
@@ -116,6 +129,7 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   const BlockWidths& w = widths_;
   const bool sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
+  const bool lp = activations_bf16(cmp, t > 1, f.mixtral(), /*mlp_half=*/false);  // the forward's question
   const bool input = part != BackwardPart::Weight, weights = part != BackwardPart::Input;
   const bool keep = part == BackwardPart::Input;
   const int u = c.first_block_unit + l, global_block = c.first_block + l;
@@ -164,20 +178,27 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   region.next(obs::attention_module(global_block));
   const float* d_h = part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(dres, saved ? g.d_res_2 : gathered_);
   if (keep && !sp) copy(g.d_res_2, dres, BT * C);
+  // attention_dropout's mask, redrawn (also by the bf16 recompute: the kernel it picks depends on it)
+  const DropoutMask attn_drop = dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities);
   if (input && ac_.selective()) {  // the probabilities were not kept: recompute them (datty_ is free until o_proj)
     const obs::PassScope recompute(obs::Pass::Recompute);
     checkpoint_boundary();
     const Stopwatch sw(ac_.profile);
-    gqa_attention_forward(datty_, a.att, a.qkv, B, T, H, Hkv, d, window);
+    if (lp) gqa_attention_forward(datty_, a.att, as_bf16(a.qkv), B, T, H, Hkv, d, window, attn_drop);
+    else gqa_attention_forward(datty_, a.att, a.qkv, B, T, H, Hkv, d, window);
     if (ac_.profile) time_of(global_block, 1).recompute_ms += sw.ms();
     checkpoint_boundary();
   }
-  linear_backward(input ? datty_ : nullptr, weights ? dw.o_w : nullptr, weights ? dw.o_b : nullptr, d_h, a.atty, p.o_w,
-                  BT, w.attn, C, cmp, add_dw);
+  if (lp)
+    linear_backward(input ? datty_ : nullptr, weights ? dw.o_w : nullptr, weights ? dw.o_b : nullptr, d_h,
+                    as_bf16(a.atty), p.o_w, BT, w.attn, C, cmp, add_dw);
+  else
+    linear_backward(input ? datty_ : nullptr, weights ? dw.o_w : nullptr, weights ? dw.o_b : nullptr, d_h, a.atty,
+                    p.o_w, BT, w.attn, C, cmp, add_dw);
   store.progress();
   if (input) {
-    gqa_attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, H, Hkv, d, window,
-                           dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities));
+    if (lp) gqa_attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, H, Hkv, d, window, attn_drop);
+    else gqa_attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, H, Hkv, d, window, attn_drop);
     rope_backward(d_qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // to the gradient of q and k before rotation
   }
   store.progress();

@@ -14,6 +14,7 @@
 #include "kernels/matmul.hpp"
 #include "kernels/rmsnorm.hpp"
 #include "kernels/vocab_parallel.hpp"
+#include "model/activations_bf16.hpp"
 #include "model/model.hpp"
 #include "model/pld.hpp"
 #include "model/stopwatch.hpp"
@@ -119,17 +120,6 @@ DropoutMask GPT::dropout_mask(double p, int64_t layer, DropoutSite site) const {
   m.first_head = part_.tp_rank * Hl_;  // tensor rank r holds heads r·H/t, ... (whole heads, model_part's split)
   return m;
 }
-
-namespace {
-// bf16 compute without tensor parallelism keeps the inputs of the bf16 products (ln_1, the
-// attention output, ln_2, the GELU output) in bf16 in their float-sized buffers; an MoE block's
-// MLP half keeps fp32 (its gate and experts read ln_2). Forward and backward ask the same question.
-bool activations_bf16(DType compute, bool tensor_parallel, bool moe_block, bool mlp_half) {
-  return compute == DType::BF16 && !tensor_parallel && !(mlp_half && moe_block);
-}
-bf16* as_bf16(float* x) { return reinterpret_cast<bf16*>(x); }
-
-}  // namespace
 
 template <typename P>
 void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const float* residual, ParamStore& store,

@@ -8,6 +8,7 @@
 
 #include "base/rng.hpp"
 #include "kernels/attention.hpp"  // kRowBlock: the attention backward's row block (its scratch)
+#include "kernels/attention_gqa.hpp"
 #include "model/model.hpp"
 
 namespace zero3d {
@@ -464,14 +465,19 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, H = shape.n_head / t, BT = B * T,
                 Ns = sequence_parallel && t > 1 ? BT / t : BT;
   const bool bf16 = compute == DType::BF16;
-  if (shape.llama()) {  // every save fp32 (the products take fp32 inputs); rstd only
+  const auto half = [](int64_t n) { return (n + 1) / 2; };  // n bf16 values in floats
+  if (shape.llama()) {  // rstd only
     const BlockWidths w = block_widths(shape, t);
+    // the attention half's qkv and output in bf16 (llama_block.cpp, activations_bf16); att: what
+    // the bf16 grouped-query attention keeps (kernels/attention_gqa.hpp)
+    const bool attn16 = bf16 && t == 1;
     BlockSaveSizes z;
     z.ln_1 = z.res = z.ln_2 = Ns * C;
     z.stats = Ns;
-    z.qkv = BT * w.qkv;
-    z.att = B * H * T * T;
-    z.atty = BT * w.attn;
+    z.qkv = attn16 ? half(BT * w.qkv) : BT * w.qkv;
+    z.att = attn16 ? kernels::gqa_attention_bf16_saved_floats(B * H, T, shape.family.head_dim, shape.dropout.attn > 0.0)
+                   : B * H * T * T;
+    z.atty = attn16 ? half(BT * w.attn) : BT * w.attn;
     z.fch = BT * w.fc;
     z.act = BT * w.act;
     return z;
@@ -480,7 +486,6 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   // block of the model): no tensor parallelism, and for the attention half no sparse attention
   // (its kernel is fp32), for the MLP half no MoE block anywhere (their MLP half keeps fp32).
   const bool attn16 = bf16 && t == 1 && !shape.sparse.enabled, mlp16 = bf16 && t == 1 && !shape.moe.enabled();
-  const auto half = [](int64_t n) { return (n + 1) / 2; };  // n bf16 values in floats
   BlockSaveSizes z;
   z.ln_1 = attn16 ? half(Ns * C) : Ns * C;
   z.stats = z.mean = Ns;

@@ -403,8 +403,9 @@ TEST(LlamaFamilyEval, EvaluatesToPyTorchsLossInEveryLayout) {
   }
 }
 
-// 16-bit runs: bf16 and fp16 parameters and torch_autocast run the products in 16 bits (the
-// activations, RMSNorm and attention stay fp32) and follow PyTorch's fp32 losses within the
+// 16-bit runs: bf16 and fp16 parameters and torch_autocast run the products in 16 bits (bf16
+// keeps the attention half's products' inputs and attention in bf16; fp16 keeps fp32
+// activations) and follow PyTorch's fp32 losses within the
 // rounding of their products; a bf16 run at np 2 with ZeRO-2 stays within bf16 reduction-order
 // noise of one rank's.
 TEST(LlamaFamilyPrecision, SixteenBitRunsTrackPyTorchsFp32Losses) {
@@ -419,6 +420,22 @@ TEST(LlamaFamilyPrecision, SixteenBitRunsTrackPyTorchsFp32Losses) {
                                       "--set bf16.enabled=true --set zero_optimization.stage=2 "
                                       "--set train_micro_batch_size_per_gpu=2")),
                       bf16, 1e-3, "bf16 np 2 ZeRO-2 against bf16 np 1");
+}
+
+// bf16 compute keeps the attention half's q, k, v and output in bf16 and runs the fused
+// grouped-query kernel (kernels/attention_gqa.hpp), here with Mistral's sliding window: within
+// bf16's rounding of PyTorch's fp32 losses, and ZeRO-3 at np 2 and two pipeline stages within
+// bf16 reduction-order noise of one rank's.
+TEST(LlamaFamilyPrecision, Bf16WindowedAttentionTracksPyTorchAndOneRankAcrossLayouts) {
+  const Golden& g = golden("mistral_window");
+  const std::vector<double> bf16 = losses_of(train(g, 1, "bf16", "--set bf16.enabled=true"));
+  expect_losses_close(bf16, g.losses, 2e-3, "mistral bf16 against PyTorch fp32");
+  expect_losses_close(losses_of(train(g, 2, "bf16_np2_z3",
+                                      "--set bf16.enabled=true --set zero_optimization.stage=3 "
+                                      "--set train_micro_batch_size_per_gpu=1")),
+                      bf16, 1e-3, "bf16 np 2 ZeRO-3 against bf16 np 1");
+  expect_losses_close(losses_of(train(g, 2, "bf16_p2", "--set bf16.enabled=true " + kPipe2)), bf16, 1e-3,
+                      "bf16 two pipeline stages against bf16 np 1");
 }
 
 // A vocabulary that does not split evenly: the tensor ranks pad embed_tokens and the untied
