@@ -286,7 +286,8 @@ inline void softmax_rows(const float* s, bf16* p, Index ld, float* m, float* l, 
     const __m512 vshift = _mm512_set1_ps(mx * scale2), vscale2 = _mm512_set1_ps(scale2);
     __m512 vsum = _mm512_setzero_ps();
     for (Index c = 0; c < nc; c += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(seen(r, c), exp2_x16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + c), vscale2, vshift)));
+      const __m512 e =
+          _mm512_maskz_mov_ps(seen(r, c), exp2_x16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + c), vscale2, vshift)));
       vsum = _mm512_add_ps(vsum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(e));
     }

@@ -86,12 +86,13 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
     rope_forward(as_bf16(a.qkv), rope_cos_, rope_sin_, B, T, H, Hkv, d);
   } else {
     linear_forward(a.qkv, column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
-    rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // q and k rotated in place: the saves hold them rotated
-  }
+    rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);
+  }  // q and k rotated in place: the saves hold them rotated
   {
     const Stopwatch sw(attention_ms != nullptr);
-    if (lp) gqa_attention_forward(as_bf16(a.atty), a.att, as_bf16(a.qkv), B, T, H, Hkv, d, f.window_of(global_block), attn_drop);
-    else gqa_attention_forward(a.atty, a.att, a.qkv, B, T, H, Hkv, d, f.window_of(global_block), attn_drop);
+    const int64_t window = f.window_of(global_block);
+    if (lp) gqa_attention_forward(as_bf16(a.atty), a.att, as_bf16(a.qkv), B, T, H, Hkv, d, window, attn_drop);
+    else gqa_attention_forward(a.atty, a.att, a.qkv, B, T, H, Hkv, d, window, attn_drop);
     if (attention_ms) *attention_ms += sw.ms();
   }
   if (lp) linear_forward_adding(a.res_2, residual, as_bf16(a.atty), p.o_w, p.o_b, BT, w.attn, C);
@@ -197,8 +198,10 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
                     p.o_w, BT, w.attn, C, cmp, add_dw);
   store.progress();
   if (input) {
-    if (lp) gqa_attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, H, Hkv, d, window, attn_drop);
-    else gqa_attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, H, Hkv, d, window, attn_drop);
+    if (lp)
+      gqa_attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, H, Hkv, d, window, attn_drop);
+    else
+      gqa_attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, H, Hkv, d, window, attn_drop);
     rope_backward(d_qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // to the gradient of q and k before rotation
   }
   store.progress();
