@@ -21,25 +21,34 @@
 // device form (namespace gpu) splits heads into dense arrays and batches its products over the
 // B·Hkv groups, each group's G = H/Hkv query heads stacked as G·T rows against their one K/V head.
 // Both compile on every build; tests/kernels/test_llama_kernels.cpp holds one against the other.
+//
+// bf16 compute (the overloads at the end, qkv in bf16: the q/k/v product rounded its output and
+// rope rotated it in bf16): on CPUs with AVX512-BF16 the fused kernel of
+// cpu/attention_flash_bf16.hpp with its groups and window (att then holds each row's log-sum-exp
+// and the bf16 output, as GPT-2's fused attention keeps), chosen at build time as
+// attention_bf16.hpp chooses it; elsewhere, and under attention dropout (the fused kernel draws
+// no mask), the portable form: the fp32 kernels above on q, k and v widened (exactly), the output
+// rounded, att holding fp32 probabilities.
 #pragma once
 
 #include <cblas.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "base/profiler.hpp"
 #include "kernels/attention.hpp"  // kRowBlock, and the device form's head and score scratch
 #include "kernels/common.hpp"
+#include "kernels/dropout.hpp"
 #include "kernels/fastmath.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/half.hpp"
 #include "kernels/memory.hpp"
 
 namespace zero3d::kernels {
 
-// The first key query i sees: 0, or i − W + 1 with a window W.
-KOKKOS_INLINE_FUNCTION Index gqa_first_key(Index i, Index window) {
-  return window > 0 && i - window + 1 > 0 ? i - window + 1 : 0;
-}
+// gqa_first_key (the first key query i sees) is in cpu/attention_flash_bf16.hpp, whose fused
+// kernel masks with it too.
 
 namespace gpu {
 
@@ -288,6 +297,70 @@ ZERO3D_KERNEL void gqa_attention_backward(float* dqkv, float* scratch, const flo
       }
     }
 #endif
+}
+
+// ---- bf16 compute ---------------------------------------------------------------------------
+
+// Whether the bf16 overloads below run the fused kernel for B·H = BH query heads: built with it,
+// no dropout mask, and att has room for its L and O (ZERO3D_ATTENTION_KERNEL=tiled: the portable form).
+inline bool gqa_attention_flash_chosen(Index BH, Index T, Index d, const DropoutMask& dropout = {}) {
+#ifdef ZERO3D_FLASH_ATTENTION
+  return attention_flash_chosen(BH, T, d, dropout);
+#else
+  (void)BH, (void)T, (void)d, (void)dropout;
+  return false;
+#endif
+}
+
+// The floats of att the bf16 overloads write for BH query heads (what the model allocates): the
+// fused kernel's L and O, or the portable form's probabilities (also under dropout in training).
+inline Index gqa_attention_bf16_saved_floats(Index BH, Index T, Index d, bool dropout = false) {
+  if (dropout || !gqa_attention_flash_chosen(BH, T, d)) return BH * T * T;
+  return attention_flash_o_offset(BH, T) + (BH * T * d + 1) / 2;
+}
+
+// q, k and v widened to fp32 for the portable form (exact: a bf16 is an fp32 with a shorter
+// mantissa), then the output.
+inline DeviceScratch& gqa_widened_scratch() { return static_scratch<4>("attention_gqa_widened"); }
+
+// out (bf16 for o_proj's bf16 product, or fp32) and att from the bf16 qkv.
+template <typename O>
+inline void gqa_attention_forward(O* out, float* att, const bf16* qkv, Index B, Index T, Index H, Index Hkv, Index d,
+                                  Index window, DropoutMask dropout = {}) {
+#ifdef ZERO3D_FLASH_ATTENTION
+  if (gqa_attention_flash_chosen(B * H, T, d, dropout)) {
+    obs::add_macs(2.0 * B * T * T * H * d);  // counted densely, as the fp32 kernel counts
+    const ProfileRegion region("attention_forward");
+    return flash::forward(out, att, qkv, B, T, flash::Heads{H, Hkv, d, window});
+  }
+#endif
+  const Index rows = B * T * (H + 2 * Hkv) * d, outs = B * T * H * d;
+  float* wide = gqa_widened_scratch().take<float>(rows + (std::is_same_v<O, float> ? 0 : outs));
+  convert(wide, qkv, rows);
+  if constexpr (std::is_same_v<O, float>) {
+    gqa_attention_forward(out, att, wide, B, T, H, Hkv, d, window, dropout);
+  } else {
+    gqa_attention_forward(wide + rows, att, wide, B, T, H, Hkv, d, window, dropout);
+    convert(out, wide + rows, outs);
+  }
+}
+
+// dqkv (fp32, for rope's backward) from the bf16 qkv and what the forward above left in att;
+// scratch as the fp32 kernel's.
+inline void gqa_attention_backward(float* dqkv, float* scratch, const float* dout, const bf16* qkv, const float* att,
+                                   Index B, Index T, Index H, Index Hkv, Index d, Index window,
+                                   DropoutMask dropout = {}) {
+#ifdef ZERO3D_FLASH_ATTENTION
+  if (gqa_attention_flash_chosen(B * H, T, d, dropout)) {
+    obs::add_macs(4.0 * B * T * T * H * d);
+    const ProfileRegion region("attention_backward");
+    return flash::backward(dqkv, static_cast<float*>(nullptr), dout, qkv, att, B, T, flash::Heads{H, Hkv, d, window});
+  }
+#endif
+  const Index rows = B * T * (H + 2 * Hkv) * d;
+  float* wide = gqa_widened_scratch().take<float>(rows);
+  convert(wide, qkv, rows);
+  gqa_attention_backward(dqkv, scratch, dout, wide, att, B, T, H, Hkv, d, window, dropout);
 }
 
 }  // namespace zero3d::kernels

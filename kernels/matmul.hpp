@@ -178,10 +178,11 @@ inline void linear_forward(float* out, const In* inp, const P* weight, const P* 
 }
 
 // out = bf16(inp · weightᵀ + bias), rounded in the product's epilogue (gemm_bf16_output), for an
-// output whose only reader takes bf16 (the Llama MLP's [gate | up], which SwiGLU reads). compute is BF16.
-template <typename P>
-inline void linear_forward(bf16* out, const bf16* inp, const P* weight, const P* bias, Index N, Index IC, Index OC) {
-  gemm_bf16_output(N, OC, IC, {inp, DType::BF16, false, IC}, {weight, dtype_of<P>(), true, IC}, out, bias,
+// output whose only reader takes bf16 (the Llama MLP's [gate | up], which SwiGLU reads; attention's
+// q, k and v). compute is BF16.
+template <typename P, typename In>
+inline void linear_forward(bf16* out, const In* inp, const P* weight, const P* bias, Index N, Index IC, Index OC) {
+  gemm_bf16_output(N, OC, IC, {inp, dtype_of<In>(), false, IC}, {weight, dtype_of<P>(), true, IC}, out, bias,
                    dtype_of<P>());
 }
 

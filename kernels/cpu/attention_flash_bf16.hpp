@@ -17,6 +17,14 @@
 // att holds, instead of probabilities: L [B·H][T] fp32, then (from attention_flash_o_offset) O
 // [B·H][T][hs] in bf16 — about B·H·T·(1 + hs/2) floats, which fit in att's B·H·T·T unless T is
 // below ~hs/2 (attention_flash_fits); the caller uses the tiled kernel otherwise.
+//
+// The same kernels serve grouped-query attention (attention_gqa.hpp's layout and mask, the
+// Llama family): qkv rows of H query heads, then Hkv K heads, then Hkv V heads; query head h
+// reads K/V head h / (H/Hkv) where it is packed, once per group, never copied per query head;
+// the backward sums dK and dV over the group's query heads in head order (fixed, so the bits
+// repeat). A sliding window W masks keys j <= i - W as well; the forward starts each query
+// block at its first row's first key, the backward ends each key block at its last key's last
+// query. GPT-2 is the case Hkv = H, W = 0 (flash::forward/backward with C and H).
 #pragma once
 
 #include <algorithm>
@@ -34,6 +42,12 @@
 #endif
 
 namespace zero3d::kernels {
+
+// The first key query i sees: 0, or i − W + 1 with a sliding window W > 0 (key j visible when
+// i − W < j <= i: transformers masking_utils, sliding_window_overlay).
+KOKKOS_INLINE_FUNCTION Index gqa_first_key(Index i, Index window) {
+  return window > 0 && i - window + 1 > 0 ? i - window + 1 : 0;
+}
 
 // Whether attention_flash_forward/backward serve a shape: built with AVX512-BF16 (Serial
 // execution space) and room for L and O in att.
@@ -233,7 +247,7 @@ struct Scratch {
   ~Scratch() { ::operator delete(p, std::align_val_t(64)); }
 };
 struct Workspace {
-  Scratch b, c, d, e, f, g, tmp, dqt, dq, sums, rows, tiles, heads;
+  Scratch b, c, d, e, f, g, tmp, dqt, dq, sums, rows, tiles, heads, group;
 };
 inline Workspace& workspace() {
   static Workspace w;
@@ -246,29 +260,34 @@ inline Workspace& workspace() {
 constexpr Index kFwdQ = 32, kFwdK = 256, kBwdK = 32, kBwdQ = 64;
 
 // The online softmax step for `rows` rows of scores s (row stride ld, nc columns of a key block;
-// row r sees the block's keys up to column r + diag): the running max m and sum l updated, the
+// row r sees the block's keys up to column r + diag, and with a window from column
+// gqa_first_key(r + diag + k0, window) − k0, k0 the block's first key): the running max m and sum l updated, the
 // partial output o (row stride ldo) rescaled by exp(m_old - m_new), and P = exp(s - m_new) (in
 // base 2, scale2 = scale·log2 e) written to p as bf16, zero past each row's last key. Each pass
 // runs over all the rows before the next, so their dependency chains overlap.
 inline void softmax_rows(const float* s, bf16* p, Index ld, float* m, float* l, float* o, Index ldo, Index rows, Index nc,
-                         Index diag, bool first, float scale2) {
+                         Index diag, Index k0, Index window, bool first, float scale2) {
   float mnew[8];
+  // lanes c.. of row r that the row sees: below its last key, from its first (no lower bound without a window)
+  const auto seen = [&](Index r, Index c) {
+    const Index valid = std::min(nc, diag + r + 1), from = window > 0 ? gqa_first_key(diag + r + k0, window) - k0 : 0;
+    return static_cast<__mmask16>(lanes_below(valid - c) & ~lanes_below(from - c));
+  };
   for (Index r = 0; r < rows; ++r) {
     const float* sr = s + r * ld;
-    const Index valid = std::min(nc, diag + r + 1);
     __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (Index c = 0; c < nc; c += 16) vmax = _mm512_mask_max_ps(vmax, lanes_below(valid - c), vmax, _mm512_loadu_ps(sr + c));
+    for (Index c = 0; c < nc; c += 16) vmax = _mm512_mask_max_ps(vmax, seen(r, c), vmax, _mm512_loadu_ps(sr + c));
     mnew[r] = _mm512_reduce_max_ps(vmax);
   }
   for (Index r = 0; r < rows; ++r) {
     const float* sr = s + r * ld;
     bf16* pr = p + r * ld;
-    const Index valid = std::min(nc, diag + r + 1);
     const float mx = first ? mnew[r] : std::max(m[r], mnew[r]);
     const __m512 vshift = _mm512_set1_ps(mx * scale2), vscale2 = _mm512_set1_ps(scale2);
     __m512 vsum = _mm512_setzero_ps();
     for (Index c = 0; c < nc; c += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(lanes_below(valid - c), exp2_x16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + c), vscale2, vshift)));
+      const __m512 e =
+          _mm512_maskz_mov_ps(seen(r, c), exp2_x16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + c), vscale2, vshift)));
       vsum = _mm512_add_ps(vsum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(e));
     }
@@ -285,10 +304,20 @@ inline void softmax_rows(const float* s, bf16* p, Index ld, float* m, float* l, 
   }
 }
 
+// The heads of a qkv row and what a query sees: H query heads, then Hkv K and Hkv V heads of hs
+// values (query head h reads K/V head h / (H/Hkv)); window 0: causal, else also i − j < window.
+struct Heads {
+  Index H, Hkv, hs, window;
+  Index group() const { return H / Hkv; }
+  Index width() const { return (H + 2 * Hkv) * hs; }  // a qkv row
+};
+
 // ---- forward ----------------------------------------------------------------------------------
+// out[B,T,H·hs] and att (L, O) from qkv[B,T,(H + 2·Hkv)·hs].
 template <typename O, typename Q>
-inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H) {
-  const Index hs = C / H, C3 = 3 * C, BH = B * H, Tp = round_up(T, 16), hsp = round_up(hs, 16), hp = hsp / 2;
+inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, const Heads& a) {
+  const Index H = a.H, Hkv = a.Hkv, hs = a.hs, G = a.group(), W = a.width(), A = H * hs, BH = B * H;
+  const Index Tp = round_up(T, 16), hsp = round_up(hs, 16), hp = hsp / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const float scale2 = scale * kLog2e;  // exponentials in base 2
   float* lse = att;
@@ -304,26 +333,31 @@ inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C,
   float* m = o + kFwdQ * hsp;                                    // running max (raw scores)
   float* l = m + kFwdQ;                                          // running sum
   const Index head = Tp * hsp;
-  bf16* heads = w.heads.take<bf16>(3 * H * head);  // one sequence's Q, K and V, every head packed
+  bf16* heads = w.heads.take<bf16>((H + 2 * Hkv) * head);  // one sequence's Q, K and V, every head packed
   for (Index bh = 0; bh < BH; ++bh) {
-    const Index b = bh / H, h = bh % H;
-    // q, k and v as 3H heads of one row: each qkv row read whole, front to back
-    if (h == 0) pack_heads(heads, qkv + b * T * C3, C3, T, 3 * H, hs, Tp, hsp);
+    const Index b = bh / H, h = bh % H, g = h / G;
+    // q, k and v as H + 2·Hkv heads of one row: each qkv row read whole, front to back
+    if (h == 0) pack_heads(heads, qkv + b * T * W, W, T, H + 2 * Hkv, hs, Tp, hsp);
     qn = heads + h * head;
-    transpose32(kv, heads + (H + h) * head, Tp, hp);
-    row_pairs(vk, heads + (2 * H + h) * head, Tp, hsp);
+    if (h % G == 0) {  // the group's K/V head, laid out once for its G query heads
+      transpose32(kv, heads + (H + g) * head, Tp, hp);
+      row_pairs(vk, heads + (H + Hkv + g) * head, Tp, hsp);
+    }
     for (Index q0 = 0; q0 < T; q0 += kFwdQ) {
       const Index nq = std::min(kFwdQ, T - q0), qend = q0 + nq;
+      // from the 16-key group holding the block's first row's first key: within kFwdK of it lie
+      // every row's first key, so each row meets one of its keys in the first key block
+      const Index kstart = gqa_first_key(q0, a.window) / 16 * 16;
       for (Index r = 0; r < nq * hsp; ++r) o[r] = 0.0f;
-      for (Index k0 = 0; k0 < qend; k0 += kFwdK) {
-        const bool first = k0 == 0;
+      for (Index k0 = kstart; k0 < qend; k0 += kFwdK) {
+        const bool first = k0 == kstart;
         for (Index rb = 0; rb < nq; rb += 8) {
           const Index rows = std::min<Index>(8, nq - rb);
           // keys k0.. up to the block's last row, in whole 16-column groups
           const Index nc = std::min(kFwdK, round_up(q0 + rb + rows, 16) - k0);
           mm<false>(rows, nc, hp, qn + (q0 + rb) * hsp, hsp, kv + 2 * k0, 2 * Tp, s + rb * kFwdK, kFwdK);
-          softmax_rows(s + rb * kFwdK, p + rb * kFwdK, kFwdK, m + rb, l + rb, o + rb * hsp, hsp, rows, nc,
-                                          q0 + rb - k0, first, scale2);
+          softmax_rows(s + rb * kFwdK, p + rb * kFwdK, kFwdK, m + rb, l + rb, o + rb * hsp, hsp, rows, nc, q0 + rb - k0,
+                       k0, a.window, first, scale2);
           // O += P · V over the same keys
           mm<true>(rows, hsp, nc / 2, p + rb * kFwdK, kFwdK, vk + k0 * hsp, 2 * hsp, o + rb * hsp, hsp);
         }
@@ -332,7 +366,7 @@ inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C,
         const Index t = q0 + r;
         const float inv = 1.0f / l[r];
         const float* orow = o + r * hsp;
-        O* dst = out + (b * T + t) * C + h * hs;
+        O* dst = out + (b * T + t) * A + h * hs;
         bf16* saved = osave + (bh * T + t) * hs;
 #pragma omp simd
         for (Index d = 0; d < hs; ++d) {
@@ -344,6 +378,12 @@ inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C,
       }
     }
   }
+}
+
+// GPT-2's causal attention: qkv[B,T,3C], H heads of C/H, no window.
+template <typename O, typename Q>
+inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H) {
+  forward(out, att, qkv, B, T, Heads{H, H, C / H, 0});
 }
 
 // One row of a gradient written as D (when out is set), its values added to the column sums
@@ -366,10 +406,13 @@ inline void write_row(D* out, float* sums, const float* x, Index n) {
 // column_sums (nullable, 3C) then gets c_attn's bias gradient added: each column's fp32 values
 // summed over the B·T rows in order into a fresh sum, as convert_summing_columns sums them (same
 // bits), without writing and re-reading an fp32 dqkv.
+// With groups (Hkv < H) each K/V head's dK and dV are summed over its query heads in fp32, head
+// by head, before they are written.
 template <typename D, typename Q>
 inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qkv, const float* att, Index B, Index T,
-                     Index C, Index H) {
-  const Index hs = C / H, C3 = 3 * C, BH = B * H, Tp = round_up(T, 16), hsp = round_up(hs, 16), hp = hsp / 2;
+                     const Heads& a) {
+  const Index H = a.H, Hkv = a.Hkv, hs = a.hs, G = a.group(), W = a.width(), A = H * hs, BH = B * H;
+  const Index Tp = round_up(T, 16), hsp = round_up(hs, 16), hp = hsp / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const __m512 vscale = _mm512_set1_ps(scale), vscale2 = _mm512_set1_ps(scale * kLog2e);
   const float* lse = att;
@@ -400,22 +443,24 @@ inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qk
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const Index head = Tp * hsp;
-  bf16* heads = w.heads.take<bf16>(4 * H * head);  // one sequence's dO, Q, K and V, every head packed
-  float* sums = column_sums ? w.sums.take<float>(C3) : nullptr;  // the bias gradient's fresh sums
-  if (sums) std::fill(sums, sums + C3, 0.0f);
+  bf16* heads = w.heads.take<bf16>((2 * H + 2 * Hkv) * head);  // one sequence's dO, Q, K and V, every head packed
+  float* sums = column_sums ? w.sums.take<float>(W) : nullptr;  // the bias gradient's fresh sums
+  if (sums) std::fill(sums, sums + W, 0.0f);
   float* dq = std::is_same_v<D, float> ? nullptr : w.dq.take<float>(Tp * hsp);  // dQ rows, on the way to bf16
+  float* group = G > 1 ? w.group.take<float>(2 * Tp * hsp) : nullptr;  // a K/V head's dK and dV [Tp][hsp], summed
   for (Index bh = 0; bh < BH; ++bh) {
-    const Index b = bh / H, h = bh % H;
+    const Index b = bh / H, h = bh % H, g = h / G;
+    const bool group_first = h % G == 0, group_last = h % G == G - 1;
     // each input read once, in memory order: packed to bf16 rows, the other layouts made from those
     if (h == 0) {
-      pack_heads(heads, dout + b * T * C, C, T, H, hs, Tp, hsp);
-      // q, k and v as 3H heads of one row: each qkv row read whole, front to back
-      pack_heads(heads + H * head, qkv + b * T * C3, C3, T, 3 * H, hs, Tp, hsp);
+      pack_heads(heads, dout + b * T * A, A, T, H, hs, Tp, hsp);
+      // q, k and v as H + 2·Hkv heads of one row: each qkv row read whole, front to back
+      pack_heads(heads + H * head, qkv + b * T * W, W, T, H + 2 * Hkv, hs, Tp, hsp);
     }
     tmp = heads + h * head;  // dO rows
     const bf16* qh = heads + (H + h) * head;
-    kn = heads + (2 * H + h) * head;
-    vn = heads + (3 * H + h) * head;
+    kn = heads + (2 * H + g) * head;
+    vn = heads + (2 * H + Hkv + g) * head;
     for (Index t = 0; t < Tp; ++t) {  // D from the bf16 dO and O (FlashAttention-2 reads both in bf16)
       float dot = 0.0f;
       if (t < T) {
@@ -431,13 +476,17 @@ inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qk
     row_pairs(doq, tmp, Tp, hsp);
     transpose32(qv, qh, Tp, hp);
     row_pairs(qq, qh, Tp, hsp);
-    row_pairs(pairs, kn, Tp, hsp);
-    transpose32(kt, pairs, Tp / 2, hsp);
+    if (group_first) {  // Kᵀ of the group's K/V head, once for its G query heads
+      row_pairs(pairs, kn, Tp, hsp);
+      transpose32(kt, pairs, Tp / 2, hsp);
+    }
     std::memset(dqt, 0, sizeof(float) * hsp * Tp);
     for (Index k0 = 0; k0 < T; k0 += kBwdK) {
       const Index nk = std::min(kBwdK, Tp - k0);  // a multiple of 16
+      // the block's keys are seen by queries up to its last key's last one: k0 + nk − 1 + window − 1
+      const Index qend = a.window > 0 ? std::min(T, k0 + nk - 1 + a.window) : T;
       std::memset(dka, 0, sizeof(float) * 2 * kBwdK * hsp);
-      for (Index q0 = k0 / kBwdQ * kBwdQ; q0 < T; q0 += kBwdQ) {
+      for (Index q0 = k0 / kBwdQ * kBwdQ; q0 < qend; q0 += kBwdQ) {
         const Index nq = std::min(kBwdQ, Tp - q0);
         for (Index rb = 0; rb < nk; rb += 8) {
           const Index kr = k0 + rb;
@@ -456,8 +505,9 @@ inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qk
               __m512 pe[2], ge[2];
               for (int e = 0; e < 2; ++e) {
                 const Index row = i + e;
-                const __mmask16 valid =
-                    inside & _mm512_cmpge_epi32_mask(qi, _mm512_set1_epi32(static_cast<int>(k0 + row)));
+                __mmask16 valid = inside & _mm512_cmpge_epi32_mask(qi, _mm512_set1_epi32(static_cast<int>(k0 + row)));
+                if (a.window > 0)  // and query < key + window
+                  valid &= _mm512_cmplt_epi32_mask(qi, _mm512_set1_epi32(static_cast<int>(k0 + row + a.window)));
                 pe[e] = _mm512_maskz_mov_ps(valid, exp2_x16(_mm512_fmsub_ps(_mm512_loadu_ps(st + row * kBwdQ + c), vscale2, lv)));
                 ge[e] = _mm512_mul_ps(_mm512_mul_ps(pe[e], vscale), _mm512_sub_ps(_mm512_loadu_ps(dpt + row * kBwdQ + c), dv));
               }
@@ -480,29 +530,50 @@ inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qk
           if (kend > 0) mm<true>(hsp, wd, kend / 2, kt + k0, Tp, dstv + 2 * c, 2 * kBwdQ, dqt + q0 + c, Tp);
         }
       }
+      const Index kc = (H + g) * hs, vc = (H + Hkv + g) * hs;  // the K/V head's columns
       for (Index r = 0; r < nk && k0 + r < T; ++r) {
-        D* g = dqkv + (b * T + k0 + r) * C3 + h * hs;
-        write_row(g + C, sums ? sums + C + h * hs : nullptr, dka + r * hsp, hs);
-        write_row(g + 2 * C, sums ? sums + 2 * C + h * hs : nullptr, dva + r * hsp, hs);
+        const float* dk = dka + r * hsp;
+        const float* dv = dva + r * hsp;
+        if (G > 1) {  // this query head's part added to the group's sums (the first one starts them)
+          float* gk = group + (k0 + r) * hsp;
+          float* gv = group + (Tp + k0 + r) * hsp;
+#pragma omp simd
+          for (Index d = 0; d < hs; ++d) {
+            gk[d] = group_first ? dk[d] : gk[d] + dk[d];
+            gv[d] = group_first ? dv[d] : gv[d] + dv[d];
+          }
+          dk = gk, dv = gv;
+        }
+        if (!group_last) continue;
+        D* row = dqkv + (b * T + k0 + r) * W;
+        write_row(row + kc, sums ? sums + kc : nullptr, dk, hs);
+        write_row(row + vc, sums ? sums + vc : nullptr, dv, hs);
       }
     }
     // dQ = (dQᵀ)ᵀ
-    D* g = dqkv + b * T * C3 + h * hs;
+    D* gq = dqkv + b * T * W + h * hs;
     if constexpr (std::is_same_v<D, float>) {
       const Index T16 = T / 16 * 16, hs16 = hs / 16 * 16;
       for (Index t0 = 0; t0 < T16; t0 += 16)
-        for (Index d0 = 0; d0 < hs16; d0 += 16) transpose_16x16(g + t0 * C3 + d0, C3, dqt + d0 * Tp + t0, Tp);
+        for (Index d0 = 0; d0 < hs16; d0 += 16) transpose_16x16(gq + t0 * W + d0, W, dqt + d0 * Tp + t0, Tp);
       for (Index t = 0; t < T; ++t)
-        for (Index d = t < T16 ? hs16 : 0; d < hs; ++d) g[t * C3 + d] = dqt[d * Tp + t];
+        for (Index d = t < T16 ? hs16 : 0; d < hs; ++d) gq[t * W + d] = dqt[d * Tp + t];
       if (sums)
-        for (Index t = 0; t < T; ++t) write_row<float>(nullptr, sums + h * hs, g + t * C3, hs);
+        for (Index t = 0; t < T; ++t) write_row<float>(nullptr, sums + h * hs, gq + t * W, hs);
     } else {
       transpose32(dq, dqt, hsp, Tp);
-      for (Index t = 0; t < T; ++t) write_row(g + t * C3, sums ? sums + h * hs : nullptr, dq + t * hsp, hs);
+      for (Index t = 0; t < T; ++t) write_row(gq + t * W, sums ? sums + h * hs : nullptr, dq + t * hsp, hs);
     }
   }
   if (sums)
-    for (Index o = 0; o < C3; ++o) column_sums[o] += sums[o];
+    for (Index o = 0; o < W; ++o) column_sums[o] += sums[o];
+}
+
+// GPT-2's: qkv[B,T,3C], H heads of C/H, no window.
+template <typename D, typename Q>
+inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qkv, const float* att, Index B, Index T,
+                     Index C, Index H) {
+  backward(dqkv, column_sums, dout, qkv, att, B, T, Heads{H, H, C / H, 0});
 }
 
 }  // namespace flash

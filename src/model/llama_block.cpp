@@ -7,11 +7,13 @@
 // q/k/v_proj and gate/up_proj are each one product: the layout stores their weights one after
 // another (model_layout.cpp llama_block_tensors), so they form one [(H + 2·Hkv)·d, C] and one
 // [2I, C] matrix. Attention is grouped-query with the layer's sliding window
-// (kernels/attention_gqa.hpp). The products run in the model's compute dtype; bf16 compute
-// without tensor parallelism keeps the RMSNorms' outputs and the MLP's activations in bf16 where
-// they are made (bf16_activations.hpp, as GPT-2's block): gate_up_proj writes bf16, SwiGLU reads
-// and writes bf16, and its backward makes [dgate | dup] in bf16 straight into the gate/up
-// product's operand; the rest stays fp32. attention_dropout drops the probabilities in training
+// (kernels/attention_gqa.hpp). The products run in the model's compute dtype. bf16 compute
+// without tensor parallelism (bf16_activations.hpp, as GPT-2's block) keeps the products' inputs
+// in bf16 where they are made: the RMSNorms write bf16; q/k/v_proj rounds its output, rope
+// rotates it in place in bf16, attention reads bf16 q, k, v (the fused AVX512-BF16 kernel where
+// built) and writes the bf16 output o_proj reads; gate_up_proj writes bf16, SwiGLU reads and
+// writes bf16, and its backward makes [dgate | dup] in bf16 straight into the gate/up product's
+// operand; the other gradients stay fp32. attention_dropout drops the probabilities in training
 // (LlamaAttention's dropout on attn_weights), inside the attention kernels.
 //
 // Tensor parallelism (DeepSpeed AutoTP's llama preset, Megatron's split): q/k/v_proj and
@@ -53,7 +55,7 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   const bool tp = t > 1, sp = tp_.sequence_parallel;
   const float eps = static_cast<float>(f.rms_norm_eps);
   const DType cmp = compute_type();
-  // the RMSNorms' outputs (and the MLP half's activations, but for Mixtral's MoE MLP) in bf16
+  // the attention half's activations in bf16; the MLP half's too, but for Mixtral's MoE MLP
   const bool lp = activations_bf16(cmp, tp, f.mixtral(), false), lp_mlp = activations_bf16(cmp, tp, f.mixtral(), true);
   // res = res_in + inp · Wᵀ + bias: one product on one rank; a row-parallel product's partial
   // sums over the group (into this rank's tokens with sequence parallelism) then the bias once.
@@ -79,21 +81,25 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   const LlamaTensors<const P> p = llama_tensors(static_cast<const P*>(store.fetch(u)), shape_, w);
   obs::Region region(obs::attention_module(global_block));
   // h = x + o_proj(attention(...)) on input_layernorm(x)
-  if (lp) {
+  const DropoutMask attn_drop = dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities);
+  if (lp) {  // q/k/v_proj reads bf16 and rounds its own output: attention reads q, k and v in bf16
     rmsnorm_forward(as_bf16(a.ln_1), a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
-    linear_forward(a.qkv, as_bf16(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
+    linear_forward(as_bf16(a.qkv), as_bf16(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv);
+    rope_forward(as_bf16(a.qkv), rope_cos_, rope_sin_, B, T, H, Hkv, d);
   } else {
     rmsnorm_forward(a.ln_1, a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
     linear_forward(a.qkv, column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
-  }
-  rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // q and k rotated in place: the saves hold them rotated
+    rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);
+  }  // q and k rotated in place: the saves hold them rotated
   {
     const Stopwatch sw(attention_ms != nullptr);
-    gqa_attention_forward(a.atty, a.att, a.qkv, B, T, H, Hkv, d, f.window_of(global_block),
-                          dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities));
+    const int64_t window = f.window_of(global_block);
+    if (lp) gqa_attention_forward(as_bf16(a.atty), a.att, as_bf16(a.qkv), B, T, H, Hkv, d, window, attn_drop);
+    else gqa_attention_forward(a.atty, a.att, a.qkv, B, T, H, Hkv, d, window, attn_drop);
     if (attention_ms) *attention_ms += sw.ms();
   }
-  residual_product(a.res_2, residual, a.atty, p.o_w, p.o_b, w.attn);
+  if (lp) linear_forward_adding(a.res_2, residual, as_bf16(a.atty), p.o_w, p.o_b, BT, w.attn, C);
+  else residual_product(a.res_2, residual, a.atty, p.o_w, p.o_b, w.attn);
   // out = h + down_proj(silu(gate) · up) on post_attention_layernorm(h)
   region.next(obs::mlp_module(global_block));
   if (lp_mlp) {  // gate_up_proj writes bf16 (as autocast's linear does): SwiGLU reads half the bytes
@@ -199,20 +205,29 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   region.next(obs::attention_module(global_block));
   const float* d_h = part == BackwardPart::Weight ? g.d_res_2 : row_output_grad(dres, saved ? g.d_res_2 : gathered_);
   if (keep && !sp) copy(g.d_res_2, dres, BT * C);
+  // attention_dropout's mask, redrawn (also by the bf16 recompute: the kernel it picks depends on it)
+  const DropoutMask attn_drop = dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities);
   if (input && ac_.selective()) {  // the probabilities were not kept: recompute them (datty_ is free until o_proj)
     const obs::PassScope recompute(obs::Pass::Recompute);
     checkpoint_boundary();
     const Stopwatch sw(ac_.profile);
-    gqa_attention_forward(datty_, a.att, a.qkv, B, T, H, Hkv, d, window);
+    if (lp) gqa_attention_forward(datty_, a.att, as_bf16(a.qkv), B, T, H, Hkv, d, window, attn_drop);
+    else gqa_attention_forward(datty_, a.att, a.qkv, B, T, H, Hkv, d, window);
     if (ac_.profile) time_of(global_block, 1).recompute_ms += sw.ms();
     checkpoint_boundary();
   }
-  linear_backward(input ? datty_ : nullptr, weights ? dw.o_w : nullptr, weights ? dw.o_b : nullptr, d_h, a.atty, p.o_w,
-                  BT, w.attn, C, cmp, add_dw);
+  if (lp)
+    linear_backward(input ? datty_ : nullptr, weights ? dw.o_w : nullptr, weights ? dw.o_b : nullptr, d_h,
+                    as_bf16(a.atty), p.o_w, BT, w.attn, C, cmp, add_dw);
+  else
+    linear_backward(input ? datty_ : nullptr, weights ? dw.o_w : nullptr, weights ? dw.o_b : nullptr, d_h, a.atty,
+                    p.o_w, BT, w.attn, C, cmp, add_dw);
   store.progress();
   if (input) {
-    gqa_attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, H, Hkv, d, window,
-                           dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities));
+    if (lp)
+      gqa_attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, H, Hkv, d, window, attn_drop);
+    else
+      gqa_attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, H, Hkv, d, window, attn_drop);
     rope_backward(d_qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // to the gradient of q and k before rotation
   }
   store.progress();

@@ -8,6 +8,7 @@
 
 #include "base/rng.hpp"
 #include "kernels/attention.hpp"  // kRowBlock: the attention backward's row block (its scratch)
+#include "kernels/attention_gqa.hpp"
 #include "model/model.hpp"
 
 namespace zero3d {
@@ -467,15 +468,17 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   const auto half = [](int64_t n) { return (n + 1) / 2; };  // n bf16 values in floats
   if (shape.llama()) {  // rstd only; the halves llama_block.cpp keeps in bf16 (bf16_activations.hpp)
     const BlockWidths w = block_widths(shape, t);
-    const bool norm16 = bf16 && t == 1, mlp16 = norm16 && !shape.family.mixtral();
+    // att: what the bf16 grouped-query attention keeps (kernels/attention_gqa.hpp)
+    const bool attn16 = bf16 && t == 1, mlp16 = attn16 && !shape.family.mixtral();
     BlockSaveSizes z;
     z.res = Ns * C;
-    z.ln_1 = norm16 ? half(Ns * C) : Ns * C;
+    z.ln_1 = attn16 ? half(Ns * C) : Ns * C;
     z.ln_2 = mlp16 ? half(Ns * C) : Ns * C;
     z.stats = Ns;
-    z.qkv = BT * w.qkv;
-    z.att = B * H * T * T;
-    z.atty = BT * w.attn;
+    z.qkv = attn16 ? half(BT * w.qkv) : BT * w.qkv;
+    z.att = attn16 ? kernels::gqa_attention_bf16_saved_floats(B * H, T, shape.family.head_dim, shape.dropout.attn > 0.0)
+                   : B * H * T * T;
+    z.atty = attn16 ? half(BT * w.attn) : BT * w.attn;
     z.fch = mlp16 ? half(BT * w.fc) : BT * w.fc;
     z.act = mlp16 ? half(BT * w.act) : BT * w.act;
     return z;

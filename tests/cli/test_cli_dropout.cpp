@@ -55,7 +55,19 @@ json gpt2_variant(const std::string& variant) {
   return c;
 }
 
-json config_of(const std::string& family) { return family == "llama" ? llama_config() : gpt2_variant(family); }
+// The Llama with bf16 products: in training with attention_dropout its bf16 attention takes the
+// portable form (the fused kernel draws no mask), its q, k, v and output still kept in bf16.
+json llama_bf16_config() {
+  json c = llama_config();
+  c["bf16"] = {{"enabled", true}};
+  return c;
+}
+
+json config_of(const std::string& family) {
+  if (family == "llama") return llama_config();
+  if (family == "llama_bf16") return llama_bf16_config();
+  return gpt2_variant(family);
+}
 
 struct TrainRun {
   int code;
@@ -127,6 +139,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"gpt2_bf16", 2, "--set tensor_parallel.autotp_size=2", "gpt2_bf16_t2", kBf16Layout},
                       Layout{"gpt2_bf16", 2, "--set zero_optimization.stage=3", "gpt2_bf16_d2_z3", kBf16Layout},
                       Layout{"gpt2_bf16", 1, kSelective, "gpt2_bf16_selective_recompute"},
+                      Layout{"llama_bf16", 2, "--set zero_optimization.stage=3", "llama_bf16_d2_z3", kBf16Layout},
+                      Layout{"llama_bf16", 2, "--set pipeline.stages=2", "llama_bf16_p2", kBf16Layout},
+                      Layout{"llama_bf16", 1, kSelective, "llama_bf16_selective_recompute"},
                       Layout{"gpt2_sparse", 2, "--set tensor_parallel.autotp_size=2", "gpt2_sparse_t2"},
                       Layout{"gpt2_sparse", 2, "--set zero_optimization.stage=3", "gpt2_sparse_d2_z3"},
                       Layout{"gpt2_moe", 2, "--set model.moe.ep_size=2", "gpt2_moe_ep2"}),

@@ -404,7 +404,8 @@ TEST(LlamaFamilyEval, EvaluatesToPyTorchsLossInEveryLayout) {
 }
 
 // 16-bit runs: bf16 and fp16 parameters and torch_autocast run the products in 16 bits (bf16
-// parameters keep the RMSNorms' outputs and the MLP's activations in bf16) and follow PyTorch's fp32 losses within the
+// keeps the RMSNorms' outputs, the attention half's products' inputs, attention and the MLP's
+// activations in bf16; fp16 keeps fp32 activations) and follow PyTorch's fp32 losses within the
 // rounding of their products; a bf16 run at np 2 with ZeRO-2 stays within bf16 reduction-order
 // noise of one rank's.
 TEST(LlamaFamilyPrecision, SixteenBitRunsTrackPyTorchsFp32Losses) {
@@ -421,7 +422,7 @@ TEST(LlamaFamilyPrecision, SixteenBitRunsTrackPyTorchsFp32Losses) {
                       bf16, 1e-3, "bf16 np 2 ZeRO-2 against bf16 np 1");
 }
 
-// bf16 compute keeps the RMSNorms' outputs and the MLP's activations in bf16 (llama_block.cpp), and
+// bf16 compute keeps the products' inputs in bf16 where they are made (llama_block.cpp), and
 // every layout still computes one rank's bf16 run. With fp32 gradient accumulation and fp32
 // reductions: pipeline stages under 1F1B, and full activation checkpointing (the recompute makes
 // the forward's bits), give one rank's losses over the same micro-batches within 1e-5; ZB-H1's
@@ -447,6 +448,22 @@ TEST(LlamaFamilyPrecision, Bf16LayoutsGiveTheLossesOfOneRank) {
     expect_losses_close(losses_of(train(g, 2, "bf16_np2_z3", bf16 + "--set zero_optimization.stage=3")), one, 1e-5,
                         std::string(name) + " bf16 np 2 ZeRO-3");
   }
+}
+
+// bf16 compute keeps the attention half's q, k, v and output in bf16 and runs the fused
+// grouped-query kernel (kernels/attention_gqa.hpp), here with Mistral's sliding window: within
+// bf16's rounding of PyTorch's fp32 losses, and ZeRO-3 at np 2 and two pipeline stages within
+// bf16 reduction-order noise of one rank's.
+TEST(LlamaFamilyPrecision, Bf16WindowedAttentionTracksPyTorchAndOneRankAcrossLayouts) {
+  const Golden& g = golden("mistral_window");
+  const std::vector<double> bf16 = losses_of(train(g, 1, "bf16", "--set bf16.enabled=true"));
+  expect_losses_close(bf16, g.losses, 2e-3, "mistral bf16 against PyTorch fp32");
+  expect_losses_close(losses_of(train(g, 2, "bf16_np2_z3",
+                                      "--set bf16.enabled=true --set zero_optimization.stage=3 "
+                                      "--set train_micro_batch_size_per_gpu=1")),
+                      bf16, 1e-3, "bf16 np 2 ZeRO-3 against bf16 np 1");
+  expect_losses_close(losses_of(train(g, 2, "bf16_p2", "--set bf16.enabled=true " + kPipe2)), bf16, 1e-3,
+                      "bf16 two pipeline stages against bf16 np 1");
 }
 
 // A vocabulary that does not split evenly: the tensor ranks pad embed_tokens and the untied

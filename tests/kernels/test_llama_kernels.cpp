@@ -9,15 +9,18 @@
 // form is compared with the CPU form.
 // Grouped-query attention with a sliding window (kernels/attention_gqa.hpp) against its definition
 // computed in double here, its device form against its CPU form, and GPT-2's attention where the
-// two coincide (one K/V head per query head, no window).
+// two coincide (one K/V head per query head, no window); its bf16 form (the fused AVX512-BF16
+// kernel where built, else the portable one) against the same definition on the bf16 inputs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "base/rng.hpp"
@@ -596,6 +599,136 @@ TEST(LlamaGqaAttention, MultiHeadWithoutWindowIsGpt2AttentionBitForBit) {
   attention_backward(gpt_dqkv.data(), scratch.data(), dout.data(), in.data(), gpt_att.data(), B, T, C, H);
   expect_same_bits("out", out.host(), gpt_out.host());
   expect_same_bits("dqkv", dqkv.host(), gpt_dqkv.host());
+}
+
+// ---- bf16 compute: the fused grouped-query kernel and the portable form -----------------------
+
+// Largest |got − want| over elements [first, first + width) of each row of `stride`, relative to
+// the largest |want| there (one of q, k or v's gradient, or the output); absolute where every
+// |want| is 0 (window 1: each query sees itself only, so dq and dk are 0).
+template <typename T>
+double worst_relative(const std::vector<T>& got, const std::vector<double>& want, Index stride, Index first,
+                      Index width) {
+  double scale = 0.0, worst = 0.0;
+  for (size_t r = 0; r < want.size() / stride; ++r)
+    for (Index c = first; c < first + width; ++c) {
+      scale = std::max(scale, std::fabs(want[r * stride + c]));
+      const double e = std::fabs(value(got[r * stride + c]) - want[r * stride + c]);
+      worst = std::isnan(e) ? INFINITY : std::max(worst, e);
+    }
+  return scale > 0.0 ? worst / scale : worst;
+}
+
+struct Bf16Run {
+  std::vector<bf16> qkv;
+  std::vector<float> dy;
+  Buffer<bf16> in, out;
+  Buffer<float> dout, att, dqkv, scratch;
+  Bf16Run(const GqaCase& c, unsigned seed, DropoutMask drop = {})
+      : qkv(rounded(random_vector(c.B * c.T * (c.H + 2 * c.Hkv) * c.d, seed, 0.8f))),
+        dy(random_vector(c.B * c.T * c.H * c.d, seed + 1)), in(qkv), out(c.B * c.T * c.H * c.d), dout(dy),
+        att(c.B * c.H * c.T * c.T), dqkv(c.B * c.T * (c.H + 2 * c.Hkv) * c.d), scratch(kRowBlock * c.T) {
+    gqa_attention_forward(out.data(), att.data(), in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window, drop);
+    gqa_attention_backward(dqkv.data(), scratch.data(), dout.data(), in.data(), att.data(), c.B, c.T, c.H, c.Hkv, c.d,
+                           c.window, drop);
+  }
+};
+
+// Groups of 1 (H = Hkv), 2 and 4 query heads a K/V head; head sizes 64 and 128 (and 16, the
+// tiny models'); T past the 256-key online-softmax block and ragged against the 16-key groups;
+// windows inside one forward query block, across key blocks (the forward then starts past key 0)
+// and of 1 (a query sees itself only).
+const GqaCase kBf16Cases[] = {{2, 80, 4, 4, 64, 0},   {1, 130, 4, 2, 64, 50}, {1, 300, 4, 1, 64, 0},
+                              {1, 300, 8, 2, 64, 100}, {2, 77, 4, 2, 128, 0}, {1, 160, 2, 1, 128, 33},
+                              {2, 64, 4, 2, 16, 24},  {1, 40, 6, 3, 16, 1}};
+
+// The bf16 grouped-query attention (the fused AVX512-BF16 kernel where built) against the
+// double-precision definition on the same bf16 q, k, v: bf16 probabilities and dS in the
+// products, fp32 sums — the fused GPT-2 kernel's bounds (test_attention_flash.cpp), the output
+// also rounded to bf16 (2^-9 of itself more).
+TEST(LlamaGqaAttentionBf16, MatchesTheDefinitionOnTheSameBf16Inputs) {
+  for (const GqaCase& c : kBf16Cases) {
+    const std::string at = describe(c);
+#ifdef ZERO3D_FLASH_ATTENTION
+    EXPECT_TRUE(gqa_attention_flash_chosen(c.B * c.H, c.T, c.d)) << "the fused kernel runs" << at;
+#endif
+    const Bf16Run run(c, 21);
+    const GqaReference ref = gqa_reference(widened(run.qkv), run.dy, c.B, c.T, c.H, c.Hkv, c.d, c.window);
+    const std::vector<float> dqkv = run.dqkv.host();
+    for (float x : dqkv) ASSERT_TRUE(std::isfinite(x)) << "dqkv written everywhere" << at;
+    const Index W = (c.H + 2 * c.Hkv) * c.d;
+    EXPECT_LT(worst_relative(run.out.host(), ref.out, c.H * c.d, 0, c.H * c.d), 6e-3) << "out" << at;
+    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, 0, c.H * c.d), 1e-2) << "dq" << at;
+    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, c.H * c.d, c.Hkv * c.d), 1e-2) << "dk, summed over the group" << at;
+    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, (c.H + c.Hkv) * c.d, c.Hkv * c.d), 1e-2) << "dv, summed over the group"
+                                                                                          << at;
+  }
+}
+
+// The group's dK and dV are summed in a fixed order: a second run gives the same bits.
+TEST(LlamaGqaAttentionBf16, RepeatsItsBits) {
+  for (const GqaCase& c : {GqaCase{1, 300, 8, 2, 64, 100}, GqaCase{2, 77, 4, 1, 128, 0}}) {
+    const Bf16Run a(c, 23), b(c, 23);
+    expect_same_bits("out" + describe(c), a.out.host(), b.out.host());
+    expect_same_bits("att" + describe(c), a.att.host(), b.att.host());
+    expect_same_bits("dqkv" + describe(c), a.dqkv.host(), b.dqkv.host());
+  }
+}
+
+// One K/V head per query head and no window: GPT-2's fused bf16 attention on the same rows, bit
+// for bit (one kernel serves both).
+TEST(LlamaGqaAttentionBf16, MultiHeadWithoutWindowIsGpt2FusedAttentionBitForBit) {
+#ifndef ZERO3D_FLASH_ATTENTION
+  GTEST_SKIP() << "built without the fused kernel (AVX512-BF16)";
+#endif
+  const GqaCase c{2, 80, 4, 4, 64, 0};
+  const Index C = c.H * c.d;
+  const Bf16Run gqa(c, 25);
+  Buffer<bf16> out(c.B * c.T * C);
+  Buffer<float> att(c.B * c.H * c.T * c.T), dqkv(c.B * c.T * 3 * C);
+  attention_forward(out.data(), att.data(), gqa.in.data(), c.B, c.T, C, c.H, DType::BF16);
+  attention_backward(dqkv.data(), nullptr, gqa.dout.data(), gqa.in.data(), att.data(), c.B, c.T, C, c.H, DType::BF16);
+  expect_same_bits("out", gqa.out.host(), out.host());
+  expect_same_bits("dqkv", gqa.dqkv.host(), dqkv.host());
+}
+
+// The portable form (no room in att for the fused kernel's saves, or attention dropout, or a
+// build without the fused kernel) is the fp32 kernel on the widened bf16 q, k, v, its output
+// rounded: the same bits, the dropout mask included.
+TEST(LlamaGqaAttentionBf16, PortableFormIsTheFp32KernelOnTheWidenedInputs) {
+  DropoutMask drop = dropout_mask(0.25, 9, 12, 1, DropoutSite::Probabilities);
+  for (const auto& [c, mask] : {std::pair{GqaCase{2, 8, 4, 2, 64, 0}, DropoutMask{}},  // T far below d: no room
+                                std::pair{GqaCase{1, 130, 4, 2, 64, 50}, drop}}) {
+    const std::string at = describe(c) + (mask.on() ? " with dropout" : "");
+    EXPECT_FALSE(gqa_attention_flash_chosen(c.B * c.H, c.T, c.d, mask)) << at;
+    EXPECT_EQ(gqa_attention_bf16_saved_floats(c.B * c.H, c.T, c.d, mask.on()), c.B * c.H * c.T * c.T) << at;
+    const Bf16Run run(c, 27, mask);
+    Buffer<float> in(widened(run.qkv)), out(c.B * c.T * c.H * c.d), att(c.B * c.H * c.T * c.T),
+        dqkv(c.B * c.T * (c.H + 2 * c.Hkv) * c.d), scratch(kRowBlock * c.T);
+    gqa_attention_forward(out.data(), att.data(), in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window, mask);
+    gqa_attention_backward(dqkv.data(), scratch.data(), run.dout.data(), in.data(), att.data(), c.B, c.T, c.H, c.Hkv,
+                           c.d, c.window, mask);
+    expect_same_bits("out" + at, run.out.host(), rounded(out.host()));
+    expect_same_bits("att" + at, run.att.host(), att.host());
+    expect_same_bits("dqkv" + at, run.dqkv.host(), dqkv.host());
+  }
+}
+
+// rope on the bf16 qkv rotates the widened values in fp32 and rounds each result once.
+TEST(LlamaRopeBf16, IsTheFp32RotationOfTheWidenedValuesRounded) {
+  const Index B = 2, T = 24, H = 4, Hkv = 2, d = 16, half = d / 2;
+  std::vector<float> cos(T * half), sin(T * half);
+  for (Index t = 0; t < T; ++t)
+    for (Index i = 0; i < half; ++i) {
+      cos[t * half + i] = static_cast<float>(std::cos(t * std::pow(1e4, -2.0 * i / d)));
+      sin[t * half + i] = static_cast<float>(std::sin(t * std::pow(1e4, -2.0 * i / d)));
+    }
+  const std::vector<bf16> qkv = rounded(random_vector(B * T * (H + 2 * Hkv) * d, 29));
+  Buffer<float> cb(cos), sb(sin), wide(widened(qkv));
+  Buffer<bf16> narrow(qkv);
+  rope_forward(wide.data(), cb.data(), sb.data(), B, T, H, Hkv, d);
+  rope_forward(narrow.data(), cb.data(), sb.data(), B, T, H, Hkv, d);
+  expect_same_bits("rotated qkv", narrow.host(), rounded(wide.host()));
 }
 
 }  // namespace
