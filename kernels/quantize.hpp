@@ -75,20 +75,28 @@ ZERO3D_KERNEL void group_absmax(const float* x, Index n, Index groups, Index gro
 #endif
 }
 
-// x (n fp32) -> q (quant_padded(n) int8, the padding 0) and scales (quant_groups(n) fp32, 1/s).
-ZERO3D_KERNEL void quantize_int8(const float* x, Index n, int8_t* q, float* scales) {
-  const Index groups = quant_groups(n);
+// Groups of `group` values with x[0] at position `phase` of the first (qgZ's blocks,
+// kernels/quantize_int4.hpp): how many a run of n values touches.
+inline Index phased_groups(Index n, Index phase, Index group) { return n == 0 ? 0 : (phase + n + group - 1) / group; }
+
+// The int8 code of x in a group of maximum m: clamp(rint(x·s), −128, 127), s = 2^8 / (2m).
+KOKKOS_INLINE_FUNCTION int8_t int8_code(float x, float m) {
+  const float s = m == 0.0f ? 1.0f : 256.0f / (2.0f * m);
+  float v = std::nearbyint(x * s);
+  v = v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v;
+  return static_cast<int8_t>(v);
+}
+
+// x (n fp32, x[0] at `phase` of its group) -> q (n int8) and scales (phased_groups(n, phase,
+// group) fp32, 1/s): the same quantiser over groups cut as qgZ cuts its blocks (LoCo keeps its
+// error buffers so: kernels/loco.hpp).
+ZERO3D_KERNEL void quantize_int8_groups(const float* x, Index n, Index phase, Index group, int8_t* q, float* scales) {
+  const Index groups = phased_groups(n, phase, group);
   if (groups == 0) return;
-  const Index group = quant_padded(n) / groups;
-  group_absmax(x, n, groups, group, scales);
+  group_absmax(x, n, groups, group, scales, phase);
   // The group maxima become the stored scales 1/s once every value of their group is quantised.
   Kokkos::parallel_for(
-      "quantize_int8", range(quant_padded(n)), KOKKOS_LAMBDA(Index i) {
-        const float m = scales[i / group], s = m == 0.0f ? 1.0f : 256.0f / (2.0f * m);
-        float v = i < n ? std::nearbyint(x[i] * s) : 0.0f;
-        v = v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v;
-        q[i] = static_cast<int8_t>(v);
-      });
+      "quantize_int8", range(n), KOKKOS_LAMBDA(Index i) { q[i] = int8_code(x[i], scales[(phase + i) / group]); });
   Kokkos::parallel_for(
       "quant_scales", range(groups), KOKKOS_LAMBDA(Index g) {
         const float m = scales[g];
@@ -96,13 +104,29 @@ ZERO3D_KERNEL void quantize_int8(const float* x, Index n, int8_t* q, float* scal
       });
 }
 
+// x[i] = q[i]·scale of its group (as quantize_int8_groups wrote them).
+ZERO3D_KERNEL void dequantize_int8_groups(const int8_t* q, const float* scales, Index n, Index phase, Index group,
+                                          float* x) {
+  Kokkos::parallel_for(
+      "dequantize_int8", range(n),
+      KOKKOS_LAMBDA(Index i) { x[i] = static_cast<float>(q[i]) * scales[(phase + i) / group]; });
+}
+
+// x (n fp32) -> q (quant_padded(n) int8, the padding 0) and scales (quant_groups(n) fp32, 1/s).
+ZERO3D_KERNEL void quantize_int8(const float* x, Index n, int8_t* q, float* scales) {
+  const Index groups = quant_groups(n);
+  if (groups == 0) return;
+  // group >= 8 and n > n8 - 8: n's values touch exactly `groups` groups
+  quantize_int8_groups(x, n, 0, quant_padded(n) / groups, q, scales);
+  Kokkos::parallel_for(
+      "quantize_int8_pad", range(quant_padded(n) - n), KOKKOS_LAMBDA(Index i) { q[n + i] = 0; });
+}
+
 // q (n of them) and scales (1/s a group, as quantize_int8 wrote them) -> x (n fp32).
 ZERO3D_KERNEL void dequantize_int8(const int8_t* q, const float* scales, Index n, float* x) {
   const Index groups = quant_groups(n);
   if (groups == 0) return;
-  const Index group = quant_padded(n) / groups;
-  Kokkos::parallel_for(
-      "dequantize_int8", range(n), KOKKOS_LAMBDA(Index i) { x[i] = static_cast<float>(q[i]) * scales[i / group]; });
+  dequantize_int8_groups(q, scales, n, 0, quant_padded(n) / groups, x);
 }
 
 }  // namespace zero3d::kernels

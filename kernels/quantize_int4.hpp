@@ -33,7 +33,7 @@
 
 namespace zero3d::kernels {
 
-inline Index int4_groups(Index n, Index phase, Index group) { return n == 0 ? 0 : (phase + n + group - 1) / group; }
+inline Index int4_groups(Index n, Index phase, Index group) { return phased_groups(n, phase, group); }
 inline Index int4_packed_bytes(Index n) { return (n + 1) / 2; }
 // The bytes a block moves: its packed values and one fp32 scale a group.
 inline int64_t int4_block_bytes(Index n, Index phase, Index group) {

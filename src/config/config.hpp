@@ -203,6 +203,16 @@ struct AioConfig {
 };
 
 // zero_optimization (DEEPSPEED-FACTS §5.1), what the ZeRO optimizer reads.
+// zero_optimization.zeropp_loco_param (LoCo, Xie et al. 2024; DeepSpeed's
+// all_to_all_loco_quant_reduce): each quantisation adds the error it kept and keeps
+// err_beta·kept + (1 − err_beta)·its new error; a tensor's errors restart at zero after reset_T
+// reductions (parallel/quantized_reduce_scatter.hpp counts them as DeepSpeed does).
+struct LocoConfig {
+  bool enabled = false;
+  double err_beta = 0.8;
+  int64_t reset_T = 1024;
+};
+
 struct ZeroConfig {
   int stage = 0;
   int64_t reduce_bucket_size = 500000000;     // elements per gradient reduction bucket
@@ -241,6 +251,8 @@ struct ZeroConfig {
   // zero_quantized_gradients: ZeRO++'s qgZ, stage 3's gradient reduce-scatter as int4 all-to-alls
   // inside then across nodes (parallel/quantized_reduce_scatter.hpp).
   bool quantized_gradients = false;
+  // zeropp_loco_param: LoCo-ZeRO++'s error feedback for qgZ's two quantisations.
+  LocoConfig loco;
 };
 
 // fp16 / bf16 / communication_data_type / data_types (DEEPSPEED-FACTS §1.4, §2).

@@ -22,7 +22,7 @@ const std::vector<std::pair<const char*, nlohmann::json>> kZeroDefaultOnlyKeys =
     {"stage3_module_granularity_threshold", 0}, {"use_all_reduce_for_fetch_params", false},
     {"stage3_use_all_reduce_for_fetch_params", false}, {"allgather_sequential", false},
     {"stage3_allgather_sequential", false}, {"ignore_unused_parameters", true},
-    {"zeropp_loco_param", nullptr}, {"memory_efficient_linear", true},
+    {"memory_efficient_linear", true},
     {"pipeline_loading_checkpoint", false}, {"override_module_apply", true}, {"log_trace_cache_warnings", false},
     {"enable_sanity_checks", false}, {"save_muon_momentum_buffer_in_memory", false}, {"zenflow", nullptr},
     {"leaf_module", nullptr}};
@@ -206,6 +206,31 @@ void read_shard_groups(Section& sec, Config& c) {
                         "which these groups do not cut)");
 }
 
+// zeropp_loco_param (LoCo-ZeRO++; parallel/quantized_reduce_scatter.hpp): an object with err_beta
+// and reset_T, DeepSpeed's documented defaults 0.8 and 1024 (zero/config.py); null is off.
+// DeepSpeed reads it only inside qgZ (stage3.py picks all_to_all_loco_quant_reduce over
+// all_to_all_quant_reduce), so without zero_quantized_gradients it would do nothing.
+void read_loco(Section& sec, Config& c) {
+  const json* v = sec.raw("zeropp_loco_param");
+  if (!v || v->is_null()) {
+    sec.record("zeropp_loco_param", nullptr);
+    return;
+  }
+  if (!c.zero.quantized_gradients) {
+    sec.report_key("zeropp_loco_param", "is LoCo's error feedback for qgZ's quantised gradients (DeepSpeed reads it "
+                                        "only with zero_quantized_gradients and ignores it otherwise); set "
+                                        "zero_quantized_gradients true or remove it");
+    return;
+  }
+  Section loco = sec.child("zeropp_loco_param");
+  LocoConfig& l = c.zero.loco;
+  l.enabled = true;
+  // err_beta weighs the kept error against the new one; reset_T counts reductions between clears
+  l.err_beta = loco.number("err_beta", 0.8, 0.0, 1.0);
+  l.reset_T = loco.integer("reset_T", 1024, 1, std::numeric_limits<int32_t>::max());
+  loco.finish();
+}
+
 // ZeRO++'s quantized weights (qwZ; parallel/quantized_gather.hpp) and gradients (qgZ;
 // parallel/quantized_reduce_scatter.hpp). DeepSpeed reads both only at stage 3 (zero_quantized_
 // weights in partition_parameters.py, zero_quantized_gradients as the all-to-all group stage3.py
@@ -225,6 +250,7 @@ void read_quantized_collectives(Section& sec, Config& c) {
                    "stores frozen (requires_grad false) parameters as int8 groups in DeepSpeed; zero3d trains every "
                    "parameter and has no frozen ones to store so; remove the key or set it false");
   z.quantized_gradients = sec.boolean("zero_quantized_gradients", false);
+  read_loco(sec, c);
   if (!z.quantized_gradients) return;
   if (z.stage != 3)
     sec.report_key("zero_quantized_gradients", "ZeRO++'s qgZ replaces stage 3's gradient reduce-scatter (DeepSpeed "

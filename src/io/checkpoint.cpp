@@ -141,7 +141,7 @@ void write_small_file(const std::string& path, const std::string& content) {
 }
 
 void write_shard(const std::string& path, const CheckpointMeta& meta, const std::vector<const ShardSegment*>& segs,
-                 int rank) {
+                 const std::vector<RankState>& rank_state, int rank) {
   SegmentList ranges;
   hsize_t n = 0;
   for (const ShardSegment* s : segs) {
@@ -151,7 +151,9 @@ void write_shard(const std::string& path, const CheckpointMeta& meta, const std:
   // The data plus room for HDF5's metadata (superblock, attributes, chunk indexes: a few KiB
   // per buffer and about 1% of the data at most).
   const int64_t data_bytes = static_cast<int64_t>(n) * 4 * static_cast<int64_t>(meta.states.size());
-  const int64_t reserve = data_bytes + data_bytes / 100 + (int64_t(64) << 10);
+  int64_t reserve = data_bytes + data_bytes / 100 + (int64_t(64) << 10);
+  for (const RankState& r : rank_state)
+    reserve += static_cast<int64_t>(r.codes.size() + 4 * r.scales.size() + r.meta.size()) + (int64_t(4) << 10);
   h5::File f = h5::File::create(path, reserve);
   h5::write_attribute(f.id(), "format_version", kCheckpointFormatVersion);
   h5::write_attribute(f.id(), "rank", rank);
@@ -200,6 +202,11 @@ void write_shard(const std::string& path, const CheckpointMeta& meta, const std:
       int r = -1;
       if (std::sscanf(fault, "save_crash:%d:%lld", &r, &step) == 2 && r == rank && step == meta.step) std::_Exit(137);
     }
+  }
+  for (const RankState& r : rank_state) {
+    h5::write_text(f.id(), r.name, r.meta);
+    f.write_int8(r.name + "_codes", r.codes.data(), {static_cast<int64_t>(r.codes.size())});
+    f.write_floats(r.name + "_scales", r.scales.data(), {static_cast<int64_t>(r.scales.size())});
   }
   if (const int e = io_point("close")) throw SystemError(path + ": cannot write HDF5 file: " + errstr(e));
   f.close();
@@ -549,7 +556,7 @@ void save_checkpoint(const std::string& save_dir, const std::string& tag, const 
     std::pair<int64_t, uint64_t> digest{0, 0};
     run_collectively(world, [&] {
       const std::string path = (tmp / shard_name(rank)).string();
-      write_shard(path, meta, segs, rank);
+      write_shard(path, meta, segs, mine.rank_state, rank);
       fsync_path(path);
       digest = file_digest(path, true);
     });

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -83,10 +84,20 @@ struct ShardSegment {
   std::vector<std::pair<std::string, const float*>> arrays;
 };
 
+// State only one rank holds (no range of the flat buffers): LoCo's kept errors (parallel/
+// quantized_reduce_scatter.hpp LocoState). In the rank's shard: text <name> (its meta) and the
+// datasets <name>_codes (int8) and <name>_scales (fp32). Read back by the same rank only.
+struct RankState {
+  std::string name, meta;
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+};
+
 // One rank's part of a save: any number of segments (none is allowed). Every segment names the
 // same buffers (meta.states); the segments of all ranks must tile [0, total_params).
 struct ShardSlice {
   std::vector<ShardSegment> segments;
+  std::vector<RankState> rank_state;
 };
 
 // Collective over `world`. Writes <save_dir>/<tag> atomically, then rotates to `keep_last`
@@ -117,6 +128,8 @@ class CheckpointReader {
   const std::string& dir() const { return dir_; }
   // Elements [begin, end) of flat buffer `state`, from the shards whose segments cover them.
   void read_range(const std::string& state, int64_t begin, int64_t end, float* out) const;
+  // Shard `rank`'s RankState `name`; nullopt when that shard holds none.
+  std::optional<RankState> read_rank_state(int64_t rank, const std::string& name) const;
   // InputError unless the checkpoint's tensors are exactly `layout`'s (names, shapes, order).
   void check_layout(const ParamLayout& layout) const;
   // InputError unless the saved model section agrees with `model_section` (n_head, ... — what

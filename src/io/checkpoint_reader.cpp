@@ -185,6 +185,19 @@ void CheckpointReader::verify_files() const {
   for (const auto& [name, f] : manifest_.at("files").items()) verify_file(name);
 }
 
+std::optional<RankState> CheckpointReader::read_rank_state(int64_t rank, const std::string& name) const {
+  const std::string shard = shard_name(rank);
+  if (rank < 0 || static_cast<size_t>(rank) >= meta_.ranges.size() || absent_.count(shard)) return std::nullopt;
+  verify_file(shard);
+  const h5::File f = h5::File::open_read((fs::path(dir_) / shard).string());
+  RankState r;
+  r.name = name;
+  if (!h5::read_text(f.id(), name, r.meta)) return std::nullopt;
+  r.codes = f.read_int8(name + "_codes");
+  r.scales = f.read_floats(name + "_scales");
+  return r;
+}
+
 void CheckpointReader::read_range(const std::string& state, int64_t begin, int64_t end, float* out) const {
   if (std::find(meta_.states.begin(), meta_.states.end(), state) == meta_.states.end())
     throw InputError(dir_ + ": the checkpoint holds no `" + state + "` (saved with optimizer " + meta_.optimizer_type + ")");

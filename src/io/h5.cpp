@@ -217,6 +217,10 @@ std::vector<int32_t> File::read_ints(const std::string& name) const { return rea
 void File::write_floats(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
   write_as(*this, name, data, shape, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT);
 }
+std::vector<int8_t> File::read_int8(const std::string& name) const { return read_as<int8_t>(*this, name, H5T_NATIVE_INT8); }
+void File::write_int8(const std::string& name, const int8_t* data, const std::vector<int64_t>& shape) {
+  write_as(*this, name, data, shape, H5T_STD_I8LE, H5T_NATIVE_INT8);
+}
 
 namespace {
 // A fixed-length UTF-8 string type of n bytes (n >= 1).

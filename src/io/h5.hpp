@@ -73,6 +73,8 @@ class File {
   std::vector<float> read_floats(const std::string& name) const;
   std::vector<int32_t> read_ints(const std::string& name) const;
   void write_floats(const std::string& name, const float* data, const std::vector<int64_t>& shape);
+  std::vector<int8_t> read_int8(const std::string& name) const;
+  void write_int8(const std::string& name, const int8_t* data, const std::vector<int64_t>& shape);
 
  private:
   File(hid_t id, std::string path, bool writable) : handle_(id, H5Fclose), writable_(writable), path_(std::move(path)) {}

@@ -139,7 +139,12 @@ void GradientReducer::launch(const void* src, DType src_type, const ReduceBucket
   if (qgz_ && bucket.quant_group > 0) {  // qgZ: blocking, as DeepSpeed's all_to_all_quant_reduce
     const std::vector<int64_t> counts = partition_.counts(begin, end);
     fit(s.recv, counts[comm_.rank()] * static_cast<int64_t>(sizeof(float)));
-    qgz_->reduce(static_cast<const float*>(send), counts, bucket.quant_group, reinterpret_cast<float*>(s.recv.data()));
+    std::vector<int64_t> tensors;  // LoCo keeps errors by tensor
+    if (qgz_->loco())
+      for (const CommSegment& g : segments_)
+        if (g.end > begin && g.begin < end) tensors.push_back(std::min(g.end, end) - std::max(g.begin, begin));
+    qgz_->reduce(static_cast<const float*>(send), counts, bucket.quant_group, reinterpret_cast<float*>(s.recv.data()),
+                 begin, tensors);
     complete(f);
     return;
   }

@@ -486,6 +486,7 @@ void Engine::optimizer_step(StepResult& r) {
   // (stage_1_and_2.py step: prev_scale), stage 0 and 3 by the updated one; the update
   // itself unscales by the updated scale at every stage, as DeepSpeed does.
   const double report_scale = cfg_.zero.stage == 1 || cfg_.zero.stage == 2 ? scaler_->scale() : 0.0;
+  const double prev_scale = scaler_->scale();
   try {
     scaler_log = scaler_->update(overflow, r.step);
   } catch (const SystemError& e) {  // every rank saw the same overflow: agreed, one report
@@ -493,6 +494,8 @@ void Engine::optimizer_step(StepResult& r) {
   }
   if (!scaler_log.empty() && groups_.rank() == 0) std::printf("[zero3d] %s\n", scaler_log.c_str());
   r.loss_scale = scaler_->scale();
+  // LoCo's errors follow fp16's scale (stage3.py checks overflow for fp16 only)
+  if (cfg_.precision.param == DType::F16) zero_->loss_scale_changed(overflow, scaler_->scale() / prev_scale);
   if (overflow) {  // no update, scheduler not advanced; the global step still counts
     zero_->skip_step();
     expert_step(r.lr, cfg_.gradient_clipping, scaler_->scale(), /*skip=*/true);

@@ -187,6 +187,7 @@ class Engine {
   // This rank's checkpoint segments of the experts (global offsets), and their load.
   void expert_checkpoint_segments(ShardSlice& slice);
   void read_expert_checkpoint(const CheckpointReader& reader);
+  void resume_loco(const CheckpointReader& reader);
   // metrics.jsonl "moe": per MoE block, summed over the step's micro-batches and data ranks.
   nlohmann::json moe_metrics(double* dropped_fraction);
   int rank_ = 0, world_ = 1;  // in the data-parallel group

@@ -123,6 +123,7 @@ void Engine::resume_from_checkpoint() {
                         kExitBadInput, 0, groups_.rank() == 0);
   zero_->finish_checkpoint_load();
   if (expert_zero_) expert_zero_->finish_checkpoint_load();
+  resume_loco(*reader);
   const CheckpointMeta& m = reader->meta();
   step_ = m.step;
   samples_ = m.global_samples;
@@ -151,6 +152,30 @@ void Engine::resume_from_checkpoint() {
       std::printf("resume  note: train_batch_size differs from the saved run's (%lld samples in %lld steps); the data "
                   "continues at sample %lld, where that run stopped\n", (long long)m.global_samples, (long long)m.step,
                   (long long)samples_);
+  }
+}
+
+// LoCo's kept errors continue where the saved run left them when it ran LoCo on the same ranks
+// and nodes; otherwise they start from zero, as DeepSpeed's always do after a load (they live
+// on its parameters, outside the checkpoint).
+void Engine::resume_loco(const CheckpointReader& reader) {
+  QuantizedReduceScatter* loco = zero_->loco();
+  if (!loco) return;
+  std::optional<RankState> saved;
+  run_collectively(groups_.world(), [&] {
+    if (reader.meta().dp_world_size == world_) saved = reader.read_rank_state(groups_.rank(), "loco");
+    if (saved) {
+      const nlohmann::json meta = nlohmann::json::parse(saved->meta);
+      if (meta.value("nodes", 0) != loco->nodes() || meta.value("per_node", 0) != loco->per_node()) saved.reset();
+    }
+  });
+  int64_t restored = saved ? 1 : 0;  // every rank or none
+  world_comm_->all_reduce(&restored, 1, DType::I64, ReduceOp::Min);
+  if (restored) {
+    run_collectively(groups_.world(), [&] { loco->set_loco_state({saved->meta, saved->codes, saved->scales}); });
+  } else if (groups_.rank() == 0) {
+    std::printf("resume  note: zeropp_loco_param: the checkpoint holds no LoCo errors of this layout (%d nodes of %d "
+                "ranks); they start from zero, as DeepSpeed's do after every load\n", loco->nodes(), loco->per_node());
   }
 }
 
@@ -200,6 +225,10 @@ void Engine::save(bool final_step, bool forced) {
     slice.segments.push_back(std::move(seg));
   }
   if (expert_zero_) expert_checkpoint_segments(slice);
+  if (const QuantizedReduceScatter* loco = zero_->loco()) {  // LoCo's kept errors: this rank's own
+    LocoState st = loco->loco_state();
+    slice.rank_state.push_back({"loco", std::move(st.meta), std::move(st.codes), std::move(st.scales)});
+  }
   const std::string tag = "global_step" + std::to_string(step_);
   save_checkpoint(cfg_.training.save_dir, tag, m, slice, global, groups_.world(), cfg_.training.keep_last,
                   cfg_.checkpoint.use_node_local_storage);

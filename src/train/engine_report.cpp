@@ -104,7 +104,7 @@ void Engine::print_startup() const {
   }
   if (cfg_.zero.quantized_gradients && !groups_.has("qgz_intra"))  // DeepSpeed's stage3.py: qgZ only when num_nodes > 1
     std::printf("qgZ     the data group lies on one node: gradients are reduce-scattered unquantised, as DeepSpeed "
-                "does on one node\n");
+                "does on one node%s\n", cfg_.zero.loco.enabled ? " (zeropp_loco_param has nothing to compensate)" : "");
   if constexpr (kernels::kGpuBuild) {  // rank 0's device; every rank took the one of its rank on its node
     const kernels::DeviceInfo d = kernels::device_info();
     std::printf("device  %s (device %d of %d visible) | %.1f GiB, %.1f GiB free | %s\n", d.name.c_str(), d.id,

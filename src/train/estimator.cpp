@@ -352,12 +352,17 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   const ReduceWork work = reduce_work(b.stage, cfg.zero, types, layout, units, part, qgz.world());
   b.comm_reduce = work.staging_bytes;
   // qgZ's own staging (QuantizedReduceScatter): each buffer grows to its largest over the
-  // quantised buckets, as qgz_staging sizes them for data rank 0.
+  // quantised buckets, as qgz_staging sizes them for data rank 0; LoCo keeps each bucket's errors
+  // besides (loco_kept_bytes).
   if (qgz.on()) {
+    const bool loco = cfg.zero.loco.enabled;
     QgzStaging peak;
     for (const ReduceBucket& k : work.buckets)
-      if (k.quant_group > 0)
-        peak.grow(qgz_staging(qgz_blocks(part.counts(k.begin, k.end), k.quant_group), qgz.nodes, qgz.per_node, 0));
+      if (k.quant_group > 0) {
+        const std::vector<int64_t> counts = part.counts(k.begin, k.end);
+        peak.grow(qgz_staging(qgz_blocks(counts, k.quant_group), qgz.nodes, qgz.per_node, 0, loco));
+        if (loco) b.comm_reduce += loco_kept_bytes(counts, k.quant_group, qgz.nodes, qgz.per_node, 0);
+      }
     b.comm_reduce += peak.total();
   }
   const bool windows = b.stage >= 2 || pc.grad_accum != DType::F32;

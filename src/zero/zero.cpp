@@ -174,6 +174,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
     qgz_ = std::make_unique<QuantizedReduceScatter>(*shards_.qgz_intra, *shards_.qgz_inter);
     if (qgz_->data_rank() != rank_) throw std::logic_error("qgZ's groups do not rank the data group node by node");
     reducer_->set_quantized(qgz_.get());
+    if (zero.loco.enabled) qgz_->enable_loco({static_cast<float>(zero.loco.err_beta), zero.loco.reset_T});
   }
   // The bucket slots, allocated now: the start-up table and the memory plan (reduce_work) count them.
   const ReduceWork work = reduce_work(stage_, cfg_, types_, layout, units_, part_, qgz_world);
@@ -524,6 +525,10 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
 
 void ZeroOptimizer::skip_step() { drop_gathered_params(); }
 
+void ZeroOptimizer::loss_scale_changed(bool overflow, double ratio) {
+  if (qgz_ && qgz_->loco()) qgz_->loss_scale_changed(overflow, ratio);
+}
+
 // At stage 3 the gathered copies go either way at the end of a step (after an update they are
 // stale) and the next micro-batch replays the trace from its start.
 void ZeroOptimizer::drop_gathered_params() {
@@ -706,7 +711,7 @@ MemoryBytes ZeroOptimizer::memory() const {
       m.swap_buffers = param_swap_->cached_peak_bytes();
     }
   }
-  m.comm_buffers = reducer_->staging_peak_bytes() + (qgz_ ? qgz_->staging_bytes() : 0);
+  m.comm_buffers = reducer_->staging_peak_bytes() + (qgz_ ? qgz_->staging_bytes() + qgz_->loco_bytes() : 0);
   for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
   m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(dtype_size(types_.param));
   m.gathered = gathered_bytes_;

@@ -207,6 +207,11 @@ class ZeroOptimizer : public ParamStore {
   void apply_step(double lr, std::optional<std::pair<double, double>> betas, double clip, double loss_scale,
                   const GradStats& stats);
   void skip_step();
+  // The loss scaler's update (after grad_stats): LoCo's kept errors follow the scale
+  // (parallel/quantized_reduce_scatter.hpp).
+  void loss_scale_changed(bool overflow, double ratio);
+  // LoCo's kept errors on this rank (null: qgZ without LoCo, or off), for checkpoints.
+  QuantizedReduceScatter* loco() const { return qgz_ && qgz_->loco() ? qgz_.get() : nullptr; }
   void zero_grad();
   const StateTypes& types() const { return types_; }
 

@@ -98,21 +98,26 @@ TEST(MemoryPlan, QgzStagingBuffersAreThoseThePlanCounts) {
   j["train_micro_batch_size_per_gpu"] = 2;
   j["training"]["steps"] = 2;
   j["zero_optimization"] = {{"stage", 3}, {"param_persistence_threshold", 0}, {"zero_quantized_gradients", true}};
-  const std::string config = write_config("qgz_plan.json", j);
-  for (const int np : {2, 4}) {
-    const std::string k = std::to_string(np / 2), dir = temp_path("qgz_plan" + std::to_string(np));
-    const Result r = run("train " + config + " --output " + dir, np, "ZERO3D_RANKS_PER_NODE=" + k);
-    ASSERT_EQ(r.code, 0) << r.out << r.err;
-    const json row = read_metrics(dir).back();
-    const Result e = run("estimate --config " + config + " --world-size " + std::to_string(np) + " --ranks-per-node " + k +
-                         " --json");
-    ASSERT_EQ(e.code, 0) << e.err;
-    const json b = json::parse(e.out)["budgets"][3];
-    EXPECT_EQ(b["comm_reduce"].get<int64_t>(), row.at("memory").at("comm_buffers").get<int64_t>()) << "np " << np;
-    EXPECT_EQ(b["total"].get<int64_t>(), row.at("memory_plan").at("predicted_peak_bytes").get<int64_t>()) << "np " << np;
-    const Result one = run("estimate --config " + config + " --world-size " + std::to_string(np) + " --json");
-    ASSERT_EQ(one.code, 0) << one.err;
-    EXPECT_NE(json::parse(one.out)["budgets"][3]["comm_reduce"].get<int64_t>(), b["comm_reduce"].get<int64_t>());
+  for (const bool loco : {false, true}) {  // LoCo adds each bucket's kept errors and its fp32 error blocks
+    if (loco) j["zero_optimization"]["zeropp_loco_param"] = {{"err_beta", 0.8}, {"reset_T", 1024}};
+    const std::string config = write_config(loco ? "loco_plan.json" : "qgz_plan.json", j);
+    for (const int np : {2, 4}) {
+      const std::string k = std::to_string(np / 2), tag = (loco ? "loco " : "qgz ") + std::string("np ") + std::to_string(np),
+                        dir = temp_path((loco ? "loco_plan" : "qgz_plan") + std::to_string(np));
+      const Result r = run("train " + config + " --output " + dir, np, "ZERO3D_RANKS_PER_NODE=" + k);
+      ASSERT_EQ(r.code, 0) << r.out << r.err;
+      const json row = read_metrics(dir).back();
+      const Result e = run("estimate --config " + config + " --world-size " + std::to_string(np) +
+                           " --ranks-per-node " + k + " --json");
+      ASSERT_EQ(e.code, 0) << e.err;
+      const json b = json::parse(e.out)["budgets"][3];
+      EXPECT_EQ(b["comm_reduce"].get<int64_t>(), row.at("memory").at("comm_buffers").get<int64_t>()) << tag;
+      EXPECT_EQ(b["total"].get<int64_t>(), row.at("memory_plan").at("predicted_peak_bytes").get<int64_t>()) << tag;
+      if (loco) continue;
+      const Result one = run("estimate --config " + config + " --world-size " + std::to_string(np) + " --json");
+      ASSERT_EQ(one.code, 0) << one.err;
+      EXPECT_NE(json::parse(one.out)["budgets"][3]["comm_reduce"].get<int64_t>(), b["comm_reduce"].get<int64_t>());
+    }
   }
 }
 
