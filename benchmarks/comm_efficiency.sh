@@ -11,7 +11,7 @@
 # step is printed against the estimate of that step (`estimate --step S`); a mode's time model
 # averages its steady phases over the steps measured (`estimate --step-range`; a 1-bit
 # optimizer's initialisation step and warm-up left out).
-# Usage: benchmarks/comm_efficiency.sh [BUILD_DIR] [WORKDIR]  (MODES="adamw_zero0 zero_one_adam": a subset)
+# Usage: benchmarks/comm_efficiency.sh [BUILD_DIR] [WORKDIR]  (MODES_ONLY="adamw_zero0 zero_one_adam": a subset)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -36,10 +36,11 @@ declare -A MODES=(
   [zeropp_qwz_hpz2]="${S3[*]} --set zero_optimization.zero_quantized_weights=true --set zero_optimization.zero_hpz_partition_size=2"
   [zeropp_qgz]="${S3[*]} --set zero_optimization.zero_quantized_gradients=true"
   [zeropp_qwz_hpz2_qgz]="${S3[*]} --set zero_optimization.zero_quantized_weights=true --set zero_optimization.zero_hpz_partition_size=2 --set zero_optimization.zero_quantized_gradients=true"
+  [zeropp_qgz_loco]="${S3[*]} --set zero_optimization.zero_quantized_gradients=true --set zero_optimization.zeropp_loco_param.err_beta=0.8"
 )
 declare -A STEPS=([zero_one_adam]=8)
 ORDER=(adamw_zero0 onebit_adam onebit_lamb zero_one_adam zero3 mics2 mics4_hierarchical hpz2 zeropp_qwz zeropp_qwz_hpz2
-       zeropp_qgz zeropp_qwz_hpz2_qgz)
+       zeropp_qgz zeropp_qwz_hpz2_qgz zeropp_qgz_loco)
 if [[ -n "${MODES_ONLY:-}" ]]; then read -r -a ORDER <<< "$MODES_ONLY"; fi
 for mode in "${ORDER[@]}"; do
   # shellcheck disable=SC2086

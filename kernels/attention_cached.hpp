@@ -46,13 +46,14 @@ ZERO3D_KERNEL void add_position_embedding_at(float* out, const P* wpe, const int
 // rope.hpp's rotation of q and k in qkv[N, (H + 2·Hkv)·d], token i at position pos[i] (cos and
 // sin [Tmax, d/2], rope_tables' layout) rather than at its place in a sequence.
 ZERO3D_KERNEL void rope_at_positions(float* qkv, const float* cos, const float* sin, const int32_t* pos, Index N,
-                                     Index H, Index Hkv, Index head_dim) {
+                                     Index H, Index Hkv, Index head_dim, bool round_bf16 = false) {
   const Index half = head_dim / 2, heads = H + Hkv, width = (H + 2 * Hkv) * head_dim;
   Kokkos::parallel_for("rope_at_positions", range(N * heads * half), KOKKOS_LAMBDA(Index j) {
     const Index i = j % half, h = j / half % heads, tok = j / (half * heads), t = pos[tok];
     float* x = qkv + tok * width + h * head_dim;
     const float c = cos[t * half + i], s = sin[t * half + i];
-    const float x1 = x[i], x2 = x[i + half];
+    // round_bf16: q and k as bf16 training's q/k/v product hands them to rope (its readers round the result)
+    const float x1 = maybe_bf16(x[i], round_bf16), x2 = maybe_bf16(x[i + half], round_bf16);
     x[i] = x1 * c - x2 * s;
     x[i + half] = x2 * c + x1 * s;
   });

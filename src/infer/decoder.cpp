@@ -84,7 +84,9 @@ void Decoder::reserve(int64_t tokens) {
   const BlockWidths& w = model_.widths();
   const int64_t C = shape_.n_embd;
   // x, ln, row_out [C]; mean, rstd; qkv, attention output, fc output and activation: this rank's widths
-  const int64_t per_token = 3 * C + 2 + w.qkv + w.attn + w.fc + w.act;
+  // (the fc slot also holds the bf16 q/k/v product's rounded output for a moment: llama forward)
+  const int64_t fc = std::max(w.fc, (w.qkv + 1) / 2);
+  const int64_t per_token = 3 * C + 2 + w.qkv + w.attn + fc + w.act;
   work_ = make_scratch_buffer("generation_activations", tokens * per_token);
   float* p = work_.data();
   const auto take = [&](int64_t n) {
@@ -93,7 +95,7 @@ void Decoder::reserve(int64_t tokens) {
     return out;
   };
   x_ = take(C), ln_ = take(C), row_out_ = take(C), mean_ = take(1), rstd_ = take(1);
-  qkv_ = take(w.qkv), atty_ = take(w.attn), fch_ = take(w.fc), act_ = take(w.act);
+  qkv_ = take(w.qkv), atty_ = take(w.attn), fch_ = take(fc), act_ = take(w.act);
   ids_dev_ = Kokkos::View<int32_t*>("generation_ids", tokens);
   pos_dev_ = Kokkos::View<int32_t*>("generation_positions", tokens);
   work_tokens_ = tokens;
@@ -285,18 +287,21 @@ void Decoder::block(int l, int64_t N, int64_t n) {
     const float eps = static_cast<float>(f.rms_norm_eps);
     const LlamaTensors<const P> p = llama_tensors(unit, shape_, w);
     const int64_t I = w.act;
-    // as llama_block_forward: bf16 compute keeps the norms' outputs and the MLP's activations in
-    // bf16 (no MoE block reaches the decoder)
+    // as llama_block_forward: bf16 compute keeps the products' inputs in bf16 (no MoE block
+    // reaches the decoder)
     const bool lp = activations_bf16(cmp, tensor_parallel, false, true);
-    if (lp) {
+    if (lp) {  // q/k/v_proj rounds its own output, its bias in the product's epilogue, as the block's
       rmsnorm_forward(as_bf16(ln_), rstd_, x_, p.input_norm, N, C, eps);
-      linear_forward(qkv_, as_bf16(ln_), p.qkv_w, p.qkv_b, N, C, w.qkv, false, cmp);
+      bf16* rounded = as_bf16(fch_);  // free until the MLP half (reserve() sizes it for both)
+      linear_forward(rounded, as_bf16(ln_), p.qkv_w, p.qkv_b, N, C, w.qkv);
+      convert(qkv_, rounded, N * w.qkv);
     } else {
       rmsnorm_forward(ln_, rstd_, x_, p.input_norm, N, C, eps);
       linear_forward(qkv_, ln_, p.qkv_w, p.qkv_b, N, C, w.qkv, false, cmp);
     }
-    rope_at_positions(qkv_, rope_.data(), rope_.data() + max_tokens_ * (d / 2), pos_dev_.data(), N, H, Hkv, d);
-    attend(f.window_of(global), false);  // the Llama family's attention runs in fp32 (llama_block.cpp)
+    // bf16 attention as llama_block_forward's: rope on the bf16 q and k, attention on bf16 q, k, v
+    rope_at_positions(qkv_, rope_.data(), rope_.data() + max_tokens_ * (d / 2), pos_dev_.data(), N, H, Hkv, d, lp);
+    attend(f.window_of(global), lp);
     residual_product(atty_, p.o_w, p.o_b, w.attn, true);
     if (lp) {  // gate_up_proj writes bf16, SwiGLU reads and writes bf16
       rmsnorm_forward(as_bf16(ln_), rstd_, x_, p.post_norm, N, C, eps);
