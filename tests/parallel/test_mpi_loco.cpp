@@ -6,6 +6,7 @@
 // block after every reduction, and its kept errors (codes, scales) and the counter after the
 // last, bit for bit. (np 1: no golden, skipped.)
 #include <gtest/gtest.h>
+#include <mpi.h>
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
@@ -157,7 +158,11 @@ TEST(LocoReduce, LossScaleRescalesTheErrorsAndAnOverflowDropsThem) {
     fresh.enable_loco(c.params);
     fresh.reduce(c.src(2), c.counts, c.group, fresh_out.data(), 0, c.tensors);
     EXPECT_EQ(out, fresh_out) << "rank " << c.r;
-    EXPECT_NE(out, c.want_at(2)) << "rank " << c.r;  // with the errors kept, reduction 3 differs
+    // with the errors kept, reduction 3 differs somewhere (a rank whose blocks reset at reduction 3
+    // by reset_T gets a fresh reducer's result either way)
+    int differs = out != c.want_at(2), anywhere = 0;
+    MPI_Allreduce(&differs, &anywhere, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    EXPECT_EQ(anywhere, 1);
   }
 }
 
