@@ -574,15 +574,11 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
   };
   // The offload tiers are read by the host thread (OffloadedOptimizer::read): through host memory
   // into the staging, where model memory is not host memory.
+  std::vector<float> host(kernels::kHostIsDevice ? 0 : static_cast<size_t>(n));  // one for every state
   auto offloaded = [&](const std::string& state) {
     float* s = staging();
-    if constexpr (kernels::kHostIsDevice) {
-      offloaded_->read(state, b - pb, n, s);
-    } else {
-      std::vector<float> host(static_cast<size_t>(n));
-      offloaded_->read(state, b - pb, n, host.data());
-      kernels::copy_to_device(s, host.data(), host.size() * sizeof(float));
-    }
+    offloaded_->read(state, b - pb, n, kernels::kHostIsDevice ? s : host.data());
+    if (!kernels::kHostIsDevice) kernels::copy_to_device(s, host.data(), host.size() * sizeof(float));
     return s;
   };
   std::vector<std::pair<std::string, const float*>> arrays;
