@@ -83,10 +83,10 @@ void Decoder::reserve(int64_t tokens) {
   if (tokens <= work_tokens_) return;
   const BlockWidths& w = model_.widths();
   const int64_t C = shape_.n_embd;
-  // x, ln, row_out [C]; mean, rstd; qkv, attention output, fc output and activation: this rank's widths
-  // (the fc slot also holds the bf16 q/k/v product's rounded output for a moment: llama forward)
-  const int64_t fc = std::max(w.fc, (w.qkv + 1) / 2);
-  const int64_t per_token = 3 * C + 2 + w.qkv + w.attn + fc + w.act;
+  // x, ln, row_out [C]; mean, rstd; qkv, attention output, fc output and activation: this rank's
+  // widths; then the Llama family's bf16 q/k/v product output (bf16 compute), half a float each
+  const int64_t qkv_bf16 = (w.qkv + 1) / 2;
+  const int64_t per_token = 3 * C + 2 + w.qkv + w.attn + w.fc + w.act + qkv_bf16;
   work_ = make_scratch_buffer("generation_activations", tokens * per_token);
   float* p = work_.data();
   const auto take = [&](int64_t n) {
@@ -95,7 +95,8 @@ void Decoder::reserve(int64_t tokens) {
     return out;
   };
   x_ = take(C), ln_ = take(C), row_out_ = take(C), mean_ = take(1), rstd_ = take(1);
-  qkv_ = take(w.qkv), atty_ = take(w.attn), fch_ = take(fc), act_ = take(w.act);
+  qkv_ = take(w.qkv), atty_ = take(w.attn), fch_ = take(w.fc), act_ = take(w.act);
+  qkv_bf16_ = as_bf16(take(qkv_bf16));
   ids_dev_ = Kokkos::View<int32_t*>("generation_ids", tokens);
   pos_dev_ = Kokkos::View<int32_t*>("generation_positions", tokens);
   work_tokens_ = tokens;
@@ -292,9 +293,8 @@ void Decoder::block(int l, int64_t N, int64_t n) {
     const bool lp = activations_bf16(cmp, tensor_parallel, false, true);
     if (lp) {  // q/k/v_proj rounds its own output, its bias in the product's epilogue, as the block's
       rmsnorm_forward(as_bf16(ln_), rstd_, x_, p.input_norm, N, C, eps);
-      bf16* rounded = as_bf16(fch_);  // free until the MLP half (reserve() sizes it for both)
-      linear_forward(rounded, as_bf16(ln_), p.qkv_w, p.qkv_b, N, C, w.qkv);
-      convert(qkv_, rounded, N * w.qkv);
+      linear_forward(qkv_bf16_, as_bf16(ln_), p.qkv_w, p.qkv_b, N, C, w.qkv);
+      convert(qkv_, qkv_bf16_, N * w.qkv);
     } else {
       rmsnorm_forward(ln_, rstd_, x_, p.input_norm, N, C, eps);
       linear_forward(qkv_, ln_, p.qkv_w, p.qkv_b, N, C, w.qkv, false, cmp);

@@ -123,6 +123,7 @@ class Decoder {
   int64_t work_tokens_ = 0;
   float *x_ = nullptr, *ln_ = nullptr, *mean_ = nullptr, *rstd_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr,
         *fch_ = nullptr, *act_ = nullptr, *row_out_ = nullptr;
+  kernels::bf16* qkv_bf16_ = nullptr;    // the Llama family's q/k/v product as bf16 compute rounds it
   FlatBuffer scores_buf_;                // attention scores, B·H·n·(slots + n) floats
   FlatBuffer head_;                      // the last positions' ln_f and this rank's logits
   std::vector<float> gathered_, logits_; // all tensor ranks' logits, then [rows][V]
