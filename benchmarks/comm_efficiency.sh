@@ -11,7 +11,8 @@
 # step is printed against the estimate of that step (`estimate --step S`); a mode's time model
 # averages its steady phases over the steps measured (`estimate --step-range`; a 1-bit
 # optimizer's initialisation step and warm-up left out).
-# Usage: benchmarks/comm_efficiency.sh [BUILD_DIR] [WORKDIR]  (MODES_ONLY="adamw_zero0 zero_one_adam": a subset)
+# Usage: benchmarks/comm_efficiency.sh [BUILD_DIR] [WORKDIR]  (MODES_ONLY="adamw_zero0 zero_one_adam": a subset;
+# REPORT_ONLY=1: print again from WORKDIR's runs, e.g. with another INTRA_GBPS, running nothing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -43,6 +44,7 @@ ORDER=(adamw_zero0 onebit_adam onebit_lamb zero_one_adam zero3 mics2 mics4_hiera
        zeropp_qgz zeropp_qwz_hpz2_qgz zeropp_qgz_loco)
 if [[ -n "${MODES_ONLY:-}" ]]; then read -r -a ORDER <<< "$MODES_ONLY"; fi
 for mode in "${ORDER[@]}"; do
+  [[ -n "${REPORT_ONLY:-}" ]] && break
   # shellcheck disable=SC2086
   args=("${BASE[@]}" ${MODES[$mode]})
   steps=${STEPS[$mode]:-4}
@@ -60,10 +62,12 @@ for mode in "${ORDER[@]}"; do
       > "$DIR/$mode.estimate.n$nodes.json"
   done
 done
-"$BUILD/zero3d" train input/gpt-small-cpu.json "${BASE[@]}" --set train_batch_size=1 --set training.steps=6 \
-  --output "$DIR/compute" > "$DIR/compute.log" 2>&1
-mpirun -np 2 "$BUILD/benchmarks/zero3d_comm_bench" --benchmark_filter='^all_reduce/communicator/(1024|67108864)/' \
-  --benchmark_format=json > "$DIR/link.json" 2> "$DIR/link.err"
+if [[ -z "${REPORT_ONLY:-}" ]]; then
+  "$BUILD/zero3d" train input/gpt-small-cpu.json "${BASE[@]}" --set train_batch_size=1 --set training.steps=6 \
+    --output "$DIR/compute" > "$DIR/compute.log" 2>&1
+  mpirun -np 2 "$BUILD/benchmarks/zero3d_comm_bench" --benchmark_filter='^all_reduce/communicator/(1024|67108864)/' \
+    --benchmark_format=json > "$DIR/link.json" 2> "$DIR/link.err"
+fi
 python3 - "$DIR" "$INTER_GBPS" "$RANKS_PER_NODE" "$INTRA_GBPS" "${ORDER[@]}" <<'PY'
 import json, statistics, sys
 d, inter_gbps, per_node, intra_given, modes = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]

@@ -165,9 +165,11 @@ int cmd_estimate(EstimateArgs a, int rank) {
   if (!a.kind.empty()) throw InputError("estimate: unknown kind \"" + a.kind + "\" (zero2, zero3, or --config)");
   if (a.config.path.empty()) throw InputError("estimate: give zero2/zero3 with --params, or --config CONFIG");
   std::string name;
-  const Config cfg = resolve_config(load_with_overrides(a.config, name), name, a.world_size, set_keys(a.config));
-  // Nodes of --ranks-per-node ranks (default: every rank on one node): the bytes by link, and qgZ's staging.
+  // Nodes of --ranks-per-node ranks (default: every rank on one node): the bytes by link, qgZ's
+  // staging in every budget, the "auto" micro-batch and what fits --memory-per-rank.
   const int64_t per_node = a.ranks_per_node > 0 ? a.ranks_per_node : a.world_size;
+  const Config cfg =
+      resolve_config(load_with_overrides(a.config, name), name, a.world_size, set_keys(a.config), per_node);
   std::vector<MemoryBudget> budgets;
   for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage, per_node));
   int64_t limit = 0;
@@ -175,7 +177,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
   if (a.has("--memory-per-rank")) {  // given empty is a bad size, not an absent option
     limit = size_option("--memory-per-rank", a.memory_per_rank);
     if (limit <= 0) throw InputError("estimate --memory-per-rank " + echo(a.memory_per_rank) + ": expected a size above 0");
-    for (int stage = 0; stage <= 3; ++stage) fits.push_back(what_fits(cfg, a.world_size, stage, limit));
+    for (int stage = 0; stage <= 3; ++stage) fits.push_back(what_fits(cfg, a.world_size, stage, limit, per_node));
   }
   if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets, fits, limit);
   const ModelCounts counts = count_model(cfg.model);

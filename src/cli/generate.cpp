@@ -313,6 +313,7 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
   MPI_Comm_size(world, &size);
   MPI_Comm_rank(world, &rank);
   const int ranks_here = ranks_on_this_node(world);
+  const int per_node = planned_ranks_per_node(world);  // the engine's plan sizes qgZ by the nodes
   const AvailableMemory avail = available_memory();
   std::string name;
   Config cfg;
@@ -365,7 +366,7 @@ int cmd_generate(const GenerateArgs& a, MPI_Comm world) {
     options.micro_batches = a.micro_batches;
     options.eos = eos_ids(a, cfg);
     options.vocab_limit = tokenizer ? tokenizer->vocab_size() : 0;
-    check_memory_fits(cfg, ranks_here, avail);
+    check_memory_fits(cfg, ranks_here, avail, per_node);
     without_resume_or_saves(cfg);  // the parameters come from --checkpoint (or the config's initial weights)
   });
   agree_on_configuration(world, cfg);

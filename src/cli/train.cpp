@@ -20,6 +20,7 @@
 #include "model/model.hpp"
 #include "offload/aio.hpp"
 #include "observe/monitor.hpp"
+#include "parallel/nodes.hpp"
 #include "parallel/topology.hpp"
 #include "train/autotune.hpp"
 #include "train/engine.hpp"
@@ -98,10 +99,11 @@ int cmd_validate(const ConfigArgs& a, int64_t world_size, const std::string& out
   Config cfg;
   MemoryBudget budget;
   const AvailableMemory avail = available_memory();
+  const int per_node = planned_ranks_per_node(world);  // the nodes train would find (ZERO3D_RANKS_PER_NODE)
   run_collectively(world, [&] {
-    cfg = resolve_config(load_with_overrides(a, name), name, world_size, set_keys(a));
+    cfg = resolve_config(load_with_overrides(a, name), name, world_size, set_keys(a), per_node);
     // The same check as train's, for one rank on this machine: a plan that cannot start here is not valid here.
-    budget = check_memory_fits(cfg, 1, avail);
+    budget = check_memory_fits(cfg, 1, avail, per_node);
     check_swap_directories(cfg, budget);
     resume_note = check_run_files(cfg, resolve_run_paths(cfg, a.path, output_override));
   });
@@ -170,13 +172,14 @@ int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm 
   std::string name, out;
   Config cfg;
   const int ranks_here = ranks_on_this_node(world);  // for the start-up memory check
+  const int per_node = planned_ranks_per_node(world);  // the nodes the engine's groups will find: its plan's
   const AvailableMemory avail = available_memory();
   std::unique_ptr<OutputDirLock> lock;
   run_collectively(world, [&] { check_launch(size); });  // job_control.hpp: N scheduler tasks seen by MPI as N one-rank jobs
   const nlohmann::json tuned = tune_first(a, name, ranks_here, avail, world);
   run_collectively(world, [&] {
-    cfg = resolve_config(tuned.is_null() ? load_with_overrides(a, name) : tuned, name, size, set_keys(a));
-    check_memory_fits(cfg, ranks_here, avail);
+    cfg = resolve_config(tuned.is_null() ? load_with_overrides(a, name) : tuned, name, size, set_keys(a), per_node);
+    check_memory_fits(cfg, ranks_here, avail, per_node);
     out = resolve_run_paths(cfg, a.path, output_override);
     // Found now, not at the first save: every rank writes its shard into save_dir.
     if (rank == 0) check_writable_directory(out, "output directory");  // named first: save_dir may lie inside
@@ -235,6 +238,7 @@ int cmd_eval(const EvalArgs& a, MPI_Comm world) {
   MPI_Comm_size(world, &size);
   MPI_Comm_rank(world, &rank);
   const int ranks_here = ranks_on_this_node(world);
+  const int per_node = planned_ranks_per_node(world);
   const AvailableMemory avail = available_memory();
   std::string name, tokenizer_text;
   Config cfg;
@@ -245,7 +249,7 @@ int cmd_eval(const EvalArgs& a, MPI_Comm world) {
     if (!a.tag.empty() && a.checkpoint.empty()) throw InputError("eval --tag " + echo(a.tag, 100) + ": needs --checkpoint");
     if (!a.tokenizer.empty() && a.text.empty())
       throw InputError("eval --tokenizer " + echo(a.tokenizer, 200) + ": is for --text (the file's text to tokens)");
-    cfg = resolve_config(load_with_overrides(a.config, name), name, size, set_keys(a.config));
+    cfg = resolve_config(load_with_overrides(a.config, name), name, size, set_keys(a.config), per_node);
     if (!a.text.empty()) {
       const std::string path = a.tokenizer.empty() ? cfg.data.tokenizer : a.tokenizer;
       if (path.empty())
@@ -268,7 +272,7 @@ int cmd_eval(const EvalArgs& a, MPI_Comm world) {
       throw InputError(name + ": `data.validation` is not given: zero3d eval evaluates on the validation data (or "
                        "give --text FILE)");
     }
-    check_memory_fits(cfg, ranks_here, avail);
+    check_memory_fits(cfg, ranks_here, avail, per_node);
     without_resume_or_saves(cfg);  // the parameters come from --checkpoint
   });
   agree_on_configuration(world, cfg);

@@ -59,6 +59,13 @@ int NodeMap::ranks_per_node() const {
   return static_cast<int>(std::count(node_of_.begin(), node_of_.end(), 0));
 }
 
+int planned_ranks_per_node(MPI_Comm world) {
+  const NodeMap nodes(world);
+  // Emulated: k itself, so that a plan for more ranks than this job has (validate --world-size)
+  // still places k a node; the planners cap it at the data-parallel size (qgz_placement).
+  return nodes.emulated_ranks_per_node() > 0 ? nodes.emulated_ranks_per_node() : nodes.ranks_per_node();
+}
+
 std::vector<int> NodeMap::nodes_of(MPI_Comm comm) const {
   MPI_Group g, w;
   int n = 0;

@@ -43,4 +43,11 @@ class NodeMap {
 // ZERO3D_RANKS_PER_NODE as a positive integer; 0 when unset. InputError when malformed.
 int emulated_ranks_per_node();
 
+// The ranks per node the memory planners (check_memory_fits, the autotuner, the "auto"
+// micro-batch) size node-placed groups by before the run's ProcessGroups exist: the emulated k
+// (ranks 0..k-1 a node, whatever the planned world), else NodeMap's first node under
+// MPI_COMM_TYPE_SHARED, the figure the engine's own plan takes. Collective over world;
+// AgreedFailure (exit 2) when ZERO3D_RANKS_PER_NODE is malformed, as NodeMap.
+int planned_ranks_per_node(MPI_Comm world);
+
 }  // namespace zero3d

@@ -21,8 +21,10 @@
 #include "config/config.hpp"
 #include "model/model.hpp"
 #include "parallel/comm.hpp"
+#include "parallel/nodes.hpp"
 #include "parallel/topology.hpp"
 #include "train/engine.hpp"
+#include "zero/shard_groups.hpp"
 
 namespace zero3d {
 
@@ -122,8 +124,10 @@ void write_json(const std::string& path, const json& j) {
   if (!out) throw SystemError("cannot write " + path);
 }
 
-json exp_json(const Experiment& e, int64_t world, const AutotuneMemory& memory) {
-  json j = {{"name", e.name}, {"ds_config", e.ds_config}, {"num_gpus", world}, {"num_nodes", 1}, {"hostfile", nullptr},
+// num_nodes: the nodes the job's ranks lie on, as the experiment was planned (per_node a node).
+json exp_json(const Experiment& e, int64_t world, int64_t per_node, const AutotuneMemory& memory) {
+  const int64_t nodes = (world + std::max<int64_t>(1, per_node) - 1) / std::max<int64_t>(1, per_node);
+  json j = {{"name", e.name}, {"ds_config", e.ds_config}, {"num_gpus", world}, {"num_nodes", nodes}, {"hostfile", nullptr},
             {"tuning_space", e.space}, {"outcome", outcome_name(e.outcome)}, {"planned_bytes_per_rank", e.planned_bytes},
             {"memory_per_rank", memory.bytes_per_rank}, {"memory_source", memory.source}};
   if (!e.why.empty()) j["why"] = e.why;
@@ -175,8 +179,8 @@ bool can_allocate(int64_t bytes, MPI_Comm world) {
 }
 
 void measure(Experiment& e, const AutotuningConfig& at, MPI_Comm world, MpiCommunicator& comm,
-             const std::string& log_path) {
-  Config cfg = resolve_config(e.ds_config, e.name, comm.size());
+             const std::string& log_path, int64_t ranks_per_node) {
+  Config cfg = resolve_config(e.ds_config, e.name, comm.size(), {}, ranks_per_node);
   // An experiment writes nothing and resumes nothing: it is timed, then dropped.
   cfg.training.steps = at.end_profile_step;
   cfg.training.save_interval = 0;
@@ -187,8 +191,10 @@ void measure(Experiment& e, const AutotuningConfig& at, MPI_Comm world, MpiCommu
   {
     std::unique_ptr<StdoutTo> redirect;
     if (comm.rank() == 0) redirect = std::make_unique<StdoutTo>(log_path);
+    // ZeRO's shard groups as train builds them (MiCS, hpZ, qgZ's node groups): the experiment
+    // runs what its plan priced.
     ProcessGroups groups(ProcessTopology::pipe_data_model(e.pipe, comm.size() / (e.pipe * e.tensor), e.tensor), world,
-                         static_cast<int>(cfg.model.moe.ep_size));
+                         static_cast<int>(cfg.model.moe.ep_size), data_shards(cfg.zero));
     Engine engine(cfg, groups, "");
     for (int64_t s = 1; s <= at.end_profile_step; ++s) {
       const StepResult r = engine.train_step();
@@ -262,12 +268,14 @@ AutotuneResult autotune(const json& root, const std::string& file, MPI_Comm worl
   MpiCommunicator comm(world);
   const int64_t size = comm.size();
   const bool writer = comm.rank() == 0;
+  // Every experiment is planned on the nodes its engine will find (qgZ's staging is sized by them).
+  const int64_t per_node = planned_ranks_per_node(world);
   std::vector<int> stages;
   Config base_cfg;
   run_collectively(world, [&] {  // a bad config: one message, from rank 0
     if (!root.is_object()) throw InputError(file + ": expected a JSON object");
     stages = stages_to_tune(root, file);
-    base_cfg = resolve_config(normalized_base(root, stages.front()), file, size);
+    base_cfg = resolve_config(normalized_base(root, stages.front()), file, size, {}, per_node);
   });
   const AutotuningConfig& at = base_cfg.autotuning;
   const int64_t user_gas = base_cfg.batch.gradient_accumulation_steps;
@@ -330,8 +338,8 @@ AutotuneResult autotune(const json& root, const std::string& file, MPI_Comm worl
         if (o.name == e.name) return;
       e.ds_config = with_batch(sp.config, micro, gas, dp);
       try {
-        const Config c = resolve_config(e.ds_config, e.name, size);
-        e.planned_bytes = estimate_budget(c, size, sp.stage).total();
+        const Config c = resolve_config(e.ds_config, e.name, size, {}, per_node);
+        e.planned_bytes = estimate_budget(c, size, sp.stage, per_node).total();
         e.outcome = budget >= 0 && e.planned_bytes > budget ? ExperimentOutcome::Pruned : ExperimentOutcome::NotRun;
       } catch (const InputError& err) {
         e.outcome = ExperimentOutcome::Invalid;
@@ -345,8 +353,8 @@ AutotuneResult autotune(const json& root, const std::string& file, MPI_Comm worl
     int64_t fit = hi;  // the planner's largest micro-batch within the budget
     bool valid = true;
     try {
-      const Config c = resolve_config(with_batch(sp.config, lo, user_gas, dp), sp.name, size);
-      if (budget >= 0) fit = std::min(hi, largest_fitting_micro_batch(c, size, sp.stage, budget));
+      const Config c = resolve_config(with_batch(sp.config, lo, user_gas, dp), sp.name, size, {}, per_node);
+      if (budget >= 0) fit = std::min(hi, largest_fitting_micro_batch(c, size, sp.stage, budget, per_node));
     } catch (const InputError&) {
       valid = false;  // the first experiment records why; the space has no other
     }
@@ -395,7 +403,7 @@ AutotuneResult autotune(const json& root, const std::string& file, MPI_Comm worl
       if (!writer) return;
       make_dir(dir, "results_dir");
       write_json(dir + "/ds_config.json", e.ds_config);
-      if (run) write_json(at.exps_dir + "/" + e.name + ".json", exp_json(e, size, memory));
+      if (run) write_json(at.exps_dir + "/" + e.name + ".json", exp_json(e, size, per_node, memory));
     });
     if (run && !can_allocate(e.planned_bytes, world)) {
       e.outcome = ExperimentOutcome::Failed;
@@ -407,7 +415,7 @@ AutotuneResult autotune(const json& root, const std::string& file, MPI_Comm worl
                               (long long)at.end_profile_step, (long long)at.start_profile_step,
                               (long long)at.end_profile_step);
       std::fflush(stdout);
-      measure(e, at, world, comm, dir + "/stdout.log");
+      measure(e, at, world, comm, dir + "/stdout.log", per_node);
       ++trials;
       const Experiment* best = r.best < 0 ? nullptr : &r.experiments[r.best];
       if (!best || (lower ? e.metric < best->metric : e.metric > best->metric)) {
@@ -429,7 +437,7 @@ AutotuneResult autotune(const json& root, const std::string& file, MPI_Comm worl
       std::printf("autotune %s: pruned: the planner needs %s per rank, more than %s\n", e.name.c_str(),
                   mib(double(e.planned_bytes)).c_str(), mib(double(budget)).c_str());
     }
-    if (writer) write_json(dir + "/exp.json", exp_json(e, size, memory));
+    if (writer) write_json(dir + "/exp.json", exp_json(e, size, per_node, memory));
     considered.push_back(e);
   }
   const int best_index = r.best;

@@ -517,12 +517,13 @@ MemoryBudget estimate_budget(const Config& cfg, int64_t world, int stage, int64_
   return largest_of(estimate_rank_budgets(cfg, world, stage, ranks_per_node));
 }
 
-int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank) {
-  return largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, cfg.activation_checkpointing);
+int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank,
+                                    int64_t ranks_per_node) {
+  return largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, ranks_per_node, cfg.activation_checkpointing);
 }
 
 int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank,
-                                    const ActivationCheckpointing& checkpointing) {
+                                    int64_t ranks_per_node, const ActivationCheckpointing& checkpointing) {
   Config c = cfg;
   c.activation_checkpointing = checkpointing;
   const std::vector<RankPlan> plans = plan_ranks(cfg);  // independent of the micro-batch
@@ -530,7 +531,7 @@ int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage,
   auto fits = [&](int64_t micro) {
     c.batch.micro_batch = micro;
     for (const RankPlan& p : plans)
-      if (rank_budget(c, p, dp, stage).total() > bytes_per_rank) return false;
+      if (rank_budget(c, p, dp, stage, ranks_per_node).total() > bytes_per_rank) return false;
     return true;
   };
   if (!fits(1)) return 0;
@@ -553,16 +554,16 @@ nlohmann::json FitAnswer::to_json() const {
           {"needs_checkpointing", needs_checkpointing}};
 }
 
-FitAnswer what_fits(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank) {
+FitAnswer what_fits(const Config& cfg, int64_t world, int stage, int64_t bytes_per_rank, int64_t ranks_per_node) {
   ActivationCheckpointing selective, full;
   selective.interval = full.interval = 1;
   selective.granularity = RecomputeGranularity::Selective;
   FitAnswer a;
   a.stage = stage;
-  a.configured = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank);
-  a.none = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, ActivationCheckpointing{});
-  a.selective = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, selective);
-  a.full = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, full);
+  a.configured = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, ranks_per_node);
+  a.none = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, ranks_per_node, ActivationCheckpointing{});
+  a.selective = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, ranks_per_node, selective);
+  a.full = largest_fitting_micro_batch(cfg, world, stage, bytes_per_rank, ranks_per_node, full);
   a.configured_fits = cfg.batch.micro_batch <= a.configured;
   a.needs_checkpointing = cfg.batch.micro_batch > a.none && cfg.batch.micro_batch <= std::max(a.selective, a.full);
   return a;
@@ -663,9 +664,11 @@ AvailableMemory available_memory() {
   return a;
 }
 
-MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const AvailableMemory& avail) {
+MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const AvailableMemory& avail,
+                               int64_t ranks_per_node) {
   const int64_t ranks = cfg.batch.world_size * std::max(1, cfg.pipeline.stages) * std::max(1, cfg.tensor.size);
-  const MemoryBudget b = estimate_budget(cfg, ranks, cfg.zero.stage);
+  // The run's node layout, as the engine's own plan takes it (qgZ's staging is sized by its nodes).
+  const MemoryBudget b = estimate_budget(cfg, ranks, cfg.zero.stage, ranks_per_node);
   if (avail.bytes < 0) return b;
   const double need = double(b.total()) * std::max(1, ranks_here);
   if (need <= double(avail.bytes)) return b;
@@ -699,14 +702,15 @@ MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const Availabl
 namespace {
 
 // "auto" micro-batch with nothing to derive it from: the largest that the memory planner says
-// fits this machine's available memory shared by `world_size` ranks, at most HF's default of 8.
-void plan_auto_micro_batch(Config& c, int64_t world_size) {
+// fits this machine's available memory shared by `world_size` ranks (on nodes of `ranks_per_node`),
+// at most HF's default of 8.
+void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node) {
   const AvailableMemory avail = available_memory();
   int64_t micro = kHfPerDeviceBatch;
   std::string why = "Hugging Face's per_device_train_batch_size default; available memory unknown";
   if (avail.bytes > 0) {
     const int64_t per_rank = avail.bytes / std::max<int64_t>(1, world_size);
-    const int64_t fits = largest_fitting_micro_batch(c, world_size, c.zero.stage, per_rank);
+    const int64_t fits = largest_fitting_micro_batch(c, world_size, c.zero.stage, per_rank, ranks_per_node);
     micro = std::max<int64_t>(1, std::min(kHfPerDeviceBatch, fits));
     why = "the memory planner fits " + std::to_string(fits) + " per rank in " + human_bytes(double(per_rank)) +
           " (" + avail.source + " / " + std::to_string(world_size) + " ranks); at most Hugging Face's "
@@ -730,11 +734,11 @@ void plan_auto_micro_batch(Config& c, int64_t world_size) {
 }  // namespace
 
 Config resolve_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
-                      const std::vector<std::string>& set_keys) {
+                      const std::vector<std::string>& set_keys, int64_t ranks_per_node) {
   Config c = read_config(root, file, world_size, set_keys);
   if (!c.batch.micro_batch_from_memory) return c;
   try {
-    plan_auto_micro_batch(c, world_size);
+    plan_auto_micro_batch(c, world_size, ranks_per_node);
   } catch (const InputError& e) {
     const std::string what = e.what();
     throw InputError(what.rfind(file + ": ", 0) == 0 ? what : file + ": " + what);

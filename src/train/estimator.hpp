@@ -127,11 +127,13 @@ std::string device_memory_shortfall(int64_t plan_bytes, int ranks_on_device, int
                                     const std::string& device);
 
 // Largest micro-batch per stage whose total fits `bytes_per_rank` on every rank (0: not even
-// micro-batch 1). world_size: ranks in all, as for estimate_budget. checkpointing: plan with
-// this activation checkpointing instead of cfg's.
-int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank);
+// micro-batch 1). world_size, ranks_per_node: the ranks in all and on each node, as for
+// estimate_budget (the node layout decides qgZ's staging). checkpointing: plan with this
+// activation checkpointing instead of cfg's.
 int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank,
-                                    const ActivationCheckpointing& checkpointing);
+                                    int64_t ranks_per_node);
+int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank,
+                                    int64_t ranks_per_node, const ActivationCheckpointing& checkpointing);
 
 // "What fits" in bytes_per_rank at one ZeRO stage: the largest micro-batch under the configured
 // checkpointing, without any, with selective and with full recompute (interval 1), and whether
@@ -142,7 +144,8 @@ struct FitAnswer {
   bool configured_fits = false, needs_checkpointing = false;
   nlohmann::json to_json() const;
 };
-FitAnswer what_fits(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank);
+// ranks_per_node: as for estimate_budget (0: every rank on one node).
+FitAnswer what_fits(const Config& cfg, int64_t world_size, int stage, int64_t bytes_per_rank, int64_t ranks_per_node);
 
 // Memory this process may use: /proc/meminfo's MemAvailable, or the cgroup's remaining
 // limit where that is lower. bytes < 0: unknown (the check is skipped).
@@ -155,15 +158,19 @@ AvailableMemory available_memory();
 // read_config, then the one value config/ leaves to the memory planner: a
 // train_micro_batch_size_per_gpu "auto" that nothing derives becomes the largest micro-batch that
 // fits this machine's available memory shared by `world_size` ranks, at most Hugging Face's
-// default of 8, with the notes and resolved keys that say so. Every command that trains, checks
-// or sizes a config reads it through here.
+// default of 8, with the notes and resolved keys that say so; planned on nodes of
+// `ranks_per_node` ranks (0: one node), as check_memory_fits then checks it. Every command that
+// trains, checks or sizes a config reads it through here.
 Config resolve_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
-                      const std::vector<std::string>& set_keys = {});
+                      const std::vector<std::string>& set_keys = {}, int64_t ranks_per_node = 0);
 
-// The start-up memory check: the budget of `cfg` at its configured stage, times the ranks
-// sharing this machine, against `avail`. InputError naming the shortfall and the keys that
-// drive the largest categories when it does not fit. Returns the per-rank budget.
-MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const AvailableMemory& avail);
+// The start-up memory check: the budget of `cfg` at its configured stage on nodes of
+// `ranks_per_node` ranks (the run's layout: planned_ranks_per_node, parallel/nodes.hpp; 0: one
+// node), times the ranks sharing this machine, against `avail`. InputError naming the shortfall
+// and the keys that drive the largest categories when it does not fit. Returns the per-rank
+// budget: byte for byte the plan the engine prints and checks at the end.
+MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const AvailableMemory& avail,
+                               int64_t ranks_per_node);
 
 // Writes the budgets (one per stage) to an HDF5 report: inputs as attributes, one dataset per
 // category holding the bytes at stages 0..3.

@@ -90,13 +90,13 @@ TEST(Budget, MicsModelStatesArePartitionedOverTheShardGroup) {
 TEST(Budget, LargestFittingMicroBatchFitsAndOneMoreDoesNot) {
   Config c = small_config(2);
   const int64_t limit = 200 * 1000 * 1000;
-  const int64_t mb = largest_fitting_micro_batch(c, 2, 2, limit);
+  const int64_t mb = largest_fitting_micro_batch(c, 2, 2, limit, 0);
   ASSERT_GT(mb, 0);
   c.batch.micro_batch = mb;
   EXPECT_LE(estimate_budget(c, 2, 2).total(), limit);
   c.batch.micro_batch = mb + 1;
   EXPECT_GT(estimate_budget(c, 2, 2).total(), limit);
-  EXPECT_EQ(largest_fitting_micro_batch(c, 2, 2, 1000), 0);
+  EXPECT_EQ(largest_fitting_micro_batch(c, 2, 2, 1000, 0), 0);
 }
 
 TEST(Budget, ReportRoundTripsThroughHdf5) {
