@@ -225,6 +225,7 @@ ModelConfig read_model(Section& top) {
         sec.report("model.moe.num_experts", "zero3d's MoE layers replace GPT-2 MLPs; a " + arch +
                                                 " block has a dense MLP (model.architecture mixtral has sparse MoE blocks)");
     }
+    read_frozen_parameters(sec, m);
     sec.finish();
     return m;
   }
@@ -254,6 +255,7 @@ ModelConfig read_model(Section& top) {
   m.dropout.embd = read_dropout_probability(sec, "embd_pdrop");
   m.dropout.attn = read_dropout_probability(sec, "attn_pdrop");
   m.dropout.resid = read_dropout_probability(sec, "resid_pdrop");
+  read_frozen_parameters(sec, m);
   sec.finish({"n_ctx", "activation_function", "layer_norm_epsilon", "n_inner", "scale_attn_weights", "use_cache"});
   return m;
 }
@@ -664,6 +666,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
                                                   "which tensor parallelism shards; use autotp_size 1 (or OneBitAdam, "
                                                   "ZeroOneAdam)");
   step([&] { check_offload(top, c); });
+  step([&] { check_frozen_parameters(top, c); });
   step([&] { c.observability = read_observability(top); });
   step([&] { c.autotuning = read_autotuning(top); });
   step([&] { read_unsupported_top_level(top); });

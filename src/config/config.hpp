@@ -67,7 +67,14 @@ struct ModelConfig {
   DropoutRates dropout;   // embd_pdrop, attn_pdrop, resid_pdrop (GPT-2), attention_dropout (the Llama family)
   MoeConfig moe;
   SparseAttention sparse_attention;  // the top-level `sparse_attention` section (a model property here)
+  // model.frozen_parameters: regular expressions over the Hugging Face parameter names
+  // (std::regex_search, as Python's re.search); a matching parameter is requires_grad=False
+  // (config/frozen.cpp). Empty: every parameter trains.
+  std::vector<std::string> frozen_parameters;
 };
+
+// Whether a parameter named `name` (its Hugging Face name) is frozen by `patterns` (model.frozen_parameters).
+bool frozen_parameter(const std::string& name, const std::vector<std::string>& patterns);
 
 enum class DataSource { Synthetic, Text, Tokens };
 
@@ -248,6 +255,9 @@ struct ZeroConfig {
   // zero_quantized_weights: ZeRO++'s qwZ, stage 3's parameter gathers in int8 groups
   // (parallel/quantized_gather.hpp).
   bool quantized_weights = false;
+  // zero_quantized_nontrainable_weights: ZeRO++'s int8 storage of frozen parameters' stage-3 shards
+  // (DeepSpeed partition_parameters.py quantized_nontrainable_weights).
+  bool quantized_nontrainable_weights = false;
   // zero_quantized_gradients: ZeRO++'s qgZ, stage 3's gradient reduce-scatter as int4 all-to-alls
   // inside then across nodes (parallel/quantized_reduce_scatter.hpp).
   bool quantized_gradients = false;

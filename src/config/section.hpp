@@ -537,6 +537,12 @@ double read_dropout_probability(Section& sec, const std::string& key);
 // tensor_parallel.preset_model and partition_config (config/autotp.cpp): DeepSpeed's AutoTP
 // rules, checked against the split zero3d makes of the model; the preset's name into t.
 void read_autotp_rules(Section& tp, const ModelConfig& m, TensorParallelConfig& t);
+// model.frozen_parameters (config/frozen.cpp): the patterns, each checked to be a regular
+// expression matching at least one parameter of m's layout, and not all of them.
+void read_frozen_parameters(Section& model, ModelConfig& m);
+// The frozen parameters against the rest of the run (pipeline, tensor parallel, MoE, offload,
+// optimizers that need whole buffers).
+void check_frozen_parameters(Section& top, const Config& c);
 // model.moe (config/moe.cpp): the section, then its checks against the layout and the rest of the run.
 MoeConfig read_moe(Section& model);
 // model.moe of a Mixtral: ep_size only (the routing is the model's, from its Hugging Face keys).

@@ -245,10 +245,24 @@ void read_quantized_collectives(Section& sec, Config& c) {
   if (z.quantized_weights && z.mics_shard_size > 0)
     sec.report_key("zero_quantized_weights", "cannot be combined with mics_shard_size: DeepSpeed's MiCS gathers "
                                              "(zero/mics.py) move the parameters unquantised and ignore the key");
-  if (sec.boolean("zero_quantized_nontrainable_weights", false))
-    sec.report_key("zero_quantized_nontrainable_weights",
-                   "stores frozen (requires_grad false) parameters as int8 groups in DeepSpeed; zero3d trains every "
-                   "parameter and has no frozen ones to store so; remove the key or set it false");
+  z.quantized_nontrainable_weights = sec.boolean("zero_quantized_nontrainable_weights", false);
+  if (z.quantized_nontrainable_weights) {
+    // DeepSpeed quantises the frozen parameters' ds_tensor partitions (partition_parameters.py
+    // quantized_nontrainable_weights), which exist at stage 3 only, and only for requires_grad=False ones.
+    if (z.stage != 3)
+      sec.report_key("zero_quantized_nontrainable_weights",
+                     "stores stage 3's partitions of frozen parameters as int8 groups (DeepSpeed's "
+                     "partition_parameters.py); at stage " + std::to_string(z.stage) +
+                         " parameters are not partitioned; set zero_optimization.stage 3 or remove it");
+    else if (c.model.frozen_parameters.empty())
+      sec.report_key("zero_quantized_nontrainable_weights",
+                     "quantises the frozen (requires_grad false) parameters, and model.frozen_parameters names none; "
+                     "name them there or remove the key");
+    else
+      sec.report_key("zero_quantized_nontrainable_weights",
+                     "zero3d keeps the frozen parameters' stage-3 partitions in the model dtype (model.frozen_parameters "
+                     "freezes them; their int8 storage is not built); remove the key or set it false");
+  }
   z.quantized_gradients = sec.boolean("zero_quantized_gradients", false);
   read_loco(sec, c);
   if (!z.quantized_gradients) return;

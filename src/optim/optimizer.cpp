@@ -1,6 +1,7 @@
 // optimizer.cpp — dispatch to the fused update kernels.
 #include "optim/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -152,12 +153,16 @@ void ElementwiseUpdater::run(const ElementwiseStep& s, TypedSpan params, const v
   }
 }
 
-Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DType state_type, Communicator* dp)
-    : cfg_(cfg), layout_(layout), state_type_(state_type), names_(optimizer_state_names(cfg)) {
+Optimizer::Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DType state_type, Communicator* dp,
+                     std::optional<Ranges> trainable)
+    : cfg_(cfg), layout_(layout), state_type_(state_type), names_(optimizer_state_names(cfg)),
+      trainable_(std::move(trainable)) {
   if ((cfg.type == OptimizerType::Lamb || cfg.one_bit()) && state_type != DType::F32)
     throw std::logic_error("Lamb and the 1-bit optimizers keep fp32 states");
+  if ((cfg.type == OptimizerType::Lamb || cfg.one_bit()) && trainable_)
+    throw std::logic_error("Lamb and the 1-bit optimizers update whole tensors, not trainable ranges");
   if (cfg.one_bit()) onebit_ = make_one_bit_optimizer(cfg, layout, dp);
-  const int64_t n = layout.total();
+  const int64_t n = state_elems();
   for (const std::string& name : names_) states_.emplace_back(name, state_type, n);
   if (cfg.type == OptimizerType::Adagrad && cfg.initial_accumulator_value != 0.0) {
     FlatBuffer init = make_scratch_buffer("adagrad_initial_accumulator", n);  // in model memory, as the state
@@ -179,6 +184,13 @@ int64_t Optimizer::state_bytes() const {
   int64_t bytes = 0;
   for (const TypedBuffer& b : states_) bytes += b.bytes();
   return bytes;
+}
+
+int64_t Optimizer::state_elems() const {
+  if (!trainable_) return layout_.total();
+  int64_t n = 0;
+  for (const auto& [a, b] : *trainable_) n += b - a;
+  return n;
 }
 
 std::vector<std::string> Optimizer::state_names() const { return names_; }
@@ -204,10 +216,27 @@ void Optimizer::step(TypedSpan params, const void* grads, DType grad_type, float
   const int64_t total = layout_.total();
   if (onebit_) return one_bit_step(params, grads, grad_type, grad_mul, lr, betas, rounded, rounded_n);
   if (cfg_.type != OptimizerType::Lamb) {
+    const ElementwiseStep es = make_elementwise_step(cfg_, step_count_, lr, betas, /*cpu_optimizer=*/false);
     std::vector<TypedSpan> st;
     for (TypedBuffer& b : states_) st.push_back({b.data(), b.type()});
-    updater_.run(make_elementwise_step(cfg_, step_count_, lr, betas, /*cpu_optimizer=*/false), params, grads,
-                 grad_type, grad_mul, st, total, /*on_host=*/false, rounded, rounded_n);
+    if (!trainable_) {
+      updater_.run(es, params, grads, grad_type, grad_mul, st, total, /*on_host=*/false, rounded, rounded_n);
+      return;
+    }
+    // Each trainable range on its own, its states packed back to back; frozen elements are not read.
+    auto at = [](TypedSpan t, int64_t i) {
+      return TypedSpan{static_cast<char*>(t.data) + i * static_cast<int64_t>(dtype_size(t.type)), t.type};
+    };
+    const size_t gsize = dtype_size(grad_type);
+    int64_t packed = 0;
+    for (const auto& [a, b] : *trainable_) {
+      std::vector<TypedSpan> sub;
+      for (const TypedSpan& t : st) sub.push_back(at(t, packed));
+      const int64_t cast_n = rounded.data ? std::clamp<int64_t>(rounded_n - a, 0, b - a) : 0;
+      updater_.run(es, at(params, params_packed_ ? packed : a), static_cast<const char*>(grads) + a * static_cast<int64_t>(gsize), grad_type,
+                   grad_mul, sub, b - a, /*on_host=*/false, cast_n > 0 ? at(rounded, a) : TypedSpan{}, cast_n);
+      packed += b - a;
+    }
     return;
   }
   if (params.type != DType::F32) throw std::logic_error("Lamb updates fp32 parameters");

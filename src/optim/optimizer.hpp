@@ -92,8 +92,13 @@ class Optimizer {
  public:
   // state_type: the element type of the states (bf16 with bf16_optimizer_states), fp32 otherwise.
   // dp: the data-parallel group, which the 1-bit optimizers communicate over themselves.
+  // trainable (model.frozen_parameters): the sorted ranges of the layout's elements it updates
+  // and keeps state for, the states holding them back to back (nullopt: every element).
+  // Frozen elements get no state, no update and no weight decay, as parameters outside
+  // PyTorch's param groups; only the elementwise optimizers take ranges.
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;
   Optimizer(const OptimizerConfig& cfg, const ParamLayout& layout, DType state_type = DType::F32,
-            Communicator* dp = nullptr);
+            Communicator* dp = nullptr, std::optional<Ranges> trainable = std::nullopt);
   ~Optimizer();
 
   // Whether the engine averages the gradients of the next step before step() (DeepSpeed's
@@ -130,6 +135,12 @@ class Optimizer {
   const OptimizerConfig& config() const { return cfg_; }
   // Bytes of optimizer state held (m, v, the sum or momentum).
   int64_t state_bytes() const;
+  // The trainable ranges (nullopt: all of the layout), and the elements each state holds.
+  const std::optional<Ranges>& trainable() const { return trainable_; }
+  // With trainable ranges: the parameters step() is given are packed as the states are (an fp32
+  // master copy of the trainable elements only), not laid out as the gradients.
+  void set_params_packed(bool packed) { params_packed_ = packed; }
+  int64_t state_elems() const;
 
  private:
   OptimizerConfig cfg_;
@@ -137,6 +148,8 @@ class Optimizer {
   DType state_type_;
   std::vector<std::string> names_;
   std::vector<TypedBuffer> states_;  // in names_' order
+  std::optional<Ranges> trainable_;
+  bool params_packed_ = false;
   int64_t step_count_ = 0;
   ElementwiseUpdater updater_;
   WidenScratch widened_;  // LAMB: one tensor's widened gradients

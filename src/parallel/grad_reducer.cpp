@@ -29,7 +29,9 @@ std::vector<ReduceBucket> cut_buckets(const std::vector<CommSegment>& segments, 
   for (auto it = segments.rbegin(); it != segments.rend(); ++it) {
     const int64_t a = std::max(lo, it->begin), b = std::min(hi, it->end);
     if (a >= b) continue;
-    if (open.begin < open.end && (it->type != open.type || it->quant_group != open.quant_group || open.end - a > cap)) {
+    // A gap (a frozen tensor, which has no gradient to reduce) also closes the bucket.
+    if (open.begin < open.end &&
+        (it->type != open.type || it->quant_group != open.quant_group || open.end - a > cap || b != open.begin)) {
       out.push_back(open);
       open = {b, b, it->type, it->quant_group};
     }

@@ -56,7 +56,8 @@ ReduceScaling reduce_scaling(bool prescale_gradients, double gradient_predivide_
                              bool zero_partitioned = false);
 
 // Global elements [begin, end) form one gradient (a tensor, or the partition's padding) that
-// is communicated in `type`. Segments are sorted and cover the reduced buffer.
+// is communicated in `type`. Segments are sorted and cover the reduced buffer, except for gaps
+// that are not reduced at all (frozen tensors: zero/zero.hpp StateTypes::frozen_tensors).
 // quant_group > 0: a tensor qgZ reduces as int4 groups of that many values (type F32: the fp32
 // window it is quantised from; parallel/quantized_reduce_scatter.hpp).
 struct CommSegment {

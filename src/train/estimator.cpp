@@ -223,10 +223,30 @@ StateTypes state_types_of(const Config& cfg, const ParamLayout& layout) {
     t.autocast = pc.autocast.dtype;
     for (const TensorSpec& s : layout.tensors()) t.autocast_tensors.push_back(low_precision_tensor(s.name, pc.autocast.modules));
   }
+  if (!cfg.model.frozen_parameters.empty())  // requires_grad=False tensors (config/frozen.cpp)
+    for (const TensorSpec& s : layout.tensors()) t.frozen_tensors.push_back(frozen_parameter(s.name, cfg.model.frozen_parameters));
   return t;
 }
 
 namespace {
+
+// model.frozen_parameters: the optimizer-state elements ZeroOptimizer keeps (the trainable ones of
+// its view, zero/zero.hpp trainable_ranges), the most of any partition rank; without frozen
+// parameters `state_elems`, every element of the view.
+int64_t trainable_state_elems(const Config& cfg, const ParamLayout& layout, int stage, const Partition& part,
+                              int64_t state_elems) {
+  const StateTypes types = state_types_of(cfg, layout);
+  if (!types.any_frozen()) return state_elems;
+  auto count = [&](int64_t lo, int64_t hi) {
+    int64_t n = 0;
+    for (const auto& [a, b] : trainable_ranges(layout, types, lo, hi)) n += b - a;
+    return n;
+  };
+  if (stage == 0) return count(0, layout.total());
+  int64_t most = 0;
+  for (int r = 0; r < part.world; ++r) most = std::max(most, count(part.begin(r), part.begin(r) + part.part));
+  return most;
+}
 
 // MoE experts: their own ZeroOptimizer over the expert-data group (dp/ep ranks) allocates the
 // same table's buffers for the rank's E/ep experts per MoE block (Engine::setup_expert_optimizer),
@@ -283,10 +303,11 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   // fp32 parameters are their own master copy, and so are bf16 ones under
   // bf16_master_weights_and_grads; bf16_optimizer_states halves each moment.
   const bool fp32_master = mixed && cfg.zero.master_weights == DType::F32;
-  b.master = fp32_master ? 4 * state_elems : 0;
+  const int64_t trainable = trainable_state_elems(cfg, layout, b.stage, part, state_elems);  // master and moments
+  b.master = fp32_master ? 4 * trainable : 0;
   const int64_t ss = static_cast<int64_t>(dtype_size(cfg.zero.optimizer_states));
   const int64_t moments = static_cast<int64_t>(optimizer_state_names(cfg.optimizer).size());
-  b.optimizer_states = ss * moments * state_elems;
+  b.optimizer_states = ss * moments * trainable;
   // Offload tiers as ZeroOptimizer places them: sub-groups from int((1 - ratio)·G) on leave
   // device memory; NVMe ones go to swap files through buffer slots (workspace), as do stage-3
   // parameters with offload_param nvme (at most max_in_cpu elements cached).
@@ -482,7 +503,8 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   // copy of a chunk and its metadata cache: measured 18 MB more resident after a save than
   // without one (fp32 and bf16, ZeRO 0 and 3, a 42M-parameter model at np 2), whatever the shard.
   if (cfg.training.save_interval > 0)
-    b.workspace += checkpoint_staging_bytes(b.stage, cfg.zero, pc.param, moments, b.stage == 0 ? psi : part.part) +
+    b.workspace += checkpoint_staging_bytes(b.stage, cfg.zero, pc.param, moments, b.stage == 0 ? psi : part.part,
+                                            !cfg.model.frozen_parameters.empty()) +
                    kCheckpointWriterBytes;
   struct stat st {};
   if (cfg.data.source == DataSource::Text && ::stat(cfg.data.path.c_str(), &st) == 0) b.workspace += 5 * st.st_size;

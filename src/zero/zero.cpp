@@ -65,6 +65,18 @@ const float* in_model_memory(const float* host, int64_t n, kernels::DeviceScratc
   kernels::copy_to_device(d, host, static_cast<size_t>(n) * sizeof(float));
   return d;
 }
+
+// Frozen parameters: f(view offset, packed offset, count) for each trainable piece of the
+// optimizer's view [lo, lo + n), whose states the optimizer packs back to back.
+template <class F>
+void packed_pieces(const Optimizer::Ranges& ranges, int64_t lo, int64_t n, F f) {
+  int64_t packed = 0;
+  for (const auto& [a, b] : ranges) {
+    const int64_t x = std::max(a, lo), y = std::min(b, lo + n);
+    if (x < y) f(x, packed + (x - a), y - x);
+    packed += b - a;
+  }
+}
 }  // namespace
 
 int64_t qgz_group_size(const TensorSpec& tensor, int64_t world) {
@@ -77,12 +89,35 @@ std::vector<CommSegment> gradient_segments(const ParamLayout& layout, int64_t n,
   std::vector<CommSegment> out;
   const std::vector<TensorSpec>& tensors = layout.tensors();
   for (size_t i = 0; i < tensors.size(); ++i) {
+    if (types.frozen(i)) continue;  // requires_grad=False: no gradient takes part in the reduction
     const int64_t group = qgz_world > 0 ? qgz_group_size(tensors[i], qgz_world) : 0;
     // qgZ quantises the fp32 window itself, whatever the communication dtype
     const DType type = group > 0 ? DType::F32 : types.low(i) ? types.autocast : types.comm;
     out.push_back({tensors[i].offset, tensors[i].offset + tensors[i].numel, type, group});
   }
   if (n > layout.total()) out.push_back({layout.total(), n, types.comm});
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> trainable_ranges(const ParamLayout& layout, const StateTypes& types,
+                                                          int64_t begin, int64_t end) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  const std::vector<TensorSpec>& tensors = layout.tensors();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (types.frozen(i)) continue;
+    const int64_t a = std::max(begin, tensors[i].offset), b = std::min(end, tensors[i].offset + tensors[i].numel);
+    if (a >= b) continue;
+    if (!out.empty() && out.back().second == a - begin) out.back().second = b - begin;  // adjacent tensors: one range
+    else out.emplace_back(a - begin, b - begin);
+  }
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> frozen_ranges(const ParamLayout& layout, const StateTypes& types) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  const std::vector<TensorSpec>& tensors = layout.tensors();
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (types.frozen(i)) out.emplace_back(tensors[i].offset, tensors[i].offset + tensors[i].numel);
   return out;
 }
 
@@ -142,11 +177,26 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   }
   grads_ = TypedBuffer("grads", types_.grad, elems.grads);
   const bool offload = zero.offload_optimizer.device != OffloadDevice::None && stage_ >= 1;
-  if (mixed_ && !offload) master_ = make_flat_buffer("master_params", elems.state);
+  // Frozen parameters: the optimizer's view (the flat buffer, or this rank's partition) keeps
+  // state for and updates the trainable ranges only; the fp32 master copy holds them packed as
+  // the optimizer's states (the frozen elements live in the 16-bit parameters alone, as DeepSpeed's
+  // fp32 partitions hold trainable parameters only).
+  std::optional<Optimizer::Ranges> trainable;
+  if (types_.any_frozen()) {
+    const int64_t first = stage_ == 0 ? 0 : part_.begin(rank_);
+    trainable = trainable_ranges(layout, types_, first, stage_ == 0 ? layout.total() : first + part_.part);
+    trainable_ = trainable;
+  }
+  int64_t master_elems = elems.state;
+  if (trainable_) {
+    master_elems = 0;
+    for (const auto& [a, b] : *trainable_) master_elems += b - a;
+  }
+  if (mixed_ && !offload) master_ = make_flat_buffer("master_params", master_elems);
   if (master16_ && (stage_ == 0 || types_.param != zero.master_weights))
     throw std::logic_error("bf16 master weights need ZeRO stage 1-3 and bf16 parameters");
   if (stage_ == 0) {
-    optimizer_ = std::make_unique<Optimizer>(opt, layout_, zero.optimizer_states, &dp_);
+    optimizer_ = std::make_unique<Optimizer>(opt, layout_, zero.optimizer_states, &dp_, trainable);
     reducer_ = std::make_unique<GradientReducer>(dp_, grads_.data(), types_.grad, layout.total(),
                                                  cfg_.reduce_bucket_size, cfg_.overlap_comm, types_.comm,
                                                  gradient_segments(layout, layout.total(), types_));
@@ -161,7 +211,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
                                                                  zero.sub_group_size, mixed_, dir,
                                                                  zero.optimizer_states);
     } else {
-      optimizer_ = std::make_unique<Optimizer>(opt, state_layout_, zero.optimizer_states);
+      optimizer_ = std::make_unique<Optimizer>(opt, state_layout_, zero.optimizer_states, nullptr, trainable);
     }
     // Stage 1 writes the averaged partition into the full gradient buffer; 2-3 accumulate
     // every micro-batch into the partition buffer.
@@ -170,6 +220,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
                                                  cfg_.overlap_comm, types_.comm, types_.grad,
                                                  gradient_segments(layout, part_.padded, types_, qgz_world));
   }
+  if (optimizer_ && trainable_ && mixed_) optimizer_->set_params_packed(true);  // it steps the packed master
   if (qgz_world > 0) {
     qgz_ = std::make_unique<QuantizedReduceScatter>(*shards_.qgz_intra, *shards_.qgz_inter);
     if (qgz_->data_rank() != rank_) throw std::logic_error("qgZ's groups do not rank the data group node by node");
@@ -263,6 +314,23 @@ void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_
       if (mixed_) offloaded_->write("master", a - pb, b - a, chunk.data());
       cast_range_to_params(a - pb, b - a, chunk.data());
     }
+  } else if (trainable_) {
+    // Packed master: each chunk's values go to the 16-bit parameters whole, and their trainable
+    // pieces to the master copy.
+    const int64_t first = stage_ == 0 ? 0 : lo, last = stage_ == 0 ? total : hi, base = stage_ == 0 ? 0 : pb;
+    std::vector<float> chunk;
+    for (int64_t a = first; a < last; a += kInitFillElems) {
+      const int64_t b = std::min(last, a + kInitFillElems);
+      chunk.resize(static_cast<size_t>(b - a));
+      fill(chunk.data(), a, b);
+      const float* values = in_model_memory(chunk.data(), b - a, staging_);
+      if (stage_ == 0) convert_any(params_.at(a), types_.param, values, DType::F32, b - a);
+      else cast_range_to_params(a - pb, b - a, chunk.data());
+      values = in_model_memory(chunk.data(), b - a, staging_);  // (cast_range_to_params reuses the scratch)
+      packed_pieces(*trainable_, a - base, b - a, [&](int64_t x, int64_t packed, int64_t c) {
+        convert_any(master_.data() + packed, DType::F32, values + (x - (a - base)), DType::F32, c);
+      });
+    }
   } else {
     if (stage_ == 0) fill_model(master_.data(), 0, total, fill);
     else if (hi > lo) fill_model(master_.data() + (lo - pb), lo, hi, fill);
@@ -326,6 +394,15 @@ void ZeroOptimizer::cast_master_to_params() {
     const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
     for (int64_t a = lo; a < hi; a += kInitFillElems)
       cast_range_to_params(a - pb, std::min(hi, a + kInitFillElems) - a, master_.data() + (a - pb));
+    return;
+  }
+  if (trainable_) {  // packed master: its pieces to their places in the view (owned part only)
+    const int64_t pb = stage_ == 0 ? 0 : part_.begin(rank_);
+    const auto [lo, hi] = stage_ == 0 ? std::make_pair<int64_t, int64_t>(0, layout_.total()) : part_.owned(rank_, 0, layout_.total());
+    if (hi <= lo) return;
+    packed_pieces(*trainable_, lo - pb, hi - lo, [&](int64_t x, int64_t packed, int64_t c) {
+      convert_any(params_.at(stage_ == 3 ? x : pb + x), types_.param, master_.data() + packed, DType::F32, c);
+    });
     return;
   }
   const MasterCast c = master_cast();
@@ -436,9 +513,15 @@ GradStats ZeroOptimizer::grad_stats(Communicator* sq_group, const std::vector<st
   const int64_t n = stage_ == 0 ? layout_.total() : std::max<int64_t>(0, std::min(part_.part, layout_.total() - first));
   const char* g = static_cast<const char*>(grad_partition());
   const size_t es = dtype_size(types_.grad);
+  // Frozen tensors have no gradient (requires_grad=False): left out of the norm with `skip`.
+  std::vector<std::pair<int64_t, int64_t>> left_out = skip;
+  if (types_.any_frozen()) {
+    for (const auto& r : frozen_ranges(layout_, types_)) left_out.push_back(r);
+    std::sort(left_out.begin(), left_out.end());
+  }
   double sq = 0.0;
-  int64_t at = 0;  // sum the pieces between the skipped ranges
-  for (const auto& [b, e] : skip) {
+  int64_t at = 0;  // sum the pieces between the skipped ranges (overlapping ones merge: `at` only grows)
+  for (const auto& [b, e] : left_out) {
     const int64_t lo = std::clamp(b - first, at, n), hi = std::clamp(e - first, lo, n);
     sq += sum_of_squares_any(g + at * es, types_.grad, lo - at);
     at = hi;
@@ -514,7 +597,7 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
   // fp32 master weights: the model's 16-bit copy is cast in the optimizer's own pass (chunk by
   // chunk in cache) where it lies in memory; with its partition in swap files, afterwards.
   MasterCast cast;
-  if (mixed_ && !param_swap_) cast = master_cast();
+  if (mixed_ && !param_swap_ && !trainable_) cast = master_cast();  // packed master: cast after the step
   const bool fused = cast.params.data && cast.master_offset == 0;  // the step's chunks start at the master's first element
   optimizer_->step(p, grad_partition(), types_.grad, mul, lr, betas, fused ? cast.params : TypedSpan{},
                    fused ? cast.count : 0);
@@ -584,6 +667,15 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
   std::vector<std::pair<std::string, const float*>> arrays;
   if (mixed_ && offloaded_) {
     arrays.emplace_back("params", offloaded("master"));
+  } else if (mixed_ && trainable_) {
+    // Packed master: the frozen elements as the 16-bit parameters hold them (widened, as
+    // DeepSpeed saves frozen parameters from the module), the trainable ones from the master.
+    float* s = staging();
+    convert_any(s, DType::F32, params_.at(stage_ == 3 ? b - pb : b), types_.param, n);
+    packed_pieces(*trainable_, at, n, [&](int64_t x, int64_t packed, int64_t c) {
+      convert_any(s + (x - at), DType::F32, master_.data() + packed, DType::F32, c);
+    });
+    arrays.emplace_back("params", s);
   } else if (mixed_) {
     arrays.emplace_back("params", master_.data() + at);
   } else if (param_swap_) {  // the partition lies in its swap files (host memory; CPU build)
@@ -606,6 +698,15 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
   const auto names = optimizer_->state_names();
   const auto buffers = optimizer_->state_buffers();
   for (size_t k = 0; k < names.size(); ++k) {
+    if (const auto& trainable = optimizer_->trainable()) {
+      // Frozen elements have no state: saved as zeros, so that any run (frozen or not) loads it.
+      float* s = staging();
+      packed_pieces(*trainable, at, n, [&](int64_t x, int64_t packed, int64_t c) {
+        convert_any(s + (x - at), DType::F32, buffers[k]->at(packed), buffers[k]->type(), c);
+      });
+      arrays.emplace_back(names[k], s);
+      continue;
+    }
     if (buffers[k]->type() == DType::F32) {
       arrays.emplace_back(names[k], buffers[k]->as<float>() + at);
       continue;
@@ -631,6 +732,18 @@ void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_s
   };
   if (mixed_ && offloaded_) {
     offloaded_->write("master", b - pb, n, staged("params"));
+  } else if (mixed_ && trainable_) {
+    // Packed master: the values rounded into the 16-bit parameters, the trainable ones also kept
+    // in the master; stage 0 reads its whole buffer (finish_checkpoint_load gathers no packed master).
+    const int64_t lo = stage_ == 0 ? 0 : b, hi = stage_ == 0 ? layout_.total() : e, view = stage_ == 0 ? 0 : at;
+    staging.resize(static_cast<size_t>(hi - lo));
+    read("params", lo, hi, staging.data());
+    if (stage_ == 0) convert_any(params_.data(), types_.param, in_model_memory(staging.data(), hi - lo, staging_), DType::F32, hi - lo);
+    else cast_range_to_params(lo - pb, hi - lo, staging.data());
+    const float* values = in_model_memory(staging.data(), hi - lo, staging_);
+    packed_pieces(*trainable_, view, hi - lo, [&](int64_t x, int64_t packed, int64_t c) {
+      convert_any(master_.data() + packed, DType::F32, values + (x - view), DType::F32, c);
+    });
   } else if (mixed_) {
     read_model(read, "params", b, e, master_.data() + at);
   } else if (param_swap_) {  // into the swap files (host memory; CPU build)
@@ -651,6 +764,22 @@ void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_s
   }
   const auto names = optimizer_->state_names();
   const auto buffers = optimizer_->state_buffers();
+  if (const auto& trainable = optimizer_->trainable()) {
+    // Packed states: stage 0 reads its whole view here (finish_checkpoint_load's all-gather of
+    // owned ranges does not apply to packed buffers); stages 1-3 their partition's range.
+    const int64_t lo = stage_ == 0 ? 0 : b, hi = stage_ == 0 ? layout_.total() : e;
+    const int64_t view = stage_ == 0 ? 0 : at;
+    for (size_t k = 0; k < names.size(); ++k) {
+      staging.resize(static_cast<size_t>(hi - lo));
+      read(names[k], lo, hi, staging.data());
+      const float* values = in_model_memory(staging.data(), hi - lo, staging_);
+      packed_pieces(*trainable, view, hi - lo, [&](int64_t x, int64_t packed, int64_t c) {
+        convert_any(buffers[k]->at(packed), buffers[k]->type(), values + (x - view), DType::F32, c);
+      });
+    }
+    optimizer_->set_step_count(optimizer_step);
+    return;
+  }
   for (size_t k = 0; k < names.size(); ++k) {
     if (buffers[k]->type() == DType::F32) read_model(read, names[k], b, e, buffers[k]->as<float>() + at);
     else convert_any(buffers[k]->at(at), buffers[k]->type(), in_model_memory(staged(names[k]), n, staging_), DType::F32, n);
@@ -672,13 +801,13 @@ void ZeroOptimizer::finish_checkpoint_load() {
   if (!mixed_) {  // fp32 parameters, or bf16 master weights: the parameters themselves
     if (stage_ < 3) all_gather_replicated(params_.data(), types_.param);
   } else if (stage_ == 0) {
-    all_gather_replicated(master_.data(), DType::F32);
+    if (!trainable_) all_gather_replicated(master_.data(), DType::F32);  // a packed master was read whole
     cast_master_to_params();
   } else {
     cast_master_to_params();
     if (stage_ < 3) all_gather_replicated(params_.data(), types_.param);
   }
-  if (stage_ == 0 && optimizer_)
+  if (stage_ == 0 && optimizer_ && !optimizer_->trainable())  // packed states were read whole
     for (TypedBuffer* m : optimizer_->state_buffers()) all_gather_replicated(m->data(), m->type());
   dp_.reset_bus_bytes();
 }

@@ -86,8 +86,12 @@ GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit
 // 16-bit master weights or moments widened), `n` elements per state, held until the next
 // step; at the start the parameters' raw bits are read beside their fp32 copy. The memory
 // planner counts this when a run saves (NVMe offload made the plan 28% short without it).
-inline int64_t checkpoint_staging_bytes(int stage, const ZeroConfig& zero, DType param, int64_t moments, int64_t n) {
+// packed (frozen parameters): every state is staged, unpacked with zeros at frozen elements, and
+// with fp32 master weights the parameters too (the 16-bit values widened under the master's).
+inline int64_t checkpoint_staging_bytes(int stage, const ZeroConfig& zero, DType param, int64_t moments, int64_t n,
+                                        bool packed = false) {
   const bool mixed = param != DType::F32 && zero.master_weights == DType::F32;
+  if (packed) return 4 * n * (moments + (param != DType::F32 ? 1 : 0));
   const bool master16 = param != DType::F32 && zero.master_weights != DType::F32;
   const bool offload = zero.offload_optimizer.device != OffloadDevice::None && stage >= 1;
   const bool param_swap = stage == 3 && zero.offload_param.device == OffloadDevice::Nvme;
@@ -124,10 +128,25 @@ struct StateTypes {
   DType param = DType::F32, grad = DType::F32, comm = DType::F32;
   DType autocast = DType::F32;         // F32: no autocast
   std::vector<bool> autocast_tensors;  // per layout tensor (empty: none)
+  // model.frozen_parameters: per layout tensor, requires_grad=False (empty: every tensor trains).
+  // A frozen tensor's gradient is neither reduced nor counted in the norm, and the optimizer keeps
+  // no state for it and never updates it (DeepSpeed builds its groups from trainable parameters).
+  std::vector<bool> frozen_tensors;
   bool low(size_t tensor) const {
     return autocast != DType::F32 && tensor < autocast_tensors.size() && autocast_tensors[tensor];
   }
+  bool frozen(size_t tensor) const { return tensor < frozen_tensors.size() && frozen_tensors[tensor]; }
+  bool any_frozen() const { return std::find(frozen_tensors.begin(), frozen_tensors.end(), true) != frozen_tensors.end(); }
 };
+
+// The trainable elements of `layout` inside global [begin, end), as sorted ranges relative to
+// `begin` (the optimizer's view: the flat buffer at stage 0, a partition otherwise; padding is
+// not a tensor and is left out). Used only when any_frozen(): otherwise the optimizer covers its
+// whole view, padding included, as before.
+std::vector<std::pair<int64_t, int64_t>> trainable_ranges(const ParamLayout& layout, const StateTypes& types,
+                                                          int64_t begin, int64_t end);
+// The frozen elements of `layout` as sorted local ranges (what grad_stats leaves out).
+std::vector<std::pair<int64_t, int64_t>> frozen_ranges(const ParamLayout& layout, const StateTypes& types);
 
 // The gradients of `layout` as the reducer buckets them: one segment per tensor in its
 // communication dtype, and the padding up to `n` (a partition's padded size) in comm's.
@@ -314,6 +333,9 @@ class ZeroOptimizer : public ParamStore {
   TypedBuffer params_;      // full (stages 0-2) or this rank's partition (stage 3)
   TypedBuffer grads_;       // full (stages 0-1) or this rank's partition (stages 2-3)
   FlatBuffer master_;       // mixed only: fp32 params, full (stage 0) or this rank's partition
+  // Frozen parameters: the trainable ranges of the optimizer's view (nullopt: none frozen); the
+  // master copy and the optimizer states hold these elements packed.
+  std::optional<std::vector<std::pair<int64_t, int64_t>>> trainable_;
   ParamLayout state_layout_;  // stages 1-3: the optimizer sees one tensor, the partition
   std::unique_ptr<Optimizer> optimizer_;          // state in device memory, or:
   std::unique_ptr<offload::OffloadedOptimizer> offloaded_;  // offload_optimizer cpu / nvme

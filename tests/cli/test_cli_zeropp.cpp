@@ -71,7 +71,7 @@ TEST(ZeroPlusPlus, MisplacedOrUnfinishedKeysAreRejectedWithTheReason) {
        "`zero_optimization.zeropp_loco_param.reset_T`: value 0 is out of range [1, "},
       {zero({{"zero_quantized_gradients", true}, {"zeropp_loco_param", {{"reset_t", 10}}}}),
        "`zero_optimization.zeropp_loco_param.reset_t`: unknown key"},
-      {zero({{"zero_quantized_nontrainable_weights", true}}), "has no frozen ones to store so"},
+      {zero({{"zero_quantized_nontrainable_weights", true}}), "and model.frozen_parameters names none"},
       {json{{"zero_optimization", {{"mics_shard_size", 2}}}, {"pipeline", {{"stages", 2}}}},
        "is not run with pipeline.stages 2"}};
   for (const auto& [patch, message] : cases) {

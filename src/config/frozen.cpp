@@ -1,0 +1,100 @@
+// config/frozen.cpp — model.frozen_parameters: parameters with requires_grad=False.
+//
+// A fine-tuning user freezes parameters in PyTorch (`p.requires_grad_(False)`) before
+// deepspeed.initialize, which then builds its optimizer groups from the trainable parameters
+// only (runtime/engine.py _configure_optimizer; stage_1_and_2.py / stage3.py partition the
+// groups' parameters alone). zero3d has no Python model to mark, so the `model` section names
+// them: a list of regular expressions over the Hugging Face parameter names, each matched with
+// std::regex_search (Python's re.search: anywhere in the name), as the names are given to
+// AutoTP's layer_specs patterns (config/autotp.cpp) and listed by model_layout.cpp.
+#include <algorithm>
+#include <regex>
+
+#include "config/model_shape.hpp"
+#include "config/section.hpp"
+
+namespace zero3d {
+
+bool frozen_parameter(const std::string& name, const std::vector<std::string>& patterns) {
+  for (const std::string& p : patterns)
+    if (std::regex_search(name, std::regex(p, std::regex::ECMAScript))) return true;
+  return false;
+}
+
+namespace config_detail {
+
+void read_frozen_parameters(Section& sec, ModelConfig& m) {
+  const json* given = sec.raw("frozen_parameters");
+  if (!given) {
+    sec.mark_known("frozen_parameters");
+    return;
+  }
+  sec.record("frozen_parameters", *given);
+  if (!given->is_array() || given->empty()) {
+    sec.report_key("frozen_parameters", "expected a non-empty list of regular expressions over Hugging Face parameter "
+                                        "names, got " + show(*given));
+    return;
+  }
+  const ParamLayout layout = gpt_layout(gpt_shape_of(m));
+  std::vector<bool> frozen(layout.tensors().size(), false);
+  bool ok = true;
+  for (const json& p : *given) {
+    if (!p.is_string()) {
+      sec.report_key("frozen_parameters", "expected strings, got " + show(p));
+      ok = false;
+      continue;
+    }
+    std::regex re;
+    try {
+      re = std::regex(p.get<std::string>(), std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      sec.report_key("frozen_parameters", show(p) + " is not a regular expression zero3d can read (" + e.what() + ")");
+      ok = false;
+      continue;
+    }
+    bool any = false;
+    for (size_t i = 0; i < frozen.size(); ++i)
+      if (std::regex_search(layout.tensors()[i].name, re)) frozen[i] = any = true;
+    if (!any) {
+      // a typo would otherwise train what the user meant to freeze
+      sec.report_key("frozen_parameters", show(p) + " matches no parameter of the model (names as Hugging Face's, e.g. " +
+                                              layout.tensors().front().name + ", " + layout.tensors()[1].name + ")");
+      ok = false;
+      continue;
+    }
+    m.frozen_parameters.push_back(p.get<std::string>());
+  }
+  if (ok && std::find(frozen.begin(), frozen.end(), false) == frozen.end())
+    sec.report_key("frozen_parameters", "freezes every parameter of the model: nothing would train (DeepSpeed's "
+                                        "optimizer would get no parameters)");
+  if (!ok) m.frozen_parameters.clear();
+}
+
+void check_frozen_parameters(Section& top, const Config& c) {
+  if (c.model.frozen_parameters.empty()) return;
+  const std::string key = "model.frozen_parameters";
+  // Each refusal names the part of zero3d that works over the whole flat buffer of a stage.
+  if (c.pipeline.stages > 1)
+    top.report(key, "cannot be combined with pipeline.stages " + std::to_string(c.pipeline.stages) +
+                        ": zero3d's pipeline stages cut the layout by layers and share the tied embedding's gradient "
+                        "between the first and last stage, which the frozen ranges are not mapped through");
+  if (c.tensor.size > 1)
+    top.report(key, "cannot be combined with tensor_parallel.autotp_size " + std::to_string(c.tensor.size) +
+                        ": the tensor-parallel shards rename and split the layout's tensors, which the frozen "
+                        "ranges are not mapped through");
+  if (c.model.moe.enabled())
+    top.report(key, "cannot be combined with MoE: the experts have their own ZeRO optimizer over the expert layout, "
+                    "which the frozen ranges are not mapped through");
+  if (c.zero.offload_optimizer.device != OffloadDevice::None && c.zero.stage >= 1)
+    top.report(key, "cannot be combined with zero_optimization.offload_optimizer: the offloaded optimizer's "
+                    "sub-groups cover the whole partition and would keep state for frozen elements");
+  if (c.optimizer.one_bit() || c.optimizer.type == OptimizerType::Lamb)
+    top.report(key, "cannot be combined with optimizer " + c.optimizer.type_name +
+                        ": its step works on whole tensors or the whole flat buffer (trust ratios, compressed "
+                        "all-reduce), not on the trainable ranges alone");
+  if (c.zero.offload_param.device == OffloadDevice::Nvme)
+    top.report(key, "cannot be combined with offload_param nvme: the step reads the whole swapped partition");
+}
+
+}  // namespace config_detail
+}  // namespace zero3d
