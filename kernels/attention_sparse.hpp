@@ -299,8 +299,9 @@ ZERO3D_KERNEL void sparse_softmax(float* s, float* att, Index att_stride, const 
     float* x = s + row * N;
     float* prob = att + panel_offset(b, p, offsets, H, nb, bs, att_stride) + ri * N;
     float mx = 0.0f;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, valid),
-                            [&](Index j, float& v) { v = scale * x[j] > v ? scale * x[j] : v; }, Kokkos::Max<float>(mx));
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, valid), [&](Index j, float& v) { v = scale * x[j] > v ? scale * x[j] : v; },
+        Kokkos::Max<float>(mx));
     float sum = 0.0f;
     Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, valid), [&](Index j, float& acc) {
       const float e = fast_exp(scale * x[j] - mx);
@@ -325,9 +326,8 @@ ZERO3D_KERNEL void gather_probabilities(float* pk, const float* att, Index att_s
   Kokkos::parallel_for("sparse_gather_probabilities", range(B * count * bs * N), KOKKOS_LAMBDA(Index e) {
     const Index j = e % N, ri = (e / N) % bs, i = e / (N * bs), b = i / count, p = members[i % count];
     const float pj = att[panel_offset(b, p, offsets, H, nb, bs, att_stride) + ri * N + j];
-    pk[e] = m.on() ? pj * m.factor(m.stream(b), probability_element(m, p / nb, p % nb, ri, key_blocks[offsets[p] + j / bs],
-                                                                   j % bs, T, bs))
-                   : pj;
+    const Index kb = key_blocks[offsets[p] + j / bs];
+    pk[e] = m.on() ? pj * m.factor(m.stream(b), probability_element(m, p / nb, p % nb, ri, kb, j % bs, T, bs)) : pj;
   });
 }
 
@@ -340,7 +340,7 @@ ZERO3D_KERNEL void sparse_softmax_backward(float* ds, const float* att, Index at
   Kokkos::parallel_for("sparse_softmax_backward", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
     if (row >= rows) return;
-    const Index ri = row % bs, i = row / bs, b = i / count, p = members[i % count];
+    const Index ri = row % bs, i = row / bs, b = i / count, p = members[i % count], h = p / nb, qb = p % nb;
     const Index* kb = key_blocks + offsets[p];
     const float* pr = att + panel_offset(b, p, offsets, H, nb, bs, att_stride) + ri * N;
     float* d = ds + row * N;
@@ -348,7 +348,7 @@ ZERO3D_KERNEL void sparse_softmax_backward(float* ds, const float* att, Index at
     float dot = 0.0f;
     Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, N), [&](Index j, float& acc) {
       const float dm =
-          m.on() ? d[j] * m.factor(stream, probability_element(m, p / nb, p % nb, ri, kb[j / bs], j % bs, T, bs)) : d[j];
+          m.on() ? d[j] * m.factor(stream, probability_element(m, h, qb, ri, kb[j / bs], j % bs, T, bs)) : d[j];
       d[j] = dm;
       acc += pr[j] * dm;
     }, dot);

@@ -163,7 +163,8 @@ TEST(SparseAttentionDeviceForm, EveryModeWithAttentionDropoutAgreesWithTheCpuFor
     const std::vector<uint8_t> layout = sparse_block_layout(c.sparse, H, T, 1);
     expect_forms_agree(layout, c.sparse.block, attention_dropout(), c.name + " with dropout");
     // and the mask changes the output, so the check above can fail
-    const Result plain = run(true, layout, c.sparse.block, {}), dropped = run(true, layout, c.sparse.block, attention_dropout());
+    const Result plain = run(true, layout, c.sparse.block, {});
+    const Result dropped = run(true, layout, c.sparse.block, attention_dropout());
     EXPECT_GT(worst_error(dropped.out, plain.out), 1e-3) << c.name;
   }
 }
