@@ -11,10 +11,17 @@
 // kernel's mask (kernels/dropout.hpp: element (head·T + query)·T + key, the global key, not its
 // panel column), so every layout, and a dense layout against attention.hpp, draw the same bits;
 // att keeps the undropped probabilities and the backward redraws the mask, as attention.hpp.
+//
+// The device form (namespace gpu, what a GPU build runs) reads the layout's index table in model
+// memory (attention_sparse_table.hpp, built once per layout), gathers the panels of equal shape
+// into model-memory workspace with Kokkos kernels, multiplies them batched over (batch, head,
+// query block) through gemm_batched (cuBLASLt on a GPU), and does the softmax (a team per row),
+// the dropout mask and the backward as Kokkos kernels, with no host vector or host product.
 #pragma once
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -22,7 +29,10 @@
 #include "base/profiler.hpp"
 #include "kernels/common.hpp"
 #include "kernels/dropout.hpp"
+#include "kernels/attention_sparse_table.hpp"
 #include "kernels/fastmath.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/memory.hpp"
 
 namespace zero3d::kernels {
 
@@ -196,6 +206,266 @@ ZERO3D_KERNEL void sparse_attention_backward(float* dqkv, const float* dout, con
         scatter_add_rows(dv, dvp.data(), blocks, bs, hs, C3);
       }
     }
+}
+
+// The device form. A group of the table (pairs with n key blocks, N = n·bs panel columns) is one
+// batch of B·count equal problems, problem i = b·count + m for sample b and member m: q [bs, hs],
+// k and v [N, hs], scores [bs, N]. Products cover the whole panel; the softmax writes zeros at the
+// causal mask inside the diagonal block, so P·V and the backward read only the causal part.
+namespace gpu {
+
+inline DeviceScratch& sparse_panel_scratch() { return static_scratch<5>("sparse_attention_panels"); }
+
+// The workspace of the largest group's backward (two [bs, hs], two [N, hs] and two [bs, N] per
+// problem), which the forward's fits in: one size for both, so it is sized once.
+inline Index sparse_panel_floats(const SparseBlockTable& t, Index B, Index hs) {
+  const Index bs = t.block();
+  Index most = 0;
+  for (const SparseBlockTable::Group& g : t.groups()) {
+    const Index N = g.blocks * bs;
+    most = std::max(most, g.count * (2 * bs * hs + 2 * N * hs + 2 * bs * N));
+  }
+  return B * most;
+}
+
+// dst[i][r][x] = src[(b·T + qb·bs + r)·ld + c0 + h·hs + x] for the `count` members' query blocks.
+ZERO3D_KERNEL void gather_query_blocks(float* dst, const float* src, Index ld, Index c0, const Index* members,
+                                       Index count, Index B, Index T, Index bs, Index hs, Index nb) {
+  Kokkos::parallel_for("sparse_gather_queries", range(B * count * bs * hs), KOKKOS_LAMBDA(Index e) {
+    const Index x = e % hs, r = (e / hs) % bs, i = e / (hs * bs), p = members[i % count];
+    dst[e] = src[((i / count) * T + (p % nb) * bs + r) * ld + c0 + (p / nb) * hs + x];
+  });
+}
+
+// The reverse: dst's query-block rows written from the panels (each pair once, so no row twice).
+ZERO3D_KERNEL void scatter_query_blocks(float* dst, Index ld, Index c0, const float* src, const Index* members,
+                                        Index count, Index B, Index T, Index bs, Index hs, Index nb) {
+  Kokkos::parallel_for("sparse_scatter_queries", range(B * count * bs * hs), KOKKOS_LAMBDA(Index e) {
+    const Index x = e % hs, r = (e / hs) % bs, i = e / (hs * bs), p = members[i % count];
+    dst[((i / count) * T + (p % nb) * bs + r) * ld + c0 + (p / nb) * hs + x] = src[e];
+  });
+}
+
+// Query-block rows of pairs with no key block: zero (no key, no output and no gradient).
+ZERO3D_KERNEL void zero_query_blocks(float* dst, Index ld, const Index* members, Index count, Index B, Index T,
+                                     Index bs, Index hs, Index nb) {
+  Kokkos::parallel_for("sparse_no_key", range(B * count * bs * hs), KOKKOS_LAMBDA(Index e) {
+    const Index x = e % hs, r = (e / hs) % bs, i = e / (hs * bs), p = members[i % count];
+    dst[((i / count) * T + (p % nb) * bs + r) * ld + (p / nb) * hs + x] = 0.0f;
+  });
+}
+
+// k and v rows of each member's key blocks, kp and vp [i][N][hs] (panel row j·bs + r: row r of
+// its j-th key block).
+ZERO3D_KERNEL void gather_key_panels(float* kp, float* vp, const float* qkv, const Index* members, const Index* offsets,
+                                     const Index* key_blocks, Index count, Index n, Index B, Index T, Index C, Index bs,
+                                     Index hs, Index nb) {
+  const Index N = n * bs;
+  Kokkos::parallel_for("sparse_gather_keys", range(B * count * N * hs), KOKKOS_LAMBDA(Index e) {
+    const Index x = e % hs, row = (e / hs) % N, i = e / (hs * N), p = members[i % count];
+    const Index t = key_blocks[offsets[p] + row / bs] * bs + row % bs;
+    const float* from = qkv + ((i / count) * T + t) * 3 * C + (p / nb) * hs + x;
+    kp[e] = from[C];
+    vp[e] = from[2 * C];
+  });
+}
+
+// Where problem i's panel of probabilities sits in att: (b·H + h)·att_stride, then bs² per block
+// of the head's earlier query blocks (the CPU form's layout, so either form's backward reads it).
+KOKKOS_INLINE_FUNCTION Index panel_offset(Index b, Index p, const Index* offsets, Index H, Index nb, Index bs,
+                                          Index att_stride) {
+  return (b * H + p / nb) * att_stride + bs * bs * (offsets[p] - offsets[(p / nb) * nb]);
+}
+
+// Dropout's element for panel column j of query row ri: the dense kernel's (global key), so
+// every layout draws the dense kernel's bits (kernels/dropout.hpp).
+KOKKOS_INLINE_FUNCTION uint64_t probability_element(const DropoutMask& m, Index h, Index qb, Index ri, Index kb,
+                                                    Index kr, Index T, Index bs) {
+  return static_cast<uint64_t>(((m.first_head + h) * T + qb * bs + ri) * T + kb * bs + kr);
+}
+
+// s[B·count·bs][N] (scores) -> the causal softmax of scale·s: att's panels get it, and s gets it
+// with the dropout mask applied (the P ∘ M that P·V reads). A team per row.
+ZERO3D_KERNEL void sparse_softmax(float* s, float* att, Index att_stride, const Index* members, const Index* offsets,
+                                  const Index* key_blocks, Index count, Index n, Index B, Index H, Index T, Index bs,
+                                  Index nb, float scale, DropoutMask m) {
+  const Index rows = B * count * bs, N = n * bs;
+  Kokkos::parallel_for("sparse_causal_softmax", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index row = team_row(team);
+    if (row >= rows) return;
+    const Index ri = row % bs, i = row / bs, b = i / count, p = members[i % count], h = p / nb, qb = p % nb;
+    const Index* kb = key_blocks + offsets[p];
+    const Index valid = kb[n - 1] == qb ? N - bs + ri + 1 : N;  // keys after the query masked in the diagonal block
+    float* x = s + row * N;
+    float* prob = att + panel_offset(b, p, offsets, H, nb, bs, att_stride) + ri * N;
+    float mx = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, valid), [&](Index j, float& v) { v = scale * x[j] > v ? scale * x[j] : v; },
+        Kokkos::Max<float>(mx));
+    float sum = 0.0f;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, valid), [&](Index j, float& acc) {
+      const float e = fast_exp(scale * x[j] - mx);
+      x[j] = e;
+      acc += e;
+    }, sum);
+    const float inv = 1.0f / sum;
+    const uint64_t stream = m.on() ? m.stream(b) : 0;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, N), [&](Index j) {
+      const float pj = j < valid ? x[j] * inv : 0.0f;
+      prob[j] = pj;
+      x[j] = m.on() ? pj * m.factor(stream, probability_element(m, h, qb, ri, kb[j / bs], j % bs, T, bs)) : pj;
+    });
+  });
+}
+
+// pk[i][ri][j] = P ∘ M of att's panels (the probabilities dV = (P ∘ M)ᵀ·dY reads).
+ZERO3D_KERNEL void gather_probabilities(float* pk, const float* att, Index att_stride, const Index* members,
+                                        const Index* offsets, const Index* key_blocks, Index count, Index n, Index B,
+                                        Index H, Index T, Index bs, Index nb, DropoutMask m) {
+  const Index N = n * bs;
+  Kokkos::parallel_for("sparse_gather_probabilities", range(B * count * bs * N), KOKKOS_LAMBDA(Index e) {
+    const Index j = e % N, ri = (e / N) % bs, i = e / (N * bs), b = i / count, p = members[i % count];
+    const float pj = att[panel_offset(b, p, offsets, H, nb, bs, att_stride) + ri * N + j];
+    const Index kb = key_blocks[offsets[p] + j / bs];
+    pk[e] = m.on() ? pj * m.factor(m.stream(b), probability_element(m, p / nb, p % nb, ri, kb, j % bs, T, bs)) : pj;
+  });
+}
+
+// ds[B·count·bs][N] holds dP on entry; <- scale · P ⊙ (dP∘M − Σ_j P·(dP∘M)), P from att's panels
+// (zero at the masked keys, so their gradient is zero). A team per row.
+ZERO3D_KERNEL void sparse_softmax_backward(float* ds, const float* att, Index att_stride, const Index* members,
+                                           const Index* offsets, const Index* key_blocks, Index count, Index n, Index B,
+                                           Index H, Index T, Index bs, Index nb, float scale, DropoutMask m) {
+  const Index rows = B * count * bs, N = n * bs;
+  Kokkos::parallel_for("sparse_softmax_backward", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index row = team_row(team);
+    if (row >= rows) return;
+    const Index ri = row % bs, i = row / bs, b = i / count, p = members[i % count], h = p / nb, qb = p % nb;
+    const Index* kb = key_blocks + offsets[p];
+    const float* pr = att + panel_offset(b, p, offsets, H, nb, bs, att_stride) + ri * N;
+    float* d = ds + row * N;
+    const uint64_t stream = m.on() ? m.stream(b) : 0;
+    float dot = 0.0f;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, N), [&](Index j, float& acc) {
+      const float dm =
+          m.on() ? d[j] * m.factor(stream, probability_element(m, h, qb, ri, kb[j / bs], j % bs, T, bs)) : d[j];
+      d[j] = dm;
+      acc += pr[j] * dm;
+    }, dot);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, N), [&](Index j) { d[j] = scale * pr[j] * (d[j] - dot); });
+  });
+}
+
+// dqkv's k and v rows += the group's key-panel gradients dkp, dvp [i][N][hs]: a thread per
+// element of each (sample, target) adds the panel rows holding it in order (no atomics).
+ZERO3D_KERNEL void add_key_panel_gradients(float* dqkv, const float* dkp, const float* dvp, const Index* target_ids,
+                                           const Index* target_offsets, const Index* target_entries, Index targets,
+                                           Index count, Index n, Index B, Index T, Index C, Index bs, Index hs,
+                                           Index nb) {
+  Kokkos::parallel_for("sparse_add_key_gradients", range(B * targets * bs * hs), KOKKOS_LAMBDA(Index e) {
+    const Index x = e % hs, r = (e / hs) % bs, k = e / (hs * bs), b = k / targets, tg = k % targets;
+    const Index id = target_ids[tg];
+    float* dk = dqkv + (b * T + (id % nb) * bs + r) * 3 * C + C + (id / nb) * hs + x;
+    float ak = dk[0], av = dk[C];
+    for (Index q = target_offsets[tg]; q < target_offsets[tg + 1]; ++q) {
+      const Index at = ((b * count * n + target_entries[q]) * bs + r) * hs + x;
+      ak += dkp[at];
+      av += dvp[at];
+    }
+    dk[0] = ak;
+    dk[C] = av;
+  });
+}
+
+ZERO3D_KERNEL void sparse_attention_forward(float* out, float* att, Index att_stride, const float* qkv,
+                                            const SparseBlockTable& t, Index B, Index T, Index C, Index H,
+                                            DropoutMask dropout = {}) {
+  const Index hs = C / H, bs = t.block(), nb = t.blocks_per_row();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  obs::add_macs(2.0 * static_cast<double>(B * t.computed_blocks()) * static_cast<double>(bs * bs * hs));
+  const ProfileRegion region("sparse_attention_forward");
+  float* ws = sparse_panel_scratch().take<float>(sparse_panel_floats(t, B, hs));
+  for (const SparseBlockTable::Group& g : t.groups()) {
+    const Index n = g.blocks, N = n * bs, batch = B * g.count;
+    const Index* members = t.members() + g.first;
+    float *q = ws, *k = q + batch * bs * hs, *v = k + batch * N * hs, *s = v + batch * N * hs;
+    gather_query_blocks(q, qkv, 3 * C, 0, members, g.count, B, T, bs, hs, nb);
+    gather_key_panels(k, v, qkv, members, t.offsets(), t.key_blocks(), g.count, n, B, T, C, bs, hs, nb);
+    gemm_batched(batch, bs, N, hs, q, false, k, true, s, false);  // S = Q·Kᵀ
+    sparse_softmax(s, att, att_stride, members, t.offsets(), t.key_blocks(), g.count, n, B, H, T, bs, nb, scale,
+                   dropout);
+    gemm_batched(batch, bs, hs, N, s, false, v, false, q, false);  // Y = (P ∘ M)·V, into q's panels
+    scatter_query_blocks(out, C, 0, q, members, g.count, B, T, bs, hs, nb);
+  }
+  if (t.empty_pairs() > 0)
+    zero_query_blocks(out, C, t.members() + t.computing_pairs(), t.empty_pairs(), B, T, bs, hs, nb);
+}
+
+ZERO3D_KERNEL void sparse_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                                             Index att_stride, const SparseBlockTable& t, Index B, Index T, Index C,
+                                             Index H, DropoutMask dropout = {}) {
+  const Index hs = C / H, bs = t.block(), nb = t.blocks_per_row();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  obs::add_macs(4.0 * static_cast<double>(B * t.computed_blocks()) * static_cast<double>(bs * bs * hs));
+  const ProfileRegion region("sparse_attention_backward");
+  // dk and dv accumulate over the groups: start from zero
+  Kokkos::parallel_for("sparse_zero_dkv", range(B * T * 2 * C), KOKKOS_LAMBDA(Index e) {
+    dqkv[(e / (2 * C)) * 3 * C + C + e % (2 * C)] = 0.0f;
+  });
+  float* ws = sparse_panel_scratch().take<float>(sparse_panel_floats(t, B, hs));
+  for (const SparseBlockTable::Group& g : t.groups()) {
+    const Index n = g.blocks, N = n * bs, batch = B * g.count;
+    const Index* members = t.members() + g.first;
+    float *q = ws, *dy = q + batch * bs * hs, *k = dy + batch * bs * hs, *v = k + batch * N * hs;
+    float *pk = v + batch * N * hs, *ds = pk + batch * bs * N;
+    gather_query_blocks(q, qkv, 3 * C, 0, members, g.count, B, T, bs, hs, nb);
+    gather_query_blocks(dy, dout, C, 0, members, g.count, B, T, bs, hs, nb);
+    gather_key_panels(k, v, qkv, members, t.offsets(), t.key_blocks(), g.count, n, B, T, C, bs, hs, nb);
+    gather_probabilities(pk, att, att_stride, members, t.offsets(), t.key_blocks(), g.count, n, B, H, T, bs, nb,
+                         dropout);
+    gemm_batched(batch, bs, N, hs, dy, false, v, true, ds, false);   // dP = dY·Vᵀ
+    gemm_batched(batch, N, hs, bs, pk, true, dy, false, v, false);   // dV = (P ∘ M)ᵀ·dY, into v's panels
+    sparse_softmax_backward(ds, att, att_stride, members, t.offsets(), t.key_blocks(), g.count, n, B, H, T, bs, nb,
+                            scale, dropout);
+    gemm_batched(batch, bs, hs, N, ds, false, k, false, dy, false);  // dQ = dS·K, into dy's panels
+    gemm_batched(batch, N, hs, bs, ds, true, q, false, k, false);    // dK = dSᵀ·Q, into k's panels
+    scatter_query_blocks(dqkv, 3 * C, 0, dy, members, g.count, B, T, bs, hs, nb);
+    add_key_panel_gradients(dqkv, k, v, t.target_ids() + g.first_target, t.target_offsets() + g.first_target,
+                            t.target_entries(), g.targets, g.count, n, B, T, C, bs, hs, nb);
+  }
+  if (t.empty_pairs() > 0)
+    zero_query_blocks(dqkv, 3 * C, t.members() + t.computing_pairs(), t.empty_pairs(), B, T, bs, hs, nb);
+}
+
+}  // namespace gpu
+
+// Tests only: a CPU build runs the device form through the dispatch below (a GPU build always
+// does), so the CPU suite trains through it (tests/model/test_sparse_attention_device_form.cpp).
+inline bool& sparse_attention_device_form_on_host() {
+  static bool on = false;
+  return on;
+}
+
+// The model's entry points: the layout's table; the device form on a GPU build, the CPU form
+// (over the table's host layout) otherwise.
+ZERO3D_KERNEL void sparse_attention_forward(float* out, float* att, Index att_stride, const float* qkv,
+                                     const SparseBlockTable& t, Index B, Index T, Index C, Index H,
+                                     DropoutMask dropout = {}) {
+#ifndef ZERO3D_DEVICE
+  if (!sparse_attention_device_form_on_host())
+    return sparse_attention_forward(out, att, att_stride, qkv, t.layout(), t.block(), B, T, C, H, dropout);
+#endif
+  gpu::sparse_attention_forward(out, att, att_stride, qkv, t, B, T, C, H, dropout);
+}
+
+ZERO3D_KERNEL void sparse_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                                      Index att_stride, const SparseBlockTable& t, Index B, Index T, Index C, Index H,
+                                      DropoutMask dropout = {}) {
+#ifndef ZERO3D_DEVICE
+  if (!sparse_attention_device_form_on_host())
+    return sparse_attention_backward(dqkv, dout, qkv, att, att_stride, t.layout(), t.block(), B, T, C, H, dropout);
+#endif
+  gpu::sparse_attention_backward(dqkv, dout, qkv, att, att_stride, t, B, T, C, H, dropout);
 }
 
 }  // namespace zero3d::kernels

@@ -179,8 +179,8 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   {
     const Stopwatch sw(attention_ms != nullptr);
     if (shape_.sparse.enabled)
-      sparse_attention_forward(a.atty, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[global_block].data(),
-                               shape_.sparse.block, B, T, Cl, H, attn_drop);
+      sparse_attention_forward(a.atty, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[global_block], B, T, Cl, H,
+                               attn_drop);
     else if (lp) attention_forward(as_bf16(a.atty), a.att, as_bf16(a.qkv), B, T, Cl, H, cmp, attn_drop);
     else attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp, attn_drop);
     if (attention_ms) *attention_ms += sw.ms();
@@ -496,8 +496,8 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       checkpoint_boundary();
       const Stopwatch sw(ac_.profile);
       if (shape_.sparse.enabled)  // datty_ is free until the product below
-        sparse_attention_forward(datty_, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[c.first_block + l].data(),
-                                 shape_.sparse.block, B, T, Cl, H, attn_drop);
+        sparse_attention_forward(datty_, a.att, sparse_att_stride_, a.qkv, sparse_layouts_[c.first_block + l], B, T,
+                                 Cl, H, attn_drop);
       else if (lp) attention_forward(datty_, a.att, as_bf16(a.qkv), B, T, Cl, H, cmp, attn_drop);
       else attention_forward(datty_, a.att, a.qkv, B, T, Cl, H, cmp, attn_drop);
       if (ac_.profile) time_of(c.first_block + l, 1).recompute_ms += sw.ms();
@@ -514,8 +514,8 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     const bool dqkv_bf16 = lp && part == BackwardPart::Full;
     const GemmOperand dqkv_slot = dqkv_bf16 ? gemm_operand_slot(BT, 3 * Cl) : GemmOperand{};
     if (input && shape_.sparse.enabled)
-      sparse_attention_backward(d_qkv, datty_, a.qkv, a.att, sparse_att_stride_, sparse_layouts_[c.first_block + l].data(),
-                                shape_.sparse.block, B, T, Cl, H, attn_drop);
+      sparse_attention_backward(d_qkv, datty_, a.qkv, a.att, sparse_att_stride_, sparse_layouts_[c.first_block + l], B,
+                                T, Cl, H, attn_drop);
     else if (dqkv_bf16)
       attention_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(dqkv_slot.data)), dw.c_attn_b, d_qkv,
                                          datty_, as_bf16(a.qkv), a.att, B, T, Cl, H, attn_drop);

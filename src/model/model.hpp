@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "base/dtype.hpp"
+#include "kernels/attention_sparse_table.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/moe.hpp"  // the gate's settings and routing (MPI-free kernels)
 #include "model/activation_checkpointing.hpp"
@@ -586,7 +587,7 @@ class GPT {
   // experts' backward, gate gradients), and the figures take_moe_stats() hands out.
   MoeRouting moe_;
   // Sparse attention: this rank's heads' [Hl, nb, nb] layout of each global block it holds.
-  std::vector<std::vector<uint8_t>> sparse_layouts_;
+  std::vector<kernels::SparseBlockTable> sparse_layouts_;  // this rank's heads' layout of each block
   int64_t sparse_att_stride_ = 0;  // kept probabilities per (sample, head): sparse_probs_per_head
   int64_t moe_rows_ = 0;  // R: rows this rank's experts can receive per block
   FlatBuffer moe_ws_;

@@ -69,7 +69,8 @@ GPT::GPT(const GPTShape& shape, int64_t B, int64_t T, DType param_type, ModelPar
       for (int l = c.first_block; l < c.first_block + c.num_blocks; ++l) {
         const std::vector<uint8_t> all = sparse_block_layout(shape.sparse, shape.n_head, T, l);
         const auto first = all.begin() + part_.tp_rank * Hl_ * per_head;
-        sparse_layouts_[l].assign(first, first + Hl_ * per_head);
+        sparse_layouts_[l] = kernels::SparseBlockTable(std::vector<uint8_t>(first, first + Hl_ * per_head), Hl_, nb,
+                                                       shape.sparse.block);
       }
   }
   Vl_ = part_.vocab_local;

@@ -468,6 +468,25 @@ TEST(GpuBuild, WhatItDoesNotRunYetIsNamedByKey) {
   EXPECT_TRUE(gpu_build_problems(read_config(layout, "c.json", 8), 8).empty());
 }
 
+// Block-sparse attention has a device form that no device has run yet: it runs when asked for by
+// name (ZERO3D_GPU_SPARSE_ATTENTION=1).
+TEST(GpuBuild, SparseAttentionRunsWhenAskedForByName) {
+  json j = minimal();
+  j["sparse_attention"] = {{"mode", "fixed"}, {"block", 16}};
+  const Config c = read_config(j, "c.json", 2);
+  const auto refused = [&] {
+    std::map<std::string, std::string> k;
+    for (const auto& [key, why] : gpu_build_problems(c, 2)) k[key] = why;
+    return k;
+  };
+  EXPECT_NE(refused()["sparse_attention"].find("ZERO3D_GPU_SPARSE_ATTENTION=1"), std::string::npos);
+  ASSERT_EQ(::setenv("ZERO3D_GPU_SPARSE_ATTENTION", "1", 1), 0);
+  EXPECT_TRUE(refused().empty());
+  ASSERT_EQ(::setenv("ZERO3D_GPU_SPARSE_ATTENTION", "0", 1), 0);
+  EXPECT_EQ(refused().count("sparse_attention"), 1u);
+  ::unsetenv("ZERO3D_GPU_SPARSE_ATTENTION");
+}
+
 // ZeRO-Offload of the optimizer has a GPU form that no device has run yet: it runs when asked
 // for by name (ZERO3D_GPU_OFFLOAD=1); parameter offload stays refused.
 TEST(GpuBuild, OffloadOfTheOptimizerRunsWhenAskedForByName) {

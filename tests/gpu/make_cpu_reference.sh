@@ -1,7 +1,7 @@
 #!/bin/sh
 # make_cpu_reference.sh ZERO3D — writes cpu_reference_losses.json beside this script: the
 # 10-step losses of input/quickstart.json, input/gpt-small-cpu.json and input/llama-tiny.json in fp32
-# and bf16, trained
+# and bf16, and of the quick-start with two block-sparse attention layouts in fp32, trained
 # by ZERO3D (the CPU build) on one rank, which the `gpu` label's training checks compare with.
 set -eu
 exe=${1:?usage: make_cpu_reference.sh path/to/cpu/zero3d}
@@ -15,13 +15,24 @@ for model in quickstart gpt-small-cpu llama-tiny; do
   "$exe" train "$src/input/$model.json" --output "$tmp/$model-fp32" $args >/dev/null
   "$exe" train "$src/input/$model.json" --output "$tmp/$model-bf16" $args --set bf16.enabled=true >/dev/null
 done
-/usr/bin/python3 - "$tmp" "$args" "$("$exe" --version)" >"$here/cpu_reference_losses.json" <<'PY'
+# Block-sparse attention on the quick-start, fp32 (GpuTraining.SparseAttentionTrainsTheLossesOfTheCpuBuild):
+# per-head fixed layouts, and bigbird's random blocks under attention dropout.
+sparse_fixed="--set sparse_attention.mode=fixed --set sparse_attention.block=16 --set sparse_attention.num_local_blocks=2 \
+--set sparse_attention.different_layout_per_head=true --set sparse_attention.num_different_global_patterns=2"
+sparse_bigbird="--set sparse_attention.mode=bigbird --set sparse_attention.block=16 --set sparse_attention.num_random_blocks=2 \
+--set sparse_attention.different_layout_per_head=true --set model.attn_pdrop=0.1"
+"$exe" train "$src/input/quickstart.json" --output "$tmp/sparse-fixed" $args $sparse_fixed >/dev/null
+"$exe" train "$src/input/quickstart.json" --output "$tmp/sparse-bigbird_dropout" $args $sparse_bigbird >/dev/null
+/usr/bin/python3 - "$tmp" "$args" "$("$exe" --version)" "$sparse_fixed" "$sparse_bigbird" \
+  >"$here/cpu_reference_losses.json" <<'PY'
 import json, sys
-tmp, args, version = sys.argv[1:]
+tmp, args, version, sparse_fixed, sparse_bigbird = sys.argv[1:]
 def losses(d):
     return [json.loads(l)["loss"] for l in open(f"{tmp}/{d}/metrics.jsonl")]
 ref = {"made_by": "tests/gpu/make_cpu_reference.sh with " + version, "args": args}
 for model in ("quickstart", "gpt-small-cpu", "llama-tiny"):
     ref[model] = {p: losses(f"{model}-{p}") for p in ("fp32", "bf16")}
+ref["sparse_attention"] = {v: {"args": " ".join(a.split()), "fp32": losses(f"sparse-{v}")}
+                           for v, a in (("fixed", sparse_fixed), ("bigbird_dropout", sparse_bigbird))}
 print(json.dumps(ref, indent=1))
 PY

@@ -1,7 +1,8 @@
 // test_gpu_training.cpp — the `gpu` label's training checks, through the executable as users
 // run it: 10-step losses against the CPU build's (committed in cpu_reference_losses.json by
-// make_cpu_reference.sh), run-to-run bit identity, two ranks sharing one GPU against one rank
-// for each layout, and a checkpoint saved on the GPU resumed by the CPU build.
+// make_cpu_reference.sh; block-sparse attention's too), run-to-run bit identity, two ranks
+// sharing one GPU against one rank for each layout, and a checkpoint saved on the GPU resumed by
+// the CPU build.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -122,6 +123,31 @@ TEST(GpuTraining, ZeroOffloadTrainsTheLossesOfTheDeviceOptimizer) {
     }
   }
   ::unsetenv("ZERO3D_GPU_OFFLOAD");
+}
+
+// Block-sparse attention (asked for by name: ZERO3D_GPU_SPARSE_ATTENTION=1): the device form (the
+// layout's index table in model memory, panels gathered on the device, batched products) trains
+// the CPU build's losses with per-head fixed layouts, and with bigbird's random blocks under
+// attention dropout; two runs give the same bits, and two ranks splitting the heads (tensor
+// parallelism: each its heads' layouts and dropout bits) train what one rank trains.
+TEST(GpuTraining, SparseAttentionTrainsTheLossesOfTheCpuBuild) {
+  ASSERT_EQ(::setenv("ZERO3D_GPU_SPARSE_ATTENTION", "1", 1), 0);
+  const json& variants = reference().at("sparse_attention");
+  ASSERT_EQ(variants.size(), 2u);
+  for (const auto& item : variants.items()) {
+    const std::string variant = item.key();
+    const json& ref = item.value();
+    const std::string args = ref.at("args").get<std::string>();
+    const std::vector<double> want = ref.at("fp32").get<std::vector<double>>();
+    const std::vector<double> got = train_losses("quickstart", args, 1, temp_path("sparse_" + variant));
+    expect_losses_close(got, want, 1e-5, "sparse attention " + variant);
+    const std::vector<double> again = train_losses("quickstart", args, 1, temp_path("sparse_again_" + variant));
+    EXPECT_TRUE(got == again) << "two runs of sparse attention " << variant << " differ";
+    const std::vector<double> two =
+        train_losses("quickstart", args + " --set tensor_parallel.autotp_size=2", 2, temp_path("sparse_t2_" + variant));
+    expect_losses_close(two, got, 1e-5, "sparse attention " + variant + " np 2, autotp 2");
+  }
+  ::unsetenv("ZERO3D_GPU_SPARSE_ATTENTION");
 }
 
 // A checkpoint written by the GPU build at step 5 resumes on the CPU build (ZERO3D_CPU_EXE):
