@@ -34,7 +34,7 @@ for model in $MODELS; do
 done
 
 python3 - "$DIR" "$MODELS" <<'PY'
-import json, re, sys
+import json, os, re, sys
 d, models = sys.argv[1], sys.argv[2].split()
 def zero3d(model, dtype, np):
     rows = [json.loads(l) for l in open(f"{d}/{model}-{dtype}-np{np}/metrics.jsonl")]
@@ -61,8 +61,10 @@ for model in models:
     print(f"{'run':<26}{'tokens/s':>10}{'MFU':>8}{'peak MB/rank':>14}{'vs PyTorch':>12}")
     # The bf16 GEMM peak per rank: the highest any of the model's six runs measured at start-up
     # (a neighbour's burst during one run's measurement would otherwise lift its MFU past 100%).
-    per_rank = max(zero3d(model, dt, p)[1] / p for dt in ("fp32", "bf16", "fp16") for p in (1, 2))
-    for np in (1, 2):
+    # the rank counts this WORKDIR holds (NPS=1 runs only the np 1 rows)
+    nps = [p for p in (1, 2) if os.path.exists(f"{d}/{model}-bf16-np{p}.log")]
+    per_rank = max(zero3d(model, dt, p)[1] / p for dt in ("fp32", "bf16", "fp16") for p in nps)
+    for np in nps:
         n = zero3d(model, "bf16", np)[3] - lookup
         bf16_peak = per_rank * np
         fpt = 6 * n + 12 * L * T * C

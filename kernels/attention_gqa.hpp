@@ -26,9 +26,9 @@
 // rope rotated it in bf16): on CPUs with AVX512-BF16 the fused kernel of
 // cpu/attention_flash_bf16.hpp with its groups and window (att then holds each row's log-sum-exp
 // and the bf16 output, as GPT-2's fused attention keeps), chosen at build time as
-// attention_bf16.hpp chooses it; elsewhere, and under attention dropout (the fused kernel draws
-// no mask), the portable form: the fp32 kernels above on q, k and v widened (exactly), the output
-// rounded, att holding fp32 probabilities.
+// attention_bf16.hpp chooses it, drawing attention dropout's mask itself (dropout.hpp's bits, 16
+// elements at a time); elsewhere the portable form: the fp32 kernels above on q, k and v widened
+// (exactly), the output rounded, att holding fp32 probabilities.
 #pragma once
 
 #include <cblas.h>
@@ -44,6 +44,7 @@
 #include "kernels/gemm.hpp"
 #include "kernels/half.hpp"
 #include "kernels/memory.hpp"
+#include "kernels/rope.hpp"
 
 namespace zero3d::kernels {
 
@@ -301,11 +302,13 @@ ZERO3D_KERNEL void gqa_attention_backward(float* dqkv, float* scratch, const flo
 
 // ---- bf16 compute ---------------------------------------------------------------------------
 
-// Whether the bf16 overloads below run the fused kernel for B·H = BH query heads: built with it,
-// no dropout mask, and att has room for its L and O (ZERO3D_ATTENTION_KERNEL=tiled: the portable form).
+// Whether the bf16 overloads below run the fused kernel for B·H = BH query heads: built with it
+// and att has room for its L and O (ZERO3D_ATTENTION_KERNEL=tiled: the portable form). The CPU's
+// fused kernel draws attention dropout's mask itself (the same bits as the portable form's).
 inline bool gqa_attention_flash_chosen(Index BH, Index T, Index d, const DropoutMask& dropout = {}) {
 #ifdef ZERO3D_FLASH_ATTENTION
-  return attention_flash_chosen(BH, T, d, dropout);
+  (void)dropout;
+  return attention_flash_chosen(BH, T, d);
 #else
   (void)BH, (void)T, (void)d, (void)dropout;
   return false;
@@ -313,9 +316,11 @@ inline bool gqa_attention_flash_chosen(Index BH, Index T, Index d, const Dropout
 }
 
 // The floats of att the bf16 overloads write for BH query heads (what the model allocates): the
-// fused kernel's L and O, or the portable form's probabilities (also under dropout in training).
+// fused kernel's L and O, or the portable form's probabilities. dropout: whether training drops
+// the probabilities (the fused kernel serves either way).
 inline Index gqa_attention_bf16_saved_floats(Index BH, Index T, Index d, bool dropout = false) {
-  if (dropout || !gqa_attention_flash_chosen(BH, T, d)) return BH * T * T;
+  (void)dropout;
+  if (!gqa_attention_flash_chosen(BH, T, d)) return BH * T * T;
   return attention_flash_o_offset(BH, T) + (BH * T * d + 1) / 2;
 }
 
@@ -331,7 +336,7 @@ inline void gqa_attention_forward(O* out, float* att, const bf16* qkv, Index B, 
   if (gqa_attention_flash_chosen(B * H, T, d, dropout)) {
     obs::add_macs(2.0 * B * T * T * H * d);  // counted densely, as the fp32 kernel counts
     const ProfileRegion region("attention_forward");
-    return flash::forward(out, att, qkv, B, T, flash::Heads{H, Hkv, d, window});
+    return flash::forward(out, att, qkv, B, T, flash::Heads{H, Hkv, d, window}, dropout);
   }
 #endif
   const Index rows = B * T * (H + 2 * Hkv) * d, outs = B * T * H * d;
@@ -354,13 +359,39 @@ inline void gqa_attention_backward(float* dqkv, float* scratch, const float* dou
   if (gqa_attention_flash_chosen(B * H, T, d, dropout)) {
     obs::add_macs(4.0 * B * T * T * H * d);
     const ProfileRegion region("attention_backward");
-    return flash::backward(dqkv, static_cast<float*>(nullptr), dout, qkv, att, B, T, flash::Heads{H, Hkv, d, window});
+    return flash::backward(dqkv, static_cast<float*>(nullptr), dout, qkv, att, B, T, flash::Heads{H, Hkv, d, window},
+                           nullptr, nullptr, dropout);
   }
 #endif
   const Index rows = B * T * (H + 2 * Hkv) * d;
   float* wide = gqa_widened_scratch().take<float>(rows);
   convert(wide, qkv, rows);
   gqa_attention_backward(dqkv, scratch, dout, wide, att, B, T, H, Hkv, d, window, dropout);
+}
+
+// The backward for q/k/v_proj's bf16 products (a whole backward, bf16 compute): dqkv of q and k
+// before rope's rotation (and of v) rounded to bf16 into the product's operand slot, and
+// q/k/v_proj's bias gradient (Qwen2's; dbias nullable) added: the bits rope_backward on the fp32
+// dqkv then gemm_operand's rounding and column sums give, as GPT-2's c_attn gets them
+// (attention_backward_summing_columns). The fused kernel unrotates each fp32 dQ and dK row and
+// writes it rounded as it goes; the portable form writes the fp32 dqkv into wide (B·T·(H + 2·Hkv)·d
+// floats), runs rope_backward on it, then rounds and sums. scratch as the fp32 kernel's.
+inline void gqa_attention_backward_summing_columns(bf16* dqkv, float* dbias, float* wide, float* scratch,
+                                                   const float* dout, const bf16* qkv, const float* att, Index B,
+                                                   Index T, Index H, Index Hkv, Index d, Index window,
+                                                   const float* rope_cos, const float* rope_sin,
+                                                   DropoutMask dropout = {}) {
+#ifdef ZERO3D_FLASH_ATTENTION
+  if (gqa_attention_flash_chosen(B * H, T, d, dropout)) {
+    obs::add_macs(4.0 * B * T * T * H * d);
+    const ProfileRegion region("attention_backward");
+    return flash::backward(dqkv, dbias, dout, qkv, att, B, T, flash::Heads{H, Hkv, d, window}, rope_cos, rope_sin,
+                           dropout);
+  }
+#endif
+  gqa_attention_backward(wide, scratch, dout, qkv, att, B, T, H, Hkv, d, window, dropout);
+  rope_backward(wide, rope_cos, rope_sin, B, T, H, Hkv, d);
+  convert_summing_columns(dqkv, dbias, wide, B * T, (H + 2 * Hkv) * d);
 }
 
 }  // namespace zero3d::kernels

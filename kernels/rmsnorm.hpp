@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cmath>
+#include <vector>
 
 #include "kernels/common.hpp"
 #include "kernels/device_forms.hpp"
@@ -102,6 +103,46 @@ ZERO3D_KERNEL void rmsnorm_backward(float* dinp, float* dweight, const float* do
 #ifdef ZERO3D_DEVICE
   gpu::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
 #else
+#ifdef ZERO3D_SERIAL_HOST
+  // One thread: both parts in one pass over the rows (dout and inp read once, not twice), the
+  // weight widened once. Each column's rows are summed in order into a fresh sum that then joins
+  // dweight, as the column-block loop below sums them; either part alone runs the same
+  // arithmetic, so a split backward (zero-bubble schedules) gives the whole one's bits.
+  if (!dinp && !dweight) return;
+  const ProfileRegion region("rmsnorm_backward");
+  WidenedParams widen;
+  const float* w = dinp ? widen(weight, C) : nullptr;
+  std::vector<float> sums(dweight ? static_cast<size_t>(C) : 0, 0.0f);
+  float* dw = sums.data();
+  for (Index i = 0; i < N; ++i) {
+    const float* x = inp + i * C;
+    const float* dy = dout + i * C;
+    const float s = rstd[i];
+    if (dinp) {
+      float dnorm_norm_mean = 0.0f;
+#pragma omp simd reduction(+ : dnorm_norm_mean)
+      for (Index c = 0; c < C; ++c) dnorm_norm_mean += w[c] * dy[c] * x[c] * s;
+      dnorm_norm_mean /= static_cast<float>(C);
+      float* dx = dinp + i * C;
+      if (dweight) {
+#pragma omp simd
+        for (Index c = 0; c < C; ++c) {
+          dx[c] += (w[c] * dy[c] - x[c] * s * dnorm_norm_mean) * s;
+          dw[c] += dy[c] * x[c] * s;
+        }
+        continue;
+      }
+#pragma omp simd
+      for (Index c = 0; c < C; ++c) dx[c] += (w[c] * dy[c] - x[c] * s * dnorm_norm_mean) * s;
+    } else {
+#pragma omp simd
+      for (Index c = 0; c < C; ++c) dw[c] += dy[c] * x[c] * s;
+    }
+  }
+  if (dweight)
+    for (Index c = 0; c < C; ++c) dweight[c] += dw[c];
+  return;
+#endif
   if (dinp) Kokkos::parallel_for("rmsnorm_backward_input", range(N), KOKKOS_LAMBDA(Index i) {
     const float* x = inp + i * C;
     const float* dy = dout + i * C;

@@ -25,6 +25,14 @@
 // repeat). A sliding window W masks keys j <= i - W as well; the forward starts each query
 // block at its first row's first key, the backward ends each key block at its last key's last
 // query. GPT-2 is the case Hkv = H, W = 0 (flash::forward/backward with C and H).
+//
+// Attention dropout (the Llama family's attention_dropout; GPT-2's attn_pdrop still takes the
+// tiled kernel) draws dropout.hpp's counter-based mask per tile, 16 elements at a time, the same
+// elements dropout_probability_rows drops: the forward multiplies each tile's exponentials by the
+// mask (the row sums stay undropped), the backward redraws it for dV = (P ∘ M)ᵀ·dO and dP ∘ M
+// (FlashAttention-2's own dropout, with the stored mask replaced by the recomputed one). The
+// backward can also fold rope's backward into dQ and dK (the Llama family's q and k are rotated
+// after their product), so the q/k/v product gets its bf16 operand in one pass.
 #pragma once
 
 #include <algorithm>
@@ -34,10 +42,13 @@
 #include <type_traits>
 
 #include "kernels/common.hpp"
+#include "kernels/dropout.hpp"
 #include "kernels/fastmath.hpp"
 #include "kernels/half.hpp"
+#include "kernels/rope.hpp"  // RopeUnrotate: rope's backward folded into the Llama family's dqkv
 
-#if defined(ZERO3D_AVX512) && defined(__AVX512BF16__)
+// (AVX512-DQ: the dropout mask's 64-bit products; every CPU with AVX512-BF16 has it)
+#if defined(ZERO3D_AVX512) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #define ZERO3D_FLASH_ATTENTION 1
 #endif
 
@@ -254,6 +265,40 @@ inline Workspace& workspace() {
   return w;
 }
 
+// ---- attention dropout ------------------------------------------------------------------------
+// The probabilities' mask of dropout.hpp, drawn 16 elements at a time: DropoutMask::factor's
+// keep test on elements e0 + k·stride (k = 0..15) of a sample's stream, SplitMix64 in eight
+// 64-bit lanes (AVX512-DQ products), so the fused kernel drops exactly the elements that
+// dropout_probability_rows drops in the portable form.
+struct DropoutDraw {
+  const DropoutMask* mask = nullptr;  // null: no dropout
+  uint64_t stream = 0;                // the sample's stream
+  // element (query i, key j) of query head h (this rank's) is ((first_head + h)·T + i)·T + j
+  uint64_t element(Index h, Index i, Index j, Index T) const {
+    return static_cast<uint64_t>(((mask->first_head + h) * T + i) * T + j);
+  }
+};
+
+inline __mmask8 keep_x8(__m512i e, uint64_t stream, uint32_t threshold) {
+  const __m512i one = _mm512_set1_epi64(1);
+  __m512i z = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(stream)),
+                               _mm512_mullo_epi64(_mm512_add_epi64(e, one), _mm512_set1_epi64(0x9E3779B97F4A7C15ll)));
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), _mm512_set1_epi64(0xBF58476D1CE4E5B9ll));
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), _mm512_set1_epi64(0x94D049BB133111EBll));
+  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+  return _mm512_cmpge_epu64_mask(_mm512_srli_epi64(z, 40), _mm512_set1_epi64(threshold));
+}
+
+// The keep lanes of elements e0 + k·stride, k = 0..15.
+inline __mmask16 keep_x16(const DropoutDraw& d, uint64_t e0, uint64_t stride) {
+  const __m512i k = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i lo = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(e0)),
+                                      _mm512_mullo_epi64(k, _mm512_set1_epi64(static_cast<long long>(stride))));
+  const __m512i hi = _mm512_add_epi64(lo, _mm512_set1_epi64(static_cast<long long>(8 * stride)));
+  const uint32_t t = d.mask->threshold;
+  return static_cast<__mmask16>(keep_x8(lo, d.stream, t) | (static_cast<unsigned>(keep_x8(hi, d.stream, t)) << 8));
+}
+
 // Block sizes: forward query rows per block and keys per online-softmax block (a multiple of
 // it, so a query block's rows meet the same key blocks); backward keys per block and queries
 // per tile. The tiles stay in L1, the packed operands of a head in L2.
@@ -265,8 +310,12 @@ constexpr Index kFwdQ = 32, kFwdK = 256, kBwdK = 32, kBwdQ = 64;
 // partial output o (row stride ldo) rescaled by exp(m_old - m_new), and P = exp(s - m_new) (in
 // base 2, scale2 = scale·log2 e) written to p as bf16, zero past each row's last key. Each pass
 // runs over all the rows before the next, so their dependency chains overlap.
+// Under attention dropout (drop.mask set; row r's element for column c is e_row0 + r·T + c) p
+// holds the kept exponentials times 1/(1 − p) and the dropped ones zero, while l sums them all
+// undropped: O = (P ∘ M)·V with P normalised by the whole row, as the portable form computes.
 inline void softmax_rows(const float* s, bf16* p, Index ld, float* m, float* l, float* o, Index ldo, Index rows, Index nc,
-                         Index diag, Index k0, Index window, bool first, float scale2) {
+                         Index diag, Index k0, Index window, bool first, float scale2, const DropoutDraw& drop = {},
+                         uint64_t e_row0 = 0, Index T = 0) {
   float mnew[8];
   // lanes c.. of row r that the row sees: below its last key, from its first (no lower bound without a window)
   const auto seen = [&](Index r, Index c) {
@@ -286,9 +335,12 @@ inline void softmax_rows(const float* s, bf16* p, Index ld, float* m, float* l, 
     const __m512 vshift = _mm512_set1_ps(mx * scale2), vscale2 = _mm512_set1_ps(scale2);
     __m512 vsum = _mm512_setzero_ps();
     for (Index c = 0; c < nc; c += 16) {
-      const __m512 e =
+      __m512 e =
           _mm512_maskz_mov_ps(seen(r, c), exp2_x16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + c), vscale2, vshift)));
       vsum = _mm512_add_ps(vsum, e);
+      if (drop.mask)
+        e = _mm512_maskz_mul_ps(keep_x16(drop, e_row0 + static_cast<uint64_t>(r * T + c), 1), e,
+                                _mm512_set1_ps(drop.mask->scale));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(e));
     }
     const float sum = _mm512_reduce_add_ps(vsum);
@@ -313,9 +365,11 @@ struct Heads {
 };
 
 // ---- forward ----------------------------------------------------------------------------------
-// out[B,T,H·hs] and att (L, O) from qkv[B,T,(H + 2·Hkv)·hs].
+// out[B,T,H·hs] and att (L, O) from qkv[B,T,(H + 2·Hkv)·hs]. dropout: the probabilities'
+// mask (dropout.hpp; off by default), L kept undropped as the portable form keeps P.
 template <typename O, typename Q>
-inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, const Heads& a) {
+inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, const Heads& a,
+                    const DropoutMask& dropout = {}) {
   const Index H = a.H, Hkv = a.Hkv, hs = a.hs, G = a.group(), W = a.width(), A = H * hs, BH = B * H;
   const Index Tp = round_up(T, 16), hsp = round_up(hs, 16), hp = hsp / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -334,8 +388,11 @@ inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, const He
   float* l = m + kFwdQ;                                          // running sum
   const Index head = Tp * hsp;
   bf16* heads = w.heads.take<bf16>((H + 2 * Hkv) * head);  // one sequence's Q, K and V, every head packed
+  DropoutDraw drop;
+  if (dropout.on()) drop.mask = &dropout;
   for (Index bh = 0; bh < BH; ++bh) {
     const Index b = bh / H, h = bh % H, g = h / G;
+    if (drop.mask && h == 0) drop.stream = dropout.stream(b);
     // q, k and v as H + 2·Hkv heads of one row: each qkv row read whole, front to back
     if (h == 0) pack_heads(heads, qkv + b * T * W, W, T, H + 2 * Hkv, hs, Tp, hsp);
     qn = heads + h * head;
@@ -357,7 +414,7 @@ inline void forward(O* out, float* att, const Q* qkv, Index B, Index T, const He
           const Index nc = std::min(kFwdK, round_up(q0 + rb + rows, 16) - k0);
           mm<false>(rows, nc, hp, qn + (q0 + rb) * hsp, hsp, kv + 2 * k0, 2 * Tp, s + rb * kFwdK, kFwdK);
           softmax_rows(s + rb * kFwdK, p + rb * kFwdK, kFwdK, m + rb, l + rb, o + rb * hsp, hsp, rows, nc, q0 + rb - k0,
-                       k0, a.window, first, scale2);
+                       k0, a.window, first, scale2, drop, drop.mask ? drop.element(h, q0 + rb, k0, T) : 0, T);
           // O += P · V over the same keys
           mm<true>(rows, hsp, nc / 2, p + rb * kFwdK, kFwdK, vk + k0 * hsp, 2 * hsp, o + rb * hsp, hsp);
         }
@@ -400,6 +457,15 @@ inline void write_row(D* out, float* sums, const float* x, Index n) {
   }
 }
 
+// rope's backward on one fp32 head row of position t (rope.hpp's rope_pairs loop on one head).
+inline void unrotate_row(float* x, const float* cos, const float* sin, Index t, Index hs) {
+  const Index half = hs / 2;
+  const float* c = cos + t * half;
+  const float* s = sin + t * half;
+#pragma omp simd
+  for (Index i = 0; i < half; ++i) RopeUnrotate{}(x, i, half, c[i], s[i]);
+}
+
 // ---- backward ---------------------------------------------------------------------------------
 // dqkv written (all of it) from dout, the forward's qkv and what the forward left in att. D: fp32,
 // or bf16 for c_attn's products (rounded to nearest even, as converting the fp32 dqkv rounds);
@@ -408,9 +474,16 @@ inline void write_row(D* out, float* sums, const float* x, Index n) {
 // bits), without writing and re-reading an fp32 dqkv.
 // With groups (Hkv < H) each K/V head's dK and dV are summed over its query heads in fp32, head
 // by head, before they are written.
+// rope_cos/rope_sin (nullable, [T][hs/2]: rope.hpp's tables): q and k were rotated after their
+// product, so each fp32 dQ and dK row gets rope's backward (RopeUnrotate, the same arithmetic as
+// rope_backward on an fp32 dqkv) before it is rounded and summed: the q/k/v product's operand in
+// one pass, without an fp32 dqkv written, rotated and rounded after.
 template <typename D, typename Q>
+// dropout: the forward's mask, redrawn per tile: dV = (P ∘ M)ᵀ·dO, dS = P ∘ (dP ∘ M − D), with
+// D = rowsum(dO ∘ O) still rowsum(P ∘ dP ∘ M) as O is the dropped output.
 inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qkv, const float* att, Index B, Index T,
-                     const Heads& a) {
+                     const Heads& a, const float* rope_cos = nullptr, const float* rope_sin = nullptr,
+                     const DropoutMask& dropout = {}) {
   const Index H = a.H, Hkv = a.Hkv, hs = a.hs, G = a.group(), W = a.width(), A = H * hs, BH = B * H;
   const Index Tp = round_up(T, 16), hsp = round_up(hs, 16), hp = hsp / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -448,9 +521,13 @@ inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qk
   if (sums) std::fill(sums, sums + W, 0.0f);
   float* dq = std::is_same_v<D, float> ? nullptr : w.dq.take<float>(Tp * hsp);  // dQ rows, on the way to bf16
   float* group = G > 1 ? w.group.take<float>(2 * Tp * hsp) : nullptr;  // a K/V head's dK and dV [Tp][hsp], summed
+  DropoutDraw drop;
+  if (dropout.on()) drop.mask = &dropout;
+  const __m512 vkeep = _mm512_set1_ps(dropout.scale);
   for (Index bh = 0; bh < BH; ++bh) {
     const Index b = bh / H, h = bh % H, g = h / G;
     const bool group_first = h % G == 0, group_last = h % G == G - 1;
+    if (drop.mask && h == 0) drop.stream = dropout.stream(b);
     // each input read once, in memory order: packed to bf16 rows, the other layouts made from those
     if (h == 0) {
       pack_heads(heads, dout + b * T * A, A, T, H, hs, Tp, hsp);
@@ -509,7 +586,15 @@ inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qk
                 if (a.window > 0)  // and query < key + window
                   valid &= _mm512_cmplt_epi32_mask(qi, _mm512_set1_epi32(static_cast<int>(k0 + row + a.window)));
                 pe[e] = _mm512_maskz_mov_ps(valid, exp2_x16(_mm512_fmsub_ps(_mm512_loadu_ps(st + row * kBwdQ + c), vscale2, lv)));
-                ge[e] = _mm512_mul_ps(_mm512_mul_ps(pe[e], vscale), _mm512_sub_ps(_mm512_loadu_ps(dpt + row * kBwdQ + c), dv));
+                __m512 dp = _mm512_loadu_ps(dpt + row * kBwdQ + c);
+                if (drop.mask) {  // queries qb.. of key k0 + row: elements T apart
+                  const __mmask16 keep = keep_x16(drop, drop.element(h, qb, k0 + row, T), static_cast<uint64_t>(T));
+                  dp = _mm512_maskz_mul_ps(keep, dp, vkeep);
+                  ge[e] = _mm512_mul_ps(_mm512_mul_ps(pe[e], vscale), _mm512_sub_ps(dp, dv));
+                  pe[e] = _mm512_maskz_mul_ps(keep, pe[e], vkeep);  // Pᵀ ∘ M for dV
+                  continue;
+                }
+                ge[e] = _mm512_mul_ps(_mm512_mul_ps(pe[e], vscale), _mm512_sub_ps(dp, dv));
               }
               const __m512i p2 = (__m512i)_mm512_cvtne2ps_pbh(pe[1], pe[0]), g2 = (__m512i)_mm512_cvtne2ps_pbh(ge[1], ge[0]);
               _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt + i * kBwdQ + c), _mm512_castsi512_si256(p2));
@@ -532,7 +617,7 @@ inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qk
       }
       const Index kc = (H + g) * hs, vc = (H + Hkv + g) * hs;  // the K/V head's columns
       for (Index r = 0; r < nk && k0 + r < T; ++r) {
-        const float* dk = dka + r * hsp;
+        float* dk = dka + r * hsp;
         const float* dv = dva + r * hsp;
         if (G > 1) {  // this query head's part added to the group's sums (the first one starts them)
           float* gk = group + (k0 + r) * hsp;
@@ -545,6 +630,7 @@ inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qk
           dk = gk, dv = gv;
         }
         if (!group_last) continue;
+        if (rope_cos) unrotate_row(dk, rope_cos, rope_sin, k0 + r, hs);
         D* row = dqkv + (b * T + k0 + r) * W;
         write_row(row + kc, sums ? sums + kc : nullptr, dk, hs);
         write_row(row + vc, sums ? sums + vc : nullptr, dv, hs);
@@ -558,11 +644,16 @@ inline void backward(D* dqkv, float* column_sums, const float* dout, const Q* qk
         for (Index d0 = 0; d0 < hs16; d0 += 16) transpose_16x16(gq + t0 * W + d0, W, dqt + d0 * Tp + t0, Tp);
       for (Index t = 0; t < T; ++t)
         for (Index d = t < T16 ? hs16 : 0; d < hs; ++d) gq[t * W + d] = dqt[d * Tp + t];
+      if (rope_cos)
+        for (Index t = 0; t < T; ++t) unrotate_row(gq + t * W, rope_cos, rope_sin, t, hs);
       if (sums)
         for (Index t = 0; t < T; ++t) write_row<float>(nullptr, sums + h * hs, gq + t * W, hs);
     } else {
       transpose32(dq, dqt, hsp, Tp);
-      for (Index t = 0; t < T; ++t) write_row(gq + t * W, sums ? sums + h * hs : nullptr, dq + t * hsp, hs);
+      for (Index t = 0; t < T; ++t) {
+        if (rope_cos) unrotate_row(dq + t * hsp, rope_cos, rope_sin, t, hs);
+        write_row(gq + t * W, sums ? sums + h * hs : nullptr, dq + t * hsp, hs);
+      }
     }
   }
   if (sums)

@@ -13,8 +13,11 @@
 // rotates it in place in bf16, attention reads bf16 q, k, v (the fused AVX512-BF16 kernel where
 // built) and writes the bf16 output o_proj reads; gate_up_proj writes bf16, SwiGLU reads and
 // writes bf16, and its backward makes [dgate | dup] in bf16 straight into the gate/up product's
-// operand; the other gradients stay fp32. attention_dropout drops the probabilities in training
-// (LlamaAttention's dropout on attn_weights), inside the attention kernels.
+// operand; a whole backward also makes dqkv in bf16 straight into q/k/v_proj's operand, rope's
+// backward and the bias gradient folded into the fused attention backward (as GPT-2's c_attn's);
+// the other gradients stay fp32. attention_dropout drops the probabilities in training
+// (LlamaAttention's dropout on attn_weights), inside the attention kernels (the fused bf16 one
+// too: it draws dropout.hpp's mask itself).
 //
 // Tensor parallelism (DeepSpeed AutoTP's llama preset, Megatron's split): q/k/v_proj and
 // gate/up_proj column-parallel, each rank holding H/t query heads with their Hkv/t K/V heads
@@ -223,7 +226,15 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
     linear_backward(input ? datty_ : nullptr, weights ? dw.o_w : nullptr, weights ? dw.o_b : nullptr, d_h, a.atty,
                     p.o_w, BT, w.attn, C, cmp, add_dw);
   store.progress();
-  if (input) {
+  // a whole backward makes dqkv (of q and k before rotation) in the products' bf16 directly,
+  // q/k/v_proj's bias gradient beside it, as GPT-2's block makes c_attn's
+  const bool dqkv_bf16 = lp && part == BackwardPart::Full;
+  const GemmOperand dqkv_slot = dqkv_bf16 ? gemm_operand_slot(BT, w.qkv) : GemmOperand{};
+  if (dqkv_bf16) {
+    gqa_attention_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(dqkv_slot.data)), dw.qkv_b, d_qkv,
+                                           datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, H, Hkv, d, window,
+                                           rope_cos_, rope_sin_, attn_drop);
+  } else if (input) {
     if (lp)
       gqa_attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, H, Hkv, d, window, attn_drop);
     else
@@ -231,7 +242,9 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
     rope_backward(d_qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);  // to the gradient of q and k before rotation
   }
   store.progress();
-  if (lp)  // ln_1 kept in bf16
+  if (dqkv_bf16)
+    linear_backward(d_ln_1, dw.qkv_w, dqkv_slot, as_bf16(a.ln_1), p.qkv_w, BT, C, w.qkv, cmp, add_dw);
+  else if (lp)  // ln_1 kept in bf16
     linear_backward(input ? d_ln_1 : nullptr, weights ? dw.qkv_w : nullptr, weights ? dw.qkv_b : nullptr, d_qkv,
                     as_bf16(a.ln_1), p.qkv_w, BT, C, w.qkv, cmp, add_dw);
   else

@@ -55,8 +55,8 @@ json gpt2_variant(const std::string& variant) {
   return c;
 }
 
-// The Llama with bf16 products: in training with attention_dropout its bf16 attention takes the
-// portable form (the fused kernel draws no mask), its q, k, v and output still kept in bf16.
+// The Llama with bf16 products: in training with attention_dropout its bf16 attention runs the
+// fused kernel, which draws the mask itself (ZERO3D_ATTENTION_KERNEL=tiled: the portable form).
 json llama_bf16_config() {
   json c = llama_config();
   c["bf16"] = {{"enabled", true}};
@@ -182,6 +182,32 @@ TEST(Dropout, Bf16ProductsDropAsFp32DoesWithinBf16Rounding) {
     differ = std::max(differ, std::fabs(unmasked[i] - fp32[i]) / fp32[i]);
   }
   std::printf("[ bf16     ] losses against fp32's: %.2e relative (without attn_pdrop: %.2e)\n", same, differ);
+  EXPECT_LT(same, 1e-3);
+  EXPECT_GT(differ, 3 * same);
+}
+
+// The Llama's fused bf16 attention draws the portable form's attention_dropout mask: the two runs
+// (the portable form is the fp32 kernel on the widened bf16 q, k, v) differ by bf16 rounding, far
+// less than the run without attention dropout differs from them.
+TEST(Dropout, LlamaFusedBf16AttentionDropsAsThePortableFormWithinBf16Rounding) {
+  ASSERT_EQ(one_rank("llama_bf16").code, 0) << one_rank("llama_bf16").err;
+  const std::vector<double> fused = losses_of(one_rank("llama_bf16").rows);
+  const std::string path = write_config("dropout_llama_bf16_tiled.json", llama_bf16_config());
+  const std::string dir = temp_path("dropout_llama_bf16_tiled");
+  std::system(("rm -rf " + dir).c_str());
+  const Result r = run("train " + path + " --output " + dir, 1, "ZERO3D_ATTENTION_KERNEL=tiled");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const std::vector<double> portable = losses_of(read_metrics(dir));
+  const TrainRun other = train(llama_bf16_config(), 1, "llama_bf16_no_dropout", "--set model.attention_dropout=0");
+  ASSERT_EQ(other.code, 0) << other.err;
+  const std::vector<double> unmasked = losses_of(other.rows);
+  ASSERT_EQ(portable.size(), fused.size());
+  double same = 0, differ = 0;
+  for (size_t i = 0; i < fused.size(); ++i) {
+    same = std::max(same, std::fabs(fused[i] - portable[i]) / portable[i]);
+    differ = std::max(differ, std::fabs(unmasked[i] - portable[i]) / portable[i]);
+  }
+  std::printf("[ bf16     ] fused against portable: %.2e relative (without attention_dropout: %.2e)\n", same, differ);
   EXPECT_LT(same, 1e-3);
   EXPECT_GT(differ, 3 * same);
 }

@@ -1,0 +1,174 @@
+// test_llama_attention_bf16.cpp — the Llama family's bf16 attention backward as the block runs it
+// (kernels/attention_gqa.hpp gqa_attention_backward_summing_columns): the fused AVX512-BF16
+// kernel (where built) folds rope's backward and the bf16 rounding of dqkv, with q/k/v_proj's
+// bias gradient, into what it writes; the portable form writes the fp32 dqkv, runs rope_backward
+// and rounds after. The two give the same bits.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "base/rng.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/attention_gqa.hpp"
+#include "kernels/half.hpp"
+#include "kernels/rope.hpp"
+#include "support/model_memory.hpp"
+
+using namespace zero3d;
+using namespace zero3d::kernels;
+
+namespace {
+
+using test_support::Buffer;
+using test_support::value;
+
+template <typename T>
+void expect_same_bits(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      ADD_FAILURE() << what << ": element " << i << " is " << value(got[i]) << ", expected " << value(want[i])
+                    << " bit for bit";
+      return;
+    }
+}
+
+std::vector<float> random_vector(size_t n, uint64_t stream, float scale = 1.0f) {
+  Rng rng(33, stream);
+  std::vector<float> v(n);
+  for (auto& x : v) x = static_cast<float>(scale * rng.normal());
+  return v;
+}
+
+std::vector<bf16> rounded(const std::vector<float>& x) {
+  std::vector<bf16> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = to_bf16(x[i]);
+  return out;
+}
+
+struct Case {
+  Index B, T, H, Hkv, d, window;
+};
+std::string describe(const Case& c) {
+  return " [B " + std::to_string(c.B) + ", T " + std::to_string(c.T) + ", H " + std::to_string(c.H) + ", Hkv " +
+         std::to_string(c.Hkv) + ", d " + std::to_string(c.d) + ", window " + std::to_string(c.window) + "]";
+}
+
+// rope's default tables [T][d/2] (theta 10000), as rope_config.hpp makes them.
+struct RopeTables {
+  Buffer<float> cos, sin;
+  RopeTables(Index T, Index d) : cos(table(T, d, true)), sin(table(T, d, false)) {}
+  static std::vector<float> table(Index T, Index d, bool c) {
+    std::vector<float> v(T * (d / 2));
+    for (Index t = 0; t < T; ++t)
+      for (Index i = 0; i < d / 2; ++i) {
+        const double a = t * std::pow(1e4, -2.0 * i / d);
+        v[t * (d / 2) + i] = static_cast<float>(c ? std::cos(a) : std::sin(a));
+      }
+    return v;
+  }
+};
+
+// Groups of 1, 2 and 4 query heads a K/V head; head sizes 64, 128 and 16; ragged T; windows.
+const Case kCases[] = {{2, 80, 4, 4, 64, 0}, {1, 130, 4, 2, 64, 50}, {1, 300, 8, 2, 64, 100},
+                       {2, 77, 4, 1, 128, 0}, {2, 64, 4, 2, 16, 24}};
+
+// The block's whole bf16 backward: dqkv of q and k before rotation, rounded to bf16, and the bias
+// gradient summed beside it — bit for bit what rope_backward on the fp32 dqkv, then rounding with
+// column sums (gemm_operand's pass), give. With and without a bias (Qwen2 has one, Llama none).
+TEST(LlamaGqaAttentionBf16, BackwardSummingColumnsIsRopeBackwardThenRoundingBitForBit) {
+  for (const Case& c : kCases)
+    for (const bool bias : {false, true}) {
+      const std::string at = describe(c) + (bias ? " with a bias" : "");
+      const Index W = (c.H + 2 * c.Hkv) * c.d, rows = c.B * c.T;
+      Buffer<bf16> qkv(rounded(random_vector(rows * W, 41, 0.8f))), out(rows * c.H * c.d), fused(rows * W),
+          portable(rows * W);
+      Buffer<float> dout(random_vector(rows * c.H * c.d, 42)), att(c.B * c.H * c.T * c.T), wide(rows * W),
+          scratch(kRowBlock * c.T);
+      const std::vector<float> start = random_vector(W, 43);
+      Buffer<float> fused_bias(start), portable_bias(start);
+      const RopeTables rope(c.T, c.d);
+      gqa_attention_forward(out.data(), att.data(), qkv.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
+      gqa_attention_backward_summing_columns(fused.data(), bias ? fused_bias.data() : nullptr, wide.data(),
+                                             scratch.data(), dout.data(), qkv.data(), att.data(), c.B, c.T, c.H, c.Hkv,
+                                             c.d, c.window, rope.cos.data(), rope.sin.data());
+      gqa_attention_backward(wide.data(), scratch.data(), dout.data(), qkv.data(), att.data(), c.B, c.T, c.H, c.Hkv,
+                             c.d, c.window);
+      rope_backward(wide.data(), rope.cos.data(), rope.sin.data(), c.B, c.T, c.H, c.Hkv, c.d);
+      convert_summing_columns(portable.data(), bias ? portable_bias.data() : nullptr, wide.data(), rows, W);
+      expect_same_bits("dqkv" + at, fused.host(), portable.host());
+      expect_same_bits("bias gradient" + at, fused_bias.host(), portable_bias.host());
+      if (!bias) expect_same_bits("no bias, none touched" + at, fused_bias.host(), start);
+    }
+}
+
+// Largest |got − want| over columns [first, first + width) of each row of `stride`, relative to
+// the largest |want| there.
+template <typename T>
+double worst_relative(const std::vector<T>& got, const std::vector<float>& want, Index stride, Index first,
+                      Index width) {
+  double scale = 0.0, worst = 0.0;
+  for (size_t r = 0; r < want.size() / stride; ++r)
+    for (Index c = first; c < first + width; ++c) {
+      scale = std::max(scale, std::fabs(static_cast<double>(want[r * stride + c])));
+      const double e = std::fabs(value(got[r * stride + c]) - want[r * stride + c]);
+      worst = std::isnan(e) ? INFINITY : std::max(worst, e);
+    }
+  return scale > 0.0 ? worst / scale : worst;
+}
+
+// The bf16 attention with attention dropout (the fused kernel where built: it draws the mask
+// itself) and the fp32 kernel on the same widened q, k, v with the same mask (the portable form's
+// computation, dropout_probability_rows' mask): within the bf16 bounds of the fused kernel
+// against its definition; against the fp32 kernel under another layer's mask, far apart, so the
+// fused kernel drops exactly dropout.hpp's elements. first_head: a tensor rank's global heads.
+TEST(LlamaGqaAttentionBf16, DropoutDrawsThePortableFormsMask) {
+  DropoutMask drop = dropout_mask(0.25, 9, 12, 1, DropoutSite::Probabilities);
+  DropoutMask other = dropout_mask(0.25, 9, 12, 2, DropoutSite::Probabilities);
+  drop.first_head = other.first_head = 2;
+  for (const Case& c : kCases) {
+    const std::string at = describe(c);
+#ifdef ZERO3D_FLASH_ATTENTION
+    EXPECT_TRUE(gqa_attention_flash_chosen(c.B * c.H, c.T, c.d, drop)) << "the fused kernel runs" << at;
+#endif
+    const Index W = (c.H + 2 * c.Hkv) * c.d, rows = c.B * c.T, A = c.H * c.d;
+    const std::vector<bf16> q = rounded(random_vector(rows * W, 51, 0.8f));
+    std::vector<float> wide_q(q.size());
+    for (size_t i = 0; i < q.size(); ++i) wide_q[i] = to_float(q[i]);
+    Buffer<bf16> qkv(q), out(rows * A);
+    Buffer<float> wide(wide_q), dout(random_vector(rows * A, 52)), att(c.B * c.H * c.T * c.T), dqkv(rows * W),
+        scratch(kRowBlock * c.T);
+    gqa_attention_forward(out.data(), att.data(), qkv.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window, drop);
+    gqa_attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), c.B, c.T, c.H, c.Hkv, c.d,
+                           c.window, drop);
+    const std::vector<bf16> got_out = out.host();
+    const std::vector<float> got_dqkv = dqkv.host();
+    for (float x : got_dqkv) ASSERT_TRUE(std::isfinite(x)) << "dqkv written everywhere" << at;
+    for (const DropoutMask* mask : {&drop, &other}) {
+      Buffer<float> ref_out(rows * A), ref_att(c.B * c.H * c.T * c.T), ref_dqkv(rows * W);
+      gqa_attention_forward(ref_out.data(), ref_att.data(), wide.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window, *mask);
+      gqa_attention_backward(ref_dqkv.data(), scratch.data(), dout.data(), wide.data(), ref_att.data(), c.B, c.T, c.H,
+                             c.Hkv, c.d, c.window, *mask);
+      const std::vector<float> want_out = ref_out.host(), want_dqkv = ref_dqkv.host();
+      const double out_err = worst_relative(got_out, want_out, A, 0, A),
+                   dq_err = worst_relative(got_dqkv, want_dqkv, W, 0, A),
+                   dk_err = worst_relative(got_dqkv, want_dqkv, W, A, c.Hkv * c.d),
+                   dv_err = worst_relative(got_dqkv, want_dqkv, W, A + c.Hkv * c.d, c.Hkv * c.d);
+      if (mask == &drop) {
+        EXPECT_LT(out_err, 6e-3) << "out" << at;
+        EXPECT_LT(dq_err, 1e-2) << "dq" << at;
+        EXPECT_LT(dk_err, 1e-2) << "dk" << at;
+        EXPECT_LT(dv_err, 1e-2) << "dv" << at;
+      } else {
+        EXPECT_GT(out_err, 5e-2) << "another mask's out" << at;
+        EXPECT_GT(dv_err, 5e-2) << "another mask's dv" << at;
+      }
+    }
+  }
+}
+
+}  // namespace
