@@ -1,8 +1,6 @@
 // Autotuning (issue 16): `zero3d autotune` at np 2 on a tiny model — every experiment it ran is
 // in results_dir, the pick is the best measured, the planner pruned exactly what does not fit,
 // and ds_config_optimal.json validates and trains. One tuning run serves the suite (time).
-#include <dirent.h>
-
 #include <map>
 #include <set>
 
@@ -27,18 +25,6 @@ json tune_config(const std::string& dir) {
                      {"num_tuning_micro_batch_sizes", 2},
                      {"tuner_early_stopping", 100}};  // every experiment that fits runs
   return c;
-}
-
-std::vector<std::string> subdirectories(const std::string& path) {
-  std::vector<std::string> out;
-  if (DIR* d = opendir(path.c_str())) {
-    while (dirent* e = readdir(d)) {
-      const std::string n = e->d_name;
-      if (n != "." && n != ".." && e->d_type == DT_DIR) out.push_back(n);
-    }
-    closedir(d);
-  }
-  return out;
 }
 
 bool exists(const std::string& path) { return std::ifstream(path).good(); }

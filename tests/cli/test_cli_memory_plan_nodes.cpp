@@ -3,8 +3,6 @@
 // --ranks-per-node is byte for byte the plan a run on emulated nodes prints and measures, and the
 // autotuner prices its experiments on the job's nodes. (check_memory_fits against the same run:
 // tests/train/test_mpi_memory_fits_nodes.cpp; what fits: tests/train/test_estimator_nodes.cpp.)
-#include <dirent.h>
-
 #include <string>
 #include <vector>
 
@@ -49,18 +47,6 @@ TEST(MemoryPlanNodes, HpzAndMicsArePlannedAsTheRunOnItsNodes) {
           << tag;
     }
   }
-}
-
-std::vector<std::string> subdirectories(const std::string& path) {
-  std::vector<std::string> out;
-  if (DIR* d = opendir(path.c_str())) {
-    while (dirent* e = readdir(d)) {
-      const std::string n = e->d_name;
-      if (n != "." && n != ".." && e->d_type == DT_DIR) out.push_back(n);
-    }
-    closedir(d);
-  }
-  return out;
 }
 
 // qgZ on 2 emulated nodes of one rank: every experiment's planned bytes are estimate's for those

@@ -11,25 +11,17 @@
 
 #include "base/rng.hpp"
 #include "kernels/attention.hpp"
+#include "support/model_memory.hpp"
 
 using namespace zero3d;
 using namespace zero3d::kernels;
 
+using test_support::worst_error;
+
 namespace {
 
 std::vector<float> random_vector(size_t n, uint64_t stream) {
-  Rng rng(11, stream);
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>(rng.normal());
-  return v;
-}
-
-// max |a - b| / max(1, |b|)
-double worst_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0.0;
-  for (size_t i = 0; i < a.size(); ++i)
-    worst = std::max(worst, std::fabs(double(a[i]) - b[i]) / std::max(1.0, std::fabs(double(b[i]))));
-  return worst;
+  return test_support::normal_vector(11, n, stream);
 }
 
 struct Shape {

@@ -37,31 +37,17 @@ namespace {
 
 using test_support::Buffer;
 using test_support::expect_close;
+using test_support::expect_same_bits;
 using test_support::value;
 
 std::vector<float> random_vector(size_t n, uint64_t stream, float scale = 1.0f, float shift = 0.0f) {
-  Rng rng(31, stream);
-  std::vector<float> v(n);
-  for (auto& x : v) x = shift + static_cast<float>(scale * rng.normal());
-  return v;
+  return test_support::normal_vector(31, n, stream, scale, shift);
 }
 
 std::vector<bf16> rounded(const std::vector<float>& x) {
   std::vector<bf16> out(x.size());
   for (size_t i = 0; i < x.size(); ++i) out[i] = to_bf16(x[i]);
   return out;
-}
-
-
-template <typename T>
-void expect_same_bits(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
-      ADD_FAILURE() << what << ": element " << i << " is " << value(got[i]) << ", expected " << value(want[i])
-                    << " bit for bit";
-      return;
-    }
 }
 
 std::string shape(Index rows, Index cols) { return " [" + std::to_string(rows) + " x " + std::to_string(cols) + "]"; }

@@ -24,24 +24,11 @@ using namespace zero3d::kernels;
 namespace {
 
 using test_support::Buffer;
+using test_support::expect_same_bits;
 using test_support::value;
 
-template <typename T>
-void expect_same_bits(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
-      ADD_FAILURE() << what << ": element " << i << " is " << value(got[i]) << ", expected " << value(want[i])
-                    << " bit for bit";
-      return;
-    }
-}
-
 std::vector<float> random_vector(size_t n, uint64_t stream, float scale = 1.0f) {
-  Rng rng(33, stream);
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>(scale * rng.normal());
-  return v;
+  return test_support::normal_vector(33, n, stream, scale);
 }
 
 std::vector<bf16> rounded(const std::vector<float>& x) {

@@ -42,8 +42,8 @@ constexpr float kGoldenTolerance = 1e-4f;  // the GPT-2 goldens' per-tensor max 
 
 using test_support::Buffer;
 using test_support::expect_close;
+using test_support::expect_same_bits;
 using test_support::value;
-
 
 std::string golden_path() { return std::string(ZERO3D_GOLDEN_DIR) + "/llama_kernels.h5"; }
 
@@ -80,18 +80,6 @@ void expect_matches(const std::string& what, const std::vector<float>& got, cons
   EXPECT_LE(worst, tolerance) << what;
 }
 
-template <typename T>
-void expect_same_bits(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
-      ADD_FAILURE() << what << ": element " << i << " is " << value(got[i]) << ", expected " << value(want[i])
-                    << " bit for bit";
-      return;
-    }
-}
-
-
 std::vector<bf16> rounded(const std::vector<float>& x) {
   std::vector<bf16> out(x.size());
   for (size_t i = 0; i < x.size(); ++i) out[i] = to_bf16(x[i]);
@@ -105,10 +93,7 @@ std::vector<float> widened(const std::vector<bf16>& x) {
 }
 
 std::vector<float> random_vector(size_t n, uint64_t stream, float scale = 1.0f, float shift = 0.0f) {
-  Rng rng(32, stream);
-  std::vector<float> v(n);
-  for (auto& x : v) x = shift + static_cast<float>(scale * rng.normal());
-  return v;
+  return test_support::normal_vector(32, n, stream, scale, shift);
 }
 
 // ---- RMSNorm -----------------------------------------------------------------------------------

@@ -20,27 +20,19 @@
 #include "model/model.hpp"
 #include "model/sparse_attention.hpp"
 #include "optim/optimizer.hpp"
+#include "support/model_memory.hpp"
 
 using namespace zero3d;
 using namespace zero3d::kernels;
+
+using test_support::worst_error;
 
 namespace {
 
 constexpr double kTolerance = 1e-5;
 
 std::vector<float> random_vector(size_t n, uint64_t stream) {
-  Rng rng(23, stream);
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>(rng.normal());
-  return v;
-}
-
-// max |a - b| / max(1, |b|)
-double worst_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0.0;
-  for (size_t i = 0; i < a.size(); ++i)
-    worst = std::max(worst, std::fabs(double(a[i]) - b[i]) / std::max(1.0, std::fabs(double(b[i]))));
-  return worst;
+  return test_support::normal_vector(23, n, stream);
 }
 
 // A layout of each DeepSpeed mode, at T = 64 in blocks of 8 (8 blocks per row) over 3 heads.

@@ -1,6 +1,7 @@
 // cli_helpers.hpp — running the zero3d executable from black-box tests (test_cli*.cpp).
 #pragma once
 
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -38,6 +39,19 @@ inline std::string slurp(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// The names of path's subdirectories (an autotuner's results_dir holds one per experiment).
+inline std::vector<std::string> subdirectories(const std::string& path) {
+  std::vector<std::string> out;
+  if (DIR* d = opendir(path.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string n = e->d_name;
+      if (n != "." && n != ".." && e->d_type == DT_DIR) out.push_back(n);
+    }
+    closedir(d);
+  }
+  return out;
 }
 
 // One directory per test process (ctest runs each test in its own), so test binaries of two

@@ -5,10 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
+#include "base/rng.hpp"
 #include "kernels/half.hpp"
 
 namespace test_support {
@@ -52,6 +55,36 @@ void expect_close(const std::string& what, const std::vector<T>& got, const std:
   }
   EXPECT_LE(worst_excess, 0.0) << what << ": element " << worst << " is " << value(got[worst]) << ", expected "
                                << value(want[worst]) << " within " << abs << " + " << rel << "·|expected|";
+}
+
+// n normal draws from stream `stream` of the generator seeded `seed` (each test file its own
+// seed), times scale plus shift.
+inline std::vector<float> normal_vector(uint64_t seed, size_t n, uint64_t stream, float scale = 1.0f,
+                                        float shift = 0.0f) {
+  zero3d::Rng rng(seed, stream);
+  std::vector<float> v(n);
+  for (auto& x : v) x = shift + static_cast<float>(scale * rng.normal());
+  return v;
+}
+
+// max |a - b| / max(1, |b|)
+inline double worst_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0.0;
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, std::fabs(double(a[i]) - b[i]) / std::max(1.0, std::fabs(double(b[i]))));
+  return worst;
+}
+
+// got equals want bit for bit; the first element that does not is reported.
+template <typename T>
+void expect_same_bits(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      ADD_FAILURE() << what << ": element " << i << " is " << value(got[i]) << ", expected " << value(want[i])
+                    << " bit for bit";
+      return;
+    }
 }
 
 }  // namespace test_support
