@@ -305,21 +305,19 @@ ZERO3D_KERNEL void gqa_attention_backward(float* dqkv, float* scratch, const flo
 // Whether the bf16 overloads below run the fused kernel for B·H = BH query heads: built with it
 // and att has room for its L and O (ZERO3D_ATTENTION_KERNEL=tiled: the portable form). The CPU's
 // fused kernel draws attention dropout's mask itself (the same bits as the portable form's).
-inline bool gqa_attention_flash_chosen(Index BH, Index T, Index d, const DropoutMask& dropout = {}) {
+inline bool gqa_attention_flash_chosen(Index BH, Index T, Index d) {
 #ifdef ZERO3D_FLASH_ATTENTION
-  (void)dropout;
   return attention_flash_chosen(BH, T, d);
 #else
-  (void)BH, (void)T, (void)d, (void)dropout;
+  (void)BH, (void)T, (void)d;
   return false;
 #endif
 }
 
 // The floats of att the bf16 overloads write for BH query heads (what the model allocates): the
-// fused kernel's L and O, or the portable form's probabilities. dropout: whether training drops
-// the probabilities (the fused kernel serves either way).
-inline Index gqa_attention_bf16_saved_floats(Index BH, Index T, Index d, bool dropout = false) {
-  (void)dropout;
+// fused kernel's L and O, or the portable form's probabilities (with attention dropout or
+// without: the fused kernel serves either way).
+inline Index gqa_attention_bf16_saved_floats(Index BH, Index T, Index d) {
   if (!gqa_attention_flash_chosen(BH, T, d)) return BH * T * T;
   return attention_flash_o_offset(BH, T) + (BH * T * d + 1) / 2;
 }
@@ -333,7 +331,7 @@ template <typename O>
 inline void gqa_attention_forward(O* out, float* att, const bf16* qkv, Index B, Index T, Index H, Index Hkv, Index d,
                                   Index window, DropoutMask dropout = {}) {
 #ifdef ZERO3D_FLASH_ATTENTION
-  if (gqa_attention_flash_chosen(B * H, T, d, dropout)) {
+  if (gqa_attention_flash_chosen(B * H, T, d)) {
     obs::add_macs(2.0 * B * T * T * H * d);  // counted densely, as the fp32 kernel counts
     const ProfileRegion region("attention_forward");
     return flash::forward(out, att, qkv, B, T, flash::Heads{H, Hkv, d, window}, dropout);
@@ -356,7 +354,7 @@ inline void gqa_attention_backward(float* dqkv, float* scratch, const float* dou
                                    Index B, Index T, Index H, Index Hkv, Index d, Index window,
                                    DropoutMask dropout = {}) {
 #ifdef ZERO3D_FLASH_ATTENTION
-  if (gqa_attention_flash_chosen(B * H, T, d, dropout)) {
+  if (gqa_attention_flash_chosen(B * H, T, d)) {
     obs::add_macs(4.0 * B * T * T * H * d);
     const ProfileRegion region("attention_backward");
     return flash::backward(dqkv, static_cast<float*>(nullptr), dout, qkv, att, B, T, flash::Heads{H, Hkv, d, window},
@@ -382,7 +380,7 @@ inline void gqa_attention_backward_summing_columns(bf16* dqkv, float* dbias, flo
                                                    const float* rope_cos, const float* rope_sin,
                                                    DropoutMask dropout = {}) {
 #ifdef ZERO3D_FLASH_ATTENTION
-  if (gqa_attention_flash_chosen(B * H, T, d, dropout)) {
+  if (gqa_attention_flash_chosen(B * H, T, d)) {
     obs::add_macs(4.0 * B * T * T * H * d);
     const ProfileRegion region("attention_backward");
     return flash::backward(dqkv, dbias, dout, qkv, att, B, T, flash::Heads{H, Hkv, d, window}, rope_cos, rope_sin,

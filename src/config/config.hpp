@@ -73,8 +73,9 @@ struct ModelConfig {
   std::vector<std::string> frozen_parameters;
 };
 
-// Whether a parameter named `name` (its Hugging Face name) is frozen by `patterns` (model.frozen_parameters).
-bool frozen_parameter(const std::string& name, const std::vector<std::string>& patterns);
+// Per parameter name (Hugging Face's), whether `patterns` (model.frozen_parameters) freeze it;
+// each pattern is compiled once.
+std::vector<bool> frozen_parameters_among(const std::vector<std::string>& names, const std::vector<std::string>& patterns);
 
 enum class DataSource { Synthetic, Text, Tokens };
 

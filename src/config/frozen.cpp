@@ -15,10 +15,14 @@
 
 namespace zero3d {
 
-bool frozen_parameter(const std::string& name, const std::vector<std::string>& patterns) {
-  for (const std::string& p : patterns)
-    if (std::regex_search(name, std::regex(p, std::regex::ECMAScript))) return true;
-  return false;
+std::vector<bool> frozen_parameters_among(const std::vector<std::string>& names, const std::vector<std::string>& patterns) {
+  std::vector<bool> frozen(names.size(), false);
+  for (const std::string& p : patterns) {
+    const std::regex re(p, std::regex::ECMAScript);
+    for (size_t i = 0; i < names.size(); ++i)
+      if (!frozen[i] && std::regex_search(names[i], re)) frozen[i] = true;
+  }
+  return frozen;
 }
 
 namespace config_detail {

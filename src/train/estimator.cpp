@@ -223,8 +223,11 @@ StateTypes state_types_of(const Config& cfg, const ParamLayout& layout) {
     t.autocast = pc.autocast.dtype;
     for (const TensorSpec& s : layout.tensors()) t.autocast_tensors.push_back(low_precision_tensor(s.name, pc.autocast.modules));
   }
-  if (!cfg.model.frozen_parameters.empty())  // requires_grad=False tensors (config/frozen.cpp)
-    for (const TensorSpec& s : layout.tensors()) t.frozen_tensors.push_back(frozen_parameter(s.name, cfg.model.frozen_parameters));
+  if (!cfg.model.frozen_parameters.empty()) {  // requires_grad=False tensors (config/frozen.cpp)
+    std::vector<std::string> names;
+    for (const TensorSpec& s : layout.tensors()) names.push_back(s.name);
+    t.frozen_tensors = frozen_parameters_among(names, cfg.model.frozen_parameters);
+  }
   return t;
 }
 

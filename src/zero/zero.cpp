@@ -131,11 +131,10 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   // state for and updates the trainable ranges only; the fp32 master copy holds them packed as
   // the optimizer's states (the frozen elements live in the 16-bit parameters alone, as DeepSpeed's
   // fp32 partitions hold trainable parameters only).
-  std::optional<Optimizer::Ranges> trainable;
   if (types_.any_frozen()) {
     const int64_t first = stage_ == 0 ? 0 : part_.begin(rank_);
-    trainable = trainable_ranges(layout, types_, first, stage_ == 0 ? layout.total() : first + part_.part);
-    trainable_ = trainable;
+    trainable_ = trainable_ranges(layout, types_, first, stage_ == 0 ? layout.total() : first + part_.part);
+    frozen_ = frozen_ranges(layout, types_);
   }
   int64_t master_elems = elems.state;
   if (trainable_) {
@@ -146,7 +145,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   if (master16_ && (stage_ == 0 || types_.param != zero.master_weights))
     throw std::logic_error("bf16 master weights need ZeRO stage 1-3 and bf16 parameters");
   if (stage_ == 0) {
-    optimizer_ = std::make_unique<Optimizer>(opt, layout_, zero.optimizer_states, &dp_, trainable);
+    optimizer_ = std::make_unique<Optimizer>(opt, layout_, zero.optimizer_states, &dp_, trainable_);
     reducer_ = std::make_unique<GradientReducer>(dp_, grads_.data(), types_.grad, layout.total(),
                                                  cfg_.reduce_bucket_size, cfg_.overlap_comm, types_.comm,
                                                  gradient_segments(layout, layout.total(), types_));
@@ -161,7 +160,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
                                                                  zero.sub_group_size, mixed_, dir,
                                                                  zero.optimizer_states);
     } else {
-      optimizer_ = std::make_unique<Optimizer>(opt, state_layout_, zero.optimizer_states, nullptr, trainable);
+      optimizer_ = std::make_unique<Optimizer>(opt, state_layout_, zero.optimizer_states, nullptr, trainable_);
     }
     // Stage 1 writes the averaged partition into the full gradient buffer; 2-3 accumulate
     // every micro-batch into the partition buffer.
@@ -465,8 +464,8 @@ GradStats ZeroOptimizer::grad_stats(Communicator* sq_group, const std::vector<st
   const size_t es = dtype_size(types_.grad);
   // Frozen tensors have no gradient (requires_grad=False): left out of the norm with `skip`.
   std::vector<std::pair<int64_t, int64_t>> left_out = skip;
-  if (types_.any_frozen()) {
-    for (const auto& r : frozen_ranges(layout_, types_)) left_out.push_back(r);
+  if (!frozen_.empty()) {
+    left_out.insert(left_out.end(), frozen_.begin(), frozen_.end());
     std::sort(left_out.begin(), left_out.end());
   }
   double sq = 0.0;

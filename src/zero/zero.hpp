@@ -336,6 +336,7 @@ class ZeroOptimizer : public ParamStore {
   // Frozen parameters: the trainable ranges of the optimizer's view (nullopt: none frozen); the
   // master copy and the optimizer states hold these elements packed.
   std::optional<std::vector<std::pair<int64_t, int64_t>>> trainable_;
+  std::vector<std::pair<int64_t, int64_t>> frozen_;  // the frozen tensors' global ranges, left out of the norm
   ParamLayout state_layout_;  // stages 1-3: the optimizer sees one tensor, the partition
   std::unique_ptr<Optimizer> optimizer_;          // state in device memory, or:
   std::unique_ptr<offload::OffloadedOptimizer> offloaded_;  // offload_optimizer cpu / nvme

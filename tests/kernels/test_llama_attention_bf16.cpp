@@ -120,7 +120,7 @@ TEST(LlamaGqaAttentionBf16, DropoutDrawsThePortableFormsMask) {
   for (const Case& c : kCases) {
     const std::string at = describe(c);
 #ifdef ZERO3D_FLASH_ATTENTION
-    EXPECT_TRUE(gqa_attention_flash_chosen(c.B * c.H, c.T, c.d, drop)) << "the fused kernel runs" << at;
+    EXPECT_TRUE(gqa_attention_flash_chosen(c.B * c.H, c.T, c.d)) << "the fused kernel runs" << at;
 #endif
     const Index W = (c.H + 2 * c.Hkv) * c.d, rows = c.B * c.T, A = c.H * c.d;
     const std::vector<bf16> q = rounded(random_vector(rows * W, 51, 0.8f));

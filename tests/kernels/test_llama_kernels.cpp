@@ -685,8 +685,8 @@ TEST(LlamaGqaAttentionBf16, PortableFormIsTheFp32KernelOnTheWidenedInputs) {
   for (const auto& [c, mask] : {std::pair{GqaCase{2, 8, 4, 2, 64, 0}, DropoutMask{}},  // T far below d: no room
                                 std::pair{GqaCase{1, 20, 4, 2, 64, 7}, drop}}) {
     const std::string at = describe(c) + (mask.on() ? " with dropout" : "");
-    EXPECT_FALSE(gqa_attention_flash_chosen(c.B * c.H, c.T, c.d, mask)) << at;
-    EXPECT_EQ(gqa_attention_bf16_saved_floats(c.B * c.H, c.T, c.d, mask.on()), c.B * c.H * c.T * c.T) << at;
+    EXPECT_FALSE(gqa_attention_flash_chosen(c.B * c.H, c.T, c.d)) << at;
+    EXPECT_EQ(gqa_attention_bf16_saved_floats(c.B * c.H, c.T, c.d), c.B * c.H * c.T * c.T) << at;
     const Bf16Run run(c, 27, mask);
     Buffer<float> in(widened(run.qkv)), out(c.B * c.T * c.H * c.d), att(c.B * c.H * c.T * c.T),
         dqkv(c.B * c.T * (c.H + 2 * c.Hkv) * c.d), scratch(kRowBlock * c.T);
