@@ -54,12 +54,12 @@ step zero3_np2 60 env FAULT_BACKTRACE_THROW=1 mpiexec.hydra -np 2 zero3d train "
   --output "$out/zero3_np2" --set zero_optimization.stage=3 --set training.steps=3
 step gpu_kernel_tests 90 zero3d_gpu_tests --gtest_filter='GpuKernels.*:GpuProducts.*:GpuAttention.*:GpuLlamaKernels.*' \
   --gtest_output="json:$out/gpu_kernel_tests.json"
-# The fused CUDA attention (opt-in until this check has passed; GPT-2's bf16 attention, not yet
-# the Llama family's GQA kernel): its kernel test, then GPT-2's bf16 throughput with it, beside
-# the dense tile's run below.
+# The fused CUDA attention (opt-in until this check has passed; GPT-2's bf16 attention and the
+# Llama family's grouped-query form with its sliding window): its kernel tests, then each
+# family's bf16 throughput with it, beside the portable form's runs below.
 step gpu_flash_attention_test 60 env ZERO3D_ATTENTION_KERNEL=flash zero3d_gpu_tests \
   --gtest_filter='GpuAttention.Bf16*' --gtest_output="json:$out/gpu_flash_attention_test.json"
-for model in gpt2_124m; do
+for model in gpt2_124m llama_125m; do
   step "${model}_bf16_flash" 75 env ZERO3D_ATTENTION_KERNEL=flash zero3d train \
     "$root/input/$(echo $model | tr _ -).json" --output "$out/${model}_bf16_flash" --set train_micro_batch_size_per_gpu=16 \
     --set training.steps=12 --set steps_per_print=4 --set bf16.enabled=true
@@ -125,7 +125,7 @@ print('peer generate $precision batch $B: prefill %.0f tokens/s, decode %.0f tok
   break
 done
 # tokens/s of the last steps (the first ones include cuBLASLt's heuristics and allocations)
-for run in gpt2_124m_bf16 gpt2_124m_bf16_flash gpt2_124m_fp32 llama_125m_bf16 llama_125m_fp32; do
+for run in gpt2_124m_bf16 gpt2_124m_bf16_flash gpt2_124m_fp32 llama_125m_bf16 llama_125m_bf16_flash llama_125m_fp32; do
   f=$out/$run/metrics.jsonl
   [ -f "$f" ] && /usr/bin/env python3 -c "
 import json, sys

@@ -28,7 +28,10 @@
 // and the bf16 output, as GPT-2's fused attention keeps), chosen at build time as
 // attention_bf16.hpp chooses it, drawing attention dropout's mask itself (dropout.hpp's bits, 16
 // elements at a time); elsewhere the portable form: the fp32 kernels above on q, k and v widened
-// (exactly), the output rounded, att holding fp32 probabilities.
+// (exactly), the output rounded, att holding fp32 probabilities. On a GPU build under
+// ZERO3D_ATTENTION_KERNEL=flash (as GPT-2's fused CUDA attention) and without attention dropout,
+// the fused CUDA kernel of cuda/attention_flash_bf16.hpp with the same groups and window, att
+// holding its log-sum-exp and bf16 output as on the CPU.
 #pragma once
 
 #include <cblas.h>
@@ -304,21 +307,33 @@ ZERO3D_KERNEL void gqa_attention_backward(float* dqkv, float* scratch, const flo
 
 // Whether the bf16 overloads below run the fused kernel for B·H = BH query heads: built with it
 // and att has room for its L and O (ZERO3D_ATTENTION_KERNEL=tiled: the portable form). The CPU's
-// fused kernel draws attention dropout's mask itself (the same bits as the portable form's).
-inline bool gqa_attention_flash_chosen(Index BH, Index T, Index d) {
-#ifdef ZERO3D_FLASH_ATTENTION
+// fused kernel draws attention dropout's mask itself (the same bits as the portable form's); the
+// CUDA kernel (ZERO3D_ATTENTION_KERNEL=flash, a head size it serves) carries no mask, so a
+// training pass with attention dropout runs the portable form there.
+inline bool gqa_attention_flash_chosen(Index BH, Index T, Index d, const DropoutMask& dropout = {}) {
+#if defined(ZERO3D_FLASH_ATTENTION)
+  (void)dropout;
   return attention_flash_chosen(BH, T, d);
+#elif defined(ZERO3D_DEVICE)
+  return attention_flash_chosen(BH, T, d, dropout);
 #else
+  (void)dropout;
   (void)BH, (void)T, (void)d;
   return false;
 #endif
 }
 
 // The floats of att the bf16 overloads write for BH query heads (what the model allocates): the
-// fused kernel's L and O, or the portable form's probabilities (with attention dropout or
-// without: the fused kernel serves either way).
-inline Index gqa_attention_bf16_saved_floats(Index BH, Index T, Index d) {
+// fused kernel's L and O, or the portable form's probabilities. With attention dropout the CPU's
+// fused kernel serves either way; the CUDA kernel serves evaluation only, so training passes need
+// the probabilities' room (the fused kernel's fits inside it: attention_flash_chosen).
+inline Index gqa_attention_bf16_saved_floats(Index BH, Index T, Index d, bool dropout = false) {
   if (!gqa_attention_flash_chosen(BH, T, d)) return BH * T * T;
+#ifdef ZERO3D_DEVICE
+  if (dropout) return BH * T * T;
+#else
+  (void)dropout;
+#endif
   return attention_flash_o_offset(BH, T) + (BH * T * d + 1) / 2;
 }
 
@@ -335,6 +350,14 @@ inline void gqa_attention_forward(O* out, float* att, const bf16* qkv, Index B, 
     obs::add_macs(2.0 * B * T * T * H * d);  // counted densely, as the fp32 kernel counts
     const ProfileRegion region("attention_forward");
     return flash::forward(out, att, qkv, B, T, flash::Heads{H, Hkv, d, window}, dropout);
+  }
+#endif
+#ifdef ZERO3D_DEVICE
+  if (gqa_attention_flash_chosen(B * H, T, d, dropout)) {
+    obs::add_macs(2.0 * B * T * T * H * d);
+    const ProfileRegion region("attention_forward");
+    return cuda_flash::forward(out, att, reinterpret_cast<bf16*>(att + attention_flash_o_offset(B * H, T)), qkv, B, T,
+                               cuda_flash::Heads{H, Hkv, d, window});
   }
 #endif
   const Index rows = B * T * (H + 2 * Hkv) * d, outs = B * T * H * d;
@@ -361,6 +384,15 @@ inline void gqa_attention_backward(float* dqkv, float* scratch, const float* dou
                            nullptr, nullptr, dropout);
   }
 #endif
+#ifdef ZERO3D_DEVICE
+  if (gqa_attention_flash_chosen(B * H, T, d, dropout)) {
+    obs::add_macs(4.0 * B * T * T * H * d);
+    const ProfileRegion region("attention_backward");
+    return cuda_flash::backward(dqkv, dout, qkv, att,
+                                reinterpret_cast<const bf16*>(att + attention_flash_o_offset(B * H, T)), B, T,
+                                cuda_flash::Heads{H, Hkv, d, window});
+  }
+#endif
   const Index rows = B * T * (H + 2 * Hkv) * d;
   float* wide = gqa_widened_scratch().take<float>(rows);
   convert(wide, qkv, rows);
@@ -372,8 +404,9 @@ inline void gqa_attention_backward(float* dqkv, float* scratch, const float* dou
 // q/k/v_proj's bias gradient (Qwen2's; dbias nullable) added: the bits rope_backward on the fp32
 // dqkv then gemm_operand's rounding and column sums give, as GPT-2's c_attn gets them
 // (attention_backward_summing_columns). The fused kernel unrotates each fp32 dQ and dK row and
-// writes it rounded as it goes; the portable form writes the fp32 dqkv into wide (B·T·(H + 2·Hkv)·d
-// floats), runs rope_backward on it, then rounds and sums. scratch as the fp32 kernel's.
+// writes it rounded as it goes; the portable form (and the CUDA kernel, through the overload
+// above) writes the fp32 dqkv into wide (B·T·(H + 2·Hkv)·d floats), runs rope_backward on it,
+// then rounds and sums. scratch as the fp32 kernel's.
 inline void gqa_attention_backward_summing_columns(bf16* dqkv, float* dbias, float* wide, float* scratch,
                                                    const float* dout, const bf16* qkv, const float* att, Index B,
                                                    Index T, Index H, Index Hkv, Index d, Index window,

@@ -10,6 +10,8 @@
 // Products are tensor-core WMMA 16×16×16 tiles with bf16 operands and fp32 accumulation; q, k,
 // v, dO, P and dS enter them as bf16 (as the CPU kernel's do), scores, softmax and sums stay
 // fp32. Head sizes 64 and 128 (serves()); the dense path in attention_bf16.hpp takes the rest.
+// Grouped-query heads and a sliding window (the Llama family's attention_gqa.hpp) as the CPU
+// kernel's flash::Heads takes them.
 #pragma once
 
 #include "kernels/common.hpp"
@@ -22,15 +24,34 @@ namespace cuda_flash {
 // Whether the fused kernels serve a head size.
 bool serves(Index hs);
 
-// out [B][T][C] (O: float or bf16); lse [B·H][T]; osave [B·H][T][hs] bf16; qkv [B][T][3C] (Q: float
-// or bf16). Launched on the default execution space's stream.
-template <typename O, typename Q>
-void forward(O* out, float* lse, bf16* osave, const Q* qkv, Index B, Index T, Index C, Index H);
+// H query heads over Hkv K/V heads (H a multiple of Hkv; GPT-2: Hkv = H) of size hs, and a sliding
+// window (0: none; Mistral: query t sees keys t − window < k ≤ t).
+struct Heads {
+  Index H, Hkv, hs, window;
+};
 
-// dqkv [B][T][3C] written (all of it) from dout [B][T][C], the forward's qkv, lse and osave.
+// out [B][T][H·hs] (O: float or bf16); lse [B·H][T]; osave [B·H][T][hs] bf16; qkv [B][T][(H + 2·Hkv)·hs]
+// (q heads, then k heads, then v heads; Q: float or bf16). Launched on the default execution
+// space's stream.
+template <typename O, typename Q>
+void forward(O* out, float* lse, bf16* osave, const Q* qkv, Index B, Index T, const Heads& heads);
+
+// dqkv [B][T][(H + 2·Hkv)·hs] written (all of it) from dout [B][T][H·hs], the forward's qkv, lse
+// and osave; K/V's gradients summed over each group's query heads in head order.
 template <typename Q>
 void backward(float* dqkv, const float* dout, const Q* qkv, const float* lse, const bf16* osave, Index B, Index T,
-              Index C, Index H);
+              const Heads& heads);
+
+// GPT-2's layout: qkv [B][T][3C], C = H·hs, no groups, no window.
+template <typename O, typename Q>
+void forward(O* out, float* lse, bf16* osave, const Q* qkv, Index B, Index T, Index C, Index H) {
+  forward(out, lse, osave, qkv, B, T, Heads{H, H, C / H, 0});
+}
+template <typename Q>
+void backward(float* dqkv, const float* dout, const Q* qkv, const float* lse, const bf16* osave, Index B, Index T,
+              Index C, Index H) {
+  backward(dqkv, dout, qkv, lse, osave, B, T, Heads{H, H, C / H, 0});
+}
 
 }  // namespace cuda_flash
 }  // namespace zero3d::kernels

@@ -476,7 +476,8 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
     z.ln_2 = mlp16 ? half(Ns * C) : Ns * C;
     z.stats = Ns;
     z.qkv = attn16 ? half(BT * w.qkv) : BT * w.qkv;
-    z.att = attn16 ? kernels::gqa_attention_bf16_saved_floats(B * H, T, shape.family.head_dim)
+    z.att = attn16 ? kernels::gqa_attention_bf16_saved_floats(B * H, T, shape.family.head_dim,
+                                                                         shape.dropout.attn > 0.0)
                    : B * H * T * T;
     z.atty = attn16 ? half(BT * w.attn) : BT * w.attn;
     z.fch = mlp16 ? half(BT * w.fc) : BT * w.fc;
