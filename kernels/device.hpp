@@ -3,6 +3,7 @@
 // it has. On a CPU build the "device" is the host and Kokkos starts as it always has.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -52,5 +53,26 @@ bool is_device_memory(const void* p);
 int64_t device_peak_bytes();
 // Restarts that high-water mark at the memory in use now (after a start-up probe's buffers are gone).
 void reset_device_peak();
+
+// Copies between model memory and host memory on a stream of their own, so that they run while
+// the host works (ZeRO-Offload's gradients coming over beside the CPU optimizer, as DeepSpeed's
+// stage3.py moves them on a separate stream). A copy starts after the device's work queued so
+// far (the compute stream's); wait() returns when every copy queued is done. Host buffers should
+// be page-locked (HostBuffer with pinned), else the driver copies through its own. On a CPU build
+// each copy happens at once.
+class CopyStream {
+ public:
+  CopyStream();
+  ~CopyStream();
+  CopyStream(const CopyStream&) = delete;
+  CopyStream& operator=(const CopyStream&) = delete;
+  void to_host(void* host, const void* device, size_t bytes);
+  void to_device(void* device, const void* host, size_t bytes);
+  void wait();
+
+ private:
+  void* stream_ = nullptr;    // cudaStream_t on a GPU build
+  void* computed_ = nullptr;  // cudaEvent_t: the compute stream's work before a copy
+};
 
 }  // namespace zero3d::kernels

@@ -4,6 +4,7 @@
 #include "kernels/device.hpp"
 
 #include <Kokkos_Core.hpp>
+#include <cstring>
 
 namespace zero3d::kernels {
 
@@ -31,5 +32,16 @@ void reset_device_peak() {}
 bool is_device_memory(const void*) { return false; }
 
 void fence() {}
+
+// Model memory is host memory: a copy is a memcpy, done when it returns.
+CopyStream::CopyStream() = default;
+CopyStream::~CopyStream() = default;
+void CopyStream::to_host(void* host, const void* device, size_t bytes) {
+  if (bytes > 0 && host != device) std::memcpy(host, device, bytes);
+}
+void CopyStream::to_device(void* device, const void* host, size_t bytes) {
+  if (bytes > 0 && host != device) std::memcpy(device, host, bytes);
+}
+void CopyStream::wait() {}
 
 }  // namespace zero3d::kernels

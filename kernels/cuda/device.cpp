@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace zero3d::kernels {
 
@@ -91,6 +93,51 @@ bool is_device_memory(const void* p) {
 }
 
 int64_t device_peak_bytes() { return g_peak_bytes.load(); }
+
+namespace {
+cudaStream_t compute_stream() { return Kokkos::DefaultExecutionSpace().cuda_stream(); }
+
+void check_copy(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("copy stream: ") + what + ": " + cudaGetErrorString(e));
+}
+}  // namespace
+
+CopyStream::CopyStream() {
+  cudaStream_t s = nullptr;
+  check_copy(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  cudaEvent_t e = nullptr;
+  check_copy(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  stream_ = s;
+  computed_ = e;
+}
+
+CopyStream::~CopyStream() {
+  cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  cudaEventDestroy(static_cast<cudaEvent_t>(computed_));
+  cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+// The copy waits on the compute stream's work so far (the kernels that wrote what it reads, or
+// read what it overwrites), not on the host.
+void CopyStream::to_host(void* host, const void* device, size_t bytes) {
+  if (bytes == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream_);
+  const auto e = static_cast<cudaEvent_t>(computed_);
+  check_copy(cudaEventRecord(e, compute_stream()), "cudaEventRecord");
+  check_copy(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
+  check_copy(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync to host");
+}
+
+void CopyStream::to_device(void* device, const void* host, size_t bytes) {
+  if (bytes == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream_);
+  const auto e = static_cast<cudaEvent_t>(computed_);
+  check_copy(cudaEventRecord(e, compute_stream()), "cudaEventRecord");
+  check_copy(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
+  check_copy(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync to device");
+}
+
+void CopyStream::wait() { check_copy(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize"); }
 
 void reset_device_peak() { g_peak_bytes = g_live_bytes.load(); }
 

@@ -25,7 +25,9 @@ OffloadedOptimizer::OffloadedOptimizer(const OffloadOptimizerConfig& off, const 
                                        const OptimizerConfig& opt, int64_t numel, int64_t sub_group_size,
                                        bool hold_master, const std::string& swap_dir, DType state_type)
     : off_(off), opt_(opt), numel_(numel), master_(hold_master),
-      grad_stage_("offload_grad_stage", 0, off.pin_memory), param_stage_("offload_param_stage", 0, off.pin_memory),
+      grad_stage_{kernels::HostBuffer("offload_grad_stage", 0, off.pin_memory),
+                  kernels::HostBuffer("offload_grad_stage", 0, off.pin_memory)},
+      param_stage_("offload_param_stage", 0, off.pin_memory),
       dir_(swap_dir) {
   if (opt.type != OptimizerType::Adam && opt.type != OptimizerType::Lion && opt.type != OptimizerType::Adagrad)
     throw std::logic_error("offloaded optimizer state is updated by DeepSpeed's CPU Adam, Lion or Adagrad only");
@@ -140,7 +142,7 @@ void OffloadedOptimizer::update(int64_t k, char* const* st, const ParamAccess& p
   const size_t param_bytes = static_cast<size_t>(gr.n) * dtype_size(p.type);
   const bool stage_params = on_host && !master_ && params.in_model_memory && !kernels::kHostIsDevice;
   TypedSpan updated = p;
-  if (on_host) g = kernels::host_view_of(grad_stage_, g, static_cast<size_t>(gr.n) * dtype_size(grad_type));
+  if (on_host) g = host_gradients(k, grads, grad_type);
   if (stage_params) updated.data = const_cast<char*>(kernels::host_view_of(param_stage_, p.data, param_bytes));
   updater_.run(step_, updated, g, grad_type, grad_mul, moments, gr.n, on_host);
   if (stage_params) kernels::copy_to_device(p.data, updated.data, param_bytes);
@@ -148,6 +150,26 @@ void OffloadedOptimizer::update(int64_t k, char* const* st, const ParamAccess& p
   if (master_ && !on_host && !kernels::kHostIsDevice)
     updated.data = const_cast<char*>(kernels::host_view_of(param_stage_, p.data, param_bytes));
   params.release(gr.begin, gr.n, master_ ? updated : p);
+}
+
+void OffloadedOptimizer::queue_gradients(int64_t k, const void* grads, DType grad_type) {
+  const Group& gr = groups_[static_cast<size_t>(k)];
+  const size_t es = dtype_size(grad_type), bytes = static_cast<size_t>(gr.n) * es;
+  if (!copies_) copies_ = std::make_unique<kernels::CopyStream>();
+  if (queued_ >= 0) copies_->wait();  // a copy in flight may be writing the stage this one takes
+  copies_->to_host(grad_stage_[k % 2].grow(bytes), static_cast<const char*>(grads) + gr.begin * static_cast<int64_t>(es),
+                   bytes);
+  queued_ = k;
+}
+
+const char* OffloadedOptimizer::host_gradients(int64_t k, const void* grads, DType grad_type) {
+  const Group& gr = groups_[static_cast<size_t>(k)];
+  if (kernels::kHostIsDevice) return static_cast<const char*>(grads) + gr.begin * static_cast<int64_t>(dtype_size(grad_type));
+  if (queued_ != k) queue_gradients(k, grads, grad_type);
+  copies_->wait();  // sub-group k's gradients are here; stage (k + 1) % 2 (sub-group k - 1's) is free
+  queued_ = -1;
+  if (k + 1 < sub_groups()) queue_gradients(k + 1, grads, grad_type);  // comes over while the CPU updates k
+  return grad_stage_[k % 2].data();
 }
 
 void OffloadedOptimizer::start_read(Slot& slot, int64_t k) {
@@ -183,6 +205,8 @@ void OffloadedOptimizer::step(const ParamAccess& params, const void* grads, DTyp
   std::vector<char*> st(static_cast<size_t>(states()));
   // Resident sub-groups: device memory, the device kernel. Host sub-groups: the CPU optimizer.
   const int64_t last_resident = off_.device == OffloadDevice::Cpu ? g : cut_;
+  // The first host sub-group's gradients come over while the device updates its own sub-groups.
+  if (!kernels::kHostIsDevice && cut_ < g) queue_gradients(cut_, grads, grad_type);
   for (int64_t k = 0; k < last_resident; ++k) {
     for (int s = 0; s < states(); ++s) st[s] = resident(s, groups_[static_cast<size_t>(k)].begin);
     update(k, st.data(), params, grads, grad_type, grad_mul, /*on_host=*/k >= cut_);

@@ -25,6 +25,7 @@
 
 #include "base/dtype.hpp"
 #include "config/config.hpp"
+#include "kernels/device.hpp"
 #include "kernels/memory.hpp"
 #include "kernels/typed.hpp"
 #include "model/buffer.hpp"
@@ -107,6 +108,11 @@ class OffloadedOptimizer {
   void on_host(int s, int64_t k, int64_t a, int64_t b, const std::function<void(char*)>& use, bool write_back);
   void update(int64_t k, char* const* state, const ParamAccess& params, const void* grads, DType grad_type,
               float grad_mul, bool on_host);
+  // Host sub-group k's gradients queued on the copy stream into stage k % 2 (a GPU build).
+  void queue_gradients(int64_t k, const void* grads, DType grad_type);
+  // Host sub-group k's gradients in host memory for the CPU optimizer, the next sub-group's queued
+  // behind them; on a CPU build the gradients themselves.
+  const char* host_gradients(int64_t k, const void* grads, DType grad_type);
   void start_read(Slot& slot, int64_t k);
   void wait_reads(Slot& slot);
   void start_write(Slot& slot);
@@ -126,8 +132,12 @@ class OffloadedOptimizer {
   std::vector<TypedBuffer> device_;  // per state, the resident sub-groups
   std::vector<kernels::HostBuffer> host_;  // per state, the offloaded sub-groups (device cpu), pinned per pin_memory
   // A GPU build's CPU optimizer works on host copies of a sub-group's gradients and of
-  // parameters held in device memory; checkpoints read the device tier through them too.
-  kernels::HostBuffer grad_stage_, param_stage_;
+  // parameters held in device memory; checkpoints read the device tier through param_stage_ too.
+  // Two gradient stages: the next host sub-group's gradients come over on the copy stream while
+  // the CPU updates this one's (queued_: the sub-group in flight, in stage queued_ % 2).
+  kernels::HostBuffer grad_stage_[2], param_stage_;
+  std::unique_ptr<kernels::CopyStream> copies_;  // a GPU build's, made by the first step
+  int64_t queued_ = -1;
   // device nvme
   std::string dir_;
   std::unique_ptr<AioEngine> aio_;
