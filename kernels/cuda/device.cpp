@@ -100,6 +100,16 @@ cudaStream_t compute_stream() { return Kokkos::DefaultExecutionSpace().cuda_stre
 void check_copy(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("copy stream: ") + what + ": " + cudaGetErrorString(e));
 }
+
+// A copy waits on the compute stream's work so far (the kernels that wrote what it reads, or
+// read what it overwrites), not on the host.
+void copy_after_compute(cudaStream_t s, cudaEvent_t computed, void* dst, const void* src, size_t bytes,
+                        cudaMemcpyKind kind) {
+  if (bytes == 0) return;
+  check_copy(cudaEventRecord(computed, compute_stream()), "cudaEventRecord");
+  check_copy(cudaStreamWaitEvent(s, computed, 0), "cudaStreamWaitEvent");
+  check_copy(cudaMemcpyAsync(dst, src, bytes, kind, s), "cudaMemcpyAsync");
+}
 }  // namespace
 
 CopyStream::CopyStream() {
@@ -117,24 +127,14 @@ CopyStream::~CopyStream() {
   cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
-// The copy waits on the compute stream's work so far (the kernels that wrote what it reads, or
-// read what it overwrites), not on the host.
 void CopyStream::to_host(void* host, const void* device, size_t bytes) {
-  if (bytes == 0) return;
-  const auto s = static_cast<cudaStream_t>(stream_);
-  const auto e = static_cast<cudaEvent_t>(computed_);
-  check_copy(cudaEventRecord(e, compute_stream()), "cudaEventRecord");
-  check_copy(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
-  check_copy(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync to host");
+  copy_after_compute(static_cast<cudaStream_t>(stream_), static_cast<cudaEvent_t>(computed_), host, device, bytes,
+                     cudaMemcpyDeviceToHost);
 }
 
 void CopyStream::to_device(void* device, const void* host, size_t bytes) {
-  if (bytes == 0) return;
-  const auto s = static_cast<cudaStream_t>(stream_);
-  const auto e = static_cast<cudaEvent_t>(computed_);
-  check_copy(cudaEventRecord(e, compute_stream()), "cudaEventRecord");
-  check_copy(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
-  check_copy(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync to device");
+  copy_after_compute(static_cast<cudaStream_t>(stream_), static_cast<cudaEvent_t>(computed_), device, host, bytes,
+                     cudaMemcpyHostToDevice);
 }
 
 void CopyStream::wait() { check_copy(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize"); }
