@@ -52,7 +52,7 @@ fi
 # ZeRO-3 with two ranks sharing the GPU, every C++ throw's stack printed (fault_backtrace.c).
 step zero3_np2 60 env FAULT_BACKTRACE_THROW=1 mpiexec.hydra -np 2 zero3d train "$root/input/quickstart.json" \
   --output "$out/zero3_np2" --set zero_optimization.stage=3 --set training.steps=3
-step gpu_kernel_tests 90 zero3d_gpu_tests --gtest_filter='GpuKernels.*:GpuProducts.*:GpuAttention.*:GpuLlamaKernels.*' \
+step gpu_kernel_tests 90 zero3d_gpu_tests --gtest_filter='GpuKernels.*:GpuProducts.*:GpuAttention.*:GpuLlamaKernels.*:GpuCopyStream.*' \
   --gtest_output="json:$out/gpu_kernel_tests.json"
 # The fused CUDA attention (opt-in until this check has passed; GPT-2's bf16 attention and the
 # Llama family's grouped-query form with its sliding window): its kernel tests, then each

@@ -15,10 +15,12 @@
 #include "kernels/attention.hpp"
 #include "kernels/crossentropy.hpp"
 #include "kernels/device.hpp"
+#include "kernels/elementwise.hpp"
 #include "kernels/encoder.hpp"
 #include "kernels/gelu.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/layernorm.hpp"
+#include "kernels/memory.hpp"
 #include "kernels/optimizers.hpp"
 #include "kernels/reduce.hpp"
 
@@ -172,6 +174,30 @@ TEST(GpuKernels, AdamWUpdateMatchesTheHost) {
     ASSERT_LE(std::fabs(v_got[i] - v2), kRounding * (b2 * v[i] + omb2 * g[i] * g[i])) << "v[" << i << "]";
     ASSERT_LE(std::fabs(p_got[i] - p2), kRounding * (std::fabs(p[i]) + lr * (1e3 + wd))) << "params[" << i << "]";
   }
+}
+
+// The copy stream ZeRO-Offload's gradients take beside the CPU optimizer: a copy queued right after
+// kernels (64 Mi floats, still running when it is queued) reads what they wrote, since it waits
+// on the compute stream's work and not on the host; the copy back to the device lands before the
+// next kernel that reads it once wait() has returned. Page-locked host memory, both directions.
+TEST(GpuCopyStream, CopiesFollowTheComputeStreamsWorkInBothDirections) {
+  const Index n = Index(1) << 26;
+  const std::vector<float> x = normal(n, 1.0f, 51);
+  ModelArray<float> X(x), Y(n);
+  HostBuffer pinned("test_copy_stream", static_cast<size_t>(n) * sizeof(float), /*pinned=*/true);
+  CopyStream copies;
+  for (int round = 0; round < 3; ++round) add_into(Y.data(), X.data(), n);  // Y = 3·X, queued
+  copies.to_host(pinned.data(), Y.data(), static_cast<size_t>(n) * sizeof(float));
+  copies.wait();
+  const float* got = reinterpret_cast<const float*>(pinned.data());
+  for (Index i = 0; i < n; ++i) ASSERT_EQ(got[i], x[i] + x[i] + x[i]) << "element " << i << " copied before it was summed";
+  float* host = reinterpret_cast<float*>(pinned.data());
+  for (Index i = 0; i < n; ++i) host[i] = -x[i];
+  copies.to_device(Y.data(), pinned.data(), static_cast<size_t>(n) * sizeof(float));
+  copies.wait();
+  add_into(Y.data(), X.data(), n);  // -X + X
+  const std::vector<float> zero = Y.host();
+  for (Index i = 0; i < n; ++i) ASSERT_EQ(zero[i], 0.0f) << "element " << i;
 }
 
 // The gradient norm's Σ g² over GPT-2 124M's 124,439,808 parameters, accumulated in double.
