@@ -31,11 +31,15 @@ TEST(MemoryPlanStaging, PackedGathersStageWhatThePlanCounts) {
   j["training"]["steps"] = 3;
   const json bf16 = {{"bf16", {{"enabled", true}}}};
   const json qwz = {{"stage", 3}, {"param_persistence_threshold", 0}, {"zero_quantized_weights", true}};
+  json qwz_prefetch = qwz;  // units gathered ahead hold their packed bytes until their fetch
+  qwz_prefetch["max_reuse_distance"] = 0;
+  qwz_prefetch["prefetch_bucket_size"] = 13000;
   json qwz_hpz = qwz;
   qwz_hpz["zero_hpz_partition_size"] = 2;
   const std::vector<StagedGather> cases = {
       {"qwz", 2, qwz, json::object(), "--set zero_optimization.zero_quantized_weights=false"},
       {"qwz_bf16", 2, qwz, bf16, "--set zero_optimization.zero_quantized_weights=false"},
+      {"qwz_bf16_prefetch", 2, qwz_prefetch, bf16, "--set zero_optimization.zero_quantized_weights=false"},
       {"autocast", 2, {{"stage", 3}, {"param_persistence_threshold", 0}},
        {{"torch_autocast", {{"enabled", true}, {"dtype", "bfloat16"}}}}, "--set torch_autocast.enabled=false"},
       {"mics_hier", 4, {{"stage", 3}, {"mics_shard_size", 4}, {"mics_hierarchical_params_gather", true}},
