@@ -47,13 +47,9 @@ void on_deallocate(Kokkos_Profiling_SpaceHandle, const char*, const void* ptr, u
   if (g_log) g_log->live.erase(ptr);
 }
 
-// A GPU build's own hooks count its device memory (kernels/cuda/device.cpp): the tests that set
-// theirs run on the CPU build, through the hook.
-#ifdef ZERO3D_DEVICE
-#define SKIP_ON_DEVICE_BUILD() GTEST_SKIP() << "the GPU build's allocation hooks are its device-memory count"
-#else
-#define SKIP_ON_DEVICE_BUILD() (void)0
-#endif
+// A GPU build (where the device form always runs) counts its device memory with its own hooks
+// (kernels/cuda/device.cpp): the tests that set theirs run on the CPU build, through the hook.
+constexpr const char* kDeviceBuildHooks = "the GPU build's allocation hooks are its device-memory count";
 
 // Records the allocations of its scope.
 struct Recording {
@@ -123,7 +119,7 @@ Measured train_step(const SparseAttention& sparse, bool device_form) {
 }  // namespace
 
 TEST(SparseAttentionMemoryPlan, ThePlanIsWhatTheModelAndTheDeviceFormAllocate) {
-  SKIP_ON_DEVICE_BUILD();
+  if (sparse_attention_device_form()) GTEST_SKIP() << kDeviceBuildHooks;
   for (const auto& [name, sparse] : {std::pair<std::string, SparseAttention>{"fixed", fixed_per_head()}, {"bigbird", bigbird()}}) {
     for (const bool device_form : {true, false}) {
       const std::string tag = name + (device_form ? " device form" : " CPU form");
@@ -141,7 +137,7 @@ TEST(SparseAttentionMemoryPlan, ThePlanIsWhatTheModelAndTheDeviceFormAllocate) {
 
 // A tensor rank's heads: the plan slices the layout at the rank's first head, as GPT does.
 TEST(SparseAttentionMemoryPlan, ATensorRanksTablesAreItsHeads) {
-  SKIP_ON_DEVICE_BUILD();
+  if (sparse_attention_device_form()) GTEST_SKIP() << kDeviceBuildHooks;
   const SparseAttention s = bigbird();
   const int64_t H = 4, T = 64, nb = T / s.block;
   for (int64_t head0 : {0, 2}) {
