@@ -217,15 +217,18 @@ namespace gpu {
 inline DeviceScratch& sparse_panel_scratch() { return static_scratch<5>("sparse_attention_panels"); }
 
 // The workspace of the largest group's backward (two [bs, hs], two [N, hs] and two [bs, N] per
-// problem), which the forward's fits in: one size for both, so it is sized once.
-inline Index sparse_panel_floats(const SparseBlockTable& t, Index B, Index hs) {
-  const Index bs = t.block();
+// problem), which the forward's fits in: one size for both, so it is sized once. (The memory plan
+// sizes it from the groups alone: model/sparse_attention.hpp sparse_attention_model_bytes.)
+inline Index sparse_panel_floats(const std::vector<SparseBlockTable::Group>& groups, Index bs, Index B, Index hs) {
   Index most = 0;
-  for (const SparseBlockTable::Group& g : t.groups()) {
+  for (const SparseBlockTable::Group& g : groups) {
     const Index N = g.blocks * bs;
     most = std::max(most, g.count * (2 * bs * hs + 2 * N * hs + 2 * bs * N));
   }
   return B * most;
+}
+inline Index sparse_panel_floats(const SparseBlockTable& t, Index B, Index hs) {
+  return sparse_panel_floats(t.groups(), t.block(), B, hs);
 }
 
 // dst[i][r][x] = src[(b·T + qb·bs + r)·ld + c0 + h·hs + x] for the `count` members' query blocks.

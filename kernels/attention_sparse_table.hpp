@@ -33,53 +33,32 @@ class SparseBlockTable {
   // layout[heads, nb, nb] (0/1, model/sparse_attention.hpp's); block: tokens per block.
   SparseBlockTable(std::vector<uint8_t> layout, Index heads, Index nb, Index block)
       : layout_(std::move(layout)), heads_(heads), nb_(nb), block_(block) {
-    const Index pairs = heads * nb;
-    std::vector<Index> offsets(static_cast<size_t>(pairs + 1), 0), blocks;
-    for (Index p = 0; p < pairs; ++p) {  // p = head·nb + query block; causal: key blocks kb <= qb
-      const Index h = p / nb, qb = p % nb;
-      for (Index kb = 0; kb <= qb; ++kb)
-        if (layout_[static_cast<size_t>((h * nb + qb) * nb + kb)]) blocks.push_back(kb);
-      offsets[static_cast<size_t>(p + 1)] = static_cast<Index>(blocks.size());
-    }
-    computed_ = static_cast<Index>(blocks.size());
-    const auto keys = [&](Index p) { return offsets[static_cast<size_t>(p + 1)] - offsets[static_cast<size_t>(p)]; };
-    std::vector<Index> members, target_ids, target_offsets{0}, target_entries;
-    std::vector<std::vector<Index>> touching(static_cast<size_t>(pairs));  // per (head, key block): entries
-    for (Index n = 1; n <= nb; ++n) {
-      Group g;
-      g.first = static_cast<Index>(members.size());
-      g.blocks = n;
-      g.first_target = static_cast<Index>(target_ids.size());
-      for (Index p = 0; p < pairs; ++p)
-        if (keys(p) == n) {
-          const Index h = p / nb, m = static_cast<Index>(members.size()) - g.first;
-          for (Index j = 0; j < n; ++j)  // panel block m·n + j holds key block blocks[offsets[p] + j]
-            touching[static_cast<size_t>(h * nb + blocks[static_cast<size_t>(offsets[static_cast<size_t>(p)] + j)])]
-                .push_back(m * n + j);
-          members.push_back(p);
-        }
-      g.count = static_cast<Index>(members.size()) - g.first;
-      if (g.count == 0) continue;
-      for (Index t = 0; t < pairs; ++t) {
-        std::vector<Index>& e = touching[static_cast<size_t>(t)];
-        if (e.empty()) continue;
-        target_ids.push_back(t);
-        target_entries.insert(target_entries.end(), e.begin(), e.end());
-        target_offsets.push_back(static_cast<Index>(target_entries.size()));
-        e.clear();
-      }
-      g.targets = static_cast<Index>(target_ids.size()) - g.first_target;
-      groups_.push_back(g);
-    }
-    computing_ = static_cast<Index>(members.size());
-    for (Index p = 0; p < pairs; ++p)  // pairs with no key block (none in DeepSpeed's patterns) last
-      if (keys(p) == 0) members.push_back(p);
-    offsets_ = to_model_memory("sparse_table_offsets", offsets);
-    blocks_ = to_model_memory("sparse_table_blocks", blocks);
-    members_ = to_model_memory("sparse_table_members", members);
-    target_ids_ = to_model_memory("sparse_table_target_ids", target_ids);
-    target_offsets_ = to_model_memory("sparse_table_target_offsets", target_offsets);
-    target_entries_ = to_model_memory("sparse_table_target_entries", target_entries);
+    const Tables h = tables_of(layout_, heads, nb);
+    computed_ = static_cast<Index>(h.blocks.size());
+    computing_ = h.computing;
+    groups_ = h.groups;
+    offsets_ = to_model_memory("sparse_table_offsets", h.offsets);
+    blocks_ = to_model_memory("sparse_table_blocks", h.blocks);
+    members_ = to_model_memory("sparse_table_members", h.members);
+    target_ids_ = to_model_memory("sparse_table_target_ids", h.target_ids);
+    target_offsets_ = to_model_memory("sparse_table_target_offsets", h.target_offsets);
+    target_entries_ = to_model_memory("sparse_table_target_entries", h.target_entries);
+  }
+
+  // The index tables' bytes in model memory: what the table of `layout` allocates (model_bytes),
+  // for the memory plan, without allocating them.
+  static int64_t model_bytes_of(const std::vector<uint8_t>& layout, Index heads, Index nb) {
+    return tables_of(layout, heads, nb).model_bytes();
+  }
+  int64_t model_bytes() const {
+    int64_t n = 0;
+    for (const Indices* v : {&offsets_, &blocks_, &members_, &target_ids_, &target_offsets_, &target_entries_})
+      n += static_cast<int64_t>(v->extent(0));
+    return n * static_cast<int64_t>(sizeof(Index));
+  }
+  // The groups of `layout`'s table (sized by the memory plan without building the table).
+  static std::vector<Group> groups_of(const std::vector<uint8_t>& layout, Index heads, Index nb) {
+    return tables_of(layout, heads, nb).groups;
   }
 
   // Host memory: the layout the CPU form reads.
@@ -107,6 +86,65 @@ class SparseBlockTable {
 
  private:
   using Indices = Kokkos::View<Index*, DeviceSpace>;
+  // The tables on the host, before they go to model memory.
+  struct Tables {
+    std::vector<Index> offsets, blocks, members, target_ids, target_offsets{0}, target_entries;
+    std::vector<Group> groups;
+    Index computing = 0;
+    int64_t model_bytes() const {  // each table at least one element (to_model_memory)
+      int64_t n = 0;
+      for (const std::vector<Index>* v : {&offsets, &blocks, &members, &target_ids, &target_offsets, &target_entries})
+        n += static_cast<int64_t>(std::max<size_t>(v->size(), 1));
+      return n * static_cast<int64_t>(sizeof(Index));
+    }
+  };
+  static Tables tables_of(const std::vector<uint8_t>& layout, Index heads, Index nb) {
+    Tables h;
+    const Index pairs = heads * nb;
+    std::vector<Index>& offsets = h.offsets;
+    std::vector<Index>& blocks = h.blocks;
+    offsets.assign(static_cast<size_t>(pairs + 1), 0);
+    for (Index p = 0; p < pairs; ++p) {  // p = head·nb + query block; causal: key blocks kb <= qb
+      const Index hd = p / nb, qb = p % nb;
+      for (Index kb = 0; kb <= qb; ++kb)
+        if (layout[static_cast<size_t>((hd * nb + qb) * nb + kb)]) blocks.push_back(kb);
+      offsets[static_cast<size_t>(p + 1)] = static_cast<Index>(blocks.size());
+    }
+    const auto keys = [&](Index p) { return offsets[static_cast<size_t>(p + 1)] - offsets[static_cast<size_t>(p)]; };
+    std::vector<Index>&members = h.members, &target_ids = h.target_ids, &target_offsets = h.target_offsets,
+                       &target_entries = h.target_entries;
+    std::vector<std::vector<Index>> touching(static_cast<size_t>(pairs));  // per (head, key block): entries
+    for (Index n = 1; n <= nb; ++n) {
+      Group g;
+      g.first = static_cast<Index>(members.size());
+      g.blocks = n;
+      g.first_target = static_cast<Index>(target_ids.size());
+      for (Index p = 0; p < pairs; ++p)
+        if (keys(p) == n) {
+          const Index hd = p / nb, m = static_cast<Index>(members.size()) - g.first;
+          for (Index j = 0; j < n; ++j)  // panel block m·n + j holds key block blocks[offsets[p] + j]
+            touching[static_cast<size_t>(hd * nb + blocks[static_cast<size_t>(offsets[static_cast<size_t>(p)] + j)])]
+                .push_back(m * n + j);
+          members.push_back(p);
+        }
+      g.count = static_cast<Index>(members.size()) - g.first;
+      if (g.count == 0) continue;
+      for (Index t = 0; t < pairs; ++t) {
+        std::vector<Index>& e = touching[static_cast<size_t>(t)];
+        if (e.empty()) continue;
+        target_ids.push_back(t);
+        target_entries.insert(target_entries.end(), e.begin(), e.end());
+        target_offsets.push_back(static_cast<Index>(target_entries.size()));
+        e.clear();
+      }
+      g.targets = static_cast<Index>(target_ids.size()) - g.first_target;
+      h.groups.push_back(g);
+    }
+    h.computing = static_cast<Index>(members.size());
+    for (Index p = 0; p < pairs; ++p)  // pairs with no key block (none in DeepSpeed's patterns) last
+      if (keys(p) == 0) members.push_back(p);
+    return h;
+  }
   // Host values into model memory, through the copy helper (host code never writes it directly).
   static Indices to_model_memory(const char* label, const std::vector<Index>& host) {
     Indices v(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), std::max<size_t>(host.size(), 1));

@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "base/rng.hpp"
+#include "kernels/attention_sparse.hpp"
 
 namespace zero3d {
 
@@ -235,6 +236,32 @@ int64_t sparse_probs_per_head(const SparseAttention& s, int64_t heads, int64_t s
     for (int64_t h = 0; h < heads; ++h) most = std::max(most, causal_blocks(lay, h, nb));
   }
   return most * s.block * s.block;
+}
+
+SparseAttentionBytes sparse_attention_model_bytes(const SparseAttention& s, int64_t heads, int64_t seq_len,
+                                                  const std::vector<int64_t>& layers, int64_t head0,
+                                                  int64_t local_heads, int64_t B, int64_t hs, bool device_form) {
+  SparseAttentionBytes out;
+  const int64_t nb = seq_len / s.block, per_head = nb * nb;
+  int64_t panel_floats = 0;
+  for (int64_t l : layers) {  // GPT's constructor: this rank's heads of block l's layout
+    const std::vector<uint8_t> all = sparse_block_layout(s, heads, seq_len, l);
+    const std::vector<uint8_t> mine(all.begin() + head0 * per_head, all.begin() + (head0 + local_heads) * per_head);
+    out.tables += kernels::SparseBlockTable::model_bytes_of(mine, local_heads, nb);
+    if (device_form)
+      panel_floats = std::max(panel_floats, kernels::gpu::sparse_panel_floats(
+                                                kernels::SparseBlockTable::groups_of(mine, local_heads, nb), s.block, B, hs));
+  }
+  out.panels = panel_floats * static_cast<int64_t>(sizeof(float));
+  return out;
+}
+
+bool sparse_attention_device_form() {
+#ifdef ZERO3D_DEVICE
+  return true;
+#else
+  return kernels::sparse_attention_device_form_on_host();
+#endif
 }
 
 std::string sparse_attention_summary(const SparseAttention& s, int64_t heads, int64_t seq_len, int64_t layers) {

@@ -50,6 +50,22 @@ double causal_block_share(const std::vector<uint8_t>& layout, int64_t heads, int
 // the most over `layers` blocks and all heads (every (sample, head) gets that stride).
 int64_t sparse_probs_per_head(const SparseAttention& s, int64_t heads, int64_t seq_len, int64_t layers);
 
+// Block-sparse attention's model memory besides the activations, on a rank computing heads
+// [head0, head0 + local_heads) of the blocks `layers`, micro-batch B, head size hs: each block's
+// index table (kernels/attention_sparse_table.hpp, built with the model in either form) and, when
+// the device form runs (device_form: a GPU build, or the CPU build's test hook), the one panel
+// workspace all blocks share, sized for the largest group's backward (sparse_attention_panels).
+// The memory planner counts both; they are what the model and the kernels allocate.
+struct SparseAttentionBytes {
+  int64_t tables = 0, panels = 0;
+};
+SparseAttentionBytes sparse_attention_model_bytes(const SparseAttention& s, int64_t heads, int64_t seq_len,
+                                                  const std::vector<int64_t>& layers, int64_t head0,
+                                                  int64_t local_heads, int64_t B, int64_t hs, bool device_form);
+// Whether sparse attention runs its device form: always on a GPU build; on a CPU build when the
+// tests turn it on (kernels/attention_sparse.hpp sparse_attention_device_form_on_host).
+bool sparse_attention_device_form();
+
 // The start-up line's text: mode, block, the keys that shape it, and the share of causal blocks
 // computed over the model's `layers` blocks.
 std::string sparse_attention_summary(const SparseAttention& s, int64_t heads, int64_t seq_len, int64_t layers);

@@ -14,7 +14,6 @@
 #include "base/input_file.hpp"
 #include "io/h5.hpp"
 #include "kernels/attention.hpp"
-#include "kernels/quantize.hpp"
 #include "model/model.hpp"
 #include "parallel/compressed_allreduce.hpp"
 #include "parallel/pipe_schedule.hpp"
@@ -433,22 +432,22 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
     b.comm_gather = ps * largest_unit;
     b.comm_prefetch = ps * prefetch;
     b.live_params = ps * (gathered - largest_unit - prefetch);
-    if (pc.autocast.enabled()) {
-      // The packed bytes of an autocast gather in flight (the listed tensors in 2 bytes), beside
-      // the unit it lands in: the one being fetched and those prefetched.
-      int64_t low = 0;
-      for (size_t i = 0; i < layout.tensors().size(); ++i) low += types.low(i) ? layout.tensors()[i].numel : 0;
-      const double packed = (2.0 * double(low) + 4.0 * double(psi - low)) / double(std::max<int64_t>(1, psi));
-      b.comm_gather += static_cast<int64_t>(packed * double(largest_unit));
-      b.comm_prefetch += static_cast<int64_t>(packed * double(prefetch));
+    // The gathers' byte staging (ZeroOptimizer's gather_staging_: qwZ's int8 groups and fp32
+    // conversions, torch_autocast's packed bytes, MiCS hierarchical's two steps), beside the unit
+    // in use: the pool's peak on data rank 0, simulated along the trace.
+    int mics_nodes = 0, mics_per_node = 0;
+    if (cfg.zero.mics_shard_size > 0 && cfg.zero.mics_hierarchical_params_gather) {
+      // The shard's ranks on data rank 0's node, ranks filling nodes in order (ProcessTopology
+      // pipe_data_model: data rank d of pipeline stage p is world rank (p·dp + d)·t).
+      const int64_t t = std::max(1, plan.part.tp_size), per = ranks_per_node > 0 ? ranks_per_node : dp * t;
+      const auto node = [&](int64_t d) { return (plan.pipe_stage * dp + d) * t / per; };
+      for (int64_t d = 0; d < partition_ranks; ++d) mics_per_node += node(d) == node(0) ? 1 : 0;
+      mics_nodes = static_cast<int>(partition_ranks / mics_per_node);
     }
-    if (cfg.zero.quantized_weights) {
-      // qwZ's packed bytes of a gather in flight (kernels/quantize.hpp: int8 values, a scale a
-      // group), beside the unit it lands in; each rank's slice adds at most 7 bytes of padding
-      // and one scale.
-      b.comm_gather += kernels::quantized_bytes(largest_unit) + 11 * dp;
-      b.comm_prefetch += prefetch > 0 ? kernels::quantized_bytes(prefetch) + 11 * dp : 0;
-    }
+    // (With MoE the engine gives the dense trace no backward entries: hpZ's gathers stay primary.)
+    b.comm_gather += simulate_gather_staging(cfg.zero, types, layout, units, part, plan.trace,
+                                             plan.part.first_expert_unit >= 0 ? std::vector<bool>{} : plan.trace_backward,
+                                             mics_nodes, mics_per_node);
     if (cfg.zero.hpz_partition_size > 1)  // hpZ's secondary partition: each unit's slice in the hpZ group
       for (const ParamUnit& u : units) {
         const auto [lo, hi] = Partition(u.numel, cfg.zero.hpz_partition_size).owned(0, 0, u.numel);
@@ -499,6 +498,16 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   if (pc.autocast.dtype == DType::F16)
     workspace += 6 * std::max(BT * V, 4 * BT * C) + 6 * std::max({V * C, 4 * C * C, BT * C});
   b.workspace = capped(workspace) + swap_workspace;
+  if (shape.sparse.enabled) {  // block-sparse attention: the blocks' index tables, the device form's panels
+    std::vector<int64_t> layers;
+    for (const ModelChunk& c : plan.part.chunks)
+      for (int l = c.first_block; l < c.first_block + c.num_blocks; ++l) layers.push_back(l);
+    const int64_t Hl = shape.n_head / std::max(1, plan.part.tp_size);
+    const SparseAttentionBytes sparse =
+        sparse_attention_model_bytes(shape.sparse, shape.n_head, Tm, layers, plan.part.tp_rank * Hl, Hl, Bm,
+                                     shape.n_embd / shape.n_head, sparse_attention_device_form());
+    b.workspace += sparse.tables + sparse.panels;
+  }
   if (mixed && (b.stage == 1 || b.stage == 2)) b.workspace += 4 * std::min(psi, ZeroOptimizer::kInitFillElems + largest_tensor);
   if (!m.init_from.empty()) b.workspace += 4 * psi;
   // A save reads offloaded (or 16-bit) state back into fp32 staging (checkpoint_arrays), and

@@ -23,7 +23,8 @@ std::vector<bool> persistent_units(const ZeroConfig& zero, const std::vector<Par
 }
 
 // The decisions of ZeroOptimizer::fetch, keep_after_use and release, on unit sizes alone.
-GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit>& units, const std::vector<int>& trace) {
+GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit>& units, const std::vector<int>& trace,
+                             const GatherEvents* events) {
   const std::vector<bool> persistent = persistent_units(zero, units);
   std::map<int, bool> live;          // gathered unit -> still a pending prefetch
   std::multiset<int64_t> spares;     // sizes of freed buffers
@@ -33,6 +34,7 @@ GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit
   int step = 0;
   const auto gather = [&](int u, bool prefetch, size_t k) {
     if (step == 1) out.gathers.emplace_back(u, k);
+    if (events) events->start(u, k);
     const auto spare = spares.find(numel(u));
     if (spare != spares.end()) spares.erase(spare);
     else out.allocated += numel(u);
@@ -42,12 +44,14 @@ GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit
     out.prefetched = std::max(out.prefetched, prefetched);
   };
   const auto free = [&](int u) {
+    if (events) events->free(u, live[u]);
     if (live[u]) prefetched -= numel(u);
     live.erase(u);
     live_elems -= numel(u);
     spares.insert(numel(u));
   };
-  for (; step < 2; ++step) {  // the second step reuses the first one's buffers
+  // The second step reuses the first one's buffers; `events` may ask for more.
+  for (; events ? events->next_step(step) : step < 2; ++step) {
     for (size_t k = 0; k < trace.size(); ++k) {
       const int u = trace[k];
       if (!live.count(u)) {
@@ -56,7 +60,9 @@ GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit
           if (!persistent[static_cast<size_t>(v)] && !live[v]) free(v);
         }
         gather(u, false, k);
+        if (events) events->use(u);  // fetch waits for it at once
       } else if (live[u]) {
+        if (events) events->use(u);  // the prefetch's wait
         live[u] = false;
         prefetched -= numel(u);
       }

@@ -603,7 +603,9 @@ MemoryBytes ZeroOptimizer::memory() const {
   m.comm_buffers = reducer_->staging_peak_bytes() + (qgz_ ? qgz_->staging_bytes() + qgz_->loco_bytes() : 0);
   for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
   m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(dtype_size(types_.param));
-  m.gathered = gathered_bytes_;
+  // The gather buffers, and the staging their packed gathers take (qwZ, autocast, MiCS
+  // hierarchical): the pool's peak, in use and kept for reuse (simulate_gather_staging plans it).
+  m.gathered = gathered_bytes_ + gather_staging_.peak_bytes();
   for (const TypedBuffer& b : secondary_) m.secondary += b.bytes();
   return m;
 }

@@ -79,7 +79,18 @@ struct GatherElems {
   int64_t allocated = 0, prefetched = 0;
   std::vector<std::pair<int, size_t>> gathers;
 };
-GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit>& units, const std::vector<int>& trace);
+// simulate_gathers' decisions as they happen, for a planner that follows them further (the gather
+// staging below): before each step, whether to simulate it (it must say yes to steps 0 and 1);
+// a gather started for trace entry k; the fetch that waits for it; a unit freed (`pending`: an
+// unused prefetch). All four must be set.
+struct GatherEvents {
+  std::function<bool(int)> next_step;
+  std::function<void(int, size_t)> start;
+  std::function<void(int)> use;
+  std::function<void(int, bool)> free;
+};
+GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit>& units, const std::vector<int>& trace,
+                             const GatherEvents* events = nullptr);
 
 // Bytes a checkpoint save stages on this rank for state that does not lie in memory as fp32
 // (ZeroOptimizer::checkpoint_arrays: offloaded master and moments read back from their tier,
@@ -108,7 +119,9 @@ inline int64_t checkpoint_staging_bytes(int stage, const ZeroConfig& zero, DType
 // `nvme` counts what lies in swap files instead, moved through `swap_buffers`.
 struct MemoryBytes {
   int64_t params = 0, grads = 0, master = 0, optimizer_states = 0, comm_buffers = 0, live_params_peak = 0;
-  int64_t gathered = 0;  // stage 3: bytes of the gather buffers allocated (in use and kept for the next gather)
+  // stage 3: bytes of the gather buffers allocated (in use and kept for the next gather) and the
+  // peak of the gathers' byte staging (qwZ, torch_autocast, MiCS hierarchical; in use and kept)
+  int64_t gathered = 0;
   int64_t secondary = 0;  // hpZ: bytes of the secondary partition (every unit's slice in the hpZ group)
   int64_t host = 0, nvme = 0, swap_buffers = 0;
   int64_t model_states() const { return params + grads + master + optimizer_states; }
@@ -138,6 +151,21 @@ struct StateTypes {
   bool frozen(size_t tensor) const { return tensor < frozen_tensors.size() && frozen_tensors[tensor]; }
   bool any_frozen() const { return std::find(frozen_tensors.begin(), frozen_tensors.end(), true) != frozen_tensors.end(); }
 };
+
+// Stage 3's gather staging (ZeroOptimizer's gather_staging_ pool, in model memory) at its peak on
+// partition rank `rank`: the byte buffers gathers take besides the unit they land in, kept in the
+// pool for the next gather that fits. qwZ: every rank's int8 groups and scales until the unit is
+// dequantised, and with 16-bit parameters this rank's slice widened to fp32 for the quantiser
+// and each slice dequantised to fp32 before it is rounded; torch_autocast: the unit's bytes with
+// the listed tensors in the autocast dtype; MiCS's hierarchical gather (shards of mics_nodes
+// nodes × mics_per_node ranks; 0: flat): this position's slices across nodes, then the unit by
+// position. The same pool driven by simulate_gathers' decisions along `trace` (backward: which
+// entries hpZ gathers in its group), step after step until a step ends with the spares it began
+// with. The memory planner counts it; ZeroOptimizer::memory() reports the pool's own peak.
+int64_t simulate_gather_staging(const ZeroConfig& zero, const StateTypes& types, const ParamLayout& layout,
+                                const std::vector<ParamUnit>& units, const Partition& part, const std::vector<int>& trace,
+                                const std::vector<bool>& backward, int mics_nodes = 0, int mics_per_node = 0,
+                                int rank = 0);
 
 // The trainable elements of `layout` inside global [begin, end), as sorted ranges relative to
 // `begin` (the optimizer's view: the flat buffer at stage 0, a partition otherwise; padding is

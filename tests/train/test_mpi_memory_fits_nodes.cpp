@@ -1,6 +1,7 @@
 // test_mpi_memory_fits_nodes.cpp — the start-up memory check plans on the run's nodes (issue 34):
-// on 2 emulated nodes (np 2: one rank a node; np 4: two), with ZeRO++'s qgZ, qgZ with LoCo, hpZ
-// and MiCS, the bytes check_memory_fits plans, with the ranks per node planned_ranks_per_node
+// on 2 emulated nodes (np 2: one rank a node; np 4: two), with ZeRO++'s qgZ, qgZ with LoCo, hpZ,
+// MiCS and the gathers that stage packed bytes (qwZ, qwZ in hpZ's group, torch_autocast, MiCS's
+// hierarchical gather), the bytes check_memory_fits plans, with the ranks per node planned_ranks_per_node
 // finds before any group exists, are byte for byte the plan the engine prints and checks at the
 // end (memory_plan.predicted_peak_bytes) and the buffers the run measures (metrics.jsonl memory,
 // rank 0's). The check passes at exactly those bytes available and fails one byte short.
@@ -80,19 +81,32 @@ nlohmann::json last_metrics(const std::string& dir) {
 struct Layout {
   std::string name;
   nlohmann::json zero;
+  nlohmann::json sections = nlohmann::json::object();  // further config sections (bf16, torch_autocast)
 };
 
 // The node-placed layouts on n ranks in 2 nodes: qgZ's all-to-alls cross them; hpZ's secondary
 // group is 2 ranks (one node at np 4, both at np 2); MiCS shards over 2 ranks, and at np 4 also
-// over both nodes with the hierarchical gather.
+// over both nodes with the hierarchical gather. And the gathers that stage bytes besides the unit
+// (zero.hpp simulate_gather_staging): qwZ (with bf16 parameters, widened and narrowed around the
+// quantiser; inside hpZ's group too), torch_autocast's bf16-packed units, the hierarchical gather.
 std::vector<Layout> node_placed_layouts(int n) {
   const nlohmann::json qgz = {{"stage", 3}, {"param_persistence_threshold", 0}, {"zero_quantized_gradients", true}};
   nlohmann::json loco = qgz;
   loco["zeropp_loco_param"] = {{"err_beta", 0.8}, {"reset_T", 1024}};
+  const nlohmann::json qwz = {{"stage", 3}, {"param_persistence_threshold", 0}, {"zero_quantized_weights", true}};
+  nlohmann::json qwz_hpz = qwz;
+  qwz_hpz["zero_hpz_partition_size"] = 2;
+  const nlohmann::json bf16 = {{"bf16", {{"enabled", true}}}};
   std::vector<Layout> out = {{"qgz", qgz},
                              {"qgz+loco", loco},
                              {"hpz", {{"stage", 3}, {"zero_hpz_partition_size", 2}}},
-                             {"mics", {{"stage", 3}, {"mics_shard_size", 2}}}};
+                             {"mics", {{"stage", 3}, {"mics_shard_size", 2}}},
+                             {"qwz", qwz},
+                             {"qwz bf16", qwz, bf16},
+                             {"qwz+hpz bf16", qwz_hpz, bf16},
+                             {"autocast bf16 gathers",
+                              {{"stage", 3}, {"param_persistence_threshold", 0}},
+                              {{"torch_autocast", {{"enabled", true}, {"dtype", "bfloat16"}}}}}};
   if (n == 4)
     out.push_back({"mics hierarchical", {{"stage", 3}, {"mics_shard_size", 4}, {"mics_hierarchical_params_gather", true}}});
   return out;
@@ -107,12 +121,13 @@ TEST(MemoryFits, PlansTheRunsNodesAsTheEngineDoes) {
   const int per_node = planned_ranks_per_node(MPI_COMM_WORLD);
   EXPECT_EQ(per_node, n / 2);
   for (const Layout& l : node_placed_layouts(n)) {
-    const nlohmann::json j = {{"train_micro_batch_size_per_gpu", 2},
+    nlohmann::json j = {{"train_micro_batch_size_per_gpu", 2},
                               {"gradient_accumulation_steps", 1},
                               {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
                               {"model", {{"vocab_size", 64}, {"n_positions", 16}, {"n_layer", 2}, {"n_head", 2}, {"n_embd", 32}}},
                               {"training", {{"steps", 2}, {"seed", 7}, {"peak_gflops", 50}}},
                               {"zero_optimization", l.zero}};
+    j.update(l.sections);
     const std::string tag = l.name + " np " + std::to_string(n);
     const Config cfg = read_config(j, "plan.json", n);
     const MemoryBudget planned = check_memory_fits(cfg, 1, AvailableMemory{}, per_node);
