@@ -253,7 +253,7 @@ int64_t trainable_state_elems(const Config& cfg, const ParamLayout& layout, int 
 // MoE experts: their own ZeroOptimizer over the expert-data group (dp/ep ranks) allocates the
 // same table's buffers for the rank's E/ep experts per MoE block (Engine::setup_expert_optimizer),
 // plus one fp32 gradient window of an Experts unit (stages 2-3, 16-bit gradients), its reduction
-// staging (stages 1-3) and, at stage 3, the gathered unit in use.
+// staging (stages 1-3) and, at stage 3, the gathered unit in use and its gather staging.
 void add_expert_states(const Config& cfg, const RankPlan& plan, int64_t dp, MemoryBudget& b) {
   const int64_t xe = plan.part.expert_layout.total();
   if (xe == 0) return;
@@ -274,7 +274,19 @@ void add_expert_states(const Config& cfg, const RankPlan& plan, int64_t dp, Memo
   b.comm_reduce += reduce_work(b.stage, cfg.zero, state_types_of(cfg, plan.part.expert_layout), plan.part.expert_layout,
                                plan.part.expert_units, part)
                        .staging_bytes;
-  if (b.stage == 3) b.comm_gather += ps * unit;
+  if (b.stage == 3) {
+    // its gathered units as the dense ones' (ZeroOptimizer's fetch and release decisions along
+    // the experts' fetch trace): the unit in use, prefetches, the rest kept for reuse
+    const GatherElems g = simulate_gathers(cfg.zero, plan.part.expert_units, plan.expert_trace);
+    const int64_t gathered = std::max(g.allocated, unit), prefetch = std::min(g.prefetched, gathered - unit);
+    b.comm_gather += ps * unit;
+    b.comm_prefetch += ps * prefetch;
+    b.live_params += ps * (gathered - unit - prefetch);
+    // its own gather staging pool (qwZ's packed groups and conversions, torch_autocast's packed
+    // units) along the experts' fetch trace; MiCS and hpZ are refused with MoE
+    b.comm_gather += simulate_gather_staging(cfg.zero, state_types_of(cfg, plan.part.expert_layout),
+                                             plan.part.expert_layout, plan.part.expert_units, part, plan.expert_trace, {});
+  }
 }
 
 MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, int stage, int64_t ranks_per_node = 0) {

@@ -2,7 +2,8 @@
 // gathers take from their pool besides the units they land in — qwZ's int8 groups and scales
 // (with bf16 parameters, each slice widened to fp32 for the quantiser and narrowed from it after),
 // torch_autocast's units packed with the listed tensors in bf16, MiCS's hierarchical gather (the
-// slices across nodes, then the unit by position), qwZ's gathers inside hpZ's group — are planned
+// slices across nodes, then the unit by position), qwZ's gathers inside hpZ's group and the MoE
+// experts' own gathers — are planned
 // byte for byte: estimate's comm_gather + comm_prefetch + live_params is the run's
 // memory.gathered (the gather buffers and the pool's peak, spares kept for reuse included) plus
 // its hpz_secondary, on the run's emulated nodes (data rank 0's), and the start-up plan is the
@@ -34,6 +35,9 @@ TEST(MemoryPlanStaging, PackedGathersStageWhatThePlanCounts) {
   json qwz_prefetch = qwz;  // units gathered ahead hold their packed bytes until their fetch
   qwz_prefetch["max_reuse_distance"] = 0;
   qwz_prefetch["prefetch_bucket_size"] = 13000;
+  json moe = bf16;  // two experts a block, each rank holding both (ep_size 1)
+  moe["model"] = j["model"];
+  moe["model"]["moe"] = {{"num_experts", 2}, {"k", 1}};
   json qwz_hpz = qwz;
   qwz_hpz["zero_hpz_partition_size"] = 2;
   const std::vector<StagedGather> cases = {
@@ -44,7 +48,9 @@ TEST(MemoryPlanStaging, PackedGathersStageWhatThePlanCounts) {
        {{"torch_autocast", {{"enabled", true}, {"dtype", "bfloat16"}}}}, "--set torch_autocast.enabled=false"},
       {"mics_hier", 4, {{"stage", 3}, {"mics_shard_size", 4}, {"mics_hierarchical_params_gather", true}},
        json::object(), "--set zero_optimization.mics_hierarchical_params_gather=false"},
-      {"qwz_hpz_bf16", 4, qwz_hpz, bf16, "--set zero_optimization.zero_quantized_weights=false"}};
+      {"qwz_hpz_bf16", 4, qwz_hpz, bf16, "--set zero_optimization.zero_quantized_weights=false"},
+      // the experts' own ZeroOptimizer gathers its units with qwZ too, from a pool of its own
+      {"qwz_bf16_moe", 2, qwz, moe, "--set zero_optimization.zero_quantized_weights=false"}};
   for (const StagedGather& c : cases) {
     json cfg = j;
     cfg["zero_optimization"] = c.zero;
