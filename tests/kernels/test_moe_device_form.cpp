@@ -8,8 +8,8 @@
 // On the host (one lane per team) both forms add in the same order, so they agree bit for bit:
 // routing tables, counts, l_aux, outputs and every gradient. (On a GPU the probability sums and
 // combine's d(weight) dot add in a tree; the GPU suite holds that to the CPU build's losses.)
-// Then training: a tiny GPT-2 MoE and a tiny Mixtral through the engine give the CPU form's
-// losses.
+// Then training: a tiny GPT-2 MoE (also PR-MoE with RTS, and RSample without drops) and a tiny
+// Mixtral through the engine give the CPU form's losses within 1e-5 (on the host: equal).
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -356,6 +356,15 @@ void expect_training_agrees(const json& j, const std::string& name) {
 
 }  // namespace
 
-TEST(MoeDeviceForm, TrainingAGpt2MoeGivesTheCpuFormsLosses) { expect_training_agrees(gpt2_moe(), "GPT-2 MoE"); }
+TEST(MoeDeviceForm, TrainingAGpt2MoeGivesTheCpuFormsLosses) {
+  expect_training_agrees(gpt2_moe(), "GPT-2 MoE");
+  // PR-MoE (use_residual) with top-1's random token selection, and top-1 RSample without drops
+  json residual = gpt2_moe();
+  residual["model"]["moe"].update(json{{"k", 1}, {"use_residual", true}, {"capacity_factor", 0.7}});
+  expect_training_agrees(residual, "GPT-2 residual MoE, top-1 RTS");
+  json no_drops = gpt2_moe();
+  no_drops["model"]["moe"].update(json{{"k", 1}, {"drop_tokens", false}, {"noisy_gate_policy", "RSample"}});
+  expect_training_agrees(no_drops, "GPT-2 MoE, top-1 RSample without drops");
+}
 
 TEST(MoeDeviceForm, TrainingATinyMixtralGivesTheCpuFormsLosses) { expect_training_agrees(mixtral(), "Mixtral"); }
