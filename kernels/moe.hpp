@@ -17,6 +17,11 @@
 //   * top-k (k > 2, drop policy "probs") keeps each expert's C tokens with the highest gate
 //     probability (equal: token order); a token's k experts are its k highest probabilities
 //     (equal: lower expert id first).
+//
+// Two forms of the routing, one contract (the names below): the CPU form (namespace cpu, host
+// tables, std::stable_sort for the selection policies) and the device form (kernels/moe_device.hpp,
+// namespace gpu: tables in model memory, the stable order from prefix sums). A GPU build runs the
+// device form; a CPU build the CPU form, or the device form under moe_device_form_on_host().
 #pragma once
 
 #include <algorithm>
@@ -28,110 +33,14 @@
 
 #include "base/errors.hpp"
 #include "kernels/common.hpp"
+#include "kernels/moe_device.hpp"
+#include "kernels/moe_routing.hpp"
 
 namespace zero3d::kernels::moe {
 
-enum class NoisyGate { None, Jitter, RSample };  // DeepSpeed's noisy_gate_policy
-
-struct GateConfig {
-  int num_experts = 1;
-  int k = 1;
-  double capacity_factor = 1.0;
-  double eval_capacity_factor = 1.0;
-  int64_t min_capacity = 4;  // MoE's default (the bare TopKGate's is 8)
-  bool drop_tokens = true;
-  bool use_rts = true;
-  bool top2_2nd_expert_sampling = true;
-  NoisyGate noise = NoisyGate::None;
-  bool training = true;  // eval: eval_capacity_factor, and neither Jitter nor RSample
-  // Hugging Face's MixtralSparseMoeBlock (modeling_mixtral.py): for any k the k most probable
-  // experts (torch.topk of the fp32 softmax), their weights renormalised to sum to 1 (k = 1: 1),
-  // and l_aux = E·Σ_e (share of all k choices picking e)·mean_s(gates[:, e]), one layer's
-  // load_balancing_loss_func. Used without drops (no capacity) and without noise.
-  bool mixtral = false;
-};
-
-// Which draws a gate call consumes (each [S, ·] float32, from the caller's random stream).
-// Jitter: factors U(1-0.01, 1+0.01) on the gate input [S, h] (TopKGate, training only; the caller
-// applies them with jitter_forward before the gate matmul). RTS: U[0,1) [S, E] (top-1 with use_rts,
-// in eval too). Gumbel(0,1) = -log(-log U) [S, E]: top-1 RSample (training only) and top-2's
-// second-expert sampling (in eval too: DeepSpeed does not look at training there). top2gating
-// never sees noisy_gate_policy, so RSample has no effect at k = 2; top-k (k > 2) draws nothing.
-inline bool uses_jitter(const GateConfig& c) { return c.noise == NoisyGate::Jitter && c.training; }
-inline bool uses_rts_uniform(const GateConfig& c) { return c.k == 1 && c.use_rts; }
-inline bool uses_gumbel(const GateConfig& c) {
-  return (c.k == 1 && c.noise == NoisyGate::RSample && c.training) || (c.k == 2 && c.top2_2nd_expert_sampling);
-}
-
-struct GateDraws {
-  const float* rts_uniform = nullptr;  // [S, E]
-  const float* gumbel = nullptr;       // [S, E]
-};
-
-// Capacity with drop_tokens (DeepSpeed's _capacity): ceil(S/E · f) raised to min_capacity, where
-// f = (capacity_factor, or eval_capacity_factor in eval) · k. DeepSpeed holds f in a float32
-// tensor, so the product and its ceiling are float32 ones: S=25, E=2, f=1.2 gives 16, not 15.
-inline int64_t capacity(int64_t S, const GateConfig& c) {
-  const double factor = (c.training ? c.capacity_factor : c.eval_capacity_factor) * c.k;
-  const float per_expert = static_cast<float>(static_cast<double>(S) / c.num_experts);
-  const float product = per_expert * static_cast<float>(factor);
-  const int64_t C = static_cast<int64_t>(std::ceil(product));
-  return C < c.min_capacity ? c.min_capacity : C;
-}
-
-// Capacity without drop_tokens: the largest expert count over the expert-parallel group (the
-// caller's all-reduce MAX of max(exp_counts)), rounded up to a multiple of tp when the dense
-// layers are tensor-parallel and the experts are not (DeepSpeed later splits slots over TP
-// ranks; pass tp = 1 otherwise); top-1 then caps it at the local token count S.
-inline int64_t capacity_without_drops(int64_t max_count, int64_t S, int64_t tp, const GateConfig& c) {
-  int64_t C = (max_count + tp - 1) / tp * tp;
-  if (c.k == 1 && C > S) C = S;
-  return C;
-}
-
-// The routing of S tokens, choice j of token s at flat index s·k + j.
-struct Routing {
-  int64_t num_tokens = 0;
-  int num_experts = 0, k = 0;
-  // Phase 1 (gate_forward_choose)
-  std::vector<float> gates;            // [S, E] softmax of the logits, fp32
-  std::vector<int32_t> choice;         // [S, k] expert of each choice before the capacity cut
-  std::vector<int64_t> exp_counts;     // [E] choices per expert before dropping (DeepSpeed's exp_counts)
-  std::vector<float> aux_fraction;     // [E] ce: share of tokens whose l_aux mask picks e (not differentiated)
-  double aux_scale = 0.0;              // l_aux = aux_scale · Σ_e mean_s(gates[:, e]) · ce[e]
-  float l_aux = 0.0f;
-  std::vector<int64_t> fill_offset;    // [E+1] CSR over experts of the choices in fill order:
-  std::vector<int64_t> fill_order;     // [S·k] top-1/top-k token order; top-2 all first choices, then second
-  // Phase 2 (gate_forward_assign)
-  int64_t capacity = 0;
-  std::vector<int32_t> expert;         // [S, k] expert, or -1 when the capacity dropped the choice
-  std::vector<int32_t> slot;           // [S, k] position in the expert's buffer, or -1
-  std::vector<float> weight;           // [S, k] combine weight (0 when dropped)
-  bool renormalized = false;           // weights over the kept choices' sum (k ≥ 2, or Mixtral's any k)
-  std::vector<float> kept_gate_sum;    // [S] k ≥ 2: Σ of kept choices' gates, before the eps clamp
-  std::vector<int64_t> kept_per_expert;  // [E]
-  std::vector<int64_t> row_offset;     // [E+1] first dispatch row of each expert (rows expert-major)
-  std::vector<float> scratch_key;      // [S·k] selection keys, per expert segment of fill_order
-  std::vector<int64_t> scratch_order;  // [S·k]
-
-  // Dispatch row of a choice: experts in order, each expert's kept choices by slot (slots are
-  // 0..kept-1, so rows pack without gaps); the order tokens go out in. -1 when dropped.
-  int64_t row(int64_t s, int j) const {
-    const int64_t i = s * k + j;
-    return expert[i] < 0 ? -1 : row_offset[expert[i]] + slot[i];
-  }
-  int64_t num_rows() const { return row_offset.empty() ? 0 : row_offset.back(); }
-  int64_t dropped() const { return num_tokens * k - num_rows(); }
-};
-
-namespace detail {
-constexpr float kNormEps = 1.1920929e-07f;  // torch.finfo(float32).eps, DeepSpeed's clamp of the top-k normaliser
-
-inline void check_draw(const float* p, const char* what, const GateConfig& c) {
-  if (!p)
-    throw SystemError(std::string("moe gate: the ") + what + " draws are missing (k=" + std::to_string(c.k) + ")");
-}
-}  // namespace detail
+#ifndef ZERO3D_DEVICE
+// The CPU form: routing tables in host vectors (a GPU build compiles only the device form).
+namespace cpu {
 
 // Phase 1: fp32 softmax, each token's k experts, exp_counts and l_aux.
 //   top-1: argmax of the gates, or of logits + Gumbel with RSample in training (the noisy logits
@@ -143,13 +52,8 @@ inline void check_draw(const float* p, const char* what, const GateConfig& c) {
 // Mixtral: any k as top-k; l_aux over the k-hot mask, not divided by k.
 ZERO3D_KERNEL void gate_forward_choose(const float* logits, int64_t S, const GateConfig& c, const GateDraws& draws,
                                 Routing& r) {
+  detail::check_gate(S, c);
   const int E = c.num_experts, k = c.k;
-  if (k < 1 || k > E)
-    throw InputError("model.moe.k = " + std::to_string(k) + " must be between 1 and num_experts = " +
-                     std::to_string(E));
-  if (k == 1 && S < c.min_capacity)  // DeepSpeed's top1gating asserts it
-    throw InputError("model.moe.min_capacity = " + std::to_string(c.min_capacity) + " exceeds the " +
-                     std::to_string(S) + " tokens a top-1 gate routes per micro-batch; lower it or raise the batch");
   const bool rsample = k == 1 && c.noise == NoisyGate::RSample && c.training;
   const bool sample2 = k == 2 && c.top2_2nd_expert_sampling;
   const bool argmax = k <= 2 && !c.mixtral;
@@ -157,52 +61,15 @@ ZERO3D_KERNEL void gate_forward_choose(const float* logits, int64_t S, const Gat
   r.num_tokens = S;
   r.num_experts = E;
   r.k = k;
+  r.device_form = false;
   r.gates.resize(S * E);
   r.choice.resize(S * k);
   float* gates = r.gates.data();
   int32_t* choice = r.choice.data();
   const float* gumbel = draws.gumbel;
   Kokkos::parallel_for("moe_gate_choose", range(S), KOKKOS_LAMBDA(Index s) {
-    const float* z = logits + s * E;
-    float* p = gates + s * E;
-    float mx = z[0];
-    for (int e = 1; e < E; ++e) mx = z[e] > mx ? z[e] : mx;
-    double sum = 0.0;
-    for (int e = 0; e < E; ++e) sum += (p[e] = std::exp(z[e] - mx));
-    const float inv = static_cast<float>(1.0 / sum);
-    for (int e = 0; e < E; ++e) p[e] *= inv;
-    int32_t* ch = choice + s * k;
-    if (argmax) {  // argmax: the first maximum, as torch.argmax
-      int best = 0;
-      if (rsample) {
-        for (int e = 1; e < E; ++e)
-          if (z[e] + gumbel[s * E + e] > z[best] + gumbel[s * E + best]) best = e;
-      } else {
-        for (int e = 1; e < E; ++e)
-          if (p[e] > p[best]) best = e;
-      }
-      ch[0] = best;
-      if (k == 2) {
-        int second = -1;
-        float top = 0.0f;
-        for (int e = 0; e < E; ++e) {
-          if (e == best) continue;
-          const float v = sample2 ? z[e] + gumbel[s * E + e] : z[e];
-          if (second < 0 || v > top) second = e, top = v;
-        }
-        ch[1] = second;
-      }
-    } else {  // top-k: insertion into a descending list, equal probabilities keep the lower id first
-      int n = 0;
-      for (int e = 0; e < E; ++e) {
-        int at = n < k ? n : k;
-        while (at > 0 && p[ch[at - 1]] < p[e]) --at;
-        if (at >= k) continue;
-        for (int m = (n < k ? n : k - 1); m > at; --m) ch[m] = ch[m - 1];
-        ch[at] = e;
-        if (n < k) ++n;
-      }
-    }
+    detail::choose_token(logits + s * E, gates + s * E, choice + s * k, gumbel ? gumbel + s * E : nullptr, E, k, argmax,
+                         rsample, sample2);
   });
   // Counts and the fill order (a short scan in token order, as DeepSpeed's cumsum).
   r.exp_counts.assign(E, 0);
@@ -294,36 +161,13 @@ ZERO3D_KERNEL void gate_forward_assign(int64_t C, const GateConfig& c, const Gat
   float* sum_out = r.kept_gate_sum.data();
   const int32_t* choice = r.choice.data();
   Kokkos::parallel_for("moe_gate_weights", range(S), KOKKOS_LAMBDA(Index s) {
-    if (!renormalize) {
-      weight[s] = expert[s] >= 0 ? gates[s * E + choice[s]] : 0.0f;
-      return;
-    }
-    float sum = 0.0f;
-    for (int j = 0; j < k; ++j) {
-      weight[s * k + j] = expert[s * k + j] >= 0 ? gates[s * E + choice[s * k + j]] : 0.0f;
-      sum += weight[s * k + j];
-    }
-    sum_out[s] = sum;
-    const float denom = sum < detail::kNormEps ? detail::kNormEps : sum;
-    for (int j = 0; j < k; ++j) weight[s * k + j] /= denom;
+    detail::token_weights(weight + s * k, sum_out + s, expert + s * k, choice + s * k, gates + s * E, k, renormalize);
   });
   r.row_offset.assign(E + 1, 0);
   for (int e = 0; e < E; ++e) r.row_offset[e + 1] = r.row_offset[e] + kept[e];
 }
 
-// Single-process convenience: both phases with the local capacity.
-inline void gate_forward(const float* logits, int64_t S, const GateConfig& c, const GateDraws& draws, Routing& r) {
-  gate_forward_choose(logits, S, c, draws, r);
-  const int64_t C = c.drop_tokens
-                        ? capacity(S, c)
-                        : capacity_without_drops(*std::max_element(r.exp_counts.begin(), r.exp_counts.end()), S, 1, c);
-  gate_forward_assign(C, c, draws, r);
-}
-
-// d_logits [S, E] (written) from d(combine weight) per choice [S·k] and d(l_aux) (e.g.
-// aux_loss_coef · loss scale). The weights reach the gates through the top-2/top-k normalisation
-// (w_j = g_j / D, D = Σ kept g; a clamped D is a constant); l_aux reaches them through
-// mean_s(gates) (its mask is not differentiated); then the softmax backward.
+// The backward, dispatch and combine: their contracts are the entry points' (below).
 ZERO3D_KERNEL void gate_backward(const Routing& r, const float* d_weight, float d_l_aux, float* d_logits) {
   const int64_t S = r.num_tokens;
   const int E = r.num_experts, k = r.k;
@@ -335,30 +179,11 @@ ZERO3D_KERNEL void gate_backward(const Routing& r, const float* d_weight, float 
   const float aux = static_cast<float>(d_l_aux * r.aux_scale / S);
   const bool renormalized = r.renormalized;
   Kokkos::parallel_for("moe_gate_backward", range(S), KOKKOS_LAMBDA(Index s) {
-    float* dg = d_logits + s * E;  // d(gates) first, then turned into d(logits) in place
-    for (int e = 0; e < E; ++e) dg[e] = aux * ce[e];
-    if (!renormalized) {
-      if (expert[s] >= 0) dg[expert[s]] += d_weight[s];
-    } else {
-      const float sum = sums[s];
-      const bool clamped = sum < detail::kNormEps;
-      const float denom = clamped ? detail::kNormEps : sum;
-      // Σ_j dw_j·g_j / D² = Σ_j dw_j·w_j / D
-      float through_denom = 0.0f;
-      if (!clamped)
-        for (int j = 0; j < k; ++j) through_denom += d_weight[s * k + j] * weight[s * k + j];
-      for (int j = 0; j < k; ++j) {
-        const int32_t e = expert[s * k + j];
-        if (e >= 0) dg[e] += (d_weight[s * k + j] - through_denom) / denom;
-      }
-    }
-    double dot = 0.0;
-    for (int e = 0; e < E; ++e) dot += static_cast<double>(gates[s * E + e]) * dg[e];
-    for (int e = 0; e < E; ++e) dg[e] = gates[s * E + e] * (dg[e] - static_cast<float>(dot));
+    detail::token_gate_backward(d_logits + s * E, gates + s * E, expert + s * k, weight + s * k, d_weight + s * k, ce,
+                                aux, renormalized ? sums[s] : 0.0f, E, k, renormalized);
   });
 }
 
-// rows[row(s, j)] = x[s] for every kept choice: [num_rows, h], expert-major.
 ZERO3D_KERNEL void dispatch_forward(float* rows, const float* x, const Routing& r, Index h) {
   const int k = r.k;
   const int32_t* expert = r.expert.data();
@@ -372,7 +197,6 @@ ZERO3D_KERNEL void dispatch_forward(float* rows, const float* x, const Routing& 
   });
 }
 
-// dx[s] = Σ over token s's kept choices of d_rows[row] (written; 0 for a token with none).
 ZERO3D_KERNEL void dispatch_backward(float* dx, const float* d_rows, const Routing& r, Index h) {
   const int k = r.k;
   const int32_t* expert = r.expert.data();
@@ -390,8 +214,6 @@ ZERO3D_KERNEL void dispatch_backward(float* dx, const float* d_rows, const Routi
   });
 }
 
-// out[s] = Σ_j weight[s, j] · y_rows[row(s, j)] (written; 0 for a token whose choices all dropped:
-// the block's residual carries it).
 ZERO3D_KERNEL void combine_forward(float* out, const float* y_rows, const Routing& r, Index h) {
   const int k = r.k;
   const int32_t* expert = r.expert.data();
@@ -410,8 +232,6 @@ ZERO3D_KERNEL void combine_forward(float* out, const float* y_rows, const Routin
   });
 }
 
-// d_rows[row(s, j)] = weight[s, j] · d_out[s]; d_weight[s, j] = d_out[s] · y_rows[row(s, j)]
-// (both written; d_weight is 0 for a dropped choice).
 ZERO3D_KERNEL void combine_backward(float* d_rows, float* d_weight, const float* d_out, const float* y_rows,
                              const Routing& r, Index h) {
   const int k = r.k;
@@ -433,6 +253,122 @@ ZERO3D_KERNEL void combine_backward(float* d_rows, float* d_weight, const float*
     }
     d_weight[i] = static_cast<float>(dot);
   });
+}
+
+}  // namespace cpu
+#endif
+
+// The entry points: the device form on a GPU build; on a CPU build the CPU form unless the test
+// hook asks for the device form. Phase 1 picks the form; the routing remembers it for the rest.
+ZERO3D_KERNEL void gate_forward_choose(const float* logits, int64_t S, const GateConfig& c, const GateDraws& draws,
+                                       Routing& r) {
+#ifndef ZERO3D_DEVICE
+  if (!moe_device_form_on_host()) return cpu::gate_forward_choose(logits, S, c, draws, r);
+#endif
+  gpu::gate_forward_choose(logits, S, c, draws, r);
+}
+
+ZERO3D_KERNEL void gate_forward_assign(int64_t C, const GateConfig& c, const GateDraws& draws, Routing& r) {
+#ifndef ZERO3D_DEVICE
+  if (!r.device_form) return cpu::gate_forward_assign(C, c, draws, r);
+#endif
+  gpu::gate_forward_assign(C, c, draws, r);
+}
+
+// Single-process convenience: both phases with the local capacity.
+inline void gate_forward(const float* logits, int64_t S, const GateConfig& c, const GateDraws& draws, Routing& r) {
+  gate_forward_choose(logits, S, c, draws, r);
+  const int64_t C = c.drop_tokens
+                        ? capacity(S, c)
+                        : capacity_without_drops(*std::max_element(r.exp_counts.begin(), r.exp_counts.end()), S, 1, c);
+  gate_forward_assign(C, c, draws, r);
+}
+
+// d_logits [S, E] (written) from d(combine weight) per choice [S·k] and d(l_aux) (e.g.
+// aux_loss_coef · loss scale). The weights reach the gates through the top-2/top-k normalisation
+// (w_j = g_j / D, D = Σ kept g; a clamped D is a constant); l_aux reaches them through
+// mean_s(gates) (its mask is not differentiated); then the softmax backward.
+ZERO3D_KERNEL void gate_backward(const Routing& r, const float* d_weight, float d_l_aux, float* d_logits) {
+#ifndef ZERO3D_DEVICE
+  if (!r.device_form) return cpu::gate_backward(r, d_weight, d_l_aux, d_logits);
+#endif
+  gpu::gate_backward(r, d_weight, d_l_aux, d_logits);
+}
+
+// rows[row(s, j)] = x[s] for every kept choice: [num_rows, h], expert-major.
+ZERO3D_KERNEL void dispatch_forward(float* rows, const float* x, const Routing& r, Index h) {
+#ifndef ZERO3D_DEVICE
+  if (!r.device_form) return cpu::dispatch_forward(rows, x, r, h);
+#endif
+  gpu::dispatch_forward(rows, x, r, h);
+}
+
+// dx[s] = Σ over token s's kept choices of d_rows[row] (written; 0 for a token with none).
+ZERO3D_KERNEL void dispatch_backward(float* dx, const float* d_rows, const Routing& r, Index h) {
+#ifndef ZERO3D_DEVICE
+  if (!r.device_form) return cpu::dispatch_backward(dx, d_rows, r, h);
+#endif
+  gpu::dispatch_backward(dx, d_rows, r, h);
+}
+
+// out[s] = Σ_j weight[s, j] · y_rows[row(s, j)] (written; 0 for a token whose choices all dropped:
+// the block's residual carries it).
+ZERO3D_KERNEL void combine_forward(float* out, const float* y_rows, const Routing& r, Index h) {
+#ifndef ZERO3D_DEVICE
+  if (!r.device_form) return cpu::combine_forward(out, y_rows, r, h);
+#endif
+  gpu::combine_forward(out, y_rows, r, h);
+}
+
+// d_rows[row(s, j)] = weight[s, j] · d_out[s]; d_weight[s, j] = d_out[s] · y_rows[row(s, j)]
+// (both written; d_weight is 0 for a dropped choice).
+ZERO3D_KERNEL void combine_backward(float* d_rows, float* d_weight, const float* d_out, const float* y_rows,
+                                    const Routing& r, Index h) {
+#ifndef ZERO3D_DEVICE
+  if (!r.device_form) return cpu::combine_backward(d_rows, d_weight, d_out, y_rows, r, h);
+#endif
+  gpu::combine_backward(d_rows, d_weight, d_out, y_rows, r, h);
+}
+
+// The gate's draws where the form reads them: the device form's copied once from the host's
+// (the same numbers: the draw is the CPU form's host stream) into the routing's tables.
+inline GateDraws draws_for_form(Routing& r, bool device_form, const GateDraws& host, int64_t n) {
+  if (!device_form) return host;
+  GateDraws out;
+  if (host.rts_uniform) {
+    float* d = r.device.grown(r.device.rts_uniform, n, "moe_rts_uniform");
+    copy_to_device(d, host.rts_uniform, static_cast<size_t>(n) * sizeof(float));
+    out.rts_uniform = d;
+  }
+  if (host.gumbel) {
+    float* d = r.device.grown(r.device.gumbel, n, "moe_gumbel");
+    copy_to_device(d, host.gumbel, static_cast<size_t>(n) * sizeof(float));
+    out.gumbel = d;
+  }
+  return out;
+}
+
+// Σ_s gates[s, e] per expert, token order in double (Mixtral's router loss over layers).
+inline std::vector<double> probability_sums(const Routing& r) {
+  if (r.device_form) return r.prob_sum;
+  const int64_t S = r.num_tokens, E = r.num_experts;
+  std::vector<double> out(static_cast<size_t>(E), 0.0);
+  for (int64_t e = 0; e < E; ++e) {
+    double p = 0.0;
+    for (int64_t s = 0; s < S; ++s) p += r.gates[s * E + e];
+    out[e] = p;
+  }
+  return out;
+}
+
+// Mixtral's l_aux over all layers: every layer's ce and scale replaced (GPT::mixtral_router_fractions).
+inline void set_aux_fraction(Routing& r, const std::vector<float>& fraction, double scale) {
+  r.aux_fraction = fraction;
+  r.aux_scale = scale;
+  if (r.device_form) {
+    float* d = r.device.grown(r.device.aux_fraction, static_cast<int64_t>(fraction.size()), "moe_aux_fraction");
+    copy_to_device(d, fraction.data(), fraction.size() * sizeof(float));
+  }
 }
 
 // Jitter: the gate sees x · factors (factors U(0.99, 1.01), training only); n = S·h.

@@ -150,7 +150,7 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
   std::vector<float> draws_a, draws_b;
   if (moe::uses_jitter(gc)) {
     draw(draws_a, S * C, moe_, buf.draw_key, block, Draw::Jitter);
-    copy_rows(m.gate_noise, draws_a.data(), S, C);
+    copy_to_device(m.gate_noise, draws_a.data(), draws_a.size() * sizeof(float));  // host draws into model memory
     moe::jitter_forward(moe_tokens_c_, a.ln_2, m.gate_noise, S * C);
     gate_in = moe_tokens_c_;
   } else if (mixtral && moe_.router_jitter_noise > 0.0 && buf.training) {
@@ -161,11 +161,13 @@ void GPT::moe_forward(int block, BlockActivations& a, MoeActivations& m, const B
   // (Mixtral's router is an nn.Linear [E, C]; GPT-2's gate is stored input-major [C, E])
   if (mixtral) linear_forward(moe_logits_, gate_in, w.gate_w, static_cast<const P*>(nullptr), S, C, E, false, DType::F32);
   else matmul_forward(moe_logits_, gate_in, w.gate_w, static_cast<const P*>(nullptr), S, C, E, false, DType::F32);
-  moe::GateDraws draws;
-  if (moe::uses_rts_uniform(gc)) draw(draws_a, S * E, moe_, buf.draw_key, block, Draw::Uniform), draws.rts_uniform = draws_a.data();
-  if (moe::uses_gumbel(gc)) draw(draws_b, S * E, moe_, buf.draw_key, block, Draw::Gumbel), draws.gumbel = draws_b.data();
+  moe::GateDraws host_draws;
+  if (moe::uses_rts_uniform(gc)) draw(draws_a, S * E, moe_, buf.draw_key, block, Draw::Uniform), host_draws.rts_uniform = draws_a.data();
+  if (moe::uses_gumbel(gc)) draw(draws_b, S * E, moe_, buf.draw_key, block, Draw::Gumbel), host_draws.gumbel = draws_b.data();
   if (!m.routing) m.routing = std::make_shared<moe::Routing>();
   moe::Routing& r = *m.routing;
+  // The device form reads the same draws, copied once into model memory.
+  const moe::GateDraws draws = moe::draws_for_form(r, moe::routes_on_device(), host_draws, S * E);
   moe::gate_forward_choose(moe_logits_, S, gc, draws, r);
   int64_t capacity = 0;
   if (gc.drop_tokens) {
@@ -275,11 +277,10 @@ void GPT::mixtral_router_loss(const ModelChunk& c, ActivationBuffer& buf) const 
   if (c.embedding) sums.assign(static_cast<size_t>(2 * E), 0.0);
   for (int l = 0; l < c.num_blocks; ++l) {
     const moe::Routing& r = *buf.moe[static_cast<size_t>(l)].routing;
+    const std::vector<double> p = moe::probability_sums(r);  // either form's, token order
     for (int64_t e = 0; e < E; ++e) {
       sums[e] += r.exp_counts[e];
-      double p = 0.0;
-      for (int64_t s = 0; s < S; ++s) p += r.gates[s * E + e];
-      sums[E + e] += p;
+      sums[E + e] += p[e];
     }
   }
   if (!c.final) return;
@@ -295,9 +296,8 @@ void GPT::mixtral_router_loss(const ModelChunk& c, ActivationBuffer& buf) const 
 
 void GPT::mixtral_router_fractions(const ModelChunk& c, ActivationBuffer& buf) const {
   for (int l = 0; l < c.num_blocks; ++l) {
-    moe::Routing& r = *buf.moe[static_cast<size_t>(l)].routing;
-    r.aux_fraction = buf.router_fraction;
-    r.aux_scale = static_cast<double>(shape_.moe.num_experts) / static_cast<double>(shape_.n_layer);
+    moe::set_aux_fraction(*buf.moe[static_cast<size_t>(l)].routing, buf.router_fraction,
+                          static_cast<double>(shape_.moe.num_experts) / static_cast<double>(shape_.n_layer));
   }
 }
 

@@ -1,6 +1,6 @@
 // test_gpu_training.cpp — the `gpu` label's training checks, through the executable as users
 // run it: 10-step losses against the CPU build's (committed in cpu_reference_losses.json by
-// make_cpu_reference.sh; block-sparse attention's too), run-to-run bit identity, two ranks
+// make_cpu_reference.sh; block-sparse attention's and Mixture of Experts' too), run-to-run bit identity, two ranks
 // sharing one GPU against one rank for each layout, and a checkpoint saved on the GPU resumed by
 // the CPU build.
 #include <gtest/gtest.h>
@@ -148,6 +148,31 @@ TEST(GpuTraining, SparseAttentionTrainsTheLossesOfTheCpuBuild) {
     expect_losses_close(two, got, 1e-5, "sparse attention " + variant + " np 2, autotp 2");
   }
   ::unsetenv("ZERO3D_GPU_SPARSE_ATTENTION");
+}
+
+// Mixture of Experts in its device form (kernels/moe_device.hpp, ZERO3D_GPU_MOE=1): a GPT-2 MoE on
+// the quick-start (top-2 of 4 experts dropping half, Jitter noise, sampled second experts) and a
+// tiny Mixtral (llama-tiny with 4 SwiGLU experts, top-2, router jitter) train the CPU build's
+// losses within 1e-5; two runs give the same bits; at np 2 with ep_size 2 the all-to-all stages
+// through the host and the losses stay the one-rank ones.
+TEST(GpuTraining, MixtureOfExpertsTrainsTheLossesOfTheCpuBuild) {
+  ASSERT_EQ(::setenv("ZERO3D_GPU_MOE", "1", 1), 0);
+  const json& variants = reference().at("moe");
+  ASSERT_EQ(variants.size(), 2u);
+  for (const auto& item : variants.items()) {
+    const std::string variant = item.key();
+    const json& ref = item.value();
+    const std::string model = ref.at("model").get<std::string>(), args = ref.at("args").get<std::string>();
+    const std::vector<double> want = ref.at("fp32").get<std::vector<double>>();
+    const std::vector<double> got = train_losses(model, args, 1, temp_path("moe_" + variant));
+    expect_losses_close(got, want, 1e-5, "MoE " + variant);
+    const std::vector<double> again = train_losses(model, args, 1, temp_path("moe_again_" + variant));
+    EXPECT_TRUE(got == again) << "two runs of MoE " << variant << " differ";
+    const std::vector<double> ep2 =
+        train_losses(model, args + " --set model.moe.ep_size=2", 2, temp_path("moe_ep2_" + variant));
+    expect_losses_close(ep2, got, 1e-5, "MoE " + variant + " np 2, ep_size 2");
+  }
+  ::unsetenv("ZERO3D_GPU_MOE");
 }
 
 // A checkpoint written by the GPU build at step 5 resumes on the CPU build (ZERO3D_CPU_EXE):
