@@ -12,7 +12,9 @@
 // quant_padded(numel)/groups values: DeepSpeed's grouping at world size 1), and a rank keeps the
 // codes of its elements and the scales of every group they touch (a group split between two ranks
 // has its scale on both, computed over the whole group). The weights a run computes with are then
-// the same at every world size, and a checkpoint's are loadable at any.
+// the same at every world size, and a checkpoint's are loadable at any. (DeepSpeed's
+// _partition_param quantises the freshly allocated ds_tensor before its values are copy_'d into
+// the int8 result; zero3d quantises the values themselves.)
 #pragma once
 
 #include <cstdint>
