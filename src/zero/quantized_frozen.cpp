@@ -120,20 +120,27 @@ void ZeroOptimizer::load_quantized_partition(const std::function<void(float*, in
   const auto es = static_cast<int64_t>(dtype_size(types_.param));
   for (size_t i = 0; i < frozen_store_pieces_.size(); ++i) {
     const FrozenPiece& p = frozen_store_pieces_[i];
-    const int64_t a = p.span_begin(), n = p.span_end() - a;
-    chunk.resize(static_cast<size_t>(n));
-    values(chunk.data(), a, a + n);
-    kernels::StagingBuffer span = gather_staging_.take(4 * n + es * n + n);
-    float* widened = reinterpret_cast<float*>(span.data());
-    void* rounded = span.data() + 4 * n;
-    auto* codes = reinterpret_cast<int8_t*>(span.data() + 4 * n + es * n);
-    convert_any(rounded, types_.param, in_model_memory(chunk.data(), n, staging_), DType::F32, n);
-    convert_any(widened, DType::F32, rounded, types_.param, n);
     char* store = static_cast<char*>(frozen_store_.data()) + frozen_store_at_[i];
-    // the span starts at its first group's start: the scales are the piece's, the codes at its phase
-    kernels::quantize_int8_groups(widened, n, 0, p.group, codes, reinterpret_cast<float*>(store));
-    kernels::copy_on_device(store + 4 * p.groups, codes + (p.begin - a), static_cast<size_t>(p.count));
-    gather_staging_.give_back(std::move(span));
+    // The touched groups a bounded run of whole groups at a time, in a transient buffer (not the
+    // gathers' pool): values, rounded to the model dtype, widened, and their codes.
+    const int64_t step = std::max<int64_t>(1, kInitFillElems / p.group) * p.group;
+    const int64_t first = p.span_begin(), last = p.span_end();
+    const int64_t most = std::min(step, last - first);
+    kernels::StagingBuffer span(static_cast<size_t>(most * (4 + es + 1)));
+    auto* widened = reinterpret_cast<float*>(span.data());
+    void* rounded = span.data() + 4 * most;
+    auto* codes = reinterpret_cast<int8_t*>(span.data() + (4 + es) * most);
+    for (int64_t a = first; a < last; a += step) {
+      const int64_t n = std::min(step, last - a);
+      chunk.resize(static_cast<size_t>(n));
+      values(chunk.data(), a, a + n);
+      convert_any(rounded, types_.param, in_model_memory(chunk.data(), n, staging_), DType::F32, n);
+      convert_any(widened, DType::F32, rounded, types_.param, n);
+      // a run starts at a group's start: its scales go to their place among the piece's
+      kernels::quantize_int8_groups(widened, n, 0, p.group, codes, reinterpret_cast<float*>(store) + (a - first) / p.group);
+      const int64_t x = std::max(a, p.begin), y = std::min(a + n, p.begin + p.count);
+      if (x < y) kernels::copy_on_device(store + 4 * p.groups + (x - p.begin), codes + (x - a), static_cast<size_t>(y - x));
+    }
   }
 }
 
