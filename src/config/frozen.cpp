@@ -74,6 +74,28 @@ void read_frozen_parameters(Section& sec, ModelConfig& m) {
   if (!ok) m.frozen_parameters.clear();
 }
 
+// zero_quantized_nontrainable_weights (zero/quantized_frozen.hpp): the int8 store lives in
+// ZeroOptimizer's stage-3 partition and is gathered over the whole data group; the layouts that
+// move or keep that partition some other way are refused. (offload_param nvme and the optimizer
+// offload are refused with frozen parameters already.)
+void check_quantized_frozen(Section& top, const Config& c) {
+  const std::string key = "zero_optimization.zero_quantized_nontrainable_weights";
+  const ZeroConfig& z = c.zero;
+  if (z.offload_param.device == OffloadDevice::Cpu)
+    top.report(key, "cannot be combined with offload_param cpu: zero3d's parameter offload keeps the partition in the "
+                    "model dtype (DeepSpeed pins the quantised ds_tensor in host memory; that tier is not built)");
+  if (z.mics_shard_size > 0)
+    top.report(key, "cannot be combined with mics_shard_size: DeepSpeed's MiCS gathers (zero/mics.py) move "
+                    "ds_tensor without its ds_quant_scale, and zero3d's hierarchical gather moves the model dtype");
+  if (z.hpz_partition_size > 1)
+    top.report(key, "cannot be combined with zero_hpz_partition_size " + std::to_string(z.hpz_partition_size) +
+                        ": zero3d keeps hpZ's secondary partition in the model dtype (DeepSpeed quantises its "
+                        "ds_secondary_tensor too; that copy is not built)");
+  if (c.precision.autocast.enabled())
+    top.report(key, "cannot be combined with torch_autocast: its stage-3 gathers pack tensors by autocast dtype, "
+                    "which the int8 frozen pieces are not packed with");
+}
+
 void check_frozen_parameters(Section& top, const Config& c) {
   if (c.model.frozen_parameters.empty()) return;
   const std::string key = "model.frozen_parameters";
@@ -98,6 +120,7 @@ void check_frozen_parameters(Section& top, const Config& c) {
                         "all-reduce), not on the trainable ranges alone");
   if (c.zero.offload_param.device == OffloadDevice::Nvme)
     top.report(key, "cannot be combined with offload_param nvme: the step reads the whole swapped partition");
+  if (c.zero.quantized_nontrainable_weights && c.zero.stage == 3) check_quantized_frozen(top, c);
 }
 
 }  // namespace config_detail

@@ -258,10 +258,7 @@ void read_quantized_collectives(Section& sec, Config& c) {
       sec.report_key("zero_quantized_nontrainable_weights",
                      "quantises the frozen (requires_grad false) parameters, and model.frozen_parameters names none; "
                      "name them there or remove the key");
-    else
-      sec.report_key("zero_quantized_nontrainable_weights",
-                     "zero3d keeps the frozen parameters' stage-3 partitions in the model dtype (model.frozen_parameters "
-                     "freezes them; their int8 storage is not built); remove the key or set it false");
+    // the layouts it cannot serve: config/frozen.cpp check_frozen_parameters (read after every section)
   }
   z.quantized_gradients = sec.boolean("zero_quantized_gradients", false);
   read_loco(sec, c);

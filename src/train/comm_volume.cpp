@@ -257,6 +257,8 @@ int64_t unit_gather_bytes(const ZeroConfig& zero, const StateTypes& types, const
     }
     return mixed ? bus(ring(W), bytes, DType::U8) : bus(ring(W), unit.numel, types.param);
   }
+  if (zero.quantized_nontrainable_weights && types.any_frozen())  // the frozen pieces' int8 groups (zero/quantized_frozen.hpp)
+    return bus(ring(W), frozen_gather_plan(layout, types, part, unit, zero.quantized_weights).total, DType::U8);
   if (zero.quantized_weights) return bus(ring(W), quantized_slices(part, W, unit.offset, unit.numel), DType::U8);
   return bus(ring(W), unit.numel, types.param);
 }

@@ -3,6 +3,7 @@
 // signal asks for before the job is requeued.
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <string>
 
 #include "base/errors.hpp"
@@ -124,6 +125,41 @@ void Engine::resume_from_checkpoint() {
   zero_->finish_checkpoint_load();
   if (expert_zero_) expert_zero_->finish_checkpoint_load();
   resume_loco(*reader);
+  if (zero_->quantizes_frozen()) {
+    // zero_quantized_nontrainable_weights: the frozen pieces' codes and scales as saved when the
+    // save holds this rank's pieces (the same world size); otherwise (another world size, a save
+    // without them) the dequantised values read were quantised afresh.
+    int64_t restored = 0;
+    run_collectively(groups_.world(), [&] {
+      const std::optional<RankState> saved =
+          reader->meta().dp_world_size == world_ ? reader->read_rank_state(groups_.rank(), "quantized_frozen") : std::nullopt;
+      restored = saved && zero_->restore_quantized_frozen(*saved) ? 1 : 0;
+      if (restored) return;
+      // Another world size: every saved rank's scales (the groups are the tensors', not the
+      // partitions'), and the codes from the saved dequantised values.
+      std::map<int64_t, float> scales;
+      for (int64_t q = 0; q < static_cast<int64_t>(reader->meta().ranges.size()); ++q) {
+        const std::optional<RankState> st = reader->read_rank_state(q, "quantized_frozen");
+        if (!st) continue;
+        size_t at = 0;
+        const nlohmann::json meta = nlohmann::json::parse(st->meta);  // (a range-for over parse(..).at() would dangle)
+        for (const auto& piece : meta.at("pieces")) {
+          const int64_t group = piece.at(2), groups = piece.at(3), first = piece.at(4);
+          for (int64_t g = 0; g < groups && at < st->scales.size(); ++g) scales[first + g * group] = st->scales[at++];
+        }
+      }
+      const ModelPart& part = model_->part();
+      restored = zero_->restore_quantized_frozen_scales(scales, [&](const std::string& state, int64_t b, int64_t e, float* out) {
+        for (const LayoutSegment& run : part.global_runs(b, e, /*saving=*/false))
+          reader->read_range(state, run.global_begin, run.global_begin + (run.local_end - run.local_begin),
+                             out + (run.local_begin - b));
+      }) ? 1 : 0;
+    });
+    world_comm_->all_reduce(&restored, 1, DType::I64, ReduceOp::Min);
+    if (!restored && groups_.rank() == 0)
+      std::printf("resume  note: zero_quantized_nontrainable_weights: the checkpoint holds no int8 frozen pieces "
+                  "(saved without the key); the saved frozen values were quantised\n");
+  }
   const CheckpointMeta& m = reader->meta();
   step_ = m.step;
   samples_ = m.global_samples;
@@ -225,6 +261,8 @@ void Engine::save(bool final_step, bool forced) {
     slice.segments.push_back(std::move(seg));
   }
   if (expert_zero_) expert_checkpoint_segments(slice);
+  if (std::optional<RankState> frozen = zero_->quantized_frozen_state())  // the int8 frozen pieces, as held
+    slice.rank_state.push_back(std::move(*frozen));
   if (const QuantizedReduceScatter* loco = zero_->loco()) {  // LoCo's kept errors: this rank's own
     LocoState st = loco->loco_state();
     slice.rank_state.push_back({"loco", std::move(st.meta), std::move(st.codes), std::move(st.scales)});

@@ -312,6 +312,14 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   const bool mixed = pc.param != DType::F32;
   const ZeroStateElems elems = zero_state_elems(b.stage, psi, part);  // what ZeroOptimizer allocates
   b.params = ps * elems.params;
+  if (b.stage == 3 && cfg.zero.quantized_nontrainable_weights && !m.frozen_parameters.empty()) {
+    // zero_quantized_nontrainable_weights: the trainable elements in the model dtype, the frozen
+    // pieces as int8 groups and scales (zero/quantized_frozen.hpp), on the rank that holds most.
+    const StateTypes frozen_types = state_types_of(cfg, layout);
+    b.params = 0;
+    for (int r = 0; r < part.world; ++r)
+      b.params = std::max(b.params, quantized_frozen_partition_bytes(layout, frozen_types, part, r, ps));
+  }
   b.grads = gs * elems.grads;
   const int64_t state_elems = elems.state;
   // fp32 parameters are their own master copy, and so are bf16 ones under
@@ -528,7 +536,8 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   // without one (fp32 and bf16, ZeRO 0 and 3, a 42M-parameter model at np 2), whatever the shard.
   if (cfg.training.save_interval > 0)
     b.workspace += checkpoint_staging_bytes(b.stage, cfg.zero, pc.param, moments, b.stage == 0 ? psi : part.part,
-                                            !cfg.model.frozen_parameters.empty()) +
+                                            !cfg.model.frozen_parameters.empty(),
+                                            b.stage == 3 && cfg.zero.quantized_nontrainable_weights) +
                    kCheckpointWriterBytes;
   struct stat st {};
   if (cfg.data.source == DataSource::Text && ::stat(cfg.data.path.c_str(), &st) == 0) b.workspace += 5 * st.st_size;

@@ -118,6 +118,8 @@ void ZeroOptimizer::start_gather(int u, size_t k) {
   const auto [lo, hi] = part_.owned(rank_, unit.offset, unit.offset + unit.numel);
   if (gathers_secondary(u, k)) {
     start_secondary_gather(u, g);
+  } else if (quantized_frozen_) {
+    start_frozen_gather(u, g);
   } else if (cfg_.quantized_weights) {
     start_quantized_gather(dp_, g, counts, displs,
                            param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_)));
@@ -244,6 +246,7 @@ const void* ZeroOptimizer::fetch(int u) {
     g.pending.reset();
     if (g.hierarchical) unpack_hierarchical(u, g);
     else if (g.quantized) unpack_quantized(g);
+    else if (g.frozen >= 0) unpack_frozen(u, g);
     else if (!g.packed.empty()) unpack_gathered(u, g);
     if (g.primary && shards_.hpz) keep_secondary(u, g);
   }

@@ -111,7 +111,25 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   const int64_t qgz_world = stage_ == 3 && shards_.qgz_intra ? world_ : 0;
   const ZeroStateElems elems = zero_state_elems(stage_, layout.total(), part_);
   const bool params_on_nvme = stage_ == 3 && zero.offload_param.device == OffloadDevice::Nvme;
-  params_ = TypedBuffer("params", types_.param, params_on_nvme ? 0 : elems.params);
+  // Frozen parameters: the optimizer's view (the flat buffer, or this rank's partition) keeps
+  // state for and updates the trainable ranges only; the fp32 master copy holds them packed as
+  // the optimizer's states (the frozen elements live in the 16-bit parameters alone, as DeepSpeed's
+  // fp32 partitions hold trainable parameters only).
+  if (types_.any_frozen()) {
+    const int64_t first = stage_ == 0 ? 0 : part_.begin(rank_);
+    trainable_ = trainable_ranges(layout, types_, first, stage_ == 0 ? layout.total() : first + part_.part);
+    frozen_ = frozen_ranges(layout, types_);
+  }
+  int64_t trainable_elems = elems.state;
+  if (trainable_) {
+    trainable_elems = 0;
+    for (const auto& [a, b] : *trainable_) trainable_elems += b - a;
+  }
+  // zero_quantized_nontrainable_weights: the partition keeps the trainable elements alone, packed;
+  // the frozen ones are int8 groups (quantized_frozen.hpp).
+  quantized_frozen_ = stage_ == 3 && zero.quantized_nontrainable_weights && trainable_.has_value();
+  params_ = TypedBuffer("params", types_.param, params_on_nvme ? 0 : quantized_frozen_ ? trainable_elems : elems.params);
+  if (quantized_frozen_) setup_quantized_frozen();
   if (params_on_nvme) {
     std::vector<std::pair<int64_t, int64_t>> slices;
     const int64_t pb = part_.begin(rank_);
@@ -127,21 +145,7 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   }
   grads_ = TypedBuffer("grads", types_.grad, elems.grads);
   const bool offload = zero.offload_optimizer.device != OffloadDevice::None && stage_ >= 1;
-  // Frozen parameters: the optimizer's view (the flat buffer, or this rank's partition) keeps
-  // state for and updates the trainable ranges only; the fp32 master copy holds them packed as
-  // the optimizer's states (the frozen elements live in the 16-bit parameters alone, as DeepSpeed's
-  // fp32 partitions hold trainable parameters only).
-  if (types_.any_frozen()) {
-    const int64_t first = stage_ == 0 ? 0 : part_.begin(rank_);
-    trainable_ = trainable_ranges(layout, types_, first, stage_ == 0 ? layout.total() : first + part_.part);
-    frozen_ = frozen_ranges(layout, types_);
-  }
-  int64_t master_elems = elems.state;
-  if (trainable_) {
-    master_elems = 0;
-    for (const auto& [a, b] : *trainable_) master_elems += b - a;
-  }
-  if (mixed_ && !offload) master_ = make_flat_buffer("master_params", master_elems);
+  if (mixed_ && !offload) master_ = make_flat_buffer("master_params", trainable_elems);
   if (master16_ && (stage_ == 0 || types_.param != zero.master_weights))
     throw std::logic_error("bf16 master weights need ZeRO stage 1-3 and bf16 parameters");
   if (stage_ == 0) {
@@ -169,7 +173,8 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
                                                  cfg_.overlap_comm, types_.comm, types_.grad,
                                                  gradient_segments(layout, part_.padded, types_, qgz_world));
   }
-  if (optimizer_ && trainable_ && mixed_) optimizer_->set_params_packed(true);  // it steps the packed master
+  // it steps the packed master, or the packed parameters themselves
+  if (optimizer_ && trainable_ && (mixed_ || quantized_frozen_)) optimizer_->set_params_packed(true);
   if (qgz_world > 0) {
     qgz_ = std::make_unique<QuantizedReduceScatter>(*shards_.qgz_intra, *shards_.qgz_inter);
     if (qgz_->data_rank() != rank_) throw std::logic_error("qgZ's groups do not rank the data group node by node");
@@ -236,6 +241,10 @@ void ZeroOptimizer::set_fetch_trace(std::vector<int> trace, std::vector<bool> ba
 void ZeroOptimizer::init_params(const std::function<void(float*, int64_t, int64_t)>& fill) {
   const int64_t total = layout_.total(), pb = part_.begin(rank_);
   const auto [lo, hi] = part_.owned(rank_, 0, total);
+  if (quantized_frozen_) {
+    load_quantized_partition(fill);
+    return;
+  }
   if (!mixed_ && !master16_) {
     if (stage_ < 3) {
       fill_model(params_.as<float>(), 0, total, fill);
@@ -343,6 +352,10 @@ void ZeroOptimizer::cast_master_to_params() {
     const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
     for (int64_t a = lo; a < hi; a += kInitFillElems)
       cast_range_to_params(a - pb, std::min(hi, a + kInitFillElems) - a, master_.data() + (a - pb));
+    return;
+  }
+  if (quantized_frozen_) {  // the parameters are packed as the master is
+    convert_any(params_.data(), types_.param, master_.data(), DType::F32, params_.size());
     return;
   }
   if (trainable_) {  // packed master: its pieces to their places in the view (owned part only)
@@ -578,7 +591,7 @@ void ZeroOptimizer::zero_grad() {
 
 MemoryBytes ZeroOptimizer::memory() const {
   MemoryBytes m;
-  m.params = params_.bytes();
+  m.params = params_.bytes() + frozen_store_.bytes();  // quantized frozen pieces: their int8 store
   m.grads = grads_.bytes();
   m.master = static_cast<int64_t>(master_.extent(0) * sizeof(float));  // 0 in fp32: the parameters are the master
   if (offloaded_) {

@@ -47,6 +47,7 @@
 #include "parallel/grad_reducer.hpp"
 #include "parallel/partition.hpp"
 #include "parallel/quantized_gather.hpp"
+#include "zero/quantized_frozen.hpp"
 #include "zero/shard_groups.hpp"
 
 namespace zero3d {
@@ -99,10 +100,11 @@ GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit
 // planner counts this when a run saves (NVMe offload made the plan 28% short without it).
 // packed (frozen parameters): every state is staged, unpacked with zeros at frozen elements, and
 // with fp32 master weights the parameters too (the 16-bit values widened under the master's).
+// quantized_frozen (zero_quantized_nontrainable_weights): the parameters are staged too, dequantised.
 inline int64_t checkpoint_staging_bytes(int stage, const ZeroConfig& zero, DType param, int64_t moments, int64_t n,
-                                        bool packed = false) {
+                                        bool packed = false, bool quantized_frozen = false) {
   const bool mixed = param != DType::F32 && zero.master_weights == DType::F32;
-  if (packed) return 4 * n * (moments + (param != DType::F32 ? 1 : 0));
+  if (packed) return 4 * n * (moments + (param != DType::F32 || quantized_frozen ? 1 : 0));
   const bool master16 = param != DType::F32 && zero.master_weights != DType::F32;
   const bool offload = zero.offload_optimizer.device != OffloadDevice::None && stage >= 1;
   const bool param_swap = stage == 3 && zero.offload_param.device == OffloadDevice::Nvme;
@@ -287,6 +289,15 @@ class ZeroOptimizer : public ParamStore {
   void read_checkpoint(const RangeReader& read, int64_t optimizer_step);
   // Collective part: rebuilds replicated buffers from the ranks' ranges.
   void finish_checkpoint_load();
+  // zero_quantized_nontrainable_weights: the frozen pieces' int8 codes and scales as this rank
+  // holds them (nullopt: not quantised), and their restore from a save of the same pieces (false:
+  // the save's pieces differ, and the values read from "params" were quantised afresh).
+  bool quantizes_frozen() const { return quantized_frozen_; }
+  std::optional<RankState> quantized_frozen_state() const;
+  bool restore_quantized_frozen(const RankState& saved);
+  // Another layout: the saved scales by each group's first global element, the codes from the
+  // saved dequantised values (false: a group's scale is missing; the store is left as it was).
+  bool restore_quantized_frozen_scales(const std::map<int64_t, float>& scales, const RangeReader& read);
   int stage() const { return stage_; }
   const Partition& partition() const { return part_; }
 
@@ -307,6 +318,7 @@ class ZeroOptimizer : public ParamStore {
     std::optional<QuantizedGatherPlan> quantized;  // qwZ: `packed` holds every rank's int8 groups and scales,
     std::vector<int64_t> displs;                   // and rank r's slice goes to displs[r] in the unit
     bool primary = true;                   // gathered over the whole partition group (hpZ: fills the secondary)
+    int frozen = -1;                       // quantized frozen pieces: the unit whose FrozenGatherPlan `packed` holds
   };
   // param_fetch.cpp. k: the trace entry the gather is for (hpZ: a backward entry reads the
   // secondary partition).
@@ -316,6 +328,12 @@ class ZeroOptimizer : public ParamStore {
   void start_quantized_gather(Communicator& group, Gathered& g, std::vector<int64_t> counts,
                               std::vector<int64_t> displs, const void* own);
   void unpack_quantized(Gathered& g);
+  // quantized_frozen.cpp: the int8 store of the frozen pieces (zero_quantized_nontrainable_weights).
+  void setup_quantized_frozen();
+  void load_quantized_partition(const std::function<void(float*, int64_t, int64_t)>& values);
+  void start_frozen_gather(int u, Gathered& g);
+  void unpack_frozen(int u, Gathered& g);
+  void quantized_partition_values(float* out);
   // shard_groups.cpp: MiCS's hierarchical gather, hpZ's secondary partition.
   void start_hierarchical_gather(int u, Gathered& g, const void* own);
   void unpack_hierarchical(int u, Gathered& g);
@@ -365,6 +383,14 @@ class ZeroOptimizer : public ParamStore {
   // master copy and the optimizer states hold these elements packed.
   std::optional<std::vector<std::pair<int64_t, int64_t>>> trainable_;
   std::vector<std::pair<int64_t, int64_t>> frozen_;  // the frozen tensors' global ranges, left out of the norm
+  // zero_quantized_nontrainable_weights at stage 3: params_ holds the trainable elements packed,
+  // frozen_store_ each frozen piece's scales and codes (at frozen_store_at_), and every unit's
+  // gather has its plan.
+  bool quantized_frozen_ = false;
+  std::vector<FrozenPiece> frozen_store_pieces_;
+  std::vector<int64_t> frozen_store_at_;
+  TypedBuffer frozen_store_;
+  std::vector<FrozenGatherPlan> frozen_plans_;
   ParamLayout state_layout_;  // stages 1-3: the optimizer sees one tensor, the partition
   std::unique_ptr<Optimizer> optimizer_;          // state in device memory, or:
   std::unique_ptr<offload::OffloadedOptimizer> offloaded_;  // offload_optimizer cpu / nvme

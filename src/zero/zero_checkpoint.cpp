@@ -52,7 +52,11 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
     return s;
   };
   std::vector<std::pair<std::string, const float*>> arrays;
-  if (mixed_ && offloaded_) {
+  if (quantized_frozen_) {  // the frozen elements dequantised (their int8 store goes in the rank state)
+    float* s = staging();
+    quantized_partition_values(s);
+    arrays.emplace_back("params", s);
+  } else if (mixed_ && offloaded_) {
     arrays.emplace_back("params", offloaded("master"));
   } else if (mixed_ && trainable_) {
     // Packed master: the frozen elements as the 16-bit parameters hold them (widened, as
@@ -117,7 +121,11 @@ void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_s
     read(state, b, e, staging.data());
     return staging.data();
   };
-  if (mixed_ && offloaded_) {
+  if (quantized_frozen_) {
+    // The frozen pieces quantised afresh from the saved values; a save of the same pieces then
+    // restores their codes and scales bit for bit (restore_quantized_frozen).
+    load_quantized_partition([&](float* out, int64_t lo, int64_t hi) { read("params", lo, hi, out); });
+  } else if (mixed_ && offloaded_) {
     offloaded_->write("master", b - pb, n, staged("params"));
   } else if (mixed_ && trainable_) {
     // Packed master: the values rounded into the 16-bit parameters, the trainable ones also kept
@@ -190,6 +198,7 @@ void ZeroOptimizer::finish_checkpoint_load() {
   } else if (stage_ == 0) {
     if (!trainable_) all_gather_replicated(master_.data(), DType::F32);  // a packed master was read whole
     cast_master_to_params();
+  } else if (quantized_frozen_) {  // read_checkpoint filled the packed parameters and master both
   } else {
     cast_master_to_params();
     if (stage_ < 3) all_gather_replicated(params_.data(), types_.param);

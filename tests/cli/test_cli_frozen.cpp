@@ -295,9 +295,7 @@ TEST(Frozen, BadPatternsAndCombinationsExitTwoNamingTheKey) {
       {with({{"zero_optimization", {{"stage", 2}, {"zero_quantized_nontrainable_weights", true}}}}), 1,
        "at stage 2 parameters are not partitioned"},
       {with({{"zero_optimization", {{"zero_quantized_nontrainable_weights", true}}}, {"model", {{"frozen_parameters", nullptr}}}}),
-       1, "and model.frozen_parameters names none"},
-      {with({{"zero_optimization", {{"zero_quantized_nontrainable_weights", true}}}}), 1,
-       "zero3d keeps the frozen parameters' stage-3 partitions in the model dtype"}};
+       1, "and model.frozen_parameters names none"}};
   for (const auto& [c, np, message] : cases) {
     SCOPED_TRACE(message);
     expect_one_line_rejection(run("validate " + write_config("frozen_bad.json", c), np), message);
