@@ -83,6 +83,22 @@ int64_t simulate_gather_staging(const ZeroConfig& zero, const StateTypes& types,
       }
       return quantized_takes(counts, rank % hpz, types.param);
     }
+    if (zero.quantized_nontrainable_weights && types.any_frozen()) {
+      // start_frozen_gather and unpack_frozen (quantized_frozen.cpp): the slices' bytes; with qwZ
+      // this rank's trainable values widened to fp32; on arrival one slice's values in fp32
+      // (16-bit parameters, or qwZ's trainable ones), the widest of any rank's pieces.
+      const FrozenGatherPlan plan = frozen_gather_plan(layout, types, part, unit, zero.quantized_weights);
+      Takes t;
+      t.packed = plan.total;
+      if (zero.quantized_weights) t.scratch = 4 * plan.trainable_count[static_cast<size_t>(rank)];
+      int64_t widest = 0;
+      for (size_t r = 0; r < plan.bytes.size(); ++r) {
+        widest = std::max(widest, plan.trainable_count[r]);
+        for (const FrozenPiece& p : plan.frozen[r]) widest = std::max(widest, p.count);
+      }
+      if (types.param != DType::F32 || zero.quantized_weights) t.narrowed = 4 * widest;
+      return t;
+    }
     if (zero.quantized_weights) {
       std::vector<int64_t> counts(static_cast<size_t>(part.world));
       for (int r = 0; r < part.world; ++r) counts[static_cast<size_t>(r)] = count(r);

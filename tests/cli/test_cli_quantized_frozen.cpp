@@ -263,6 +263,10 @@ TEST(QuantizedFrozen, HoldsAndPlansTheInt8PartitionAndGathersTheEstimatedBytes) 
       int64_t most = 0;
       for (int r = 0; r < np; ++r) most = std::max(most, partition_bytes(np, r, ps));
       EXPECT_EQ(est["budgets"][3]["params"].get<int64_t>(), most) << tag;
+      // the gather buffers and the staging the int8 gathers take, planned byte for byte
+      const json& b = est["budgets"][3];
+      EXPECT_EQ(b["comm_gather"].get<int64_t>() + b["comm_prefetch"].get<int64_t>() + b["live_params"].get<int64_t>(),
+                row.at("memory").at("gathered").get<int64_t>()) << tag;
       const json predicted = est.at("communication").at(3);
       for (const auto& [axis, bytes] : row.at("comm_bytes_by_axis").items())
         EXPECT_EQ(predicted.at("comm_bytes_by_axis").value(axis, int64_t(0)), bytes.get<int64_t>()) << tag << " " << axis;
@@ -298,9 +302,11 @@ TEST(QuantizedFrozen, CombinesWithFp16Bf16MasterWeightsQwzAndQgz) {
     const Result e = run("estimate --config " + path + " --world-size " + std::to_string(k.np) +
                          (k.np == 4 ? " --ranks-per-node 2" : "") + " --json");
     ASSERT_EQ(e.code, 0) << e.err;
-    const json predicted = json::parse(e.out).at("communication").at(3);
+    const json est = json::parse(e.out), predicted = est.at("communication").at(3), &b = est["budgets"][3];
     for (const auto& [axis, bytes] : rows.back().at("comm_bytes_by_axis").items())
       EXPECT_EQ(predicted.at("comm_bytes_by_axis").value(axis, int64_t(0)), bytes.get<int64_t>()) << k.what << " " << axis;
+    EXPECT_EQ(b["comm_gather"].get<int64_t>() + b["comm_prefetch"].get<int64_t>() + b["live_params"].get<int64_t>(),
+              rows.back().at("memory").at("gathered").get<int64_t>()) << k.what;  // rank 0's, planned byte for byte
   }
 }
 
