@@ -52,16 +52,9 @@ namespace cpu {
 // Mixtral: any k as top-k; l_aux over the k-hot mask, not divided by k.
 ZERO3D_KERNEL void gate_forward_choose(const float* logits, int64_t S, const GateConfig& c, const GateDraws& draws,
                                 Routing& r) {
-  detail::check_gate(S, c);
+  const detail::ChoicePolicy p = detail::begin_choice(S, c, draws, r, /*device_form=*/false);
   const int E = c.num_experts, k = c.k;
-  const bool rsample = k == 1 && c.noise == NoisyGate::RSample && c.training;
-  const bool sample2 = k == 2 && c.top2_2nd_expert_sampling;
-  const bool argmax = k <= 2 && !c.mixtral;
-  if (rsample || sample2) detail::check_draw(draws.gumbel, "Gumbel", c);
-  r.num_tokens = S;
-  r.num_experts = E;
-  r.k = k;
-  r.device_form = false;
+  const bool rsample = p.rsample, sample2 = p.sample2, argmax = p.argmax;
   r.gates.resize(S * E);
   r.choice.resize(S * k);
   float* gates = r.gates.data();

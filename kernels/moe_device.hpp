@@ -49,16 +49,9 @@ using ExpertTeam = ExpertTeams::member_type;
 // Phase 1: the gates, each token's choices, the per-expert counts, the fill order and l_aux.
 ZERO3D_KERNEL void gate_forward_choose(const float* logits, int64_t S, const GateConfig& c, const GateDraws& draws,
                                        Routing& r) {
-  detail::check_gate(S, c);
+  const detail::ChoicePolicy p = detail::begin_choice(S, c, draws, r, /*device_form=*/true);
   const int E = c.num_experts, k = c.k;
-  const bool rsample = k == 1 && c.noise == NoisyGate::RSample && c.training;
-  const bool sample2 = k == 2 && c.top2_2nd_expert_sampling;
-  const bool argmax = k <= 2 && !c.mixtral;
-  if (rsample || sample2) detail::check_draw(draws.gumbel, "Gumbel", c);
-  r.num_tokens = S;
-  r.num_experts = E;
-  r.k = k;
-  r.device_form = true;
+  const bool rsample = p.rsample, sample2 = p.sample2, argmax = p.argmax;
   RoutingTables& t = r.device;
   const Index n = S * k, chunks = (n + kFillChunk - 1) / kFillChunk;
   float* gates = t.grown(t.gates, S * E, "moe_gates");

@@ -172,6 +172,27 @@ inline void check_gate(int64_t S, const GateConfig& c) {
                      std::to_string(S) + " tokens a top-1 gate routes per micro-batch; lower it or raise the batch");
 }
 
+// How phase 1 chooses (both forms): RSample's noisy top-1 in training, top-2's sampled second
+// expert, argmax choices (top-1/2 outside Mixtral) rather than the k highest probabilities.
+struct ChoicePolicy {
+  bool rsample, sample2, argmax;
+};
+
+// What either form's phase 1 does before its first kernel: the gate checked, the draws it needs
+// present, the routing's sizes and form set.
+inline ChoicePolicy begin_choice(int64_t S, const GateConfig& c, const GateDraws& draws, Routing& r, bool device_form) {
+  check_gate(S, c);
+  const int k = c.k;
+  const ChoicePolicy p{k == 1 && c.noise == NoisyGate::RSample && c.training, k == 2 && c.top2_2nd_expert_sampling,
+                       k <= 2 && !c.mixtral};
+  if (p.rsample || p.sample2) check_draw(draws.gumbel, "Gumbel", c);
+  r.num_tokens = S;
+  r.num_experts = c.num_experts;
+  r.k = k;
+  r.device_form = device_form;
+  return p;
+}
+
 // One token's fp32 softmax p[E] of its logits z[E] and its k choices ch[k] (both forms run this).
 //   argmax (top-1, top-2): the first maximum, as torch.argmax; top-1 RSample picks by z + Gumbel;
 //   top-2's second is the argmax of z (+ Gumbel when sampling) with the first masked out.

@@ -18,71 +18,19 @@
 
 #include "io/h5.hpp"
 #include "support/cli_helpers.hpp"
+#include "support/frozen_model.hpp"
 #include "support/golden_file.hpp"
 
 using namespace cli;
 
 namespace {
 
-const std::string kGoldenDir = kSource + "/tests/golden";
-// The reference's patterns (make_frozen_goldens.py FROZEN): block 0, wpe and one bias of block 1.
-const std::vector<std::string> kFrozen = {R"(^h\.0\.)", R"(wpe\.weight)", R"(h\.1\.mlp\.c_fc\.bias)"};
-// The tiny GPT-2's 28,032 parameters, of which block 0 (12,704), wpe (512) and h.1.mlp.c_fc.bias
-// (128) are frozen.
-constexpr int64_t kPsi = 28032, kFrozenNumel = 12704 + 512 + 128;
+const std::string kGoldenDir = kFrozenGoldenDir;
 
-json golden_config(int stage) {
-  return json{{"train_batch_size", 8},
-              {"train_micro_batch_size_per_gpu", 4},
-              {"gradient_clipping", 0.5},
-              {"optimizer",
-               {{"type", "AdamW"},
-                {"params", {{"lr", 1e-2}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.1}}}}},
-              {"model",
-               {{"vocab_size", 64},
-                {"n_positions", 16},
-                {"n_layer", 2},
-                {"n_head", 2},
-                {"n_embd", 32},
-                {"init_from", kGoldenDir + "/frozen_init.h5"},
-                {"frozen_parameters", kFrozen}}},
-              {"data", {{"source", "tokens"}, {"path", kGoldenDir + "/frozen_tokens.bin"}}},
-              {"zero_optimization", {{"stage", stage}}},
-              {"training", {{"steps", 6}, {"seed", 7}, {"peak_gflops", 50}, {"save_interval", 3}}}};
-}
+json golden_config(int stage) { return frozen_golden_config(stage, 4); }
 
 std::string train(const json& c, const std::string& name, int np, const std::string& args = "") {
-  const std::string dir = temp_path(name);
-  std::system(("rm -rf " + dir).c_str());
-  const Result r = run("train " + write_config(name + ".json", c) + " --output " + dir + " " + args, np);
-  EXPECT_EQ(r.code, 0) << r.out << r.err;
-  return dir;
-}
-
-// The run's weights after its last step, converted to Hugging Face names (fp32).
-std::string converted(const std::string& dir, const std::string& tag = "global_step6") {
-  const std::string out = dir + "/hf/weights.h5";  // beside its own config.json, not the run's
-  const Result r = run("convert " + dir + "/checkpoints --tag " + tag + " " + out);
-  EXPECT_EQ(r.code, 0) << r.err;
-  return out;
-}
-
-bool is_frozen(const std::string& name) {
-  for (const std::string& p : kFrozen)
-    if (std::regex_search(name, std::regex(p))) return true;
-  return false;
-}
-
-std::vector<std::string> tensor_names() {
-  std::vector<std::string> out = {"wte.weight", "wpe.weight"};
-  for (int l = 0; l < 2; ++l)
-    for (const char* t : {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
-                          "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-                          "mlp.c_proj.weight", "mlp.c_proj.bias"})
-      out.push_back("h." + std::to_string(l) + "." + t);
-  out.push_back("ln_f.weight");
-  out.push_back("ln_f.bias");
-  return out;
+  return train_frozen(c, name, np, args);
 }
 
 struct Layout {
@@ -146,15 +94,6 @@ TEST(Frozen, TwoRankZero3LossesAreOneRanksWithin1e5) {
   const auto one = losses_of(read_metrics(train(golden_config(3), "frozen_z3_np1", 1)));
   const auto two = losses_of(read_metrics(train(golden_config(3), "frozen_z3_np2", 2)));
   expect_losses_close(two, one, 1e-5, "np 2 vs np 1");
-}
-
-// fp32 rounded to bf16, nearest-even (the data holds no NaN).
-float bf16_rounded(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&x, &u, 4);
-  return x;
 }
 
 // ZeRO-3's layouts over 4 ranks on 2 emulated nodes: MiCS (shard groups of 2, the replicas'

@@ -20,77 +20,23 @@
 
 #include "io/h5.hpp"
 #include "support/cli_helpers.hpp"
+#include "support/frozen_model.hpp"
 
 using namespace cli;
 
 namespace {
 
-const std::string kGoldenDir = kSource + "/tests/golden";
-// tests/golden/make_frozen_goldens.py's model and patterns: block 0, wpe and one bias of block 1.
-const std::vector<std::string> kFrozen = {R"(^h\.0\.)", R"(wpe\.weight)", R"(h\.1\.mlp\.c_fc\.bias)"};
-constexpr int64_t kPsi = 28032, kFrozenNumel = 12704 + 512 + 128;
+const std::string kGoldenDir = kFrozenGoldenDir;
 
 json config(const std::string& init = kGoldenDir + "/frozen_init.h5", bool quantized = true) {
-  return json{{"train_batch_size", 8},
-              {"train_micro_batch_size_per_gpu", 2},
-              {"gradient_clipping", 0.5},
-              {"optimizer",
-               {{"type", "AdamW"},
-                {"params", {{"lr", 1e-2}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.1}}}}},
-              {"model",
-               {{"vocab_size", 64},
-                {"n_positions", 16},
-                {"n_layer", 2},
-                {"n_head", 2},
-                {"n_embd", 32},
-                {"init_from", init},
-                {"frozen_parameters", kFrozen}}},
-              {"data", {{"source", "tokens"}, {"path", kGoldenDir + "/frozen_tokens.bin"}}},
-              {"zero_optimization", {{"stage", 3}, {"zero_quantized_nontrainable_weights", quantized}}},
-              {"training", {{"steps", 6}, {"seed", 7}, {"peak_gflops", 50}, {"save_interval", 3}}}};
+  json c = frozen_golden_config(3, 2, init);
+  c["zero_optimization"]["zero_quantized_nontrainable_weights"] = quantized;
+  return c;
 }
 
 std::string train(const json& c, const std::string& name, int np, const std::string& args = "",
                   const std::string& prefix = "") {
-  const std::string dir = temp_path(name);
-  std::system(("rm -rf " + dir).c_str());
-  const Result r = run("train " + write_config(name + ".json", c) + " --output " + dir + " " + args, np, prefix);
-  EXPECT_EQ(r.code, 0) << r.out << r.err;
-  return dir;
-}
-
-std::string converted(const std::string& dir, const std::string& tag = "global_step6") {
-  const std::string out = dir + "/hf/weights.h5";
-  const Result r = run("convert " + dir + "/checkpoints --tag " + tag + " " + out);
-  EXPECT_EQ(r.code, 0) << r.err;
-  return out;
-}
-
-bool is_frozen(const std::string& name) {
-  for (const std::string& p : kFrozen)
-    if (std::regex_search(name, std::regex(p))) return true;
-  return false;
-}
-
-// The layout's tensors in order (model_layout.cpp: wte, wpe, the blocks, ln_f).
-std::vector<std::string> tensor_names() {
-  std::vector<std::string> out = {"wte.weight", "wpe.weight"};
-  for (int l = 0; l < 2; ++l)
-    for (const char* t : {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
-                          "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-                          "mlp.c_proj.weight", "mlp.c_proj.bias"})
-      out.push_back("h." + std::to_string(l) + "." + t);
-  out.push_back("ln_f.weight");
-  out.push_back("ln_f.bias");
-  return out;
-}
-
-float bf16_rounded(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&x, &u, 4);
-  return x;
+  return train_frozen(c, name, np, args, prefix);
 }
 
 // The documented block formula (kernels/quantize.hpp; DeepSpeed's CUDAQuantizer, symmetric int8)

@@ -28,6 +28,7 @@
 #include "parallel/comm.hpp"
 #include "parallel/topology.hpp"
 #include "support/model_memory.hpp"
+#include "support/moe_training.hpp"
 #include "train/engine.hpp"
 #include "zero/shard_groups.hpp"
 
@@ -281,26 +282,7 @@ using json = nlohmann::json;
 
 // A tiny GPT-2 with MoE in both blocks (top-2 over 4 experts dropping about half, Jitter noise on
 // the gate's input), and a tiny Mixtral (top-2 of 4 SwiGLU experts, router jitter).
-json gpt2_moe() {
-  return json{{"train_batch_size", 8},
-              {"train_micro_batch_size_per_gpu", 2},
-              {"gradient_clipping", 0.05},
-              {"steps_per_print", 1000},
-              {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"weight_decay", 0.01}}}}},
-              {"model",
-               {{"vocab_size", 61},
-                {"n_positions", 16},
-                {"n_layer", 2},
-                {"n_head", 2},
-                {"n_embd", 16},
-                {"moe",
-                 {{"num_experts", 4},
-                  {"k", 2},
-                  {"capacity_factor", 0.5},
-                  {"min_capacity", 2},
-                  {"noisy_gate_policy", "Jitter"}}}}},
-              {"training", {{"steps", 4}, {"seed", 11}}}};
-}
+json gpt2_moe() { return test_support::tiny_gpt2_moe(1, {{"noisy_gate_policy", "Jitter"}}); }
 
 json mixtral() {
   return json{{"train_batch_size", 8},
@@ -324,24 +306,9 @@ json mixtral() {
               {"training", {{"steps", 4}, {"seed", 5}}}};
 }
 
-std::vector<double> train(const json& j, bool device_form) {
-  int size = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  const Config cfg = read_config(j, "moe_device_form.json", size);
-  ProcessGroups groups(ProcessTopology::pipe_data_model(1, size, 1), MPI_COMM_WORLD,
-                       static_cast<int>(cfg.model.moe.ep_size), data_shards(cfg.zero));
-  moe_device_form_on_host() = device_form;
-  std::vector<double> out;
-  {
-    Engine engine(cfg, groups, "");
-    for (const StepResult& r : engine.train()) out.push_back(r.loss), out.push_back(r.grad_norm);
-  }
-  moe_device_form_on_host() = false;
-  return out;
-}
-
 void expect_training_agrees(const json& j, const std::string& name) {
-  const std::vector<double> cpu = train(j, false), dev = train(j, true);
+  const std::vector<double> cpu = test_support::moe_losses_and_norms(j, false),
+                            dev = test_support::moe_losses_and_norms(j, true);
   ASSERT_EQ(cpu.size(), dev.size());
   ASSERT_EQ(cpu.size(), 8u);
   double worst = 0.0;

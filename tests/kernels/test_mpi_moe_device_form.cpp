@@ -15,45 +15,15 @@
 
 #include <nlohmann/json.hpp>
 
-#include "config/config.hpp"
-#include "kernels/moe.hpp"
-#include "parallel/topology.hpp"
-#include "train/engine.hpp"
-#include "zero/shard_groups.hpp"
+#include "support/moe_training.hpp"
 
 using namespace zero3d;
 using json = nlohmann::json;
 
 namespace {
 
-json gpt2_moe(int ep, const json& moe_extra) {
-  json moe = {{"num_experts", 4}, {"k", 2}, {"capacity_factor", 0.5}, {"min_capacity", 2}, {"ep_size", ep}};
-  moe.update(moe_extra);
-  return json{{"train_batch_size", 8},
-              {"train_micro_batch_size_per_gpu", 2},
-              {"gradient_clipping", 0.05},
-              {"steps_per_print", 1000},
-              {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"weight_decay", 0.01}}}}},
-              {"model", {{"vocab_size", 61}, {"n_positions", 16}, {"n_layer", 2}, {"n_head", 2}, {"n_embd", 16},
-                         {"moe", moe}}},
-              {"training", {{"steps", 4}, {"seed", 11}}}};
-}
-
-std::vector<double> train(const json& j, bool device_form) {
-  int size = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  const Config cfg = read_config(j, "moe_device_form.json", size);
-  ProcessGroups groups(ProcessTopology::pipe_data_model(1, size, 1), MPI_COMM_WORLD,
-                       static_cast<int>(cfg.model.moe.ep_size), data_shards(cfg.zero));
-  kernels::moe::moe_device_form_on_host() = device_form;
-  std::vector<double> out;
-  {
-    Engine engine(cfg, groups, "");
-    for (const StepResult& r : engine.train()) out.push_back(r.loss), out.push_back(r.grad_norm);
-  }
-  kernels::moe::moe_device_form_on_host() = false;
-  return out;
-}
+using test_support::moe_losses_and_norms;
+using test_support::tiny_gpt2_moe;
 
 }  // namespace
 
@@ -65,8 +35,8 @@ TEST(MoeDeviceFormExpertParallel, GivesTheCpuFormsLossesAtEpOfTheWorldSize) {
        {std::pair<std::string, json>{"top-2 dropping", json::object()},
         {"top-1 RSample without drops", json{{"k", 1}, {"drop_tokens", false}, {"noisy_gate_policy", "RSample"}}},
         {"top-1 RTS", json{{"k", 1}, {"capacity_factor", 0.7}}}}) {
-    const json j = gpt2_moe(size, extra);
-    const std::vector<double> cpu = train(j, false), dev = train(j, true);
+    const json j = tiny_gpt2_moe(size, extra);
+    const std::vector<double> cpu = moe_losses_and_norms(j, false), dev = moe_losses_and_norms(j, true);
     ASSERT_EQ(cpu.size(), 8u);
     ASSERT_EQ(dev.size(), cpu.size());
     double worst = 0.0;
