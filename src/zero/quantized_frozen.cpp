@@ -243,7 +243,8 @@ void ZeroOptimizer::unpack_frozen(int u, Gathered& g) {
 // parameters widened) and the frozen pieces dequantised in fp32 (what `zero3d convert` gives).
 void ZeroOptimizer::quantized_partition_values(float* s) {
   const int64_t pb = part_.begin(rank_);
-  const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
+  const std::pair<int64_t, int64_t> range = part_.owned(rank_, 0, layout_.total());
+  const int64_t lo = range.first, hi = range.second;  // plain names: the lambda captures lo (nvcc: bindings are C++20)
   zero_any(s, DType::F32, hi - lo);
   packed_pieces(*trainable_, lo - pb, hi - lo, [&](int64_t x, int64_t packed, int64_t c) {
     if (mixed_) convert_any(s + (x - (lo - pb)), DType::F32, master_.data() + packed, DType::F32, c);
