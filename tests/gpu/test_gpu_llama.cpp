@@ -175,8 +175,8 @@ TEST(GpuLlamaKernels, GroupedQueryAttentionWithAndWithoutAWindowMatchesTheHost) 
 
 // The Llama family's bf16 attention as the build chooses it (the portable form on q, k, v widened;
 // under ZERO3D_ATTENTION_KERNEL=flash the fused CUDA kernel with its groups and window, which
-// benchmarks/gpu_check.sh runs with that filter): 8 query heads over 2 (Llama 3) and over 8 (no
-// groups), head sizes 64 and 128, T 1000 (no multiple of the kernel's 64-row blocks), without a
+// benchmarks/gpu_check.sh runs with that filter): 8 query heads over 2 (Llama 3), over 8 (no
+// groups) and over 1 (multi-query), head sizes 64 and 128, T 1000 (no multiple of the kernel's 64-row blocks), without a
 // window and with windows of 300 and 40 (a query block whose first key block it does not see),
 // against host_gqa on the bf16-rounded q, k, v and dY. What remains is the bf16 rounding of P and
 // dS, as in GPT-2's bf16 check. Two backwards give the same bits (no atomics).
@@ -186,7 +186,7 @@ TEST(GpuAttention, Bf16GroupedQueryWithAWindowMatchesTheHostAndRepeatsItsBits) {
   };
   const auto round_bf16 = [](float f) { return to_float(from_float<bf16>(f)); };
   const Index B = 1, T = 1000;
-  for (const Shape& s : {Shape{8, 2, 64, 0}, Shape{8, 2, 64, 300}, Shape{8, 8, 128, 40}, Shape{4, 1, 128, 0}}) {
+  for (const Shape& s : {Shape{8, 2, 64, 0}, Shape{8, 2, 64, 300}, Shape{8, 8, 128, 40}, Shape{8, 1, 128, 0}}) {
     const Index H = s.H, Hkv = s.Hkv, d = s.d, W = (H + 2 * Hkv) * d, A = H * d;
     std::vector<float> qkv = normal(T * W, 1.0f, 41), dy = normal(T * A, 1.0f, 42);
     for (float& x : qkv) x = round_bf16(x);
