@@ -162,19 +162,8 @@ ZERO3D_KERNEL void gate_forward_assign(int64_t C, const GateConfig& c, const Gat
 
 // The backward, dispatch and combine: their contracts are the entry points' (below).
 ZERO3D_KERNEL void gate_backward(const Routing& r, const float* d_weight, float d_l_aux, float* d_logits) {
-  const int64_t S = r.num_tokens;
-  const int E = r.num_experts, k = r.k;
-  const float* gates = r.gates.data();
-  const int32_t* expert = r.expert.data();
-  const float* weight = r.weight.data();
-  const float* ce = r.aux_fraction.data();
-  const float* sums = r.kept_gate_sum.data();
-  const float aux = static_cast<float>(d_l_aux * r.aux_scale / S);
-  const bool renormalized = r.renormalized;
-  Kokkos::parallel_for("moe_gate_backward", range(S), KOKKOS_LAMBDA(Index s) {
-    detail::token_gate_backward(d_logits + s * E, gates + s * E, expert + s * k, weight + s * k, d_weight + s * k, ce,
-                                aux, renormalized ? sums[s] : 0.0f, E, k, renormalized);
-  });
+  detail::gate_backward_tokens("moe_gate_backward", r, r.gates.data(), r.expert.data(), r.weight.data(),
+                               r.aux_fraction.data(), r.kept_gate_sum.data(), d_weight, d_l_aux, d_logits);
 }
 
 ZERO3D_KERNEL void dispatch_forward(float* rows, const float* x, const Routing& r, Index h) {

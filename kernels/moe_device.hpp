@@ -221,19 +221,9 @@ ZERO3D_KERNEL void gate_forward_assign(int64_t C, const GateConfig& c, const Gat
 
 // d_logits [S, E] (written) from d(weights) [S·k] and d(l_aux), as the CPU form.
 ZERO3D_KERNEL void gate_backward(const Routing& r, const float* d_weight, float d_l_aux, float* d_logits) {
-  const int64_t S = r.num_tokens;
-  const int E = r.num_experts, k = r.k;
-  const float* gates = r.device.gates.data();
-  const int32_t* expert = r.device.expert.data();
-  const float* weight = r.device.weight.data();
-  const float* ce = r.device.aux_fraction.data();
-  const float* sums = r.device.kept_gate_sum.data();
-  const float aux = static_cast<float>(d_l_aux * r.aux_scale / S);
-  const bool renormalized = r.renormalized;
-  Kokkos::parallel_for("moe_gate_backward_device", range(S), KOKKOS_LAMBDA(Index s) {
-    detail::token_gate_backward(d_logits + s * E, gates + s * E, expert + s * k, weight + s * k, d_weight + s * k, ce,
-                                aux, renormalized ? sums[s] : 0.0f, E, k, renormalized);
-  });
+  const RoutingTables& t = r.device;
+  detail::gate_backward_tokens("moe_gate_backward_device", r, t.gates.data(), t.expert.data(), t.weight.data(),
+                               t.aux_fraction.data(), t.kept_gate_sum.data(), d_weight, d_l_aux, d_logits);
 }
 
 // rows[row(i)] = x[token of i] for every kept choice i: a team per choice, lanes over h.

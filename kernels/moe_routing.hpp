@@ -282,6 +282,21 @@ KOKKOS_INLINE_FUNCTION void token_gate_backward(float* dg, const float* p, const
   for (int e = 0; e < E; ++e) dot += static_cast<double>(p[e]) * dg[e];
   for (int e = 0; e < E; ++e) dg[e] = p[e] * (dg[e] - static_cast<float>(dot));
 }
+
+// d_logits [S, E] (written) from d(weights) [S·k] and d(l_aux), a token per thread, over a
+// routing's tables wherever they live (the CPU form's host vectors, the device form's views).
+ZERO3D_KERNEL void gate_backward_tokens(const char* label, const Routing& r, const float* gates, const int32_t* expert,
+                                        const float* weight, const float* aux_fraction, const float* kept_gate_sum,
+                                        const float* d_weight, float d_l_aux, float* d_logits) {
+  const int64_t S = r.num_tokens;
+  const int E = r.num_experts, k = r.k;
+  const float aux = static_cast<float>(d_l_aux * r.aux_scale / S);
+  const bool renormalized = r.renormalized;
+  Kokkos::parallel_for(label, range(S), KOKKOS_LAMBDA(Index s) {
+    token_gate_backward(d_logits + s * E, gates + s * E, expert + s * k, weight + s * k, d_weight + s * k,
+                        aux_fraction, aux, renormalized ? kept_gate_sum[s] : 0.0f, E, k, renormalized);
+  });
+}
 }  // namespace detail
 
 // Tests only: a CPU build routes through the device form when this is set (a GPU build always

@@ -91,12 +91,7 @@ int64_t simulate_gather_staging(const ZeroConfig& zero, const StateTypes& types,
       Takes t;
       t.packed = plan.total;
       if (zero.quantized_weights) t.scratch = 4 * plan.trainable_count[static_cast<size_t>(rank)];
-      int64_t widest = 0;
-      for (size_t r = 0; r < plan.bytes.size(); ++r) {
-        widest = std::max(widest, plan.trainable_count[r]);
-        for (const FrozenPiece& p : plan.frozen[r]) widest = std::max(widest, p.count);
-      }
-      if (types.param != DType::F32 || zero.quantized_weights) t.narrowed = 4 * widest;
+      if (types.param != DType::F32 || zero.quantized_weights) t.narrowed = 4 * plan.widest;
       return t;
     }
     if (zero.quantized_weights) {

@@ -66,7 +66,11 @@ FrozenGatherPlan frozen_gather_plan(const ParamLayout& layout, const StateTypes&
     }
     int64_t bytes = n == 0 ? 0 : pad8(quantize_trainable ? kernels::quantized_bytes(n) : n * es);
     std::vector<FrozenPiece> frozen = frozen_pieces(layout, types, lo, hi);
-    for (const FrozenPiece& p : frozen) bytes += p.bytes();
+    plan.widest = std::max(plan.widest, n);
+    for (const FrozenPiece& p : frozen) {
+      bytes += p.bytes();
+      plan.widest = std::max(plan.widest, p.count);
+    }
     bytes = pad8(bytes);
     plan.at.push_back(plan.total);
     plan.bytes.push_back(bytes);
@@ -194,13 +198,8 @@ void ZeroOptimizer::unpack_frozen(int u, Gathered& g) {
   const FrozenGatherPlan& plan = frozen_plans_[static_cast<size_t>(u)];
   const ParamUnit& unit = units_[static_cast<size_t>(u)];
   const auto es = static_cast<int64_t>(dtype_size(types_.param));
-  int64_t widest = 0;
-  for (size_t r = 0; r < plan.bytes.size(); ++r) {
-    widest = std::max(widest, plan.trainable_count[r]);
-    for (const FrozenPiece& p : plan.frozen[r]) widest = std::max(widest, p.count);
-  }
   kernels::StagingBuffer wide;
-  if (types_.param != DType::F32 || cfg_.quantized_weights) wide = gather_staging_.take(4 * widest);
+  if (types_.param != DType::F32 || cfg_.quantized_weights) wide = gather_staging_.take(4 * plan.widest);
   float* fp32 = reinterpret_cast<float*>(wide.data());
   for (size_t r = 0; r < plan.bytes.size(); ++r) {
     const char* in = g.packed.data() + plan.at[r];

@@ -59,6 +59,7 @@ struct FrozenGatherPlan {
   std::vector<std::vector<std::pair<int64_t, int64_t>>> trainable;  // rank r's trainable ranges, global
   std::vector<int64_t> trainable_count;
   std::vector<std::vector<FrozenPiece>> frozen;
+  int64_t widest = 0;  // the most elements of one rank's trainable run or one frozen piece (fp32 on arrival)
 };
 FrozenGatherPlan frozen_gather_plan(const ParamLayout& layout, const StateTypes& types, const Partition& part,
                                     const ParamUnit& unit, bool quantize_trainable);
