@@ -10,13 +10,19 @@ namespace zero3d {
 using kernels::bf16;
 using kernels::fp16;
 
-TypedBuffer::TypedBuffer(const std::string& label, DType type, int64_t n, bool zero)
-    : bytes_(zero ? Kokkos::View<char*>(label, n * static_cast<int64_t>(dtype_size(type)))
-                  : Kokkos::View<char*>(Kokkos::view_alloc(Kokkos::WithoutInitializing, label),
-                                        n * static_cast<int64_t>(dtype_size(type)))),
-      type_(type), n_(n) {
+TypedBuffer::TypedBuffer(const std::string& label, DType type, int64_t n, bool zero, BufferPlace place)
+    : type_(type), n_(n), place_(place) {
   if (type != DType::F32 && type != DType::BF16 && type != DType::F16)
     throw SystemError("TypedBuffer " + label + ": unsupported element type " + dtype_name(type));
+  const int64_t bytes = n * static_cast<int64_t>(dtype_size(type));
+  if (place == BufferPlace::PinnedHost && !kernels::kHostIsDevice) {
+    pinned_ = zero ? Kokkos::View<char*, kernels::PinnedHostSpace>(label, bytes)
+                   : Kokkos::View<char*, kernels::PinnedHostSpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), bytes);
+    data_ = pinned_.data();
+    return;
+  }
+  bytes_ = zero ? Kokkos::View<char*>(label, bytes) : Kokkos::View<char*>(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), bytes);
+  data_ = bytes_.data();
 }
 
 namespace {

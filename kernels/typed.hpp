@@ -8,28 +8,38 @@
 #include <string>
 
 #include "base/dtype.hpp"
+#include "kernels/memory.hpp"
 
 namespace zero3d {
+
+// Where a TypedBuffer lives: model memory (the device's), or page-locked host memory that the
+// device's kernels read and write in place over the bus (unified addressing: offload_param cpu's
+// partition). On a CPU build both are host memory.
+enum class BufferPlace { Model, PinnedHost };
 
 class TypedBuffer {
  public:
   TypedBuffer() = default;
-  TypedBuffer(const std::string& label, DType type, int64_t n, bool zero = true);
-  void* data() const { return bytes_.data(); }
+  TypedBuffer(const std::string& label, DType type, int64_t n, bool zero = true, BufferPlace place = BufferPlace::Model);
+  void* data() const { return data_; }
   DType type() const { return type_; }
   int64_t size() const { return n_; }
   int64_t bytes() const { return n_ * static_cast<int64_t>(dtype_size(type_)); }
   // Address of element i.
-  void* at(int64_t i) const { return bytes_.data() + i * static_cast<int64_t>(dtype_size(type_)); }
+  void* at(int64_t i) const { return data_ + i * static_cast<int64_t>(dtype_size(type_)); }
   template <typename T>
   T* as() const {
-    return reinterpret_cast<T*>(bytes_.data());
+    return reinterpret_cast<T*>(data_);
   }
+  BufferPlace place() const { return place_; }
 
  private:
   Kokkos::View<char*> bytes_;
+  Kokkos::View<char*, kernels::PinnedHostSpace> pinned_;  // BufferPlace::PinnedHost on a GPU build
+  char* data_ = nullptr;
   DType type_ = DType::F32;
   int64_t n_ = 0;
+  BufferPlace place_ = BufferPlace::Model;
 };
 
 // dst[i] (=|+=) src[i]·scale, computed in fp32, rounded once to dst's type (RNE).

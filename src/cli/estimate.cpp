@@ -11,6 +11,7 @@
 #include "base/input_file.hpp"
 #include "cli/commands.hpp"
 #include "config/config.hpp"
+#include "kernels/device.hpp"
 #include "train/comm_volume.hpp"
 #include "train/estimator.hpp"
 
@@ -263,8 +264,12 @@ int cmd_estimate(EstimateArgs a, int rank) {
     for (const auto& b : budgets) std::printf(" %s", mib(b.host_total()).c_str());
     std::printf("\n%-25s", "(in NVMe swap files)");
     for (const auto& b : budgets) std::printf(" %s", mib(b.offload_nvme).c_str());
-    std::printf("\n(offload: `total` is device plus host memory, the same memory on this CPU-only build; `in device "
-                "memory` is what a GPU would hold; swap files are on disk and not in the total)\n");
+    if (kernels::kGpuBuild)
+      std::printf("\n(offload: `total` is device plus host memory; `in device memory` is what the GPU holds; swap "
+                  "files are on disk and not in the total)\n");
+    else
+      std::printf("\n(offload: `total` is device plus host memory, the same memory on this CPU-only build; `in "
+                  "device memory` is what a GPU would hold; swap files are on disk and not in the total)\n");
   }
   const std::pair<const char*, int64_t MemoryBudget::*> alternatives[] = {
       {"(activations in host mem)", &MemoryBudget::activations_host},

@@ -726,7 +726,6 @@ double read_dropout_probability(Section& sec, const std::string& key) {
 }  // namespace config_detail
 
 std::vector<std::pair<std::string, std::string>> gpu_build_problems(const Config& c, int64_t world_size) {
-  const std::string not_yet = " does not run on zero3d's GPU build yet";
   std::vector<std::pair<std::string, std::string>> p;
   (void)world_size;  // every layout runs: collectives on device memory stage through the host (comm_staged.hpp)
   // Mixture of Experts has its device form (routing tables in model memory, the fill order from
@@ -745,17 +744,21 @@ std::vector<std::pair<std::string, std::string>> gpu_build_problems(const Config
     p.emplace_back("sparse_attention",
                    "block-sparse attention has not yet run on a GPU: its device form is built but unchecked on a "
                    "device; set ZERO3D_GPU_SPARSE_ATTENTION=1 in the environment to run it");
-  // ZeRO-Offload of the optimizer state has its GPU form (host tiers page-locked per pin_memory,
-  // the CPU optimizer on host copies of each sub-group) but no device run has checked it yet:
-  // it runs when asked for by name, as the fused CUDA attention does.
+  // ZeRO-Offload and ZeRO-Infinity have their GPU form (the optimizer's host tiers page-locked per
+  // pin_memory, the CPU optimizer on host copies of each sub-group; offload_param cpu's partition
+  // in page-locked host memory that the kernels read in place; offload_param nvme's slices copied
+  // into the gather buffers) but no device run has checked it yet: it runs when asked for by name,
+  // as the fused CUDA attention does.
   const char* offload_opt_in = std::getenv("ZERO3D_GPU_OFFLOAD");
-  if (c.zero.offload_optimizer.device != OffloadDevice::None &&
-      (offload_opt_in == nullptr || std::string(offload_opt_in) != "1"))
+  const bool offload_asked = offload_opt_in != nullptr && std::string(offload_opt_in) == "1";
+  if (c.zero.offload_optimizer.device != OffloadDevice::None && !offload_asked)
     p.emplace_back("zero_optimization.offload_optimizer.device",
                    "ZeRO-Offload has not yet run on a GPU: its GPU form is built but unchecked on a device; set "
                    "ZERO3D_GPU_OFFLOAD=1 in the environment to run it");
-  if (c.zero.offload_param.device != OffloadDevice::None)
-    p.emplace_back("zero_optimization.offload_param.device", "parameter offload" + not_yet);
+  if (c.zero.offload_param.device != OffloadDevice::None && !offload_asked)
+    p.emplace_back("zero_optimization.offload_param.device",
+                   "parameter offload has not yet run on a GPU: its GPU form is built but unchecked on a device; set "
+                   "ZERO3D_GPU_OFFLOAD=1 in the environment to run it");
   return p;
 }
 

@@ -15,6 +15,7 @@
 #include "base/dtype.hpp"
 #include "kernels/attention_sparse_table.hpp"
 #include "kernels/dropout.hpp"
+#include "kernels/memory.hpp"
 #include "kernels/moe.hpp"  // the gate's settings and routing (MPI-free kernels)
 #include "model/activation_checkpointing.hpp"
 #include "model/autocast.hpp"
@@ -314,9 +315,10 @@ struct BlockGradOperands {
 struct ActivationBuffer {
   FlatBuffer storage;
   // Saved checkpoint inputs: one allocation per slot, or one for all (contiguous), on the
-  // device or in host memory (cpu_checkpointing); `checkpoints[g]` is checkpoint g's slot.
+  // device or in host memory (cpu_checkpointing: page-locked on a GPU build, so the copies run
+  // at the link's rate); `checkpoints[g]` is checkpoint g's slot.
   std::vector<FlatBuffer> checkpoint_storage;
-  std::vector<Kokkos::View<float*, Kokkos::HostSpace>> checkpoint_host;
+  std::vector<Kokkos::View<float*, kernels::PinnedHostSpace>> checkpoint_host;
   std::vector<float*> checkpoints;
   float* output = nullptr;  // [B,T,C] the chunk's output under full recompute (else the last block's res_3)
   Kokkos::View<int32_t*> token_ids, target_ids;  // device copies the executor loads

@@ -267,7 +267,9 @@ void Engine::print_startup() const {
                                   "input, recomputed in backward"
                                 : "selective: every block recomputes its attention probabilities in backward";
     if (ac.partition_activations) how += "; inputs partitioned over " + std::to_string(tp_comm_->size()) + " tensor rank(s)";
-    if (ac.cpu_checkpointing) how += "; inputs in host memory (on this CPU build host and device memory are the same)";
+    if (ac.cpu_checkpointing)
+      how += kernels::kGpuBuild ? "; inputs in page-locked host memory"
+                                : "; inputs in host memory (on this CPU build host and device memory are the same)";
     if (ac.contiguous_memory_optimization)
       how += "; one contiguous buffer of " + std::to_string(ac.number_checkpoints) + " slots per micro-batch";
     if (ac.synchronize_checkpoint_boundary) how += "; fenced boundaries";
@@ -347,7 +349,7 @@ void Engine::report_step(const StepResult& r, const nlohmann::json& moe, double 
         io.read_bytes += x.read_bytes, io.read_s += x.read_s, io.write_bytes += x.write_bytes, io.write_s += x.write_s;
       }
       rec["memory"].update({{"host", m.host}, {"nvme", m.nvme}, {"swap_buffers", m.swap_buffers},
-                            {"host_is_device", true}});
+                            {"host_is_device", !kernels::kGpuBuild}});
       rec["swap"] = {{"read_bytes", io.read_bytes}, {"read_ms", 1e3 * io.read_s},
                      {"read_gbps", io.read_s > 0 ? io.read_bytes / io.read_s / 1e9 : 0.0},
                      {"write_bytes", io.write_bytes}, {"write_ms", 1e3 * io.write_s},

@@ -353,8 +353,9 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
       const int64_t largest = std::min(sg, offloaded);  // the largest offloaded sub-group
       swap_workspace += slots * ((fp32_master ? pages(largest * 4) : 0) + moments * pages(largest * ss));
     }
-    if (b.stage == 3 && cfg.zero.offload_param.device == OffloadDevice::Cpu) b.offload_host += b.params;
   }
+  // offload_param cpu: the partition in (page-locked) host memory, whatever the optimizer's placement
+  if (b.stage == 3 && cfg.zero.offload_param.device == OffloadDevice::Cpu) b.offload_host += b.params;
   const OffloadParamConfig& op = cfg.zero.offload_param;
   if (b.stage == 3 && op.device == OffloadDevice::Nvme) {
     b.offload_nvme += b.params;

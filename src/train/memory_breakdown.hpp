@@ -15,7 +15,7 @@ namespace zero3d {
 
 // Whether state lies beyond device memory: host or NVMe tiers, and swap traffic, to report.
 inline bool has_tiers(const ZeroConfig& z) {
-  return z.offload_optimizer.device != OffloadDevice::None || z.offload_param.device == OffloadDevice::Nvme;
+  return z.offload_optimizer.device != OffloadDevice::None || z.offload_param.device != OffloadDevice::None;
 }
 
 // What one report names, gathered by the engine.

@@ -94,6 +94,16 @@ GatherElems simulate_gathers(const ZeroConfig& zero, const std::vector<ParamUnit
   return out;
 }
 
+const void* ZeroOptimizer::own_slice(int u, Gathered& g, int64_t lo, int64_t hi) {
+  if (!param_swap_) return params_.at(lo - part_.begin(rank_));
+  const void* swapped = param_swap_->acquire(u);
+  if (kernels::kHostIsDevice) return swapped;
+  // Every gather form reads this rank's slice before anything writes the unit's buffer.
+  void* slot = g.buffer.at(lo - units_[u].offset);
+  kernels::copy_to_device(slot, swapped, static_cast<size_t>(hi - lo) * dtype_size(types_.param));
+  return slot;
+}
+
 void ZeroOptimizer::start_gather(int u, size_t k) {
   const ParamUnit& unit = units_[u];
   Gathered g;
@@ -122,11 +132,11 @@ void ZeroOptimizer::start_gather(int u, size_t k) {
     start_frozen_gather(u, g);
   } else if (cfg_.quantized_weights) {
     start_quantized_gather(dp_, g, counts, displs,
-                           param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_)));
+                           own_slice(u, g, lo, hi));
   } else if (shards_.gather_inter) {
-    start_hierarchical_gather(u, g, param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_)));
+    start_hierarchical_gather(u, g, own_slice(u, g, lo, hi));
   } else if (!gather_segments_.empty() && gather_mixed_[static_cast<size_t>(u)]) {
-    const void* own = param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_));
+    const void* own = own_slice(u, g, lo, hi);
     // torch_autocast: the listed modules' tensors travel in the autocast dtype, the rest in the
     // parameters' (DeepSpeed gathers each parameter in its comm dtype): every rank packs its
     // slice segment by segment into bytes; fetch() widens the gathered bytes into the unit.
@@ -150,8 +160,9 @@ void ZeroOptimizer::start_gather(int u, size_t k) {
     }
     g.pending = dp_.all_gather_v_async(g.packed.data(), bytes, at, DType::U8);
   } else {
-    const void* own = param_swap_ ? param_swap_->acquire(u) : params_.at(lo - part_.begin(rank_));
-    convert_any(g.buffer.at(lo - unit.offset), types_.param, own, types_.param, hi - lo);
+    void* slot = g.buffer.at(lo - unit.offset);
+    const void* own = own_slice(u, g, lo, hi);
+    if (own != slot) convert_any(slot, types_.param, own, types_.param, hi - lo);
     g.pending = dp_.all_gather_v_async(g.buffer.data(), counts, displs, types_.param);
   }
   live_elems_ += unit.numel;

@@ -128,7 +128,12 @@ ZeroOptimizer::ZeroOptimizer(const ZeroConfig& zero, const OptimizerConfig& opt,
   // zero_quantized_nontrainable_weights: the partition keeps the trainable elements alone, packed;
   // the frozen ones are int8 groups (quantized_frozen.hpp).
   quantized_frozen_ = stage_ == 3 && zero.quantized_nontrainable_weights && trainable_.has_value();
-  params_ = TypedBuffer("params", types_.param, params_on_nvme ? 0 : quantized_frozen_ ? trainable_elems : elems.params);
+  // offload_param cpu: the partition lives in page-locked host memory, where a GPU build's kernels
+  // (the gathers' copies, the step) read and write it in place, so it takes no device memory
+  // (DeepSpeed keeps ds_tensor in pinned CPU memory, FACTS-2 §3).
+  const bool params_on_host = stage_ == 3 && zero.offload_param.device == OffloadDevice::Cpu;
+  params_ = TypedBuffer("params", types_.param, params_on_nvme ? 0 : quantized_frozen_ ? trainable_elems : elems.params,
+                        /*zero=*/true, params_on_host ? BufferPlace::PinnedHost : BufferPlace::Model);
   if (quantized_frozen_) setup_quantized_frozen();
   if (params_on_nvme) {
     std::vector<std::pair<int64_t, int64_t>> slices;
@@ -314,10 +319,14 @@ void ZeroOptimizer::cast_range_to_params(int64_t begin, int64_t n, const float* 
   const int64_t pb = part_.begin(rank_);
   const auto [lo, hi] = part_.owned(rank_, pb + begin, pb + begin + n);
   if (hi <= lo) return;
-  if (param_swap_) {
+  if (param_swap_) {  // host values rounded by the host into the swap files
     std::vector<char> rounded(static_cast<size_t>(hi - lo) * dtype_size(types_.param));
-    convert_any(rounded.data(), types_.param, values + (lo - pb - begin), DType::F32, hi - lo);
+    convert_on_host(rounded.data(), types_.param, values + (lo - pb - begin), DType::F32, hi - lo);
     write_params(lo - pb, hi - lo, rounded.data());
+    return;
+  }
+  if (params_.place() == BufferPlace::PinnedHost) {  // offload_param cpu: host memory, rounded by the host
+    convert_on_host(params_.at(lo - pb), types_.param, values + (lo - pb - begin), DType::F32, hi - lo);
     return;
   }
   convert_any(params_.at(stage_ == 3 ? lo - pb : lo), types_.param,
@@ -332,6 +341,32 @@ void ZeroOptimizer::read_params(int64_t begin, int64_t n, void* out) {
 void ZeroOptimizer::write_params(int64_t begin, int64_t n, const void* in) {
   if (param_swap_) param_swap_->write(begin, n, in);
   else kernels::copy_to_device(params_.at(stage_ == 3 ? begin : part_.begin(rank_) + begin), in, n * dtype_size(types_.param));
+}
+
+// The swapped partition's [begin, begin + n) into model memory at dst, and back from it: in place
+// on a CPU build; through a bounded host chunk where model memory is the device's.
+void ZeroOptimizer::read_params_to_model(int64_t begin, int64_t n, void* dst) {
+  if (kernels::kHostIsDevice) return read_params(begin, n, dst);
+  const size_t es = dtype_size(types_.param);
+  std::vector<char> chunk;
+  for (int64_t a = begin; a < begin + n; a += kInitFillElems) {
+    const int64_t c = std::min(begin + n, a + kInitFillElems) - a;
+    chunk.resize(static_cast<size_t>(c) * es);
+    read_params(a, c, chunk.data());
+    kernels::copy_to_device(static_cast<char*>(dst) + (a - begin) * static_cast<int64_t>(es), chunk.data(), chunk.size());
+  }
+}
+
+void ZeroOptimizer::write_params_from_model(int64_t begin, int64_t n, const void* src) {
+  if (kernels::kHostIsDevice) return write_params(begin, n, src);
+  const size_t es = dtype_size(types_.param);
+  std::vector<char> chunk;
+  for (int64_t a = begin; a < begin + n; a += kInitFillElems) {
+    const int64_t c = std::min(begin + n, a + kInitFillElems) - a;
+    chunk.resize(static_cast<size_t>(c) * es);
+    kernels::copy_to_host(chunk.data(), static_cast<const char*>(src) + (a - begin) * static_cast<int64_t>(es), chunk.size());
+    write_params(a, c, chunk.data());
+  }
 }
 
 void ZeroOptimizer::cast_master_to_params() {
@@ -350,8 +385,13 @@ void ZeroOptimizer::cast_master_to_params() {
   if (param_swap_ && stage_ > 0) {  // the 16-bit partition lies in its swap files: written back a bounded chunk at a time
     const int64_t pb = part_.begin(rank_);
     const auto [lo, hi] = part_.owned(rank_, 0, layout_.total());
-    for (int64_t a = lo; a < hi; a += kInitFillElems)
-      cast_range_to_params(a - pb, std::min(hi, a + kInitFillElems) - a, master_.data() + (a - pb));
+    kernels::HostBuffer master_chunk;  // the master's chunk for the host (a GPU build)
+    for (int64_t a = lo; a < hi; a += kInitFillElems) {
+      const int64_t c = std::min(hi, a + kInitFillElems) - a;
+      const auto* values = reinterpret_cast<const float*>(
+          kernels::host_view_of(master_chunk, master_.data() + (a - pb), static_cast<size_t>(c) * sizeof(float)));
+      cast_range_to_params(a - pb, c, values);
+    }
     return;
   }
   if (quantized_frozen_) {  // the parameters are packed as the master is
@@ -524,19 +564,22 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
   if (offloaded_) {
     offload::ParamAccess params;
     const int64_t own = stage_ == 3 ? 0 : part_.begin(rank_);  // the partition's first element in params_
-    std::vector<char> staging;  // parameters of one sub-group read from their swap files
     params.acquire = [&](int64_t begin, int64_t n) -> TypedSpan {
       if (mixed_) return {};
       if (!param_swap_) return {params_.at(own + begin), types_.param};
-      staging.resize(static_cast<size_t>(n) * dtype_size(types_.param));
-      read_params(begin, n, staging.data());
-      return {staging.data(), types_.param};
+      // One sub-group's parameters read from their swap files into page-locked memory, which the
+      // CPU optimizer and (a sub-group kept in device memory) the device's kernels both update in place.
+      char* at = swap_step_stage_.grow(static_cast<size_t>(n) * dtype_size(types_.param));
+      read_params(begin, n, at);
+      return {at, types_.param};
     };
     params.release = [&](int64_t begin, int64_t n, TypedSpan updated) {
       if (mixed_) cast_range_to_params(begin, n, static_cast<const float*>(updated.data));
       else if (param_swap_) write_params(begin, n, updated.data);
     };
-    params.in_model_memory = !param_swap_;
+    // The CPU optimizer updates a partition in host memory (swap files' staging, or offload_param
+    // cpu's page-locked partition) in place; one in model memory travels to the host and back.
+    params.in_model_memory = !param_swap_ && params_.place() == BufferPlace::Model;
     offloaded_->step(params, grad_partition(), types_.grad, mul, lr, betas);
     if (stage_ == 1 || stage_ == 2) gather_updated_params();
     drop_gathered_params();
@@ -547,9 +590,9 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
     // read into memory for the step, updated, written back (DeepSpeed likewise keeps the
     // partition it updates in device memory while the parameters live on NVMe, FACTS-2 §3).
     TypedBuffer staged("params_step", types_.param, part_.part, /*zero=*/false);
-    read_params(0, part_.part, staged.data());
+    read_params_to_model(0, part_.part, staged.data());
     optimizer_->step(TypedSpan{staged.data(), types_.param}, grad_partition(), types_.grad, mul, lr, betas);
-    write_params(0, part_.part, staged.data());
+    write_params_from_model(0, part_.part, staged.data());
     drop_gathered_params();
     return;
   }
@@ -601,7 +644,6 @@ MemoryBytes ZeroOptimizer::memory() const {
     m.host = t.host;
     m.nvme = t.nvme;
     m.swap_buffers = t.swap_buffers;
-    if (cfg_.offload_param.device == OffloadDevice::Cpu) m.host += m.params;
     if (param_swap_) {
       m.nvme += param_swap_->nvme_bytes();
       m.swap_buffers += param_swap_->cached_peak_bytes();
@@ -613,6 +655,7 @@ MemoryBytes ZeroOptimizer::memory() const {
       m.swap_buffers = param_swap_->cached_peak_bytes();
     }
   }
+  if (params_.place() == BufferPlace::PinnedHost) m.host += m.params;  // offload_param cpu, with or without the optimizer
   m.comm_buffers = reducer_->staging_peak_bytes() + (qgz_ ? qgz_->staging_bytes() + qgz_->loco_bytes() : 0);
   for (const auto& [key, w] : windows_) m.comm_buffers += static_cast<int64_t>(w.extent(0) * sizeof(float));
   m.live_params_peak = live_peak_elems_ * static_cast<int64_t>(dtype_size(types_.param));
@@ -625,13 +668,21 @@ MemoryBytes ZeroOptimizer::memory() const {
 
 std::string ZeroOptimizer::offload_summary() const {
   const ZeroConfig& z = cfg_;
-  if (!offloaded_ && !param_swap_) return "";
+  const bool params_on_host = params_.place() == BufferPlace::PinnedHost;
+  const std::string same_memory =
+      kernels::kHostIsDevice ? "; CPU-only build: host and device memory are the same memory" : "";
+  // where the parameter partition lies (offload_param), for either optimizer placement
+  const std::string params_at =
+      params_on_host ? "parameter partition in " + std::string(kernels::kHostIsDevice ? "" : "page-locked ") +
+                           "host memory: " + std::to_string(params_.bytes()) + " bytes"
+      : param_swap_  ? "parameter partition on nvme: " + std::to_string(param_swap_->nvme_bytes()) + " bytes, " +
+                          std::to_string(z.offload_param.buffer_count) + " reads ahead, at most " +
+                          std::to_string(z.offload_param.max_in_cpu) + " elements cached"
+                     : "";
+  if (!offloaded_ && params_at.empty()) return "";
   if (!offloaded_)
-    return "parameter partition on nvme: " + std::to_string(param_swap_->nvme_bytes()) + " bytes, " +
-           std::to_string(z.offload_param.buffer_count) + " reads ahead, at most " +
-           std::to_string(z.offload_param.max_in_cpu) + " elements cached; optimizer state in device memory, the " +
-           "step reads the partition, updates it and writes it back; CPU-only build: host and device memory are the "
-           "same memory";
+    return params_at + "; optimizer state in device memory" +
+           (param_swap_ ? ", the step reads the partition, updates it and writes it back" : "") + same_memory;
   const bool nvme = z.offload_optimizer.device == OffloadDevice::Nvme;
   const offload::TierBytes t = offloaded_->bytes();
   std::string names;
@@ -649,13 +700,8 @@ std::string ZeroOptimizer::offload_summary() const {
                                   : "io_uring through the page cache (the file system refuses O_DIRECT)") +
          ", block " + std::to_string(z.aio.block_size) + " B, queue depth " + std::to_string(z.aio.queue_depth) + " x " +
          std::to_string(z.aio.intra_op_parallelism) + " thread" + (z.aio.intra_op_parallelism == 1 ? "" : "s");
-  if (z.offload_param.device == OffloadDevice::Cpu) s += "; parameter partition in host memory";
-  if (param_swap_)
-    s += "; parameter partition on nvme: " + std::to_string(param_swap_->nvme_bytes()) + " bytes, " +
-         std::to_string(z.offload_param.buffer_count) + " reads ahead, at most " +
-         std::to_string(z.offload_param.max_in_cpu) + " elements cached";
-  s += "; CPU-only build: host and device memory are the same memory";
-  return s;
+  if (!params_at.empty()) s += "; " + params_at;
+  return s + same_memory;
 }
 
 offload::IoStats ZeroOptimizer::take_swap_stats() {

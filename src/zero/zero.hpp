@@ -397,9 +397,16 @@ class ZeroOptimizer : public ParamStore {
   std::vector<FlatBuffer> ckpt_staging_;  // state read back or widened for a save (model memory)
   kernels::DeviceScratch staging_{"zero_host_values"};  // host values a kernel reads (GPU build; unused on a CPU build)
   std::unique_ptr<offload::ParamSwapper> param_swap_;  // stage 3, offload_param nvme: params_ is empty
+  kernels::HostBuffer swap_step_stage_{"param_swap_step", 0, /*pinned=*/true};  // a sub-group's swapped parameters in a step
   // Partition-local parameters [begin, begin + n) in the parameter type, wherever they lie.
   void read_params(int64_t begin, int64_t n, void* out);
   void write_params(int64_t begin, int64_t n, const void* in);
+  // The same from and into model memory (the step's staged partition).
+  void read_params_to_model(int64_t begin, int64_t n, void* dst);
+  void write_params_from_model(int64_t begin, int64_t n, const void* src);
+  // This rank's slice [lo, hi) of unit u where a kernel reads it: its place in model memory, or
+  // (the partition in swap files) the swapped slice, copied into the gather buffer's own slot on a GPU build.
+  const void* own_slice(int u, Gathered& g, int64_t lo, int64_t hi);
   std::unique_ptr<GradientReducer> reducer_;
   std::unique_ptr<QuantizedReduceScatter> qgz_;  // ZeRO++'s qgZ (null: off, or the data group on one node)
   bool boundary_ = false;

@@ -69,11 +69,12 @@ std::vector<std::pair<std::string, const float*>> ZeroOptimizer::checkpoint_arra
     arrays.emplace_back("params", s);
   } else if (mixed_) {
     arrays.emplace_back("params", master_.data() + at);
-  } else if (param_swap_) {  // the partition lies in its swap files (host memory; CPU build)
+  } else if (param_swap_) {  // the partition lies in its swap files: read and widened by the host
     float* s = staging();
     std::vector<char> bits(static_cast<size_t>(n) * dtype_size(types_.param));
     read_params(b - pb, n, bits.data());
-    convert_any(s, DType::F32, bits.data(), types_.param, n);
+    convert_on_host(kernels::kHostIsDevice ? s : host.data(), DType::F32, bits.data(), types_.param, n);
+    if (!kernels::kHostIsDevice) kernels::copy_to_device(s, host.data(), host.size() * sizeof(float));
     arrays.emplace_back("params", s);
   } else if (master16_) {  // bf16 master weights: the parameters, widened
     float* s = staging();
@@ -141,10 +142,10 @@ void ZeroOptimizer::read_checkpoint(const RangeReader& read, int64_t optimizer_s
     });
   } else if (mixed_) {
     read_model(read, "params", b, e, master_.data() + at);
-  } else if (param_swap_) {  // into the swap files (host memory; CPU build)
+  } else if (param_swap_) {  // into the swap files, rounded by the host
     const float* values = staged("params");
     std::vector<char> bits(static_cast<size_t>(n) * dtype_size(types_.param));
-    convert_any(bits.data(), types_.param, values, DType::F32, n);
+    convert_on_host(bits.data(), types_.param, values, DType::F32, n);
     write_params(b - pb, n, bits.data());
   } else if (master16_) {  // bf16 master weights: the parameters, rounded
     convert_any(params_.at(stage_ == 3 ? b - pb : b), types_.param, in_model_memory(staged("params"), n, staging_),

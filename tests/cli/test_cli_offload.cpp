@@ -141,6 +141,30 @@ TEST(Offload, MetricsReportBytesPerTierAndSwapTrafficHonestly) {
   EXPECT_GT(last["swap"]["read_gbps"].get<double>(), 0.0);
 }
 
+// offload_param cpu puts the stage-3 partition in host memory whether the optimizer's state is
+// offloaded or not: the run reports those bytes in `host` (and says where the partition lies),
+// and estimate's plan puts the same bytes in its host row.
+TEST(Offload, ParametersInHostMemoryAreReportedAndPlannedThereWithTheOptimizerAnywhere) {
+  const std::string config = write_config("params_host.json", offload_config(3, true));
+  for (const std::string optimizer : {"none", "cpu"}) {
+    const std::string dir = temp_path("params_host_" + optimizer);
+    const std::string args = " --set zero_optimization.offload_param.device=cpu"
+                             " --set zero_optimization.offload_optimizer.device=" + optimizer;
+    const Result r = run("train " + config + " --output " + dir + args, 2);
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_NE(r.out.find("parameter partition in host memory"), std::string::npos) << r.out;
+    const json m = read_metrics(dir).back()["memory"];
+    ASSERT_TRUE(m.contains("host")) << optimizer;
+    if (optimizer == "none") EXPECT_EQ(m["host"], m["params"]);
+    else EXPECT_GT(m["host"].get<int64_t>(), m["params"].get<int64_t>());
+    const Result e = run("estimate --config " + config + " --world-size 2 --json" + args);
+    ASSERT_EQ(e.code, 0) << e.err;
+    const json plan = json::parse(e.out)["budgets"][3];
+    EXPECT_EQ(plan["host"], m["host"]) << "optimizer " << optimizer;
+    EXPECT_EQ(plan["params"], m["params"]) << "optimizer " << optimizer;
+  }
+}
+
 TEST(Offload, RatioHalfKeepsHalfTheSubGroupsInMemoryAndStillMatches) {
   const std::string config = write_config("ratio.json", offload_config(2, false));
   const std::vector<double> want = losses(config, 2, temp_path("ratio_none"), "");

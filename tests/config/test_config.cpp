@@ -505,25 +505,33 @@ TEST(GpuBuild, MixtureOfExpertsRunsWhenAskedForByName) {
   ::unsetenv("ZERO3D_GPU_MOE");
 }
 
-// ZeRO-Offload of the optimizer has a GPU form that no device has run yet: it runs when asked
-// for by name (ZERO3D_GPU_OFFLOAD=1); parameter offload stays refused.
-TEST(GpuBuild, OffloadOfTheOptimizerRunsWhenAskedForByName) {
+// ZeRO-Offload and ZeRO-Infinity have a GPU form that no device has run yet: the optimizer's
+// offload and the parameters' (cpu or nvme) run when asked for by name (ZERO3D_GPU_OFFLOAD=1),
+// each refused under its own key otherwise.
+TEST(GpuBuild, OffloadOfTheOptimizerAndTheParametersRunsWhenAskedForByName) {
   json j = minimal();
   j["zero_optimization"] = {{"stage", 3}, {"offload_optimizer", {{"device", "cpu"}}}};
-  const Config c = read_config(j, "c.json", 2);
-  const auto keys = [&] {
+  const auto keys = [](const Config& c) {
     std::set<std::string> k;
     for (const auto& [key, why] : gpu_build_problems(c, 2)) k.insert(key);
     return k;
   };
-  ASSERT_EQ(::setenv("ZERO3D_GPU_OFFLOAD", "1", 1), 0);
-  EXPECT_TRUE(keys().empty());
+  const Config optimizer_only = read_config(j, "c.json", 2);
   j["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
   const Config with_params = read_config(j, "c.json", 2);
-  std::set<std::string> refused;
-  for (const auto& [key, why] : gpu_build_problems(with_params, 2)) refused.insert(key);
-  EXPECT_EQ(refused, std::set<std::string>{"zero_optimization.offload_param.device"});
+  json params_only = minimal();
+  params_only["zero_optimization"] = {{"stage", 3}, {"offload_param", {{"device", "nvme"}, {"nvme_path", "/tmp"}}}};
+  const Config nvme_params = read_config(params_only, "c.json", 2);
+  ASSERT_EQ(::setenv("ZERO3D_GPU_OFFLOAD", "1", 1), 0);
+  EXPECT_TRUE(keys(optimizer_only).empty());
+  EXPECT_TRUE(keys(with_params).empty());
+  EXPECT_TRUE(keys(nvme_params).empty());
   ASSERT_EQ(::setenv("ZERO3D_GPU_OFFLOAD", "0", 1), 0);
-  EXPECT_EQ(keys(), std::set<std::string>{"zero_optimization.offload_optimizer.device"});
+  EXPECT_EQ(keys(optimizer_only), std::set<std::string>{"zero_optimization.offload_optimizer.device"});
+  EXPECT_EQ(keys(with_params), (std::set<std::string>{"zero_optimization.offload_optimizer.device",
+                                                       "zero_optimization.offload_param.device"}));
+  EXPECT_EQ(keys(nvme_params), std::set<std::string>{"zero_optimization.offload_param.device"});
+  for (const auto& [key, why] : gpu_build_problems(nvme_params, 2))
+    EXPECT_NE(why.find("set ZERO3D_GPU_OFFLOAD=1 in the environment"), std::string::npos) << why;
   ::unsetenv("ZERO3D_GPU_OFFLOAD");
 }

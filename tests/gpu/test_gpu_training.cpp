@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/device.hpp"
 #include "support/cli_helpers.hpp"
 
 namespace {
@@ -122,6 +123,51 @@ TEST(GpuTraining, ZeroOffloadTrainsTheLossesOfTheDeviceOptimizer) {
       expect_losses_close(got, want, 1e-5, base + tier);
     }
   }
+  ::unsetenv("ZERO3D_GPU_OFFLOAD");
+}
+
+// ZeRO-Infinity's parameter offload (asked for by name: ZERO3D_GPU_OFFLOAD=1) at stage 3: the
+// partition in page-locked host memory that the kernels read in place (cpu), or in swap files
+// whose slices are copied into the gather buffers (nvme), with the optimizer in device memory, on
+// the host, or partly resident (ratio: device kernels on the page-locked sub-group stage), trains
+// the losses of the partition in device memory, at one rank and at two sharing the GPU. A run
+// saved with its parameters on NVMe resumes without offload.
+TEST(GpuTraining, ParameterOffloadTrainsTheLossesOfTheParametersInDeviceMemory) {
+  ASSERT_EQ(::setenv("ZERO3D_GPU_OFFLOAD", "1", 1), 0);
+  const std::string param_cpu = " --set zero_optimization.offload_param.device=cpu";
+  const std::string optimizer_cpu = " --set zero_optimization.offload_optimizer.device=cpu";
+  const auto param_nvme = [](const std::string& tag) {
+    return " --set zero_optimization.offload_param.device=nvme --set zero_optimization.offload_param.nvme_path=" +
+           temp_path("param_swap_" + tag);
+  };
+  int run_id = 0;
+  for (const std::string base : {"--set zero_optimization.stage=3", "--set zero_optimization.stage=3 --set bf16.enabled=true"})
+    for (int np : {1, 2}) {
+      const std::string what = base + " at np " + std::to_string(np);
+      const std::vector<double> want = train_losses("quickstart", base, np, temp_path("param_none_" + std::to_string(run_id++)));
+      ASSERT_EQ(want.size(), 10u) << what;
+      for (const std::string& tier :
+           {param_cpu, param_cpu + optimizer_cpu, param_nvme("a" + std::to_string(run_id)),
+            param_nvme("b" + std::to_string(run_id)) + optimizer_cpu +
+                " --set zero_optimization.offload_optimizer.ratio=0.5 --set zero_optimization.sub_group_size=20000"}) {
+        const std::string dir = temp_path("param_offload_" + std::to_string(run_id++));
+        const std::vector<double> got = train_losses("quickstart", base + tier, np, dir);
+        expect_losses_close(got, want, 1e-5, what + tier);
+        if (tier == param_cpu) {  // the partition's bytes are host memory, and said to be
+          const json last = read_metrics(dir).back();
+          EXPECT_EQ(last["memory"]["host"], last["memory"]["params"]) << what;
+          EXPECT_EQ(last["memory"]["host_is_device"], !zero3d::kernels::kGpuBuild) << what;
+        }
+      }
+    }
+  const std::string saved = temp_path("param_nvme_saves");
+  const std::vector<double> with_nvme =
+      train_losses("quickstart", "--set zero_optimization.stage=3 --set training.save_interval=5" + param_nvme("save"), 1, saved);
+  ASSERT_EQ(with_nvme.size(), 10u);
+  const std::vector<double> resumed =
+      train_losses("quickstart", "--set zero_optimization.stage=3 --set training.resume=" + saved + "/checkpoints/global_step5",
+                   1, temp_path("param_nvme_resumed"));
+  expect_losses_close(resumed, std::vector<double>(with_nvme.begin() + 5, with_nvme.end()), 1e-5, "resumed from NVMe parameters");
   ::unsetenv("ZERO3D_GPU_OFFLOAD");
 }
 
