@@ -21,13 +21,31 @@ namespace {
 const char* kNvmeKey = "zero_optimization.offload_optimizer.nvme_path";
 }  // namespace
 
+HostStageBytes host_stage_bytes(int64_t numel, int64_t sub_group_size, double ratio, DType grad_type, DType param_type,
+                                bool hold_master, bool params_in_model_memory, bool host_is_device) {
+  HostStageBytes b;
+  if (host_is_device || numel <= 0) return b;
+  // The sub-groups as the constructor cuts them: all of sub_group_size but the last, the first
+  // int((1 - ratio)·G) resident, so the first host sub-group is the largest one on the host.
+  const int64_t sg = std::max<int64_t>(sub_group_size, 1), groups = (numel + sg - 1) / sg;
+  const int64_t cut = std::min(groups, static_cast<int64_t>((1.0 - ratio) * static_cast<double>(groups)));
+  const int64_t largest_host = cut < groups ? std::min(sg, numel - cut * sg) : 0;
+  for (int64_t k = cut; k < std::min(groups, cut + 2); ++k) {
+    b.grad[k % 2] = largest_host * static_cast<int64_t>(dtype_size(grad_type));
+    if (!hold_master && params_in_model_memory) b.param[k % 2] = largest_host * static_cast<int64_t>(dtype_size(param_type));
+  }
+  if (hold_master && cut > 0) b.param[0] = std::min(sg, numel) * 4;  // the fp32 master copy of a resident sub-group
+  return b;
+}
+
 OffloadedOptimizer::OffloadedOptimizer(const OffloadOptimizerConfig& off, const AioConfig& aio,
                                        const OptimizerConfig& opt, int64_t numel, int64_t sub_group_size,
                                        bool hold_master, const std::string& swap_dir, DType state_type)
-    : off_(off), opt_(opt), numel_(numel), master_(hold_master),
+    : off_(off), opt_(opt), numel_(numel), sub_group_size_(sub_group_size), master_(hold_master),
       grad_stage_{kernels::HostBuffer("offload_grad_stage", 0, off.pin_memory),
                   kernels::HostBuffer("offload_grad_stage", 0, off.pin_memory)},
-      param_stage_("offload_param_stage", 0, off.pin_memory),
+      param_stage_{kernels::HostBuffer("offload_param_stage", 0, off.pin_memory),
+                   kernels::HostBuffer("offload_param_stage", 0, off.pin_memory)},
       dir_(swap_dir) {
   if (opt.type != OptimizerType::Adam && opt.type != OptimizerType::Lion && opt.type != OptimizerType::Adagrad)
     throw std::logic_error("offloaded optimizer state is updated by DeepSpeed's CPU Adam, Lion or Adagrad only");
@@ -126,50 +144,98 @@ TierBytes OffloadedOptimizer::bytes() const {
   }
   for (const Slot& sl : slots_)
     for (const AlignedBuffer& b : sl.state) t.swap_buffers += b.bytes();
+  // A GPU build's stages, as allocated (host_stage_bytes' sizes, from the first step on)
+  for (int j = 0; j < 2; ++j) t.host += static_cast<int64_t>(grad_stage_[j].size() + param_stage_[j].size());
   return t;
 }
 
 void OffloadedOptimizer::update(int64_t k, char* const* st, const ParamAccess& params, const void* grads,
                                 DType grad_type, float grad_mul, bool on_host) {
   const Group& gr = groups_[static_cast<size_t>(k)];
-  const TypedSpan p = master_ ? TypedSpan{st[0], DType::F32} : params.acquire(gr.begin, gr.n);
   std::vector<TypedSpan> moments;
   for (int s = master_ ? 1 : 0; s < states(); ++s) moments.push_back({st[s], types_[static_cast<size_t>(s)]});
   const char* g = static_cast<const char*>(grads) + gr.begin * static_cast<int64_t>(dtype_size(grad_type));
-  // The CPU optimizer reads host memory: on a GPU build the sub-group's gradients come over first
-  // (DeepSpeed's D2H of the gradient partition, stage3.py), and parameters held in device memory
-  // go there and back around the update.
-  const size_t param_bytes = static_cast<size_t>(gr.n) * dtype_size(p.type);
-  const bool stage_params = on_host && !master_ && params.in_model_memory && !kernels::kHostIsDevice;
+  // The CPU optimizer reads host memory: on a GPU build the sub-group's gradients (DeepSpeed's
+  // D2H of the gradient partition, stage3.py) and parameters held in device memory come over on
+  // the copy stream first, and the parameters go back on it after the update.
+  if (on_host) g = host_inputs(k, params, grads, grad_type);
+  const bool staged = on_host && stages_params(params);
+  const TypedSpan p = master_ ? TypedSpan{st[0], DType::F32}
+                              : staged ? incoming_[k % 2] : params.acquire(gr.begin, gr.n);
   TypedSpan updated = p;
-  if (on_host) g = host_gradients(k, grads, grad_type);
-  if (stage_params) updated.data = const_cast<char*>(kernels::host_view_of(param_stage_, p.data, param_bytes));
+  if (staged) updated.data = param_stage_[k % 2].data();
   updater_.run(step_, updated, g, grad_type, grad_mul, moments, gr.n, on_host);
-  if (stage_params) kernels::copy_to_device(p.data, updated.data, param_bytes);
+  if (staged) {
+    sending_ = k;  // goes back while the CPU updates the next sub-group; released at the end of the step
+    return;
+  }
   // release() takes the fp32 master copy in host memory: the device tier's goes through a host copy
-  if (master_ && !on_host && !kernels::kHostIsDevice)
-    updated.data = const_cast<char*>(kernels::host_view_of(param_stage_, p.data, param_bytes));
+  if (master_ && !on_host && !kernels::kHostIsDevice) {
+    const size_t bytes = static_cast<size_t>(gr.n) * sizeof(float);
+    param_stage_[0].grow(static_cast<size_t>(planned_stages(grad_type, DType::F32, false).param[0]));  // once
+    updated.data = const_cast<char*>(kernels::host_view_of(param_stage_[0], p.data, bytes));
+  }
   params.release(gr.begin, gr.n, master_ ? updated : p);
 }
 
-void OffloadedOptimizer::queue_gradients(int64_t k, const void* grads, DType grad_type) {
+// One copy stream, in order: a copy starts once the one queued before it is done, and the host
+// touches a stage only after a wait() that covers every copy queued on it. So sub-group k + 1's
+// parameters come into param_stage_[(k + 1) % 2] only after k - 1's have gone out of it
+// (send_back queues that first, behind the same wait), the gradients' stages are read by no copy
+// the other way, and the two directions touch disjoint sub-groups of model memory. The
+// parameters come over on the stream too: a blocking copy_to_host (Kokkos::deep_copy) fences the
+// whole device, copy stream included, and would wait for the copies queued to overlap the update.
+void OffloadedOptimizer::queue_inputs(int64_t k, const ParamAccess& params, const void* grads, DType grad_type) {
   const Group& gr = groups_[static_cast<size_t>(k)];
+  const int j = static_cast<int>(k % 2);
   const size_t es = dtype_size(grad_type), bytes = static_cast<size_t>(gr.n) * es;
   if (!copies_) copies_ = std::make_unique<kernels::CopyStream>();
-  if (queued_ >= 0) copies_->wait();  // a copy in flight may be writing the stage this one takes
-  copies_->to_host(grad_stage_[k % 2].grow(bytes), static_cast<const char*>(grads) + gr.begin * static_cast<int64_t>(es),
-                   bytes);
+  if (queued_ >= 0) copies_->wait();  // a copy in flight may be writing the stages this one takes
+  incoming_[j] = stages_params(params) ? params.acquire(gr.begin, gr.n) : TypedSpan{};
+  // Each stage grown once to its planned size (host_stage_bytes), which bytes() then counts.
+  const HostStageBytes planned = planned_stages(grad_type, incoming_[j].type, incoming_[j].data != nullptr);
+  copies_->to_host(grad_stage_[j].grow(std::max(static_cast<size_t>(planned.grad[j]), bytes)),
+                   static_cast<const char*>(grads) + gr.begin * static_cast<int64_t>(es), bytes);
+  if (incoming_[j].data) {
+    const size_t param_bytes = static_cast<size_t>(gr.n) * dtype_size(incoming_[j].type);
+    copies_->to_host(param_stage_[j].grow(std::max(static_cast<size_t>(planned.param[j]), param_bytes)),
+                     incoming_[j].data, param_bytes);
+  }
   queued_ = k;
 }
 
-const char* OffloadedOptimizer::host_gradients(int64_t k, const void* grads, DType grad_type) {
+const char* OffloadedOptimizer::host_inputs(int64_t k, const ParamAccess& params, const void* grads, DType grad_type) {
   const Group& gr = groups_[static_cast<size_t>(k)];
   if (kernels::kHostIsDevice) return static_cast<const char*>(grads) + gr.begin * static_cast<int64_t>(dtype_size(grad_type));
-  if (queued_ != k) queue_gradients(k, grads, grad_type);
-  copies_->wait();  // sub-group k's gradients are here; stage (k + 1) % 2 (sub-group k - 1's) is free
+  if (queued_ != k) queue_inputs(k, params, grads, grad_type);
+  copies_->wait();  // sub-group k's inputs are here; stages (k + 1) % 2 are out of flight
   queued_ = -1;
-  if (k + 1 < sub_groups()) queue_gradients(k + 1, grads, grad_type);  // comes over while the CPU updates k
+  // Queued after the wait, so that they travel while the CPU updates k (a wait before it would
+  // hold the update until k - 1's parameters were back).
+  send_back();
+  if (k + 1 < sub_groups()) queue_inputs(k + 1, params, grads, grad_type);
   return grad_stage_[k % 2].data();
+}
+
+void OffloadedOptimizer::send_back() {
+  if (sending_ < 0) return;
+  const Group& gr = groups_[static_cast<size_t>(sending_)];
+  const TypedSpan p = incoming_[sending_ % 2];
+  copies_->to_device(p.data, param_stage_[sending_ % 2].data(), static_cast<size_t>(gr.n) * dtype_size(p.type));
+  returning_.emplace_back(sending_, p);
+  sending_ = -1;
+}
+
+void OffloadedOptimizer::finish_copies(const ParamAccess& params) {
+  if (!copies_) return;  // nothing was staged (a CPU build, or no host sub-group)
+  send_back();
+  copies_->wait();  // the next forward reads the parameters, and the next step reuses the stages
+  queued_ = -1;
+  for (const auto& [k, p] : returning_) {
+    const Group& gr = groups_[static_cast<size_t>(k)];
+    params.release(gr.begin, gr.n, p);
+  }
+  returning_.clear();
 }
 
 void OffloadedOptimizer::start_read(Slot& slot, int64_t k) {
@@ -205,13 +271,21 @@ void OffloadedOptimizer::step(const ParamAccess& params, const void* grads, DTyp
   std::vector<char*> st(static_cast<size_t>(states()));
   // Resident sub-groups: device memory, the device kernel. Host sub-groups: the CPU optimizer.
   const int64_t last_resident = off_.device == OffloadDevice::Cpu ? g : cut_;
-  // The first host sub-group's gradients come over while the device updates its own sub-groups.
-  if (!kernels::kHostIsDevice && cut_ < g) queue_gradients(cut_, grads, grad_type);
+  sending_ = -1;
+  returning_.clear();
+  // The first host sub-group's inputs come over while the device updates its own sub-groups.
+  if (!kernels::kHostIsDevice && cut_ < g) queue_inputs(cut_, params, grads, grad_type);
   for (int64_t k = 0; k < last_resident; ++k) {
     for (int s = 0; s < states(); ++s) st[s] = resident(s, groups_[static_cast<size_t>(k)].begin);
     update(k, st.data(), params, grads, grad_type, grad_mul, /*on_host=*/k >= cut_);
   }
-  if (off_.device != OffloadDevice::Nvme || g == cut_) return;
+  if (off_.device == OffloadDevice::Nvme && g > cut_) swap_sub_groups(params, grads, grad_type, grad_mul);
+  finish_copies(params);
+}
+
+void OffloadedOptimizer::swap_sub_groups(const ParamAccess& params, const void* grads, DType grad_type, float grad_mul) {
+  const auto g = static_cast<int64_t>(groups_.size());
+  std::vector<char*> st(static_cast<size_t>(states()));
   // NVMe: sub-group k lives in slot (k - cut) mod slots while it is read, updated and written.
   const auto nslots = static_cast<int64_t>(slots_.size());
   auto slot_of = [&](int64_t k) -> Slot& { return slots_[static_cast<size_t>((k - cut_) % nslots)]; };
@@ -248,10 +322,13 @@ void OffloadedOptimizer::on_host(int s, int64_t k, int64_t a, int64_t b, const s
   if (k >= cut_ && off_.device == OffloadDevice::Nvme) return file_access(s, k, a, b, use, write_back);
   char* at = resident(s, a);
   if (k >= cut_ || kernels::kHostIsDevice) return use(at);
+  // A checkpoint's copy of the device tier: host memory of its own, so the step's page-locked
+  // stages keep their planned sizes.
   const size_t bytes = static_cast<size_t>((b - a) * esize(s));
-  char* copy = const_cast<char*>(kernels::host_view_of(param_stage_, at, bytes));
-  use(copy);
-  if (write_back) kernels::copy_to_device(at, copy, bytes);
+  std::vector<char> copy(bytes);
+  kernels::copy_to_host(copy.data(), at, bytes);
+  use(copy.data());
+  if (write_back) kernels::copy_to_device(at, copy.data(), bytes);
 }
 
 // (out and in are host memory: the checkpoint's chunks)

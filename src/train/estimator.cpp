@@ -268,6 +268,10 @@ void add_expert_states(const Config& cfg, const RankPlan& plan, int64_t dp, Memo
   // bf16_optimizer_states.
   b.master += pc.param != DType::F32 && cfg.zero.master_weights == DType::F32 ? 4 * x.state : 0;
   b.optimizer_states += static_cast<int64_t>(dtype_size(cfg.zero.optimizer_states)) * moments * x.state;
+  // its offloaded optimizer's host stages, as the dense one's (rank_budget)
+  const int64_t stages = offload_stage_bytes(cfg, b.stage, x.state, kernels::kHostIsDevice);
+  b.workspace += stages;
+  b.offload_host += stages;
   int64_t unit = 0;
   for (const ParamUnit& u : plan.part.expert_units) unit = std::max(unit, u.numel);
   if (b.stage >= 2 || pc.grad_accum != DType::F32) b.comm_reduce += 4 * unit;
@@ -356,6 +360,10 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   }
   // offload_param cpu: the partition in (page-locked) host memory, whatever the optimizer's placement
   if (b.stage == 3 && cfg.zero.offload_param.device == OffloadDevice::Cpu) b.offload_host += b.params;
+  // The offloaded optimizer's host stages: in the total (as workspace), and in host memory.
+  const int64_t stages = offload_stage_bytes(cfg, b.stage, state_elems, kernels::kHostIsDevice);
+  b.workspace += stages;
+  b.offload_host += stages;
   const OffloadParamConfig& op = cfg.zero.offload_param;
   if (b.stage == 3 && op.device == OffloadDevice::Nvme) {
     b.offload_nvme += b.params;
@@ -518,7 +526,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   if (pc.autocast.dtype == DType::BF16) workspace += 2 * std::max(V * C, 4 * C * C);
   if (pc.autocast.dtype == DType::F16)
     workspace += 6 * std::max(BT * V, 4 * BT * C) + 6 * std::max({V * C, 4 * C * C, BT * C});
-  b.workspace = capped(workspace) + swap_workspace;
+  b.workspace += capped(workspace) + swap_workspace;  // (the experts' offload stages are in already)
   if (shape.sparse.enabled) {  // block-sparse attention: the blocks' index tables, the device form's panels
     std::vector<int64_t> layers;
     for (const ModelChunk& c : plan.part.chunks)
@@ -554,6 +562,20 @@ MemoryBudget largest_of(const std::vector<MemoryBudget>& budgets) {
   return *best;
 }
 }  // namespace
+
+// As ZeroOptimizer builds its OffloadedOptimizer: an fp32 master copy under mixed precision with
+// fp32 master weights; parameters in model memory unless stage 3 swaps them (offload_param nvme).
+int64_t offload_stage_bytes(const Config& cfg, int stage, int64_t elems, bool host_is_device) {
+  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
+  if (oo.device == OffloadDevice::None || stage < 1 || elems <= 0) return 0;
+  const PrecisionConfig& pc = cfg.precision;
+  const bool fp32_master = pc.param != DType::F32 && cfg.zero.master_weights == DType::F32;
+  // offload_param's partition (swap files, or page-locked host memory) is updated where it lies
+  const bool params_in_model_memory = !(stage == 3 && cfg.zero.offload_param.device != OffloadDevice::None);
+  return offload::host_stage_bytes(elems, cfg.zero.sub_group_size, oo.ratio, pc.grad_accum, pc.param, fp32_master,
+                                   params_in_model_memory, host_is_device)
+      .total();
+}
 
 QgzPlacement qgz_placement(const ZeroConfig& zero, int stage, int64_t dp, int64_t ranks_per_node) {
   QgzPlacement q;

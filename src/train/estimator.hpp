@@ -71,7 +71,8 @@ struct MemoryBudget {
   // bytes per rank
   int64_t params = 0, grads = 0, master = 0, optimizer_states = 0;
   // Offload: of the model states above, the bytes in host memory (device cpu: on a CPU-only build
-  // the same memory, so counted in the total), and the bytes in swap files instead (not counted).
+  // the same memory, so counted in the total) plus a GPU build's page-locked stages of the offloaded
+  // optimizer (counted in the workspace), and the bytes in swap files instead (not counted).
   int64_t offload_host = 0, offload_nvme = 0;
   int64_t offload_nvme_params = 0;  // of offload_nvme, the stage-3 parameters' (offload_param nvme)
   int64_t comm_reduce = 0;    // gradient buckets, reduce-scatter staging, fp32 gradient windows, qgZ's staging
@@ -119,6 +120,11 @@ std::vector<MemoryBudget> estimate_rank_budgets(const Config& cfg, int64_t world
                                                 int64_t ranks_per_node = 0);
 // The largest of them (by total; ties: the lowest stage): the budget per rank.
 MemoryBudget estimate_budget(const Config& cfg, int64_t world_size, int stage = -1, int64_t ranks_per_node = 0);
+
+// The offloaded optimizer's page-locked host stages over a partition of `elems` state elements at
+// ZeRO `stage` (offload::host_stage_bytes in cfg's types and placement), which the budgets count
+// in host memory with host_is_device = this build's (none on a CPU build); 0 without offload.
+int64_t offload_stage_bytes(const Config& cfg, int stage, int64_t elems, bool host_is_device);
 
 // A GPU build's start-up check, before any model memory exists: `ranks_on_device` ranks each
 // planning `plan_bytes` (the budget's total) share a device with `free_bytes` free. Empty when

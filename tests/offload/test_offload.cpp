@@ -575,6 +575,67 @@ TEST(OffloadedOptimizer, Bf16StatesTakeHalfTheBytesOnEveryTier) {
   EXPECT_EQ(cpu_lion.bytes().host, 1000 * 2);
 }
 
+// A GPU build's CPU optimizer moves each host sub-group's gradients (and parameters held in device
+// memory) through two page-locked stages alternating on the copy stream, stage k % 2 for sub-group
+// k, each as large as the largest host sub-group; the memory plan counts the same figure. A CPU
+// build reads model memory itself: no stage.
+TEST(OffloadedOptimizer, HostStagesHoldTheLargestHostSubGroupTwiceOnAGpuBuildAndNothingOnACpuBuild) {
+  // 10000 elements in sub-groups of 3000 at ratio 0.5: [0, 3000) and [3000, 6000) stay in device
+  // memory (int(0.5·4) = 2); [6000, 9000) comes through stage 0 and [9000, 10000) through stage 1.
+  const HostStageBytes fp32 = host_stage_bytes(10000, 3000, 0.5, DType::F32, DType::F32, /*hold_master=*/false,
+                                               /*params_in_model_memory=*/true, /*host_is_device=*/false);
+  EXPECT_EQ(fp32.grad[0], 3000 * 4);
+  EXPECT_EQ(fp32.grad[1], 3000 * 4);  // grown for the largest host sub-group, not only [9000, 10000)
+  EXPECT_EQ(fp32.param[0], 3000 * 4);
+  EXPECT_EQ(fp32.param[1], 3000 * 4);
+  EXPECT_EQ(fp32.total(), 4 * 3000 * 4);
+  // bf16 master weights (updated where they lie) with fp32 gradient accumulation
+  EXPECT_EQ(host_stage_bytes(10000, 3000, 0.5, DType::F32, DType::BF16, false, true, false).total(),
+            2 * 3000 * 4 + 2 * 3000 * 2);
+  // an fp32 master copy on the host: no parameter stage for the host sub-groups; a resident
+  // sub-group's master copy is read back into stage 0 for release()
+  const HostStageBytes master = host_stage_bytes(10000, 3000, 0.5, DType::BF16, DType::BF16, true, true, false);
+  EXPECT_EQ(master.grad[0], 3000 * 2);
+  EXPECT_EQ(master.grad[1], 3000 * 2);
+  EXPECT_EQ(master.param[0], 3000 * 4);
+  EXPECT_EQ(master.param[1], 0);
+  EXPECT_EQ(host_stage_bytes(10000, 3000, 1.0, DType::BF16, DType::BF16, true, true, false).total(), 2 * 3000 * 2);
+  // parameters in swap files (offload_param nvme) reach the CPU optimizer in host memory already
+  EXPECT_EQ(host_stage_bytes(10000, 3000, 0.5, DType::F32, DType::F32, false, false, false).total(), 2 * 3000 * 4);
+  // one sub-group on the host, [9000, 10000) (ratio 0.25: int(0.75·4) = 3): the one stage its index picks
+  const HostStageBytes one = host_stage_bytes(10000, 3000, 0.25, DType::F32, DType::F32, false, true, false);
+  EXPECT_EQ(one.grad[0], 0);
+  EXPECT_EQ(one.grad[1], 1000 * 4);
+  EXPECT_EQ(one.param[0], 0);
+  EXPECT_EQ(one.param[1], 1000 * 4);
+  // DeepSpeed's default sub_group_size (1e9) over a smaller partition: the whole partition, once
+  const HostStageBytes whole = host_stage_bytes(10000, 1000000000, 1.0, DType::BF16, DType::BF16, false, true, false);
+  EXPECT_EQ(whole.grad[0], 10000 * 2);
+  EXPECT_EQ(whole.total(), 2 * 10000 * 2);
+  // everything resident (ratio 0), or a CPU build: none
+  EXPECT_EQ(host_stage_bytes(10000, 3000, 0.0, DType::F32, DType::F32, false, true, false).total(), 0);
+  EXPECT_EQ(host_stage_bytes(10000, 3000, 0.5, DType::F32, DType::F32, false, true, /*host_is_device=*/true).total(), 0);
+}
+
+// bytes() counts the stages the steps allocated: host_stage_bytes for this build, which on a CPU
+// build is none, so its host row stays the host tier's.
+TEST(OffloadedOptimizer, TheHostRowCountsTheStagesTheStepAllocated) {
+  OffloadOptimizerConfig off;
+  off.device = OffloadDevice::Cpu;
+  off.ratio = 0.5;
+  const int64_t n = 10000;
+  OffloadedOptimizer a(off, AioConfig{}, adamw(), n, 3000, /*hold_master=*/false, "");
+  EXPECT_EQ(a.bytes().host, 2 * 4000 * 4);  // exp_avg and exp_avg_sq of [6000, 10000)
+  std::vector<float> params = random_values(n, 5);
+  ParamAccess access;
+  access.acquire = [&](int64_t b, int64_t) { return TypedSpan{params.data() + b, DType::F32}; };
+  access.release = [](int64_t, int64_t, TypedSpan) {};
+  const auto grads = random_values(n, 6);  // (this build's model memory, as the parameters)
+  a.step(access, grads.data(), DType::F32, 1.0f, 1e-2, std::nullopt);
+  EXPECT_EQ(a.bytes().host,
+            2 * 4000 * 4 + host_stage_bytes(n, 3000, 0.5, DType::F32, DType::F32, false, true, kernels::kHostIsDevice).total());
+}
+
 TEST(OffloadedOptimizer, RatioKeepsTheFirstSubGroupsInDeviceMemoryAndTheRestOnTheTier) {
   TempDir dir("ratio");
   OffloadOptimizerConfig off;

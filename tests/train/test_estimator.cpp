@@ -161,6 +161,40 @@ TEST(Budget, SavesWithNvmeOffloadCountTheirStaging) {
   EXPECT_EQ(saving.workspace - none.workspace, 3 * 4 * part + 18 * 1000 * 1000);  // and HDF5's write buffers
 }
 
+// The plan counts the offloaded optimizer's page-locked stages with the optimizer's own function
+// (offload::host_stage_bytes) and ZeroOptimizer's placement: on a GPU build two stages of the
+// largest host sub-group's gradients, two of its parameters where they are updated on a host copy
+// (no fp32 master, not swapped), a resident sub-group's master copy where one is read back; none
+// where the host is the device (this CPU build's budgets stay as they were).
+Config offload_config(int stage, bool bf16, const nlohmann::json& offload_param = {{"device", "none"}}) {
+  nlohmann::json j = quickstart_json();
+  j["zero_optimization"] = {{"stage", stage},
+                            {"sub_group_size", 3000},
+                            {"offload_optimizer", {{"device", "cpu"}, {"ratio", 0.5}}},
+                            {"offload_param", offload_param}};
+  if (bf16) j["bf16"] = {{"enabled", true}};
+  return read_config(j, "quickstart", 2);
+}
+
+TEST(Budget, OffloadStagesAreTheLargestHostSubGroupsOnAGpuBuildAndNoneOnACpuBuild) {
+  // 10000 state elements in sub-groups of 3000, ratio 0.5: [6000, 9000) and [9000, 10000) on the host
+  EXPECT_EQ(offload_stage_bytes(offload_config(2, false), 2, 10000, /*host_is_device=*/false), 2 * 3000 * 4 + 2 * 3000 * 4);
+  // bf16 with its fp32 master copy: bf16 gradients, the master of a resident sub-group read back
+  EXPECT_EQ(offload_stage_bytes(offload_config(2, true), 2, 10000, false), 2 * 3000 * 2 + 3000 * 4);
+  // stage 3 with the parameters in swap files: the step reads them into host memory itself
+  const nlohmann::json nvme = {{"device", "nvme"}, {"nvme_path", "/tmp"}};
+  EXPECT_EQ(offload_stage_bytes(offload_config(3, false, nvme), 3, 10000, false), 2 * 3000 * 4);
+  // ... and in page-locked host memory (offload_param cpu), which the CPU optimizer updates in place
+  EXPECT_EQ(offload_stage_bytes(offload_config(3, false, {{"device", "cpu"}}), 3, 10000, false), 2 * 3000 * 4);
+  EXPECT_EQ(offload_stage_bytes(offload_config(3, false), 3, 10000, false), 2 * 3000 * 4 + 2 * 3000 * 4);
+  // the same figure as the optimizer's
+  EXPECT_EQ(offload_stage_bytes(offload_config(2, true), 2, 12345, false),
+            offload::host_stage_bytes(12345, 3000, 0.5, DType::BF16, DType::BF16, true, true, false).total());
+  EXPECT_EQ(offload_stage_bytes(offload_config(2, true), 2, 10000, /*host_is_device=*/true), 0);
+  EXPECT_EQ(offload_stage_bytes(small_config(2), 2, 10000, false), 0);  // no offload
+  EXPECT_EQ(offload_stage_bytes(offload_config(2, false), 0, 10000, false), 0);  // stage 0 keeps the optimizer in memory
+}
+
 // A GPU build stops before allocating when the ranks sharing a device need more than it has free,
 // and says by how much and what lowers the plan.
 TEST(Budget, DeviceShortfallCountsTheRanksSharingTheDevice) {
