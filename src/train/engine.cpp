@@ -87,7 +87,9 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   dp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
   mp_comm_->all_reduce(&peak_gflops_total_, 1, DType::F64, ReduceOp::Sum);
   node_summary_ = node_summary(groups.world(), &local_rank_);
-  predicted_peak_ = estimate_budget(cfg_, world_comm_->size(), cfg_.zero.stage, groups_.nodes().ranks_per_node()).total();
+  // compared at the end with the measured peak: the process's on a CPU build, the device's on a GPU build
+  predicted_peak_ =
+      estimate_budget(cfg_, world_comm_->size(), cfg_.zero.stage, groups_.nodes().ranks_per_node()).device_need();
   run_collectively(groups.world(), [&] {
     ObservedComms observed{dp_comm_.get(), pipe_comm_.get(), tp_comm_.get(), world_comm_.get(), mp_comm_.get(), emb_comm_.get(), {}};
     for (auto& [name, c] : shard_comms_) observed.shards.emplace_back(c.get(), name);

@@ -48,7 +48,7 @@ void check_device_memory(const Config& cfg, MPI_Comm world) {
   const kernels::DeviceInfo d = kernels::device_info();
   const int visible = std::max(1, d.visible), id = p.local_rank % visible;
   const int sharing = (p.local_size - id + visible - 1) / visible;
-  const std::string why = device_memory_shortfall(estimate_budget(cfg, world_size, cfg.zero.stage).total(), sharing,
+  const std::string why = device_memory_shortfall(estimate_budget(cfg, world_size, cfg.zero.stage).device_need(), sharing,
                                                   d.free_bytes, d.name + " (device " + std::to_string(d.id) + ")");
   if (!why.empty()) throw InputError(why);
 }

@@ -15,6 +15,7 @@
 
 #include "config/config.hpp"
 #include "config/model_shape.hpp"
+#include "kernels/device.hpp"
 #include "model/model.hpp"
 #include "zero/zero.hpp"
 
@@ -95,6 +96,12 @@ struct MemoryBudget {
   // memory (the same memory on a CPU-only build, so the total counts both).
   int64_t host_total() const { return offload_host + activations_host; }
   int64_t device_total() const { return total() - host_total(); }
+  // What each memory must hold for this rank. A CPU build's host and device memory are one
+  // memory, which holds the total; on a GPU build the device holds device_total() and the host
+  // the offload tiers and host checkpoints plus the process's runtime (the start-up checks and
+  // the end-of-run comparison against the device's measured peak use these).
+  int64_t device_need(bool gpu_build = kernels::kGpuBuild) const { return gpu_build ? device_total() : total(); }
+  int64_t host_need(bool gpu_build = kernels::kGpuBuild) const { return gpu_build ? host_total() + runtime : total(); }
   nlohmann::json to_json() const;
 };
 

@@ -53,7 +53,7 @@ MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const Availabl
   // The run's node layout, as the engine's own plan takes it (qgZ's staging is sized by its nodes).
   const MemoryBudget b = estimate_budget(cfg, ranks, cfg.zero.stage, ranks_per_node);
   if (avail.bytes < 0) return b;
-  const double need = double(b.total()) * std::max(1, ranks_here);
+  const double need = double(b.host_need()) * std::max(1, ranks_here);  // host memory: a GPU build's device is checked apart
   if (need <= double(avail.bytes)) return b;
   // Name the two largest categories with the keys that size them.
   const ModelConfig& m = cfg.model;
@@ -76,7 +76,7 @@ MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const Availabl
            " (zero_optimization.reduce_bucket_size, max_live_parameters)"},
       {double(b.workspace), "workspace " + human_bytes(double(b.workspace)) + " (data.path, model.init_from)"}};
   std::sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) { return x.bytes > y.bytes; });
-  throw InputError(cfg.file + ": the run needs " + human_bytes(double(b.total())) + " per rank" +
+  throw InputError(cfg.file + ": the run needs " + human_bytes(double(b.host_need())) + " per rank" +
                    (ranks_here > 1 ? " x " + std::to_string(ranks_here) + " ranks on this machine" : "") +
                    " but " + human_bytes(double(avail.bytes)) + " is available (" + avail.source + "), short by " +
                    human_bytes(need - double(avail.bytes)) + "; largest: " + parts[0].text + ", " + parts[1].text);

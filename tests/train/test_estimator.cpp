@@ -195,6 +195,19 @@ TEST(Budget, OffloadStagesAreTheLargestHostSubGroupsOnAGpuBuildAndNoneOnACpuBuil
   EXPECT_EQ(offload_stage_bytes(offload_config(2, false), 0, 10000, false), 0);  // stage 0 keeps the optimizer in memory
 }
 
+// Where the plan's bytes must fit: one memory on a CPU build (the total, for the host check and
+// the device check alike); on a GPU build the device holds what offload and cpu_checkpointing do
+// not put in host memory, and the host those tiers and the process's runtime.
+TEST(Budget, ACpuBuildNeedsTheTotalInOneMemoryAndAGpuBuildSplitsItBetweenDeviceAndHost) {
+  const MemoryBudget b = estimate_budget(offload_config(3, true, {{"device", "cpu"}}), 2);
+  ASSERT_GT(b.host_total(), b.params);  // the partition and the optimizer's offloaded sub-groups
+  EXPECT_EQ(b.device_need(/*gpu_build=*/false), b.total());
+  EXPECT_EQ(b.host_need(/*gpu_build=*/false), b.total());
+  EXPECT_EQ(b.device_need(/*gpu_build=*/true), b.total() - b.host_total());
+  EXPECT_EQ(b.host_need(/*gpu_build=*/true), b.host_total() + b.runtime);
+  EXPECT_EQ(b.device_need() + (kernels::kGpuBuild ? b.host_total() : 0), b.total());  // this build's
+}
+
 // A GPU build stops before allocating when the ranks sharing a device need more than it has free,
 // and says by how much and what lowers the plan.
 TEST(Budget, DeviceShortfallCountsTheRanksSharingTheDevice) {
