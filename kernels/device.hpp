@@ -51,6 +51,8 @@ bool is_device_memory(const void* p);
 // The high-water mark of the device memory Kokkos allocated since start-up (0 on a CPU build,
 // where the process's peak resident memory is the measure).
 int64_t device_peak_bytes();
+// The device memory Kokkos holds allocated now (0 on a CPU build).
+int64_t device_live_bytes();
 // Restarts that high-water mark at the memory in use now (after a start-up probe's buffers are gone).
 void reset_device_peak();
 

@@ -27,6 +27,8 @@ DeviceInfo device_info() { return DeviceInfo{backend_name(), "", -1, 0, 0, 0}; }
 
 int64_t device_peak_bytes() { return 0; }
 
+int64_t device_live_bytes() { return 0; }
+
 void reset_device_peak() {}
 
 bool is_device_memory(const void*) { return false; }

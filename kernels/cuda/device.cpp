@@ -94,6 +94,8 @@ bool is_device_memory(const void* p) {
 
 int64_t device_peak_bytes() { return g_peak_bytes.load(); }
 
+int64_t device_live_bytes() { return g_live_bytes.load(); }
+
 namespace {
 cudaStream_t compute_stream() { return Kokkos::DefaultExecutionSpace().cuda_stream(); }
 

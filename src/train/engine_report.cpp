@@ -417,6 +417,14 @@ void Engine::report_step(const StepResult& r, const nlohmann::json& moe, double 
       MemoryBreakdown b{m, activation_bytes(), has_tiers(cfg_.zero)};
       process_memory(&b.rss, &b.peak_rss);
       machine_memory(&b.machine_total, &b.machine_available);
+      if (kernels::kGpuBuild) {
+        const kernels::DeviceInfo d = kernels::device_info();
+        b.on_device = true;
+        b.device_allocated = kernels::device_live_bytes();
+        b.device_peak = kernels::device_peak_bytes();
+        b.device_free = d.free_bytes;
+        b.device_total = d.total_bytes;
+      }
       std::printf("%s\n", memory_breakdown_line(b).c_str());
     }
     if (cfg_.activation_checkpointing.profile) {

@@ -60,6 +60,9 @@ std::string memory_breakdown_line(const MemoryBreakdown& m) {
                      mb(s.comm_buffers) + " | live_params_peak " + mb(s.live_params_peak) + " | activations " +
                      mb(m.activations);
   if (m.tiers) line += " | host " + mb(s.host) + " | nvme " + mb(s.nvme) + " | swap_buffers " + mb(s.swap_buffers);
+  if (m.on_device)
+    line += " | device allocated " + mb(m.device_allocated) + " (peak " + mb(m.device_peak) + ") | device free " +
+            mb(m.device_free) + " of " + mb(m.device_total);
   line += " | resident " + mb(m.rss) + " (peak " + mb(m.peak_rss) + ")";
   if (m.machine_total > 0) {
     // DeepSpeed's "CPU Virtual Memory: used = total - available, percent" (psutil.virtual_memory).
