@@ -70,7 +70,14 @@ step gpt2_124m_bf16_offload 90 env ZERO3D_GPU_OFFLOAD=1 zero3d train "$root/inpu
   --output "$out/gpt2_124m_bf16_offload" --set train_micro_batch_size_per_gpu=16 --set training.steps=8 \
   --set steps_per_print=4 --set bf16.enabled=true --set zero_optimization.stage=2 \
   --set zero_optimization.offload_optimizer.device=cpu
-step gpu_training_tests 320 zero3d_gpu_tests --gtest_filter='GpuTraining.*:GpuGenerate.*' --gtest_output="json:$out/gpu_training_tests.json"
+# ZeRO-Infinity's parameter offload (the same opt-in): stage 3 with the partition in page-locked
+# host memory that the kernels read in place, the optimizer's state on the host as well.
+step gpt2_124m_bf16_offload_param 90 env ZERO3D_GPU_OFFLOAD=1 zero3d train "$root/input/gpt2-124m.json" \
+  --output "$out/gpt2_124m_bf16_offload_param" --set train_micro_batch_size_per_gpu=16 --set training.steps=8 \
+  --set steps_per_print=4 --set bf16.enabled=true --set zero_optimization.stage=3 \
+  --set zero_optimization.offload_optimizer.device=cpu --set zero_optimization.offload_param.device=cpu \
+  --set memory_breakdown=true
+step gpu_training_tests 360 zero3d_gpu_tests --gtest_filter='GpuTraining.*:GpuGenerate.*' --gtest_output="json:$out/gpu_training_tests.json"
 step kernels 75 zero3d_device_bench --benchmark_counters_tabular=true --benchmark_min_time=0.1 \
   --benchmark_out="$out/kernels.json"
 for model in gpt2_124m llama_125m; do
@@ -125,7 +132,7 @@ print('peer generate $precision batch $B: prefill %.0f tokens/s, decode %.0f tok
   break
 done
 # tokens/s of the last steps (the first ones include cuBLASLt's heuristics and allocations)
-for run in gpt2_124m_bf16 gpt2_124m_bf16_flash gpt2_124m_fp32 llama_125m_bf16 llama_125m_bf16_flash llama_125m_fp32; do
+for run in gpt2_124m_bf16 gpt2_124m_bf16_flash gpt2_124m_fp32 llama_125m_bf16 llama_125m_bf16_flash llama_125m_fp32 gpt2_124m_bf16_offload gpt2_124m_bf16_offload_param; do
   f=$out/$run/metrics.jsonl
   [ -f "$f" ] && /usr/bin/env python3 -c "
 import json, sys
