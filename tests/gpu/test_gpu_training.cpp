@@ -1,8 +1,8 @@
 // test_gpu_training.cpp — the `gpu` label's training checks, through the executable as users
 // run it: 10-step losses against the CPU build's (committed in cpu_reference_losses.json by
 // make_cpu_reference.sh; block-sparse attention's and Mixture of Experts' too), run-to-run bit identity, two ranks
-// sharing one GPU against one rank for each layout, and a checkpoint saved on the GPU resumed by
-// the CPU build.
+// sharing one GPU against one rank for each layout, the offload tiers against the run without them,
+// and checkpoints crossing between the GPU and the CPU build both ways.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -238,6 +238,24 @@ TEST(GpuTraining, ACheckpointSavedOnTheGpuResumesOnTheCpu) {
   ASSERT_EQ(cpu.size(), 5u);
   EXPECT_LE(std::fabs(cpu[0] - gpu[5]), 1e-6 * std::fabs(gpu[5]));
   expect_losses_close(cpu, std::vector<double>(gpu.begin() + 5, gpu.end()), 1e-5, "resumed on the CPU");
+}
+
+// And the other way round: a checkpoint the CPU build wrote at step 5 resumes on the GPU, its
+// first loss the CPU run's step 6 within 1e-6 and the rest within the fp32 tolerance.
+TEST(GpuTraining, ACheckpointSavedOnTheCpuResumesOnTheGpu) {
+  const char* cpu_exe = std::getenv("ZERO3D_CPU_EXE");
+  if (cpu_exe == nullptr) GTEST_SKIP() << "ZERO3D_CPU_EXE (the CPU build's zero3d) is not set";
+  const std::string dir = temp_path("cpu_saves");
+  const Result r = run_with(cpu_exe, "train " + kSource + "/input/quickstart.json --output " + dir + " " +
+                                         reference().at("args").get<std::string>() + " --set training.save_interval=5");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::vector<double> cpu = losses_of(read_metrics(dir));
+  ASSERT_EQ(cpu.size(), 10u);
+  const std::vector<double> gpu = train_losses(
+      "quickstart", "--set training.resume=" + dir + "/checkpoints/global_step5", 1, temp_path("gpu_resumes"));
+  ASSERT_EQ(gpu.size(), 5u);
+  EXPECT_LE(std::fabs(gpu[0] - cpu[5]), 1e-6 * std::fabs(cpu[5]));
+  expect_losses_close(gpu, std::vector<double>(cpu.begin() + 5, cpu.end()), 1e-5, "resumed on the GPU");
 }
 
 }  // namespace
