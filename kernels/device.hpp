@@ -40,6 +40,9 @@ void initialize_backend(int local_rank, char** argv);
 // What the device is now (memory free at the time of the call).
 DeviceInfo device_info();
 
+// Whether initialize_backend has run (the planning commands run without it on a login node).
+bool backend_started();
+
 // Waits until the device has run everything queued so far: a timer's boundary (kernel launches
 // return before the kernels run). Nothing to wait for on a CPU build.
 void fence();

@@ -25,6 +25,8 @@ void initialize_backend(int, char** argv) {
 
 DeviceInfo device_info() { return DeviceInfo{backend_name(), "", -1, 0, 0, 0}; }
 
+bool backend_started() { return Kokkos::is_initialized(); }
+
 int64_t device_peak_bytes() { return 0; }
 
 int64_t device_live_bytes() { return 0; }

@@ -92,6 +92,8 @@ bool is_device_memory(const void* p) {
   return a.type == cudaMemoryTypeDevice;
 }
 
+bool backend_started() { return Kokkos::is_initialized(); }
+
 int64_t device_peak_bytes() { return g_peak_bytes.load(); }
 
 int64_t device_live_bytes() { return g_live_bytes.load(); }

@@ -609,7 +609,7 @@ int64_t largest_fitting_micro_batch(const Config& cfg, int64_t world, int stage,
   auto fits = [&](int64_t micro) {
     c.batch.micro_batch = micro;
     for (const RankPlan& p : plans)
-      if (rank_budget(c, p, dp, stage, ranks_per_node).total() > bytes_per_rank) return false;
+      if (rank_budget(c, p, dp, stage, ranks_per_node).device_need() > bytes_per_rank) return false;
     return true;
   };
   if (!fits(1)) return 0;

@@ -167,10 +167,14 @@ struct AvailableMemory {
   std::string source;  // "MemAvailable" or "cgroup memory limit"
 };
 AvailableMemory available_memory();
+// A GPU build's memory per rank for the "auto" micro-batch: the device's total memory shared by
+// the ranks of a node that map to one device (ranks_here ranks over `visible` devices, round robin).
+int64_t device_bytes_per_rank(int64_t device_total, int visible, int64_t ranks_here);
 
 // read_config, then the one value config/ leaves to the memory planner: a
 // train_micro_batch_size_per_gpu "auto" that nothing derives becomes the largest micro-batch that
-// fits this machine's available memory shared by `world_size` ranks, at most Hugging Face's
+// fits this machine's available memory shared by `world_size` ranks (a GPU build whose device has
+// started: the device's memory shared by the ranks on it, device_bytes_per_rank), at most Hugging Face's
 // default of 8, with the notes and resolved keys that say so; planned on nodes of
 // `ranks_per_node` ranks (0: one node), as check_memory_fits then checks it. Every command that
 // trains, checks or sizes a config reads it through here.

@@ -88,15 +88,25 @@ namespace {
 // fits this machine's available memory shared by `world_size` ranks (on nodes of `ranks_per_node`),
 // at most HF's default of 8.
 void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node) {
-  const AvailableMemory avail = available_memory();
+  AvailableMemory avail = available_memory();
+  int64_t sharing = world_size;  // the ranks avail.bytes is divided among
+  if (kernels::kGpuBuild && kernels::backend_started()) {
+    // The device's total memory, not its free memory: the same on every rank of identical
+    // devices, so every rank resolves the same micro-batch (the start-up device check then
+    // compares the plan with what is free).
+    const kernels::DeviceInfo d = kernels::device_info();
+    const int64_t here = ranks_per_node > 0 ? std::min(ranks_per_node, world_size) : world_size;
+    avail = {device_bytes_per_rank(d.total_bytes, d.visible, here), d.name + " memory per rank on it"};
+    sharing = 1;
+  }
   int64_t micro = kHfPerDeviceBatch;
   std::string why = "Hugging Face's per_device_train_batch_size default; available memory unknown";
   if (avail.bytes > 0) {
-    const int64_t per_rank = avail.bytes / std::max<int64_t>(1, world_size);
+    const int64_t per_rank = avail.bytes / std::max<int64_t>(1, sharing);
     const int64_t fits = largest_fitting_micro_batch(c, world_size, c.zero.stage, per_rank, ranks_per_node);
     micro = std::max<int64_t>(1, std::min(kHfPerDeviceBatch, fits));
     why = "the memory planner fits " + std::to_string(fits) + " per rank in " + human_bytes(double(per_rank)) +
-          " (" + avail.source + " / " + std::to_string(world_size) + " ranks); at most Hugging Face's "
+          " (" + avail.source + (sharing > 1 || !kernels::kGpuBuild ? " / " + std::to_string(sharing) + " ranks" : "") + "); at most Hugging Face's "
           "per_device_train_batch_size default of " + std::to_string(kHfPerDeviceBatch);
   }
   BatchConfig& b = c.batch;
@@ -131,6 +141,11 @@ Config resolve_config(const nlohmann::json& root, const std::string& file, int64
   c.resolved["train_micro_batch_size_per_gpu"] = c.batch.micro_batch;
   c.resolved["gradient_accumulation_steps"] = c.batch.gradient_accumulation_steps;
   return c;
+}
+
+int64_t device_bytes_per_rank(int64_t device_total, int visible, int64_t ranks_here) {
+  const int64_t devices = std::max(1, visible), ranks = std::max<int64_t>(1, ranks_here);
+  return device_total / ((ranks + devices - 1) / devices);  // the busiest device's ranks
 }
 
 std::string device_memory_shortfall(int64_t plan_bytes, int ranks_on_device, int64_t free_bytes,

@@ -208,6 +208,18 @@ TEST(Budget, ACpuBuildNeedsTheTotalInOneMemoryAndAGpuBuildSplitsItBetweenDeviceA
   EXPECT_EQ(b.device_need() + (kernels::kGpuBuild ? b.host_total() : 0), b.total());  // this build's
 }
 
+// A GPU build's "auto" micro-batch fits the device's memory over the ranks its busiest device
+// serves: 8 ranks of a node on 8 devices have one each, 8 on 2 share four to a device, 3 on 2 put
+// two on device 0.
+TEST(Budget, AGpuBuildsAutoMicroBatchSharesTheDeviceAmongItsRanks) {
+  const int64_t gb = 1000 * 1000 * 1000;
+  EXPECT_EQ(device_bytes_per_rank(80 * gb, 8, 8), 80 * gb);
+  EXPECT_EQ(device_bytes_per_rank(80 * gb, 2, 8), 20 * gb);
+  EXPECT_EQ(device_bytes_per_rank(80 * gb, 2, 3), 40 * gb);
+  EXPECT_EQ(device_bytes_per_rank(80 * gb, 1, 1), 80 * gb);
+  EXPECT_EQ(device_bytes_per_rank(80 * gb, 0, 0), 80 * gb);  // nothing reported: one device, one rank
+}
+
 // A GPU build stops before allocating when the ranks sharing a device need more than it has free,
 // and says by how much and what lowers the plan.
 TEST(Budget, DeviceShortfallCountsTheRanksSharingTheDevice) {
