@@ -111,6 +111,32 @@ class HostBuffer {
   Kokkos::View<char*, PinnedHostSpace> locked_;
 };
 
+// Page-locked host bytes that move like a std::vector<char>: a pool's staging between model
+// memory and the host's MPI (comm_staged.hpp), so each copy runs at the link's rate. Contents
+// start undefined, as a reused staging buffer's are.
+class PinnedBytes {
+ public:
+  PinnedBytes() = default;
+  explicit PinnedBytes(size_t bytes)
+      : bytes_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("pinned_staging")), bytes) {}
+  PinnedBytes(PinnedBytes&& other) noexcept { std::swap(bytes_, other.bytes_); }
+  PinnedBytes& operator=(PinnedBytes&& other) noexcept {
+    PinnedBytes gone(std::move(other));
+    std::swap(bytes_, gone.bytes_);
+    return *this;
+  }
+  char* data() const { return bytes_.data(); }
+  size_t size() const { return bytes_.extent(0); }
+  bool empty() const { return size() == 0; }
+
+ private:
+  Kokkos::View<char*, PinnedHostSpace> bytes_;
+};
+
+// Host staging for model memory: unused on a CPU build, where model memory is host memory (kept
+// the plain vector the CPU suite's injected routes exercise); page-locked on a GPU build.
+using HostStagingBuffer = std::conditional_t<kHostIsDevice, std::vector<char>, PinnedBytes>;
+
 // Model memory [src, src + bytes) in `stage` for the host, or the memory itself where the host
 // is the device.
 inline const char* host_view_of(HostBuffer& stage, const void* src, size_t bytes) {

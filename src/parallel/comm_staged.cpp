@@ -20,7 +20,7 @@ StagingRoutes model_memory_staging() {
 class StagedCommunicator::Staged {
  public:
   Staged() = default;
-  Staged(void* model, size_t bytes, bool copy_back, const StagingRoutes* routes, std::shared_ptr<BytePool> pool)
+  Staged(void* model, size_t bytes, bool copy_back, const StagingRoutes* routes, std::shared_ptr<StagingPool> pool)
       : model_(model), bytes_(bytes), copy_back_(copy_back), routes_(routes), pool_(std::move(pool)) {
     host_ = pool_->take(static_cast<int64_t>(bytes));
   }
@@ -49,8 +49,8 @@ class StagedCommunicator::Staged {
   size_t bytes_ = 0;
   bool copy_back_ = false;
   const StagingRoutes* routes_ = nullptr;
-  std::shared_ptr<BytePool> pool_;
-  std::vector<char> host_;
+  std::shared_ptr<StagingPool> pool_;
+  kernels::HostStagingBuffer host_;
 };
 
 namespace {
@@ -91,7 +91,7 @@ int64_t sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v
 }  // namespace
 
 StagedCommunicator::StagedCommunicator(Communicator& host, StagingRoutes routes)
-    : host_(host), routes_(std::move(routes)), pool_(std::make_shared<BytePool>()) {}
+    : host_(host), routes_(std::move(routes)), pool_(std::make_shared<StagingPool>()) {}
 
 StagedCommunicator::Staged StagedCommunicator::out(const void* buf, int64_t count, DType type) {
   if (count <= 0 || !buf || !routes_.in_model_memory(buf)) return Staged::direct(const_cast<void*>(buf));

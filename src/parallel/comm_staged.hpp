@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "base/byte_pool.hpp"
+#include "kernels/memory.hpp"
 #include "parallel/comm.hpp"
 
 namespace zero3d {
@@ -27,6 +28,9 @@ struct StagingRoutes {
   std::function<void(void* model, const void* host, size_t bytes)> to_model;
 };
 StagingRoutes model_memory_staging();
+
+// The host side of staged buffers: page-locked on a GPU build (kernels::HostStagingBuffer).
+using StagingPool = BasicPool<kernels::HostStagingBuffer>;
 
 class StagedCommunicator : public Communicator {
  public:
@@ -74,7 +78,8 @@ class StagedCommunicator : public Communicator {
 
   Communicator& host_;
   StagingRoutes routes_;
-  std::shared_ptr<BytePool> pool_;  // shared with the requests in flight, which give their buffers back
+  // shared with the requests in flight, which give their buffers back; page-locked on a GPU build
+  std::shared_ptr<StagingPool> pool_;
 };
 
 // The communicator each MPI group uses for buffers in model memory: the MPI communicator itself

@@ -318,11 +318,17 @@ void Engine::execute(const pipe::Instruction& in, StepResult& r, double& local_l
       const DataLoader& source = eval_ ? *validation_ : *data_;
       const int64_t first =
           (eval_ ? eval_->first_sample : samples_) + (in.micro_batch * world_ + rank_) * cfg_.batch.micro_batch;
-      auto host_in = Kokkos::create_mirror_view(buf.token_ids);
-      auto host_tgt = Kokkos::create_mirror_view(buf.target_ids);
-      source.micro_batch(first, host_in.data(), host_tgt.data());
-      Kokkos::deep_copy(buf.token_ids, host_in);
-      Kokkos::deep_copy(buf.target_ids, host_tgt);
+      const size_t ids = buf.token_ids.extent(0) * sizeof(int32_t), targets = buf.target_ids.extent(0) * sizeof(int32_t);
+      int32_t *host_in = buf.token_ids.data(), *host_tgt = buf.target_ids.data();
+      if (!kernels::kHostIsDevice) {
+        host_in = reinterpret_cast<int32_t*>(token_stage_.grow(ids + targets));
+        host_tgt = host_in + buf.token_ids.extent(0);
+      }
+      source.micro_batch(first, host_in, host_tgt);
+      if (!kernels::kHostIsDevice) {
+        kernels::copy_to_device(buf.token_ids.data(), host_in, ids);
+        kernels::copy_to_device(buf.target_ids.data(), host_tgt, targets);
+      }
       break;
     }
     case Op::RecvActivation: {

@@ -195,6 +195,9 @@ class Engine {
   pipe::StageSchedule schedule_steps_;
   std::vector<int> last_backward_;  // per chunk: index (in flat instruction order) of its last weight-gradient pass
   std::vector<ActivationBuffer> buffers_;
+  // A GPU build's token ids and targets on their way to the device: page-locked, reused from
+  // micro-batch to micro-batch (the CPU build's loader writes the buffers themselves).
+  kernels::HostBuffer token_stage_{"token_ids_stage", 0, /*pinned=*/true};
   struct Pending {
     std::unique_ptr<CommRequest> act_recv, grad_recv, act_send, grad_send;
     // Mixtral's load-balancing loss: the router sums travel with the activations, the expert
