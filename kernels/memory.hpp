@@ -54,16 +54,16 @@ inline T read_one(const T* device) {
   return v;
 }
 
-// Bytes in model memory that move like a std::vector<char> (a staging pool's buffers,
+// Bytes in one memory space that move like a std::vector<char> (a staging pool's buffers,
 // base/byte_pool.hpp). Contents start undefined, as a reused staging buffer's are.
-class DeviceBuffer {
+template <class Space>
+class SpaceBytes {
  public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes)
-      : bytes_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("staging")), bytes) {}
-  DeviceBuffer(DeviceBuffer&& other) noexcept { std::swap(bytes_, other.bytes_); }
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
-    DeviceBuffer gone(std::move(other));
+  SpaceBytes() = default;
+  explicit SpaceBytes(size_t bytes) : bytes_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("staging")), bytes) {}
+  SpaceBytes(SpaceBytes&& other) noexcept { std::swap(bytes_, other.bytes_); }
+  SpaceBytes& operator=(SpaceBytes&& other) noexcept {
+    SpaceBytes gone(std::move(other));
     std::swap(bytes_, gone.bytes_);
     return *this;
   }
@@ -72,8 +72,11 @@ class DeviceBuffer {
   bool empty() const { return size() == 0; }
 
  private:
-  Kokkos::View<char*, DeviceSpace> bytes_;
+  Kokkos::View<char*, Space> bytes_;
 };
+
+// Bytes in model memory.
+using DeviceBuffer = SpaceBytes<DeviceSpace>;
 
 // Staging for buffers that kernels convert: host bytes on a CPU build (what it always used),
 // device bytes on a GPU build.
@@ -111,27 +114,9 @@ class HostBuffer {
   Kokkos::View<char*, PinnedHostSpace> locked_;
 };
 
-// Page-locked host bytes that move like a std::vector<char>: a pool's staging between model
-// memory and the host's MPI (comm_staged.hpp), so each copy runs at the link's rate. Contents
-// start undefined, as a reused staging buffer's are.
-class PinnedBytes {
- public:
-  PinnedBytes() = default;
-  explicit PinnedBytes(size_t bytes)
-      : bytes_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("pinned_staging")), bytes) {}
-  PinnedBytes(PinnedBytes&& other) noexcept { std::swap(bytes_, other.bytes_); }
-  PinnedBytes& operator=(PinnedBytes&& other) noexcept {
-    PinnedBytes gone(std::move(other));
-    std::swap(bytes_, gone.bytes_);
-    return *this;
-  }
-  char* data() const { return bytes_.data(); }
-  size_t size() const { return bytes_.extent(0); }
-  bool empty() const { return size() == 0; }
-
- private:
-  Kokkos::View<char*, PinnedHostSpace> bytes_;
-};
+// Page-locked host bytes: a pool's staging between model memory and the host's MPI
+// (comm_staged.hpp), so each copy runs at the link's rate.
+using PinnedBytes = SpaceBytes<PinnedHostSpace>;
 
 // Host staging for model memory: unused on a CPU build, where model memory is host memory (kept
 // the plain vector the CPU suite's injected routes exercise); page-locked on a GPU build.

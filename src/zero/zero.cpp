@@ -343,29 +343,23 @@ void ZeroOptimizer::write_params(int64_t begin, int64_t n, const void* in) {
   else kernels::copy_to_device(params_.at(stage_ == 3 ? begin : part_.begin(rank_) + begin), in, n * dtype_size(types_.param));
 }
 
-// The swapped partition's [begin, begin + n) into model memory at dst, and back from it: in place
-// on a CPU build; through a bounded host chunk where model memory is the device's.
-void ZeroOptimizer::read_params_to_model(int64_t begin, int64_t n, void* dst) {
-  if (kernels::kHostIsDevice) return read_params(begin, n, dst);
+// The swapped partition's [begin, begin + n) into model memory at `model` (to_model), or back
+// from it: in place on a CPU build; through a bounded host chunk where model memory is the device's.
+void ZeroOptimizer::move_params_through_host(int64_t begin, int64_t n, void* model, bool to_model) {
+  if (kernels::kHostIsDevice) return to_model ? read_params(begin, n, model) : write_params(begin, n, model);
   const size_t es = dtype_size(types_.param);
   std::vector<char> chunk;
   for (int64_t a = begin; a < begin + n; a += kInitFillElems) {
     const int64_t c = std::min(begin + n, a + kInitFillElems) - a;
     chunk.resize(static_cast<size_t>(c) * es);
-    read_params(a, c, chunk.data());
-    kernels::copy_to_device(static_cast<char*>(dst) + (a - begin) * static_cast<int64_t>(es), chunk.data(), chunk.size());
-  }
-}
-
-void ZeroOptimizer::write_params_from_model(int64_t begin, int64_t n, const void* src) {
-  if (kernels::kHostIsDevice) return write_params(begin, n, src);
-  const size_t es = dtype_size(types_.param);
-  std::vector<char> chunk;
-  for (int64_t a = begin; a < begin + n; a += kInitFillElems) {
-    const int64_t c = std::min(begin + n, a + kInitFillElems) - a;
-    chunk.resize(static_cast<size_t>(c) * es);
-    kernels::copy_to_host(chunk.data(), static_cast<const char*>(src) + (a - begin) * static_cast<int64_t>(es), chunk.size());
-    write_params(a, c, chunk.data());
+    char* at = static_cast<char*>(model) + (a - begin) * static_cast<int64_t>(es);
+    if (to_model) {
+      read_params(a, c, chunk.data());
+      kernels::copy_to_device(at, chunk.data(), chunk.size());
+    } else {
+      kernels::copy_to_host(chunk.data(), at, chunk.size());
+      write_params(a, c, chunk.data());
+    }
   }
 }
 
@@ -590,9 +584,9 @@ void ZeroOptimizer::apply_step(double lr, std::optional<std::pair<double, double
     // read into memory for the step, updated, written back (DeepSpeed likewise keeps the
     // partition it updates in device memory while the parameters live on NVMe, FACTS-2 §3).
     TypedBuffer staged("params_step", types_.param, part_.part, /*zero=*/false);
-    read_params_to_model(0, part_.part, staged.data());
+    move_params_through_host(0, part_.part, staged.data(), /*to_model=*/true);
     optimizer_->step(TypedSpan{staged.data(), types_.param}, grad_partition(), types_.grad, mul, lr, betas);
-    write_params_from_model(0, part_.part, staged.data());
+    move_params_through_host(0, part_.part, staged.data(), /*to_model=*/false);
     drop_gathered_params();
     return;
   }

@@ -401,9 +401,8 @@ class ZeroOptimizer : public ParamStore {
   // Partition-local parameters [begin, begin + n) in the parameter type, wherever they lie.
   void read_params(int64_t begin, int64_t n, void* out);
   void write_params(int64_t begin, int64_t n, const void* in);
-  // The same from and into model memory (the step's staged partition).
-  void read_params_to_model(int64_t begin, int64_t n, void* dst);
-  void write_params_from_model(int64_t begin, int64_t n, const void* src);
+  // The same into model memory (to_model) or back from it (the step's staged partition).
+  void move_params_through_host(int64_t begin, int64_t n, void* model, bool to_model);
   // This rank's slice [lo, hi) of unit u where a kernel reads it: its place in model memory, or
   // (the partition in swap files) the swapped slice, copied into the gather buffer's own slot on a GPU build.
   const void* own_slice(int u, Gathered& g, int64_t lo, int64_t hi);
