@@ -59,6 +59,12 @@ int64_t device_live_bytes();
 // Restarts that high-water mark at the memory in use now (after a start-up probe's buffers are gone).
 void reset_device_peak();
 
+// Page-locks host memory allocated elsewhere (an NVMe bounce buffer from posix_memalign), so
+// copies between it and the device run at the link's rate (cudaHostRegister); page_unlock
+// before it is freed. Nothing on a CPU build.
+void page_lock(void* p, size_t bytes);
+void page_unlock(void* p);
+
 // Copies between model memory and host memory on a stream of their own, so that they run while
 // the host works (ZeRO-Offload's gradients coming over beside the CPU optimizer, as DeepSpeed's
 // stage3.py moves them on a separate stream). A copy starts after the device's work queued so

@@ -27,6 +27,10 @@ DeviceInfo device_info() { return DeviceInfo{backend_name(), "", -1, 0, 0, 0}; }
 
 bool backend_started() { return Kokkos::is_initialized(); }
 
+void page_lock(void*, size_t) {}
+
+void page_unlock(void*) {}
+
 int64_t device_peak_bytes() { return 0; }
 
 int64_t device_live_bytes() { return 0; }

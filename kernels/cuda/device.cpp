@@ -94,6 +94,17 @@ bool is_device_memory(const void* p) {
 
 bool backend_started() { return Kokkos::is_initialized(); }
 
+void page_lock(void* p, size_t bytes) {
+  const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+  if (e != cudaSuccess)
+    throw std::runtime_error("cannot page-lock " + std::to_string(bytes) + " bytes of swap buffer (cudaHostRegister): " +
+                             cudaGetErrorString(e));
+}
+
+void page_unlock(void* p) {
+  if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();  // freed next either way
+}
+
 int64_t device_peak_bytes() { return g_peak_bytes.load(); }
 
 int64_t device_live_bytes() { return g_live_bytes.load(); }

@@ -17,6 +17,7 @@
 
 #include "base/errors.hpp"
 #include "base/input_file.hpp"
+#include "kernels/device.hpp"
 
 namespace zero3d::offload {
 
@@ -27,13 +28,20 @@ double now_s() {
 std::string errno_text(int e) { return std::strerror(e); }
 }  // namespace
 
-void AlignedBuffer::Free::operator()(void* p) const { std::free(p); }
+void AlignedBuffer::Free::operator()(void* p) const {
+  if (locked) kernels::page_unlock(p);
+  std::free(p);
+}
 
-AlignedBuffer::AlignedBuffer(int64_t bytes) : bytes_(align_up(std::max<int64_t>(bytes, 1))) {
+AlignedBuffer::AlignedBuffer(int64_t bytes, bool page_locked) : bytes_(align_up(std::max<int64_t>(bytes, 1))) {
   void* p = nullptr;
   if (posix_memalign(&p, kIoAlign, static_cast<size_t>(bytes_)) != 0)
     throw SystemError("cannot allocate " + std::to_string(bytes_) + " bytes of aligned swap buffer");
   ptr_.reset(p);
+  if (page_locked && kernels::kGpuBuild) {
+    kernels::page_lock(p, static_cast<size_t>(bytes_));
+    ptr_.get_deleter().locked = true;
+  }
 }
 
 struct AioEngine::Worker {

@@ -30,16 +30,19 @@ inline int64_t align_up(int64_t bytes) { return (bytes + kIoAlign - 1) / kIoAlig
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  explicit AlignedBuffer(int64_t bytes);
+  // page_locked: registered with the device on a GPU build (DeepSpeed's pin_memory for its swap
+  // buffers), for buffers that live long enough to repay the registration.
+  explicit AlignedBuffer(int64_t bytes, bool page_locked = false);
   void* data() const { return ptr_.get(); }
   float* floats() const { return static_cast<float*>(ptr_.get()); }
   int64_t bytes() const { return bytes_; }
 
  private:
   struct Free {
+    bool locked;  // page-locked: unregistered before it is freed
     void operator()(void* p) const;
   };
-  std::unique_ptr<void, Free> ptr_;
+  std::unique_ptr<void, Free> ptr_{nullptr, Free{false}};
   int64_t bytes_ = 0;
 };
 

@@ -99,8 +99,10 @@ OffloadedOptimizer::OffloadedOptimizer(const OffloadOptimizerConfig& off, const 
     int64_t largest = 0;
     for (int64_t k = cut_; k < g; ++k) largest = std::max(largest, groups_[k].n);
     slots_.resize(static_cast<size_t>(nslots));
+    // the NVMe bounce buffers: page-locked per pin_memory (the CPU optimizer's master copy goes to
+    // the device from here)
     for (Slot& sl : slots_)
-      for (int s = 0; s < states(); ++s) sl.state.emplace_back(largest * esize(s));
+      for (int s = 0; s < states(); ++s) sl.state.emplace_back(largest * esize(s), off.pin_memory);
   }
 }
 

@@ -49,7 +49,9 @@ ParamSwapper::ParamSwapper(const OffloadParamConfig& cfg, const AioConfig& aio, 
     reserve_swap_file(fd, bytes, kNvmeKey, dir_, path);
   }
   aio_ = std::make_unique<AioEngine>(aio);
-  scratch_ = AlignedBuffer(largest * static_cast<int64_t>(esize_));
+  // Page-locked per pin_memory: it lives for the run. (The cached slices come and go with their
+  // reads; registering each would cost more than the copy it speeds up.)
+  scratch_ = AlignedBuffer(largest * static_cast<int64_t>(esize_), cfg_.pin_memory);
 }
 
 ParamSwapper::~ParamSwapper() {
