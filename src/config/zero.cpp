@@ -100,7 +100,10 @@ void read_offload(Section& top, Section& sec, ZeroConfig& z) {
     p.buffer_size = off.integer("buffer_size", 100000000, 1, kMax);
     p.max_in_cpu = off.integer("max_in_cpu", 1000000000, 0, kMax);
     p.pin_memory = off.boolean("pin_memory", old_param ? old_pin : true);
-    if (off.has("pin_memory")) off.note(pin_memory_note(off, p.pin_memory));
+    if (off.has("pin_memory") && !kernels::kGpuBuild) off.note(pin_memory_note(off, p.pin_memory));
+    if (kernels::kGpuBuild && p.device == OffloadDevice::Cpu && !p.pin_memory)
+      off.note("`" + off.key_path("pin_memory") + "` = false: the parameter partition is page-locked all the same, "
+               "because the device's kernels read it in place (pageable memory they cannot reach)");
     off.finish();
     if (old_param) off.record("device", "cpu");
   }
