@@ -82,11 +82,19 @@ inline std::string write_config(const std::string& name, const json& j) {
   return path;
 }
 
+// The model of tiny_config and of the CLI goldens (V=64, T=16, L=2, H=2, C=32), loaded from
+// `init_from` when one is given.
+inline json tiny_model(const std::string& init_from = "") {
+  json m = {{"vocab_size", 64}, {"n_positions", 16}, {"n_layer", 2}, {"n_head", 2}, {"n_embd", 32}};
+  if (!init_from.empty()) m["init_from"] = init_from;
+  return m;
+}
+
 inline json tiny_config() {
   return json{{"train_batch_size", 8},
               {"train_micro_batch_size_per_gpu", 4},
               {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
-              {"model", {{"vocab_size", 64}, {"n_positions", 16}, {"n_layer", 2}, {"n_head", 2}, {"n_embd", 32}}},
+              {"model", tiny_model()},
               {"training", {{"steps", 5}, {"seed", 7}, {"peak_gflops", 50}}}};
 }
 

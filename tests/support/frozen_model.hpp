@@ -21,6 +21,13 @@ inline const std::vector<std::string> kFrozen = {R"(^h\.0\.)", R"(wpe\.weight)",
 // (128) are frozen.
 constexpr int64_t kPsi = 28032, kFrozenNumel = 12704 + 512 + 128;
 
+// The tiny GPT-2 from `init` with the reference's tensors frozen.
+inline json frozen_model_section(const std::string& init) {
+  json m = tiny_model(init);
+  m["frozen_parameters"] = kFrozen;
+  return m;
+}
+
 // The reference's run: its initial weights and tokens, AdamW with weight decay, clipping 0.5,
 // six steps saved every three, at ZeRO `stage` and `micro_batch` of 8 samples a step.
 inline json frozen_golden_config(int stage, int64_t micro_batch,
@@ -31,14 +38,7 @@ inline json frozen_golden_config(int stage, int64_t micro_batch,
               {"optimizer",
                {{"type", "AdamW"},
                 {"params", {{"lr", 1e-2}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.1}}}}},
-              {"model",
-               {{"vocab_size", 64},
-                {"n_positions", 16},
-                {"n_layer", 2},
-                {"n_head", 2},
-                {"n_embd", 32},
-                {"init_from", init},
-                {"frozen_parameters", kFrozen}}},
+              {"model", frozen_model_section(init)},
               {"data", {{"source", "tokens"}, {"path", kFrozenGoldenDir + "/frozen_tokens.bin"}}},
               {"zero_optimization", {{"stage", stage}}},
               {"training", {{"steps", 6}, {"seed", 7}, {"peak_gflops", 50}, {"save_interval", 3}}}};
