@@ -90,6 +90,7 @@ namespace {
 void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node) {
   AvailableMemory avail = available_memory();
   int64_t sharing = world_size;  // the ranks avail.bytes is divided among
+  std::string shared = " / " + std::to_string(world_size) + " ranks";
   if (kernels::kGpuBuild && kernels::backend_started()) {
     // The device's total memory, not its free memory: the same on every rank of identical
     // devices, so every rank resolves the same micro-batch (the start-up device check then
@@ -98,6 +99,7 @@ void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node
     const int64_t here = ranks_per_node > 0 ? std::min(ranks_per_node, world_size) : world_size;
     avail = {device_bytes_per_rank(d.total_bytes, d.visible, here), d.name + " memory per rank on it"};
     sharing = 1;
+    shared.clear();
   }
   int64_t micro = kHfPerDeviceBatch;
   std::string why = "Hugging Face's per_device_train_batch_size default; available memory unknown";
@@ -106,7 +108,7 @@ void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node
     const int64_t fits = largest_fitting_micro_batch(c, world_size, c.zero.stage, per_rank, ranks_per_node);
     micro = std::max<int64_t>(1, std::min(kHfPerDeviceBatch, fits));
     why = "the memory planner fits " + std::to_string(fits) + " per rank in " + human_bytes(double(per_rank)) +
-          " (" + avail.source + (sharing > 1 || !kernels::kGpuBuild ? " / " + std::to_string(sharing) + " ranks" : "") + "); at most Hugging Face's "
+          " (" + avail.source + shared + "); at most Hugging Face's "
           "per_device_train_batch_size default of " + std::to_string(kHfPerDeviceBatch);
   }
   BatchConfig& b = c.batch;

@@ -131,8 +131,7 @@ void ZeroOptimizer::start_gather(int u, size_t k) {
   } else if (quantized_frozen_) {
     start_frozen_gather(u, g);
   } else if (cfg_.quantized_weights) {
-    start_quantized_gather(dp_, g, counts, displs,
-                           own_slice(u, g, lo, hi));
+    start_quantized_gather(dp_, g, counts, displs, own_slice(u, g, lo, hi));
   } else if (shards_.gather_inter) {
     start_hierarchical_gather(u, g, own_slice(u, g, lo, hi));
   } else if (!gather_segments_.empty() && gather_mixed_[static_cast<size_t>(u)]) {
