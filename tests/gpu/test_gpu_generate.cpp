@@ -1,8 +1,8 @@
 // test_gpu_generate.cpp — the `gpu` label's generation checks, through the executable as users
 // run it: a model trained on the GPU generates, greedily from its checkpoint, the ids the CPU
 // build generates from the same checkpoint (GPT-2 and the Llama family; prefill, the KV cache
-// and the cached attention on the device), and a left-padded batch gives each prompt's
-// unbatched ids there.
+// and the cached attention on the device), a left-padded batch gives each prompt's unbatched ids
+// there, and two ranks sharing the GPU as two pipeline stages or two tensor ranks give one rank's.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -79,6 +79,24 @@ TEST(GpuGenerate, ALeftPaddedBatchGivesEachPromptsUnbatchedIds) {
     ASSERT_EQ(batched.code, 0) << batched.err;
     ASSERT_EQ(alone.code, 0) << alone.err;
     EXPECT_EQ(generated(batched.out), generated(alone.out)) << model;
+  }
+}
+
+// Decode over stages on the device: each stage's KV cache and cached attention in its own rank's
+// model memory, the hidden states crossing between stages through the host-staged
+// communicator; and over two tensor ranks, each with its heads' cache. One rank's ids all the same.
+TEST(GpuGenerate, TwoStagesOrTwoTensorRanksSharingTheGpuGiveOneRanksIds) {
+  const std::string prompts = prompts_file();
+  for (const std::string model : {"quickstart", "llama-tiny"}) {
+    const std::string checkpoint = train_on_gpu(model, "layouts");
+    const Result one = run(generate_args(model, checkpoint, prompts, 1), 1);
+    ASSERT_EQ(one.code, 0) << one.err;
+    ASSERT_EQ(generated(one.out).size(), kPrompts.size()) << model;
+    for (const std::string layout : {"pipeline.stages=2", "tensor_parallel.autotp_size=2"}) {
+      const Result two = run(generate_args(model, checkpoint, prompts, 1) + " --set " + layout, 2);
+      ASSERT_EQ(two.code, 0) << model << " " << layout << ": " << two.err;
+      EXPECT_EQ(generated(two.out), generated(one.out)) << model << " " << layout;
+    }
   }
 }
 
