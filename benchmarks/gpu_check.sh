@@ -137,12 +137,12 @@ step gpu_training_tests_new 200 zero3d_gpu_tests \
   --gtest_filter='GpuTraining.ZeroOffload*:GpuTraining.ParameterOffload*:GpuTraining.SparseAttention*:GpuTraining.MixtureOfExperts*:GpuTraining.ACheckpointSavedOnTheCpu*:GpuGenerate.*' \
   --gtest_output="json:$out/gpu_training_tests_new.json"
 
-# 4. ZeRO-Offload's GPU form and ZeRO-Infinity's parameter offload (opt-in until these have
-# passed): GPT-2 124M bf16 with DeepSpeed's CPU Adam over a page-locked host tier, then stage 3
-# with the partition in page-locked host memory that the kernels read in place.
-train gpt2_124m_bf16_offload 60 gpt2-124m ZERO3D_GPU_OFFLOAD=1 -- --set training.steps=8 --set bf16.enabled=true \
+# 4. ZeRO-Offload's GPU form and ZeRO-Infinity's parameter offload: GPT-2 124M bf16 with
+# DeepSpeed's CPU Adam over a page-locked host tier, then stage 3 with the partition in
+# page-locked host memory that the kernels read in place.
+train gpt2_124m_bf16_offload 60 gpt2-124m -- --set training.steps=8 --set bf16.enabled=true \
   --set zero_optimization.stage=2 --set zero_optimization.offload_optimizer.device=cpu
-train gpt2_124m_bf16_offload_param 60 gpt2-124m ZERO3D_GPU_OFFLOAD=1 -- --set training.steps=8 --set bf16.enabled=true \
+train gpt2_124m_bf16_offload_param 60 gpt2-124m -- --set training.steps=8 --set bf16.enabled=true \
   --set zero_optimization.stage=3 --set zero_optimization.offload_optimizer.device=cpu \
   --set zero_optimization.offload_param.device=cpu --set memory_breakdown=true
 
@@ -160,9 +160,24 @@ peer pytorch_peer_llama 60 llama-125m eager-bf16
 step zero3_np2 45 env FAULT_BACKTRACE_THROW=1 mpiexec.hydra -np 2 zero3d train "$root/input/quickstart.json" \
   --output "$out/zero3_np2" --set zero_optimization.stage=3 --set training.steps=3
 
-# 8. The per-kernel table.
+# 8. The per-kernel table, attention's row with the fused CUDA kernel, and attention's kernels
+# under Nsight Compute.
 step kernels 60 zero3d_device_bench --benchmark_counters_tabular=true --benchmark_min_time=0.1 \
   --benchmark_out="$out/kernels.json"
+step kernels_flash 30 env ZERO3D_ATTENTION_KERNEL=flash zero3d_device_bench --benchmark_filter=BM_Attention \
+  --benchmark_counters_tabular=true --benchmark_min_time=0.1 --benchmark_out="$out/kernels_flash.json"
+# Where bf16 attention's time goes, kernel by kernel (Nsight Compute, where the machine has it):
+# every kernel of the benchmark's first passes in the portable form (the buffers' fills first),
+# then the fused CUDA kernel's four with their occupancy and what their warps wait on.
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+if [ -n "$ncu" ]; then
+  step attention_ncu_tiled 90 env ZERO3D_ATTENTION_KERNEL=tiled "$ncu" --clock-control none --launch-count 40 \
+    --section SpeedOfLight zero3d_device_bench --benchmark_filter=BM_Attention/1 --benchmark_min_time=0.001
+  step attention_ncu_flash 90 env ZERO3D_ATTENTION_KERNEL=flash "$ncu" --clock-control none \
+    -k 'regex:forward_kernel|dkdv_kernel|dq_kernel|row_dot_kernel' --launch-count 4 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    zero3d_device_bench --benchmark_filter=BM_Attention/1 --benchmark_min_time=0.001
+fi
 
 # 9. Generation: GPT-2 124M (its seed's weights), greedy, 2 batches of B prompts of 128 ids, 64
 # new tokens each; prefill and decode tokens/s (the JSON's last line), PyTorch's beside it.

@@ -684,8 +684,6 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   if (layout_ok) step([&] { check_moe(top, c, dp); });
   step([&] { c.inference = read_inference(top); });
   step([&] { check_training_samples(top, c); });
-  if (kernels::kGpuBuild)
-    for (const auto& [key, why] : gpu_build_problems(c, world_size)) key.empty() ? ctx.problem(why) : top.report(key, why);
   if (root.contains("strategy")) top.record("strategy", root["strategy"]);
   top.mark_known("strategy");  // expanded above (with_strategy_preset)
   top.finish(kDeepSpeedOnlyTopLevel);
@@ -724,43 +722,6 @@ double read_dropout_probability(Section& sec, const std::string& key) {
 }
 
 }  // namespace config_detail
-
-std::vector<std::pair<std::string, std::string>> gpu_build_problems(const Config& c, int64_t world_size) {
-  std::vector<std::pair<std::string, std::string>> p;
-  (void)world_size;  // every layout runs: collectives on device memory stage through the host (comm_staged.hpp)
-  // Mixture of Experts has its device form (routing tables in model memory, the fill order from
-  // prefix sums, dispatch and combine a team per row; kernels/moe_device.hpp) but no device run
-  // has checked it yet: it runs when asked for by name, as block-sparse attention does.
-  const char* moe_opt_in = std::getenv("ZERO3D_GPU_MOE");
-  if (c.model.moe.enabled() && (moe_opt_in == nullptr || std::string(moe_opt_in) != "1"))
-    p.emplace_back("model.moe.num_experts",
-                   "Mixture of Experts has not yet run on a GPU: its device form is built but unchecked on a device; "
-                   "set ZERO3D_GPU_MOE=1 in the environment to run it");
-  // Block-sparse attention has its device form (the layout's index table in model memory, panels
-  // gathered on the device, batched products) but no device run has checked it yet: it runs when
-  // asked for by name, as ZeRO-Offload does.
-  const char* sparse_opt_in = std::getenv("ZERO3D_GPU_SPARSE_ATTENTION");
-  if (c.model.sparse_attention.enabled && (sparse_opt_in == nullptr || std::string(sparse_opt_in) != "1"))
-    p.emplace_back("sparse_attention",
-                   "block-sparse attention has not yet run on a GPU: its device form is built but unchecked on a "
-                   "device; set ZERO3D_GPU_SPARSE_ATTENTION=1 in the environment to run it");
-  // ZeRO-Offload and ZeRO-Infinity have their GPU form (the optimizer's host tiers page-locked per
-  // pin_memory, the CPU optimizer on host copies of each sub-group; offload_param cpu's partition
-  // in page-locked host memory that the kernels read in place; offload_param nvme's slices copied
-  // into the gather buffers) but no device run has checked it yet: it runs when asked for by name,
-  // as the fused CUDA attention does.
-  const char* offload_opt_in = std::getenv("ZERO3D_GPU_OFFLOAD");
-  const bool offload_asked = offload_opt_in != nullptr && std::string(offload_opt_in) == "1";
-  if (c.zero.offload_optimizer.device != OffloadDevice::None && !offload_asked)
-    p.emplace_back("zero_optimization.offload_optimizer.device",
-                   "ZeRO-Offload has not yet run on a GPU: its GPU form is built but unchecked on a device; set "
-                   "ZERO3D_GPU_OFFLOAD=1 in the environment to run it");
-  if (c.zero.offload_param.device != OffloadDevice::None && !offload_asked)
-    p.emplace_back("zero_optimization.offload_param.device",
-                   "parameter offload has not yet run on a GPU: its GPU form is built but unchecked on a device; set "
-                   "ZERO3D_GPU_OFFLOAD=1 in the environment to run it");
-  return p;
-}
 
 ModelConfig read_model_section(const json& model, const std::string& file) {
   ModelConfig m;

@@ -429,12 +429,6 @@ Config read_config(const nlohmann::json& root, const std::string& file, int64_t 
 // model it describes. `file` names the source in messages. InputError on any problem.
 ModelConfig read_model_section(const nlohmann::json& model, const std::string& file);
 
-// What the GPU build does not run yet, each with the key that asks for it ("" for the launch
-// itself) and why: read_config reports them on a GPU build (kernels::kGpuBuild), so that a run
-// stops at validation, never mid-run. Each goes when its device path lands (issue 31).
-// world_size: the ranks of the job (every layout runs today).
-std::vector<std::pair<std::string, std::string>> gpu_build_problems(const Config& c, int64_t world_size);
-
 // Lightning's DeepSpeed strategy names (deepspeed, deepspeed_stage_1 … deepspeed_stage_3_offload_nvme)
 // and the config each expands to: DeepSpeedStrategy's defaults. A config's `strategy` key (or
 // --strategy) puts the preset beneath the config's own keys. null for an unknown name.

@@ -12,6 +12,7 @@
 
 #include "base/errors.hpp"
 #include "base/input_file.hpp"
+#include "kernels/device.hpp"
 #include "kernels/optimizers.hpp"
 #include "kernels/typed.hpp"
 
@@ -171,6 +172,10 @@ void OffloadedOptimizer::update(int64_t k, char* const* st, const ParamAccess& p
     sending_ = k;  // goes back while the CPU updates the next sub-group; released at the end of the step
     return;
   }
+  // The device's kernels updated host memory in place (offload_param's partition, or its swap
+  // files' page-locked stage): they are done before release() writes the stage to the swap
+  // files and the next acquire() refills it (the H200 measured the race: losses off from step 4).
+  if (!on_host && !master_ && !params.in_model_memory) kernels::fence();
   // release() takes the fp32 master copy in host memory: the device tier's goes through a host copy
   if (master_ && !on_host && !kernels::kHostIsDevice) {
     const size_t bytes = static_cast<size_t>(gr.n) * sizeof(float);

@@ -100,10 +100,9 @@ TEST(GpuTraining, TwoRanksSharingOneGpuTrainTheLlamaFamilyAsOneRank) {
   }
 }
 
-// ZeRO-Offload (asked for by name: ZERO3D_GPU_OFFLOAD=1): DeepSpeed's CPU Adam over host tiers,
-// page-locked or not, partly resident (ratio) or on NVMe, trains the device optimizer's losses.
+// ZeRO-Offload: DeepSpeed's CPU Adam over host tiers, page-locked or not, partly resident
+// (ratio) or on NVMe, trains the device optimizer's losses.
 TEST(GpuTraining, ZeroOffloadTrainsTheLossesOfTheDeviceOptimizer) {
-  ASSERT_EQ(::setenv("ZERO3D_GPU_OFFLOAD", "1", 1), 0);
   const std::string cpu = " --set zero_optimization.offload_optimizer.device=cpu";
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
       {"--set zero_optimization.stage=2",
@@ -123,17 +122,18 @@ TEST(GpuTraining, ZeroOffloadTrainsTheLossesOfTheDeviceOptimizer) {
       expect_losses_close(got, want, 1e-5, base + tier);
     }
   }
-  ::unsetenv("ZERO3D_GPU_OFFLOAD");
 }
 
-// ZeRO-Infinity's parameter offload (asked for by name: ZERO3D_GPU_OFFLOAD=1) at stage 3: the
-// partition in page-locked host memory that the kernels read in place (cpu), or in swap files
-// whose slices are copied into the gather buffers (nvme), with the optimizer in device memory, on
-// the host, or partly resident (ratio: device kernels on the page-locked sub-group stage), trains
-// the losses of the partition in device memory, at one rank and at two sharing the GPU. A run
-// saved with its parameters on NVMe resumes without offload.
+// ZeRO-Infinity's parameter offload at stage 3: the partition in page-locked host memory that
+// the kernels read in place (cpu), or in swap files whose slices are copied into the gather
+// buffers (nvme), with the optimizer in device memory, on the host, or partly resident (ratio:
+// device kernels on the page-locked sub-group stage), trains the losses of the partition in device
+// memory, at one rank and at two sharing the GPU. A run saved with its parameters on NVMe resumes
+// without offload. fp32 within 1e-5 (the H200 caught a race there at 0.33); bf16 with the CPU
+// optimizer within 3e-4: its fp32 update rounds apart from the device kernel's, and bf16
+// parameters turn a last-bit difference of the master into a rounding flip (measured on an H200:
+// 9.4e-5 at step 10 with ratio 0.5 at np 1).
 TEST(GpuTraining, ParameterOffloadTrainsTheLossesOfTheParametersInDeviceMemory) {
-  ASSERT_EQ(::setenv("ZERO3D_GPU_OFFLOAD", "1", 1), 0);
   const std::string param_cpu = " --set zero_optimization.offload_param.device=cpu";
   const std::string optimizer_cpu = " --set zero_optimization.offload_optimizer.device=cpu";
   const auto param_nvme = [](const std::string& tag) {
@@ -152,7 +152,8 @@ TEST(GpuTraining, ParameterOffloadTrainsTheLossesOfTheParametersInDeviceMemory) 
                 " --set zero_optimization.offload_optimizer.ratio=0.5 --set zero_optimization.sub_group_size=20000"}) {
         const std::string dir = temp_path("param_offload_" + std::to_string(run_id++));
         const std::vector<double> got = train_losses("quickstart", base + tier, np, dir);
-        expect_losses_close(got, want, 1e-5, what + tier);
+        const bool bf16_cpu_optimizer = base.find("bf16") != std::string::npos && tier.find(optimizer_cpu) != std::string::npos;
+        expect_losses_close(got, want, bf16_cpu_optimizer ? 3e-4 : 1e-5, what + tier);
         if (tier == param_cpu) {  // the partition's bytes are host memory, and said to be
           const json last = read_metrics(dir).back();
           EXPECT_EQ(last["memory"]["host"], last["memory"]["params"]) << what;
@@ -168,16 +169,14 @@ TEST(GpuTraining, ParameterOffloadTrainsTheLossesOfTheParametersInDeviceMemory) 
       train_losses("quickstart", "--set zero_optimization.stage=3 --set training.resume=" + saved + "/checkpoints/global_step5",
                    1, temp_path("param_nvme_resumed"));
   expect_losses_close(resumed, std::vector<double>(with_nvme.begin() + 5, with_nvme.end()), 1e-5, "resumed from NVMe parameters");
-  ::unsetenv("ZERO3D_GPU_OFFLOAD");
 }
 
-// Block-sparse attention (asked for by name: ZERO3D_GPU_SPARSE_ATTENTION=1): the device form (the
-// layout's index table in model memory, panels gathered on the device, batched products) trains
-// the CPU build's losses with per-head fixed layouts, and with bigbird's random blocks under
-// attention dropout; two runs give the same bits, and two ranks splitting the heads (tensor
-// parallelism: each its heads' layouts and dropout bits) train what one rank trains.
+// Block-sparse attention: the device form (the layout's index table in model memory, panels
+// gathered on the device, batched products) trains the CPU build's losses with per-head fixed
+// layouts, and with bigbird's random blocks under attention dropout; two runs give the same bits,
+// and two ranks splitting the heads (tensor parallelism: each its heads' layouts and dropout
+// bits) train what one rank trains.
 TEST(GpuTraining, SparseAttentionTrainsTheLossesOfTheCpuBuild) {
-  ASSERT_EQ(::setenv("ZERO3D_GPU_SPARSE_ATTENTION", "1", 1), 0);
   const json& variants = reference().at("sparse_attention");
   ASSERT_EQ(variants.size(), 2u);
   for (const auto& item : variants.items()) {
@@ -193,16 +192,14 @@ TEST(GpuTraining, SparseAttentionTrainsTheLossesOfTheCpuBuild) {
         train_losses("quickstart", args + " --set tensor_parallel.autotp_size=2", 2, temp_path("sparse_t2_" + variant));
     expect_losses_close(two, got, 1e-5, "sparse attention " + variant + " np 2, autotp 2");
   }
-  ::unsetenv("ZERO3D_GPU_SPARSE_ATTENTION");
 }
 
-// Mixture of Experts in its device form (kernels/moe_device.hpp, ZERO3D_GPU_MOE=1): a GPT-2 MoE on
+// Mixture of Experts in its device form (kernels/moe_device.hpp): a GPT-2 MoE on
 // the quick-start (top-2 of 4 experts dropping half, Jitter noise, sampled second experts) and a
 // tiny Mixtral (llama-tiny with 4 SwiGLU experts, top-2, router jitter) train the CPU build's
 // losses within 1e-5; two runs give the same bits; at np 2 with ep_size 2 the all-to-all stages
 // through the host and the losses stay the one-rank ones.
 TEST(GpuTraining, MixtureOfExpertsTrainsTheLossesOfTheCpuBuild) {
-  ASSERT_EQ(::setenv("ZERO3D_GPU_MOE", "1", 1), 0);
   const json& variants = reference().at("moe");
   ASSERT_EQ(variants.size(), 2u);
   for (const auto& item : variants.items()) {
@@ -218,7 +215,6 @@ TEST(GpuTraining, MixtureOfExpertsTrainsTheLossesOfTheCpuBuild) {
         train_losses(model, args + " --set model.moe.ep_size=2", 2, temp_path("moe_ep2_" + variant));
     expect_losses_close(ep2, got, 1e-5, "MoE " + variant + " np 2, ep_size 2");
   }
-  ::unsetenv("ZERO3D_GPU_MOE");
 }
 
 // A checkpoint written by the GPU build at step 5 resumes on the CPU build (ZERO3D_CPU_EXE):
