@@ -466,8 +466,8 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
 // A forward and the backward that reads its att take the same branch (the shape and the mask,
 // which the backward redraws). ZERO3D_ATTENTION_KERNEL=tiled keeps the tiled kernel. On a GPU the
 // fused CUDA kernel (kernels/cuda/attention_flash_bf16.hpp) is chosen only by
-// ZERO3D_ATTENTION_KERNEL=flash until a device run has checked it against the host (tests/gpu)
-// and timed it against the dense tile.
+// ZERO3D_ATTENTION_KERNEL=flash: on an H200 it matches the host (tests/gpu) but takes 7.70 ms a
+// GPT-2 layer forward and backward against the dense tile's 3.87 ms.
 inline bool attention_flash_chosen(Index BH, Index T, Index hs, const DropoutMask& dropout = {}) {
   static const std::string kernel = [] {
     const char* e = std::getenv("ZERO3D_ATTENTION_KERNEL");
@@ -497,6 +497,21 @@ inline Index attention_bf16_saved_floats(Index BH, Index T, Index hs, bool dropo
 #endif
   (void)hs, (void)dropout;
   return tiled;
+}
+
+// The bytes the tiled kernels' workspace grows to for B·H = BH heads of size hs over T positions
+// (attention_workspace()'s takes below, forward and backward): the q, k, v and dY tiles and dS in
+// bf16, under dropout P ∘ M too; the scores (dP in the backward) and dQ (the forward's O), dK and
+// dV in fp32. 0 where the fused kernel runs every pass (a training pass under dropout runs this
+// one). A GPU takes every head in one tile of T: about 1.5 GB at GPT-2 124M's micro-batch 16,
+// which the H200 measured as the plan's shortfall (0.919 of the device's peak) before it counted it.
+inline int64_t attention_bf16_workspace_bytes(Index BH, Index T, Index hs, bool dropout) {
+#if defined(ZERO3D_FLASH_ATTENTION) || defined(ZERO3D_DEVICE)
+  if (!dropout && attention_flash_chosen(BH, T, hs)) return 0;
+#endif
+  const AttentionTiles t(T);
+  const int64_t rows = t.n * attention_head_group(T, hs, BH) * t.TB, tiles = rows * hs, scores = rows * t.TB;
+  return 2 * (4 * tiles + scores + (dropout ? scores : 0)) + 4 * (scores + 3 * tiles);
 }
 
 // Q: qkv's type — fp32, or bf16 when the c_attn product rounded its own output (the kernels

@@ -669,6 +669,12 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
                                    bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac = {},
                                    const MoeRouting& moe = {}, DType compute = DType::F32);
 
+// The attention kernels' scratch a training step of this rank grows beyond its activation
+// buffers (kernels/attention.hpp, attention_gqa.hpp: one for all its blocks, at its heads); none
+// where attention is block-sparse (its panels are sparse_attention_model_bytes'), or on a rank
+// with no block.
+int64_t attention_scratch_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T, DType compute);
+
 // What GPT(shape, B, T, …, part, TensorGroup{…, sequence_parallel}, ac) allocates for
 // activations, from gpt_activation_plan without allocating: `buffer` = one
 // make_buffer(split_backward).bytes(), of which `host` in host memory; `scratch` = scratch_bytes().

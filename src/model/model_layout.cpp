@@ -9,6 +9,7 @@
 #include "base/rng.hpp"
 #include "kernels/attention.hpp"  // kRowBlock: the attention backward's row block (its scratch)
 #include "kernels/attention_gqa.hpp"
+#include "model/bf16_activations.hpp"
 #include "model/model.hpp"
 
 namespace zero3d {
@@ -563,6 +564,20 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
                  S * C + (shape.moe.use_residual ? S * C + 2 * S : 0);
   }
   return p;
+}
+
+int64_t attention_scratch_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T, DType compute) {
+  bool has_blocks = false;
+  for (const ModelChunk& c : part.chunks) has_blocks = has_blocks || c.num_blocks > 0;
+  if (!has_blocks || shape.sparse.enabled) return 0;
+  const int64_t t = std::max(1, part.tp_size), H = shape.n_head / t;
+  const bool dropout = shape.dropout.attn > 0.0;
+  if (shape.llama()) {  // the bf16 overloads where the attention half keeps bf16 (llama_block.cpp), else fp32's
+    const bool bf16_half = activations_bf16(compute, t > 1, false, false);
+    return kernels::gqa_attention_workspace_bytes(B, T, H, shape.family.num_key_value_heads / t, shape.family.head_dim,
+                                                  bf16_half ? DType::BF16 : DType::F32, bf16_half, dropout);
+  }
+  return kernels::attention_workspace_bytes(B, T, shape.n_embd / t, H, compute, dropout);
 }
 
 GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,

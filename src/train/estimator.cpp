@@ -537,6 +537,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
                                      shape.n_embd / shape.n_head, sparse_attention_device_form());
     b.workspace += sparse.tables + sparse.panels;
   }
+  b.workspace += attention_scratch_bytes(shape, plan.part, Bm, Tm, pc.products());
   if (mixed && (b.stage == 1 || b.stage == 2)) b.workspace += 4 * std::min(psi, ZeroOptimizer::kInitFillElems + largest_tensor);
   if (!m.init_from.empty()) b.workspace += 4 * psi;
   // A save reads offloaded (or 16-bit) state back into fp32 staging (checkpoint_arrays), and
