@@ -10,6 +10,7 @@
 #include "kernels/attention.hpp"  // ZERO3D_FLASH_ATTENTION: whether the fused bf16 kernel is built
 #include "kernels/half.hpp"
 #include "model/model.hpp"
+#include "support/typed_param_store.hpp"
 
 using namespace zero3d;
 
@@ -18,36 +19,6 @@ namespace {
 // L = 5 blocks, so intervals 2, 3 and 4 leave a shorter last checkpoint.
 const GPTShape kShape{64, 16, 5, 2, 32};
 constexpr int64_t kB = 2, kT = 16;
-
-// Parameters in the model's stored type (fp32 or bf16, rounded from the same fp32 draw) and
-// fp32 gradients, whole: what the model sees through ZeroOptimizer, without ZeRO.
-class TypedStore : public ParamStore {
- public:
-  TypedStore(const GPT& model, DType type) : units_(model.units()), type_(type) {
-    const int64_t n = model.num_params();
-    std::vector<float> init(static_cast<size_t>(n));
-    init_gpt_params(init.data(), model.layout(), model.shape(), 7);
-    if (type == DType::F32) f32_ = init;
-    for (float x : init) b16_.push_back(kernels::to_bf16(x));
-    grads_.assign(static_cast<size_t>(n), 0.0f);
-  }
-  const void* fetch(int u) override {
-    const int64_t o = units_[u].offset;
-    return type_ == DType::F32 ? static_cast<const void*>(f32_.data() + o) : static_cast<const void*>(b16_.data() + o);
-  }
-  void release(int) override {}
-  float* grad_target(int u) override { return grads_.data() + units_[u].offset; }
-  void grads_done(int) override {}
-  void progress() override {}
-  const std::vector<float>& grads() const { return grads_; }
-
- private:
-  std::vector<ParamUnit> units_;
-  DType type_;
-  std::vector<float> f32_;
-  std::vector<kernels::bf16> b16_;
-  std::vector<float> grads_;
-};
 
 struct Pass {
   float loss;
@@ -58,7 +29,7 @@ struct Pass {
 // accumulated: what a step of gradient accumulation does.
 Pass train_pass(DType type, const ActivationCheckpointing& ac) {
   GPT model(kShape, kB, kT, type, gpt_model_part(kShape, {0, int(kShape.n_layer) + 2}, 1, 0), {}, ac);
-  TypedStore store(model, type);
+  TypedParamStore store(model, type, 7);
   ActivationBuffer buf = model.make_buffer(false);
   Pass out{0.0f, {}, {}};
   for (int mb = 0; mb < 2; ++mb) {
@@ -129,7 +100,7 @@ TEST(ActivationCheckpointing, RecomputationReallyRunsFromTheSavedInput) {
   // Spoil the saved inputs between forward and backward: a model that recomputed from them
   // must produce other gradients (a model that silently kept its activations would not).
   GPT model(kShape, kB, kT, DType::F32, gpt_model_part(kShape, {0, int(kShape.n_layer) + 2}, 1, 0), {}, full(2));
-  TypedStore clean(model, DType::F32), spoiled(model, DType::F32);
+  TypedParamStore clean(model, DType::F32, 7), spoiled(model, DType::F32, 7);
   ActivationBuffer buf = model.make_buffer(false);
   for (int64_t i = 0; i < kB * kT; ++i) buf.token_ids(i) = buf.target_ids(i) = static_cast<int32_t>(i % 64);
   model.forward(0, buf, clean);
@@ -145,7 +116,7 @@ TEST(ActivationCheckpointing, ProfileTimesEveryCheckpoint) {
   ActivationCheckpointing ac = full(2);
   ac.profile = true;
   GPT model(kShape, kB, kT, DType::F32, gpt_model_part(kShape, {0, int(kShape.n_layer) + 2}, 1, 0), {}, ac);
-  TypedStore store(model, DType::F32);
+  TypedParamStore store(model, DType::F32, 7);
   ActivationBuffer buf = model.make_buffer(false);
   for (int64_t i = 0; i < kB * kT; ++i) buf.token_ids(i) = buf.target_ids(i) = static_cast<int32_t>(i % 64);
   model.forward(0, buf, store);

@@ -17,8 +17,8 @@
 #include "kernels/attention.hpp"
 #include "kernels/attention_gqa.hpp"
 #include "kernels/device.hpp"
-#include "kernels/half.hpp"
 #include "model/model.hpp"
+#include "support/typed_param_store.hpp"
 #include "train/estimator.hpp"
 
 using namespace zero3d;
@@ -47,33 +47,6 @@ void release_scratch() {
   kernels::gqa_widened_scratch().release();
 }
 
-// Parameters in the model's stored type, fp32 gradients: the model without ZeRO.
-class TypedStore : public ParamStore {
- public:
-  TypedStore(const GPT& model, DType type) : units_(model.units()), type_(type) {
-    std::vector<float> init(static_cast<size_t>(model.num_params()));
-    init_gpt_params(init.data(), model.layout(), model.shape(), 3);
-    f32_ = init;
-    for (float x : init) b16_.push_back(kernels::to_bf16(x));
-    grads_.assign(init.size(), 0.0f);
-  }
-  const void* fetch(int u) override {
-    const int64_t o = units_[u].offset;
-    return type_ == DType::F32 ? static_cast<const void*>(f32_.data() + o) : static_cast<const void*>(b16_.data() + o);
-  }
-  void release(int) override {}
-  float* grad_target(int u) override { return grads_.data() + units_[u].offset; }
-  void grads_done(int) override {}
-  void progress() override {}
-
- private:
-  std::vector<ParamUnit> units_;
-  DType type_;
-  std::vector<float> f32_;
-  std::vector<kernels::bf16> b16_;
-  std::vector<float> grads_;
-};
-
 constexpr int64_t kB = 2, kT = 64;
 
 // The bytes a forward and a backward leave in the attention workspaces.
@@ -85,7 +58,7 @@ int64_t scratch_after_a_pass(const GPTShape& shape, DType type) {
   Kokkos::Tools::Experimental::set_deallocate_data_callback(on_deallocate);
   {
     GPT model(shape, kB, kT, type, gpt_model_part(shape, {0, int(shape.n_layer) + 2}, 1, 0));
-    TypedStore store(model, type);
+    TypedParamStore store(model, type, 3);
     ActivationBuffer buf = model.make_buffer(false);
     for (int64_t i = 0; i < kB * kT; ++i) {
       buf.token_ids(i) = static_cast<int32_t>((i * 7) % shape.vocab_size);
