@@ -54,6 +54,8 @@ ZERO3D_KERNEL void causal_softmax_rows(float* s, Index r0, Index r1, Index cols,
 
 // The CPU forms' kept probabilities of one row block (kRowBlock·T floats) under dropout.
 inline DeviceScratch& dropped_scratch() { return static_scratch<3>("attention_dropped"); }
+// The bytes it grows to: one row block of T keys.
+inline int64_t dropped_scratch_bytes(Index T) { return 4 * kRowBlock * T; }
 
 // fp32: sgemm per (batch, head) and row block.
 inline void attention_forward_fp32(float* out, float* att, const float* qkv, Index B, Index T, Index C, Index H,
@@ -212,7 +214,7 @@ inline int64_t attention_workspace_bytes(Index B, Index T, Index C, Index H, DTy
 #ifdef ZERO3D_DEVICE
   return 4 * (7 * B * T * C + B * H * T * T);
 #else
-  return dropout ? 4 * kRowBlock * T : 0;
+  return dropout ? dropped_scratch_bytes(T) : 0;
 #endif
 }
 

@@ -445,7 +445,7 @@ inline int64_t gqa_attention_workspace_bytes(Index B, Index T, Index H, Index Hk
 #ifdef ZERO3D_DEVICE
   return bytes + 4 * (3 * nq + 4 * B * Hkv * T * d + B * H * T * T);
 #else
-  return bytes + (dropout ? 4 * kRowBlock * T : 0);
+  return bytes + (dropout ? dropped_scratch_bytes(T) : 0);
 #endif
 }
 

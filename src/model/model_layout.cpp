@@ -567,8 +567,8 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
 }
 
 int64_t attention_scratch_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T, DType compute) {
-  bool has_blocks = false;
-  for (const ModelChunk& c : part.chunks) has_blocks = has_blocks || c.num_blocks > 0;
+  const bool has_blocks =
+      std::any_of(part.chunks.begin(), part.chunks.end(), [](const ModelChunk& c) { return c.num_blocks > 0; });
   if (!has_blocks || shape.sparse.enabled) return 0;
   const int64_t t = std::max(1, part.tp_size), H = shape.n_head / t;
   const bool dropout = shape.dropout.attn > 0.0;
