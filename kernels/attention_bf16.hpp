@@ -466,8 +466,9 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
 // A forward and the backward that reads its att take the same branch (the shape and the mask,
 // which the backward redraws). ZERO3D_ATTENTION_KERNEL=tiled keeps the tiled kernel. On a GPU the
 // fused CUDA kernel (kernels/cuda/attention_flash_bf16.hpp) is chosen only by
-// ZERO3D_ATTENTION_KERNEL=flash: on an H200 it matches the host (tests/gpu), but GPT-2 124M bf16
-// trains at 109,874 tokens/s with it against 165,200 with the dense tile.
+// ZERO3D_ATTENTION_KERNEL=flash: its first form matched the host on an H200 but trained GPT-2 124M
+// bf16 at 109,874 tokens/s against the dense tile's 165,200; its register-resident rewrite has
+// run only in tests/cuda_sim's simulation so far.
 inline bool attention_flash_chosen(Index BH, Index T, Index hs, const DropoutMask& dropout = {}) {
   static const std::string kernel = [] {
     const char* e = std::getenv("ZERO3D_ATTENTION_KERNEL");

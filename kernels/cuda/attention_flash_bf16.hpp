@@ -7,9 +7,9 @@
 // (query blocks walked in order), one per query block for dQ (key blocks in order), so every sum
 // has one owner and a fixed order: no atomics, the same bits on every run.
 //
-// Products are tensor-core WMMA 16×16×16 tiles with bf16 operands and fp32 accumulation; q, k,
-// v, dO, P and dS enter them as bf16 (as the CPU kernel's do), scores, softmax and sums stay
-// fp32. Head sizes 64 and 128 (serves()); the dense path in attention_bf16.hpp takes the rest.
+// Products are tensor-core mma.sync m16n8k16 tiles with bf16 operands and fp32 accumulation,
+// each warp's scores and accumulators held in registers (FlashAttention-2, §3.3); q, k, v, dO, P
+// and dS enter them as bf16 (as the CPU kernel's do), scores, softmax and sums stay fp32. Head sizes 64 and 128 (serves()); the dense path in attention_bf16.hpp takes the rest.
 // Grouped-query heads and a sliding window (the Llama family's attention_gqa.hpp) as the CPU
 // kernel's flash::Heads takes them.
 #pragma once

@@ -1,0 +1,464 @@
+// attention_flash_bf16_kernels.hpp (CUDA) — the fused attention's device code: the kernels that
+// attention_flash_bf16.cpp launches, included by it alone (and by tests/cuda_sim, which runs them
+// on a CPU through a simulation of mma_sync.hpp's instructions).
+//
+// FlashAttention-2's register-resident form (T. Dao, 2023, §3.3): a block holds 64 rows (query
+// rows, or keys for dK/dV) of one (batch, head) in four warps of 16 rows, and a warp keeps its
+// rows' scores, probabilities and accumulators in the fragments of mma.sync.m16n8k16 itself. A
+// score tile's accumulator fragment is, element for element, the A fragment of the product that
+// follows it (PTX ISA, "Matrix Fragments for mma.m16n8k16"), so the online softmax runs on
+// registers and P and dS reach the tensor cores without a store. Shared memory holds only the
+// bf16 operands a block's warps share, each row padded by 16 bytes so that the 8 rows a fragment
+// load touches fall on 8 different bank quadruples; operands read along their rows go through
+// ldmatrix's transposing load.
+//
+// The kernels take the Llama family's layout too: H query heads over Hkv K/V heads (query head h
+// reads K/V head h / (H/Hkv); qkv rows [q heads | k heads | v heads], (H + 2·Hkv)·hs wide) and a
+// sliding window (Mistral: query t sees keys t − window < k ≤ t).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <vector_functions.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/mma_sync.hpp"
+
+namespace zero3d::kernels::cuda_flash::device {
+
+using bfloat = __nv_bfloat16;
+
+constexpr int kRows = 64;  // rows of a block: query rows (forward, dQ) or keys (dK, dV)
+constexpr int kWarps = 4;  // 16 rows each
+constexpr int kThreads = 32 * kWarps;
+constexpr int kPad = 8;  // bf16 a shared-memory row carries past its head size: 16 bytes
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Where a (batch, query head)'s q, k and v sit in qkv's rows, and which keys a query sees.
+struct Layout {
+  int T, H, Hkv, window;
+  __device__ int64_t width(int hs) const { return int64_t(H + 2 * Hkv) * hs; }  // a qkv row
+  __device__ int group(int h) const { return h / (H / Hkv); }                   // its K/V head
+  __device__ int64_t q_col(int h, int hs) const { return int64_t(h) * hs; }
+  __device__ int64_t k_col(int g, int hs) const { return int64_t(H + g) * hs; }
+  __device__ int64_t v_col(int g, int hs) const { return int64_t(H + Hkv + g) * hs; }
+  // causal, inside the sequence, and inside the window where there is one
+  __device__ bool visible(int query, int key) const {
+    return key <= query && query < T && key < T && (window == 0 || key > query - window);
+  }
+  // Whether every query of [q_first, q_last] sees every key of [k_first, k_last]: the tile then
+  // needs no mask.
+  __device__ bool all_visible(int q_first, int q_last, int k_first, int k_last) const {
+    return k_last <= q_first && q_last < T && (window == 0 || k_first > q_last - window);
+  }
+  // The first key block (a multiple of 64) a query block from q0 meets.
+  __device__ int first_key_block(int q0) const {
+    return window == 0 || q0 < window ? 0 : ((q0 - window + 1) / kRows) * kRows;
+  }
+  // The query blocks a key block from k0 meets end before this row.
+  __device__ int query_end(int k0) const {
+    return window == 0 ? T : min(T, k0 + kRows - 1 + window);
+  }
+};
+
+template <typename T>
+__device__ inline T narrow(float x);
+template <>
+__device__ inline float narrow<float>(float x) { return x; }
+template <>
+__device__ inline bfloat narrow<bfloat>(float x) { return __float2bfloat16_rn(x); }
+
+// ---- shared-memory operands ------------------------------------------------------------------
+
+// Eight consecutive elements as bf16 in one 16-byte word: one vector load where `vec` says the
+// source is 16-byte aligned, element by element otherwise.
+__device__ inline uint4 read8(const bfloat* src, bool vec) {
+  if (vec) return *reinterpret_cast<const uint4*>(src);
+  uint4 u;
+  bfloat* e = reinterpret_cast<bfloat*>(&u);
+  for (int j = 0; j < 8; ++j) e[j] = src[j];
+  return u;
+}
+__device__ inline uint4 read8(const float* src, bool vec) {
+  float x[8];
+  if (vec) {
+    const float4 a = reinterpret_cast<const float4*>(src)[0], b = reinterpret_cast<const float4*>(src)[1];
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  } else {
+    for (int j = 0; j < 8; ++j) x[j] = src[j];
+  }
+  uint4 u;
+  bfloat* e = reinterpret_cast<bfloat*>(&u);
+  for (int j = 0; j < 8; ++j) e[j] = __float2bfloat16_rn(x[j]);
+  return u;
+}
+
+// dst[r][d] = bf16(src[(row0 + r)·ld + col + d]) for the ROWS rows of a tile (row stride
+// HS + kPad), rows from `valid` on zero: consecutive threads take consecutive 8-element chunks
+// of a row, so a warp reads whole rows.
+template <int ROWS, int HS, typename S>
+__device__ inline void load_tile(bfloat* dst, const S* src, int64_t row0, int valid, int64_t ld, int64_t col,
+                                 bool vec) {
+  constexpr int kChunks = HS / 8;
+  for (int i = threadIdx.x; i < ROWS * kChunks; i += kThreads) {
+    const int r = i / kChunks, d0 = (i % kChunks) * 8;
+    const uint4 u = r < valid ? read8(src + (row0 + r) * ld + col + d0, vec) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(dst + r * (HS + kPad) + d0) = u;
+  }
+}
+
+// ---- tensor-core fragments (PTX ISA, mma.m16n8k16 with .bf16 operands) -------------------------
+// Lane 4·g + t holds rows g and g + 8 of a tile and, of each 8 columns, columns 2t and 2t + 1.
+struct Lane {
+  int g, t;
+};
+__device__ inline Lane lane_of() { return {int(threadIdx.x % 32) / 4, int(threadIdx.x % 4)}; }
+
+// A fragment register: two consecutive bf16 of a shared-memory row (the lower column in the lower
+// half), or two fp32 values rounded to bf16 and packed so.
+__device__ inline uint32_t pair_at(const bfloat* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ inline uint32_t pack(float lo, float hi) {
+  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+         uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16;
+}
+
+// The B fragments of two 16×8 tiles, columns n0.. and n0 + 8.., of a [K][N] operand stored row-major
+// (row stride ld): ldmatrix's transposing load, lanes 0-15 naming rows k0..k0 + 15 at column n0 and
+// lanes 16-31 the same rows at n0 + 8. b[0], b[1] serve the first tile, b[2], b[3] the second.
+__device__ inline void load_b_transposed(uint32_t (&b)[4], const bfloat* tile, int ld, int k0, int n0) {
+  const int lane = threadIdx.x % 32;
+  cuda_ptx::ldmatrix_x4_trans(b, tile + (k0 + lane % 16) * ld + n0 + (lane / 16) * 8);
+}
+
+// A fragments from a row-major bf16 tile: rows r0..r0 + 15 of row stride ld.
+struct RowsOf {
+  const bfloat* tile;
+  int ld, r0;
+  Lane l;
+  __device__ void operator()(uint32_t (&a)[4], int k0) const {
+    const bfloat* p = tile + (r0 + l.g) * ld + k0 + 2 * l.t;
+    a[0] = pair_at(p), a[1] = pair_at(p + 8 * ld), a[2] = pair_at(p + 8), a[3] = pair_at(p + 8 * ld + 8);
+  }
+};
+
+// A fragments from an earlier product's fp32 accumulators p (16×K: K/8 tiles), rounded to bf16.
+template <int K>
+struct Rounded {
+  const float (&p)[K / 8][4];
+  __device__ void operator()(uint32_t (&a)[4], int k0) const {
+    const int j = k0 / 8;
+    a[0] = pack(p[j][0], p[j][1]), a[1] = pack(p[j][2], p[j][3]);
+    a[2] = pack(p[j + 1][0], p[j + 1][1]), a[3] = pack(p[j + 1][2], p[j + 1][3]);
+  }
+};
+
+// acc (16×N) += A·B over K, B stored as the rows of its transpose, bt [N][K] (row stride ld).
+template <int N, int K, typename A>
+__device__ inline void product_bt(float (&acc)[N / 8][4], const A& a_of, const bfloat* bt, int ld, Lane l) {
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    uint32_t a[4];
+    a_of(a, k0);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+      const bfloat* p = bt + (j * 8 + l.g) * ld + k0 + 2 * l.t;
+      cuda_ptx::mma_bf16_16x8x16(acc[j], a, pair_at(p), pair_at(p + 8));
+    }
+  }
+}
+
+// acc (16×N) += A·B over K, B stored row-major, b [K][N] (row stride ld).
+template <int N, int K, typename A>
+__device__ inline void product_b(float (&acc)[N / 8][4], const A& a_of, const bfloat* b, int ld) {
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    uint32_t a[4];
+    a_of(a, k0);
+#pragma unroll
+    for (int j = 0; j < N / 8; j += 2) {
+      uint32_t bb[4];
+      load_b_transposed(bb, b, ld, k0, j * 8);
+      cuda_ptx::mma_bf16_16x8x16(acc[j], a, bb[0], bb[1]);
+      cuda_ptx::mma_bf16_16x8x16(acc[j + 1], a, bb[2], bb[3]);
+    }
+  }
+}
+
+template <int N>
+__device__ inline void zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+}
+
+// The sum over a row's four lanes (lanes 4g..4g + 3 hold row g's columns).
+__device__ inline float row_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ inline float row_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+// f(rh, d, x) for each element x of a lane's share of a 16×HS accumulator (row rows[rh], column d)
+// whose row lies inside the sequence: the kernels' stores.
+template <int HS, typename F>
+__device__ inline void for_each_stored(const float (&acc)[HS / 8][4], const int (&rows)[2], int T, Lane l, F f) {
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    if (rows[rh] >= T) continue;
+#pragma unroll
+    for (int n = 0; n < HS / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) f(rh, n * 8 + 2 * l.t + e, acc[n][2 * rh + e]);
+  }
+}
+
+// ---- forward -----------------------------------------------------------------------------------
+
+template <int HS>
+constexpr size_t forward_smem() {
+  return 3 * kRows * (HS + kPad) * sizeof(bfloat);  // Q, K, V
+}
+
+// grid (query blocks, B·H), the last query block first (it meets the most keys).
+template <int HS, typename OT, typename QT>
+__global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, bfloat* osave, const QT* qkv,
+                                                           Layout lay, float scale, bool vec) {
+  constexpr int LD = HS + kPad;
+  unsigned char* smem = cuda_ptx::dynamic_smem();
+  bfloat* sq = reinterpret_cast<bfloat*>(smem);
+  bfloat* sk = sq + kRows * LD;
+  bfloat* sv = sk + kRows * LD;
+  const Lane l = lane_of();
+  const int warp = threadIdx.x / 32, T = lay.T, H = lay.H;
+  const int64_t C = int64_t(H) * HS, W = lay.width(HS);
+  const int bh = blockIdx.y, b = bh / H, h = bh % H, g = lay.group(h);
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * kRows, rw = q0 + warp * 16;  // the warp's first row
+  const int rows[2] = {rw + l.g, rw + l.g + 8};
+  const int64_t row0 = int64_t(b) * T;
+  const float scale2 = scale * kLog2e;
+  load_tile<kRows, HS>(sq, qkv, row0 + q0, T - q0, W, lay.q_col(h, HS), vec);
+  const RowsOf q_rows{sq, LD, warp * 16, l};
+  float o[HS / 8][4];
+  zero(o);
+  float m[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.0f, 0.0f};  // lsum: this lane's columns' share
+  const int last_key = min(q0 + kRows, T);  // keys below it meet some row of the block
+  for (int k0 = lay.first_key_block(q0); k0 < last_key; k0 += kRows) {
+    __syncthreads();  // every warp is done with the previous keys
+    load_tile<kRows, HS>(sk, qkv, row0 + k0, T - k0, W, lay.k_col(g, HS), vec);
+    load_tile<kRows, HS>(sv, qkv, row0 + k0, T - k0, W, lay.v_col(g, HS), vec);
+    __syncthreads();
+    float s[kRows / 8][4];
+    zero(s);
+    product_bt<kRows, HS>(s, q_rows, sk, LD, l);  // S = Q·Kᵀ
+    const bool whole = lay.all_visible(rw, rw + 15, k0, k0 + kRows - 1);
+    // online softmax of rows g and g + 8 over this block's visible keys (with a window a row may
+    // see none of them yet: m stays -inf, l and O 0)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kRows / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[j][2 * rh + e];
+          if (!whole && !lay.visible(rows[rh], k0 + j * 8 + 2 * l.t + e)) x = -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      const float mnew = fmaxf(m[rh], row_max(mx));
+      // 0 on the row's first block with a visible key (m = -inf); before it, nothing to rescale
+      const float alpha = mnew == -INFINITY ? 0.0f : exp2f((m[rh] - mnew) * scale2);
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kRows / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[j][2 * rh + e];
+          x = x == -INFINITY ? 0.0f : exp2f((x - mnew) * scale2);
+          sum += x;
+        }
+      lsum[rh] = lsum[rh] * alpha + sum;
+      m[rh] = mnew;
+#pragma unroll
+      for (int n = 0; n < HS / 8; ++n) o[n][2 * rh] *= alpha, o[n][2 * rh + 1] *= alpha;
+    }
+    product_b<HS, kRows>(o, Rounded<kRows>{s}, sv, LD);  // O += P·V
+  }
+  const float total[2] = {row_sum(lsum[0]), row_sum(lsum[1])}, inv[2] = {1.0f / total[0], 1.0f / total[1]};
+  for_each_stored<HS>(o, rows, T, l, [&](int rh, int d, float x) {
+    const float y = x * inv[rh];
+    out[(row0 + rows[rh]) * C + int64_t(h) * HS + d] = narrow<OT>(y);
+    osave[(int64_t(bh) * T + rows[rh]) * HS + d] = __float2bfloat16_rn(y);
+  });
+  for (int rh = 0; rh < 2; ++rh)
+    if (rows[rh] < T && l.t == 0) lse[int64_t(bh) * T + rows[rh]] = m[rh] * scale + logf(total[rh]);
+}
+
+// ---- backward ----------------------------------------------------------------------------------
+
+// D[bh][t] = Σ_d bf16(dO[b][t][h·hs + d])·O[bh][t][d]: one warp per row.
+template <int HS>
+__global__ void __launch_bounds__(kThreads) row_dot_kernel(float* dd, const float* dout, const bfloat* osave, int T,
+                                                           int H, int64_t rows) {
+  const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t bh = row / T, t = row % T, b = bh / H, h = bh % H, C = int64_t(H) * HS;
+  float dot = 0.0f;
+  for (int d = lane; d < HS; d += 32)
+    dot += __bfloat162float(__float2bfloat16_rn(dout[(b * T + t) * C + h * HS + d])) *
+           __bfloat162float(osave[row * HS + d]);
+  for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+  if (lane == 0) dd[row] = dot;
+}
+
+// The dK/dV kernel's query blocks: 64 queries at head size 64; 32 at 128, where the two [16][128]
+// fp32 accumulators take 128 registers a lane already.
+template <int HS>
+constexpr int kDkdvQueries = HS > 64 ? 32 : 64;
+
+template <int HS>
+constexpr size_t dkdv_smem() {
+  constexpr int BN = kDkdvQueries<HS>;
+  return (2 * kRows + 2 * BN) * (HS + kPad) * sizeof(bfloat) + 2 * BN * sizeof(float);  // K, V, Q, dO; L, D
+}
+
+// grid (key blocks, B·Hkv): dK and dV of 64 keys of one K/V head, over its group's query heads
+// in head order and, for each, the query blocks from the keys' own on (to the window's end):
+// one owner per sum, a fixed order (the CPU kernel sums the group in head order too). A warp's
+// tiles are transposed: rows are its 16 keys, columns the block's queries.
+template <int HS, typename QT>
+__global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float* dout, const QT* qkv, const float* lse,
+                                                        const float* dd, Layout lay, float scale, bool vec_qkv,
+                                                        bool vec_dout) {
+  constexpr int LD = HS + kPad, BN = kDkdvQueries<HS>;
+  unsigned char* smem = cuda_ptx::dynamic_smem();
+  bfloat* sk = reinterpret_cast<bfloat*>(smem);
+  bfloat* sv = sk + kRows * LD;
+  bfloat* sq = sv + kRows * LD;
+  bfloat* sdo = sq + BN * LD;
+  float* sl = reinterpret_cast<float*>(sdo + BN * LD);
+  float* sd = sl + BN;
+  const Lane l = lane_of();
+  const int warp = threadIdx.x / 32, T = lay.T, H = lay.H, group_size = H / lay.Hkv;
+  const int64_t C = int64_t(H) * HS, W = lay.width(HS);
+  const int bg = blockIdx.y, b = bg / lay.Hkv, g = bg % lay.Hkv, k0 = blockIdx.x * kRows, kw = k0 + warp * 16;
+  const int keys[2] = {kw + l.g, kw + l.g + 8};
+  const int64_t row0 = int64_t(b) * T;
+  const float scale2 = scale * kLog2e;
+  load_tile<kRows, HS>(sk, qkv, row0 + k0, T - k0, W, lay.k_col(g, HS), vec_qkv);
+  load_tile<kRows, HS>(sv, qkv, row0 + k0, T - k0, W, lay.v_col(g, HS), vec_qkv);
+  const RowsOf k_rows{sk, LD, warp * 16, l}, v_rows{sv, LD, warp * 16, l};
+  float dk[HS / 8][4], dv[HS / 8][4];
+  zero(dk);
+  zero(dv);
+  const int q_end = lay.query_end(k0);
+  for (int h = g * group_size; h < (g + 1) * group_size; ++h) {
+    const int64_t bh = int64_t(b) * H + h;
+    for (int q0 = k0; q0 < q_end; q0 += BN) {
+      __syncthreads();
+      load_tile<BN, HS>(sq, qkv, row0 + q0, T - q0, W, lay.q_col(h, HS), vec_qkv);
+      load_tile<BN, HS>(sdo, dout, row0 + q0, T - q0, C, int64_t(h) * HS, vec_dout);
+      for (int i = threadIdx.x; i < BN; i += kThreads) {
+        sl[i] = q0 + i < T ? lse[bh * T + q0 + i] * kLog2e : 0.0f;
+        sd[i] = q0 + i < T ? dd[bh * T + q0 + i] : 0.0f;
+      }
+      __syncthreads();
+      float st[BN / 8][4], dpt[BN / 8][4];
+      zero(st);
+      zero(dpt);
+      product_bt<BN, HS>(st, k_rows, sq, LD, l);   // Sᵀ = K·Qᵀ
+      product_bt<BN, HS>(dpt, v_rows, sdo, LD, l);  // dPᵀ = V·dOᵀ
+      const bool whole = lay.all_visible(q0, q0 + BN - 1, kw, kw + 15);
+      // Pᵀ = exp(Sᵀ·scale − L) and dSᵀ = Pᵀ∘(dPᵀ − D), L and D those of each column's query
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = j * 8 + 2 * l.t + e;
+          const float L = sl[c], D = sd[c];
+#pragma unroll
+          for (int rh = 0; rh < 2; ++rh) {
+            float& p = st[j][2 * rh + e];
+            p = whole || lay.visible(q0 + c, keys[rh]) ? exp2f(p * scale2 - L) : 0.0f;
+            dpt[j][2 * rh + e] = p * (dpt[j][2 * rh + e] - D);
+          }
+        }
+      product_b<HS, BN>(dv, Rounded<BN>{st}, sdo, LD);  // dV += Pᵀ·dO
+      product_b<HS, BN>(dk, Rounded<BN>{dpt}, sq, LD);  // dK += dSᵀ·Q
+    }
+  }
+  for_each_stored<HS>(dk, keys, T, l, [&](int rh, int d, float x) {
+    dqkv[(row0 + keys[rh]) * W + lay.k_col(g, HS) + d] = x * scale;
+  });
+  for_each_stored<HS>(dv, keys, T, l,
+                      [&](int rh, int d, float x) { dqkv[(row0 + keys[rh]) * W + lay.v_col(g, HS) + d] = x; });
+}
+
+template <int HS>
+constexpr size_t dq_smem() {
+  return 4 * kRows * (HS + kPad) * sizeof(bfloat);  // Q, dO, K, V
+}
+
+// grid (query blocks, B·H), the last first: dQ of 64 queries, over the key blocks up to their own.
+template <int HS, typename QT>
+__global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* dout, const QT* qkv, const float* lse,
+                                                      const float* dd, Layout lay, float scale, bool vec_qkv,
+                                                      bool vec_dout) {
+  constexpr int LD = HS + kPad;
+  unsigned char* smem = cuda_ptx::dynamic_smem();
+  bfloat* sq = reinterpret_cast<bfloat*>(smem);
+  bfloat* sdo = sq + kRows * LD;
+  bfloat* sk = sdo + kRows * LD;
+  bfloat* sv = sk + kRows * LD;
+  const Lane l = lane_of();
+  const int warp = threadIdx.x / 32, T = lay.T, H = lay.H;
+  const int64_t C = int64_t(H) * HS, W = lay.width(HS);
+  const int bh = blockIdx.y, b = bh / H, h = bh % H, g = lay.group(h);
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * kRows, rw = q0 + warp * 16;
+  const int rows[2] = {rw + l.g, rw + l.g + 8};
+  const int64_t row0 = int64_t(b) * T;
+  const float scale2 = scale * kLog2e;
+  load_tile<kRows, HS>(sq, qkv, row0 + q0, T - q0, W, lay.q_col(h, HS), vec_qkv);
+  load_tile<kRows, HS>(sdo, dout, row0 + q0, T - q0, C, int64_t(h) * HS, vec_dout);
+  float L[2], D[2];
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    L[rh] = rows[rh] < T ? lse[int64_t(bh) * T + rows[rh]] * kLog2e : 0.0f;
+    D[rh] = rows[rh] < T ? dd[int64_t(bh) * T + rows[rh]] : 0.0f;
+  }
+  const RowsOf q_rows{sq, LD, warp * 16, l}, do_rows{sdo, LD, warp * 16, l};
+  float dq[HS / 8][4];
+  zero(dq);
+  const int last_key = min(q0 + kRows, T);
+  for (int k0 = lay.first_key_block(q0); k0 < last_key; k0 += kRows) {
+    __syncthreads();
+    load_tile<kRows, HS>(sk, qkv, row0 + k0, T - k0, W, lay.k_col(g, HS), vec_qkv);
+    load_tile<kRows, HS>(sv, qkv, row0 + k0, T - k0, W, lay.v_col(g, HS), vec_qkv);
+    __syncthreads();
+    float s[kRows / 8][4], dp[kRows / 8][4];
+    zero(s);
+    zero(dp);
+    product_bt<kRows, HS>(s, q_rows, sk, LD, l);    // S = Q·Kᵀ
+    product_bt<kRows, HS>(dp, do_rows, sv, LD, l);  // dP = dO·Vᵀ
+    const bool whole = lay.all_visible(rw, rw + 15, k0, k0 + kRows - 1);
+#pragma unroll
+    for (int j = 0; j < kRows / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const float x = s[j][2 * rh + e];
+          const float p = whole || lay.visible(rows[rh], k0 + j * 8 + 2 * l.t + e) ? exp2f(x * scale2 - L[rh]) : 0.0f;
+          dp[j][2 * rh + e] = p * (dp[j][2 * rh + e] - D[rh]);  // dS
+        }
+    product_b<HS, kRows>(dq, Rounded<kRows>{dp}, sk, LD);  // dQ += dS·K
+  }
+  for_each_stored<HS>(dq, rows, T, l, [&](int rh, int d, float x) {
+    dqkv[(row0 + rows[rh]) * W + lay.q_col(h, HS) + d] = x * scale;
+  });
+}
+
+}  // namespace zero3d::kernels::cuda_flash::device

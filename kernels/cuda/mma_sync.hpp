@@ -1,0 +1,46 @@
+// mma_sync.hpp (CUDA) — the warp-level PTX instructions under the fused attention
+// (attention_flash_bf16_kernels.hpp), each by its PTX ISA name and contract, and the block's
+// dynamic shared memory. A build with ZERO3D_WARP_SIMULATION set to a header's name takes that
+// header's host simulation of the same functions instead (tests/cuda_sim: the kernels then run on
+// a CPU, against a reference, where no GPU is).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#ifdef ZERO3D_WARP_SIMULATION
+#include ZERO3D_WARP_SIMULATION
+#else
+namespace zero3d::kernels::cuda_ptx {
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: c (16×8, fp32) += a (16×16, row) ·
+// b (16×8, col) over the warp. Lane 4g + t holds a's rows g, g + 8 at columns 2t, 2t + 1 and
+// 2t + 8, 2t + 9 (a[0]: row g, a[1]: row g + 8, a[2], a[3] the same at + 8 columns); b's column g
+// at rows 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1); c's rows g (c[0], c[1]) and g + 8 (c[2], c[3])
+// at columns 2t, 2t + 1. A register's lower half holds the lower column (or row) index.
+__device__ inline void mma_bf16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane l names, in `row`, row l % 8 of 8×8 matrix
+// l / 8 (8 consecutive 16-bit elements, 16-byte aligned shared memory); m[i] of lane 4g + t is
+// matrix i's elements [2t][g] (lower half) and [2t + 1][g]: the matrix transposed.
+__device__ inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* row) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(m[0]), "=r"(m[1]), "=r"(m[2]), "=r"(m[3])
+               : "r"(addr));
+}
+
+// The block's dynamic shared memory (the launch's third argument).
+__device__ inline unsigned char* dynamic_smem() {
+  extern __shared__ __align__(128) unsigned char smem[];
+  return smem;
+}
+
+}  // namespace zero3d::kernels::cuda_ptx
+#endif

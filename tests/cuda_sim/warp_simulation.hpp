@@ -1,0 +1,181 @@
+// warp_simulation.hpp — a host simulation of what CUDA device code needs from the hardware, for
+// kernels/cuda/mma_sync.hpp's ZERO3D_WARP_SIMULATION: each CUDA thread of a block is a fiber
+// (ucontext) of one host thread, switched at every barrier, so threadIdx, blockIdx and gridDim are
+// plain variables the scheduler sets; __syncthreads is a barrier of the block's fibers, and each
+// warp instruction exchanges its 32 lanes' registers through the warp's own area and computes
+// every lane's result from the PTX ISA's fragment layouts ("Matrix Fragments for mma.m16n8k16",
+// "Warp-level matrix load instruction: ldmatrix"), written here from the ISA and not from the
+// kernels. Products sum in double: the check is of layouts, not of rounding.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <vector_types.h>
+
+#include <ucontext.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#undef __global__
+#define __global__
+#undef __device__
+#define __device__
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+
+struct SimDim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+inline SimDim3 threadIdx, blockIdx, gridDim, blockDim;
+inline int min(int a, int b) { return a < b ? a : b; }
+
+namespace zero3d::cuda_sim {
+
+// The fibers of a block and the host thread that runs them in turn.
+struct Fibers {
+  ucontext_t host;
+  std::vector<ucontext_t> context;
+  std::vector<std::vector<char>> stack;
+  std::vector<char> done;
+  unsigned current = 0;
+  const std::function<void()>* body = nullptr;
+};
+inline Fibers fibers;
+inline void yield_to_host() { swapcontext(&fibers.context[fibers.current], &fibers.host); }
+inline void run_fiber() {
+  (*fibers.body)();
+  fibers.done[fibers.current] = 1;  // then uc_link: back to the host
+}
+
+// Every one of n fibers waits until all n have arrived.
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait() {
+    const unsigned generation = generation_;
+    if (++arrived_ == n_) {
+      arrived_ = 0, ++generation_;
+      return;
+    }
+    while (generation_ == generation) yield_to_host();
+  }
+
+ private:
+  const int n_;
+  int arrived_ = 0;
+  unsigned generation_ = 0;
+};
+
+// What a warp's lanes post for a collective instruction.
+struct Warp {
+  Barrier barrier{32};
+  uint32_t a[32][4], b[32][2];
+  const __nv_bfloat16* row[32];
+  float value[32];
+};
+
+struct Block {
+  explicit Block(unsigned threads, size_t smem_bytes)
+      : barrier(static_cast<int>(threads)), warps(threads / 32), smem(smem_bytes, 0xA5) {}  // garbage, as a GPU's
+  Barrier barrier;
+  std::vector<Warp> warps;
+  std::vector<unsigned char> smem;
+};
+inline Block* current_block = nullptr;
+inline Warp& current_warp() { return current_block->warps[threadIdx.x / 32]; }
+inline int lane_id() { return static_cast<int>(threadIdx.x % 32); }
+
+inline float half_of(uint32_t word, int upper) {
+  __nv_bfloat16_raw raw;
+  raw.x = upper ? uint16_t(word >> 16) : uint16_t(word & 0xffffu);
+  return __bfloat162float(__nv_bfloat16(raw));
+}
+inline uint32_t bits_of(__nv_bfloat16 h) { return static_cast<__nv_bfloat16_raw>(h).x; }
+
+// Runs fibers.body as block (bx, by) of `threads` threads, its fibers in turn until all return.
+inline void run_block(unsigned bx, unsigned by, unsigned threads, size_t smem_bytes) {
+  constexpr size_t kStack = 256 * 1024;
+  Block block(threads, smem_bytes);
+  current_block = &block, blockIdx = {bx, by, 0};
+  fibers.context.resize(threads), fibers.stack.resize(threads), fibers.done.assign(threads, 0);
+  for (unsigned t = 0; t < threads; ++t) {
+    fibers.stack[t].resize(kStack);
+    getcontext(&fibers.context[t]);
+    fibers.context[t].uc_stack = {fibers.stack[t].data(), 0, kStack};
+    fibers.context[t].uc_link = &fibers.host;
+    makecontext(&fibers.context[t], run_fiber, 0);
+  }
+  for (unsigned left = threads; left > 0;)
+    for (unsigned t = 0; t < threads; ++t) {
+      if (fibers.done[t]) continue;
+      fibers.current = t, threadIdx = {t, 0, 0};
+      swapcontext(&fibers.host, &fibers.context[t]);
+      left -= fibers.done[t];
+    }
+}
+
+// Runs kernel() as a grid of blocks of `threads` threads, one block at a time.
+template <typename Kernel>
+void launch(unsigned grid_x, unsigned grid_y, unsigned threads, size_t smem_bytes, const Kernel& kernel) {
+  gridDim = {grid_x, grid_y, 1}, blockDim = {threads, 1, 1};
+  const std::function<void()> body = kernel;
+  fibers.body = &body;
+  for (unsigned by = 0; by < grid_y; ++by)
+    for (unsigned bx = 0; bx < grid_x; ++bx) run_block(bx, by, threads, smem_bytes);
+}
+
+}  // namespace zero3d::cuda_sim
+
+inline void __syncthreads() { zero3d::cuda_sim::current_block->barrier.wait(); }
+
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+  using namespace zero3d::cuda_sim;
+  Warp& w = current_warp();
+  w.value[lane_id()] = v;
+  w.barrier.wait();
+  const float r = w.value[lane_id() ^ lane_mask];
+  w.barrier.wait();
+  return r;
+}
+
+namespace zero3d::kernels::cuda_ptx {
+
+// mma.m16n8k16, .bf16: a's element (r, k) is in lane 4·(r % 8) + (k % 8)/2, register r/8 + 2·(k/8),
+// half k % 2; b's (k, n) in lane 4n + (k % 8)/2, register k/8, half k % 2; c's (r, n) in lane
+// 4·(r % 8) + n/2, element 2·(r/8) + n % 2.
+inline void mma_bf16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  using namespace zero3d::cuda_sim;
+  Warp& w = current_warp();
+  const int lane = lane_id();
+  for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
+  w.b[lane][0] = b0, w.b[lane][1] = b1;
+  w.barrier.wait();
+  const auto A = [&](int r, int k) { return half_of(w.a[4 * (r % 8) + (k % 8) / 2][r / 8 + 2 * (k / 8)], k % 2); };
+  const auto B = [&](int k, int n) { return half_of(w.b[4 * n + (k % 8) / 2][k / 8], k % 2); };
+  float d[4];
+  for (int i = 0; i < 4; ++i) {
+    const int r = lane / 4 + 8 * (i / 2), n = 2 * (lane % 4) + i % 2;
+    double sum = c[i];
+    for (int k = 0; k < 16; ++k) sum += double(A(r, k)) * double(B(k, n));
+    d[i] = float(sum);
+  }
+  w.barrier.wait();
+  for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+
+// ldmatrix.m8n8.x4.trans: lane l names row l % 8 of matrix l / 8; lane 4g + t receives, of matrix
+// i, the stored elements [2t][g] (lower half) and [2t + 1][g].
+inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* row) {
+  using namespace zero3d::cuda_sim;
+  Warp& w = current_warp();
+  const int lane = lane_id(), g = lane / 4, t = lane % 4;
+  w.row[lane] = row;
+  w.barrier.wait();
+  for (int i = 0; i < 4; ++i) m[i] = bits_of(w.row[8 * i + 2 * t][g]) | bits_of(w.row[8 * i + 2 * t + 1][g]) << 16;
+  w.barrier.wait();
+}
+
+inline unsigned char* dynamic_smem() { return zero3d::cuda_sim::current_block->smem.data(); }
+
+}  // namespace zero3d::kernels::cuda_ptx
