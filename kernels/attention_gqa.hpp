@@ -426,8 +426,9 @@ inline void gqa_attention_backward_summing_columns(bf16* dqkv, float* dbias, flo
 }
 
 // The attention scratch a training step of the kernels above grows beyond the model's own
-// buffers (B·T tokens, H query heads over Hkv, head size d): where bf16 compute does not run the
-// fused kernel every pass, q, k and v widened to fp32 (and the output when it is bf16: bf16_out);
+// buffers (B·T tokens, H query heads over Hkv, head size d): where bf16 compute runs the fused
+// kernel every pass, nothing on a CPU and the CUDA kernel's D on a GPU; otherwise q, k and v
+// widened to fp32 (and the output when it is bf16: bf16_out);
 // then the fp32 kernels' own: on a GPU the heads split out and the backward's dS
 // (gpu::gqa_attention_backward), on a CPU under dropout a row block's kept probabilities.
 inline int64_t gqa_attention_workspace_bytes(Index B, Index T, Index H, Index Hkv, Index d, DType compute,
@@ -438,7 +439,7 @@ inline int64_t gqa_attention_workspace_bytes(Index B, Index T, Index H, Index Hk
 #if defined(ZERO3D_FLASH_ATTENTION)
     if (gqa_attention_flash_chosen(B * H, T, d)) return 0;  // it draws dropout's mask itself
 #elif defined(ZERO3D_DEVICE)
-    if (!dropout && gqa_attention_flash_chosen(B * H, T, d)) return 0;
+    if (!dropout && gqa_attention_flash_chosen(B * H, T, d)) return cuda_flash::backward_scratch_bytes(B * H, T);
 #endif
     bytes += 4 * (B * T * (H + 2 * Hkv) * d + (bf16_out ? nq : 0));
   }

@@ -71,7 +71,7 @@ void backward_hs(float* dqkv, const float* dout, const Q* qkv, const float* lse,
       (allow_smem(dkdv_kernel<HS, QT>, dkdv_smem<HS>()), allow_smem(dq_kernel<HS, QT>, dq_smem<HS>()), true);
   (void)allowed;
   const Index rows = B * lay.H * lay.T;
-  // D = rowsum(dO ∘ O), read by both gradient kernels
+  // D = rowsum(dO ∘ O), read by both gradient kernels: backward_scratch_bytes
   float* dd = static_scratch<16>("flash_attention_rowdot").take<float>(rows);
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
   const bool vec_qkv = vector_aligned(qkv, qkv_width(lay, HS)), vec_dout = vector_aligned(dout, int64_t(lay.H) * HS);
