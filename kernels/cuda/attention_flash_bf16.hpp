@@ -9,7 +9,9 @@
 //
 // Products are tensor-core mma.sync m16n8k16 tiles with bf16 operands and fp32 accumulation,
 // each warp's scores and accumulators held in registers (FlashAttention-2, §3.3); q, k, v, dO, P
-// and dS enter them as bf16 (as the CPU kernel's do), scores, softmax and sums stay fp32. Head sizes 64 and 128 (serves()); the dense path in attention_bf16.hpp takes the rest.
+// and dS enter them as bf16 (as the CPU kernel's do), scores, softmax and sums stay fp32. Head
+// sizes 64 and 128 (serves()); the dense path in attention_bf16.hpp takes the rest. The kernels
+// are in attention_flash_bf16_kernels.hpp.
 // Grouped-query heads and a sliding window (the Llama family's attention_gqa.hpp) as the CPU
 // kernel's flash::Heads takes them.
 #pragma once

@@ -215,6 +215,23 @@ __device__ inline void for_each_stored(const float (&acc)[HS / 8][4], const int 
   }
 }
 
+// A query-row kernel's place in its grid (query blocks, B·H), the last query block first (it meets
+// the most keys): the lane's fragment coordinates l; the sequence length T and the row widths of
+// the output (C = H·hs) and of qkv (W); the (batch, query head) bh, the head h and its K/V head g;
+// the block's first row q0 and the warp's rw (row r16 of the block); the lane's rows of the warp's
+// tile (its fragments' g and g + 8); the sequence's first row in qkv.
+struct QueryBlock {
+  Lane l;
+  int T;
+  int64_t C, W;
+  int bh, h, g, q0, r16, rw, rows[2];
+  int64_t row0;
+  __device__ QueryBlock(const Layout& lay, int hs)
+      : l(lane_of()), T(lay.T), C(int64_t(lay.H) * hs), W(lay.width(hs)), bh(blockIdx.y), h(bh % lay.H),
+        g(lay.group(h)), q0((gridDim.x - 1 - blockIdx.x) * kRows), r16(threadIdx.x / 32 * 16), rw(q0 + r16),
+        rows{rw + l.g, rw + l.g + 8}, row0(int64_t(bh / lay.H) * lay.T) {}
+};
+
 // ---- forward -----------------------------------------------------------------------------------
 
 template <int HS>
@@ -222,7 +239,7 @@ constexpr size_t forward_smem() {
   return 3 * kRows * (HS + kPad) * sizeof(bfloat);  // Q, K, V
 }
 
-// grid (query blocks, B·H), the last query block first (it meets the most keys).
+// grid (query blocks, B·H): QueryBlock.
 template <int HS, typename OT, typename QT>
 __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, bfloat* osave, const QT* qkv,
                                                            Layout lay, float scale, bool vec) {
@@ -231,31 +248,25 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
   bfloat* sq = reinterpret_cast<bfloat*>(smem);
   bfloat* sk = sq + kRows * LD;
   bfloat* sv = sk + kRows * LD;
-  const Lane l = lane_of();
-  const int warp = threadIdx.x / 32, T = lay.T, H = lay.H;
-  const int64_t C = int64_t(H) * HS, W = lay.width(HS);
-  const int bh = blockIdx.y, b = bh / H, h = bh % H, g = lay.group(h);
-  const int q0 = (gridDim.x - 1 - blockIdx.x) * kRows, rw = q0 + warp * 16;  // the warp's first row
-  const int rows[2] = {rw + l.g, rw + l.g + 8};
-  const int64_t row0 = int64_t(b) * T;
+  const QueryBlock at(lay, HS);
   const float scale2 = scale * kLog2e;
-  load_tile<kRows, HS>(sq, qkv, row0 + q0, T - q0, W, lay.q_col(h, HS), vec);
-  const RowsOf q_rows{sq, LD, warp * 16, l};
+  load_tile<kRows, HS>(sq, qkv, at.row0 + at.q0, at.T - at.q0, at.W, lay.q_col(at.h, HS), vec);
+  const RowsOf q_rows{sq, LD, at.r16, at.l};
   float o[HS / 8][4];
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.0f, 0.0f};  // lsum: this lane's columns' share
-  const int last_key = min(q0 + kRows, T);  // keys below it meet some row of the block
-  for (int k0 = lay.first_key_block(q0); k0 < last_key; k0 += kRows) {
+  const int last_key = min(at.q0 + kRows, at.T);  // keys below it meet some row of the block
+  for (int k0 = lay.first_key_block(at.q0); k0 < last_key; k0 += kRows) {
     __syncthreads();  // every warp is done with the previous keys
-    load_tile<kRows, HS>(sk, qkv, row0 + k0, T - k0, W, lay.k_col(g, HS), vec);
-    load_tile<kRows, HS>(sv, qkv, row0 + k0, T - k0, W, lay.v_col(g, HS), vec);
+    load_tile<kRows, HS>(sk, qkv, at.row0 + k0, at.T - k0, at.W, lay.k_col(at.g, HS), vec);
+    load_tile<kRows, HS>(sv, qkv, at.row0 + k0, at.T - k0, at.W, lay.v_col(at.g, HS), vec);
     __syncthreads();
     float s[kRows / 8][4];
     zero(s);
-    product_bt<kRows, HS>(s, q_rows, sk, LD, l);  // S = Q·Kᵀ
-    const bool whole = lay.all_visible(rw, rw + 15, k0, k0 + kRows - 1);
-    // online softmax of rows g and g + 8 over this block's visible keys (with a window a row may
-    // see none of them yet: m stays -inf, l and O 0)
+    product_bt<kRows, HS>(s, q_rows, sk, LD, at.l);  // S = Q·Kᵀ
+    const bool whole = lay.all_visible(at.rw, at.rw + 15, k0, k0 + kRows - 1);
+    // online softmax of the lane's two rows over this block's visible keys (with a window a row may
+    // see none of them yet: m stays -inf, the sums and O 0)
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
       float mx = -INFINITY;
@@ -264,7 +275,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[j][2 * rh + e];
-          if (!whole && !lay.visible(rows[rh], k0 + j * 8 + 2 * l.t + e)) x = -INFINITY;
+          if (!whole && !lay.visible(at.rows[rh], k0 + j * 8 + 2 * at.l.t + e)) x = -INFINITY;
           mx = fmaxf(mx, x);
         }
       const float mnew = fmaxf(m[rh], row_max(mx));
@@ -287,13 +298,13 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
     product_b<HS, kRows>(o, Rounded<kRows>{s}, sv, LD);  // O += P·V
   }
   const float total[2] = {row_sum(lsum[0]), row_sum(lsum[1])}, inv[2] = {1.0f / total[0], 1.0f / total[1]};
-  for_each_stored<HS>(o, rows, T, l, [&](int rh, int d, float x) {
+  for_each_stored<HS>(o, at.rows, at.T, at.l, [&](int rh, int d, float x) {
     const float y = x * inv[rh];
-    out[(row0 + rows[rh]) * C + int64_t(h) * HS + d] = narrow<OT>(y);
-    osave[(int64_t(bh) * T + rows[rh]) * HS + d] = __float2bfloat16_rn(y);
+    out[(at.row0 + at.rows[rh]) * at.C + int64_t(at.h) * HS + d] = narrow<OT>(y);
+    osave[(int64_t(at.bh) * at.T + at.rows[rh]) * HS + d] = __float2bfloat16_rn(y);
   });
   for (int rh = 0; rh < 2; ++rh)
-    if (rows[rh] < T && l.t == 0) lse[int64_t(bh) * T + rows[rh]] = m[rh] * scale + logf(total[rh]);
+    if (at.rows[rh] < at.T && at.l.t == 0) lse[int64_t(at.bh) * at.T + at.rows[rh]] = m[rh] * scale + logf(total[rh]);
 }
 
 // ---- backward ----------------------------------------------------------------------------------
@@ -402,7 +413,7 @@ constexpr size_t dq_smem() {
   return 4 * kRows * (HS + kPad) * sizeof(bfloat);  // Q, dO, K, V
 }
 
-// grid (query blocks, B·H), the last first: dQ of 64 queries, over the key blocks up to their own.
+// grid (query blocks, B·H), as QueryBlock says: dQ of 64 queries, over the key blocks up to their own.
 template <int HS, typename QT>
 __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* dout, const QT* qkv, const float* lse,
                                                       const float* dd, Layout lay, float scale, bool vec_qkv,
@@ -413,37 +424,31 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* 
   bfloat* sdo = sq + kRows * LD;
   bfloat* sk = sdo + kRows * LD;
   bfloat* sv = sk + kRows * LD;
-  const Lane l = lane_of();
-  const int warp = threadIdx.x / 32, T = lay.T, H = lay.H;
-  const int64_t C = int64_t(H) * HS, W = lay.width(HS);
-  const int bh = blockIdx.y, b = bh / H, h = bh % H, g = lay.group(h);
-  const int q0 = (gridDim.x - 1 - blockIdx.x) * kRows, rw = q0 + warp * 16;
-  const int rows[2] = {rw + l.g, rw + l.g + 8};
-  const int64_t row0 = int64_t(b) * T;
-  const float scale2 = scale * kLog2e;
-  load_tile<kRows, HS>(sq, qkv, row0 + q0, T - q0, W, lay.q_col(h, HS), vec_qkv);
-  load_tile<kRows, HS>(sdo, dout, row0 + q0, T - q0, C, int64_t(h) * HS, vec_dout);
+  const QueryBlock at(lay, HS);
+  load_tile<kRows, HS>(sq, qkv, at.row0 + at.q0, at.T - at.q0, at.W, lay.q_col(at.h, HS), vec_qkv);
+  load_tile<kRows, HS>(sdo, dout, at.row0 + at.q0, at.T - at.q0, at.C, int64_t(at.h) * HS, vec_dout);
   float L[2], D[2];
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
-    L[rh] = rows[rh] < T ? lse[int64_t(bh) * T + rows[rh]] * kLog2e : 0.0f;
-    D[rh] = rows[rh] < T ? dd[int64_t(bh) * T + rows[rh]] : 0.0f;
+    L[rh] = at.rows[rh] < at.T ? lse[int64_t(at.bh) * at.T + at.rows[rh]] * kLog2e : 0.0f;
+    D[rh] = at.rows[rh] < at.T ? dd[int64_t(at.bh) * at.T + at.rows[rh]] : 0.0f;
   }
-  const RowsOf q_rows{sq, LD, warp * 16, l}, do_rows{sdo, LD, warp * 16, l};
+  const RowsOf q_rows{sq, LD, at.r16, at.l}, do_rows{sdo, LD, at.r16, at.l};
   float dq[HS / 8][4];
   zero(dq);
-  const int last_key = min(q0 + kRows, T);
-  for (int k0 = lay.first_key_block(q0); k0 < last_key; k0 += kRows) {
+  const float scale2 = scale * kLog2e;
+  const int last_key = min(at.q0 + kRows, at.T);
+  for (int k0 = lay.first_key_block(at.q0); k0 < last_key; k0 += kRows) {
     __syncthreads();
-    load_tile<kRows, HS>(sk, qkv, row0 + k0, T - k0, W, lay.k_col(g, HS), vec_qkv);
-    load_tile<kRows, HS>(sv, qkv, row0 + k0, T - k0, W, lay.v_col(g, HS), vec_qkv);
+    load_tile<kRows, HS>(sk, qkv, at.row0 + k0, at.T - k0, at.W, lay.k_col(at.g, HS), vec_qkv);
+    load_tile<kRows, HS>(sv, qkv, at.row0 + k0, at.T - k0, at.W, lay.v_col(at.g, HS), vec_qkv);
     __syncthreads();
     float s[kRows / 8][4], dp[kRows / 8][4];
     zero(s);
     zero(dp);
-    product_bt<kRows, HS>(s, q_rows, sk, LD, l);    // S = Q·Kᵀ
-    product_bt<kRows, HS>(dp, do_rows, sv, LD, l);  // dP = dO·Vᵀ
-    const bool whole = lay.all_visible(rw, rw + 15, k0, k0 + kRows - 1);
+    product_bt<kRows, HS>(s, q_rows, sk, LD, at.l);    // S = Q·Kᵀ
+    product_bt<kRows, HS>(dp, do_rows, sv, LD, at.l);  // dP = dO·Vᵀ
+    const bool whole = lay.all_visible(at.rw, at.rw + 15, k0, k0 + kRows - 1);
 #pragma unroll
     for (int j = 0; j < kRows / 8; ++j)
 #pragma unroll
@@ -451,13 +456,14 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* 
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
           const float x = s[j][2 * rh + e];
-          const float p = whole || lay.visible(rows[rh], k0 + j * 8 + 2 * l.t + e) ? exp2f(x * scale2 - L[rh]) : 0.0f;
+          const bool seen = whole || lay.visible(at.rows[rh], k0 + j * 8 + 2 * at.l.t + e);
+          const float p = seen ? exp2f(x * scale2 - L[rh]) : 0.0f;
           dp[j][2 * rh + e] = p * (dp[j][2 * rh + e] - D[rh]);  // dS
         }
     product_b<HS, kRows>(dq, Rounded<kRows>{dp}, sk, LD);  // dQ += dS·K
   }
-  for_each_stored<HS>(dq, rows, T, l, [&](int rh, int d, float x) {
-    dqkv[(row0 + rows[rh]) * W + lay.q_col(h, HS) + d] = x * scale;
+  for_each_stored<HS>(dq, at.rows, at.T, at.l, [&](int rh, int d, float x) {
+    dqkv[(at.row0 + at.rows[rh]) * at.W + lay.q_col(at.h, HS) + d] = x * scale;
   });
 }
 
