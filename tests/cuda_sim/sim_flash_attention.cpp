@@ -115,6 +115,10 @@ TEST(SimulatedFlashAttention, CausalHeadSize64FromFp32RowsMatchesTheReference) {
   run_kernels<64, float>({1, 130, 2, 2, 0, true});  // T past two 64-row blocks
 }
 
+TEST(SimulatedFlashAttention, Gpt2SequenceLengthFromBf16RowsMatchesTheReference) {
+  run_kernels<64, bfloat>({1, 1024, 1, 1, 0, true});  // GPT-2 124M's T: 16 query blocks, 136 block pairs
+}
+
 TEST(SimulatedFlashAttention, GroupedQueryHeadsFromBf16RowsMatchTheReference) {
   run_kernels<64, bfloat>({2, 100, 2, 1, 0, false});  // multi-query, two sequences, element loads
 }
