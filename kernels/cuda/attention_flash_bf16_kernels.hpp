@@ -117,7 +117,7 @@ __device__ inline Lane lane_of() { return {int(threadIdx.x % 32) / 4, int(thread
 
 // A fragment register: two consecutive bf16 of a shared-memory row (the lower column in the lower
 // half), or two fp32 values rounded to bf16 and packed so.
-__device__ inline uint32_t pair_at(const bfloat* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ inline uint32_t pair_at(const bfloat* p) { return cuda_ptx::ld_shared_b32(p); }
 __device__ inline uint32_t pack(float lo, float hi) {
   return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
          uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16;

@@ -1,8 +1,8 @@
 // mma_sync.hpp (CUDA) — the warp-level PTX instructions under the fused attention
-// (attention_flash_bf16_kernels.hpp), each by its PTX ISA name and contract, and the block's
-// dynamic shared memory. A build with ZERO3D_WARP_SIMULATION set to a header's name takes that
-// header's host simulation of the same functions instead (tests/cuda_sim: the kernels then run on
-// a CPU, against a reference, where no GPU is).
+// (attention_flash_bf16_kernels.hpp), each by its PTX ISA name and contract, its fragments' loads
+// from shared memory, and the block's dynamic shared memory. A build with ZERO3D_WARP_SIMULATION
+// set to a header's name takes that header's host simulation of the same functions instead
+// (tests/cuda_sim: the kernels then run on a CPU, against a reference, where no GPU is).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,6 +35,9 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* 
                : "=r"(m[0]), "=r"(m[1]), "=r"(m[2]), "=r"(m[3])
                : "r"(addr));
 }
+
+// ld.shared.b32: a fragment register's two bf16 from shared memory (4-byte aligned).
+__device__ inline uint32_t ld_shared_b32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 // The block's dynamic shared memory (the launch's third argument).
 __device__ inline unsigned char* dynamic_smem() {

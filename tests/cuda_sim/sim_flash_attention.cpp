@@ -89,6 +89,7 @@ void run_kernels(const Case& c) {
   std::vector<double> out_ref, dqkv_ref;
   reference(qkv, dy, c, HS, out_ref, dqkv_ref);
 
+  zero3d::cuda_sim::bank_census.reset();
   const std::vector<Q> q_in(qkv.begin(), qkv.end());
   const size_t rows = size_t(c.B) * c.H * T;
   std::vector<float> out(size_t(c.B) * T * C, NAN), lse(rows, NAN), dd(rows, NAN), dqkv(qkv.size(), NAN);
@@ -109,6 +110,12 @@ void run_kernels(const Case& c) {
   });
   expect_close(out, out_ref, 1e-2, "out");
   expect_close(dqkv, dqkv_ref, 3e-2, "dqkv");
+  // the padded rows' purpose: every fragment load from shared memory in one pass
+  const zero3d::cuda_sim::BankCensus& banks = zero3d::cuda_sim::bank_census;
+  EXPECT_GT(banks.loads, 0);
+  EXPECT_GT(banks.matrices, 0);
+  EXPECT_EQ(banks.worst_load, 1) << "a 32-bit fragment load meets a bank conflict";
+  EXPECT_EQ(banks.worst_matrix, 1) << "an ldmatrix matrix meets a bank conflict";
 }
 
 TEST(SimulatedFlashAttention, CausalHeadSize64FromFp32RowsMatchesTheReference) {

@@ -13,7 +13,9 @@
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -67,13 +69,39 @@ class Barrier {
   unsigned generation_ = 0;
 };
 
-// What a warp's lanes post for a collective instruction.
+// What a warp's lanes post for a collective instruction, and the byte offsets in shared memory of
+// each lane's 32-bit loads in order (the lanes run the same loads: the kernels' control flow is
+// warp-uniform).
 struct Warp {
   Barrier barrier{32};
   uint32_t a[32][4], b[32][2];
   const __nv_bfloat16* row[32];
   float value[32];
+  std::vector<size_t> loads[32];
 };
+
+// Shared memory's 32 banks of 4 bytes serve a warp's request in as many passes as the most
+// distinct words it asks of one bank (the same word is broadcast); ldmatrix's each 8×8 matrix,
+// 8 rows of 16 bytes, in one pass where its rows' words fall on distinct banks. The worst pass
+// count over every fragment load of the kernels run since reset(): 1 is free of bank conflicts.
+struct BankCensus {
+  int64_t loads = 0, matrices = 0;
+  int worst_load = 0, worst_matrix = 0;
+  void reset() { *this = BankCensus{}; }
+};
+inline BankCensus bank_census;
+
+// The passes one request takes: each of `words` (word indices into shared memory) on bank word % 32.
+inline int passes(const std::vector<size_t>& words) {
+  std::vector<std::vector<size_t>> bank(32);
+  int worst = 0;
+  for (size_t w : words) {
+    std::vector<size_t>& b = bank[w % 32];
+    if (std::find(b.begin(), b.end(), w) == b.end()) b.push_back(w);
+    worst = std::max(worst, static_cast<int>(b.size()));
+  }
+  return worst;
+}
 
 struct Block {
   explicit Block(unsigned threads, size_t smem_bytes)
@@ -85,6 +113,9 @@ struct Block {
 inline Block* current_block = nullptr;
 inline Warp& current_warp() { return current_block->warps[threadIdx.x / 32]; }
 inline int lane_id() { return static_cast<int>(threadIdx.x % 32); }
+inline size_t smem_offset(const void* p) {
+  return static_cast<size_t>(static_cast<const unsigned char*>(p) - current_block->smem.data());
+}
 
 inline float half_of(uint32_t word, int upper) {
   __nv_bfloat16_raw raw;
@@ -112,6 +143,13 @@ inline void run_block(unsigned bx, unsigned by, unsigned threads, size_t smem_by
       fibers.current = t, threadIdx = {t, 0, 0};
       swapcontext(&fibers.host, &fibers.context[t]);
       left -= fibers.done[t];
+    }
+  for (Warp& w : block.warps)  // the i-th load of every lane is one request
+    for (size_t i = 0; i < w.loads[0].size(); ++i) {
+      std::vector<size_t> words;
+      for (const std::vector<size_t>& lane : w.loads) words.push_back(lane.at(i) / 4);
+      bank_census.worst_load = std::max(bank_census.worst_load, passes(words));
+      ++bank_census.loads;
     }
 }
 
@@ -173,9 +211,25 @@ inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* row) {
   w.row[lane] = row;
   w.barrier.wait();
   for (int i = 0; i < 4; ++i) m[i] = bits_of(w.row[8 * i + 2 * t][g]) | bits_of(w.row[8 * i + 2 * t + 1][g]) << 16;
+  if (lane == 0)
+    for (int i = 0; i < 4; ++i) {  // matrix i's 8 rows of 4 words
+      std::vector<size_t> words;
+      for (int r = 0; r < 8; ++r)
+        for (size_t k = 0; k < 4; ++k) words.push_back(smem_offset(w.row[8 * i + r]) / 4 + k);
+      bank_census.worst_matrix = std::max(bank_census.worst_matrix, passes(words));
+      ++bank_census.matrices;
+    }
   w.barrier.wait();
 }
 
 inline unsigned char* dynamic_smem() { return zero3d::cuda_sim::current_block->smem.data(); }
+
+inline uint32_t ld_shared_b32(const __nv_bfloat16* p) {
+  using namespace zero3d::cuda_sim;
+  current_warp().loads[lane_id()].push_back(smem_offset(p));
+  uint32_t word;
+  std::memcpy(&word, p, 4);
+  return word;
+}
 
 }  // namespace zero3d::kernels::cuda_ptx
