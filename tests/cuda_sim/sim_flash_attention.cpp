@@ -134,6 +134,14 @@ TEST(SimulatedFlashAttention, SlidingWindowSkipsTheKeyBlocksItDoesNotSee) {
   run_kernels<64, float>({1, 200, 4, 2, 70, true});  // query block 192 starts at key block 64
 }
 
+TEST(SimulatedFlashAttention, ShortSequencesAndAOneKeyWindowMatchTheReference) {
+  for (const int T : {1, 64, 65}) {  // one row; one block exactly; one row past it
+    SCOPED_TRACE("T " + std::to_string(T));
+    run_kernels<64, bfloat>({2, T, 2, 1, 0, true});
+    run_kernels<128, float>({1, T, 2, 2, 1, false});  // each query sees itself alone
+  }
+}
+
 TEST(SimulatedFlashAttention, HeadSize128MatchesTheReference) {
   run_kernels<128, bfloat>({1, 150, 2, 2, 0, true});  // dK/dV in 32-query blocks
 }
