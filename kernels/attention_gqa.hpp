@@ -428,9 +428,9 @@ inline void gqa_attention_backward_summing_columns(bf16* dqkv, float* dbias, flo
 // The attention scratch a training step of the kernels above grows beyond the model's own
 // buffers (B·T tokens, H query heads over Hkv, head size d): where bf16 compute runs the fused
 // kernel every pass, nothing on a CPU and the CUDA kernel's D on a GPU; otherwise q, k and v
-// widened to fp32 (and the output when it is bf16: bf16_out);
-// then the fp32 kernels' own: on a GPU the heads split out and the backward's dS
-// (gpu::gqa_attention_backward), on a CPU under dropout a row block's kept probabilities.
+// widened to fp32 (and the output when it is bf16: bf16_out), then the fp32 kernels' own: on a
+// GPU the heads split out and the backward's dS (gpu::gqa_attention_backward), on a CPU under
+// dropout a row block's kept probabilities.
 inline int64_t gqa_attention_workspace_bytes(Index B, Index T, Index H, Index Hkv, Index d, DType compute,
                                              bool bf16_out, bool dropout) {
   const int64_t nq = B * H * T * d;

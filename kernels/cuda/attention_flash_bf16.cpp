@@ -47,8 +47,6 @@ struct Cuda<bf16> {
   using type = bfloat;
 };
 
-int64_t qkv_width(const Layout& lay, int hs) { return int64_t(lay.H + 2 * lay.Hkv) * hs; }
-
 template <int HS, typename O, typename Q>
 void forward_hs(O* out, float* lse, bf16* osave, const Q* qkv, Index B, Layout lay) {
   using OT = typename Cuda<O>::type;
@@ -59,7 +57,7 @@ void forward_hs(O* out, float* lse, bf16* osave, const Q* qkv, Index B, Layout l
   const dim3 grid(static_cast<unsigned>((lay.T + kRows - 1) / kRows), static_cast<unsigned>(B * lay.H));
   forward_kernel<HS, OT, QT><<<grid, kThreads, smem, stream()>>>(
       reinterpret_cast<OT*>(out), lse, reinterpret_cast<bfloat*>(osave), reinterpret_cast<const QT*>(qkv), lay,
-      1.0f / std::sqrt(static_cast<float>(HS)), vector_aligned(qkv, qkv_width(lay, HS)));
+      1.0f / std::sqrt(static_cast<float>(HS)), vector_aligned(qkv, lay.width(HS)));
   check(cudaGetLastError(), "forward launch");
 }
 
@@ -74,7 +72,7 @@ void backward_hs(float* dqkv, const float* dout, const Q* qkv, const float* lse,
   // D = rowsum(dO ∘ O), read by both gradient kernels: backward_scratch_bytes
   float* dd = static_scratch<16>("flash_attention_rowdot").take<float>(rows);
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
-  const bool vec_qkv = vector_aligned(qkv, qkv_width(lay, HS)), vec_dout = vector_aligned(dout, int64_t(lay.H) * HS);
+  const bool vec_qkv = vector_aligned(qkv, lay.width(HS)), vec_dout = vector_aligned(dout, int64_t(lay.H) * HS);
   row_dot_kernel<HS><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream()>>>(
       dd, dout, reinterpret_cast<const bfloat*>(osave), lay.T, lay.H, rows);
   check(cudaGetLastError(), "row-dot launch");
@@ -86,6 +84,7 @@ void backward_hs(float* dqkv, const float* dout, const Q* qkv, const float* lse,
       dqkv, dout, reinterpret_cast<const QT*>(qkv), lse, dd, lay, scale, vec_qkv, vec_dout);
   check(cudaGetLastError(), "dQ launch");
 }
+
 Layout layout_of(Index T, const Heads& heads) {
   if (heads.H <= 0 || heads.Hkv <= 0 || heads.H % heads.Hkv != 0 || heads.window < 0)
     throw std::invalid_argument("fused attention: " + std::to_string(heads.H) + " query heads over " +

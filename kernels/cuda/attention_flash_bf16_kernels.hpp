@@ -38,7 +38,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 // Where a (batch, query head)'s q, k and v sit in qkv's rows, and which keys a query sees.
 struct Layout {
   int T, H, Hkv, window;
-  __device__ int64_t width(int hs) const { return int64_t(H + 2 * Hkv) * hs; }  // a qkv row
+  __host__ __device__ int64_t width(int hs) const { return int64_t(H + 2 * Hkv) * hs; }  // a qkv row
   __device__ int group(int h) const { return h / (H / Hkv); }                   // its K/V head
   __device__ int64_t q_col(int h, int hs) const { return int64_t(h) * hs; }
   __device__ int64_t k_col(int g, int hs) const { return int64_t(H + g) * hs; }

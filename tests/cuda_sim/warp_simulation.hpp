@@ -21,6 +21,8 @@
 
 #undef __global__
 #define __global__
+#undef __host__
+#define __host__
 #undef __device__
 #define __device__
 #undef __launch_bounds__
