@@ -20,6 +20,8 @@
 #include "kernels/memory.hpp"
 #include "kernels/optimizers.hpp"
 #include "kernels/reduce.hpp"
+#include "kernels/rmsnorm.hpp"
+#include "kernels/swiglu.hpp"
 
 using namespace zero3d;
 using namespace zero3d::kernels;
@@ -54,6 +56,17 @@ struct Floats {
     fill_normal(get(), n, stream, scale);
   }
   float* get() const { return reinterpret_cast<float*>(bytes.data()); }
+};
+
+// n bf16 of model memory holding fill_normal's values, rounded.
+struct Bf16s {
+  DeviceBuffer bytes;
+  explicit Bf16s(Index n, uint64_t stream = 1, float scale = 1.0f) : bytes(static_cast<size_t>(n) * sizeof(bf16)) {
+    Floats x(n, stream, scale);
+    convert(get(), x.get(), n);
+    fence();
+  }
+  bf16* get() const { return reinterpret_cast<bf16*>(bytes.data()); }
 };
 
 struct Tokens {
@@ -137,6 +150,101 @@ void BM_GeluBackward(benchmark::State& state) {
   rate(state, 3.0 * n * sizeof(float));
 }
 BENCHMARK(BM_GeluBackward)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+// The bf16 step's own forms (bf16.enabled): LayerNorm writing the bf16 input of c_attn / c_fc,
+// GELU between two bf16 products, the output gradients rounded for their products with the
+// bias gradient's column sums in the same pass, and the Llama family's RMSNorm and SwiGLU.
+void BM_LayerNormForwardBf16(benchmark::State& state) {
+  Floats x(BT * C), w(C, 2), b(C, 3), mean(BT), rstd(BT);
+  Bf16s out(BT * C);
+  for (auto _ : state) {
+    layernorm_forward(out.get(), mean.get(), rstd.get(), x.get(), w.get(), b.get(), BT, C);
+    fence();
+  }
+  rate(state, (4.0 + 2.0) * BT * C);
+}
+BENCHMARK(BM_LayerNormForwardBf16)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_GeluForwardBf16(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  Bf16s x(n), out(n);
+  for (auto _ : state) {
+    gelu_forward(out.get(), x.get(), n);
+    fence();
+  }
+  rate(state, 2.0 * n * sizeof(bf16));
+}
+BENCHMARK(BM_GeluForwardBf16)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_GeluBackwardSummingColumns(benchmark::State& state) {
+  const Index n = BT * 4 * C;
+  Bf16s x(n), dx(n);
+  Floats dy(n, 2), sums(4 * C);
+  for (auto _ : state) {
+    gelu_backward_summing_columns(dx.get(), sums.get(), x.get(), dy.get(), BT, 4 * C);
+    fence();
+  }
+  rate(state, (2.0 + 4.0 + 2.0) * n);  // bf16 input and fp32 gradient read, bf16 gradient written
+}
+BENCHMARK(BM_GeluBackwardSummingColumns)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_ConvertSummingColumns(benchmark::State& state) {
+  Floats dy(BT * C, 2), sums(C);
+  Bf16s out(BT * C);
+  for (auto _ : state) {
+    convert_summing_columns(out.get(), sums.get(), dy.get(), BT, C);
+    fence();
+  }
+  rate(state, (4.0 + 2.0) * BT * C);
+}
+BENCHMARK(BM_ConvertSummingColumns)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+constexpr Index kLlamaIntermediate = 2048;  // input/llama-125m.json
+
+void BM_RmsNormForwardBf16(benchmark::State& state) {
+  Floats x(BT * C), w(C, 2), rstd(BT);
+  Bf16s out(BT * C);
+  for (auto _ : state) {
+    rmsnorm_forward(out.get(), rstd.get(), x.get(), w.get(), BT, C, 1e-6f);
+    fence();
+  }
+  rate(state, (4.0 + 2.0) * BT * C);
+}
+BENCHMARK(BM_RmsNormForwardBf16)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_RmsNormBackward(benchmark::State& state) {
+  Floats x(BT * C), w(C, 2), dy(BT * C, 3), dx(BT * C), dw(C), rstd(BT, 5, 0.1f);
+  for (auto _ : state) {
+    rmsnorm_backward(dx.get(), dw.get(), dy.get(), x.get(), w.get(), rstd.get(), BT, C);
+    fence();
+  }
+  rate(state, 4.0 * BT * C * sizeof(float));  // x, dy read; dx read and written
+}
+BENCHMARK(BM_RmsNormBackward)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+// The fused [gate | up] product's bf16 output into SwiGLU, and its backward without biases.
+void BM_SwiGluForwardBf16(benchmark::State& state) {
+  const Index I = kLlamaIntermediate;
+  Bf16s gate_up(BT * 2 * I), out(BT * I);
+  for (auto _ : state) {
+    swiglu_forward(out.get(), gate_up.get(), gate_up.get() + I, BT, I, 2 * I);
+    fence();
+  }
+  rate(state, 3.0 * BT * I * sizeof(bf16));
+}
+BENCHMARK(BM_SwiGluForwardBf16)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+void BM_SwiGluBackwardBf16(benchmark::State& state) {
+  const Index I = kLlamaIntermediate;
+  Bf16s gate_up(BT * 2 * I), d(BT * 2 * I);
+  Floats dy(BT * I, 2);
+  for (auto _ : state) {
+    swiglu_backward_summing_columns(d.get(), nullptr, dy.get(), gate_up.get(), BT, I);
+    fence();
+  }
+  rate(state, (4.0 + 4.0 + 4.0) * BT * I);  // gate and up read, dout read, dgate and dup written
+}
+BENCHMARK(BM_SwiGluBackwardBf16)->UseRealTime()->Unit(benchmark::kMicrosecond);
 
 void BM_CrossEntropyForwardBackward(benchmark::State& state) {
   Floats logits(BT * V, 1, 2.0f), losses(BT), lse(BT);

@@ -1,7 +1,7 @@
 #!/bin/sh
 # gpu_bundle.sh CUDA_BUILD [CPU_BUILD] — packs what benchmarks/gpu_check.sh runs on a GPU
 # machine that has CUDA, cuBLAS and NCCL but neither MPICH, parallel HDF5 nor Kokkos: the CUDA
-# build's zero3d, zero3d_gpu_tests and zero3d_device_bench (configure it with
+# build's zero3d, zero3d_gpu_tests, zero3d_device_bench and kernel timer (configure it with
 # -DZERO3D_NATIVE=OFF: the GPU machine's CPU may differ), optionally the CPU build's zero3d
 # (for the GPU-to-CPU checkpoint check), MPICH's launcher, and every shared library they need
 # except glibc's and the CUDA toolkit's. Writes gpu-carry.tar.xz in the current directory;
@@ -13,6 +13,7 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/gpu-carry/bin" "$stage/gpu-carry/lib"
 cp "$cuda/zero3d" "$cuda/tests/zero3d_gpu_tests" "$cuda/benchmarks/zero3d_device_bench" "$stage/gpu-carry/bin/"
+cp "$cuda/benchmarks/libzero3d_kernel_timer.so" "$stage/gpu-carry/lib/"  # the step's kernel table (bf16_breakdown.sh)
 [ -n "$cpu" ] && cp "$cpu/zero3d" "$stage/gpu-carry/bin/zero3d-cpu"
 for tool in mpiexec.hydra hydra_pmi_proxy; do cp "$(command -v "$tool")" "$stage/gpu-carry/bin/"; done
 # a fault's stack for a machine without a debugger (gpu_check.sh preloads it)

@@ -124,6 +124,15 @@ train gpt2_124m_bf16_flash_profile 45 gpt2-124m ZERO3D_ATTENTION_KERNEL=flash --
   --set bf16.enabled=true --set flops_profiler.enabled=true --set flops_profiler.profile_step=6 \
   --set wall_clock_breakdown=true --set steps_per_print=1
 
+# The same step kernel by kernel: the kernel timer on the wall clock with the device fenced around
+# every kernel and product (kernel_timer.cpp), runs of 3 and 6 steps differenced
+# (bf16_breakdown.sh): each memory-bound kernel's share beside the products' and attention's.
+step gpt2_124m_bf16_kernels 90 env ZERO3D="$bin/zero3d" TIMER="$carry/gpu-carry/lib/libzero3d_kernel_timer.so" \
+  ZERO3D_KERNEL_TIMER_CLOCK=wall S1=3 S2=6 SKIP_BENCH=1 bash "$root/benchmarks/bf16_breakdown.sh" "$carry" \
+  "$root/input/gpt2-124m.json" "$out/gpt2_124m_bf16_kernels" --set train_micro_batch_size_per_gpu=16
+[ -f "$out/gpt2_124m_bf16_kernels.txt" ] &&
+  sed -n '1,/^  optimizer/p' "$out/gpt2_124m_bf16_kernels.txt" | head -40 >>"$summary"
+
 # 3. The kernels, then the training checks no device has run yet.
 step gpu_kernel_tests 60 zero3d_gpu_tests --gtest_filter='GpuKernels.*:GpuProducts.*:GpuAttention.*:GpuLlamaKernels.*:GpuCopyStream.*' \
   --gtest_output="json:$out/gpu_kernel_tests.json"

@@ -527,9 +527,11 @@ inline void attention_forward_bf16(O* out, float* att, const Q* qkv, Index B, In
   if (attention_flash_chosen(B * H, T, C / H, dropout)) return flash::forward(out, att, qkv, B, T, C, H);
 #endif
 #ifdef ZERO3D_DEVICE
-  if (attention_flash_chosen(B * H, T, C / H, dropout))
+  if (attention_flash_chosen(B * H, T, C / H, dropout)) {
+    const ProfileRegion region("attention_forward");  // the kernel timer's row (its launches are no Kokkos kernel)
     return cuda_flash::forward(out, att, reinterpret_cast<bf16*>(att + attention_flash_o_offset(B * H, T)), qkv, B, T,
                                C, H);
+  }
 #endif
   attention_forward_tiled_bf16(out, att, qkv, B, T, C, H, dropout);
 }
@@ -541,9 +543,11 @@ inline void attention_backward_bf16(float* dqkv, const float* dout, const Q* qkv
   if (attention_flash_chosen(B * H, T, C / H, dropout)) return flash::backward(dqkv, nullptr, dout, qkv, att, B, T, C, H);
 #endif
 #ifdef ZERO3D_DEVICE
-  if (attention_flash_chosen(B * H, T, C / H, dropout))
+  if (attention_flash_chosen(B * H, T, C / H, dropout)) {
+    const ProfileRegion region("attention_backward");
     return cuda_flash::backward(dqkv, dout, qkv, att,
                                 reinterpret_cast<const bf16*>(att + attention_flash_o_offset(B * H, T)), B, T, C, H);
+  }
 #endif
   attention_backward_tiled_bf16(dqkv, dout, qkv, att, B, T, C, H, dropout);
 }

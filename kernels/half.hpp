@@ -93,6 +93,57 @@ KOKKOS_INLINE_FUNCTION bf16 from_float<bf16>(float f) { return to_bf16(f); }
 template <>
 KOKKOS_INLINE_FUNCTION fp16 from_float<fp16>(float f) { return to_fp16(f); }
 
+namespace gpu {
+
+// x[k] = float(p[k]) for k < W, and back: one vector access where W is kVec (p then 16-byte
+// aligned, device_forms.hpp), element by element where W is 1.
+template <int W, typename T>
+KOKKOS_INLINE_FUNCTION void load_floats(float (&x)[W], const T* p) {
+  if constexpr (W == kVec) {
+    const Vec<T> v = load_vec(p);
+    for (int k = 0; k < W; ++k) x[k] = to_float(v.v[k]);
+  } else {
+    for (int k = 0; k < W; ++k) x[k] = to_float(p[k]);
+  }
+}
+template <int W, typename T>
+KOKKOS_INLINE_FUNCTION void store_floats(T* p, const float (&x)[W]) {
+  if constexpr (W == kVec) {
+    Vec<T> v;
+    for (int k = 0; k < W; ++k) v.v[k] = from_float<T>(x[k]);
+    store_vec(p, v);
+  } else {
+    for (int k = 0; k < W; ++k) p[k] = from_float<T>(x[k]);
+  }
+}
+
+// convert's device form: kVec elements a thread, by vectors where both pointers are 16-byte
+// aligned (device_forms.hpp); each element's arithmetic is the portable form's.
+template <typename D, typename S>
+ZERO3D_KERNEL void convert(D* dst, const S* src, Index n, float scale, bool accumulate) {
+  const bool vec = all_aligned16(dst, src);
+  const char* label = accumulate ? "convert_accumulate" : scale == 1.0f ? "convert" : "convert_scale";
+  Kokkos::parallel_for(label, vector_threads(n), KOKKOS_LAMBDA(Index p) {
+    const Index i0 = p * kVec;
+    if (vec && i0 + kVec <= n) {
+      float x[kVec], y[kVec];
+      load_floats(x, src + i0);
+      if (accumulate) {
+        load_floats(y, dst + i0);
+        for (int k = 0; k < kVec; ++k) y[k] = y[k] + x[k] * scale;
+      } else {
+        for (int k = 0; k < kVec; ++k) y[k] = x[k] * scale;
+      }
+      store_floats(dst + i0, y);
+    } else {
+      for (Index i = i0; i < vector_end(i0, n); ++i)
+        dst[i] = from_float<D>(accumulate ? to_float(dst[i]) + to_float(src[i]) * scale : to_float(src[i]) * scale);
+    }
+  });
+}
+
+}  // namespace gpu
+
 #ifdef ZERO3D_AVX512
 // fp16 <-> fp32 for convert(): the hardware's own conversions (AVX512F vcvtph2ps, and vcvtps2ph
 // rounding to nearest even), 16 lanes an instruction where the integer forms above take a dozen
@@ -111,6 +162,9 @@ inline void store16_from_float(fp16* p, __m512 x) {
 // in dst's type.
 template <typename D, typename S>
 ZERO3D_KERNEL void convert(D* dst, const S* src, Index n, float scale = 1.0f, bool accumulate = false) {
+#ifdef ZERO3D_DEVICE
+  return gpu::convert(dst, src, n, scale, accumulate);
+#endif
 #ifdef ZERO3D_AVX512
   constexpr bool fp16_pair = (std::is_same_v<D, float> && std::is_same_v<S, fp16>) ||
                              (std::is_same_v<D, fp16> && std::is_same_v<S, float>);
@@ -265,20 +319,28 @@ ZERO3D_KERNEL void convert_transposed(bf16* dst, const float* src, Index rows, I
 namespace gpu {
 
 // Stage 1 of the two-stage column sum (device_forms.hpp) also rounds the elements it sums: a
-// thread per (chunk of rows, column), neighbouring threads on neighbouring columns, one pass.
+// thread per (chunk of rows, W columns), neighbouring threads on neighbouring columns, one pass.
+template <int W>
+ZERO3D_KERNEL void convert_summing_columns(Width<W>, bf16* dst, float* partial, const float* src, Index N, Index OC) {
+  Kokkos::parallel_for("convert_summing_columns", range(column_chunk_threads<W>(N, OC)), KOKKOS_LAMBDA(Index j) {
+    const ColumnChunk<W> at(j, N, OC);
+    float acc[W] = {};
+    ZERO3D_UNROLL(4)
+    for (Index i = at.i0; i < at.i1; ++i) {
+      float x[W];
+      load_floats(x, src + i * OC + at.o0);
+      for (int k = 0; k < W; ++k) acc[k] += x[k];
+      store_floats(dst + i * OC + at.o0, x);
+    }
+    store_floats(partial + at.at, acc);
+  });
+}
 ZERO3D_KERNEL void convert_summing_columns(bf16* dst, float* column_sums, const float* src, Index N, Index OC) {
-  if (!column_sums) return convert(dst, src, N * OC);
+  if (!column_sums) return kernels::convert(dst, src, N * OC);
   const Index chunks = column_chunks(N);
   float* partial = kernel_scratch<float>(chunks * OC);
-  Kokkos::parallel_for("convert_summing_columns", range(chunks * OC), KOKKOS_LAMBDA(Index j) {
-    const Index o = j % OC, i0 = j / OC * kColumnChunkRows, i1 = i0 + kColumnChunkRows < N ? i0 + kColumnChunkRows : N;
-    float acc = 0.0f;
-    for (Index i = i0; i < i1; ++i) {
-      acc += src[i * OC + o];
-      dst[i * OC + o] = to_bf16(src[i * OC + o]);
-    }
-    partial[j] = acc;
-  });
+  if (vectorizable(OC, dst, src, partial)) convert_summing_columns(Width<kVec>{}, dst, partial, src, N, OC);
+  else convert_summing_columns(Width<1>{}, dst, partial, src, N, OC);
   add_chunk_sums(column_sums, partial, chunks, OC);
 }
 

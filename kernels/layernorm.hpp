@@ -13,83 +13,153 @@ constexpr float kLayerNormEps = 1e-5f;
 
 namespace gpu {
 
-// A row to a warp (common.hpp row_teams; llm.c layernorm.cuh:20-65, kernel 3): the mean and the
-// variance are lane-strided sums added in the vector reduction's tree, then every lane writes
-// its columns. 16-bit parameters are widened as they are read (to_float: exact, a few
-// instructions), so nothing is allocated per call.
-template <typename P, typename O = float>
-ZERO3D_KERNEL void layernorm_forward(O* out, float* mean, float* rstd, const float* inp, const P* weight, const P* bias,
-                              Index N, Index C) {
-  Kokkos::parallel_for("layernorm_forward", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
-    const Index i = team_row(team);
-    if (i >= N) return;
-    const float* x = inp + i * C;
-    float m = 0.0f;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, C), [&](Index c, float& sum) { sum += x[c]; }, m);
-    m /= static_cast<float>(C);
-    float v = 0.0f;
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(team, C), [&](Index c, float& sum) { sum += (x[c] - m) * (x[c] - m); }, v);
-    v /= static_cast<float>(C);
-    const float s = 1.0f / std::sqrt(v + kLayerNormEps);
-    O* o = out + i * C;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, C), [&](Index c) {
-      o[c] = from_float<O>((x[c] - m) * s * to_float(weight[c]) + to_float(bias[c]));
-    });
-    Kokkos::single(Kokkos::PerThread(team), [&] {
-      mean[i] = m;
-      rstd[i] = s;
-    });
+// A row to a warp (common.hpp row_teams; llm.c layernorm.cuh:20-65, kernel 3), W columns at a
+// time (kVec where the row's pointers allow, device_forms.hpp): the mean and the variance are
+// lane-strided sums added in the vector reduction's tree, then every lane writes its columns.
+// 16-bit parameters are widened as they are read (exact, a few instructions), so nothing is
+// allocated per call.
+template <int W, typename P, typename O>
+KOKKOS_INLINE_FUNCTION void layernorm_forward_row(const RowTeam& team, O* o, float* mean, float* rstd, const float* x,
+                                                  const P* weight, const P* bias, Index C) {
+  const Index n = C / W;
+  float m = 0.0f;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, n),
+      [&](Index j, float& sum) {
+        float v[W];
+        load_floats(v, x + j * W);
+        for (int k = 0; k < W; ++k) sum += v[k];
+      },
+      m);
+  m /= static_cast<float>(C);
+  float var = 0.0f;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, n),
+      [&](Index j, float& sum) {
+        float v[W];
+        load_floats(v, x + j * W);
+        for (int k = 0; k < W; ++k) sum += (v[k] - m) * (v[k] - m);
+      },
+      var);
+  var /= static_cast<float>(C);
+  const float s = 1.0f / std::sqrt(var + kLayerNormEps);
+  Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, n), [&](Index j) {
+    float v[W], w[W], b[W];
+    load_floats(v, x + j * W);
+    load_floats(w, weight + j * W);
+    load_floats(b, bias + j * W);
+    for (int k = 0; k < W; ++k) v[k] = (v[k] - m) * s * w[k] + b[k];
+    store_floats(o + j * W, v);
+  });
+  Kokkos::single(Kokkos::PerThread(team), [&] {
+    *mean = m;
+    *rstd = s;
   });
 }
 
-// The input part a row to a warp (two lane-strided reductions, then the row's writes); the
-// parameter part as a column sum in two stages (device_forms.hpp), both sums in one stage-1
-// pass. llm.c fuses the two parts (layernorm.cuh:492+); zero3d keeps them apart because
-// zero-bubble schedules run them at different times.
+template <typename P, typename O = float>
+ZERO3D_KERNEL void layernorm_forward(O* out, float* mean, float* rstd, const float* inp, const P* weight, const P* bias,
+                              Index N, Index C) {
+  const bool vec = vectorizable(C, out, inp, weight, bias);
+  Kokkos::parallel_for("layernorm_forward", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index i = team_row(team);
+    if (i >= N) return;
+    if (vec) layernorm_forward_row<kVec>(team, out + i * C, mean + i, rstd + i, inp + i * C, weight, bias, C);
+    else layernorm_forward_row<1>(team, out + i * C, mean + i, rstd + i, inp + i * C, weight, bias, C);
+  });
+}
+
+// The input part of a row, W columns at a time: two lane-strided reductions, then the row's writes.
+template <int W, typename P>
+KOKKOS_INLINE_FUNCTION void layernorm_backward_row(const RowTeam& team, float* dx, const float* dy, const float* x,
+                                                   const P* weight, float m, float s, Index C) {
+  const Index n = C / W;
+  float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, n),
+      [&](Index j, float& sum) {
+        float w[W], g[W];
+        load_floats(w, weight + j * W);
+        load_floats(g, dy + j * W);
+        for (int k = 0; k < W; ++k) sum += w[k] * g[k];
+      },
+      dnorm_mean);
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, n),
+      [&](Index j, float& sum) {
+        float w[W], g[W], v[W];
+        load_floats(w, weight + j * W);
+        load_floats(g, dy + j * W);
+        load_floats(v, x + j * W);
+        for (int k = 0; k < W; ++k) {
+          const float dnorm = w[k] * g[k];
+          sum += dnorm * (v[k] - m) * s;
+        }
+      },
+      dnorm_norm_mean);
+  dnorm_mean /= static_cast<float>(C);
+  dnorm_norm_mean /= static_cast<float>(C);
+  Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, n), [&](Index j) {
+    float w[W], g[W], v[W], d[W];
+    load_floats(w, weight + j * W);
+    load_floats(g, dy + j * W);
+    load_floats(v, x + j * W);
+    load_floats(d, dx + j * W);
+    for (int k = 0; k < W; ++k) {
+      const float norm = (v[k] - m) * s;
+      d[k] += (w[k] * g[k] - dnorm_mean - norm * dnorm_norm_mean) * s;
+    }
+    store_floats(dx + j * W, d);
+  });
+}
+
+// The parameter part's stage 1, W columns a thread: both sums in one pass.
+template <int W>
+ZERO3D_KERNEL void layernorm_backward_params(Width<W>, float* partial_dw, float* partial_db, const float* dout,
+                                      const float* inp, const float* mean, const float* rstd, Index N, Index C) {
+  Kokkos::parallel_for("layernorm_backward_params", range(column_chunk_threads<W>(N, C)), KOKKOS_LAMBDA(Index j) {
+    const ColumnChunk<W> at(j, N, C);
+    float dw[W] = {}, db[W] = {};
+    ZERO3D_UNROLL(4)
+    for (Index i = at.i0; i < at.i1; ++i) {
+      float g[W], v[W];
+      load_floats(g, dout + i * C + at.o0);
+      load_floats(v, inp + i * C + at.o0);
+      const float m = mean[i], s = rstd[i];
+      for (int k = 0; k < W; ++k) {
+        dw[k] += g[k] * (v[k] - m) * s;
+        db[k] += g[k];
+      }
+    }
+    store_floats(partial_dw + at.at, dw);
+    store_floats(partial_db + at.at, db);
+  });
+}
+
+// The input part a row to a warp; the parameter part as a column sum in two stages
+// (device_forms.hpp), both sums in one stage-1 pass. llm.c fuses the two parts
+// (layernorm.cuh:492+); zero3d keeps them apart because zero-bubble schedules run them at
+// different times.
 template <typename P>
 ZERO3D_KERNEL void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                const P* weight, const float* mean, const float* rstd, Index N, Index C) {
-  if (dinp) Kokkos::parallel_for("layernorm_backward_input", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
-    const Index i = team_row(team);
-    if (i >= N) return;
-    const float* x = inp + i * C;
-    const float* dy = dout + i * C;
-    const float m = mean[i], s = rstd[i];
-    float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(team, C), [&](Index c, float& sum) { sum += to_float(weight[c]) * dy[c]; },
-        dnorm_mean);
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(team, C),
-        [&](Index c, float& sum) {
-          const float dnorm = to_float(weight[c]) * dy[c];
-          sum += dnorm * (x[c] - m) * s;
-        },
-        dnorm_norm_mean);
-    dnorm_mean /= static_cast<float>(C);
-    dnorm_norm_mean /= static_cast<float>(C);
-    float* dx = dinp + i * C;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, C), [&](Index c) {
-      const float norm = (x[c] - m) * s;
-      dx[c] += (to_float(weight[c]) * dy[c] - dnorm_mean - norm * dnorm_norm_mean) * s;
+  if (dinp) {
+    const bool vec = vectorizable(C, dinp, dout, inp, weight);
+    Kokkos::parallel_for("layernorm_backward_input", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
+      const Index i = team_row(team);
+      if (i >= N) return;
+      if (vec) layernorm_backward_row<kVec>(team, dinp + i * C, dout + i * C, inp + i * C, weight, mean[i], rstd[i], C);
+      else layernorm_backward_row<1>(team, dinp + i * C, dout + i * C, inp + i * C, weight, mean[i], rstd[i], C);
     });
-  });
+  }
   if (!dweight) return;
   const Index chunks = column_chunks(N);
   float* partial_dw = kernel_scratch<float>(2 * chunks * C);
   float* partial_db = partial_dw + chunks * C;
-  Kokkos::parallel_for("layernorm_backward_params", range(chunks * C), KOKKOS_LAMBDA(Index j) {
-    const Index c = j % C, i0 = j / C * kColumnChunkRows, i1 = i0 + kColumnChunkRows < N ? i0 + kColumnChunkRows : N;
-    float dw = 0.0f, db = 0.0f;
-    for (Index i = i0; i < i1; ++i) {
-      const float dy = dout[i * C + c];
-      dw += dy * (inp[i * C + c] - mean[i]) * rstd[i];
-      db += dy;
-    }
-    partial_dw[j] = dw;
-    partial_db[j] = db;
-  });
+  if (vectorizable(C, dout, inp, partial_dw, partial_db))
+    layernorm_backward_params(Width<kVec>{}, partial_dw, partial_db, dout, inp, mean, rstd, N, C);
+  else
+    layernorm_backward_params(Width<1>{}, partial_dw, partial_db, dout, inp, mean, rstd, N, C);
   add_chunk_sums(dweight, partial_dw, chunks, C);
   add_chunk_sums(dbias, partial_db, chunks, C);
 }

@@ -25,22 +25,46 @@ constexpr DType dtype_of<fp16>() { return DType::F16; }
 
 namespace gpu {
 
-// A thread per element (coalesced) where a thread walked a row; the same sum per element.
+// A thread per kVec elements of a row (coalesced, device_forms.hpp) where a thread walked a row;
+// the same sum per element.
 template <typename P>
 ZERO3D_KERNEL void add_bias_rows(float* out, const P* bias, Index N, Index OC) {
-  Kokkos::parallel_for("add_bias_rows", range(N * OC), KOKKOS_LAMBDA(Index j) { out[j] += to_float(bias[j % OC]); });
+  if (vectorizable(OC, out, bias)) {
+    const Index per_row = OC / kVec;
+    Kokkos::parallel_for("add_bias_rows", range(N * per_row), KOKKOS_LAMBDA(Index j) {
+      const Index i = j / per_row, o0 = (j - i * per_row) * kVec;
+      float y[kVec], b[kVec];
+      load_floats(y, out + i * OC + o0);
+      load_floats(b, bias + o0);
+      for (int k = 0; k < kVec; ++k) y[k] += b[k];
+      store_floats(out + i * OC + o0, y);
+    });
+  } else {
+    Kokkos::parallel_for("add_bias_rows", range(N * OC), KOKKOS_LAMBDA(Index j) { out[j] += to_float(bias[j % OC]); });
+  }
 }
 
-// Two stages (device_forms.hpp) where 16-column blocks gave 48 threads at OC = 768.
+// Two stages (device_forms.hpp) where 16-column blocks gave 48 threads at OC = 768; W columns a
+// thread.
+template <int W>
+ZERO3D_KERNEL void accumulate_column_sums(Width<W>, float* partial, const float* dout, Index N, Index OC) {
+  Kokkos::parallel_for("column_sums", range(column_chunk_threads<W>(N, OC)), KOKKOS_LAMBDA(Index j) {
+    const ColumnChunk<W> at(j, N, OC);
+    float acc[W] = {};
+    ZERO3D_UNROLL(4)
+    for (Index i = at.i0; i < at.i1; ++i) {
+      float x[W];
+      load_floats(x, dout + i * OC + at.o0);
+      for (int k = 0; k < W; ++k) acc[k] += x[k];
+    }
+    store_floats(partial + at.at, acc);
+  });
+}
 ZERO3D_KERNEL void accumulate_column_sums(float* dbias, const float* dout, Index N, Index OC) {
   const Index chunks = column_chunks(N);
   float* partial = kernel_scratch<float>(chunks * OC);
-  Kokkos::parallel_for("column_sums", range(chunks * OC), KOKKOS_LAMBDA(Index j) {
-    const Index o = j % OC, i0 = j / OC * kColumnChunkRows, i1 = i0 + kColumnChunkRows < N ? i0 + kColumnChunkRows : N;
-    float acc = 0.0f;
-    for (Index i = i0; i < i1; ++i) acc += dout[i * OC + o];
-    partial[j] = acc;
-  });
+  if (vectorizable(OC, dout, partial)) accumulate_column_sums(Width<kVec>{}, partial, dout, N, OC);
+  else accumulate_column_sums(Width<1>{}, partial, dout, N, OC);
   add_chunk_sums(dbias, partial, chunks, OC);
 }
 

@@ -16,54 +16,110 @@ namespace zero3d::kernels {
 
 namespace gpu {
 
-// A row to a warp (common.hpp row_teams), as layernorm_forward: one lane-strided sum of squares
-// added in the vector reduction's tree, then every lane writes its columns.
+// A row to a warp (common.hpp row_teams), as layernorm_forward, W columns at a time (kVec where
+// the row's pointers allow, device_forms.hpp): one lane-strided sum of squares added in the
+// vector reduction's tree, then every lane writes its columns.
+template <int W, typename P, typename O>
+KOKKOS_INLINE_FUNCTION void rmsnorm_forward_row(const RowTeam& team, O* o, float* rstd, const float* x, const P* weight,
+                                                Index C, float eps) {
+  const Index n = C / W;
+  float ss = 0.0f;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, n),
+      [&](Index j, float& sum) {
+        float v[W];
+        load_floats(v, x + j * W);
+        for (int k = 0; k < W; ++k) sum += v[k] * v[k];
+      },
+      ss);
+  const float s = 1.0f / std::sqrt(ss / static_cast<float>(C) + eps);
+  Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, n), [&](Index j) {
+    float v[W], w[W];
+    load_floats(v, x + j * W);
+    load_floats(w, weight + j * W);
+    for (int k = 0; k < W; ++k) v[k] = v[k] * s * w[k];
+    store_floats(o + j * W, v);
+  });
+  Kokkos::single(Kokkos::PerThread(team), [&] { *rstd = s; });
+}
+
 template <typename P, typename O = float>
 ZERO3D_KERNEL void rmsnorm_forward(O* out, float* rstd, const float* inp, const P* weight, Index N, Index C, float eps) {
+  const bool vec = vectorizable(C, out, inp, weight);
   Kokkos::parallel_for("rmsnorm_forward", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
     if (i >= N) return;
-    const float* x = inp + i * C;
-    float ss = 0.0f;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, C), [&](Index c, float& sum) { sum += x[c] * x[c]; }, ss);
-    const float s = 1.0f / std::sqrt(ss / static_cast<float>(C) + eps);
-    O* o = out + i * C;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, C),
-                         [&](Index c) { o[c] = from_float<O>(x[c] * s * to_float(weight[c])); });
-    Kokkos::single(Kokkos::PerThread(team), [&] { rstd[i] = s; });
+    if (vec) rmsnorm_forward_row<kVec>(team, out + i * C, rstd + i, inp + i * C, weight, C, eps);
+    else rmsnorm_forward_row<1>(team, out + i * C, rstd + i, inp + i * C, weight, C, eps);
   });
 }
 
-// The input part a row to a warp (one lane-strided reduction, then the row's writes); the
-// weight part as a column sum in two stages (device_forms.hpp), as layernorm_backward.
+// The input part of a row, W columns at a time: one lane-strided reduction, then the row's writes.
+template <int W, typename P>
+KOKKOS_INLINE_FUNCTION void rmsnorm_backward_row(const RowTeam& team, float* dx, const float* dy, const float* x,
+                                                 const P* weight, float s, Index C) {
+  const Index n = C / W;
+  float dnorm_norm_mean = 0.0f;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, n),
+      [&](Index j, float& sum) {
+        float w[W], g[W], v[W];
+        load_floats(w, weight + j * W);
+        load_floats(g, dy + j * W);
+        load_floats(v, x + j * W);
+        for (int k = 0; k < W; ++k) sum += w[k] * g[k] * v[k] * s;
+      },
+      dnorm_norm_mean);
+  dnorm_norm_mean /= static_cast<float>(C);
+  Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, n), [&](Index j) {
+    float w[W], g[W], v[W], d[W];
+    load_floats(w, weight + j * W);
+    load_floats(g, dy + j * W);
+    load_floats(v, x + j * W);
+    load_floats(d, dx + j * W);
+    for (int k = 0; k < W; ++k) d[k] += (w[k] * g[k] - v[k] * s * dnorm_norm_mean) * s;
+    store_floats(dx + j * W, d);
+  });
+}
+
+// The weight part's stage 1, W columns a thread.
+template <int W>
+ZERO3D_KERNEL void rmsnorm_backward_params(Width<W>, float* partial, const float* dout, const float* inp,
+                                    const float* rstd, Index N, Index C) {
+  Kokkos::parallel_for("rmsnorm_backward_params", range(column_chunk_threads<W>(N, C)), KOKKOS_LAMBDA(Index j) {
+    const ColumnChunk<W> at(j, N, C);
+    float dw[W] = {};
+    ZERO3D_UNROLL(4)
+    for (Index i = at.i0; i < at.i1; ++i) {
+      float g[W], v[W];
+      load_floats(g, dout + i * C + at.o0);
+      load_floats(v, inp + i * C + at.o0);
+      const float s = rstd[i];
+      for (int k = 0; k < W; ++k) dw[k] += g[k] * v[k] * s;
+    }
+    store_floats(partial + at.at, dw);
+  });
+}
+
+// The input part a row to a warp; the weight part as a column sum in two stages
+// (device_forms.hpp), as layernorm_backward.
 template <typename P>
 ZERO3D_KERNEL void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const P* weight,
                              const float* rstd, Index N, Index C) {
-  if (dinp) Kokkos::parallel_for("rmsnorm_backward_input", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
-    const Index i = team_row(team);
-    if (i >= N) return;
-    const float* x = inp + i * C;
-    const float* dy = dout + i * C;
-    const float s = rstd[i];
-    float dnorm_norm_mean = 0.0f;
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(team, C),
-        [&](Index c, float& sum) { sum += to_float(weight[c]) * dy[c] * x[c] * s; }, dnorm_norm_mean);
-    dnorm_norm_mean /= static_cast<float>(C);
-    float* dx = dinp + i * C;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, C), [&](Index c) {
-      dx[c] += (to_float(weight[c]) * dy[c] - x[c] * s * dnorm_norm_mean) * s;
+  if (dinp) {
+    const bool vec = vectorizable(C, dinp, dout, inp, weight);
+    Kokkos::parallel_for("rmsnorm_backward_input", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
+      const Index i = team_row(team);
+      if (i >= N) return;
+      if (vec) rmsnorm_backward_row<kVec>(team, dinp + i * C, dout + i * C, inp + i * C, weight, rstd[i], C);
+      else rmsnorm_backward_row<1>(team, dinp + i * C, dout + i * C, inp + i * C, weight, rstd[i], C);
     });
-  });
+  }
   if (!dweight) return;
   const Index chunks = column_chunks(N);
   float* partial = kernel_scratch<float>(chunks * C);
-  Kokkos::parallel_for("rmsnorm_backward_params", range(chunks * C), KOKKOS_LAMBDA(Index j) {
-    const Index c = j % C, i0 = j / C * kColumnChunkRows, i1 = i0 + kColumnChunkRows < N ? i0 + kColumnChunkRows : N;
-    float dw = 0.0f;
-    for (Index i = i0; i < i1; ++i) dw += dout[i * C + c] * inp[i * C + c] * rstd[i];
-    partial[j] = dw;
-  });
+  if (vectorizable(C, dout, inp, partial)) rmsnorm_backward_params(Width<kVec>{}, partial, dout, inp, rstd, N, C);
+  else rmsnorm_backward_params(Width<1>{}, partial, dout, inp, rstd, N, C);
   add_chunk_sums(dweight, partial, chunks, C);
 }
 

@@ -34,16 +34,109 @@ inline __m512 swiglu_sigmoid_x16(__m512 g) {
 }
 #endif
 
+namespace gpu {
+
+// kVec elements of a row a thread where I, ld and the pointers allow whole vectors
+// (device_forms.hpp), one element a thread otherwise; each element's arithmetic is the portable
+// form's.
+template <typename O, typename In>
+ZERO3D_KERNEL void swiglu_forward(O* out, const In* gate, const In* up, Index N, Index I, Index ld) {
+  if (vectorizable(I, out) && vectorizable(ld, gate, up)) {
+    Kokkos::parallel_for("swiglu_forward", range(N * I / kVec), KOKKOS_LAMBDA(Index p) {
+      const Index j = p * kVec, i = j / I, c0 = j - i * I;
+      float g[kVec], u[kVec];
+      load_floats(g, gate + i * ld + c0);
+      load_floats(u, up + i * ld + c0);
+      for (int k = 0; k < kVec; ++k) g[k] = g[k] * swiglu_sigmoid(g[k]) * u[k];
+      store_floats(out + j, g);
+    });
+  } else {
+    Kokkos::parallel_for("swiglu_forward", range(N * I), KOKKOS_LAMBDA(Index j) {
+      const Index i = j / I, c = j % I;
+      const float g = to_float(gate[i * ld + c]);
+      out[j] = from_float<O>(g * swiglu_sigmoid(g) * to_float(up[i * ld + c]));
+    });
+  }
+}
+
+// Without biases: element-wise, W elements of a row a thread.
+template <int W>
+ZERO3D_KERNEL void swiglu_backward_rounded(Width<W>, bf16* d, const float* dout, const bf16* gate_up, Index N,
+                                           Index I) {
+  const Index ld = 2 * I;
+  Kokkos::parallel_for("swiglu_backward", range(N * I / W), KOKKOS_LAMBDA(Index p) {
+    const Index j = p * W, i = j / I, c0 = j - i * I;
+    float g[W], u[W], dy[W];
+    load_floats(g, gate_up + i * ld + c0);
+    load_floats(u, gate_up + i * ld + I + c0);
+    load_floats(dy, dout + j);
+    for (int k = 0; k < W; ++k) swiglu_grad(g[k], u[k], dy[k], g[k], u[k]);
+    store_floats(d + i * ld + c0, g);
+    store_floats(d + i * ld + I + c0, u);
+  });
+}
+
+// Stage 1 of a two-stage column sum (device_forms.hpp) does the element-wise work of the
+// elements it sums, as gelu_backward_summing_columns': a thread per (chunk of rows, W columns c)
+// writes its chunk's dgate and dup of columns c and adds their unrounded values in row order.
+template <int W>
+ZERO3D_KERNEL void swiglu_backward_summing_columns(Width<W>, bf16* d, float* partial, const float* dout,
+                                                   const bf16* gate_up, Index N, Index I) {
+  const Index ld = 2 * I;
+  Kokkos::parallel_for("swiglu_backward", range(column_chunk_threads<W>(N, I)), KOKKOS_LAMBDA(Index j) {
+    const ColumnChunk<W> at(j, N, I);
+    float sum_g[W] = {}, sum_u[W] = {};
+    ZERO3D_UNROLL(4)
+    for (Index i = at.i0; i < at.i1; ++i) {
+      float g[W], u[W], dy[W];
+      load_floats(g, gate_up + i * ld + at.o0);
+      load_floats(u, gate_up + i * ld + I + at.o0);
+      load_floats(dy, dout + i * I + at.o0);
+      for (int k = 0; k < W; ++k) {
+        swiglu_grad(g[k], u[k], dy[k], g[k], u[k]);
+        sum_g[k] += g[k];
+        sum_u[k] += u[k];
+      }
+      store_floats(d + i * ld + at.o0, g);
+      store_floats(d + i * ld + I + at.o0, u);
+    }
+    float* row = partial + at.i0 / kColumnChunkRows * ld + at.o0;  // the chunk's row of [gate | up] sums
+    store_floats(row, sum_g);
+    store_floats(row + I, sum_u);
+  });
+}
+
+ZERO3D_KERNEL void swiglu_backward_summing_columns(bf16* d, float* column_sums, const float* dout, const bf16* gate_up,
+                                                   Index N, Index I) {
+  const bool vec = vectorizable(I, d, dout, gate_up);  // I a multiple of kVec: so are 2I and I's offset
+  if (!column_sums) {
+    if (vec) swiglu_backward_rounded(Width<kVec>{}, d, dout, gate_up, N, I);
+    else swiglu_backward_rounded(Width<1>{}, d, dout, gate_up, N, I);
+    return;
+  }
+  const Index chunks = column_chunks(N);
+  float* partial = kernel_scratch<float>(chunks * 2 * I);
+  if (vec && aligned16(partial)) swiglu_backward_summing_columns(Width<kVec>{}, d, partial, dout, gate_up, N, I);
+  else swiglu_backward_summing_columns(Width<1>{}, d, partial, dout, gate_up, N, I);
+  add_chunk_sums(column_sums, partial, chunks, 2 * I);
+}
+
+}  // namespace gpu
+
 // O: the output's type (bf16 when the output only feeds the bf16 down product); I: the inputs'
-// (bf16 when the gate/up product wrote bf16, as PyTorch's autocast does). One element a thread,
-// on every build: no sum, so no order to choose.
+// (bf16 when the gate/up product wrote bf16, as PyTorch's autocast does). Element-wise: no sum,
+// so no order to choose.
 template <typename O = float, typename In = float>
 ZERO3D_KERNEL void swiglu_forward(O* out, const In* gate, const In* up, Index N, Index I, Index ld) {
+#ifdef ZERO3D_DEVICE
+  gpu::swiglu_forward(out, gate, up, N, I, ld);
+#else
   Kokkos::parallel_for("swiglu_forward", range(N * I), KOKKOS_LAMBDA(Index j) {
     const Index i = j / I, c = j % I;
     const float g = to_float(gate[i * ld + c]);
     out[j] = from_float<O>(g * swiglu_sigmoid(g) * to_float(up[i * ld + c]));
   });
+#endif
 }
 
 #ifdef ZERO3D_AVX512
@@ -80,44 +173,7 @@ ZERO3D_KERNEL void swiglu_backward(float* dgate, float* dup, const float* dout, 
   });
 }
 
-namespace gpu {
 
-// Stage 1 of a two-stage column sum (device_forms.hpp) does the element-wise work of the
-// elements it sums, as gelu_backward_summing_columns': a thread per (chunk of rows, column c)
-// writes its chunk's dgate and dup of column c and adds their unrounded values in row order.
-ZERO3D_KERNEL void swiglu_backward_summing_columns(bf16* d, float* column_sums, const float* dout, const bf16* gate_up,
-                                                   Index N, Index I) {
-  const Index ld = 2 * I;
-  if (!column_sums) {  // no biases: element-wise, a thread per element
-    Kokkos::parallel_for("swiglu_backward", range(N * I), KOKKOS_LAMBDA(Index j) {
-      const Index i = j / I, c = j % I;
-      float dg, du;
-      swiglu_grad(to_float(gate_up[i * ld + c]), to_float(gate_up[i * ld + I + c]), dout[j], dg, du);
-      d[i * ld + c] = to_bf16(dg);
-      d[i * ld + I + c] = to_bf16(du);
-    });
-    return;
-  }
-  const Index chunks = column_chunks(N);
-  float* partial = kernel_scratch<float>(chunks * ld);
-  Kokkos::parallel_for("swiglu_backward", range(chunks * I), KOKKOS_LAMBDA(Index j) {
-    const Index k = j / I, c = j % I, i0 = k * kColumnChunkRows, i1 = i0 + kColumnChunkRows < N ? i0 + kColumnChunkRows : N;
-    float sum_g = 0.0f, sum_u = 0.0f;
-    for (Index i = i0; i < i1; ++i) {
-      float dg, du;
-      swiglu_grad(to_float(gate_up[i * ld + c]), to_float(gate_up[i * ld + I + c]), dout[i * I + c], dg, du);
-      sum_g += dg;
-      sum_u += du;
-      d[i * ld + c] = to_bf16(dg);
-      d[i * ld + I + c] = to_bf16(du);
-    }
-    partial[k * ld + c] = sum_g;
-    partial[k * ld + I + c] = sum_u;
-  });
-  add_chunk_sums(column_sums, partial, chunks, ld);
-}
-
-}  // namespace gpu
 
 // The backward of the bf16 MLP, whose gradient's readers are gate_up_proj's two bf16 products
 // and its biases' gradient (mlp_bias): d = bf16([dgate | dup]) [N, 2I] from the fused bf16

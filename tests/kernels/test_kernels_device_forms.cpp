@@ -388,3 +388,70 @@ TEST(KernelDeviceForms, SumOfSquaresMatchesTheCpuForm) {
   Buffer<float> nan_buffer(with_nan);
   EXPECT_TRUE(std::isnan(gpu::sum_of_squares(nan_buffer.data(), n)));
 }
+
+// The element-wise GELU: whole vectors of kVec where the pointers are 16-byte aligned, one element
+// at a time in the tail and wherever a pointer is not (here one element past an aligned buffer).
+TEST(KernelDeviceForms, GeluMatchesTheCpuFormByVectorsAndByElements) {
+  for (const Index n : {Index{37}, Index{5 * 3072 + 3}}) {
+    for (const Index offset : {Index{0}, Index{1}}) {
+      const std::string at = " [n " + std::to_string(n) + ", offset " + std::to_string(offset) + "]";
+      const auto x = random_vector(n + 1, 32, 1.5f), dy = random_vector(n + 1, 33);
+      Buffer<float> x32(x), dout(dy);
+      Buffer<bf16> x16(rounded(x));
+      auto forward32 = [&](bool device) {
+        Buffer<float> out(n + 1);
+        if (device) gpu::gelu_forward(out.data() + offset, x32.data() + offset, n);
+        else gelu_forward(out.data() + offset, x32.data() + offset, n);
+        return out.host();
+      };
+      // each element's arithmetic is the portable form's: the same bits
+      expect_same_bits("gelu_forward fp32" + at, forward32(true), forward32(false));
+      auto forward16 = [&](bool device) {
+        Buffer<bf16> out(n + 1);
+        if (device) gpu::gelu_forward(out.data() + offset, x16.data() + offset, n);
+        else gelu_forward(out.data() + offset, x16.data() + offset, n);
+        return out.host();
+      };
+      // the CPU form's AVX-512 lanes take σ(2u) through a 2^x polynomial: a bf16 rounding may flip
+      expect_close("gelu_forward bf16" + at, forward16(true), forward16(false), 1e-6, 1.0 / 128);
+      auto backward = [&](bool device, auto* inp) {
+        Buffer<float> dx(n + 1);
+        if (device) gpu::gelu_backward(dx.data() + offset, inp + offset, dout.data() + offset, n);
+        else gelu_backward(dx.data() + offset, inp + offset, dout.data() + offset, n);
+        return dx.host();
+      };
+      expect_same_bits("gelu_backward fp32" + at, backward(true, x32.data()), backward(false, x32.data()));
+      expect_same_bits("gelu_backward bf16 input" + at, backward(true, x16.data()), backward(false, x16.data()));
+    }
+  }
+}
+
+// convert's device form: whole vectors where both pointers are 16-byte aligned, one element at a
+// time in the tail and where one is not; each element's arithmetic is the portable form's.
+TEST(KernelDeviceForms, ConvertMatchesTheCpuFormByVectorsAndByElements) {
+  for (const Index n : {Index{37}, Index{4 * 768 + 5}}) {
+    for (const Index offset : {Index{0}, Index{1}}) {
+      const std::string at = " [n " + std::to_string(n) + ", offset " + std::to_string(offset) + "]";
+      const auto x = random_vector(n + 1, 34, 3.0f), y = random_vector(n + 1, 35);
+      Buffer<float> x32(x);
+      Buffer<bf16> x16(rounded(x));
+      auto to16 = [&](bool device, float scale, bool accumulate) {
+        Buffer<bf16> out(rounded(y));
+        if (device) gpu::convert(out.data() + offset, x32.data() + offset, n, scale, accumulate);
+        else convert(out.data() + offset, x32.data() + offset, n, scale, accumulate);
+        return out.host();
+      };
+      auto to32 = [&](bool device, float scale, bool accumulate) {
+        Buffer<float> out(y);
+        if (device) gpu::convert(out.data() + offset, x16.data() + offset, n, scale, accumulate);
+        else convert(out.data() + offset, x16.data() + offset, n, scale, accumulate);
+        return out.host();
+      };
+      for (const auto& [scale, accumulate] : {std::pair<float, bool>{1.0f, false}, {0.25f, false}, {0.5f, true}}) {
+        const std::string how = " (scale " + std::to_string(scale) + (accumulate ? ", accumulating)" : ")");
+        expect_same_bits("fp32 to bf16" + at + how, to16(true, scale, accumulate), to16(false, scale, accumulate));
+        expect_same_bits("bf16 to fp32" + at + how, to32(true, scale, accumulate), to32(false, scale, accumulate));
+      }
+    }
+  }
+}

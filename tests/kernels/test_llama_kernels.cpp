@@ -332,6 +332,35 @@ TEST(LlamaSwiGlu, Bf16BackwardDeviceFormMatchesCpuForm) {
   }
 }
 
+// The device form's forward (namespace gpu): whole vectors where I, ld and the pointers allow
+// (I 256, two buffers and the fused [gate | up]), one element a thread otherwise (I 37).
+TEST(LlamaSwiGlu, ForwardDeviceFormMatchesCpuForm) {
+  for (const auto& [N, I] : {std::pair<Index, Index>{5, 37}, {6, 256}}) {
+    for (const Index ld : {I, 2 * I}) {
+      const std::string at = " [" + std::to_string(N) + " x " + std::to_string(I) + ", ld " + std::to_string(ld) + "]";
+      const auto x = random_vector(N * 2 * I, 47, 2.0f);
+      const Index up = ld == I ? N * I : I;  // where up starts: the second buffer, or gate's right half
+      Buffer<float> in32(x);
+      Buffer<bf16> in16(rounded(x));
+      auto run32 = [&](bool device) {
+        Buffer<float> out(N * I);
+        if (device) gpu::swiglu_forward(out.data(), in32.data(), in32.data() + up, N, I, ld);
+        else swiglu_forward(out.data(), in32.data(), in32.data() + up, N, I, ld);
+        return out.host();
+      };
+      expect_same_bits("fp32" + at, run32(true), run32(false));  // the same arithmetic per element
+      auto run16 = [&](bool device) {
+        Buffer<bf16> out(N * I);
+        if (device) gpu::swiglu_forward(out.data(), in16.data(), in16.data() + up, N, I, ld);
+        else swiglu_forward(out.data(), in16.data(), in16.data() + up, N, I, ld);
+        return out.host();
+      };
+      // the CPU form's AVX-512 lanes take σ through a 2^x polynomial: a bf16 rounding may flip
+      expect_close("bf16" + at, run16(true), run16(false), 1e-6, 1.0 / 128);
+    }
+  }
+}
+
 // ---- RoPE --------------------------------------------------------------------------------------
 
 // /rope/<case>/params in make_llama_kernels_golden.py's ROPE_PARAMS order.
