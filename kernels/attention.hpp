@@ -22,9 +22,11 @@
 #include "base/profiler.hpp"
 #include "kernels/attention_bf16.hpp"
 #include "kernels/common.hpp"
+#include "kernels/device_forms.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/fastmath.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/half.hpp"
 #include "kernels/memory.hpp"
 
 namespace zero3d::kernels {
@@ -97,60 +99,138 @@ namespace gpu {
 inline DeviceScratch& head_scratch() { return static_scratch<1>("attention_heads"); }
 inline DeviceScratch& score_scratch() { return static_scratch<2>("attention_dscores"); }
 
-// part (0 q, 1 k, 2 v) of qkv[B,T,3C] -> dst[B·H][T][hs]; one thread per element.
-ZERO3D_KERNEL void split_heads(float* dst, const float* qkv, int part, Index B, Index T, Index C, Index H) {
+// dst[B·H][T][hs] <- the heads of src[B,T,·] (row stride ld) from channel c0, or back (Merge): a
+// thread per W channels of a head's row (kVec where hs, ld and the pointers allow whole vectors,
+// device_forms.hpp; a thread per element kept too little in flight).
+enum class HeadCopy { Split, Merge };
+template <HeadCopy Way, int W, typename Heads, typename Rows>
+ZERO3D_KERNEL void copy_heads(Width<W>, Heads* heads, Rows* rows, Index ld, Index c0, Index B, Index T, Index C,
+                              Index H, const char* label) {
   const Index hs = C / H;
-  Kokkos::parallel_for("attention_split_heads", range(B * T * C), KOKKOS_LAMBDA(Index e) {
-    const Index x = e % hs, t = (e / hs) % T, bh = e / (hs * T), b = bh / H, h = bh % H;
-    dst[e] = qkv[(b * T + t) * 3 * C + part * C + h * hs + x];
+  Kokkos::parallel_for(label, range(B * T * C / W), KOKKOS_LAMBDA(Index p) {
+    const Index e = p * W, x = e % hs, t = (e / hs) % T, bh = e / (hs * T), b = bh / H, h = bh % H;
+    float v[W];
+    Heads* head = heads + e;  // (nvcc: a lambda may not first capture inside a constexpr if)
+    Rows* row = rows + (b * T + t) * ld + c0 + h * hs + x;
+    if constexpr (Way == HeadCopy::Split) {
+      load_floats(v, row);
+      store_floats(head, v);
+    } else {
+      load_floats(v, head);
+      store_floats(row, v);
+    }
   });
 }
+template <HeadCopy Way, typename Heads, typename Rows>
+ZERO3D_KERNEL void copy_heads(Heads* heads, Rows* rows, Index ld, Index c0, Index B, Index T, Index C, Index H,
+                              const char* label) {
+  if ((C / H) % kVec == 0 && vectorizable(ld, heads, rows + c0))
+    copy_heads<Way>(Width<kVec>{}, heads, rows, ld, c0, B, T, C, H, label);
+  else
+    copy_heads<Way>(Width<1>{}, heads, rows, ld, c0, B, T, C, H, label);
+}
 
-// src[B·H][T][hs] -> dst[B,T,·] at channel offset c0 (row stride ld); one thread per element.
+// part (0 q, 1 k, 2 v) of qkv[B,T,3C] -> dst[B·H][T][hs].
+ZERO3D_KERNEL void split_heads(float* dst, const float* qkv, int part, Index B, Index T, Index C, Index H) {
+  copy_heads<HeadCopy::Split>(dst, qkv, 3 * C, part * C, B, T, C, H, "attention_split_heads");
+}
+
+// src[B·H][T][hs] -> dst[B,T,·] at channel offset c0 (row stride ld).
 ZERO3D_KERNEL void merge_heads(float* dst, Index ld, Index c0, const float* src, Index B, Index T, Index C, Index H) {
-  const Index hs = C / H;
-  Kokkos::parallel_for("attention_merge_heads", range(B * T * C), KOKKOS_LAMBDA(Index e) {
-    const Index x = e % hs, t = (e / hs) % T, bh = e / (hs * T), b = bh / H, h = bh % H;
-    dst[(b * T + t) * ld + c0 + h * hs + x] = src[e];
+  copy_heads<HeadCopy::Merge>(src, dst, ld, c0, B, T, C, H, "attention_merge_heads");
+}
+
+// One row of a head's scores, W keys a lane, over the keys [j0, i] it sees (the causal mask, and
+// a sliding window's start: attention_gqa.hpp): the max, the sum of exponentials, then P written
+// from exponentials computed again (the row is read three times, the later passes mostly from
+// cache, and written once), only the seen keys' vectors read, the others written as zeros.
+template <int W>
+KOKKOS_INLINE_FUNCTION void causal_softmax_row(const RowTeam& team, float* x, Index j0, Index i, Index T, float scale) {
+  const Index v0 = j0 / W, seen = (i + W) / W - v0;  // the vectors holding keys j0..i
+  float* xs = x + v0 * W;
+  const auto visible = [&](Index v, int k) { return v0 * W + v * W + k >= j0 && v0 * W + v * W + k <= i; };
+  float mx = 0.0f;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, seen),
+      [&](Index v, float& m) {
+        float e[W];
+        load_floats(e, xs + v * W);
+        for (int k = 0; k < W; ++k)
+          if (visible(v, k) && scale * e[k] > m) m = scale * e[k];
+      },
+      Kokkos::Max<float>(mx));
+  float sum = 0.0f;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, seen),
+      [&](Index v, float& acc) {
+        float e[W];
+        load_floats(e, xs + v * W);
+        for (int k = 0; k < W; ++k) acc += visible(v, k) ? fast_exp(scale * e[k] - mx) : 0.0f;
+      },
+      sum);
+  const float inv = 1.0f / sum;
+  Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, T / W), [&](Index u) {
+    const Index v = u - v0;
+    float e[W] = {};
+    if (v >= 0 && v < seen) {
+      load_floats(e, xs + v * W);
+      for (int k = 0; k < W; ++k) e[k] = visible(v, k) ? fast_exp(scale * e[k] - mx) * inv : 0.0f;
+    }
+    store_floats(x + u * W, e);
   });
 }
 
 // s[B·H·T][T] <- softmax over keys j <= i of scale·s (row i of each head), zero above the diagonal.
 ZERO3D_KERNEL void causal_softmax(float* s, Index BH, Index T, float scale) {
   const Index rows = BH * T;
+  const bool vec = vectorizable(T, s);
   Kokkos::parallel_for("attention_causal_softmax", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
     if (row >= rows) return;
-    const Index i = row % T;
-    float* x = s + row * T;
-    float mx = 0.0f;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, i + 1),
-                            [&](Index j, float& m) { m = scale * x[j] > m ? scale * x[j] : m; }, Kokkos::Max<float>(mx));
-    float sum = 0.0f;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, i + 1), [&](Index j, float& acc) {
-      const float e = fast_exp(scale * x[j] - mx);
-      x[j] = e;
-      acc += e;
-    }, sum);
-    const float inv = 1.0f / sum;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, T), [&](Index j) { x[j] = j <= i ? x[j] * inv : 0.0f; });
+    if (vec) causal_softmax_row<kVec>(team, s + row * T, 0, row % T, T, scale);
+    else causal_softmax_row<1>(team, s + row * T, 0, row % T, T, scale);
+  });
+}
+
+// One row of dS, W keys a lane, over the keys [j0, i] it sees: the dot there, then dS there and
+// zeros elsewhere.
+template <int W>
+KOKKOS_INLINE_FUNCTION void causal_softmax_backward_row(const RowTeam& team, float* d, const float* pr, Index j0, Index i,
+                                                        Index T, float scale) {
+  const Index v0 = j0 / W, seen = (i + W) / W - v0;
+  const auto visible = [&](Index v, int k) { return v0 * W + v * W + k >= j0 && v0 * W + v * W + k <= i; };
+  float dot = 0.0f;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, seen),
+      [&](Index v, float& acc) {
+        float pv[W], g[W];
+        load_floats(pv, pr + (v0 + v) * W);
+        load_floats(g, d + (v0 + v) * W);
+        for (int k = 0; k < W; ++k) acc += visible(v, k) ? pv[k] * g[k] : 0.0f;
+      },
+      dot);
+  Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, T / W), [&](Index u) {
+    const Index v = u - v0;
+    float g[W] = {};
+    if (v >= 0 && v < seen) {
+      float pv[W];
+      load_floats(pv, pr + u * W);
+      load_floats(g, d + u * W);
+      for (int k = 0; k < W; ++k) g[k] = visible(v, k) ? scale * pv[k] * (g[k] - dot) : 0.0f;
+    }
+    store_floats(d + u * W, g);
   });
 }
 
 // ds[B·H·T][T] <- scale · P ∘ (dP − Σ_j P·dP) (ds holds dP on entry), zero above the diagonal.
 ZERO3D_KERNEL void causal_softmax_backward(float* ds, const float* p, Index BH, Index T, float scale) {
   const Index rows = BH * T;
+  const bool vec = vectorizable(T, ds, p);
   Kokkos::parallel_for("attention_softmax_backward", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
     if (row >= rows) return;
-    const Index i = row % T;
-    const float* pr = p + row * T;
-    float* d = ds + row * T;
-    float dot = 0.0f;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, i + 1), [&](Index j, float& acc) { acc += pr[j] * d[j]; },
-                            dot);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, T),
-                         [&](Index j) { d[j] = j <= i ? scale * pr[j] * (d[j] - dot) : 0.0f; });
+    if (vec) causal_softmax_backward_row<kVec>(team, ds + row * T, p + row * T, 0, row % T, T, scale);
+    else causal_softmax_backward_row<1>(team, ds + row * T, p + row * T, 0, row % T, T, scale);
   });
 }
 
@@ -183,10 +263,7 @@ ZERO3D_KERNEL void attention_backward_fp32(float* dqkv, const float* dout, const
   split_heads(q, qkv, 0, B, T, C, H);
   split_heads(k, qkv, 1, B, T, C, H);
   split_heads(v, qkv, 2, B, T, C, H);
-  Kokkos::parallel_for("attention_split_dout", range(n), KOKKOS_LAMBDA(Index e) {
-    const Index x = e % hs, t = (e / hs) % T, bh = e / (hs * T), b = bh / H, h = bh % H;
-    dy[e] = dout[(b * T + t) * C + h * hs + x];
-  });
+  copy_heads<HeadCopy::Split>(dy, dout, C, 0, B, T, C, H, "attention_split_dout");
   const float* pk = att;  // dV = (P ∘ M)ᵀ·dY (under dropout the kept probabilities in ds), then dP = (dY·Vᵀ) ∘ M
   if (dropout.on()) {
     dropout_probabilities(ds, att, dropout, B, H, T);

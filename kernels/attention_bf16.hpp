@@ -35,6 +35,7 @@
 #ifdef ZERO3D_DEVICE
 #include "kernels/cuda/attention_flash_bf16.hpp"
 #endif
+#include "kernels/device_forms.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/fastmath.hpp"
 #include "kernels/gemm.hpp"
@@ -86,21 +87,63 @@ inline AttentionWorkspace& attention_workspace() {
   return *w;
 }
 
+namespace gpu {
+
+// The pack's device form: a thread per W elements of a row of a head (W = kVec where hs, ld and
+// the pointers allow whole vectors, device_forms.hpp; a block per thread, as the CPU form takes,
+// leaves a GPU with a few hundred busy threads).
+template <int W, typename S>
+ZERO3D_KERNEL void attention_pack(Width<W>, bf16* dst, const S* src, Index ld, Index g0, Index G, Index T, Index H,
+                                  Index hs, const AttentionTiles& t) {
+  const Index TB = t.TB;
+  Kokkos::parallel_for("attention_pack", range(t.n * G * TB * hs / W), KOKKOS_LAMBDA(Index p) {
+    const Index e = p * W, x = e % hs, r = (e / hs) % TB, blk = e / (hs * TB);
+    const Index bh = g0 + blk % G, i = blk / G, b = bh / H, h = bh % H, row = i * TB + r;
+    float v[W] = {};
+    if (row < T) load_floats(v, src + (b * T + row) * ld + h * hs + x);
+    store_floats(dst + e, v);
+  });
+}
+template <typename S>
+ZERO3D_KERNEL void attention_pack(bf16* dst, const S* src, Index ld, Index g0, Index G, Index T, Index H, Index hs,
+                                  const AttentionTiles& t) {
+  if (hs % kVec == 0 && vectorizable(ld, dst, src)) attention_pack(Width<kVec>{}, dst, src, ld, g0, G, T, H, hs, t);
+  else attention_pack(Width<1>{}, dst, src, ld, g0, G, T, H, hs, t);
+}
+
+// The unpack's device form, as the pack's.
+template <int W, typename O>
+ZERO3D_KERNEL void attention_unpack(Width<W>, O* dst, Index ld, const float* src, Index g0, Index G, Index T, Index H,
+                                    Index hs, const AttentionTiles& t) {
+  const Index TB = t.TB;
+  Kokkos::parallel_for("attention_unpack", range(t.n * G * TB * hs / W), KOKKOS_LAMBDA(Index p) {
+    const Index e = p * W, x = e % hs, r = (e / hs) % TB, blk = e / (hs * TB);
+    const Index bh = g0 + blk % G, i = blk / G, b = bh / H, h = bh % H, row = i * TB + r;
+    if (row >= T) return;
+    float v[W];
+    load_floats(v, src + e);
+    store_floats(dst + (b * T + row) * ld + h * hs + x, v);
+  });
+}
+template <typename O>
+ZERO3D_KERNEL void attention_unpack(O* dst, Index ld, const float* src, Index g0, Index G, Index T, Index H, Index hs,
+                                    const AttentionTiles& t) {
+  if (hs % kVec == 0 && vectorizable(ld, dst, src)) attention_unpack(Width<kVec>{}, dst, ld, src, g0, G, T, H, hs, t);
+  else attention_unpack(Width<1>{}, dst, ld, src, g0, G, T, H, hs, t);
+}
+
+}  // namespace gpu
+
 // One part (q, k or v) of qkv[B,T,3C] — or any [B,T,·] array with row stride ld and head h at
 // channels h·hs — for the G heads g0.. (of the B·H (batch, head) pairs) into tiles
 // [n][G][TB][hs] of bf16; rows past T are zero. One iteration per (tile, head) block.
 template <typename S>
 ZERO3D_KERNEL void attention_pack(bf16* dst, const S* src, Index ld, Index g0, Index G, Index T, Index H, Index hs,
                            const AttentionTiles& t) {
-  const Index TB = t.TB;
 #ifdef ZERO3D_DEVICE
-  // A thread per element: a block per thread leaves a GPU with a few hundred busy threads.
-  Kokkos::parallel_for("attention_pack", range(t.n * G * TB * hs), KOKKOS_LAMBDA(Index e) {
-    const Index x = e % hs, r = (e / hs) % TB, blk = e / (hs * TB);
-    const Index bh = g0 + blk % G, i = blk / G, b = bh / H, h = bh % H, row = i * TB + r;
-    dst[e] = row < T ? to_bf16(to_float(src[(b * T + row) * ld + h * hs + x])) : bf16{0};
-  });
+  gpu::attention_pack(dst, src, ld, g0, G, T, H, hs, t);
 #else
+  const Index TB = t.TB;
   Kokkos::parallel_for("attention_pack", range(t.n * G), KOKKOS_LAMBDA(Index blk) {
     const Index bh = g0 + blk % G, i = blk / G, b = bh / H, h = bh % H;
     const Index rows = T - i * TB < TB ? T - i * TB : TB;
@@ -119,14 +162,10 @@ ZERO3D_KERNEL void attention_pack(bf16* dst, const S* src, Index ld, Index g0, I
 template <typename O>
 ZERO3D_KERNEL void attention_unpack(O* dst, Index ld, const float* src, Index g0, Index G, Index T, Index H, Index hs,
                              const AttentionTiles& t) {
-  const Index TB = t.TB;
 #ifdef ZERO3D_DEVICE
-  Kokkos::parallel_for("attention_unpack", range(t.n * G * TB * hs), KOKKOS_LAMBDA(Index e) {  // as the pack
-    const Index x = e % hs, r = (e / hs) % TB, blk = e / (hs * TB);
-    const Index bh = g0 + blk % G, i = blk / G, b = bh / H, h = bh % H, row = i * TB + r;
-    if (row < T) dst[(b * T + row) * ld + h * hs + x] = from_float<O>(src[e]);
-  });
+  gpu::attention_unpack(dst, ld, src, g0, G, T, H, hs, t);
 #else
+  const Index TB = t.TB;
   Kokkos::parallel_for("attention_unpack", range(t.n * G), KOKKOS_LAMBDA(Index blk) {
     const Index bh = g0 + blk % G, i = blk / G, b = bh / H, h = bh % H;
     const Index rows = T - i * TB < TB ? T - i * TB : TB;
@@ -169,47 +208,143 @@ ZERO3D_KERNEL void attention_dropout_tiles(D* dst, Index dst_stride, const S* sr
 #endif
 }
 
-// Row-wise causal softmax of scale·S for row tile i of a head group: S holds the group's score
-// tiles [j][G][TB][TB] for j = 0..i (fp32, overwritten with exp), P_ij goes to p + j·p_stride
-// as bf16. Full-width loops with the diagonal tile's future keys masked: no ragged tails.
+namespace gpu {
+
+// The softmax's device form, a warp per row (row_teams), its lanes striding over the keys W at a
+// time (kVec where TB and the pointers allow whole vectors, device_forms.hpp). Three passes over
+// the row's scores: the max, the sum of exponentials, then P written from exponentials computed
+// again, so S is read (the later passes mostly from cache) and never written back; and only the
+// keys the row sees are read, its future keys written as zeros without a load. (The CPU forms
+// keep the exponentials in S: a GPU's loads and stores, not its arithmetic, set the time.)
+template <int W>
+KOKKOS_INLINE_FUNCTION void attention_softmax_row(const RowTeam& team, bf16* p, Index p_stride, const float* s, Index sg,
+                                                  Index i, Index TB, Index row, float scale) {
+  const Index bh = row / TB, r = row % TB, seg = bh * TB * TB + r * TB;
+  const auto seen = [&](Index j) { return j < i ? TB : r + 1; };  // the keys of tile j the row sees
+  float mx = -INFINITY;
+  for (Index j = 0; j <= i; ++j) {
+    const float* sr = s + j * sg + seg;
+    const Index last = seen(j);
+    float m = -INFINITY;
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, (last + W - 1) / W),
+        [&](Index v, float& x) {
+          float e[W];
+          load_floats(e, sr + v * W);
+          for (int k = 0; k < W; ++k)
+            if (v * W + k < last && e[k] > x) x = e[k];
+        },
+        Kokkos::Max<float>(m));
+    mx = m > mx ? m : mx;
+  }
+  const float shift = mx * scale;
+  float sum = 0.0f;
+  for (Index j = 0; j <= i; ++j) {
+    const float* sr = s + j * sg + seg;
+    const Index last = seen(j);
+    float part = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, (last + W - 1) / W),
+        [&](Index v, float& acc) {
+          float e[W];
+          load_floats(e, sr + v * W);
+          for (int k = 0; k < W; ++k) acc += v * W + k < last ? fast_exp(e[k] * scale - shift) : 0.0f;
+        },
+        part);
+    sum += part;
+  }
+  const float inv = 1.0f / sum;
+  for (Index j = 0; j <= i; ++j) {
+    const float* sr = s + j * sg + seg;
+    bf16* pr = p + j * p_stride + seg;
+    const Index last = seen(j);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, TB / W), [&](Index v) {
+      float e[W] = {};
+      if (v * W < last) {
+        load_floats(e, sr + v * W);
+        for (int k = 0; k < W; ++k) e[k] = v * W + k < last ? fast_exp(e[k] * scale - shift) * inv : 0.0f;
+      }
+      store_floats(pr + v * W, e);
+    });
+  }
+}
+
 ZERO3D_KERNEL void attention_softmax_rows(bf16* p, Index p_stride, float* s, Index i, Index G, Index TB, float scale) {
   const Index sg = G * TB * TB;
-#ifdef ZERO3D_DEVICE
-  // A warp per row (row_teams): its lanes stride over the keys, so loads are coalesced.
+  const bool vec = vectorizable(TB, p, s) && p_stride % kVec == 0;
   Kokkos::parallel_for("attention_softmax", row_teams(G * TB), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
     if (row >= G * TB) return;
-    const Index bh = row / TB, r = row % TB;
-    float mx = -INFINITY;
-    for (Index j = 0; j <= i; ++j) {
-      const float* sr = s + j * sg + bh * TB * TB + r * TB;
-      const Index last = j < i ? TB : r + 1;
-      float m = -INFINITY;
-      Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, last), [&](Index c, float& x) { x = sr[c] > x ? sr[c] : x; },
-                              Kokkos::Max<float>(m));
-      mx = m > mx ? m : mx;
-    }
-    const float shift = mx * scale;
-    float sum = 0.0f;
-    for (Index j = 0; j <= i; ++j) {
-      float* sr = s + j * sg + bh * TB * TB + r * TB;
-      const Index last = j < i ? TB : r + 1;
-      float part = 0.0f;
-      Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, TB), [&](Index c, float& acc) {
-        const float e = c < last ? fast_exp(sr[c] * scale - shift) : 0.0f;
-        sr[c] = e;
-        acc += e;
-      }, part);
-      sum += part;
-    }
-    const float inv = 1.0f / sum;
-    for (Index j = 0; j <= i; ++j) {
-      const float* sr = s + j * sg + bh * TB * TB + r * TB;
-      bf16* pr = p + j * p_stride + bh * TB * TB + r * TB;
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, TB), [&](Index c) { pr[c] = to_bf16(sr[c] * inv); });
-    }
+    if (vec) attention_softmax_row<kVec>(team, p, p_stride, s, sg, i, TB, row, scale);
+    else attention_softmax_row<1>(team, p, p_stride, s, sg, i, TB, row, scale);
   });
+}
+
+// The softmax backward's device form, as the forward's: the row's dot Σ P·dP over the keys it
+// sees (P is zero at the others), then dS over them and zeros, without a load, past them.
+template <int W>
+KOKKOS_INLINE_FUNCTION void attention_softmax_backward_row(const RowTeam& team, bf16* ds, const bf16* p, Index p_stride,
+                                                           const float* dp, Index sg, Index i, Index TB, Index row,
+                                                           float scale) {
+  const Index bh = row / TB, r = row % TB, seg = bh * TB * TB + r * TB;
+  float dot = 0.0f;
+  for (Index j = 0; j <= i; ++j) {
+    const bf16* pr = p + j * p_stride + seg;
+    const float* dpr = dp + j * sg + seg;
+    const Index last = j < i ? TB : r + 1;
+    float part = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(team, (last + W - 1) / W),
+        [&](Index v, float& acc) {
+          float pv[W], g[W];
+          load_floats(pv, pr + v * W);
+          load_floats(g, dpr + v * W);
+          for (int k = 0; k < W; ++k) acc += v * W + k < last ? pv[k] * g[k] : 0.0f;
+        },
+        part);
+    dot += part;
+  }
+  for (Index j = 0; j <= i; ++j) {
+    const bf16* pr = p + j * p_stride + seg;
+    const float* dpr = dp + j * sg + seg;
+    bf16* dsr = ds + j * sg + seg;
+    const Index last = j < i ? TB : r + 1;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, TB / W), [&](Index v) {
+      float d[W] = {};
+      if (v * W < last) {
+        float pv[W];
+        load_floats(pv, pr + v * W);
+        load_floats(d, dpr + v * W);
+        for (int k = 0; k < W; ++k) d[k] = v * W + k < last ? scale * pv[k] * (d[k] - dot) : 0.0f;
+      }
+      store_floats(dsr + v * W, d);
+    });
+  }
+}
+
+ZERO3D_KERNEL void attention_softmax_backward_rows(bf16* ds, const bf16* p, Index p_stride, const float* dp, Index i,
+                                                   Index G, Index TB, float scale) {
+  const Index sg = G * TB * TB;
+  const bool vec = vectorizable(TB, ds, p, dp) && p_stride % kVec == 0;
+  Kokkos::parallel_for("attention_softmax_backward", row_teams(G * TB), KOKKOS_LAMBDA(const RowTeam& team) {
+    const Index row = team_row(team);
+    if (row >= G * TB) return;
+    if (vec) attention_softmax_backward_row<kVec>(team, ds, p, p_stride, dp, sg, i, TB, row, scale);
+    else attention_softmax_backward_row<1>(team, ds, p, p_stride, dp, sg, i, TB, row, scale);
+  });
+}
+
+}  // namespace gpu
+
+// Row-wise causal softmax of scale·S for row tile i of a head group: S holds the group's score
+// tiles [j][G][TB][TB] for j = 0..i (fp32; the CPU forms overwrite it with the exponentials, the
+// device form leaves it), P_ij goes to p + j·p_stride as bf16. Full-width loops with the diagonal
+// tile's future keys masked: no ragged tails.
+ZERO3D_KERNEL void attention_softmax_rows(bf16* p, Index p_stride, float* s, Index i, Index G, Index TB, float scale) {
+#ifdef ZERO3D_DEVICE
+  gpu::attention_softmax_rows(p, p_stride, s, i, G, TB, scale);
 #else
+  const Index sg = G * TB * TB;
 #ifdef ZERO3D_AVX512
   if (TB % 16 == 0) {  // vector registers carry the row's max and sum across its tiles
     const ProfileRegion region("attention_softmax");
@@ -281,31 +416,10 @@ ZERO3D_KERNEL void attention_softmax_rows(bf16* p, Index p_stride, float* s, Ind
 // dS = scale · P ∘ (dP − Σ_c P·dP), written as bf16 tiles [j][G][TB][TB] (future keys zero).
 ZERO3D_KERNEL void attention_softmax_backward_rows(bf16* ds, const bf16* p, Index p_stride, const float* dp, Index i, Index G,
                                             Index TB, float scale) {
-  const Index sg = G * TB * TB;
 #ifdef ZERO3D_DEVICE
-  // A warp per row, as the forward.
-  Kokkos::parallel_for("attention_softmax_backward", row_teams(G * TB), KOKKOS_LAMBDA(const RowTeam& team) {
-    const Index row = team_row(team);
-    if (row >= G * TB) return;
-    const Index bh = row / TB, r = row % TB;
-    float dot = 0.0f;
-    for (Index j = 0; j <= i; ++j) {
-      const bf16* pr = p + j * p_stride + bh * TB * TB + r * TB;
-      const float* dpr = dp + j * sg + bh * TB * TB + r * TB;
-      float part = 0.0f;
-      Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, TB),
-                              [&](Index c, float& acc) { acc += to_float(pr[c]) * dpr[c]; }, part);  // P is zero at future keys
-      dot += part;
-    }
-    for (Index j = 0; j <= i; ++j) {
-      const bf16* pr = p + j * p_stride + bh * TB * TB + r * TB;
-      const float* dpr = dp + j * sg + bh * TB * TB + r * TB;
-      bf16* dsr = ds + j * sg + bh * TB * TB + r * TB;
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, TB),
-                           [&](Index c) { dsr[c] = to_bf16(scale * to_float(pr[c]) * (dpr[c] - dot)); });
-    }
-  });
+  gpu::attention_softmax_backward_rows(ds, p, p_stride, dp, i, G, TB, scale);
 #else
+  const Index sg = G * TB * TB;
 #ifdef ZERO3D_AVX512
   if (TB % 16 == 0) {
     const ProfileRegion region("attention_softmax_backward");

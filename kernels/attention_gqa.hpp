@@ -56,61 +56,41 @@ namespace zero3d::kernels {
 
 namespace gpu {
 
-// Heads [H0 + n] of width d of a token-major array (row stride ld) -> dst[B·n][T][d]; one thread
-// per element.
+// Heads [H0 + n] of width d of a token-major array (row stride ld) -> dst[B·n][T][d]: attention.hpp's
+// copy_heads (a thread per eight channels where the widths allow).
 ZERO3D_KERNEL void gqa_split_heads(float* dst, const float* src, Index ld, Index first_channel, Index B, Index T, Index n,
                                    Index d) {
-  Kokkos::parallel_for("gqa_split_heads", range(B * n * T * d), KOKKOS_LAMBDA(Index e) {
-    const Index x = e % d, t = (e / d) % T, bh = e / (d * T), b = bh / n, h = bh % n;
-    dst[e] = src[(b * T + t) * ld + first_channel + h * d + x];
-  });
+  copy_heads<HeadCopy::Split>(dst, src, ld, first_channel, B, T, n * d, n, "gqa_split_heads");
 }
 
-// src[B·n][T][d] -> the token-major dst (row stride ld) at channel first_channel; one thread per element.
+// src[B·n][T][d] -> the token-major dst (row stride ld) at channel first_channel.
 ZERO3D_KERNEL void gqa_merge_heads(float* dst, Index ld, Index first_channel, const float* src, Index B, Index T, Index n,
                                    Index d) {
-  Kokkos::parallel_for("gqa_merge_heads", range(B * n * T * d), KOKKOS_LAMBDA(Index e) {
-    const Index x = e % d, t = (e / d) % T, bh = e / (d * T), b = bh / n, h = bh % n;
-    dst[(b * T + t) * ld + first_channel + h * d + x] = src[e];
-  });
+  copy_heads<HeadCopy::Merge>(src, dst, ld, first_channel, B, T, n * d, n, "gqa_merge_heads");
 }
 
-// s[rows][T] (row r is query r mod T) <- softmax of scale·s over the visible keys, zero elsewhere.
+// s[rows][T] (row r is query r mod T) <- softmax of scale·s over the visible keys, zero elsewhere:
+// attention.hpp's rows with the window's first key.
 ZERO3D_KERNEL void gqa_softmax(float* s, Index rows, Index T, float scale, Index window) {
+  const bool vec = vectorizable(T, s);
   Kokkos::parallel_for("gqa_softmax", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
     if (row >= rows) return;
-    const Index i = row % T, j0 = gqa_first_key(i, window), n = i + 1 - j0;
-    float* x = s + row * T;
-    float mx = -INFINITY;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, n),
-                            [&](Index k, float& m) { m = scale * x[j0 + k] > m ? scale * x[j0 + k] : m; },
-                            Kokkos::Max<float>(mx));
-    float sum = 0.0f;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, n), [&](Index k, float& acc) {
-      const float e = fast_exp(scale * x[j0 + k] - mx);
-      x[j0 + k] = e;
-      acc += e;
-    }, sum);
-    const float inv = 1.0f / sum;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, T),
-                         [&](Index j) { x[j] = j >= j0 && j <= i ? x[j] * inv : 0.0f; });
+    const Index i = row % T, j0 = gqa_first_key(i, window);
+    if (vec) causal_softmax_row<kVec>(team, s + row * T, j0, i, T, scale);
+    else causal_softmax_row<1>(team, s + row * T, j0, i, T, scale);
   });
 }
 
 // ds[rows][T] <- scale · P ∘ (dP − Σ_j P·dP) over the visible keys (ds holds dP on entry), zero elsewhere.
 ZERO3D_KERNEL void gqa_softmax_backward(float* ds, const float* p, Index rows, Index T, float scale, Index window) {
+  const bool vec = vectorizable(T, ds, p);
   Kokkos::parallel_for("gqa_softmax_backward", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
     if (row >= rows) return;
-    const Index i = row % T, j0 = gqa_first_key(i, window), n = i + 1 - j0;
-    const float* pr = p + row * T;
-    float* d = ds + row * T;
-    float dot = 0.0f;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(team, n),
-                            [&](Index k, float& acc) { acc += pr[j0 + k] * d[j0 + k]; }, dot);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, T),
-                         [&](Index j) { d[j] = j >= j0 && j <= i ? scale * pr[j] * (d[j] - dot) : 0.0f; });
+    const Index i = row % T, j0 = gqa_first_key(i, window);
+    if (vec) causal_softmax_backward_row<kVec>(team, ds + row * T, p + row * T, j0, i, T, scale);
+    else causal_softmax_backward_row<1>(team, ds + row * T, p + row * T, j0, i, T, scale);
   });
 }
 

@@ -1,0 +1,102 @@
+// test_attention_bf16_device_form.cpp — the bf16 tiled attention's device forms (kernels/
+// attention_bf16.hpp gpu::, what a GPU build runs: the packs, and a warp per softmax row) against
+// the CPU forms, on the CPU, in both of their paths: whole vectors of eight (rows a multiple of
+// eight wide) and single elements (rows that are not). A GPU takes one tile of all T positions;
+// two and three tiles check the key tiles before the diagonal one as well.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "kernels/attention_bf16.hpp"
+#include "support/model_memory.hpp"
+
+using namespace zero3d;
+using namespace zero3d::kernels;
+
+using test_support::Buffer;
+using test_support::expect_close;
+using test_support::expect_same_bits;
+
+namespace {
+
+std::vector<float> random_vector(size_t n, uint64_t stream, float scale = 1.0f) {
+  return test_support::normal_vector(41, n, stream, scale, 0.0f);
+}
+
+std::vector<bf16> rounded(const std::vector<float>& x) {
+  std::vector<bf16> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = to_bf16(x[i]);
+  return out;
+}
+
+// Packing q (or any part) of qkv into tiles and unpacking tiles back: conversions only, the same
+// bits, with rows past T zero in the tiles and left alone in the destination.
+TEST(AttentionBf16DeviceForm, PackAndUnpackMatchTheCpuForms) {
+  for (const auto& [T, hs] : {std::pair<Index, Index>{10, 8}, {130, 16}, {37, 12}}) {
+    const Index B = 2, H = 3, C = H * hs, C3 = 3 * C;
+    const std::string at = " [T " + std::to_string(T) + ", hs " + std::to_string(hs) + "]";
+    const AttentionTiles t(T);
+    const Index n = t.n * B * H * t.TB * hs;
+    const auto qkv = random_vector(B * T * C3, 1);
+    Buffer<float> src(qkv);
+    Buffer<bf16> src16(rounded(qkv));
+    auto pack = [&](bool device, auto* from) {
+      Buffer<bf16> dst(rounded(random_vector(n, 2)));  // garbage where nothing is written
+      if (device) gpu::attention_pack(dst.data(), from + C, C3, 0, B * H, T, H, hs, t);
+      else attention_pack(dst.data(), from + C, C3, 0, B * H, T, H, hs, t);
+      return dst.host();
+    };
+    expect_same_bits("pack fp32" + at, pack(true, src.data()), pack(false, src.data()));
+    expect_same_bits("pack bf16" + at, pack(true, src16.data()), pack(false, src16.data()));
+    Buffer<float> tiles(random_vector(n, 3));
+    auto unpack = [&](bool device) {
+      Buffer<float> dst(random_vector(B * T * C3, 4));
+      if (device) gpu::attention_unpack(dst.data() + 2 * C, C3, tiles.data(), 0, B * H, T, H, hs, t);
+      else attention_unpack(dst.data() + 2 * C, C3, tiles.data(), 0, B * H, T, H, hs, t);
+      return dst.host();
+    };
+    expect_same_bits("unpack" + at, unpack(true), unpack(false));
+  }
+}
+
+// The softmax rows of row tile i over key tiles 0..i (S [j][G][TB][TB], P at p_stride apart),
+// and their backward from those P and a dP: each element's arithmetic is the CPU form's, the
+// row's sums added in another order (here one at a time; in the CPU form's AVX-512 lanes, which
+// also take exp through their own polynomial): P and dS agree within a bf16 rounding flip.
+TEST(AttentionBf16DeviceForm, SoftmaxRowsAndTheirBackwardMatchTheCpuForms) {
+  for (const auto& [TB, tiles] : {std::pair<Index, Index>{64, 1}, {36, 2}, {16, 3}}) {
+    const Index G = 3, sg = G * TB * TB, i = tiles - 1;
+    const float scale = 0.125f;
+    const std::string at = " [TB " + std::to_string(TB) + ", row tile " + std::to_string(i) + "]";
+    const auto scores = random_vector(tiles * sg, 5, 4.0f);
+    auto forward = [&](bool device) {
+      Buffer<float> s(scores);
+      Buffer<bf16> p(rounded(random_vector(tiles * sg, 6)));  // every element is written
+      if (device) gpu::attention_softmax_rows(p.data(), sg, s.data(), i, G, TB, scale);
+      else attention_softmax_rows(p.data(), sg, s.data(), i, G, TB, scale);
+      return p.host();
+    };
+    const auto p = forward(true), cpu_p = forward(false);
+    expect_close("P" + at, p, cpu_p, 1e-7, 1.0 / 128);
+    for (Index bh = 0; bh < G; ++bh)  // the diagonal tile's future keys are zeros
+      for (Index r = 0; r < TB; ++r)
+        for (Index c = r + 1; c < TB; ++c)
+          ASSERT_EQ(to_float(p[i * sg + (bh * TB + r) * TB + c]), 0.0f) << at << " " << bh << " " << r << " " << c;
+    expect_same_bits("P, second run" + at, forward(true), p);
+
+    Buffer<bf16> probabilities(cpu_p);
+    Buffer<float> dp(random_vector(tiles * sg, 7));
+    auto backward = [&](bool device) {
+      Buffer<bf16> ds(rounded(random_vector(tiles * sg, 8)));
+      if (device) gpu::attention_softmax_backward_rows(ds.data(), probabilities.data(), sg, dp.data(), i, G, TB, scale);
+      else attention_softmax_backward_rows(ds.data(), probabilities.data(), sg, dp.data(), i, G, TB, scale);
+      return ds.host();
+    };
+    const auto ds = backward(true);
+    expect_close("dS" + at, ds, backward(false), 1e-6, 1.0 / 128);
+    expect_same_bits("dS, second run" + at, backward(true), ds);
+  }
+}
+
+}  // namespace
