@@ -132,21 +132,15 @@ namespace gpu {
 template <int W>
 ZERO3D_KERNEL void gelu_backward_summing_columns(Width<W>, bf16* dinp, float* partial, const bf16* inp,
                                                  const float* dout, Index N, Index OC) {
-  Kokkos::parallel_for("gelu_backward", range(column_chunk_threads<W>(N, OC)), KOKKOS_LAMBDA(Index j) {
-    const ColumnChunk<W> at(j, N, OC);
-    float acc[W] = {};
-    ZERO3D_UNROLL(4)
-    for (Index i = at.i0; i < at.i1; ++i) {
-      float x[W], dy[W];
-      load_floats(x, inp + i * OC + at.o0);
-      load_floats(dy, dout + i * OC + at.o0);
-      for (int k = 0; k < W; ++k) {
-        x[k] = gelu_grad(x[k], dy[k]);
-        acc[k] += x[k];
-      }
-      store_floats(dinp + i * OC + at.o0, x);
+  column_chunk_pass<W>("gelu_backward", partial, N, OC, KOKKOS_LAMBDA(Index e, Index, float(&acc)[W]) {
+    float x[W], dy[W];
+    load_floats(x, inp + e);
+    load_floats(dy, dout + e);
+    for (int k = 0; k < W; ++k) {
+      x[k] = gelu_grad(x[k], dy[k]);
+      acc[k] += x[k];
     }
-    store_floats(partial + at.at, acc);
+    store_floats(dinp + e, x);
   });
 }
 ZERO3D_KERNEL void gelu_backward_summing_columns(bf16* dinp, float* column_sums, const bf16* inp, const float* dout, Index N,

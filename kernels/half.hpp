@@ -117,6 +117,20 @@ KOKKOS_INLINE_FUNCTION void store_floats(T* p, const float (&x)[W]) {
   }
 }
 
+// Stage 1 of a two-stage column sum over N rows and OC columns (device_forms.hpp), W columns a
+// thread: row(e, i, acc) adds row i's W elements from flat index e = i·OC + o0 into acc (and does
+// the element-wise work of those elements), rows in order, four rows' loads in flight.
+template <int W, typename Row>
+ZERO3D_KERNEL void column_chunk_pass(const char* label, float* partial, Index N, Index OC, Row row) {
+  Kokkos::parallel_for(label, range(column_chunk_threads<W>(N, OC)), KOKKOS_LAMBDA(Index j) {
+    const ColumnChunk<W> at(j, N, OC);
+    float acc[W] = {};
+    ZERO3D_UNROLL(4)
+    for (Index i = at.i0; i < at.i1; ++i) row(i * OC + at.o0, i, acc);
+    store_floats(partial + at.at, acc);
+  });
+}
+
 // convert's device form: kVec elements a thread, by vectors where both pointers are 16-byte
 // aligned (device_forms.hpp); each element's arithmetic is the portable form's.
 template <typename D, typename S>
@@ -318,30 +332,29 @@ ZERO3D_KERNEL void convert_transposed(bf16* dst, const float* src, Index rows, I
 
 namespace gpu {
 
-// Stage 1 of the two-stage column sum (device_forms.hpp) also rounds the elements it sums: a
-// thread per (chunk of rows, W columns), neighbouring threads on neighbouring columns, one pass.
+// column_sums[o] += Σ_i src[i, o] in two stages (device_forms.hpp), the first also rounding the
+// elements it sums into dst where dst is not null: one pass.
 template <int W>
-ZERO3D_KERNEL void convert_summing_columns(Width<W>, bf16* dst, float* partial, const float* src, Index N, Index OC) {
-  Kokkos::parallel_for("convert_summing_columns", range(column_chunk_threads<W>(N, OC)), KOKKOS_LAMBDA(Index j) {
-    const ColumnChunk<W> at(j, N, OC);
-    float acc[W] = {};
-    ZERO3D_UNROLL(4)
-    for (Index i = at.i0; i < at.i1; ++i) {
-      float x[W];
-      load_floats(x, src + i * OC + at.o0);
-      for (int k = 0; k < W; ++k) acc[k] += x[k];
-      store_floats(dst + i * OC + at.o0, x);
-    }
-    store_floats(partial + at.at, acc);
+ZERO3D_KERNEL void sum_columns(Width<W>, bf16* dst, float* partial, const float* src, Index N, Index OC,
+                               const char* label) {
+  column_chunk_pass<W>(label, partial, N, OC, KOKKOS_LAMBDA(Index e, Index, float(&acc)[W]) {
+    float x[W];
+    load_floats(x, src + e);
+    for (int k = 0; k < W; ++k) acc[k] += x[k];
+    if (dst) store_floats(dst + e, x);
   });
 }
-ZERO3D_KERNEL void convert_summing_columns(bf16* dst, float* column_sums, const float* src, Index N, Index OC) {
-  if (!column_sums) return kernels::convert(dst, src, N * OC);
+ZERO3D_KERNEL void sum_columns(bf16* dst, float* column_sums, const float* src, Index N, Index OC, const char* label) {
   const Index chunks = column_chunks(N);
   float* partial = kernel_scratch<float>(chunks * OC);
-  if (vectorizable(OC, dst, src, partial)) convert_summing_columns(Width<kVec>{}, dst, partial, src, N, OC);
-  else convert_summing_columns(Width<1>{}, dst, partial, src, N, OC);
+  if (vectorizable(OC, dst, src, partial)) sum_columns(Width<kVec>{}, dst, partial, src, N, OC, label);
+  else sum_columns(Width<1>{}, dst, partial, src, N, OC, label);
   add_chunk_sums(column_sums, partial, chunks, OC);
+}
+
+ZERO3D_KERNEL void convert_summing_columns(bf16* dst, float* column_sums, const float* src, Index N, Index OC) {
+  if (!column_sums) return kernels::convert(dst, src, N * OC);
+  sum_columns(dst, column_sums, src, N, OC, "convert_summing_columns");
 }
 
 }  // namespace gpu

@@ -44,28 +44,9 @@ ZERO3D_KERNEL void add_bias_rows(float* out, const P* bias, Index N, Index OC) {
   }
 }
 
-// Two stages (device_forms.hpp) where 16-column blocks gave 48 threads at OC = 768; W columns a
-// thread.
-template <int W>
-ZERO3D_KERNEL void accumulate_column_sums(Width<W>, float* partial, const float* dout, Index N, Index OC) {
-  Kokkos::parallel_for("column_sums", range(column_chunk_threads<W>(N, OC)), KOKKOS_LAMBDA(Index j) {
-    const ColumnChunk<W> at(j, N, OC);
-    float acc[W] = {};
-    ZERO3D_UNROLL(4)
-    for (Index i = at.i0; i < at.i1; ++i) {
-      float x[W];
-      load_floats(x, dout + i * OC + at.o0);
-      for (int k = 0; k < W; ++k) acc[k] += x[k];
-    }
-    store_floats(partial + at.at, acc);
-  });
-}
+// Two stages (device_forms.hpp) where 16-column blocks gave 48 threads at OC = 768.
 ZERO3D_KERNEL void accumulate_column_sums(float* dbias, const float* dout, Index N, Index OC) {
-  const Index chunks = column_chunks(N);
-  float* partial = kernel_scratch<float>(chunks * OC);
-  if (vectorizable(OC, dout, partial)) accumulate_column_sums(Width<kVec>{}, partial, dout, N, OC);
-  else accumulate_column_sums(Width<1>{}, partial, dout, N, OC);
-  add_chunk_sums(dbias, partial, chunks, OC);
+  sum_columns(nullptr, dbias, dout, N, OC, "column_sums");
 }
 
 }  // namespace gpu

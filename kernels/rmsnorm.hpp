@@ -86,18 +86,12 @@ KOKKOS_INLINE_FUNCTION void rmsnorm_backward_row(const RowTeam& team, float* dx,
 template <int W>
 ZERO3D_KERNEL void rmsnorm_backward_params(Width<W>, float* partial, const float* dout, const float* inp,
                                     const float* rstd, Index N, Index C) {
-  Kokkos::parallel_for("rmsnorm_backward_params", range(column_chunk_threads<W>(N, C)), KOKKOS_LAMBDA(Index j) {
-    const ColumnChunk<W> at(j, N, C);
-    float dw[W] = {};
-    ZERO3D_UNROLL(4)
-    for (Index i = at.i0; i < at.i1; ++i) {
-      float g[W], v[W];
-      load_floats(g, dout + i * C + at.o0);
-      load_floats(v, inp + i * C + at.o0);
-      const float s = rstd[i];
-      for (int k = 0; k < W; ++k) dw[k] += g[k] * v[k] * s;
-    }
-    store_floats(partial + at.at, dw);
+  column_chunk_pass<W>("rmsnorm_backward_params", partial, N, C, KOKKOS_LAMBDA(Index e, Index i, float(&dw)[W]) {
+    float g[W], v[W];
+    load_floats(g, dout + e);
+    load_floats(v, inp + e);
+    const float s = rstd[i];
+    for (int k = 0; k < W; ++k) dw[k] += g[k] * v[k] * s;
   });
 }
 
