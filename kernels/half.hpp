@@ -117,6 +117,22 @@ KOKKOS_INLINE_FUNCTION void store_floats(T* p, const float (&x)[W]) {
   }
 }
 
+// Σ term(x) over the n·W elements x of a row p, in the row's lanes (common.hpp row_teams), W a
+// lane at a time; the lanes' sums added in the vector reduction's tree.
+template <int W, typename T, typename Term>
+KOKKOS_INLINE_FUNCTION float row_sum(const RowTeam& team, const T* p, Index n, Term term) {
+  float s = 0.0f;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(team, n),
+      [&](Index j, float& acc) {
+        float x[W];
+        load_floats(x, p + j * W);
+        for (int k = 0; k < W; ++k) acc += term(x[k]);
+      },
+      s);
+  return s;
+}
+
 // Stage 1 of a two-stage column sum over N rows and OC columns (device_forms.hpp), W columns a
 // thread: row(e, i, acc) adds row i's W elements from flat index e = i·OC + o0 into acc (and does
 // the element-wise work of those elements), rows in order, four rows' loads in flight.

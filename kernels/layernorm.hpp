@@ -22,26 +22,8 @@ template <int W, typename P, typename O>
 KOKKOS_INLINE_FUNCTION void layernorm_forward_row(const RowTeam& team, O* o, float* mean, float* rstd, const float* x,
                                                   const P* weight, const P* bias, Index C) {
   const Index n = C / W;
-  float m = 0.0f;
-  Kokkos::parallel_reduce(
-      Kokkos::ThreadVectorRange(team, n),
-      [&](Index j, float& sum) {
-        float v[W];
-        load_floats(v, x + j * W);
-        for (int k = 0; k < W; ++k) sum += v[k];
-      },
-      m);
-  m /= static_cast<float>(C);
-  float var = 0.0f;
-  Kokkos::parallel_reduce(
-      Kokkos::ThreadVectorRange(team, n),
-      [&](Index j, float& sum) {
-        float v[W];
-        load_floats(v, x + j * W);
-        for (int k = 0; k < W; ++k) sum += (v[k] - m) * (v[k] - m);
-      },
-      var);
-  var /= static_cast<float>(C);
+  const float m = row_sum<W>(team, x, n, [](float v) { return v; }) / static_cast<float>(C);
+  const float var = row_sum<W>(team, x, n, [&](float v) { return (v - m) * (v - m); }) / static_cast<float>(C);
   const float s = 1.0f / std::sqrt(var + kLayerNormEps);
   Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, n), [&](Index j) {
     float v[W], w[W], b[W];

@@ -23,15 +23,7 @@ template <int W, typename P, typename O>
 KOKKOS_INLINE_FUNCTION void rmsnorm_forward_row(const RowTeam& team, O* o, float* rstd, const float* x, const P* weight,
                                                 Index C, float eps) {
   const Index n = C / W;
-  float ss = 0.0f;
-  Kokkos::parallel_reduce(
-      Kokkos::ThreadVectorRange(team, n),
-      [&](Index j, float& sum) {
-        float v[W];
-        load_floats(v, x + j * W);
-        for (int k = 0; k < W; ++k) sum += v[k] * v[k];
-      },
-      ss);
+  const float ss = row_sum<W>(team, x, n, [](float v) { return v * v; });
   const float s = 1.0f / std::sqrt(ss / static_cast<float>(C) + eps);
   Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, n), [&](Index j) {
     float v[W], w[W];
