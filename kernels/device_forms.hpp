@@ -1,13 +1,14 @@
 // device_forms.hpp — what the kernels' device forms (namespace gpu) share: device scratch that
-// lives from call to call, and column sums in two deterministic stages.
+// lives from call to call, column sums in two deterministic stages, and 16-byte accesses.
 //
 // A column sum over N rows (a bias gradient, LayerNorm's parameter gradient) cannot be one thread
 // per column on a GPU: 768 columns are 768 threads (GPU-GAP §3, "catastrophic"). Stage 1 gives
-// each (chunk of kColumnChunkRows rows, column) pair a thread that adds its rows in order into
-// partial[chunk·cols + column], neighbouring threads reading neighbouring columns (coalesced);
-// stage 2 adds each column's chunk sums in a fixed order (llm.c matmul.cuh:17-80,
-// matmul_backward_bias_kernel9 then reduce_add_sum_kernel). No atomics: the same bits every run.
-// With a single chunk (N <= kColumnChunkRows) the order is the CPU forms' own, rows 0..N-1.
+// each (chunk of kColumnChunkRows rows, group of kVec columns, or one column where the widths do
+// not allow vectors) a thread that adds its rows in order into partial[chunk·cols + column],
+// neighbouring threads reading neighbouring columns (coalesced); stage 2 adds each column's chunk
+// sums in a fixed order, a warp a column (llm.c matmul.cuh:17-80, matmul_backward_bias_kernel9
+// then reduce_add_sum_kernel). No atomics: the same bits every run. With a single chunk
+// (N <= kColumnChunkRows) the order is the CPU forms' own, rows 0..N-1.
 //
 // Sixteen bytes a load. A GPU keeps HBM busy only with about bandwidth × latency bytes in flight
 // (Little's law: 4.8 TB/s × ~0.7 µs ≈ 3.4 MB on an H200), and a thread that loads one float and
