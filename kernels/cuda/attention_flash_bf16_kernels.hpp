@@ -104,7 +104,7 @@ __device__ inline void load_tile(bfloat* dst, const S* src, int64_t row0, int va
   for (int i = threadIdx.x; i < ROWS * kChunks; i += kThreads) {
     const int r = i / kChunks, d0 = (i % kChunks) * 8;
     const uint4 u = r < valid ? read8(src + (row0 + r) * ld + col + d0, vec) : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(dst + r * (HS + kPad) + d0) = u;
+    cuda_ptx::st_shared_b128(dst + r * (HS + kPad) + d0, u);
   }
 }
 
@@ -373,8 +373,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float
       load_tile<BN, HS>(sq, qkv, row0 + q0, T - q0, W, lay.q_col(h, HS), vec_qkv);
       load_tile<BN, HS>(sdo, dout, row0 + q0, T - q0, C, int64_t(h) * HS, vec_dout);
       for (int i = threadIdx.x; i < BN; i += kThreads) {
-        sl[i] = q0 + i < T ? lse[bh * T + q0 + i] * kLog2e : 0.0f;
-        sd[i] = q0 + i < T ? dd[bh * T + q0 + i] : 0.0f;
+        cuda_ptx::st_shared_f32(sl + i, q0 + i < T ? lse[bh * T + q0 + i] * kLog2e : 0.0f);
+        cuda_ptx::st_shared_f32(sd + i, q0 + i < T ? dd[bh * T + q0 + i] : 0.0f);
       }
       __syncthreads();
       float st[BN / 8][4], dpt[BN / 8][4];
@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = j * 8 + 2 * l.t + e;
-          const float L = sl[c], D = sd[c];
+          const float L = cuda_ptx::ld_shared_f32(sl + c), D = cuda_ptx::ld_shared_f32(sd + c);
 #pragma unroll
           for (int rh = 0; rh < 2; ++rh) {
             float& p = st[j][2 * rh + e];

@@ -1,11 +1,12 @@
 // mma_sync.hpp (CUDA) — the warp-level PTX instructions under the fused attention
-// (attention_flash_bf16_kernels.hpp), each by its PTX ISA name and contract, its fragments' loads
-// from shared memory, and the block's dynamic shared memory. A build with ZERO3D_WARP_SIMULATION
+// (attention_flash_bf16_kernels.hpp), each by its PTX ISA name and contract, every access the
+// kernels make to shared memory, and the block's dynamic shared memory. A build with ZERO3D_WARP_SIMULATION
 // set to a header's name takes that header's host simulation of the same functions instead
 // (tests/cuda_sim: the kernels then run on a CPU, against a reference, where no GPU is).
 #pragma once
 
 #include <cuda_bf16.h>
+#include <vector_types.h>
 
 #include <cstdint>
 
@@ -38,6 +39,13 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* 
 
 // ld.shared.b32: a fragment register's two bf16 from shared memory (4-byte aligned).
 __device__ inline uint32_t ld_shared_b32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// st.shared.v4.b32: eight bf16 into shared memory (16-byte aligned), a tile's row chunk.
+__device__ inline void st_shared_b128(__nv_bfloat16* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+
+// ld.shared.f32 / st.shared.f32: one float of shared memory (a block's per-query L and D).
+__device__ inline float ld_shared_f32(const float* p) { return *p; }
+__device__ inline void st_shared_f32(float* p, float v) { *p = v; }
 
 // The block's dynamic shared memory (the launch's third argument).
 __device__ inline unsigned char* dynamic_smem() {

@@ -1,8 +1,8 @@
 // The fused CUDA attention's kernels (kernels/cuda/attention_flash_bf16_kernels.hpp) run on the
-// CPU: every CUDA thread a std::thread, every warp instruction computed from the PTX ISA's fragment
-// layouts (warp_simulation.hpp). Against double-precision loops written here, on bf16-rounded q,
-// k, v and dY: what remains is the kernels' bf16 rounding of P and dS, the GPU tests' tolerance
-// (tests/gpu). So a change to the kernels' indexing, masks, tiles or fragments is checked where
+// CPU: every CUDA thread a fiber, every warp instruction computed from the PTX ISA's fragment
+// layouts (warp_simulation.hpp), every shared-memory access checked for races, uninitialised reads
+// and alignment. Against double-precision loops written here, on bf16-rounded q, k, v and dY: what
+// remains is the kernels' bf16 rounding of P and dS, the GPU tests' tolerance (tests/gpu). So a change to the kernels' indexing, masks, tiles or fragments is checked where
 // no GPU is; their speed, and the hardware's agreement with the ISA, only a GPU checks.
 #include <gtest/gtest.h>
 
@@ -90,6 +90,7 @@ void run_kernels(const Case& c) {
   reference(qkv, dy, c, HS, out_ref, dqkv_ref);
 
   zero3d::cuda_sim::bank_census.reset();
+  zero3d::cuda_sim::shared_census.reset();
   const std::vector<Q> q_in(qkv.begin(), qkv.end());
   const size_t rows = size_t(c.B) * c.H * T;
   std::vector<float> out(size_t(c.B) * T * C, NAN), lse(rows, NAN), dd(rows, NAN), dqkv(qkv.size(), NAN);
@@ -116,6 +117,12 @@ void run_kernels(const Case& c) {
   EXPECT_GT(banks.matrices, 0);
   EXPECT_EQ(banks.worst_load, 1) << "a 32-bit fragment load meets a bank conflict";
   EXPECT_EQ(banks.worst_matrix, 1) << "an ldmatrix matrix meets a bank conflict";
+  // racecheck's and memcheck's findings on a GPU: the warps' order there is any order
+  const zero3d::cuda_sim::SharedCensus& shared = zero3d::cuda_sim::shared_census;
+  EXPECT_GT(shared.accesses, banks.loads);
+  EXPECT_EQ(shared.hazards, 0) << shared.first;
+  EXPECT_EQ(shared.uninitialized, 0) << shared.first;
+  EXPECT_EQ(shared.misaligned, 0) << shared.first;
 }
 
 TEST(SimulatedFlashAttention, CausalHeadSize64FromFp32RowsMatchesTheReference) {

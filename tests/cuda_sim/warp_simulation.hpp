@@ -6,6 +6,12 @@
 // every lane's result from the PTX ISA's fragment layouts ("Matrix Fragments for mma.m16n8k16",
 // "Warp-level matrix load instruction: ldmatrix"), written here from the ISA and not from the
 // kernels. Products sum in double: the check is of layouts, not of rounding.
+//
+// Every shared-memory access the kernels make goes through mma_sync.hpp, so the simulation also
+// checks them as compute-sanitizer's racecheck and memcheck would on a GPU: two threads touching
+// one word between the same pair of __syncthreads, one of them writing (a hazard the fibers' order
+// may hide: on a GPU the warps run in any order); a word read before any thread wrote it (shared
+// memory starts as garbage); an access outside the launch's shared memory or off its alignment.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,8 +21,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #undef __global__
@@ -64,6 +73,8 @@ class Barrier {
     }
     while (generation_ == generation) yield_to_host();
   }
+  // How many times the barrier has opened: the interval between barriers a thread is in.
+  unsigned generation() const { return generation_; }
 
  private:
   const int n_;
@@ -105,18 +116,81 @@ inline int passes(const std::vector<size_t>& words) {
   return worst;
 }
 
+// The shared-memory faults of the kernels run since reset(), and the first one described.
+struct SharedCensus {
+  int64_t accesses = 0, hazards = 0, uninitialized = 0, misaligned = 0;
+  std::string first;
+  void reset() { *this = SharedCensus{}; }
+  int64_t faults() const { return hazards + uninitialized + misaligned; }
+};
+inline SharedCensus shared_census;
+
+// Who last wrote a 4-byte word of shared memory and who read it, and in which barrier interval
+// (the barrier's generation + 1; 0: never).
+struct WordState {
+  static constexpr int kManyReaders = -2;
+  int writer = -1, reader = -1;
+  unsigned written_in = 0, read_in = 0;
+};
+
 struct Block {
   explicit Block(unsigned threads, size_t smem_bytes)
-      : barrier(static_cast<int>(threads)), warps(threads / 32), smem(smem_bytes, 0xA5) {}  // garbage, as a GPU's
+      : barrier(static_cast<int>(threads)), warps(threads / 32), smem(smem_bytes, 0xA5),  // garbage, as a GPU's
+        words((smem_bytes + 3) / 4) {}
   Barrier barrier;
   std::vector<Warp> warps;
   std::vector<unsigned char> smem;
+  std::vector<WordState> words;
 };
 inline Block* current_block = nullptr;
 inline Warp& current_warp() { return current_block->warps[threadIdx.x / 32]; }
 inline int lane_id() { return static_cast<int>(threadIdx.x % 32); }
 inline size_t smem_offset(const void* p) {
   return static_cast<size_t>(static_cast<const unsigned char*>(p) - current_block->smem.data());
+}
+
+inline void shared_fault(int64_t& count, const std::string& what) {
+  ++count;
+  if (shared_census.first.empty())
+    shared_census.first = what + " (thread " + std::to_string(threadIdx.x) + " of block (" +
+                          std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + "))";
+}
+
+// A thread's access to `bytes` of shared memory at p, which must be `align`-byte aligned.
+inline void access_shared(const void* p, size_t bytes, size_t align, bool write) {
+  SharedCensus& c = shared_census;
+  Block& b = *current_block;
+  ++c.accesses;
+  const auto at = static_cast<const unsigned char*>(p) - b.smem.data();
+  if (at < 0 || static_cast<size_t>(at) + bytes > b.smem.size()) {  // a GPU's fault: the kernel stops here
+    std::fprintf(stderr, "cuda_sim: thread %u of block (%u, %u) accesses shared byte %td, outside the launch's %zu\n",
+                 threadIdx.x, blockIdx.x, blockIdx.y, at, b.smem.size());
+    std::abort();
+  }
+  const size_t off = static_cast<size_t>(at);
+  if (off % align != 0)
+    shared_fault(c.misaligned, std::to_string(bytes) + " bytes at shared byte " + std::to_string(off) +
+                                   ", not " + std::to_string(align) + "-byte aligned");
+  const unsigned interval = b.barrier.generation() + 1;
+  const int t = static_cast<int>(threadIdx.x);
+  for (size_t w = off / 4; w < (off + bytes + 3) / 4; ++w) {
+    WordState& s = b.words[w];
+    const auto hazard = [&](const char* kind, int other) {
+      shared_fault(c.hazards, std::string(kind) + " of shared byte " + std::to_string(4 * w) + " by thread " +
+                                  (other == WordState::kManyReaders ? std::string("s") : std::to_string(other)) +
+                                  " with no __syncthreads between");
+    };
+    if (write) {
+      if (s.written_in == interval && s.writer != t) hazard("write after the write", s.writer);
+      else if (s.read_in == interval && s.reader != t) hazard("write after the read", s.reader);
+      s.writer = t, s.written_in = interval;
+    } else {
+      if (s.written_in == 0) shared_fault(c.uninitialized, "shared byte " + std::to_string(4 * w) + " read, never written");
+      else if (s.written_in == interval && s.writer != t) hazard("read after the write", s.writer);
+      if (s.read_in != interval) s.read_in = interval, s.reader = t;
+      else if (s.reader != t) s.reader = WordState::kManyReaders;
+    }
+  }
 }
 
 inline float half_of(uint32_t word, int upper) {
@@ -210,6 +284,7 @@ inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* row) {
   using namespace zero3d::cuda_sim;
   Warp& w = current_warp();
   const int lane = lane_id(), g = lane / 4, t = lane % 4;
+  access_shared(row, 16, 16, false);
   w.row[lane] = row;
   w.barrier.wait();
   for (int i = 0; i < 4; ++i) m[i] = bits_of(w.row[8 * i + 2 * t][g]) | bits_of(w.row[8 * i + 2 * t + 1][g]) << 16;
@@ -228,10 +303,26 @@ inline unsigned char* dynamic_smem() { return zero3d::cuda_sim::current_block->s
 
 inline uint32_t ld_shared_b32(const __nv_bfloat16* p) {
   using namespace zero3d::cuda_sim;
+  access_shared(p, 4, 4, false);
   current_warp().loads[lane_id()].push_back(smem_offset(p));
   uint32_t word;
   std::memcpy(&word, p, 4);
   return word;
+}
+
+inline void st_shared_b128(__nv_bfloat16* p, uint4 v) {
+  zero3d::cuda_sim::access_shared(p, 16, 16, true);
+  std::memcpy(static_cast<void*>(p), &v, 16);
+}
+
+inline float ld_shared_f32(const float* p) {
+  zero3d::cuda_sim::access_shared(p, 4, 4, false);
+  return *p;
+}
+
+inline void st_shared_f32(float* p, float v) {
+  zero3d::cuda_sim::access_shared(p, 4, 4, true);
+  *p = v;
 }
 
 }  // namespace zero3d::kernels::cuda_ptx
