@@ -10,7 +10,10 @@
 // registers and P and dS reach the tensor cores without a store. Shared memory holds only the
 // bf16 operands a block's warps share, each row padded by 16 bytes so that the 8 rows a fragment
 // load touches fall on 8 different bank quadruples; operands read along their rows go through
-// ldmatrix's transposing load.
+// ldmatrix's transposing load. The tiles a block walks (keys, or queries for dK/dV) are double
+// buffered: the next one's copy goes out by cp.async before the warps compute on this one, so the
+// load's latency hides behind the tensor cores' work (FlashAttention-2's kernels and CUTLASS's
+// multistage main loop do the same).
 //
 // The kernels take the Llama family's layout too: H query heads over Hkv K/V heads (query head h
 // reads K/V head h / (H/Hkv); qkv rows [q heads | k heads | v heads], (H + 2·Hkv)·hs wide) and a
@@ -22,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/mma_sync.hpp"
 
@@ -106,6 +110,27 @@ __device__ inline void load_tile(bfloat* dst, const S* src, int64_t row0, int va
     const uint4 u = r < valid ? read8(src + (row0 + r) * ld + col + d0, vec) : make_uint4(0, 0, 0, 0);
     cuda_ptx::st_shared_b128(dst + r * (HS + kPad) + d0, u);
   }
+}
+
+// The tile of load_tile, staged: bf16 rows that start 16-byte aligned go by cp.async, straight
+// into shared memory while the warps compute on the tile before (the copies land at the wait that
+// covers their group), and anything else (fp32 rows to round, unaligned rows) through registers
+// at once. Either way the caller commits, waits and __syncthreads before a warp reads the tile.
+template <int ROWS, int HS, typename S>
+__device__ inline void stage_tile(bfloat* dst, const S* src, int64_t row0, int valid, int64_t ld, int64_t col,
+                                  bool vec) {
+  if constexpr (std::is_same<S, bfloat>::value) {
+    if (vec) {
+      constexpr int kChunks = HS / 8;
+      for (int i = threadIdx.x; i < ROWS * kChunks; i += kThreads) {
+        const int r = i / kChunks, d0 = (i % kChunks) * 8;
+        const bool in = r < valid;  // rows past the sequence: zeros, nothing read
+        cuda_ptx::cp_async_16(dst + r * (HS + kPad) + d0, src + (row0 + (in ? r : 0)) * ld + col + d0, in ? 16 : 0);
+      }
+      return;
+    }
+  }
+  load_tile<ROWS, HS>(dst, src, row0, valid, ld, col, vec);
 }
 
 // ---- tensor-core fragments (PTX ISA, mma.m16n8k16 with .bf16 operands) -------------------------
@@ -234,9 +259,10 @@ struct QueryBlock {
 
 // ---- forward -----------------------------------------------------------------------------------
 
+// Q, and K and V twice: the key block the warps compute on and the next, in flight meanwhile.
 template <int HS>
 constexpr size_t forward_smem() {
-  return 3 * kRows * (HS + kPad) * sizeof(bfloat);  // Q, K, V
+  return 5 * kRows * (HS + kPad) * sizeof(bfloat);
 }
 
 // grid (query blocks, B·H): QueryBlock.
@@ -246,21 +272,29 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
   constexpr int LD = HS + kPad;
   unsigned char* smem = cuda_ptx::dynamic_smem();
   bfloat* sq = reinterpret_cast<bfloat*>(smem);
-  bfloat* sk = sq + kRows * LD;
-  bfloat* sv = sk + kRows * LD;
+  bfloat* const skv = sq + kRows * LD;  // buffer b: K at skv + 2b·kRows·LD, V kRows·LD on
   const QueryBlock at(lay, HS);
   const float scale2 = scale * kLog2e;
-  load_tile<kRows, HS>(sq, qkv, at.row0 + at.q0, at.T - at.q0, at.W, lay.q_col(at.h, HS), vec);
+  const auto stage_keys = [&](int k0, int buf) {
+    bfloat* sk = skv + 2 * buf * kRows * LD;
+    stage_tile<kRows, HS>(sk, qkv, at.row0 + k0, at.T - k0, at.W, lay.k_col(at.g, HS), vec);
+    stage_tile<kRows, HS>(sk + kRows * LD, qkv, at.row0 + k0, at.T - k0, at.W, lay.v_col(at.g, HS), vec);
+    cuda_ptx::cp_async_commit();
+  };
+  // keys from first_key and below last_key meet some row of the block
+  const int first_key = lay.first_key_block(at.q0), last_key = min(at.q0 + kRows, at.T);
+  stage_tile<kRows, HS>(sq, qkv, at.row0 + at.q0, at.T - at.q0, at.W, lay.q_col(at.h, HS), vec);
+  stage_keys(first_key, 0);
   const RowsOf q_rows{sq, LD, at.r16, at.l};
   float o[HS / 8][4];
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.0f, 0.0f};  // lsum: this lane's columns' share
-  const int last_key = min(at.q0 + kRows, at.T);  // keys below it meet some row of the block
-  for (int k0 = lay.first_key_block(at.q0); k0 < last_key; k0 += kRows) {
-    __syncthreads();  // every warp is done with the previous keys
-    load_tile<kRows, HS>(sk, qkv, at.row0 + k0, at.T - k0, at.W, lay.k_col(at.g, HS), vec);
-    load_tile<kRows, HS>(sv, qkv, at.row0 + k0, at.T - k0, at.W, lay.v_col(at.g, HS), vec);
-    __syncthreads();
+  for (int k0 = first_key, buf = 0; k0 < last_key; k0 += kRows, buf ^= 1) {
+    // the next key block's copy goes out before this one's is waited for, to fly while the warps compute
+    if (k0 + kRows < last_key) stage_keys(k0 + kRows, buf ^ 1), cuda_ptx::cp_async_wait<1>();
+    else cuda_ptx::cp_async_wait<0>();
+    __syncthreads();  // this key block (and Q) landed, for every warp
+    const bfloat *sk = skv + 2 * buf * kRows * LD, *sv = sk + kRows * LD;
     float s[kRows / 8][4];
     zero(s);
     product_bt<kRows, HS>(s, q_rows, sk, LD, at.l);  // S = Q·Kᵀ
@@ -296,6 +330,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
       for (int n = 0; n < HS / 8; ++n) o[n][2 * rh] *= alpha, o[n][2 * rh + 1] *= alpha;
     }
     product_b<HS, kRows>(o, Rounded<kRows>{s}, sv, LD);  // O += P·V
+    __syncthreads();  // every warp is done with buf: the next iteration's copy goes into it
   }
   const float total[2] = {row_sum(lsum[0]), row_sum(lsum[1])}, inv[2] = {1.0f / total[0], 1.0f / total[1]};
   for_each_stored<HS>(o, at.rows, at.T, at.l, [&](int rh, int d, float x) {
@@ -330,10 +365,11 @@ __global__ void __launch_bounds__(kThreads) row_dot_kernel(float* dd, const floa
 template <int HS>
 constexpr int kDkdvQueries = HS > 64 ? 32 : 64;
 
+// K and V; Q, dO, L and D twice: the query block the warps compute on and the next.
 template <int HS>
 constexpr size_t dkdv_smem() {
   constexpr int BN = kDkdvQueries<HS>;
-  return (2 * kRows + 2 * BN) * (HS + kPad) * sizeof(bfloat) + 2 * BN * sizeof(float);  // K, V, Q, dO; L, D
+  return (2 * kRows + 4 * BN) * (HS + kPad) * sizeof(bfloat) + 4 * BN * sizeof(float);
 }
 
 // grid (key blocks, B·Hkv): dK and dV of 64 keys of one K/V head, over its group's query heads
@@ -348,10 +384,9 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float
   unsigned char* smem = cuda_ptx::dynamic_smem();
   bfloat* sk = reinterpret_cast<bfloat*>(smem);
   bfloat* sv = sk + kRows * LD;
-  bfloat* sq = sv + kRows * LD;
-  bfloat* sdo = sq + BN * LD;
-  float* sl = reinterpret_cast<float*>(sdo + BN * LD);
-  float* sd = sl + BN;
+  // buffer b: Q at sqdo + 2b·BN·LD, dO BN·LD on; L at sld + 2b·BN, D BN on
+  bfloat* const sqdo = sv + kRows * LD;
+  float* const sld = reinterpret_cast<float*>(sqdo + 4 * BN * LD);
   const Lane l = lane_of();
   const int warp = threadIdx.x / 32, T = lay.T, H = lay.H, group_size = H / lay.Hkv;
   const int64_t C = int64_t(H) * HS, W = lay.width(HS);
@@ -359,47 +394,59 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float
   const int keys[2] = {kw + l.g, kw + l.g + 8};
   const int64_t row0 = int64_t(b) * T;
   const float scale2 = scale * kLog2e;
-  load_tile<kRows, HS>(sk, qkv, row0 + k0, T - k0, W, lay.k_col(g, HS), vec_qkv);
-  load_tile<kRows, HS>(sv, qkv, row0 + k0, T - k0, W, lay.v_col(g, HS), vec_qkv);
+  // The query blocks these keys meet, head by head of the group: (h, q0), q0 from k0 on by BN.
+  const int h_end = (g + 1) * group_size, q_end = lay.query_end(k0);
+  const auto stage_queries = [&](int h, int q0, int buf) {
+    const int64_t bh = int64_t(b) * H + h;
+    bfloat* sq = sqdo + 2 * buf * BN * LD;
+    float* sl = sld + 2 * buf * BN;
+    stage_tile<BN, HS>(sq, qkv, row0 + q0, T - q0, W, lay.q_col(h, HS), vec_qkv);
+    stage_tile<BN, HS>(sq + BN * LD, dout, row0 + q0, T - q0, C, int64_t(h) * HS, vec_dout);
+    for (int i = threadIdx.x; i < BN; i += kThreads) {
+      cuda_ptx::st_shared_f32(sl + i, q0 + i < T ? lse[bh * T + q0 + i] * kLog2e : 0.0f);
+      cuda_ptx::st_shared_f32(sl + BN + i, q0 + i < T ? dd[bh * T + q0 + i] : 0.0f);
+    }
+    cuda_ptx::cp_async_commit();
+  };
+  stage_tile<kRows, HS>(sk, qkv, row0 + k0, T - k0, W, lay.k_col(g, HS), vec_qkv);
+  stage_tile<kRows, HS>(sv, qkv, row0 + k0, T - k0, W, lay.v_col(g, HS), vec_qkv);
+  stage_queries(g * group_size, k0, 0);
   const RowsOf k_rows{sk, LD, warp * 16, l}, v_rows{sv, LD, warp * 16, l};
   float dk[HS / 8][4], dv[HS / 8][4];
   zero(dk);
   zero(dv);
-  const int q_end = lay.query_end(k0);
-  for (int h = g * group_size; h < (g + 1) * group_size; ++h) {
-    const int64_t bh = int64_t(b) * H + h;
-    for (int q0 = k0; q0 < q_end; q0 += BN) {
-      __syncthreads();
-      load_tile<BN, HS>(sq, qkv, row0 + q0, T - q0, W, lay.q_col(h, HS), vec_qkv);
-      load_tile<BN, HS>(sdo, dout, row0 + q0, T - q0, C, int64_t(h) * HS, vec_dout);
-      for (int i = threadIdx.x; i < BN; i += kThreads) {
-        cuda_ptx::st_shared_f32(sl + i, q0 + i < T ? lse[bh * T + q0 + i] * kLog2e : 0.0f);
-        cuda_ptx::st_shared_f32(sd + i, q0 + i < T ? dd[bh * T + q0 + i] : 0.0f);
-      }
-      __syncthreads();
-      float st[BN / 8][4], dpt[BN / 8][4];
-      zero(st);
-      zero(dpt);
-      product_bt<BN, HS>(st, k_rows, sq, LD, l);   // Sᵀ = K·Qᵀ
-      product_bt<BN, HS>(dpt, v_rows, sdo, LD, l);  // dPᵀ = V·dOᵀ
-      const bool whole = lay.all_visible(q0, q0 + BN - 1, kw, kw + 15);
-      // Pᵀ = exp(Sᵀ·scale − L) and dSᵀ = Pᵀ∘(dPᵀ − D), L and D those of each column's query
+  for (int h = g * group_size, q0 = k0, buf = 0; h < h_end; buf ^= 1) {
+    const int h_next = q0 + BN < q_end ? h : h + 1, q_next = q0 + BN < q_end ? q0 + BN : k0;
+    // the next query block's copy goes out before this one's is waited for
+    if (h_next < h_end) stage_queries(h_next, q_next, buf ^ 1), cuda_ptx::cp_async_wait<1>();
+    else cuda_ptx::cp_async_wait<0>();
+    __syncthreads();  // this query block (and K, V) landed, for every warp
+    const bfloat *sq = sqdo + 2 * buf * BN * LD, *sdo = sq + BN * LD;
+    const float *sl = sld + 2 * buf * BN, *sd = sl + BN;
+    float st[BN / 8][4], dpt[BN / 8][4];
+    zero(st);
+    zero(dpt);
+    product_bt<BN, HS>(st, k_rows, sq, LD, l);   // Sᵀ = K·Qᵀ
+    product_bt<BN, HS>(dpt, v_rows, sdo, LD, l);  // dPᵀ = V·dOᵀ
+    const bool whole = lay.all_visible(q0, q0 + BN - 1, kw, kw + 15);
+    // Pᵀ = exp(Sᵀ·scale − L) and dSᵀ = Pᵀ∘(dPᵀ − D), L and D those of each column's query
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
+    for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = j * 8 + 2 * l.t + e;
-          const float L = cuda_ptx::ld_shared_f32(sl + c), D = cuda_ptx::ld_shared_f32(sd + c);
+      for (int e = 0; e < 2; ++e) {
+        const int c = j * 8 + 2 * l.t + e;
+        const float L = cuda_ptx::ld_shared_f32(sl + c), D = cuda_ptx::ld_shared_f32(sd + c);
 #pragma unroll
-          for (int rh = 0; rh < 2; ++rh) {
-            float& p = st[j][2 * rh + e];
-            p = whole || lay.visible(q0 + c, keys[rh]) ? exp2f(p * scale2 - L) : 0.0f;
-            dpt[j][2 * rh + e] = p * (dpt[j][2 * rh + e] - D);
-          }
+        for (int rh = 0; rh < 2; ++rh) {
+          float& p = st[j][2 * rh + e];
+          p = whole || lay.visible(q0 + c, keys[rh]) ? exp2f(p * scale2 - L) : 0.0f;
+          dpt[j][2 * rh + e] = p * (dpt[j][2 * rh + e] - D);
         }
-      product_b<HS, BN>(dv, Rounded<BN>{st}, sdo, LD);  // dV += Pᵀ·dO
-      product_b<HS, BN>(dk, Rounded<BN>{dpt}, sq, LD);  // dK += dSᵀ·Q
-    }
+      }
+    product_b<HS, BN>(dv, Rounded<BN>{st}, sdo, LD);  // dV += Pᵀ·dO
+    product_b<HS, BN>(dk, Rounded<BN>{dpt}, sq, LD);  // dK += dSᵀ·Q
+    __syncthreads();  // every warp is done with buf: the next iteration's copy goes into it
+    h = h_next, q0 = q_next;
   }
   for_each_stored<HS>(dk, keys, T, l, [&](int rh, int d, float x) {
     dqkv[(row0 + keys[rh]) * W + lay.k_col(g, HS) + d] = x * scale;
@@ -408,9 +455,10 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float
                       [&](int rh, int d, float x) { dqkv[(row0 + keys[rh]) * W + lay.v_col(g, HS) + d] = x; });
 }
 
+// Q, dO, and K and V twice: the key block the warps compute on and the next.
 template <int HS>
 constexpr size_t dq_smem() {
-  return 4 * kRows * (HS + kPad) * sizeof(bfloat);  // Q, dO, K, V
+  return 6 * kRows * (HS + kPad) * sizeof(bfloat);
 }
 
 // grid (query blocks, B·H), as QueryBlock says: dQ of 64 queries, over the key blocks up to their own.
@@ -422,11 +470,18 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* 
   unsigned char* smem = cuda_ptx::dynamic_smem();
   bfloat* sq = reinterpret_cast<bfloat*>(smem);
   bfloat* sdo = sq + kRows * LD;
-  bfloat* sk = sdo + kRows * LD;
-  bfloat* sv = sk + kRows * LD;
+  bfloat* const skv = sdo + kRows * LD;  // buffer b: K at skv + 2b·kRows·LD, V kRows·LD on
   const QueryBlock at(lay, HS);
-  load_tile<kRows, HS>(sq, qkv, at.row0 + at.q0, at.T - at.q0, at.W, lay.q_col(at.h, HS), vec_qkv);
-  load_tile<kRows, HS>(sdo, dout, at.row0 + at.q0, at.T - at.q0, at.C, int64_t(at.h) * HS, vec_dout);
+  const auto stage_keys = [&](int k0, int buf) {
+    bfloat* sk = skv + 2 * buf * kRows * LD;
+    stage_tile<kRows, HS>(sk, qkv, at.row0 + k0, at.T - k0, at.W, lay.k_col(at.g, HS), vec_qkv);
+    stage_tile<kRows, HS>(sk + kRows * LD, qkv, at.row0 + k0, at.T - k0, at.W, lay.v_col(at.g, HS), vec_qkv);
+    cuda_ptx::cp_async_commit();
+  };
+  const int first_key = lay.first_key_block(at.q0), last_key = min(at.q0 + kRows, at.T);
+  stage_tile<kRows, HS>(sq, qkv, at.row0 + at.q0, at.T - at.q0, at.W, lay.q_col(at.h, HS), vec_qkv);
+  stage_tile<kRows, HS>(sdo, dout, at.row0 + at.q0, at.T - at.q0, at.C, int64_t(at.h) * HS, vec_dout);
+  stage_keys(first_key, 0);
   float L[2], D[2];
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
@@ -437,12 +492,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* 
   float dq[HS / 8][4];
   zero(dq);
   const float scale2 = scale * kLog2e;
-  const int last_key = min(at.q0 + kRows, at.T);
-  for (int k0 = lay.first_key_block(at.q0); k0 < last_key; k0 += kRows) {
-    __syncthreads();
-    load_tile<kRows, HS>(sk, qkv, at.row0 + k0, at.T - k0, at.W, lay.k_col(at.g, HS), vec_qkv);
-    load_tile<kRows, HS>(sv, qkv, at.row0 + k0, at.T - k0, at.W, lay.v_col(at.g, HS), vec_qkv);
-    __syncthreads();
+  for (int k0 = first_key, buf = 0; k0 < last_key; k0 += kRows, buf ^= 1) {
+    if (k0 + kRows < last_key) stage_keys(k0 + kRows, buf ^ 1), cuda_ptx::cp_async_wait<1>();
+    else cuda_ptx::cp_async_wait<0>();
+    __syncthreads();  // this key block (and Q, dO) landed, for every warp
+    const bfloat *sk = skv + 2 * buf * kRows * LD, *sv = sk + kRows * LD;
     float s[kRows / 8][4], dp[kRows / 8][4];
     zero(s);
     zero(dp);
@@ -461,6 +515,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* 
           dp[j][2 * rh + e] = p * (dp[j][2 * rh + e] - D[rh]);  // dS
         }
     product_b<HS, kRows>(dq, Rounded<kRows>{dp}, sk, LD);  // dQ += dS·K
+    __syncthreads();  // every warp is done with buf: the next iteration's copy goes into it
   }
   for_each_stored<HS>(dq, at.rows, at.T, at.l, [&](int rh, int d, float x) {
     dqkv[(at.row0 + at.rows[rh]) * at.W + lay.q_col(at.h, HS) + d] = x * scale;

@@ -47,6 +47,23 @@ __device__ inline void st_shared_b128(__nv_bfloat16* p, uint4 v) { *reinterpret_
 __device__ inline float ld_shared_f32(const float* p) { return *p; }
 __device__ inline void st_shared_f32(float* p, float v) { *p = v; }
 
+// cp.async.cg.shared.global: 16 bytes from global memory into shared memory (both 16-byte
+// aligned) without passing through registers, landing later (sm_80+): the next tile's copy is in
+// flight while the warps compute on this one. src_bytes < 16 fills the rest with zeros (0: a row
+// past the sequence, nothing read). The copy is the issuing thread's until cp_async_wait says it
+// has landed; other threads see it after a __syncthreads that follows.
+__device__ inline void cp_async_16(__nv_bfloat16* dst, const __nv_bfloat16* src, int src_bytes) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src), "r"(src_bytes) : "memory");
+}
+// cp.async.commit_group: the thread's copies issued since the last commit form one group.
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// cp.async.wait_group N: returns once at most the N most recent of the thread's groups are in flight.
+template <int N>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // The block's dynamic shared memory (the launch's third argument).
 __device__ inline unsigned char* dynamic_smem() {
   extern __shared__ __align__(128) unsigned char smem[];

@@ -2,14 +2,16 @@
 // CPU: every CUDA thread a fiber, every warp instruction computed from the PTX ISA's fragment
 // layouts (warp_simulation.hpp), every shared-memory access checked for races, uninitialised reads
 // and alignment. Against double-precision loops written here, on bf16-rounded q, k, v and dY: what
-// remains is the kernels' bf16 rounding of P and dS, the GPU tests' tolerance (tests/gpu). So a change to the kernels' indexing, masks, tiles or fragments is checked where
-// no GPU is; their speed, and the hardware's agreement with the ISA, only a GPU checks.
+// remains is the kernels' bf16 rounding of P and dS, the GPU tests' tolerance (tests/gpu). So a
+// change to the kernels' indexing, masks, tiles, fragments or barriers is checked where no GPU is;
+// their speed, and the hardware's agreement with the ISA, only a GPU checks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/attention_flash_bf16_kernels.hpp"
@@ -120,6 +122,9 @@ void run_kernels(const Case& c) {
   // racecheck's and memcheck's findings on a GPU: the warps' order there is any order
   const zero3d::cuda_sim::SharedCensus& shared = zero3d::cuda_sim::shared_census;
   EXPECT_GT(shared.accesses, banks.loads);
+  // bf16 rows that start 16-byte aligned come by cp.async, others through registers
+  const bool by_cp_async = std::is_same<Q, bfloat>::value && c.vector_loads;
+  EXPECT_EQ(shared.async_copies > 0, by_cp_async);
   EXPECT_EQ(shared.hazards, 0) << shared.first;
   EXPECT_EQ(shared.uninitialized, 0) << shared.first;
   EXPECT_EQ(shared.misaligned, 0) << shared.first;

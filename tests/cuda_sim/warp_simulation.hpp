@@ -12,6 +12,8 @@
 // one word between the same pair of __syncthreads, one of them writing (a hazard the fibers' order
 // may hide: on a GPU the warps run in any order); a word read before any thread wrote it (shared
 // memory starts as garbage); an access outside the launch's shared memory or off its alignment.
+// A cp.async lands only when its thread's cp.async.wait_group says so, and until then every access
+// to the words it writes is a hazard: what a GPU's asynchronous copy may or may not have written.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -118,29 +120,42 @@ inline int passes(const std::vector<size_t>& words) {
 
 // The shared-memory faults of the kernels run since reset(), and the first one described.
 struct SharedCensus {
-  int64_t accesses = 0, hazards = 0, uninitialized = 0, misaligned = 0;
+  int64_t accesses = 0, async_copies = 0, hazards = 0, uninitialized = 0, misaligned = 0, unwaited = 0;
   std::string first;
   void reset() { *this = SharedCensus{}; }
-  int64_t faults() const { return hazards + uninitialized + misaligned; }
+  int64_t faults() const { return hazards + uninitialized + misaligned + unwaited; }
 };
 inline SharedCensus shared_census;
 
 // Who last wrote a 4-byte word of shared memory and who read it, and in which barrier interval
-// (the barrier's generation + 1; 0: never).
+// (the barrier's generation + 1; 0: never); the thread whose cp.async is still to land on it.
 struct WordState {
   static constexpr int kManyReaders = -2;
-  int writer = -1, reader = -1;
+  int writer = -1, reader = -1, in_flight = -1;
   unsigned written_in = 0, read_in = 0;
+};
+
+// A thread's cp.async copies: those issued since its last commit, then its committed groups,
+// oldest first.
+struct AsyncCopy {
+  __nv_bfloat16* dst;
+  const __nv_bfloat16* src;
+  int src_bytes;
+};
+struct ThreadCopies {
+  std::vector<AsyncCopy> issued;
+  std::vector<std::vector<AsyncCopy>> groups;
 };
 
 struct Block {
   explicit Block(unsigned threads, size_t smem_bytes)
       : barrier(static_cast<int>(threads)), warps(threads / 32), smem(smem_bytes, 0xA5),  // garbage, as a GPU's
-        words((smem_bytes + 3) / 4) {}
+        words((smem_bytes + 3) / 4), copies(threads) {}
   Barrier barrier;
   std::vector<Warp> warps;
   std::vector<unsigned char> smem;
   std::vector<WordState> words;
+  std::vector<ThreadCopies> copies;
 };
 inline Block* current_block = nullptr;
 inline Warp& current_warp() { return current_block->warps[threadIdx.x / 32]; }
@@ -156,11 +171,11 @@ inline void shared_fault(int64_t& count, const std::string& what) {
                           std::to_string(blockIdx.x) + ", " + std::to_string(blockIdx.y) + "))";
 }
 
-// A thread's access to `bytes` of shared memory at p, which must be `align`-byte aligned.
-inline void access_shared(const void* p, size_t bytes, size_t align, bool write) {
+// The offset of `bytes` of shared memory at p, which must lie inside the launch's and be
+// `align`-byte aligned.
+inline size_t checked_offset(const void* p, size_t bytes, size_t align) {
   SharedCensus& c = shared_census;
   Block& b = *current_block;
-  ++c.accesses;
   const auto at = static_cast<const unsigned char*>(p) - b.smem.data();
   if (at < 0 || static_cast<size_t>(at) + bytes > b.smem.size()) {  // a GPU's fault: the kernel stops here
     std::fprintf(stderr, "cuda_sim: thread %u of block (%u, %u) accesses shared byte %td, outside the launch's %zu\n",
@@ -171,6 +186,15 @@ inline void access_shared(const void* p, size_t bytes, size_t align, bool write)
   if (off % align != 0)
     shared_fault(c.misaligned, std::to_string(bytes) + " bytes at shared byte " + std::to_string(off) +
                                    ", not " + std::to_string(align) + "-byte aligned");
+  return off;
+}
+
+// A thread's access to `bytes` of shared memory at p, which must be `align`-byte aligned.
+inline void access_shared(const void* p, size_t bytes, size_t align, bool write) {
+  SharedCensus& c = shared_census;
+  Block& b = *current_block;
+  ++c.accesses;
+  const size_t off = checked_offset(p, bytes, align);
   const unsigned interval = b.barrier.generation() + 1;
   const int t = static_cast<int>(threadIdx.x);
   for (size_t w = off / 4; w < (off + bytes + 3) / 4; ++w) {
@@ -180,17 +204,33 @@ inline void access_shared(const void* p, size_t bytes, size_t align, bool write)
                                   (other == WordState::kManyReaders ? std::string("s") : std::to_string(other)) +
                                   " with no __syncthreads between");
     };
+    if (s.in_flight >= 0) {
+      shared_fault(c.hazards, std::string(write ? "write" : "read") + " of shared byte " + std::to_string(4 * w) +
+                                  " while thread " + std::to_string(s.in_flight) + "'s cp.async to it is in flight");
+      continue;
+    }
     if (write) {
       if (s.written_in == interval && s.writer != t) hazard("write after the write", s.writer);
       else if (s.read_in == interval && s.reader != t) hazard("write after the read", s.reader);
       s.writer = t, s.written_in = interval;
     } else {
-      if (s.written_in == 0) shared_fault(c.uninitialized, "shared byte " + std::to_string(4 * w) + " read, never written");
+      if (s.written_in == 0)
+        shared_fault(c.uninitialized, "shared byte " + std::to_string(4 * w) + " read, never written");
       else if (s.written_in == interval && s.writer != t) hazard("read after the write", s.writer);
       if (s.read_in != interval) s.read_in = interval, s.reader = t;
       else if (s.reader != t) s.reader = WordState::kManyReaders;
     }
   }
+}
+
+// A thread's cp.async lands: the bytes copied (zeros past src_bytes), then written as the thread's.
+inline void land(const AsyncCopy& copy) {
+  Block& b = *current_block;
+  const size_t off = smem_offset(copy.dst);
+  for (size_t w = off / 4; w < off / 4 + 4; ++w) b.words[w].in_flight = -1;
+  std::memset(static_cast<void*>(copy.dst), 0, 16);
+  if (copy.src_bytes > 0) std::memcpy(static_cast<void*>(copy.dst), copy.src, static_cast<size_t>(copy.src_bytes));
+  access_shared(copy.dst, 16, 16, true);
 }
 
 inline float half_of(uint32_t word, int upper) {
@@ -220,6 +260,13 @@ inline void run_block(unsigned bx, unsigned by, unsigned threads, size_t smem_by
       swapcontext(&fibers.host, &fibers.context[t]);
       left -= fibers.done[t];
     }
+  for (unsigned t = 0; t < threads; ++t) {  // a kernel that ends with a copy in flight
+    ThreadCopies& mine = block.copies[t];
+    if (!mine.issued.empty() || !mine.groups.empty()) {
+      threadIdx = {t, 0, 0};
+      shared_fault(shared_census.unwaited, "a cp.async never waited for");
+    }
+  }
   for (Warp& w : block.warps)  // the i-th load of every lane is one request
     for (size_t i = 0; i < w.loads[0].size(); ++i) {
       std::vector<size_t> words;
@@ -323,6 +370,35 @@ inline float ld_shared_f32(const float* p) {
 inline void st_shared_f32(float* p, float v) {
   zero3d::cuda_sim::access_shared(p, 4, 4, true);
   *p = v;
+}
+
+// Issued: a write of the words now (it may land at once), and in flight, a hazard to any access,
+// until cp_async_wait lands it (it may land as late as that).
+inline void cp_async_16(__nv_bfloat16* dst, const __nv_bfloat16* src, int src_bytes) {
+  using namespace zero3d::cuda_sim;
+  SharedCensus& c = shared_census;
+  ++c.async_copies;
+  if (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % 16 != 0)
+    shared_fault(c.misaligned, "a cp.async from a global address not 16-byte aligned");
+  access_shared(dst, 16, 16, true);  // it may land at once: a write now, against this interval's readers
+  const size_t off = smem_offset(dst);
+  for (size_t w = off / 4; w < off / 4 + 4; ++w) current_block->words[w].in_flight = static_cast<int>(threadIdx.x);
+  current_block->copies[threadIdx.x].issued.push_back({dst, src, src_bytes});
+}
+
+inline void cp_async_commit() {
+  zero3d::cuda_sim::ThreadCopies& mine = zero3d::cuda_sim::current_block->copies[threadIdx.x];
+  mine.groups.push_back(std::move(mine.issued));
+  mine.issued.clear();
+}
+
+template <int N>
+inline void cp_async_wait() {
+  zero3d::cuda_sim::ThreadCopies& mine = zero3d::cuda_sim::current_block->copies[threadIdx.x];
+  while (mine.groups.size() > N) {
+    for (const zero3d::cuda_sim::AsyncCopy& copy : mine.groups.front()) zero3d::cuda_sim::land(copy);
+    mine.groups.erase(mine.groups.begin());
+  }
 }
 
 }  // namespace zero3d::kernels::cuda_ptx
