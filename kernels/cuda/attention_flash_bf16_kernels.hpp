@@ -257,6 +257,18 @@ struct QueryBlock {
         rows{rw + l.g, rw + l.g + 8}, row0(int64_t(bh / lay.H) * lay.T) {}
 };
 
+// K and V of key block k0 for a query block `at`, into buffer buf of skv (K at skv + 2·buf·kRows·LD,
+// V kRows·LD on), as one cp.async group: the forward's and dQ's walk over the keys.
+template <int HS, typename QT>
+__device__ inline void stage_key_block(bfloat* skv, int buf, const QT* qkv, const QueryBlock& at, const Layout& lay,
+                                       int k0, bool vec) {
+  constexpr int LD = HS + kPad;
+  bfloat* sk = skv + 2 * buf * kRows * LD;
+  stage_tile<kRows, HS>(sk, qkv, at.row0 + k0, at.T - k0, at.W, lay.k_col(at.g, HS), vec);
+  stage_tile<kRows, HS>(sk + kRows * LD, qkv, at.row0 + k0, at.T - k0, at.W, lay.v_col(at.g, HS), vec);
+  cuda_ptx::cp_async_commit();
+}
+
 // ---- forward -----------------------------------------------------------------------------------
 
 // Q, and K and V twice: the key block the warps compute on and the next, in flight meanwhile.
@@ -275,23 +287,18 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
   bfloat* const skv = sq + kRows * LD;  // buffer b: K at skv + 2b·kRows·LD, V kRows·LD on
   const QueryBlock at(lay, HS);
   const float scale2 = scale * kLog2e;
-  const auto stage_keys = [&](int k0, int buf) {
-    bfloat* sk = skv + 2 * buf * kRows * LD;
-    stage_tile<kRows, HS>(sk, qkv, at.row0 + k0, at.T - k0, at.W, lay.k_col(at.g, HS), vec);
-    stage_tile<kRows, HS>(sk + kRows * LD, qkv, at.row0 + k0, at.T - k0, at.W, lay.v_col(at.g, HS), vec);
-    cuda_ptx::cp_async_commit();
-  };
   // keys from first_key and below last_key meet some row of the block
   const int first_key = lay.first_key_block(at.q0), last_key = min(at.q0 + kRows, at.T);
   stage_tile<kRows, HS>(sq, qkv, at.row0 + at.q0, at.T - at.q0, at.W, lay.q_col(at.h, HS), vec);
-  stage_keys(first_key, 0);
+  stage_key_block<HS>(skv, 0, qkv, at, lay, first_key, vec);
   const RowsOf q_rows{sq, LD, at.r16, at.l};
   float o[HS / 8][4];
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.0f, 0.0f};  // lsum: this lane's columns' share
   for (int k0 = first_key, buf = 0; k0 < last_key; k0 += kRows, buf ^= 1) {
     // the next key block's copy goes out before this one's is waited for, to fly while the warps compute
-    if (k0 + kRows < last_key) stage_keys(k0 + kRows, buf ^ 1), cuda_ptx::cp_async_wait<1>();
+    if (k0 + kRows < last_key)
+      stage_key_block<HS>(skv, buf ^ 1, qkv, at, lay, k0 + kRows, vec), cuda_ptx::cp_async_wait<1>();
     else cuda_ptx::cp_async_wait<0>();
     __syncthreads();  // this key block (and Q) landed, for every warp
     const bfloat *sk = skv + 2 * buf * kRows * LD, *sv = sk + kRows * LD;
@@ -472,16 +479,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* 
   bfloat* sdo = sq + kRows * LD;
   bfloat* const skv = sdo + kRows * LD;  // buffer b: K at skv + 2b·kRows·LD, V kRows·LD on
   const QueryBlock at(lay, HS);
-  const auto stage_keys = [&](int k0, int buf) {
-    bfloat* sk = skv + 2 * buf * kRows * LD;
-    stage_tile<kRows, HS>(sk, qkv, at.row0 + k0, at.T - k0, at.W, lay.k_col(at.g, HS), vec_qkv);
-    stage_tile<kRows, HS>(sk + kRows * LD, qkv, at.row0 + k0, at.T - k0, at.W, lay.v_col(at.g, HS), vec_qkv);
-    cuda_ptx::cp_async_commit();
-  };
   const int first_key = lay.first_key_block(at.q0), last_key = min(at.q0 + kRows, at.T);
   stage_tile<kRows, HS>(sq, qkv, at.row0 + at.q0, at.T - at.q0, at.W, lay.q_col(at.h, HS), vec_qkv);
   stage_tile<kRows, HS>(sdo, dout, at.row0 + at.q0, at.T - at.q0, at.C, int64_t(at.h) * HS, vec_dout);
-  stage_keys(first_key, 0);
+  stage_key_block<HS>(skv, 0, qkv, at, lay, first_key, vec_qkv);
   float L[2], D[2];
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
@@ -493,7 +494,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* 
   zero(dq);
   const float scale2 = scale * kLog2e;
   for (int k0 = first_key, buf = 0; k0 < last_key; k0 += kRows, buf ^= 1) {
-    if (k0 + kRows < last_key) stage_keys(k0 + kRows, buf ^ 1), cuda_ptx::cp_async_wait<1>();
+    if (k0 + kRows < last_key)
+      stage_key_block<HS>(skv, buf ^ 1, qkv, at, lay, k0 + kRows, vec_qkv), cuda_ptx::cp_async_wait<1>();
     else cuda_ptx::cp_async_wait<0>();
     __syncthreads();  // this key block (and Q, dO) landed, for every warp
     const bfloat *sk = skv + 2 * buf * kRows * LD, *sv = sk + kRows * LD;
