@@ -20,6 +20,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -71,13 +73,23 @@ bool vectorizable(Index cols, const P*... p) {
   return cols % kVec == 0 && all_aligned16(p...);
 }
 
+// On the host, where the CPU suite runs these forms, a vector access off a 16-byte boundary
+// stops the process as it would stop a GPU's kernel (CUDA's "misaligned address"), where the
+// memcpy standing in for it would pass.
+inline void expect_aligned16(const void* p) {
+  if (aligned16(p)) return;
+  std::fprintf(stderr, "zero3d: a device form's 16-byte vector access at %p is not 16-byte aligned\n", p);
+  std::abort();
+}
+
 // kVec elements from p (16-byte aligned): a vector load per 16 bytes on a device; memcpy on the
-// host, where the CPU suite runs these forms.
+// host.
 template <typename T>
 KOKKOS_INLINE_FUNCTION Vec<T> load_vec(const T* p) {
 #if defined(__CUDA_ARCH__)
   return *reinterpret_cast<const Vec<T>*>(p);
 #else
+  expect_aligned16(p);
   Vec<T> x;
   std::memcpy(&x, p, sizeof x);
   return x;
@@ -88,6 +100,7 @@ KOKKOS_INLINE_FUNCTION void store_vec(T* p, const Vec<T>& x) {
 #if defined(__CUDA_ARCH__)
   *reinterpret_cast<Vec<T>*>(p) = x;
 #else
+  expect_aligned16(p);
   std::memcpy(p, &x, sizeof x);
 #endif
 }

@@ -389,35 +389,39 @@ TEST(KernelDeviceForms, SumOfSquaresMatchesTheCpuForm) {
   EXPECT_TRUE(std::isnan(gpu::sum_of_squares(nan_buffer.data(), n)));
 }
 
-// The element-wise GELU: whole vectors of kVec where the pointers are 16-byte aligned, one element
-// at a time in the tail and wherever a pointer is not (here one element past an aligned buffer).
+// The element-wise GELU: whole vectors of kVec where every pointer is 16-byte aligned, one element
+// at a time in the tail and wherever one pointer is not (here one element past an aligned buffer,
+// each pointer on its own: a form that checked one pointer only would make a misaligned vector
+// access, which stops the process on the host as on a GPU).
 TEST(KernelDeviceForms, GeluMatchesTheCpuFormByVectorsAndByElements) {
   for (const Index n : {Index{37}, Index{5 * 3072 + 3}}) {
-    for (const Index offset : {Index{0}, Index{1}}) {
-      const std::string at = " [n " + std::to_string(n) + ", offset " + std::to_string(offset) + "]";
+    for (int mask = 0; mask < 8; ++mask) {
+      const Index o_out = mask & 1, o_in = mask >> 1 & 1, o_dout = mask >> 2 & 1;  // output, input, gradient
+      const std::string at = " [n " + std::to_string(n) + ", offsets " + std::to_string(o_out) +
+                             std::to_string(o_in) + std::to_string(o_dout) + "]";
       const auto x = random_vector(n + 1, 32, 1.5f), dy = random_vector(n + 1, 33);
       Buffer<float> x32(x), dout(dy);
       Buffer<bf16> x16(rounded(x));
       auto forward32 = [&](bool device) {
         Buffer<float> out(n + 1);
-        if (device) gpu::gelu_forward(out.data() + offset, x32.data() + offset, n);
-        else gelu_forward(out.data() + offset, x32.data() + offset, n);
+        if (device) gpu::gelu_forward(out.data() + o_out, x32.data() + o_in, n);
+        else gelu_forward(out.data() + o_out, x32.data() + o_in, n);
         return out.host();
       };
       // each element's arithmetic is the portable form's: the same bits
       expect_same_bits("gelu_forward fp32" + at, forward32(true), forward32(false));
       auto forward16 = [&](bool device) {
         Buffer<bf16> out(n + 1);
-        if (device) gpu::gelu_forward(out.data() + offset, x16.data() + offset, n);
-        else gelu_forward(out.data() + offset, x16.data() + offset, n);
+        if (device) gpu::gelu_forward(out.data() + o_out, x16.data() + o_in, n);
+        else gelu_forward(out.data() + o_out, x16.data() + o_in, n);
         return out.host();
       };
       // the CPU form's AVX-512 lanes take σ(2u) through a 2^x polynomial: a bf16 rounding may flip
       expect_close("gelu_forward bf16" + at, forward16(true), forward16(false), 1e-6, 1.0 / 128);
       auto backward = [&](bool device, auto* inp) {
         Buffer<float> dx(n + 1);
-        if (device) gpu::gelu_backward(dx.data() + offset, inp + offset, dout.data() + offset, n);
-        else gelu_backward(dx.data() + offset, inp + offset, dout.data() + offset, n);
+        if (device) gpu::gelu_backward(dx.data() + o_out, inp + o_in, dout.data() + o_dout, n);
+        else gelu_backward(dx.data() + o_out, inp + o_in, dout.data() + o_dout, n);
         return dx.host();
       };
       expect_same_bits("gelu_backward fp32" + at, backward(true, x32.data()), backward(false, x32.data()));
@@ -427,24 +431,26 @@ TEST(KernelDeviceForms, GeluMatchesTheCpuFormByVectorsAndByElements) {
 }
 
 // convert's device form: whole vectors where both pointers are 16-byte aligned, one element at a
-// time in the tail and where one is not; each element's arithmetic is the portable form's.
+// time in the tail and where either is not (each pointer offset on its own); each element's
+// arithmetic is the portable form's.
 TEST(KernelDeviceForms, ConvertMatchesTheCpuFormByVectorsAndByElements) {
   for (const Index n : {Index{37}, Index{4 * 768 + 5}}) {
-    for (const Index offset : {Index{0}, Index{1}}) {
-      const std::string at = " [n " + std::to_string(n) + ", offset " + std::to_string(offset) + "]";
+    for (int mask = 0; mask < 4; ++mask) {
+      const Index o_dst = mask & 1, o_src = mask >> 1;
+      const std::string at = " [n " + std::to_string(n) + ", offsets " + std::to_string(o_dst) + std::to_string(o_src) + "]";
       const auto x = random_vector(n + 1, 34, 3.0f), y = random_vector(n + 1, 35);
       Buffer<float> x32(x);
       Buffer<bf16> x16(rounded(x));
       auto to16 = [&](bool device, float scale, bool accumulate) {
         Buffer<bf16> out(rounded(y));
-        if (device) gpu::convert(out.data() + offset, x32.data() + offset, n, scale, accumulate);
-        else convert(out.data() + offset, x32.data() + offset, n, scale, accumulate);
+        if (device) gpu::convert(out.data() + o_dst, x32.data() + o_src, n, scale, accumulate);
+        else convert(out.data() + o_dst, x32.data() + o_src, n, scale, accumulate);
         return out.host();
       };
       auto to32 = [&](bool device, float scale, bool accumulate) {
         Buffer<float> out(y);
-        if (device) gpu::convert(out.data() + offset, x16.data() + offset, n, scale, accumulate);
-        else convert(out.data() + offset, x16.data() + offset, n, scale, accumulate);
+        if (device) gpu::convert(out.data() + o_dst, x16.data() + o_src, n, scale, accumulate);
+        else convert(out.data() + o_dst, x16.data() + o_src, n, scale, accumulate);
         return out.host();
       };
       for (const auto& [scale, accumulate] : {std::pair<float, bool>{1.0f, false}, {0.25f, false}, {0.5f, true}}) {
