@@ -52,18 +52,20 @@ std::vector<bf16> rounded(const std::vector<float>& x) {
 
 std::string shape(Index rows, Index cols) { return " [" + std::to_string(rows) + " x " + std::to_string(cols) + "]"; }
 
-// LayerNorm rows of a non-zero mean (as a residual stream has), parameters P, output O.
+// LayerNorm rows of a non-zero mean (as a residual stream has), parameters P, output O; `shifted`
+// names the one pointer that starts off a 16-byte boundary (0 out, 1 inp, 2 weight, 3 bias; -1 none).
 template <typename P, typename O>
-void check_layernorm_forward(Index N, Index C) {
-  const std::string at = shape(N, C);
+void check_layernorm_forward(Index N, Index C, int shifted = -1) {
+  const std::string at = shape(N, C) + (shifted >= 0 ? " [pointer " + std::to_string(shifted) + " shifted]" : "");
+  const auto shift = [&](int k) { return size_t(shifted == k ? 1 : 0); };
   const auto x = random_vector(N * C, 1, 1.0f, 0.5f), w32 = random_vector(C, 2, 0.2f, 1.0f);
   const auto b32 = random_vector(C, 3, 0.1f);
   std::vector<P> w(C), b(C);
   for (Index c = 0; c < C; ++c) w[c] = from_float<P>(w32[c]), b[c] = from_float<P>(b32[c]);
-  Buffer<float> in(x);
-  Buffer<P> weight(w), bias(b);
+  Buffer<float> in(x, shift(1));
+  Buffer<P> weight(w, shift(2)), bias(b, shift(3));
   auto run = [&](bool device) {
-    Buffer<O> out(N * C);
+    Buffer<O> out(N * C, shift(0));
     Buffer<float> mean(N), rstd(N);
     if (device) gpu::layernorm_forward(out.data(), mean.data(), rstd.data(), in.data(), weight.data(), bias.data(), N, C);
     else layernorm_forward(out.data(), mean.data(), rstd.data(), in.data(), weight.data(), bias.data(), N, C);
@@ -84,19 +86,22 @@ void check_layernorm_forward(Index N, Index C) {
   expect_same_bits("rstd, second run" + at, again_rstd, rstd);
 }
 
+// `shifted`: the one pointer off a 16-byte boundary (0 dinp, 1 dweight, 2 dbias, 3 dout, 4 inp,
+// 5 weight; -1 none).
 template <typename P>
-void check_layernorm_backward(Index N, Index C) {
-  const std::string at = shape(N, C);
+void check_layernorm_backward(Index N, Index C, int shifted = -1) {
+  const std::string at = shape(N, C) + (shifted >= 0 ? " [pointer " + std::to_string(shifted) + " shifted]" : "");
+  const auto shift = [&](int k) { return size_t(shifted == k ? 1 : 0); };
   const auto x = random_vector(N * C, 4, 1.0f, 0.5f), dy = random_vector(N * C, 5), w32 = random_vector(C, 6, 0.2f, 1.0f);
   std::vector<P> w(C);
   for (Index c = 0; c < C; ++c) w[c] = from_float<P>(w32[c]);
   const auto dx0 = random_vector(N * C, 7), dw0 = random_vector(C, 8), db0 = random_vector(C, 9);
-  Buffer<float> in(x), dout(dy), mean(N), rstd(N);
-  Buffer<P> weight(w);
+  Buffer<float> in(x, shift(4)), dout(dy, shift(3)), mean(N), rstd(N);
+  Buffer<P> weight(w, shift(5));
   Buffer<float> normed(N * C);  // the forward's statistics (the weight serves as bias)
   layernorm_forward(normed.data(), mean.data(), rstd.data(), in.data(), weight.data(), weight.data(), N, C);
   auto run = [&](bool device) {
-    Buffer<float> dx(dx0), dw(dw0), db(db0);
+    Buffer<float> dx(dx0, shift(0)), dw(dw0, shift(1)), db(db0, shift(2));
     if (device)
       gpu::layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), in.data(), weight.data(), mean.data(),
                               rstd.data(), N, C);
@@ -162,6 +167,18 @@ TEST(KernelDeviceForms, LayerNormForwardMatchesTheCpuForm) {
     const Index N = size.first, C = size.second;
     check_layernorm_forward<float, float>(N, C);
     check_layernorm_forward<bf16, bf16>(N, C);
+  }
+}
+
+// Rows 768 wide take whole vectors; with any one pointer off a 16-byte boundary, elements.
+TEST(KernelDeviceForms, LayerNormTakesElementsWhereAnyPointerIsOffAVector) {
+  for (int shifted = 0; shifted < 4; ++shifted) {
+    check_layernorm_forward<float, float>(70, 768, shifted);
+    check_layernorm_forward<bf16, bf16>(70, 768, shifted);
+  }
+  for (int shifted = 0; shifted < 6; ++shifted) {
+    check_layernorm_backward<float>(70, 768, shifted);
+    check_layernorm_backward<bf16>(70, 768, shifted);
   }
 }
 
@@ -298,78 +315,98 @@ TEST(KernelDeviceForms, VocabParallelCrossEntropyMatchesTheCpuForm) {
   expect_same_bits("vocab_ce_backward", backward(true), backward(false));
 }
 
+namespace {
+
+// `shifted`: the one pointer off a 16-byte boundary (0 out, 1 bias, 2 src, 3 the bf16 dst; -1 none).
+void check_bias_and_column_sums(Index N, Index OC, int shifted = -1) {
+  const std::string at = shape(N, OC) + (shifted >= 0 ? " [pointer " + std::to_string(shifted) + " shifted]" : "");
+  const auto shift = [&](int k) { return size_t(shifted == k ? 1 : 0); };
+  const auto x = random_vector(N * OC, 25), b32 = random_vector(OC, 26), sums0 = random_vector(OC, 27);
+  Buffer<float> src(x, shift(2)), bias(b32, shift(1));
+  Buffer<bf16> bias16(rounded(b32), shift(1));
+  // add_bias_rows: one sum per element, fp32 and bf16 biases (widened exactly either way)
+  Buffer<float> out(x, shift(0)), cpu_out(x, shift(0));
+  gpu::add_bias_rows(out.data(), bias.data(), N, OC);
+  gpu::add_bias_rows(out.data(), bias16.data(), N, OC);
+  add_bias_rows(cpu_out.data(), bias.data(), N, OC);
+  add_bias_rows(cpu_out.data(), bias16.data(), N, OC);
+  expect_same_bits("add_bias_rows" + at, out.host(), cpu_out.host());
+
+  // One chunk of rows adds them in the CPU form's order; more chunks add 64-row sums in order:
+  // a few ulp of the N-term Σ|x| (~0.8 N).
+  auto expect_sums = [&](const std::string& what, const std::vector<float>& got, const std::vector<float>& want) {
+    if (N <= gpu::kColumnChunkRows) expect_same_bits(what, got, want);
+    else expect_close(what, got, want, 2e-6 * N, 0.0);
+  };
+  auto column_sums = [&](bool device) {
+    Buffer<float> sums(sums0);
+    if (device) gpu::accumulate_column_sums(sums.data(), src.data(), N, OC);
+    else accumulate_column_sums(sums.data(), src.data(), N, OC);
+    return sums.host();
+  };
+  const auto sums = column_sums(true);
+  expect_sums("accumulate_column_sums" + at, sums, column_sums(false));
+  expect_same_bits("accumulate_column_sums, second run" + at, column_sums(true), sums);
+
+  auto converted = [&](bool device) {
+    Buffer<float> s(sums0);
+    Buffer<bf16> dst(N * OC, shift(3));
+    if (device) gpu::convert_summing_columns(dst.data(), s.data(), src.data(), N, OC);
+    else convert_summing_columns(dst.data(), s.data(), src.data(), N, OC);
+    return std::make_pair(dst.host(), s.host());
+  };
+  const auto [dst, csums] = converted(true);
+  const auto [cpu_dst, cpu_csums] = converted(false);
+  expect_same_bits("convert_summing_columns, bf16" + at, dst, cpu_dst);
+  expect_sums("convert_summing_columns, sums" + at, csums, cpu_csums);
+  expect_same_bits("convert_summing_columns sums, second run" + at, converted(true).second, csums);
+}
+}  // namespace
+
 TEST(KernelDeviceForms, BiasAndColumnSumsMatchTheCpuForm) {
-  for (const auto& size : {std::pair<Index, Index>{5, 37}, {64, 768}, {257, 3072}}) {
-    const Index N = size.first, OC = size.second;
-    const std::string at = shape(N, OC);
-    const auto x = random_vector(N * OC, 25), b32 = random_vector(OC, 26), sums0 = random_vector(OC, 27);
-    Buffer<float> src(x), bias(b32);
-    Buffer<bf16> bias16(rounded(b32));
-    // add_bias_rows: one sum per element, fp32 and bf16 biases (widened exactly either way)
-    Buffer<float> out(x), cpu_out(x);
-    gpu::add_bias_rows(out.data(), bias.data(), N, OC);
-    gpu::add_bias_rows(out.data(), bias16.data(), N, OC);
-    add_bias_rows(cpu_out.data(), bias.data(), N, OC);
-    add_bias_rows(cpu_out.data(), bias16.data(), N, OC);
-    expect_same_bits("add_bias_rows" + at, out.host(), cpu_out.host());
-
-    // One chunk of rows adds them in the CPU form's order; more chunks add 64-row sums in order:
-    // a few ulp of the N-term Σ|x| (~0.8 N).
-    auto expect_sums = [&](const std::string& what, const std::vector<float>& got, const std::vector<float>& want) {
-      if (N <= gpu::kColumnChunkRows) expect_same_bits(what, got, want);
-      else expect_close(what, got, want, 2e-6 * N, 0.0);
-    };
-    auto column_sums = [&](bool device) {
-      Buffer<float> sums(sums0);
-      if (device) gpu::accumulate_column_sums(sums.data(), src.data(), N, OC);
-      else accumulate_column_sums(sums.data(), src.data(), N, OC);
-      return sums.host();
-    };
-    const auto sums = column_sums(true);
-    expect_sums("accumulate_column_sums" + at, sums, column_sums(false));
-    expect_same_bits("accumulate_column_sums, second run" + at, column_sums(true), sums);
-
-    auto converted = [&](bool device) {
-      Buffer<float> s(sums0);
-      Buffer<bf16> dst(N * OC);
-      if (device) gpu::convert_summing_columns(dst.data(), s.data(), src.data(), N, OC);
-      else convert_summing_columns(dst.data(), s.data(), src.data(), N, OC);
-      return std::make_pair(dst.host(), s.host());
-    };
-    const auto [dst, csums] = converted(true);
-    const auto [cpu_dst, cpu_csums] = converted(false);
-    expect_same_bits("convert_summing_columns, bf16" + at, dst, cpu_dst);
-    expect_sums("convert_summing_columns, sums" + at, csums, cpu_csums);
-    expect_same_bits("convert_summing_columns sums, second run" + at, converted(true).second, csums);
-  }
+  for (const auto& size : {std::pair<Index, Index>{5, 37}, {64, 768}, {257, 3072}})
+    check_bias_and_column_sums(size.first, size.second);
 }
 
+// Rows 768 wide take whole vectors; with any one pointer off a 16-byte boundary, elements.
+TEST(KernelDeviceForms, BiasAndColumnSumsTakeElementsWhereAnyPointerIsOffAVector) {
+  for (int shifted = 0; shifted < 4; ++shifted) check_bias_and_column_sums(70, 768, shifted);
+}
+
+namespace {
+
+// `shifted`: the one pointer off a 16-byte boundary (0 dinp, 1 inp, 2 dout; -1 none).
+void check_gelu_backward_summing_columns(Index N, Index OC, int shifted = -1) {
+  const std::string at = shape(N, OC) + (shifted >= 0 ? " [pointer " + std::to_string(shifted) + " shifted]" : "");
+  const auto shift = [&](int k) { return size_t(shifted == k ? 1 : 0); };
+  Buffer<bf16> inp(rounded(random_vector(N * OC, 28, 1.5f)), shift(1));
+  Buffer<float> dout(random_vector(N * OC, 29), shift(2));
+  const auto sums0 = random_vector(OC, 30);
+  auto run = [&](bool device) {
+    Buffer<float> s(sums0);
+    Buffer<bf16> dinp(N * OC, shift(0));
+    if (device) gpu::gelu_backward_summing_columns(dinp.data(), s.data(), inp.data(), dout.data(), N, OC);
+    else gelu_backward_summing_columns(dinp.data(), s.data(), inp.data(), dout.data(), N, OC);
+    return std::make_pair(dinp.host(), s.host());
+  };
+  const auto [dinp, sums] = run(true);
+  const auto [cpu_dinp, cpu_sums] = run(false);
+  // The CPU form's AVX-512 lanes take gelu' through σ(2u) and a 2^x polynomial (relative error
+  // 2⁻²²), the device form through fast_tanh (absolute error ~1e-7): gelu' differs by up to
+  // ~1e-6, times |dout| (≤ ~5), and a bf16 rounding may flip (one bf16 ulp, 2⁻⁷ relative). The
+  // column sums add those over N rows, in chunks past 64 rows.
+  expect_close("dinp" + at, dinp, cpu_dinp, 1e-5, 1.0 / 128);
+  expect_close("column sums" + at, sums, cpu_sums, 2e-6 * N, 0.0);
+  const auto [again_dinp, again_sums] = run(true);
+  expect_same_bits("dinp, second run" + at, again_dinp, dinp);
+  expect_same_bits("column sums, second run" + at, again_sums, sums);
+}
+}  // namespace
+
 TEST(KernelDeviceForms, GeluBackwardSummingColumnsMatchesTheCpuForm) {
-  for (const auto& size : {std::pair<Index, Index>{5, 37}, {64, 3072}, {257, 768}}) {
-    const Index N = size.first, OC = size.second;
-    const std::string at = shape(N, OC);
-    Buffer<bf16> inp(rounded(random_vector(N * OC, 28, 1.5f)));
-    Buffer<float> dout(random_vector(N * OC, 29));
-    const auto sums0 = random_vector(OC, 30);
-    auto run = [&](bool device) {
-      Buffer<float> s(sums0);
-      Buffer<bf16> dinp(N * OC);
-      if (device) gpu::gelu_backward_summing_columns(dinp.data(), s.data(), inp.data(), dout.data(), N, OC);
-      else gelu_backward_summing_columns(dinp.data(), s.data(), inp.data(), dout.data(), N, OC);
-      return std::make_pair(dinp.host(), s.host());
-    };
-    const auto [dinp, sums] = run(true);
-    const auto [cpu_dinp, cpu_sums] = run(false);
-    // The CPU form's AVX-512 lanes take gelu' through σ(2u) and a 2^x polynomial (relative error
-    // 2⁻²²), the device form through fast_tanh (absolute error ~1e-7): gelu' differs by up to
-    // ~1e-6, times |dout| (≤ ~5), and a bf16 rounding may flip (one bf16 ulp, 2⁻⁷ relative). The
-    // column sums add those over N rows, in chunks past 64 rows.
-    expect_close("dinp" + at, dinp, cpu_dinp, 1e-5, 1.0 / 128);
-    expect_close("column sums" + at, sums, cpu_sums, 2e-6 * N, 0.0);
-    const auto [again_dinp, again_sums] = run(true);
-    expect_same_bits("dinp, second run" + at, again_dinp, dinp);
-    expect_same_bits("column sums, second run" + at, again_sums, sums);
-  }
+  for (const auto& size : {std::pair<Index, Index>{5, 37}, {64, 3072}, {257, 768}})
+    check_gelu_backward_summing_columns(size.first, size.second);
+  for (int shifted = 0; shifted < 3; ++shifted) check_gelu_backward_summing_columns(70, 768, shifted);
 }
 
 TEST(KernelDeviceForms, SumOfSquaresMatchesTheCpuForm) {

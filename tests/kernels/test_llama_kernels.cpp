@@ -149,16 +149,20 @@ TEST(LlamaRmsNorm, Bf16WeightAndOutputAreTheFp32FormRounded) {
   expect_same_bits("bf16 out", out16.host(), rounded(out32.host()));
 }
 
+// `shifted`: the one pointer off a 16-byte boundary (0 out, 1 inp, 2 weight, 3 dinp, 4 dweight,
+// 5 dout; -1 none).
 template <typename P, typename O>
-void check_rmsnorm_device_form(Index N, Index C) {
-  const std::string at = " [" + std::to_string(N) + " x " + std::to_string(C) + "]";
+void check_rmsnorm_device_form(Index N, Index C, int shifted = -1) {
+  const std::string at = " [" + std::to_string(N) + " x " + std::to_string(C) + "]" +
+                         (shifted >= 0 ? " [pointer " + std::to_string(shifted) + " shifted]" : "");
+  const auto shift = [&](int k) { return size_t(shifted == k ? 1 : 0); };
   const auto x = random_vector(N * C, 1, 1.0f, 0.3f), w32 = random_vector(C, 2, 0.2f, 1.0f);
   std::vector<P> w(C);
   for (Index c = 0; c < C; ++c) w[c] = from_float<P>(w32[c]);
-  Buffer<float> in(x);
-  Buffer<P> weight(w);
+  Buffer<float> in(x, shift(1));
+  Buffer<P> weight(w, shift(2));
   auto forward = [&](bool device) {
-    Buffer<O> out(N * C);
+    Buffer<O> out(N * C, shift(0));
     Buffer<float> rstd(N);
     if (device) gpu::rmsnorm_forward(out.data(), rstd.data(), in.data(), weight.data(), N, C, kRmsEps);
     else rmsnorm_forward(out.data(), rstd.data(), in.data(), weight.data(), N, C, kRmsEps);
@@ -175,9 +179,9 @@ void check_rmsnorm_device_form(Index N, Index C) {
   expect_same_bits("rstd, second run" + at, again_rstd, rstd);
 
   const auto dy = random_vector(N * C, 3), dx0 = random_vector(N * C, 4), dw0 = random_vector(C, 5);
-  Buffer<float> dout(dy), saved_rstd(cpu_rstd);
+  Buffer<float> dout(dy, shift(5)), saved_rstd(cpu_rstd);
   auto backward = [&](bool device) {
-    Buffer<float> dx(dx0), dw(dw0);
+    Buffer<float> dx(dx0, shift(3)), dw(dw0, shift(4));
     if (device)
       gpu::rmsnorm_backward(dx.data(), dw.data(), dout.data(), in.data(), weight.data(), saved_rstd.data(), N, C);
     else rmsnorm_backward(dx.data(), dw.data(), dout.data(), in.data(), weight.data(), saved_rstd.data(), N, C);
@@ -202,6 +206,14 @@ TEST(LlamaRmsNorm, DeviceFormMatchesCpuForm) {
     check_rmsnorm_device_form<float, float>(N, C);
     check_rmsnorm_device_form<bf16, float>(N, C);
     check_rmsnorm_device_form<bf16, bf16>(N, C);
+  }
+}
+
+// Rows 384 wide take whole vectors; with any one pointer off a 16-byte boundary, elements.
+TEST(LlamaRmsNorm, DeviceFormTakesElementsWhereAnyPointerIsOffAVector) {
+  for (int shifted = 0; shifted < 6; ++shifted) {
+    check_rmsnorm_device_form<float, float>(70, 384, shifted);
+    check_rmsnorm_device_form<bf16, bf16>(70, 384, shifted);
   }
 }
 

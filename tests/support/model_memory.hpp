@@ -16,24 +16,30 @@
 
 namespace test_support {
 
+// Model memory filled from `host`, its data starting `shift` elements into the allocation: a shift
+// of one puts it off every 16-byte boundary, as a named view may start at any element of a big
+// buffer (the device forms then take elements one at a time, device_forms.hpp).
 template <typename T>
 class Buffer {
  public:
-  explicit Buffer(const std::vector<T>& host)
-      : view_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("test_buffer")), host.size()) {
-    Kokkos::deep_copy(view_,
+  explicit Buffer(const std::vector<T>& host, size_t shift = 0)
+      : view_(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("test_buffer")), host.size() + shift),
+        shift_(shift) {
+    Kokkos::deep_copy(data_view(),
                       Kokkos::View<const T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(host.data(), host.size()));
   }
-  explicit Buffer(size_t n) : Buffer(std::vector<T>(n)) {}  // zeros
-  T* data() const { return view_.data(); }
+  explicit Buffer(size_t n, size_t shift = 0) : Buffer(std::vector<T>(n), shift) {}  // zeros
+  T* data() const { return view_.data() + shift_; }
   std::vector<T> host() const {
-    std::vector<T> out(view_.extent(0));
-    Kokkos::deep_copy(Kokkos::View<T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(out.data(), out.size()), view_);
+    std::vector<T> out(view_.extent(0) - shift_);
+    Kokkos::deep_copy(Kokkos::View<T*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(out.data(), out.size()), data_view());
     return out;
   }
 
  private:
+  Kokkos::View<T*> data_view() const { return Kokkos::subview(view_, Kokkos::make_pair(shift_, view_.extent(0))); }
   Kokkos::View<T*> view_;
+  size_t shift_ = 0;
 };
 
 inline double value(float x) { return x; }
