@@ -237,15 +237,18 @@ TEST(KernelDeviceForms, VocabParallelEmbeddingMatchesTheCpuForm) {
 }
 
 TEST(KernelDeviceForms, CrossEntropyMatchesTheCpuForm) {
-  // (N, V, Vp): unpadded rows, and GPT-2's vocabulary padded to 50,304 (make_vocab_size_divisible_by 128)
-  for (const auto& size : {std::tuple<Index, Index, Index>{3, 17, 17}, {64, 1000, 1000}, {4, 50257, 50257},
-                           {8, 61, 64}, {4, 50257, 50304}}) {
+  // (N, V, Vp, shift): unpadded rows, and GPT-2's vocabulary padded to 50,304
+  // (make_vocab_size_divisible_by 128), whose rows take whole vectors where the logits start on a
+  // 16-byte boundary, and elements where they start one float past it
+  for (const auto& size : {std::tuple<Index, Index, Index, size_t>{3, 17, 17, 0}, {64, 1000, 1000, 0},
+                           {4, 50257, 50257, 0}, {8, 61, 64, 0}, {4, 50257, 50304, 0}, {4, 50257, 50304, 1}}) {
     const Index N = std::get<0>(size), V = std::get<1>(size), Vp = std::get<2>(size);
-    const std::string at = shape(N, Vp) + " V " + std::to_string(V);
+    const size_t shift = std::get<3>(size);
+    const std::string at = shape(N, Vp) + " V " + std::to_string(V) + " shift " + std::to_string(shift);
     const auto z = random_vector(N * Vp, 22, 3.0f);
     std::vector<int32_t> t(N);
     for (Index i = 0; i < N; ++i) t[i] = static_cast<int32_t>((i * 7919) % V);
-    Buffer<float> logits(z);
+    Buffer<float> logits(z, shift);
     Buffer<int32_t> targets(t);
     auto forward = [&](bool device) {
       Buffer<float> losses(N), lse(N);
@@ -266,7 +269,7 @@ TEST(KernelDeviceForms, CrossEntropyMatchesTheCpuForm) {
     // The backward from the same lse: each logit's arithmetic is the CPU form's.
     Buffer<float> lse_in(cpu_lse);
     auto backward = [&](bool device) {
-      Buffer<float> grad(z);
+      Buffer<float> grad(z, shift);
       if (device) gpu::crossentropy_backward(grad.data(), lse_in.data(), targets.data(), 0.125f, N, V, Vp);
       else crossentropy_backward(grad.data(), lse_in.data(), targets.data(), 0.125f, N, V, Vp);
       return grad.host();

@@ -313,16 +313,20 @@ TEST(LlamaSwiGlu, Bf16BackwardSummingColumnsMatchesSilusDerivative) {
 }
 
 // The device form (namespace gpu) against the CPU form: one chunk of rows and several, I a
-// multiple of 16 and not, with and without the bias sums.
+// multiple of 16 and not, with and without the bias sums; at I 256 also with each pointer in turn
+// one element off a 16-byte boundary (0 d, 1 dout, 2 [gate | up]).
 TEST(LlamaSwiGlu, Bf16BackwardDeviceFormMatchesCpuForm) {
-  for (const auto& [N, I] : {std::pair<Index, Index>{5, 37}, {64, 256}, {130, 100}}) {
-    const std::string at = " [" + std::to_string(N) + " x " + std::to_string(I) + "]";
-    Buffer<bf16> in(rounded(random_vector(N * 2 * I, 44, 2.0f)));
-    Buffer<float> dout(random_vector(N * I, 45));
+  for (const auto& [N, I, shifted] : {std::tuple<Index, Index, int>{5, 37, -1}, {64, 256, -1}, {130, 100, -1},
+                                      {70, 256, 0}, {70, 256, 1}, {70, 256, 2}}) {
+    const std::string at = " [" + std::to_string(N) + " x " + std::to_string(I) + ", pointer " +
+                           std::to_string(shifted) + " shifted]";
+    const auto shift = [&, shifted = shifted](int k) { return size_t(shifted == k ? 1 : 0); };
+    Buffer<bf16> in(rounded(random_vector(N * 2 * I, 44, 2.0f)), shift(2));
+    Buffer<float> dout(random_vector(N * I, 45), shift(1));
     const auto sums0 = random_vector(2 * I, 46);
     auto run = [&](bool device, bool with_sums) {
       Buffer<float> s(sums0);
-      Buffer<bf16> d(N * 2 * I);
+      Buffer<bf16> d(N * 2 * I, shift(0));
       float* sums = with_sums ? s.data() : nullptr;
       if (device) gpu::swiglu_backward_summing_columns(d.data(), sums, dout.data(), in.data(), N, I);
       else swiglu_backward_summing_columns(d.data(), sums, dout.data(), in.data(), N, I);
@@ -345,32 +349,36 @@ TEST(LlamaSwiGlu, Bf16BackwardDeviceFormMatchesCpuForm) {
 }
 
 // The device form's forward (namespace gpu): whole vectors where I, ld and the pointers allow
-// (I 256, two buffers and the fused [gate | up]), one element a thread otherwise (I 37).
+// (I 256, two buffers and the fused [gate | up]), one element a thread otherwise (I 37, or one
+// pointer in turn one element off a 16-byte boundary: 0 out, 1 gate, 2 up).
 TEST(LlamaSwiGlu, ForwardDeviceFormMatchesCpuForm) {
-  for (const auto& [N, I] : {std::pair<Index, Index>{5, 37}, {6, 256}}) {
-    for (const Index ld : {I, 2 * I}) {
-      const std::string at = " [" + std::to_string(N) + " x " + std::to_string(I) + ", ld " + std::to_string(ld) + "]";
-      const auto x = random_vector(N * 2 * I, 47, 2.0f);
-      const Index up = ld == I ? N * I : I;  // where up starts: the second buffer, or gate's right half
-      Buffer<float> in32(x);
-      Buffer<bf16> in16(rounded(x));
-      auto run32 = [&](bool device) {
-        Buffer<float> out(N * I);
-        if (device) gpu::swiglu_forward(out.data(), in32.data(), in32.data() + up, N, I, ld);
-        else swiglu_forward(out.data(), in32.data(), in32.data() + up, N, I, ld);
-        return out.host();
-      };
-      expect_same_bits("fp32" + at, run32(true), run32(false));  // the same arithmetic per element
-      auto run16 = [&](bool device) {
-        Buffer<bf16> out(N * I);
-        if (device) gpu::swiglu_forward(out.data(), in16.data(), in16.data() + up, N, I, ld);
-        else swiglu_forward(out.data(), in16.data(), in16.data() + up, N, I, ld);
-        return out.host();
-      };
-      // the CPU form's AVX-512 lanes take σ through a 2^x polynomial: a bf16 rounding may flip
-      expect_close("bf16" + at, run16(true), run16(false), 1e-6, 1.0 / 128);
-    }
-  }
+  for (const auto& [N, I] : {std::pair<Index, Index>{5, 37}, {6, 256}})
+    for (const Index ld : {I, 2 * I})
+      for (int shifted = -1; shifted < 3; ++shifted) {
+        const std::string at = " [" + std::to_string(N) + " x " + std::to_string(I) + ", ld " + std::to_string(ld) +
+                               ", pointer " + std::to_string(shifted) + " shifted]";
+        const auto x = random_vector(N * 2 * I + 1, 47, 2.0f);
+        // where gate and up start: the first buffer and the second, or gate's left and right half
+        const Index gate = shifted == 1 ? 1 : 0, up = (ld == I ? N * I : I) + (shifted == 2 ? 1 : 0);
+        const size_t out_shift = shifted == 0 ? 1 : 0;
+        Buffer<float> in32(x);
+        Buffer<bf16> in16(rounded(x));
+        auto run32 = [&](bool device) {
+          Buffer<float> out(N * I, out_shift);
+          if (device) gpu::swiglu_forward(out.data(), in32.data() + gate, in32.data() + up, N, I, ld);
+          else swiglu_forward(out.data(), in32.data() + gate, in32.data() + up, N, I, ld);
+          return out.host();
+        };
+        expect_same_bits("fp32" + at, run32(true), run32(false));  // the same arithmetic per element
+        auto run16 = [&](bool device) {
+          Buffer<bf16> out(N * I, out_shift);
+          if (device) gpu::swiglu_forward(out.data(), in16.data() + gate, in16.data() + up, N, I, ld);
+          else swiglu_forward(out.data(), in16.data() + gate, in16.data() + up, N, I, ld);
+          return out.host();
+        };
+        // the CPU form's AVX-512 lanes take σ through a 2^x polynomial: a bf16 rounding may flip
+        expect_close("bf16" + at, run16(true), run16(false), 1e-6, 1.0 / 128);
+      }
 }
 
 // ---- RoPE --------------------------------------------------------------------------------------
