@@ -128,6 +128,7 @@ void run_kernels(const Case& c) {
   EXPECT_EQ(shared.hazards, 0) << shared.first;
   EXPECT_EQ(shared.uninitialized, 0) << shared.first;
   EXPECT_EQ(shared.misaligned, 0) << shared.first;
+  EXPECT_EQ(shared.unwaited, 0) << shared.first;
 }
 
 TEST(SimulatedFlashAttention, CausalHeadSize64FromFp32RowsMatchesTheReference) {

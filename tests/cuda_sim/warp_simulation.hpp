@@ -12,8 +12,9 @@
 // one word between the same pair of __syncthreads, one of them writing (a hazard the fibers' order
 // may hide: on a GPU the warps run in any order); a word read before any thread wrote it (shared
 // memory starts as garbage); an access outside the launch's shared memory or off its alignment.
-// A cp.async lands only when its thread's cp.async.wait_group says so, and until then every access
-// to the words it writes is a hazard: what a GPU's asynchronous copy may or may not have written.
+// A cp.async may land anywhere between its issue and the cp.async.wait_group that covers it: it
+// counts as its thread's write at the issue and again at the wait, and any access to its words in
+// between is a hazard (what a GPU's asynchronous copy may or may not have written yet).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -123,7 +124,6 @@ struct SharedCensus {
   int64_t accesses = 0, async_copies = 0, hazards = 0, uninitialized = 0, misaligned = 0, unwaited = 0;
   std::string first;
   void reset() { *this = SharedCensus{}; }
-  int64_t faults() const { return hazards + uninitialized + misaligned + unwaited; }
 };
 inline SharedCensus shared_census;
 
