@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/attention_bf16.hpp"
@@ -31,27 +32,33 @@ std::vector<bf16> rounded(const std::vector<float>& x) {
 }
 
 // Packing q (or any part) of qkv into tiles and unpacking tiles back: conversions only, the same
-// bits, with rows past T zero in the tiles and left alone in the destination.
+// bits, with rows past T zero in the tiles and left alone in the destination. Head sizes of 8 and
+// 16 take whole vectors, also with each pointer in turn one element off a 16-byte boundary
+// (`shifted`: 0 the pack's tiles, 1 its qkv, 2 the unpack's rows, 3 its tiles), which then takes
+// elements.
 TEST(AttentionBf16DeviceForm, PackAndUnpackMatchTheCpuForms) {
-  for (const auto& [T, hs] : {std::pair<Index, Index>{10, 8}, {130, 16}, {37, 12}}) {
+  for (const auto& [T, hs, shifted] : {std::tuple<Index, Index, int>{10, 8, -1}, {130, 16, -1}, {37, 12, -1},
+                                       {130, 16, 0}, {130, 16, 1}, {130, 16, 2}, {130, 16, 3}}) {
     const Index B = 2, H = 3, C = H * hs, C3 = 3 * C;
-    const std::string at = " [T " + std::to_string(T) + ", hs " + std::to_string(hs) + "]";
+    const std::string at = " [T " + std::to_string(T) + ", hs " + std::to_string(hs) + ", pointer " +
+                           std::to_string(shifted) + " shifted]";
+    const auto shift = [&, shifted = shifted](int k) { return size_t(shifted == k ? 1 : 0); };
     const AttentionTiles t(T);
     const Index n = t.n * B * H * t.TB * hs;
     const auto qkv = random_vector(B * T * C3, 1);
-    Buffer<float> src(qkv);
-    Buffer<bf16> src16(rounded(qkv));
+    Buffer<float> src(qkv, shift(1));
+    Buffer<bf16> src16(rounded(qkv), shift(1));
     auto pack = [&](bool device, auto* from) {
-      Buffer<bf16> dst(rounded(random_vector(n, 2)));  // garbage where nothing is written
+      Buffer<bf16> dst(rounded(random_vector(n, 2)), shift(0));  // garbage where nothing is written
       if (device) gpu::attention_pack(dst.data(), from + C, C3, 0, B * H, T, H, hs, t);
       else attention_pack(dst.data(), from + C, C3, 0, B * H, T, H, hs, t);
       return dst.host();
     };
     expect_same_bits("pack fp32" + at, pack(true, src.data()), pack(false, src.data()));
     expect_same_bits("pack bf16" + at, pack(true, src16.data()), pack(false, src16.data()));
-    Buffer<float> tiles(random_vector(n, 3));
+    Buffer<float> tiles(random_vector(n, 3), shift(3));
     auto unpack = [&](bool device) {
-      Buffer<float> dst(random_vector(B * T * C3, 4));
+      Buffer<float> dst(random_vector(B * T * C3, 4), shift(2));
       if (device) gpu::attention_unpack(dst.data() + 2 * C, C3, tiles.data(), 0, B * H, T, H, hs, t);
       else attention_unpack(dst.data() + 2 * C, C3, tiles.data(), 0, B * H, T, H, hs, t);
       return dst.host();
@@ -63,16 +70,22 @@ TEST(AttentionBf16DeviceForm, PackAndUnpackMatchTheCpuForms) {
 // The softmax rows of row tile i over key tiles 0..i (S [j][G][TB][TB], P at p_stride apart),
 // and their backward from those P and a dP: each element's arithmetic is the CPU form's, the
 // row's sums added in another order (here one at a time; in the CPU form's AVX-512 lanes, which
-// also take exp through their own polynomial): P and dS agree within a bf16 rounding flip.
+// also take exp through their own polynomial): P and dS agree within a bf16 rounding flip. Tiles
+// of 64 and 16 take whole vectors, also with each pointer in turn one element off a 16-byte
+// boundary (`shifted`: 0 P, 1 S, 2 dS, 3 the backward's P, 4 dP), which then takes elements.
 TEST(AttentionBf16DeviceForm, SoftmaxRowsAndTheirBackwardMatchTheCpuForms) {
-  for (const auto& [TB, tiles] : {std::pair<Index, Index>{64, 1}, {36, 2}, {16, 3}}) {
+  for (const auto& [TB, tiles, shifted] :
+       {std::tuple<Index, Index, int>{64, 1, -1}, {36, 2, -1}, {16, 3, -1}, {16, 3, 0}, {16, 3, 1}, {16, 3, 2},
+        {16, 3, 3}, {16, 3, 4}}) {
     const Index G = 3, sg = G * TB * TB, i = tiles - 1;
     const float scale = 0.125f;
-    const std::string at = " [TB " + std::to_string(TB) + ", row tile " + std::to_string(i) + "]";
+    const std::string at = " [TB " + std::to_string(TB) + ", row tile " + std::to_string(i) + ", pointer " +
+                           std::to_string(shifted) + " shifted]";
+    const auto shift = [&, shifted = shifted](int k) { return size_t(shifted == k ? 1 : 0); };
     const auto scores = random_vector(tiles * sg, 5, 4.0f);
     auto forward = [&](bool device) {
-      Buffer<float> s(scores);
-      Buffer<bf16> p(rounded(random_vector(tiles * sg, 6)));  // every element is written
+      Buffer<float> s(scores, shift(1));
+      Buffer<bf16> p(rounded(random_vector(tiles * sg, 6)), shift(0));  // every element is written
       if (device) gpu::attention_softmax_rows(p.data(), sg, s.data(), i, G, TB, scale);
       else attention_softmax_rows(p.data(), sg, s.data(), i, G, TB, scale);
       return p.host();
@@ -85,10 +98,10 @@ TEST(AttentionBf16DeviceForm, SoftmaxRowsAndTheirBackwardMatchTheCpuForms) {
           ASSERT_EQ(to_float(p[i * sg + (bh * TB + r) * TB + c]), 0.0f) << at << " " << bh << " " << r << " " << c;
     expect_same_bits("P, second run" + at, forward(true), p);
 
-    Buffer<bf16> probabilities(cpu_p);
-    Buffer<float> dp(random_vector(tiles * sg, 7));
+    Buffer<bf16> probabilities(cpu_p, shift(3));
+    Buffer<float> dp(random_vector(tiles * sg, 7), shift(4));
     auto backward = [&](bool device) {
-      Buffer<bf16> ds(rounded(random_vector(tiles * sg, 8)));
+      Buffer<bf16> ds(rounded(random_vector(tiles * sg, 8)), shift(2));
       if (device) gpu::attention_softmax_backward_rows(ds.data(), probabilities.data(), sg, dp.data(), i, G, TB, scale);
       else attention_softmax_backward_rows(ds.data(), probabilities.data(), sg, dp.data(), i, G, TB, scale);
       return ds.host();
