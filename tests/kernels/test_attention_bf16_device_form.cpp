@@ -16,6 +16,7 @@ using namespace zero3d;
 using namespace zero3d::kernels;
 
 using test_support::Buffer;
+using test_support::ShiftedPointer;
 using test_support::expect_close;
 using test_support::expect_same_bits;
 
@@ -42,7 +43,7 @@ TEST(AttentionBf16DeviceForm, PackAndUnpackMatchTheCpuForms) {
     const Index B = 2, H = 3, C = H * hs, C3 = 3 * C;
     const std::string at = " [T " + std::to_string(T) + ", hs " + std::to_string(hs) + ", pointer " +
                            std::to_string(shifted) + " shifted]";
-    const auto shift = [&, shifted = shifted](int k) { return size_t(shifted == k ? 1 : 0); };
+    const ShiftedPointer shift{shifted};
     const AttentionTiles t(T);
     const Index n = t.n * B * H * t.TB * hs;
     const auto qkv = random_vector(B * T * C3, 1);
@@ -81,7 +82,7 @@ TEST(AttentionBf16DeviceForm, SoftmaxRowsAndTheirBackwardMatchTheCpuForms) {
     const float scale = 0.125f;
     const std::string at = " [TB " + std::to_string(TB) + ", row tile " + std::to_string(i) + ", pointer " +
                            std::to_string(shifted) + " shifted]";
-    const auto shift = [&, shifted = shifted](int k) { return size_t(shifted == k ? 1 : 0); };
+    const ShiftedPointer shift{shifted};
     const auto scores = random_vector(tiles * sg, 5, 4.0f);
     auto forward = [&](bool device) {
       Buffer<float> s(scores, shift(1));

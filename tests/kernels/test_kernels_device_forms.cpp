@@ -36,6 +36,7 @@ using namespace zero3d::kernels;
 namespace {
 
 using test_support::Buffer;
+using test_support::ShiftedPointer;
 using test_support::expect_close;
 using test_support::expect_same_bits;
 using test_support::value;
@@ -56,8 +57,8 @@ std::string shape(Index rows, Index cols) { return " [" + std::to_string(rows) +
 // names the one pointer that starts off a 16-byte boundary (0 out, 1 inp, 2 weight, 3 bias; -1 none).
 template <typename P, typename O>
 void check_layernorm_forward(Index N, Index C, int shifted = -1) {
-  const std::string at = shape(N, C) + (shifted >= 0 ? " [pointer " + std::to_string(shifted) + " shifted]" : "");
-  const auto shift = [&](int k) { return size_t(shifted == k ? 1 : 0); };
+  const ShiftedPointer shift{shifted};
+  const std::string at = shape(N, C) + shift.label();
   const auto x = random_vector(N * C, 1, 1.0f, 0.5f), w32 = random_vector(C, 2, 0.2f, 1.0f);
   const auto b32 = random_vector(C, 3, 0.1f);
   std::vector<P> w(C), b(C);
@@ -90,8 +91,8 @@ void check_layernorm_forward(Index N, Index C, int shifted = -1) {
 // 5 weight; -1 none).
 template <typename P>
 void check_layernorm_backward(Index N, Index C, int shifted = -1) {
-  const std::string at = shape(N, C) + (shifted >= 0 ? " [pointer " + std::to_string(shifted) + " shifted]" : "");
-  const auto shift = [&](int k) { return size_t(shifted == k ? 1 : 0); };
+  const ShiftedPointer shift{shifted};
+  const std::string at = shape(N, C) + shift.label();
   const auto x = random_vector(N * C, 4, 1.0f, 0.5f), dy = random_vector(N * C, 5), w32 = random_vector(C, 6, 0.2f, 1.0f);
   std::vector<P> w(C);
   for (Index c = 0; c < C; ++c) w[c] = from_float<P>(w32[c]);
@@ -322,8 +323,8 @@ namespace {
 
 // `shifted`: the one pointer off a 16-byte boundary (0 out, 1 bias, 2 src, 3 the bf16 dst; -1 none).
 void check_bias_and_column_sums(Index N, Index OC, int shifted = -1) {
-  const std::string at = shape(N, OC) + (shifted >= 0 ? " [pointer " + std::to_string(shifted) + " shifted]" : "");
-  const auto shift = [&](int k) { return size_t(shifted == k ? 1 : 0); };
+  const ShiftedPointer shift{shifted};
+  const std::string at = shape(N, OC) + shift.label();
   const auto x = random_vector(N * OC, 25), b32 = random_vector(OC, 26), sums0 = random_vector(OC, 27);
   Buffer<float> src(x, shift(2)), bias(b32, shift(1));
   Buffer<bf16> bias16(rounded(b32), shift(1));
@@ -380,8 +381,8 @@ namespace {
 
 // `shifted`: the one pointer off a 16-byte boundary (0 dinp, 1 inp, 2 dout; -1 none).
 void check_gelu_backward_summing_columns(Index N, Index OC, int shifted = -1) {
-  const std::string at = shape(N, OC) + (shifted >= 0 ? " [pointer " + std::to_string(shifted) + " shifted]" : "");
-  const auto shift = [&](int k) { return size_t(shifted == k ? 1 : 0); };
+  const ShiftedPointer shift{shifted};
+  const std::string at = shape(N, OC) + shift.label();
   Buffer<bf16> inp(rounded(random_vector(N * OC, 28, 1.5f)), shift(1));
   Buffer<float> dout(random_vector(N * OC, 29), shift(2));
   const auto sums0 = random_vector(OC, 30);

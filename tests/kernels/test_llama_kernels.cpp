@@ -41,6 +41,7 @@ namespace {
 constexpr float kGoldenTolerance = 1e-4f;  // the GPT-2 goldens' per-tensor max |diff|
 
 using test_support::Buffer;
+using test_support::ShiftedPointer;
 using test_support::expect_close;
 using test_support::expect_same_bits;
 using test_support::value;
@@ -153,9 +154,8 @@ TEST(LlamaRmsNorm, Bf16WeightAndOutputAreTheFp32FormRounded) {
 // 5 dout; -1 none).
 template <typename P, typename O>
 void check_rmsnorm_device_form(Index N, Index C, int shifted = -1) {
-  const std::string at = " [" + std::to_string(N) + " x " + std::to_string(C) + "]" +
-                         (shifted >= 0 ? " [pointer " + std::to_string(shifted) + " shifted]" : "");
-  const auto shift = [&](int k) { return size_t(shifted == k ? 1 : 0); };
+  const ShiftedPointer shift{shifted};
+  const std::string at = " [" + std::to_string(N) + " x " + std::to_string(C) + "]" + shift.label();
   const auto x = random_vector(N * C, 1, 1.0f, 0.3f), w32 = random_vector(C, 2, 0.2f, 1.0f);
   std::vector<P> w(C);
   for (Index c = 0; c < C; ++c) w[c] = from_float<P>(w32[c]);
@@ -320,7 +320,7 @@ TEST(LlamaSwiGlu, Bf16BackwardDeviceFormMatchesCpuForm) {
                                       {70, 256, 0}, {70, 256, 1}, {70, 256, 2}}) {
     const std::string at = " [" + std::to_string(N) + " x " + std::to_string(I) + ", pointer " +
                            std::to_string(shifted) + " shifted]";
-    const auto shift = [&, shifted = shifted](int k) { return size_t(shifted == k ? 1 : 0); };
+    const ShiftedPointer shift{shifted};
     Buffer<bf16> in(rounded(random_vector(N * 2 * I, 44, 2.0f)), shift(2));
     Buffer<float> dout(random_vector(N * I, 45), shift(1));
     const auto sums0 = random_vector(2 * I, 46);

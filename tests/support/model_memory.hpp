@@ -42,6 +42,14 @@ class Buffer {
   size_t shift_ = 0;
 };
 
+// Which one pointer of a kernel test starts one element off a 16-byte boundary (-1: none):
+// shift(k) is pointer k's Buffer shift, label() says which in a failure's message.
+struct ShiftedPointer {
+  int which = -1;
+  size_t operator()(int k) const { return which == k ? 1 : 0; }
+  std::string label() const { return which >= 0 ? " [pointer " + std::to_string(which) + " shifted]" : ""; }
+};
+
 inline double value(float x) { return x; }
 inline double value(zero3d::kernels::bf16 x) { return zero3d::kernels::to_float(x); }
 
