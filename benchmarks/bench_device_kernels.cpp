@@ -254,9 +254,25 @@ void BM_CrossEntropyForwardBackward(benchmark::State& state) {
     crossentropy_backward(logits.get(), lse.get(), targets.get(), 1.0f / BT, BT, V, V);
     fence();
   }
-  rate(state, 3.0 * BT * V * sizeof(float));  // logits read by the forward, read and written by the backward
+  rate(state, 3.0 * BT * V * sizeof(float));  // logits read by the forward (once), read and written by the backward
 }
 BENCHMARK(BM_CrossEntropyForwardBackward)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// The bf16 step's classifier: the forward, then the gradient written in bf16 for the head's
+// products (the fused classifier), at V padded to 50,304 as the GPU build pads it.
+void BM_CrossEntropyForwardBackwardBf16(benchmark::State& state) {
+  const Index Vp = 50304;
+  Floats logits(BT * Vp, 1, 2.0f), losses(BT), lse(BT);
+  Bf16s dlogits(BT * Vp);
+  Tokens targets(BT);
+  for (auto _ : state) {
+    crossentropy_forward(losses.get(), lse.get(), logits.get(), targets.get(), BT, V, Vp);
+    crossentropy_backward_bf16(dlogits.get(), logits.get(), lse.get(), targets.get(), 1.0f / BT, BT, V, Vp);
+    fence();
+  }
+  rate(state, (4.0 + 4.0 + 2.0) * BT * Vp);  // logits read by the forward and the backward, bf16 gradient written
+}
+BENCHMARK(BM_CrossEntropyForwardBackwardBf16)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 void BM_AdamW(benchmark::State& state) {
   const Index n = kGpt2Params;

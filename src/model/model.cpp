@@ -370,9 +370,12 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     obs::Region head(obs::lm_head_module(static_cast<int>(shape_.n_layer)));
     const float* x = chunk_output(c, buf);
     float* dlnf = keep || part == BackwardPart::Weight ? buf.d_ln_f : dln_;  // this rank's tokens
-    if (input) {
-      // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
-      const float dloss = grad_scale / static_cast<float>(BT);
+    // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
+    const float dloss = grad_scale / static_cast<float>(BT);
+    // A full pass in bf16 writes the gradient straight into the products' bf16 operand (the fused
+    // classifier); a split pass keeps it in fp32 in the logits for its weight pass.
+    const bool fused_classifier = part == BackwardPart::Full && !tp && cmp == DType::BF16;
+    if (input && !fused_classifier) {
       if (!tp) crossentropy_backward(buf.logits, buf.lse, buf.targets, dloss, BT, part_.vocab_real, V);
       else vocab_ce_backward(buf.logits, buf.lse, buf.targets, dloss, part_.vocab_begin, BT, V, part_.vocab_real);
     }
@@ -381,7 +384,14 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     if (weights) dE = store.grad_target(c.head_unit) + head_offset();
     if (input) {
       const P* E = static_cast<const P*>(store.fetch(c.head_unit)) + head_offset();
-      const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);  // converted once for both
+      GemmOperand d{};  // dlogits in the products' type, made once for both
+      if (fused_classifier) {
+        d = gemm_operand_slot(BT, V);
+        crossentropy_backward_bf16(static_cast<bf16*>(const_cast<void*>(d.data)), buf.logits, buf.lse, buf.targets,
+                                   dloss, BT, part_.vocab_real, V);
+      } else {
+        d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);
+      }
       float* dlnf_all = sp ? row_out_ : dlnf;
       gemm(BT, C, V, d, {E, dtype_of<P>(), false, C}, dlnf_all, C, false, cmp);
       if (weights) gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);

@@ -3,6 +3,7 @@
 // Objective f = Σ out ⊙ R for a fixed random R, so df/dout = R is what the backward receives.
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <functional>
 #include <vector>
@@ -189,6 +190,32 @@ TEST(KernelGradients, CrossEntropyOverPaddedRowsIsTheUnpaddedOneWithZeroPaddingG
     for (Index v = 0; v < V; ++v) EXPECT_EQ(padded[i * Vp + v], grad[i * V + v]) << "row " << i << " column " << v;
     for (Index v = V; v < Vp; ++v) EXPECT_EQ(padded[i * Vp + v], 0.0f) << "row " << i << " padding column " << v;
   }
+}
+
+// The fused classifier's backward writes the bf16 operand the head's products take: the bits of
+// the fp32 gradient made in place and then converted, with the logits left as they were. Rows
+// span three of the CPU form's 512-column pieces with targets at their edges; logits spread over
+// ±50 give gradients down to fast_exp's floor, subnormal once scaled.
+TEST(KernelGradients, CrossEntropyBackwardInBf16IsTheFp32GradientRounded) {
+  const Index N = 6, V = 1100, Vp = 1152;
+  const auto logits = random_vector(N * Vp, 18, 50.0f);
+  const std::vector<int32_t> targets = {0, 511, 512, 1099, 1023, 700};
+  std::vector<float> losses(N), lse(N);
+  crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V, Vp);
+  const float dloss = 0.25f / N;
+  std::vector<float> grad = logits;
+  crossentropy_backward(grad.data(), lse.data(), targets.data(), dloss, N, V, Vp);
+  std::vector<bf16> want(grad.size()), got(grad.size(), bf16{0x7FC0});  // NaN where nothing is written
+  convert(want.data(), grad.data(), N * Vp);
+  std::vector<float> kept = logits;
+  crossentropy_backward_bf16(got.data(), kept.data(), lse.data(), targets.data(), dloss, N, V, Vp);
+  int subnormal = 0;
+  for (Index j = 0; j < N * Vp; ++j) {
+    ASSERT_EQ(got[j].bits, want[j].bits) << "row " << j / Vp << " column " << j % Vp;
+    if (grad[j] != 0.0f && std::fabs(grad[j]) < FLT_MIN) ++subnormal;
+  }
+  EXPECT_GT(subnormal, 0) << "the spread should reach subnormal gradients";
+  EXPECT_EQ(kept, logits) << "the logits are only read";
 }
 
 TEST(KernelGradients, AttentionBackwardMatchesFiniteDifferencesAcrossRowBlocks) {

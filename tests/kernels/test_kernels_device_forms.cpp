@@ -11,6 +11,7 @@
 // checks say something; the CPU comparison is this build's.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -276,7 +277,52 @@ TEST(KernelDeviceForms, CrossEntropyMatchesTheCpuForm) {
       return grad.host();
     };
     expect_same_bits("crossentropy_backward" + at, backward(true), backward(false));
+    // The fused classifier's bf16 gradient, the logits (0) or the gradient (1) off a 16-byte
+    // boundary in turn: the CPU form's bits, with the logits only read.
+    for (const int shifted : {-1, 0, 1}) {
+      const ShiftedPointer moved{shifted};
+      Buffer<float> kept(z, shift + moved(0));
+      auto backward_bf16 = [&](bool device) {
+        Buffer<bf16> grad(N * Vp, moved(1));
+        if (device)
+          gpu::crossentropy_backward_bf16(grad.data(), kept.data(), lse_in.data(), targets.data(), 0.125f, N, V, Vp);
+        else crossentropy_backward_bf16(grad.data(), kept.data(), lse_in.data(), targets.data(), 0.125f, N, V, Vp);
+        return grad.host();
+      };
+      expect_same_bits("crossentropy_backward_bf16" + at + moved.label(), backward_bf16(true), backward_bf16(false));
+      expect_same_bits("logits after crossentropy_backward_bf16" + at + moved.label(), kept.host(), z);
+    }
   }
+}
+
+// The device form reads a row once, a lane's sum rescaled whenever a vector raises its max: rows
+// whose logits rise along the row rescale at every vector, rows that fall never. Each rescale
+// rounds once more, so the sum may drift by about √(rescales) ulp more than the tolerance above.
+TEST(KernelDeviceForms, CrossEntropyOnlineNormalizerHoldsOnRisingAndFallingRows) {
+  const Index N = 4, V = 50257, Vp = 50304;
+  std::vector<float> z(static_cast<size_t>(N * Vp), 0.0f);
+  for (Index i = 0; i < N; ++i)
+    for (Index v = 0; v < V; ++v) {
+      const float ramp = 12.0f * static_cast<float>(v) / static_cast<float>(V);
+      z[i * Vp + v] = i % 2 == 0 ? ramp : -ramp;  // rising rows, falling rows
+    }
+  std::vector<int32_t> t = {0, 1, V - 1, V / 2};
+  Buffer<float> logits(z);
+  Buffer<int32_t> targets(t);
+  Buffer<float> losses(N), lse(N), cpu_losses(N), cpu_lse(N);
+  gpu::crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V, Vp);
+  crossentropy_forward(cpu_losses.data(), cpu_lse.data(), logits.data(), targets.data(), N, V, Vp);
+  // in double: lse of a ramp, the reference both forms are held to
+  std::vector<float> want(N);
+  for (Index i = 0; i < N; ++i) {
+    double m = -1e300, s = 0.0;
+    for (Index v = 0; v < V; ++v) m = std::max(m, static_cast<double>(z[i * Vp + v]));
+    for (Index v = 0; v < V; ++v) s += std::exp(static_cast<double>(z[i * Vp + v]) - m);
+    want[i] = static_cast<float>(m + std::log(s));
+  }
+  const double tolerance = 32.0 * std::sqrt(static_cast<double>(V)) * std::ldexp(1.0, -24);
+  expect_close("lse, online (device form)", lse.host(), want, tolerance, 0.0);
+  expect_close("lse, two passes (CPU form)", cpu_lse.host(), want, tolerance, 0.0);
 }
 
 TEST(KernelDeviceForms, VocabParallelCrossEntropyMatchesTheCpuForm) {
