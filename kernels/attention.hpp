@@ -14,6 +14,7 @@
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <type_traits>
@@ -21,6 +22,7 @@
 #include "base/dtype.hpp"
 #include "base/profiler.hpp"
 #include "kernels/attention_bf16.hpp"
+#include "kernels/attention_causal_blocks.hpp"
 #include "kernels/common.hpp"
 #include "kernels/device_forms.hpp"
 #include "kernels/dropout.hpp"
@@ -89,10 +91,11 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
 }
 
 // The device form of the fp32 attention (llm.c attention.cuh): q, k and v split per (batch,
-// head) into dense [B·H][T][hs], the four products batched over all B·H pairs (gemm_batched:
-// one cuBLASLt call each on a GPU), the causal softmax a team per row. Products cover the whole
-// T×T square; the softmax writes zeros above the diagonal, so P·V and the backward read only the
-// causal part. Compiled on every build: on the CPU the tests hold it against the form above.
+// head) into dense [B·H][T][hs], the products in causal query blocks over all B·H pairs
+// (attention_causal_blocks.hpp: one strided-batched cuBLASLt call a block; 56% of the square's
+// products at T 1024), the causal softmax a team per row. The softmax writes zeros above the
+// diagonal, so the products read zeros, never garbage, past it. Compiled on every build: on the
+// CPU the tests hold it against the form above.
 namespace gpu {
 
 // q, k, v, and y / dy, dq, dk, dv: 7 · B·T·C floats; dP, then dS: B·H·T·T floats.
@@ -242,7 +245,12 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
   split_heads(q, qkv, 0, B, T, C, H);
   split_heads(k, qkv, 1, B, T, C, H);
   split_heads(v, qkv, 2, B, T, C, H);
-  gemm_batched(BH, T, T, hs, q, false, k, true, att, false);  // S = Q·Kᵀ
+  const CausalBlocks blocks(T);
+  for (Index r = 0; r < blocks.count; ++r) {  // S[r0:r1, :r1] = Q[r0:r1]·K[:r1]ᵀ
+    const Index r0 = blocks.begin(r), r1 = blocks.end(r, T);
+    head_product(BH, r1 - r0, r1, hs, head_block(q, r0, 0, hs, T), head_block(k, 0, 0, hs, T, true),
+                 att + r0 * T, T, T);
+  }
   causal_softmax(att, BH, T, 1.0f / std::sqrt(static_cast<float>(hs)));
   const float* p = att;
   if (dropout.on()) {  // the kept probabilities in the backward's score scratch
@@ -250,7 +258,11 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
     dropout_probabilities(dropped, att, dropout, B, H, T);
     p = dropped;
   }
-  gemm_batched(BH, T, hs, T, p, false, v, false, y, false);  // Y = (P ∘ M)·V
+  for (Index r = 0; r < blocks.count; ++r) {  // Y[r0:r1] = (P ∘ M)[r0:r1, :r1]·V[:r1]
+    const Index r0 = blocks.begin(r), r1 = blocks.end(r, T);
+    head_product(BH, r1 - r0, hs, r1, head_block(p, r0, 0, T, T), head_block(v, 0, 0, hs, T),
+                 y + r0 * hs, hs, T);
+  }
   merge_heads(out, C, 0, y, B, T, C, H);
 }
 
@@ -269,12 +281,29 @@ ZERO3D_KERNEL void attention_backward_fp32(float* dqkv, const float* dout, const
     dropout_probabilities(ds, att, dropout, B, H, T);
     pk = ds;
   }
-  gemm_batched(BH, T, hs, T, pk, true, dy, false, dv, false);
-  gemm_batched(BH, T, T, hs, dy, false, v, true, ds, false);
+  const CausalBlocks blocks(T);
+  for (Index c = 0; c < blocks.count; ++c) {  // dV[c0:c1] = (P ∘ M)[c0:, c0:c1]ᵀ·dY[c0:]
+    const Index c0 = blocks.begin(c), c1 = blocks.end(c, T);
+    head_product(BH, c1 - c0, hs, T - c0, head_block(pk, c0, c0, T, T, true), head_block(dy, c0, 0, hs, T),
+                 dv + c0 * hs, hs, T);
+  }
+  for (Index r = 0; r < blocks.count; ++r) {  // dP[r0:r1, :r1] = dY[r0:r1]·V[:r1]ᵀ (the softmax reads j <= i)
+    const Index r0 = blocks.begin(r), r1 = blocks.end(r, T);
+    head_product(BH, r1 - r0, r1, hs, head_block(dy, r0, 0, hs, T), head_block(v, 0, 0, hs, T, true),
+                 ds + r0 * T, T, T);
+  }
   if (dropout.on()) dropout_probabilities(ds, ds, dropout, B, H, T);
   causal_softmax_backward(ds, att, BH, T, 1.0f / std::sqrt(static_cast<float>(hs)));
-  gemm_batched(BH, T, hs, T, ds, false, k, false, dq, false);   // dQ = dS·K
-  gemm_batched(BH, T, hs, T, ds, true, q, false, dk, false);    // dK = dSᵀ·Q
+  for (Index r = 0; r < blocks.count; ++r) {  // dQ[r0:r1] = dS[r0:r1, :r1]·K[:r1]
+    const Index r0 = blocks.begin(r), r1 = blocks.end(r, T);
+    head_product(BH, r1 - r0, hs, r1, head_block(ds, r0, 0, T, T), head_block(k, 0, 0, hs, T),
+                 dq + r0 * hs, hs, T);
+  }
+  for (Index c = 0; c < blocks.count; ++c) {  // dK[c0:c1] = dS[c0:, c0:c1]ᵀ·Q[c0:]
+    const Index c0 = blocks.begin(c), c1 = blocks.end(c, T);
+    head_product(BH, c1 - c0, hs, T - c0, head_block(ds, c0, c0, T, T, true), head_block(q, c0, 0, hs, T),
+                 dk + c0 * hs, hs, T);
+  }
   merge_heads(dqkv, 3 * C, 0, dq, B, T, C, H);
   merge_heads(dqkv, 3 * C, C, dk, B, T, C, H);
   merge_heads(dqkv, 3 * C, 2 * C, dv, B, T, C, H);

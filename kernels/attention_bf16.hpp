@@ -30,6 +30,7 @@
 #include <string>
 
 #include "base/profiler.hpp"
+#include "kernels/attention_causal_blocks.hpp"
 #include "kernels/common.hpp"
 #include "kernels/cpu/attention_flash_bf16.hpp"
 #ifdef ZERO3D_DEVICE
@@ -45,22 +46,30 @@ namespace zero3d::kernels {
 
 // Tiles of up to 64 positions, 128 past T = 512: longer sequences have many more tiles, and
 // fewer, larger products pay less per call (GPT-2's T = 1024: attention 18% faster at 128).
-// A GPU takes one tile of all T positions: the dense products, twice the causal work, run far
-// faster than many small ones (measured on an H100 at GPT-2 124M: 30 ms a layer in 128-tiles).
-inline Index attention_tile(Index T) {
-#ifdef ZERO3D_DEVICE
-  return T;
-#else
-  return T > 512 ? 128 : 64;
-#endif
-}
+inline Index attention_tile(Index T) { return T > 512 ? 128 : 64; }
 
-// The tiling of T positions: n tiles of TB rows, Tp = n·TB >= T.
+// How the products cover the causal triangle. Tiles: a batched product per (query tile, key
+// tile ≤ it) pair, on dense tile operands (which let oneDNN pick brgemm): a CPU's. CausalBlocks:
+// one tile of all T positions, the products in causal query blocks (attention_causal_blocks.hpp):
+// a GPU's, whose products want size and whose every call costs a launch (measured on an H100 at
+// GPT-2 124M: 30 ms a layer in pair products of 128-tiles; the square's dense products, twice
+// the causal work, were far faster).
+enum class AttentionProducts { Tiles, CausalBlocks };
+#ifdef ZERO3D_DEVICE
+constexpr AttentionProducts kAttentionProducts = AttentionProducts::CausalBlocks;
+#else
+constexpr AttentionProducts kAttentionProducts = AttentionProducts::Tiles;
+#endif
+
+// The tiling of T positions: n tiles of TB rows, Tp = n·TB >= T (one tile of T for CausalBlocks).
 struct AttentionTiles {
   Index n, TB, Tp;
-  explicit AttentionTiles(Index T)
-      : n((T + attention_tile(T) - 1) / attention_tile(T)), TB((T + n - 1) / n), Tp(n * ((T + n - 1) / n)) {}
+  explicit AttentionTiles(Index T, AttentionProducts how = kAttentionProducts)
+      : AttentionTiles(T, how == AttentionProducts::CausalBlocks ? T : attention_tile(T), 0) {}
   static Index pair(Index i, Index j) { return i * (i + 1) / 2 + j; }
+
+ private:
+  AttentionTiles(Index T, Index tile, int) : n((T + tile - 1) / tile), TB((T + n - 1) / n), Tp(n * TB) {}
 };
 
 // Scratch reused by every call (grown on first use, so a training step allocates nothing).
@@ -487,10 +496,12 @@ inline Index attention_head_group(Index T, Index hs, Index BH) {
 
 template <typename O, typename Q>
 inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index B, Index T, Index C, Index H,
-                                         DropoutMask dropout = {}) {
+                                         DropoutMask dropout = {}, AttentionProducts how = kAttentionProducts) {
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  const AttentionTiles t(T);
+  const AttentionTiles t(T, how);
+  const bool blocks = how == AttentionProducts::CausalBlocks;
+  const CausalBlocks qb(T);
   const Index TB = t.TB, tile_p = BH * TB * TB, G0 = attention_head_group(T, hs, BH);
   AttentionWorkspace& w = attention_workspace();
   bf16* q = AttentionWorkspace::take(w.q, t.n * G0 * TB * hs);
@@ -507,8 +518,18 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
     attention_pack(v, qkv + 2 * C, C3, g0, G, T, H, hs, t);
     for (Index i = 0; i < t.n; ++i) {
       bf16* pi = p + AttentionTiles::pair(i, 0) * tile_p + g0 * TB * TB;
-      // S_ij = Q_i · K_jᵀ for the key tiles 0..i; softmax; O_i = Σ_j P_ij · V_j
-      for (Index j = 0; j <= i; ++j) gemm_batched_bf16(G, TB, TB, hs, q + i * tq, false, k + j * tq, true, s + j * sg, false);
+      // S_ij = Q_i · K_jᵀ for the key tiles 0..i; softmax; O_i = Σ_j P_ij · V_j (one tile of T:
+      // S[r0:r1, :r1] = Q[r0:r1]·K[:r1]ᵀ a query block at a time, O[r0:r1] = P[r0:r1, :r1]·V[:r1])
+      if (blocks) {
+        for (Index r = 0; r < qb.count; ++r) {
+          const Index r0 = qb.begin(r), r1 = qb.end(r, T);
+          head_product(G, r1 - r0, r1, hs, head_block(q, r0, 0, hs, T), head_block(k, 0, 0, hs, T, true), s + r0 * T,
+                       T, T);
+        }
+      } else {
+        for (Index j = 0; j <= i; ++j)
+          gemm_batched_bf16(G, TB, TB, hs, q + i * tq, false, k + j * tq, true, s + j * sg, false);
+      }
       attention_softmax_rows(pi, tile_p, s, i, G, TB, scale);
       const bf16* pv = pi;
       Index pv_stride = tile_p;
@@ -516,8 +537,15 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
         attention_dropout_tiles(kept, sg, pi, tile_p, dropout, i, g0, G, TB, T, H);
         pv = kept, pv_stride = sg;
       }
-      for (Index j = 0; j <= i; ++j)
-        gemm_batched_bf16(G, TB, hs, TB, pv + j * pv_stride, false, v + j * tq, false, o + i * tq, j > 0);
+      if (blocks) {
+        for (Index r = 0; r < qb.count; ++r) {
+          const Index r0 = qb.begin(r), r1 = qb.end(r, T);
+          head_product(G, r1 - r0, hs, r1, head_block(pv, r0, 0, T, T), head_block(v, 0, 0, hs, T), o + r0 * hs, hs, T);
+        }
+      } else {
+        for (Index j = 0; j <= i; ++j)
+          gemm_batched_bf16(G, TB, hs, TB, pv + j * pv_stride, false, v + j * tq, false, o + i * tq, j > 0);
+      }
     }
     attention_unpack(out, C, o, g0, G, T, H, hs, t);
   }
@@ -526,10 +554,13 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
 // dqkv written (all of it) from dout = d(out), the forward's qkv and bf16 probabilities in att.
 template <typename Q>
 inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const Q* qkv, const float* att, Index B,
-                                          Index T, Index C, Index H, DropoutMask dropout = {}) {
+                                          Index T, Index C, Index H, DropoutMask dropout = {},
+                                          AttentionProducts how = kAttentionProducts) {
   const Index hs = C / H, BH = B * H, C3 = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  const AttentionTiles t(T);
+  const AttentionTiles t(T, how);
+  const bool blocks = how == AttentionProducts::CausalBlocks;
+  const CausalBlocks qb(T);
   const Index TB = t.TB, tile_p = BH * TB * TB, G0 = attention_head_group(T, hs, BH);
   AttentionWorkspace& w = attention_workspace();
   bf16* q = AttentionWorkspace::take(w.q, t.n * G0 * TB * hs);
@@ -551,9 +582,22 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
     attention_pack(dy, dout, C, g0, G, T, H, hs, t);
     for (Index i = 0; i < t.n; ++i) {
       const bf16* pi = p + AttentionTiles::pair(i, 0) * tile_p + g0 * TB * TB;
-      // dP_ij = (dY_i · V_jᵀ) ∘ M_ij, then dS
-      for (Index j = 0; j <= i; ++j)
-        gemm_batched_bf16(G, TB, TB, hs, dy + i * tq, false, v + j * tq, true, dp + j * sg, false);
+      // dP_ij = (dY_i · V_jᵀ) ∘ M_ij, then dS (one tile of T: dP[r0:r1, :r1] = dY[r0:r1]·V[:r1]ᵀ)
+      if (blocks) {
+#ifndef ZERO3D_DEVICE
+        // The CPU form of the softmax backward multiplies dP past the diagonal by P's zeros, and the
+        // blocks leave it unwritten there: zeros keep a stale NaN out (on a CPU only tests run this).
+        Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dp, sg), 0.0f);
+#endif
+        for (Index r = 0; r < qb.count; ++r) {
+          const Index r0 = qb.begin(r), r1 = qb.end(r, T);
+          head_product(G, r1 - r0, r1, hs, head_block(dy, r0, 0, hs, T), head_block(v, 0, 0, hs, T, true), dp + r0 * T,
+                       T, T);
+        }
+      } else {
+        for (Index j = 0; j <= i; ++j)
+          gemm_batched_bf16(G, TB, TB, hs, dy + i * tq, false, v + j * tq, true, dp + j * sg, false);
+      }
       const bf16* pv = pi;  // P ∘ M for dV
       Index pv_stride = tile_p;
       if (kept) {
@@ -562,8 +606,18 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
         pv = kept, pv_stride = sg;
       }
       attention_softmax_backward_rows(ds, pi, tile_p, dp, i, G, TB, scale);
-      // dQ_i = Σ_j dS_ij · K_j ; dK_j += dS_ijᵀ · Q_i ; dV_j += P_ijᵀ · dY_i (tile j is first met at i = j)
-      for (Index j = 0; j <= i; ++j) {
+      // dQ_i = Σ_j dS_ij · K_j ; dK_j += dS_ijᵀ · Q_i ; dV_j += P_ijᵀ · dY_i (tile j is first met at
+      // i = j). One tile of T: dQ[r0:r1] = dS[r0:r1, :r1]·K[:r1] a query block at a time, and
+      // dK[c0:c1] = dS[c0:, c0:c1]ᵀ·Q[c0:], dV[c0:c1] = (P ∘ M)[c0:, c0:c1]ᵀ·dY[c0:] a key block at a time.
+      for (Index b = 0; blocks && b < qb.count; ++b) {
+        const Index b0 = qb.begin(b), b1 = qb.end(b, T);
+        head_product(G, b1 - b0, hs, b1, head_block(ds, b0, 0, T, T), head_block(k, 0, 0, hs, T), dq + b0 * hs, hs, T);
+        head_product(G, b1 - b0, hs, T - b0, head_block(ds, b0, b0, T, T, true), head_block(q, b0, 0, hs, T),
+                     dk + b0 * hs, hs, T);
+        head_product(G, b1 - b0, hs, T - b0, head_block(pv, b0, b0, T, T, true), head_block(dy, b0, 0, hs, T),
+                     dv + b0 * hs, hs, T);
+      }
+      for (Index j = 0; !blocks && j <= i; ++j) {
         gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, false, k + j * tq, false, dq + i * tq, j > 0);
         gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, true, q + i * tq, false, dk + j * tq, i > j);
         gemm_batched_bf16(G, TB, hs, TB, pv + j * pv_stride, true, dy + i * tq, false, dv + j * tq, i > j);

@@ -61,6 +61,22 @@ void gemm_batched_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const voi
 void gemm_batched(int64_t batch, int64_t M, int64_t N, int64_t K, const float* A, bool ta, const float* B, bool tb,
                   float* C, bool accumulate);
 
+// One operand of a batch of products over blocks of larger matrices: the first problem's
+// operand as a GemmOperand (ld its row stride as stored), the next problems' `stride` (> 0)
+// elements on.
+struct BatchedOperand {
+  GemmOperand x;
+  int64_t stride;
+};
+
+// `batch` products over blocks of larger operands, fp32 results: C_b[M,N] (row stride ldc, at
+// C + b·stride_c) = op(A_b)·op(B_b) (+ C_b when accumulate). A and B both F32 (an fp32 product)
+// or both BF16 (fp32 accumulation). The causal attention's products over the key blocks a query
+// block sees: one strided-batched cuBLASLt call on the GPU; sgemm per problem on the CPU, where
+// only the device forms' tests call it. MACs are counted by the caller.
+void gemm_batched_blocks(int64_t batch, int64_t M, int64_t N, int64_t K, BatchedOperand A, BatchedOperand B, float* C,
+                         int64_t ldc, int64_t stride_c, bool accumulate);
+
 // x as the products in `compute` read it (bf16 operands for BF16; x itself for F32),
 // converted once into a workspace slot of its own: an operand that feeds two products (dout
 // in a linear layer's backward) is converted once. Valid until the next gemm_operand call.

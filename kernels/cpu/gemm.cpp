@@ -214,6 +214,38 @@ void gemm_batched(int64_t batch, int64_t M, int64_t N, int64_t K, const float* A
                 A + i * M * K, ta ? M : K, B + i * K * N, tb ? K : N, accumulate ? 1.0f : 0.0f, C + i * M * N, N);
 }
 
+void gemm_batched_blocks(int64_t batch, int64_t M, int64_t N, int64_t K, BatchedOperand A, BatchedOperand B, float* C,
+                         int64_t ldc, int64_t stride_c, bool accumulate) {
+  const kernels::ProfileRegion region("attention_products");
+  if (A.x.type != B.x.type || (A.x.type != DType::F32 && A.x.type != DType::BF16))
+    throw SystemError("gemm_batched_blocks: operands both fp32 or both bf16");
+  if (A.stride <= 0 || B.stride <= 0 || stride_c <= 0) throw SystemError("gemm_batched_blocks: strides must be positive");
+  const bool wide = A.x.type == DType::F32;
+  // A bf16 operand's block widened to a dense fp32 one (ld its stored columns).
+  const auto widened = [&](std::vector<float>& dst, const GemmOperand& x, int64_t offset, int64_t rows, int64_t cols) {
+    dst.resize(static_cast<size_t>(rows * cols));
+    const bf16* src = static_cast<const bf16*>(x.data) + offset;
+    for (int64_t r = 0; r < rows; ++r) kernels::convert(dst.data() + r * cols, src + r * x.ld, cols);
+  };
+  std::vector<float> a32, b32;
+  for (int64_t i = 0; i < batch; ++i) {
+    const float *a = nullptr, *b = nullptr;
+    int64_t lda = A.x.ld, ldb = B.x.ld;
+    if (wide) {
+      a = static_cast<const float*>(A.x.data) + i * A.stride;
+      b = static_cast<const float*>(B.x.data) + i * B.stride;
+    } else {
+      const int64_t a_rows = A.x.trans ? K : M, a_cols = A.x.trans ? M : K;
+      const int64_t b_rows = B.x.trans ? N : K, b_cols = B.x.trans ? K : N;
+      widened(a32, A.x, i * A.stride, a_rows, a_cols);
+      widened(b32, B.x, i * B.stride, b_rows, b_cols);
+      a = a32.data(), b = b32.data(), lda = a_cols, ldb = b_cols;
+    }
+    cblas_sgemm(CblasRowMajor, A.x.trans ? CblasTrans : CblasNoTrans, B.x.trans ? CblasTrans : CblasNoTrans, M, N, K,
+                1.0f, a, lda, b, ldb, accumulate ? 1.0f : 0.0f, C + i * stride_c, ldc);
+  }
+}
+
 void gemm(int64_t M, int64_t N, int64_t K, GemmOperand A, GemmOperand B, float* C, int64_t ldc, bool accumulate,
           DType compute, const void* bias, DType bias_type) {
   obs::add_macs(static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K));  // the flops profiler's count

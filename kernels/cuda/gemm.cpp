@@ -41,7 +41,7 @@ void check(cublasStatus_t s, const char* what) {
 constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 
 // What determines cuBLASLt's choice of algorithm for a product (run_lt's descriptors).
-using ProblemKey = std::array<int64_t, 17>;
+using ProblemKey = std::array<int64_t, 20>;
 
 struct Workspace {
   DeviceScratch a16{"gemm_a16"}, b16{"gemm_b16"}, shared16{"gemm_shared16"};
@@ -175,7 +175,8 @@ struct Product {
   int64_t ldd;
   DType d_type;           // F32 or BF16
   const float* bias;      // fp32 [N] or null
-  int64_t batch = 1;      // problems; A, B, D advance by their dense sizes
+  int64_t batch = 1;      // problems; A, B, D advance by their dense sizes, or by:
+  int64_t stride_a = 0, stride_b = 0, stride_d = 0;  // elements between problems (0: the dense size)
 };
 
 // Returns false when cuBLASLt offers no algorithm for the epilogue asked for, so the caller can
@@ -205,7 +206,9 @@ bool run_lt(const Product& p) {
   // C is fp32 when read (a residual, an accumulation); unread (beta 0), it is described as D.
   check(cublasLtMatrixLayoutCreate(&lc, p.C ? CUDA_R_32F : cuda_type(p.d_type), p.N, p.M, p.ldd), "layout C");
   check(cublasLtMatrixLayoutCreate(&ld, cuda_type(p.d_type), p.N, p.M, p.ldd), "layout D");
-  const int64_t sa = p.K * p.N, sb = p.M * p.K, sd = p.M * p.N;  // batch strides, in elements
+  // batch strides in elements (cuBLASLt's first operand is B, its second A)
+  const int64_t sa = p.stride_b ? p.stride_b : p.K * p.N, sb = p.stride_a ? p.stride_a : p.M * p.K,
+                sd = p.stride_d ? p.stride_d : p.M * p.N;
   if (p.batch > 1) {
     const int32_t count = static_cast<int32_t>(p.batch);
     for (auto [l, stride] : {std::pair{la, sa}, std::pair{lb, sb}, std::pair{lc, sd}, std::pair{ld, sd}}) {
@@ -238,7 +241,7 @@ bool run_lt(const Product& p) {
   // shapes thousands of times, and each query costs tens of microseconds of host time.
   const ProblemKey key{p.M, p.N, p.K, static_cast<int64_t>(ab), static_cast<int64_t>(p.d_type), p.B.trans, p.A.trans,
                        p.B.ld, p.A.ld, p.ldd, p.batch, p.bias != nullptr, p.C != nullptr, align[0], align[1],
-                       align[2], align[3]};
+                       align[2], align[3], sa, sb, sd};
   auto chosen = w.algos.find(key);
   if (chosen == w.algos.end()) {
     cublasLtMatmulHeuristicResult_t heuristic{};
@@ -313,6 +316,17 @@ void gemm_batched_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const voi
   const kernels::ProfileRegion region("attention_products");
   const GemmOperand a{A, DType::BF16, ta, ta ? M : K}, b{B, DType::BF16, tb, tb ? K : N};
   product({M, N, K, a, b, accumulate ? C : nullptr, C, N, DType::F32, nullptr, batch});
+}
+
+void gemm_batched_blocks(int64_t batch, int64_t M, int64_t N, int64_t K, BatchedOperand A, BatchedOperand B, float* C,
+                         int64_t ldc, int64_t stride_c, bool accumulate) {
+  const kernels::ProfileRegion region("attention_products");
+  if (A.x.type != B.x.type || (A.x.type != DType::F32 && A.x.type != DType::BF16))
+    throw SystemError("gemm_batched_blocks: operands both fp32 or both bf16");
+  if (A.stride <= 0 || B.stride <= 0 || stride_c <= 0) throw SystemError("gemm_batched_blocks: strides must be positive");
+  Product p{M, N, K, A.x, B.x, accumulate ? C : nullptr, C, ldc, DType::F32, nullptr, batch};
+  p.stride_a = A.stride, p.stride_b = B.stride, p.stride_d = stride_c;
+  product(p);
 }
 
 void gemm_batched(int64_t batch, int64_t M, int64_t N, int64_t K, const float* A, bool ta, const float* B, bool tb,

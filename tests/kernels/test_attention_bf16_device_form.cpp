@@ -113,4 +113,45 @@ TEST(AttentionBf16DeviceForm, SoftmaxRowsAndTheirBackwardMatchTheCpuForms) {
   }
 }
 
+// A GPU's products (AttentionProducts::CausalBlocks: one tile of all T positions, the products in
+// causal query blocks) against a CPU's (a product per tile pair), without and with dropout. Both
+// multiply the same bf16 values with fp32 sums, in another order: a probability may round to the
+// other side (one bf16 step, up to 2⁻⁷ of it), and the output and the gradients move by a few
+// such. T 70: query blocks of 64 and 6 against two tiles of 35; T 300: four blocks of 64 and one
+// of 44 against five tiles of 60.
+TEST(AttentionBf16DeviceForm, CausalBlockProductsAgreeWithTileProducts) {
+  const Index B = 2, H = 3, C = 48, BH = B * H;
+  for (const Index T : {Index{70}, Index{300}})
+    for (const bool drop : {false, true}) {
+      const DropoutMask mask = drop ? dropout_mask(0.3, 17, 40, 2, DropoutSite::Probabilities) : DropoutMask{};
+      const std::string at = " [T " + std::to_string(T) + (drop ? ", dropout]" : "]");
+      const auto qkv = random_vector(B * T * 3 * C, 9), dout = random_vector(B * T * C, 10);
+      struct Pass {
+        std::vector<float> out, dqkv, p;  // p: the causal probabilities, [bh][r][c ≤ r]
+      };
+      auto run = [&](AttentionProducts how) {
+        const AttentionTiles t(T, how);
+        std::vector<float> att(((AttentionTiles::pair(t.n - 1, t.n - 1) + 1) * BH * t.TB * t.TB + 1) / 2, -1.0f);
+        Pass pass{std::vector<float>(B * T * C), std::vector<float>(B * T * 3 * C, -1.0f), {}};
+        attention_forward_tiled_bf16(pass.out.data(), att.data(), qkv.data(), B, T, C, H, mask, how);
+        attention_backward_tiled_bf16(pass.dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, H, mask, how);
+        const bf16* p = reinterpret_cast<const bf16*>(att.data());
+        for (Index bh = 0; bh < BH; ++bh)
+          for (Index r = 0; r < T; ++r)
+            for (Index c = 0; c <= r; ++c) {
+              const Index i = r / t.TB, j = c / t.TB;
+              pass.p.push_back(to_float(p[AttentionTiles::pair(i, j) * BH * t.TB * t.TB + (bh * t.TB + r % t.TB) * t.TB +
+                                          c % t.TB]));
+            }
+        return pass;
+      };
+      const Pass blocks = run(AttentionProducts::CausalBlocks), tiles = run(AttentionProducts::Tiles);
+      expect_close("P" + at, blocks.p, tiles.p, 1e-7, 1.0 / 128);
+      // a probability rounded the other way moves an output by p·2⁻⁷·|v|: ~3e-4 at p 0.012, |v| 3
+      expect_close("out" + at, blocks.out, tiles.out, 2e-3, 1e-2);
+      expect_close("dqkv" + at, blocks.dqkv, tiles.dqkv, 2e-3, 1e-2);
+      expect_same_bits("dqkv, second run" + at, run(AttentionProducts::CausalBlocks).dqkv, blocks.dqkv);
+    }
+}
+
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "base/rng.hpp"
@@ -85,9 +86,23 @@ TEST_P(Fp32AttentionDeviceForm, TwoRunsGiveTheSameBits) {
   EXPECT_EQ(d1, d2);
 }
 
-// T = 70 crosses the CPU form's 64-row blocks; hs 16 and 64 (GPT-2's).
+// The causal products' query blocks: about T/8 rows, a multiple of 64, the last one what is left.
+TEST(CausalBlocks, AreAboutAnEighthOfTheSequenceInMultiplesOf64Rows) {
+  for (const auto& [T, rows, count] : {std::tuple<Index, Index, Index>{1024, 128, 8}, {2048, 256, 8}, {4096, 512, 8},
+                                       {300, 64, 5}, {70, 64, 2}, {64, 64, 1}, {33, 64, 1}, {1, 64, 1}}) {
+    const CausalBlocks blocks(T);
+    EXPECT_EQ(blocks.rows, rows) << "T " << T;
+    EXPECT_EQ(blocks.count, count) << "T " << T;
+    EXPECT_EQ(blocks.end(blocks.count - 1, T), T) << "T " << T;
+    EXPECT_GT(blocks.end(blocks.count - 1, T), blocks.begin(blocks.count - 1)) << "T " << T;
+  }
+}
+
+// T = 70 crosses the CPU form's 64-row blocks and is two of the device form's causal blocks (64
+// and 6 rows); T = 300 is five (four of 64, one of 44); hs 16 and 64 (GPT-2's).
 INSTANTIATE_TEST_SUITE_P(Shapes, Fp32AttentionDeviceForm,
-                         ::testing::Values(Shape{2, 70, 48, 3}, Shape{1, 33, 128, 2}, Shape{2, 16, 64, 1}),
+                         ::testing::Values(Shape{2, 70, 48, 3}, Shape{1, 33, 128, 2}, Shape{2, 16, 64, 1},
+                                           Shape{1, 300, 32, 2}),
                          [](const ::testing::TestParamInfo<Shape>& i) {
                            return "B" + std::to_string(i.param.B) + "_T" + std::to_string(i.param.T) + "_C" +
                                   std::to_string(i.param.C) + "_H" + std::to_string(i.param.H);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "base/rng.hpp"
@@ -136,6 +137,52 @@ TEST(Bf16Gemm, BatchedProductsEqualOneProductPerProblem) {
       for (Index i = 0; i < batch * M * N; ++i)
         EXPECT_NEAR(batched[i], single[i], 1e-5f * (1.0f + std::fabs(single[i]))) << "ta " << ta << " tb " << tb << " " << i;
     }
+}
+
+// gemm_batched_blocks: problem b multiplies blocks of the b-th of larger row-major matrices (A at
+// row 3, column 5 of 40×50 ones; B at row 2, column 4 of 45×40 ones; C at row 1, column 2 of
+// 20×30 ones), each read as stored or transposed, against a double-precision sum over the same
+// (bf16: already rounded) values. C's elements outside the blocks keep their old values.
+TEST(BlockProducts, EachProblemMultipliesItsBlocksOfTheLargerMatrices) {
+  const Index batch = 3, M = 12, N = 9, K = 17;
+  const Index a_rows = 40, a_cols = 50, b_rows = 45, b_cols = 40, c_rows = 20, c_cols = 30;
+  const Index a_at = 3 * a_cols + 5, b_at = 2 * b_cols + 4, c_at = 1 * c_cols + 2;
+  for (const DType type : {DType::F32, DType::BF16})
+    for (const bool ta : {false, true})
+      for (const bool tb : {false, true})
+        for (const bool accumulate : {false, true}) {
+          auto a32 = random_vector(batch * a_rows * a_cols, 15), b32 = random_vector(batch * b_rows * b_cols, 16);
+          std::vector<bf16> a16(a32.size()), b16(b32.size());
+          for (size_t i = 0; i < a32.size(); ++i) a16[i] = to_bf16(a32[i]), a32[i] = to_float(a16[i]);
+          for (size_t i = 0; i < b32.size(); ++i) b16[i] = to_bf16(b32[i]), b32[i] = to_float(b16[i]);
+          const bool wide = type == DType::F32;
+          const void* a = wide ? static_cast<const void*>(a32.data() + a_at) : a16.data() + a_at;
+          const void* b = wide ? static_cast<const void*>(b32.data() + b_at) : b16.data() + b_at;
+          const std::vector<float> before = random_vector(batch * c_rows * c_cols, 17);
+          std::vector<float> c = before;
+          gemm_batched_blocks(batch, M, N, K, {{a, type, ta, a_cols}, a_rows * a_cols},
+                              {{b, type, tb, b_cols}, b_rows * b_cols}, c.data() + c_at, c_cols, c_rows * c_cols,
+                              accumulate);
+          const std::string at = std::string(wide ? "fp32" : "bf16") + " ta " + std::to_string(ta) + " tb " +
+                                 std::to_string(tb) + " accumulate " + std::to_string(accumulate);
+          for (Index p = 0; p < batch; ++p)
+            for (Index i = 0; i < c_rows; ++i)
+              for (Index j = 0; j < c_cols; ++j) {
+                const Index e = p * c_rows * c_cols + i * c_cols + j;
+                const Index m = i - 1, n = j - 2;
+                if (m < 0 || m >= M || n < 0 || n >= N) {
+                  ASSERT_EQ(c[e], before[e]) << at << ": outside the block, problem " << p << " (" << i << ", " << j << ")";
+                  continue;
+                }
+                double want = accumulate ? before[e] : 0.0;
+                for (Index k = 0; k < K; ++k) {
+                  const float x = a32[p * a_rows * a_cols + a_at + (ta ? k * a_cols + m : m * a_cols + k)];
+                  const float y = b32[p * b_rows * b_cols + b_at + (tb ? n * b_cols + k : k * b_cols + n)];
+                  want += static_cast<double>(x) * y;
+                }
+                ASSERT_NEAR(c[e], want, 1e-5 * (1.0 + std::fabs(want))) << at << ": problem " << p << " (" << m << ", " << n << ")";
+              }
+        }
 }
 
 TEST(Bf16LayerNorm, ABf16OutputIsTheFp32OutputRounded) {
