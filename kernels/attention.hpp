@@ -245,12 +245,8 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
   split_heads(q, qkv, 0, B, T, C, H);
   split_heads(k, qkv, 1, B, T, C, H);
   split_heads(v, qkv, 2, B, T, C, H);
-  const CausalBlocks blocks(T);
-  for (Index r = 0; r < blocks.count; ++r) {  // S[r0:r1, :r1] = Q[r0:r1]·K[:r1]ᵀ
-    const Index r0 = blocks.begin(r), r1 = blocks.end(r, T);
-    head_product(BH, r1 - r0, r1, hs, head_block(q, r0, 0, hs, T), head_block(k, 0, 0, hs, T, true),
-                 att + r0 * T, T, T);
-  }
+  const CausalProducts products(BH, 1, T, hs);
+  products.scores(att, q, k);  // S = Q·Kᵀ
   causal_softmax(att, BH, T, 1.0f / std::sqrt(static_cast<float>(hs)));
   const float* p = att;
   if (dropout.on()) {  // the kept probabilities in the backward's score scratch
@@ -258,11 +254,7 @@ inline void attention_forward_fp32(float* out, float* att, const float* qkv, Ind
     dropout_probabilities(dropped, att, dropout, B, H, T);
     p = dropped;
   }
-  for (Index r = 0; r < blocks.count; ++r) {  // Y[r0:r1] = (P ∘ M)[r0:r1, :r1]·V[:r1]
-    const Index r0 = blocks.begin(r), r1 = blocks.end(r, T);
-    head_product(BH, r1 - r0, hs, r1, head_block(p, r0, 0, T, T), head_block(v, 0, 0, hs, T),
-                 y + r0 * hs, hs, T);
-  }
+  products.rows(y, p, v);  // Y = (P ∘ M)·V
   merge_heads(out, C, 0, y, B, T, C, H);
 }
 
@@ -281,29 +273,13 @@ ZERO3D_KERNEL void attention_backward_fp32(float* dqkv, const float* dout, const
     dropout_probabilities(ds, att, dropout, B, H, T);
     pk = ds;
   }
-  const CausalBlocks blocks(T);
-  for (Index c = 0; c < blocks.count; ++c) {  // dV[c0:c1] = (P ∘ M)[c0:, c0:c1]ᵀ·dY[c0:]
-    const Index c0 = blocks.begin(c), c1 = blocks.end(c, T);
-    head_product(BH, c1 - c0, hs, T - c0, head_block(pk, c0, c0, T, T, true), head_block(dy, c0, 0, hs, T),
-                 dv + c0 * hs, hs, T);
-  }
-  for (Index r = 0; r < blocks.count; ++r) {  // dP[r0:r1, :r1] = dY[r0:r1]·V[:r1]ᵀ (the softmax reads j <= i)
-    const Index r0 = blocks.begin(r), r1 = blocks.end(r, T);
-    head_product(BH, r1 - r0, r1, hs, head_block(dy, r0, 0, hs, T), head_block(v, 0, 0, hs, T, true),
-                 ds + r0 * T, T, T);
-  }
+  const CausalProducts products(BH, 1, T, hs);
+  products.keys(dv, pk, dy);
+  products.scores(ds, dy, v);  // dP = (dY·Vᵀ) ∘ M
   if (dropout.on()) dropout_probabilities(ds, ds, dropout, B, H, T);
   causal_softmax_backward(ds, att, BH, T, 1.0f / std::sqrt(static_cast<float>(hs)));
-  for (Index r = 0; r < blocks.count; ++r) {  // dQ[r0:r1] = dS[r0:r1, :r1]·K[:r1]
-    const Index r0 = blocks.begin(r), r1 = blocks.end(r, T);
-    head_product(BH, r1 - r0, hs, r1, head_block(ds, r0, 0, T, T), head_block(k, 0, 0, hs, T),
-                 dq + r0 * hs, hs, T);
-  }
-  for (Index c = 0; c < blocks.count; ++c) {  // dK[c0:c1] = dS[c0:, c0:c1]ᵀ·Q[c0:]
-    const Index c0 = blocks.begin(c), c1 = blocks.end(c, T);
-    head_product(BH, c1 - c0, hs, T - c0, head_block(ds, c0, c0, T, T, true), head_block(q, c0, 0, hs, T),
-                 dk + c0 * hs, hs, T);
-  }
+  products.rows(dq, ds, k);  // dQ = dS·K
+  products.keys(dk, ds, q);  // dK = dSᵀ·Q
   merge_heads(dqkv, 3 * C, 0, dq, B, T, C, H);
   merge_heads(dqkv, 3 * C, C, dk, B, T, C, H);
   merge_heads(dqkv, 3 * C, 2 * C, dv, B, T, C, H);

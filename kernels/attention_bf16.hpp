@@ -501,7 +501,6 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T, how);
   const bool blocks = how == AttentionProducts::CausalBlocks;
-  const CausalBlocks qb(T);
   const Index TB = t.TB, tile_p = BH * TB * TB, G0 = attention_head_group(T, hs, BH);
   AttentionWorkspace& w = attention_workspace();
   bf16* q = AttentionWorkspace::take(w.q, t.n * G0 * TB * hs);
@@ -519,13 +518,9 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
     for (Index i = 0; i < t.n; ++i) {
       bf16* pi = p + AttentionTiles::pair(i, 0) * tile_p + g0 * TB * TB;
       // S_ij = Q_i · K_jᵀ for the key tiles 0..i; softmax; O_i = Σ_j P_ij · V_j (one tile of T:
-      // S[r0:r1, :r1] = Q[r0:r1]·K[:r1]ᵀ a query block at a time, O[r0:r1] = P[r0:r1, :r1]·V[:r1])
+      // a query block at a time, over the keys up to its end)
       if (blocks) {
-        for (Index r = 0; r < qb.count; ++r) {
-          const Index r0 = qb.begin(r), r1 = qb.end(r, T);
-          head_product(G, r1 - r0, r1, hs, head_block(q, r0, 0, hs, T), head_block(k, 0, 0, hs, T, true), s + r0 * T,
-                       T, T);
-        }
+        CausalProducts(G, 1, T, hs).scores(s, q, k);
       } else {
         for (Index j = 0; j <= i; ++j)
           gemm_batched_bf16(G, TB, TB, hs, q + i * tq, false, k + j * tq, true, s + j * sg, false);
@@ -538,10 +533,7 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
         pv = kept, pv_stride = sg;
       }
       if (blocks) {
-        for (Index r = 0; r < qb.count; ++r) {
-          const Index r0 = qb.begin(r), r1 = qb.end(r, T);
-          head_product(G, r1 - r0, hs, r1, head_block(pv, r0, 0, T, T), head_block(v, 0, 0, hs, T), o + r0 * hs, hs, T);
-        }
+        CausalProducts(G, 1, T, hs).rows(o, pv, v);
       } else {
         for (Index j = 0; j <= i; ++j)
           gemm_batched_bf16(G, TB, hs, TB, pv + j * pv_stride, false, v + j * tq, false, o + i * tq, j > 0);
@@ -560,7 +552,6 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const AttentionTiles t(T, how);
   const bool blocks = how == AttentionProducts::CausalBlocks;
-  const CausalBlocks qb(T);
   const Index TB = t.TB, tile_p = BH * TB * TB, G0 = attention_head_group(T, hs, BH);
   AttentionWorkspace& w = attention_workspace();
   bf16* q = AttentionWorkspace::take(w.q, t.n * G0 * TB * hs);
@@ -582,18 +573,14 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
     attention_pack(dy, dout, C, g0, G, T, H, hs, t);
     for (Index i = 0; i < t.n; ++i) {
       const bf16* pi = p + AttentionTiles::pair(i, 0) * tile_p + g0 * TB * TB;
-      // dP_ij = (dY_i · V_jᵀ) ∘ M_ij, then dS (one tile of T: dP[r0:r1, :r1] = dY[r0:r1]·V[:r1]ᵀ)
+      // dP_ij = (dY_i · V_jᵀ) ∘ M_ij, then dS (one tile of T: a query block at a time)
       if (blocks) {
 #ifndef ZERO3D_DEVICE
         // The CPU form of the softmax backward multiplies dP past the diagonal by P's zeros, and the
         // blocks leave it unwritten there: zeros keep a stale NaN out (on a CPU only tests run this).
         Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dp, sg), 0.0f);
 #endif
-        for (Index r = 0; r < qb.count; ++r) {
-          const Index r0 = qb.begin(r), r1 = qb.end(r, T);
-          head_product(G, r1 - r0, r1, hs, head_block(dy, r0, 0, hs, T), head_block(v, 0, 0, hs, T, true), dp + r0 * T,
-                       T, T);
-        }
+        CausalProducts(G, 1, T, hs).scores(dp, dy, v);
       } else {
         for (Index j = 0; j <= i; ++j)
           gemm_batched_bf16(G, TB, TB, hs, dy + i * tq, false, v + j * tq, true, dp + j * sg, false);
@@ -607,15 +594,12 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
       }
       attention_softmax_backward_rows(ds, pi, tile_p, dp, i, G, TB, scale);
       // dQ_i = Σ_j dS_ij · K_j ; dK_j += dS_ijᵀ · Q_i ; dV_j += P_ijᵀ · dY_i (tile j is first met at
-      // i = j). One tile of T: dQ[r0:r1] = dS[r0:r1, :r1]·K[:r1] a query block at a time, and
-      // dK[c0:c1] = dS[c0:, c0:c1]ᵀ·Q[c0:], dV[c0:c1] = (P ∘ M)[c0:, c0:c1]ᵀ·dY[c0:] a key block at a time.
-      for (Index b = 0; blocks && b < qb.count; ++b) {
-        const Index b0 = qb.begin(b), b1 = qb.end(b, T);
-        head_product(G, b1 - b0, hs, b1, head_block(ds, b0, 0, T, T), head_block(k, 0, 0, hs, T), dq + b0 * hs, hs, T);
-        head_product(G, b1 - b0, hs, T - b0, head_block(ds, b0, b0, T, T, true), head_block(q, b0, 0, hs, T),
-                     dk + b0 * hs, hs, T);
-        head_product(G, b1 - b0, hs, T - b0, head_block(pv, b0, b0, T, T, true), head_block(dy, b0, 0, hs, T),
-                     dv + b0 * hs, hs, T);
+      // i = j). One tile of T: dQ a query block at a time, dK and dV a key block at a time.
+      if (blocks) {
+        const CausalProducts products(G, 1, T, hs);
+        products.rows(dq, ds, k);
+        products.keys(dk, ds, q);
+        products.keys(dv, pv, dy);
       }
       for (Index j = 0; !blocks && j <= i; ++j) {
         gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, false, k + j * tq, false, dq + i * tq, j > 0);

@@ -19,7 +19,7 @@
 // The CPU form runs sgemm per (batch, head) and block of kRowBlock query rows straight on the
 // strided qkv (a block reads keys from its first row's window start to its last row only); the
 // device form (namespace gpu) splits heads into dense arrays and batches its products over the
-// B·Hkv groups, each group's G = H/Hkv query heads stacked as G·T rows against their one K/V head.
+// B·Hkv groups, in causal query blocks over the keys each sees (attention_causal_blocks.hpp).
 // Both compile on every build; tests/kernels/test_llama_kernels.cpp holds one against the other.
 //
 // bf16 compute (the overloads at the end, qkv in bf16: the q/k/v product rounded its output and
@@ -41,6 +41,7 @@
 
 #include "base/profiler.hpp"
 #include "kernels/attention.hpp"  // kRowBlock, and the device form's head and score scratch
+#include "kernels/attention_causal_blocks.hpp"
 #include "kernels/common.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/fastmath.hpp"
@@ -51,8 +52,7 @@
 
 namespace zero3d::kernels {
 
-// gqa_first_key (the first key query i sees) is in cpu/attention_flash_bf16.hpp, whose fused
-// kernel masks with it too.
+// gqa_first_key (the first key query i sees) is in attention_window.hpp.
 
 namespace gpu {
 
@@ -103,7 +103,8 @@ inline void gqa_attention_forward(float* out, float* att, const float* qkv, Inde
   gqa_split_heads(q, qkv, W, 0, B, T, H, d);
   gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
   gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
-  gemm_batched(B * Hkv, G * T, T, d, q, false, k, true, att, false);  // S = Q·Kᵀ, a group's heads stacked
+  const CausalProducts products(B * Hkv, G, T, d, window);
+  products.scores(att, q, k);  // S = Q·Kᵀ over each query block's keys
   gqa_softmax(att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
   const float* p = att;
   if (dropout.on()) {  // the kept probabilities in the backward's score scratch
@@ -111,7 +112,7 @@ inline void gqa_attention_forward(float* out, float* att, const float* qkv, Inde
     dropout_probabilities(dropped, att, dropout, B, H, T);
     p = dropped;
   }
-  gemm_batched(B * Hkv, G * T, d, T, p, false, v, false, y, false);  // Y = (P ∘ M)·V
+  products.rows(y, p, v);  // Y = (P ∘ M)·V
   gqa_merge_heads(out, H * d, 0, y, B, T, H, d);
 }
 
@@ -130,12 +131,13 @@ inline void gqa_attention_backward(float* dqkv, const float* dout, const float* 
     dropout_probabilities(ds, att, dropout, B, H, T);
     pk = ds;
   }
-  gemm_batched(B * Hkv, T, d, G * T, pk, true, dy, false, dv, false);
-  gemm_batched(B * Hkv, G * T, T, d, dy, false, v, true, ds, false);  // dP = (dY·Vᵀ) ∘ M
+  const CausalProducts products(B * Hkv, G, T, d, window);
+  products.keys(dv, pk, dy);
+  products.scores(ds, dy, v);  // dP = (dY·Vᵀ) ∘ M
   if (dropout.on()) dropout_probabilities(ds, ds, dropout, B, H, T);
   gqa_softmax_backward(ds, att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
-  gemm_batched(B * Hkv, G * T, d, T, ds, false, k, false, dq, false);  // dQ = dS·K
-  gemm_batched(B * Hkv, T, d, G * T, ds, true, q, false, dk, false);   // dK = dSᵀ·Q, the group summed
+  products.rows(dq, ds, k);  // dQ = dS·K
+  products.keys(dk, ds, q);  // dK = dSᵀ·Q, the group summed
   gqa_merge_heads(dqkv, W, 0, dq, B, T, H, d);
   gqa_merge_heads(dqkv, W, H * d, dk, B, T, Hkv, d);
   gqa_merge_heads(dqkv, W, (H + Hkv) * d, dv, B, T, Hkv, d);

@@ -41,6 +41,7 @@
 #include <new>
 #include <type_traits>
 
+#include "kernels/attention_window.hpp"  // gqa_first_key
 #include "kernels/common.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/fastmath.hpp"
@@ -53,12 +54,6 @@
 #endif
 
 namespace zero3d::kernels {
-
-// The first key query i sees: 0, or i − W + 1 with a sliding window W > 0 (key j visible when
-// i − W < j <= i: transformers masking_utils, sliding_window_overlay).
-KOKKOS_INLINE_FUNCTION Index gqa_first_key(Index i, Index window) {
-  return window > 0 && i - window + 1 > 0 ? i - window + 1 : 0;
-}
 
 // Whether attention_flash_forward/backward serve a shape: built with AVX512-BF16 (Serial
 // execution space) and room for L and O in att.

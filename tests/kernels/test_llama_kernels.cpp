@@ -549,9 +549,11 @@ std::string describe(const GqaCase& c) {
 
 // Causal and windowed; windows that end inside a query row block, cross the 64-row block
 // boundary (T 130: three blocks) or exceed T; grouped (2 query heads a K/V head), multi-query
-// (Hkv 1) and plain multi-head (Hkv = H).
+// (Hkv 1) and plain multi-head (Hkv = H). T 300 with a window of 30: five of the device form's
+// causal blocks, whose products start at a window's first key and whose key blocks end at the
+// last query that sees them.
 const GqaCase kGqaCases[] = {{2, 80, 4, 2, 8, 0}, {2, 80, 4, 2, 8, 20}, {1, 130, 4, 1, 8, 70},
-                             {2, 16, 2, 2, 16, 100}, {1, 40, 6, 3, 4, 1}};
+                             {2, 16, 2, 2, 16, 100}, {1, 40, 6, 3, 4, 1}, {1, 300, 4, 2, 8, 30}};
 
 // One case's random inputs (qkv from `seed`, dy from seed + 1) and the CPU form's forward and
 // backward on them.
