@@ -314,6 +314,30 @@ BENCHMARK(BM_ForwardProduct)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
+// The same shapes with both operands already bf16 and no bias (args: K, N, output 0 fp32 / 1
+// bf16): cuBLASLt's own rate, without the fp32 operand's conversion that BM_ForwardProduct's
+// bf16 rows include; what keeping activations in bf16 end to end would leave.
+void BM_Bf16OperandProduct(benchmark::State& state) {
+  const Index K = state.range(0), N = state.range(1);
+  const bool bf16_out = state.range(2) != 0;
+  Bf16s a(BT * K), w(K * N, 2, 0.02f), out16(bf16_out ? BT * N : 1);
+  Floats out(bf16_out ? 1 : BT * N);
+  const GemmOperand A{a.get(), DType::BF16, false, K}, W{w.get(), DType::BF16, false, N};
+  for (auto _ : state) {
+    if (bf16_out) gemm_bf16_output(BT, N, K, A, W, out16.get());
+    else gemm(BT, N, K, A, W, out.get(), N, false, DType::BF16);
+    fence();
+  }
+  rate(state, 0, 2.0 * BT * K * N);
+  state.SetLabel(bf16_out ? "bf16 operands, bf16 output" : "bf16 operands, fp32 output");
+}
+BENCHMARK(BM_Bf16OperandProduct)
+    ->ArgsProduct({{C}, {3 * C, C, 4 * C}, {0, 1}})
+    ->Args({4 * C, C, 0})
+    ->Args({4 * C, C, 1})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
 // The tied LM head's forward as the model runs it (logits = ln_f · wteᵀ, then the loss over the
 // real V columns) at GPT-2's V and at V padded to 50,304 (model.make_vocab_size_divisible_by 128,
 // the GPU build's default; llm.c's padded_vocab_size). Args: the padded V, compute 0 fp32 / 1 bf16.
