@@ -76,6 +76,12 @@ struct BatchedOperand {
 // only the device forms' tests call it. MACs are counted by the caller.
 void gemm_batched_blocks(int64_t batch, int64_t M, int64_t N, int64_t K, BatchedOperand A, BatchedOperand B, float* C,
                          int64_t ldc, int64_t stride_c, bool accumulate);
+// Why gemm_batched_blocks cannot take these operands (null when it can): both builds' forms ask.
+inline const char* batched_blocks_refusal(const BatchedOperand& A, const BatchedOperand& B, int64_t stride_c) {
+  if (A.x.type != B.x.type || (A.x.type != DType::F32 && A.x.type != DType::BF16)) return "operands both fp32 or both bf16";
+  if (A.stride <= 0 || B.stride <= 0 || stride_c <= 0) return "strides must be positive";
+  return nullptr;
+}
 
 // x as the products in `compute` read it (bf16 operands for BF16; x itself for F32),
 // converted once into a workspace slot of its own: an operand that feeds two products (dout

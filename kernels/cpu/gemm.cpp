@@ -217,9 +217,7 @@ void gemm_batched(int64_t batch, int64_t M, int64_t N, int64_t K, const float* A
 void gemm_batched_blocks(int64_t batch, int64_t M, int64_t N, int64_t K, BatchedOperand A, BatchedOperand B, float* C,
                          int64_t ldc, int64_t stride_c, bool accumulate) {
   const kernels::ProfileRegion region("attention_products");
-  if (A.x.type != B.x.type || (A.x.type != DType::F32 && A.x.type != DType::BF16))
-    throw SystemError("gemm_batched_blocks: operands both fp32 or both bf16");
-  if (A.stride <= 0 || B.stride <= 0 || stride_c <= 0) throw SystemError("gemm_batched_blocks: strides must be positive");
+  if (const char* why = batched_blocks_refusal(A, B, stride_c)) throw SystemError(std::string("gemm_batched_blocks: ") + why);
   const bool wide = A.x.type == DType::F32;
   // A bf16 operand's block widened to a dense fp32 one (ld its stored columns).
   const auto widened = [&](std::vector<float>& dst, const GemmOperand& x, int64_t offset, int64_t rows, int64_t cols) {

@@ -321,9 +321,7 @@ void gemm_batched_bf16(int64_t batch, int64_t M, int64_t N, int64_t K, const voi
 void gemm_batched_blocks(int64_t batch, int64_t M, int64_t N, int64_t K, BatchedOperand A, BatchedOperand B, float* C,
                          int64_t ldc, int64_t stride_c, bool accumulate) {
   const kernels::ProfileRegion region("attention_products");
-  if (A.x.type != B.x.type || (A.x.type != DType::F32 && A.x.type != DType::BF16))
-    throw SystemError("gemm_batched_blocks: operands both fp32 or both bf16");
-  if (A.stride <= 0 || B.stride <= 0 || stride_c <= 0) throw SystemError("gemm_batched_blocks: strides must be positive");
+  if (const char* why = batched_blocks_refusal(A, B, stride_c)) throw SystemError(std::string("gemm_batched_blocks: ") + why);
   Product p{M, N, K, A.x, B.x, accumulate ? C : nullptr, C, ldc, DType::F32, nullptr, batch};
   p.stride_a = A.stride, p.stride_b = B.stride, p.stride_d = stride_c;
   product(p);
