@@ -322,7 +322,7 @@ TEST(GpuAttention, Fp32ForwardAndBackwardMatchTheHostAtGpt2Shapes) {
 }
 
 // Causal attention with bf16 products, as the build chooses it (the CPU's fused AVX512-BF16 or
-// tiled kernel; on a GPU the dense tile, or the fused CUDA kernel under
+// tiled kernel; on a GPU one tile of T in causal query blocks, or the fused CUDA kernel under
 // ZERO3D_ATTENTION_KERNEL=flash, which benchmarks/gpu_check.sh runs too): at GPT-2's head size 64
 // (B 2, T 1024) and 128 with a T that is no multiple of 64, against the host reference on the
 // bf16-rounded q, k, v and dY. What remains is the bf16 rounding of P and dS (2⁻⁹ relative),
