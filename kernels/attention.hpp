@@ -146,11 +146,13 @@ ZERO3D_KERNEL void merge_heads(float* dst, Index ld, Index c0, const float* src,
 // One row of a head's scores, W keys a lane, over the keys [j0, i] it sees (the causal mask, and
 // a sliding window's start: attention_gqa.hpp): the max, the sum of exponentials, then P written
 // from exponentials computed again (the row is read three times, the later passes mostly from
-// cache, and written once), only the seen keys' vectors read, the others written as zeros.
-template <int W>
-KOKKOS_INLINE_FUNCTION void causal_softmax_row(const RowTeam& team, float* x, Index j0, Index i, Index T, float scale) {
+// cache, and written once to p: over x itself, or in bf16 for bf16 products), only the seen
+// keys' vectors read, the others written as zeros.
+template <int W, typename O>
+KOKKOS_INLINE_FUNCTION void causal_softmax_row(const RowTeam& team, O* p, const float* x, Index j0, Index i, Index T,
+                                               float scale) {
   const Index v0 = j0 / W, seen = (i + W) / W - v0;  // the vectors holding keys j0..i
-  float* xs = x + v0 * W;
+  const float* xs = x + v0 * W;
   const auto visible = [&](Index v, int k) { return v0 * W + v * W + k >= j0 && v0 * W + v * W + k <= i; };
   float mx = 0.0f;
   Kokkos::parallel_reduce(
@@ -179,7 +181,7 @@ KOKKOS_INLINE_FUNCTION void causal_softmax_row(const RowTeam& team, float* x, In
       load_floats(e, xs + v * W);
       for (int k = 0; k < W; ++k) e[k] = visible(v, k) ? fast_exp(scale * e[k] - mx) * inv : 0.0f;
     }
-    store_floats(x + u * W, e);
+    store_floats(p + u * W, e);
   });
 }
 
@@ -190,16 +192,16 @@ ZERO3D_KERNEL void causal_softmax(float* s, Index BH, Index T, float scale) {
   Kokkos::parallel_for("attention_causal_softmax", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
     if (row >= rows) return;
-    if (vec) causal_softmax_row<kVec>(team, s + row * T, 0, row % T, T, scale);
-    else causal_softmax_row<1>(team, s + row * T, 0, row % T, T, scale);
+    if (vec) causal_softmax_row<kVec>(team, s + row * T, s + row * T, 0, row % T, T, scale);
+    else causal_softmax_row<1>(team, s + row * T, s + row * T, 0, row % T, T, scale);
   });
 }
 
-// One row of dS, W keys a lane, over the keys [j0, i] it sees: the dot there, then dS there and
-// zeros elsewhere.
-template <int W>
-KOKKOS_INLINE_FUNCTION void causal_softmax_backward_row(const RowTeam& team, float* d, const float* pr, Index j0, Index i,
-                                                        Index T, float scale) {
+// One row of dS from dP (d) and P (pr, fp32 or bf16), W keys a lane, over the keys [j0, i] it
+// sees: the dot there, then dS there and zeros elsewhere, into ds (over d itself, or in bf16).
+template <int W, typename D, typename Pr>
+KOKKOS_INLINE_FUNCTION void causal_softmax_backward_row(const RowTeam& team, D* ds, const float* d, const Pr* pr,
+                                                        Index j0, Index i, Index T, float scale) {
   const Index v0 = j0 / W, seen = (i + W) / W - v0;
   const auto visible = [&](Index v, int k) { return v0 * W + v * W + k >= j0 && v0 * W + v * W + k <= i; };
   float dot = 0.0f;
@@ -221,7 +223,7 @@ KOKKOS_INLINE_FUNCTION void causal_softmax_backward_row(const RowTeam& team, flo
       load_floats(g, d + u * W);
       for (int k = 0; k < W; ++k) g[k] = visible(v, k) ? scale * pv[k] * (g[k] - dot) : 0.0f;
     }
-    store_floats(d + u * W, g);
+    store_floats(ds + u * W, g);
   });
 }
 
@@ -232,8 +234,8 @@ ZERO3D_KERNEL void causal_softmax_backward(float* ds, const float* p, Index BH, 
   Kokkos::parallel_for("attention_softmax_backward", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
     if (row >= rows) return;
-    if (vec) causal_softmax_backward_row<kVec>(team, ds + row * T, p + row * T, 0, row % T, T, scale);
-    else causal_softmax_backward_row<1>(team, ds + row * T, p + row * T, 0, row % T, T, scale);
+    if (vec) causal_softmax_backward_row<kVec>(team, ds + row * T, ds + row * T, p + row * T, 0, row % T, T, scale);
+    else causal_softmax_backward_row<1>(team, ds + row * T, ds + row * T, p + row * T, 0, row % T, T, scale);
   });
 }
 

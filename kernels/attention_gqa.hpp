@@ -31,11 +31,14 @@
 // (exactly), the output rounded, att holding fp32 probabilities. On a GPU build under
 // ZERO3D_ATTENTION_KERNEL=flash (as GPT-2's fused CUDA attention) and without attention dropout,
 // the fused CUDA kernel of cuda/attention_flash_bf16.hpp with the same groups and window, att
-// holding its log-sum-exp and bf16 output as on the CPU.
+// holding its log-sum-exp and bf16 output as on the CPU; otherwise, without attention dropout,
+// gpu::gqa_attention_forward_bf16's products in bf16, att holding bf16 probabilities (GPT-2's
+// bf16 attention's arithmetic); a GPU training pass with attention dropout runs the portable form.
 #pragma once
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -58,39 +61,45 @@ namespace gpu {
 
 // Heads [H0 + n] of width d of a token-major array (row stride ld) -> dst[B·n][T][d]: attention.hpp's
 // copy_heads (a thread per eight channels where the widths allow).
-ZERO3D_KERNEL void gqa_split_heads(float* dst, const float* src, Index ld, Index first_channel, Index B, Index T, Index n,
+template <typename Heads, typename Rows>
+ZERO3D_KERNEL void gqa_split_heads(Heads* dst, const Rows* src, Index ld, Index first_channel, Index B, Index T, Index n,
                                    Index d) {
   copy_heads<HeadCopy::Split>(dst, src, ld, first_channel, B, T, n * d, n, "gqa_split_heads");
 }
 
 // src[B·n][T][d] -> the token-major dst (row stride ld) at channel first_channel.
-ZERO3D_KERNEL void gqa_merge_heads(float* dst, Index ld, Index first_channel, const float* src, Index B, Index T, Index n,
+template <typename Rows>
+ZERO3D_KERNEL void gqa_merge_heads(Rows* dst, Index ld, Index first_channel, const float* src, Index B, Index T, Index n,
                                    Index d) {
   copy_heads<HeadCopy::Merge>(src, dst, ld, first_channel, B, T, n * d, n, "gqa_merge_heads");
 }
 
-// s[rows][T] (row r is query r mod T) <- softmax of scale·s over the visible keys, zero elsewhere:
-// attention.hpp's rows with the window's first key.
-ZERO3D_KERNEL void gqa_softmax(float* s, Index rows, Index T, float scale, Index window) {
-  const bool vec = vectorizable(T, s);
+// p[rows][T] (row r is query r mod T) <- softmax of scale·s over the visible keys, zero elsewhere
+// (p over s itself, or bf16 probabilities): attention.hpp's rows with the window's first key.
+template <typename O>
+ZERO3D_KERNEL void gqa_softmax(O* p, const float* s, Index rows, Index T, float scale, Index window) {
+  const bool vec = vectorizable(T, s, p);
   Kokkos::parallel_for("gqa_softmax", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
     if (row >= rows) return;
     const Index i = row % T, j0 = gqa_first_key(i, window);
-    if (vec) causal_softmax_row<kVec>(team, s + row * T, j0, i, T, scale);
-    else causal_softmax_row<1>(team, s + row * T, j0, i, T, scale);
+    if (vec) causal_softmax_row<kVec>(team, p + row * T, s + row * T, j0, i, T, scale);
+    else causal_softmax_row<1>(team, p + row * T, s + row * T, j0, i, T, scale);
   });
 }
 
-// ds[rows][T] <- scale · P ∘ (dP − Σ_j P·dP) over the visible keys (ds holds dP on entry), zero elsewhere.
-ZERO3D_KERNEL void gqa_softmax_backward(float* ds, const float* p, Index rows, Index T, float scale, Index window) {
-  const bool vec = vectorizable(T, ds, p);
+// ds[rows][T] <- scale · P ∘ (dP − Σ_j P·dP) over the visible keys, zero elsewhere (ds over dp
+// itself, or in bf16; P in fp32 or bf16).
+template <typename D, typename Pr>
+ZERO3D_KERNEL void gqa_softmax_backward(D* ds, const float* dp, const Pr* p, Index rows, Index T, float scale,
+                                        Index window) {
+  const bool vec = vectorizable(T, ds, dp, p);
   Kokkos::parallel_for("gqa_softmax_backward", row_teams(rows), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index row = team_row(team);
     if (row >= rows) return;
     const Index i = row % T, j0 = gqa_first_key(i, window);
-    if (vec) causal_softmax_backward_row<kVec>(team, ds + row * T, p + row * T, j0, i, T, scale);
-    else causal_softmax_backward_row<1>(team, ds + row * T, p + row * T, j0, i, T, scale);
+    if (vec) causal_softmax_backward_row<kVec>(team, ds + row * T, dp + row * T, p + row * T, j0, i, T, scale);
+    else causal_softmax_backward_row<1>(team, ds + row * T, dp + row * T, p + row * T, j0, i, T, scale);
   });
 }
 
@@ -105,7 +114,7 @@ inline void gqa_attention_forward(float* out, float* att, const float* qkv, Inde
   gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
   const CausalProducts products(B * Hkv, G, T, d, window);
   products.scores(att, q, k);  // S = Q·Kᵀ over each query block's keys
-  gqa_softmax(att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
+  gqa_softmax(att, att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
   const float* p = att;
   if (dropout.on()) {  // the kept probabilities in the backward's score scratch
     float* dropped = score_scratch().take<float>(B * H * T * T);
@@ -135,7 +144,72 @@ inline void gqa_attention_backward(float* dqkv, const float* dout, const float* 
   products.keys(dv, pk, dy);
   products.scores(ds, dy, v);  // dP = (dY·Vᵀ) ∘ M
   if (dropout.on()) dropout_probabilities(ds, ds, dropout, B, H, T);
-  gqa_softmax_backward(ds, att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
+  gqa_softmax_backward(ds, ds, att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
+  products.rows(dq, ds, k);  // dQ = dS·K
+  products.keys(dk, ds, q);  // dK = dSᵀ·Q, the group summed
+  gqa_merge_heads(dqkv, W, 0, dq, B, T, H, d);
+  gqa_merge_heads(dqkv, W, H * d, dk, B, T, Hkv, d);
+  gqa_merge_heads(dqkv, W, (H + Hkv) * d, dv, B, T, Hkv, d);
+}
+
+// The bf16 form (the bf16 overloads' on a GPU, without the fused kernel or attention dropout):
+// q, k and v split from the bf16 qkv as they are, the six products in bf16 with fp32 sums in
+// causal query blocks, the softmax from fp32 scores to the bf16 probabilities att keeps, dS in
+// bf16: GPT-2's bf16 attention's arithmetic with the groups and the window. The portable form
+// made its products in fp32 on q, k and v widened (about 46 TFLOP/s on the H200, against some
+// 300-800 for bf16). Scratch: head_scratch the fp32 results then the bf16 heads, score_scratch
+// the fp32 scores (dP), then dS in bf16 (gqa_attention_workspace_bytes).
+struct GqaBf16Scratch {
+  float* wide;  // y, or dq then dk, dv
+  bf16* heads;  // q, k, v (then dY)
+  static int64_t head_bytes(Index nq, Index nkv, bool backward) {
+    return backward ? 4 * (nq + 2 * nkv) + 2 * (2 * nq + 2 * nkv) : 4 * nq + 2 * (nq + 2 * nkv);
+  }
+  static int64_t score_bytes(Index rows, Index T, bool backward) { return (backward ? 6 : 4) * rows * T; }
+  GqaBf16Scratch(Index nq, Index nkv, bool backward) {
+    char* base = static_cast<char*>(head_scratch().take(head_bytes(nq, nkv, backward)));
+    wide = reinterpret_cast<float*>(base);
+    heads = reinterpret_cast<bf16*>(base + 4 * (backward ? nq + 2 * nkv : nq));
+  }
+};
+
+template <typename O>
+inline void gqa_attention_forward_bf16(O* out, float* att, const bf16* qkv, Index B, Index T, Index H, Index Hkv,
+                                       Index d, Index window) {
+  const Index G = H / Hkv, W = (H + 2 * Hkv) * d, nq = B * H * T * d, nkv = B * Hkv * T * d;
+  const GqaBf16Scratch scratch(nq, nkv, false);
+  float* y = scratch.wide;
+  bf16 *q = scratch.heads, *k = q + nq, *v = k + nkv;
+  float* s = static_cast<float*>(score_scratch().take(GqaBf16Scratch::score_bytes(B * H * T, T, false)));
+  bf16* p = reinterpret_cast<bf16*>(att);
+  gqa_split_heads(q, qkv, W, 0, B, T, H, d);
+  gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
+  gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
+  const CausalProducts products(B * Hkv, G, T, d, window);
+  products.scores(s, q, k);  // S = Q·Kᵀ over each query block's keys
+  gqa_softmax(p, s, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
+  products.rows(y, p, v);  // Y = P·V
+  gqa_merge_heads(out, H * d, 0, y, B, T, H, d);
+}
+
+inline void gqa_attention_backward_bf16(float* dqkv, const float* dout, const bf16* qkv, const float* att, Index B,
+                                        Index T, Index H, Index Hkv, Index d, Index window) {
+  const Index G = H / Hkv, W = (H + 2 * Hkv) * d, nq = B * H * T * d, nkv = B * Hkv * T * d, rows = B * H * T;
+  const GqaBf16Scratch scratch(nq, nkv, true);
+  float *dq = scratch.wide, *dk = dq + nq, *dv = dk + nkv;
+  bf16 *q = scratch.heads, *k = q + nq, *v = k + nkv, *dy = v + nkv;
+  char* scores = static_cast<char*>(score_scratch().take(GqaBf16Scratch::score_bytes(rows, T, true)));
+  float* dp = reinterpret_cast<float*>(scores);
+  bf16* ds = reinterpret_cast<bf16*>(scores + 4 * rows * T);
+  const bf16* p = reinterpret_cast<const bf16*>(att);
+  gqa_split_heads(q, qkv, W, 0, B, T, H, d);
+  gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
+  gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
+  gqa_split_heads(dy, dout, H * d, 0, B, T, H, d);  // dY rounded to bf16, as GPT-2's bf16 attention packs it
+  const CausalProducts products(B * Hkv, G, T, d, window);
+  products.keys(dv, p, dy);    // dV = Pᵀ·dY, the group summed
+  products.scores(dp, dy, v);  // dP = dY·Vᵀ
+  gqa_softmax_backward(ds, dp, p, rows, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
   products.rows(dq, ds, k);  // dQ = dS·K
   products.keys(dk, ds, q);  // dK = dSᵀ·Q, the group summed
   gqa_merge_heads(dqkv, W, 0, dq, B, T, H, d);
@@ -341,6 +415,11 @@ inline void gqa_attention_forward(O* out, float* att, const bf16* qkv, Index B, 
     return cuda_flash::forward(out, att, reinterpret_cast<bf16*>(att + attention_flash_o_offset(B * H, T)), qkv, B, T,
                                cuda_flash::Heads{H, Hkv, d, window});
   }
+  if (!dropout.on()) {
+    obs::add_macs(2.0 * B * T * T * H * d);
+    const ProfileRegion region("attention_forward");
+    return gpu::gqa_attention_forward_bf16(out, att, qkv, B, T, H, Hkv, d, window);
+  }
 #endif
   const Index rows = B * T * (H + 2 * Hkv) * d, outs = B * T * H * d;
   float* wide = gqa_widened_scratch().take<float>(rows + (std::is_same_v<O, float> ? 0 : outs));
@@ -373,6 +452,12 @@ inline void gqa_attention_backward(float* dqkv, float* scratch, const float* dou
     return cuda_flash::backward(dqkv, dout, qkv, att,
                                 reinterpret_cast<const bf16*>(att + attention_flash_o_offset(B * H, T)), B, T,
                                 cuda_flash::Heads{H, Hkv, d, window});
+  }
+  if (!dropout.on()) {
+    (void)scratch;
+    obs::add_macs(4.0 * B * T * T * H * d);
+    const ProfileRegion region("attention_backward");
+    return gpu::gqa_attention_backward_bf16(dqkv, dout, qkv, att, B, T, H, Hkv, d, window);
   }
 #endif
   const Index rows = B * T * (H + 2 * Hkv) * d;
@@ -409,10 +494,11 @@ inline void gqa_attention_backward_summing_columns(bf16* dqkv, float* dbias, flo
 
 // The attention scratch a training step of the kernels above grows beyond the model's own
 // buffers (B·T tokens, H query heads over Hkv, head size d): where bf16 compute runs the fused
-// kernel every pass, nothing on a CPU and the CUDA kernel's D on a GPU; otherwise q, k and v
-// widened to fp32 (and the output when it is bf16: bf16_out), then the fp32 kernels' own: on a
-// GPU the heads split out and the backward's dS (gpu::gqa_attention_backward), on a CPU under
-// dropout a row block's kept probabilities.
+// kernel every pass, nothing on a CPU and the CUDA kernel's D on a GPU; bf16 compute otherwise on
+// a GPU, the bf16 form's heads and scores (gpu::GqaBf16Scratch); otherwise q, k and v widened to
+// fp32 (and the output when it is bf16: bf16_out), then the fp32 kernels' own: on a GPU the heads
+// split out and the backward's dS (gpu::gqa_attention_backward), on a CPU under dropout a row
+// block's kept probabilities.
 inline int64_t gqa_attention_workspace_bytes(Index B, Index T, Index H, Index Hkv, Index d, DType compute,
                                              bool bf16_out, bool dropout) {
   const int64_t nq = B * H * T * d;
@@ -422,6 +508,13 @@ inline int64_t gqa_attention_workspace_bytes(Index B, Index T, Index H, Index Hk
     if (gqa_attention_flash_chosen(B * H, T, d)) return 0;  // it draws dropout's mask itself
 #elif defined(ZERO3D_DEVICE)
     if (!dropout && gqa_attention_flash_chosen(B * H, T, d)) return cuda_flash::backward_scratch_bytes(B * H, T);
+    // the bf16 form's scratch (its backward's, the larger); under attention dropout training passes
+    // run the portable form and evaluation the bf16 one, each shared scratch growing to the larger
+    const int64_t nkv = B * Hkv * T * d, rows = B * H * T;
+    const int64_t heads = gpu::GqaBf16Scratch::head_bytes(nq, nkv, true), scores = gpu::GqaBf16Scratch::score_bytes(rows, T, true);
+    if (!dropout) return heads + scores;
+    return 4 * (B * T * (H + 2 * Hkv) * d + (bf16_out ? nq : 0)) + std::max<int64_t>(4 * (3 * nq + 4 * nkv), heads) +
+           std::max<int64_t>(4 * rows * T, scores);
 #endif
     bytes += 4 * (B * T * (H + 2 * Hkv) * d + (bf16_out ? nq : 0));
   }

@@ -701,6 +701,38 @@ TEST(LlamaGqaAttentionBf16, MatchesTheDefinitionOnTheSameBf16Inputs) {
   }
 }
 
+// The GPU's bf16 form (where the fused CUDA kernel does not run, without attention dropout): q, k
+// and v as they are, bf16 products in causal query blocks, bf16 probabilities and dS — the fused
+// kernel's arithmetic, held on the CPU to the fused kernel's bounds against the definition on the
+// same bf16 inputs; a second run gives the same bits.
+TEST(LlamaGqaAttentionBf16, GpuFormMatchesTheDefinitionOnTheSameBf16Inputs) {
+  for (const GqaCase& c : kBf16Cases) {
+    const std::string at = describe(c);
+    const Index W = (c.H + 2 * c.Hkv) * c.d;
+    const std::vector<bf16> qkv = rounded(random_vector(c.B * c.T * W, 31, 0.8f));
+    const std::vector<float> dy = random_vector(c.B * c.T * c.H * c.d, 32);
+    auto run = [&] {
+      Buffer<bf16> in(qkv), out(c.B * c.T * c.H * c.d);
+      Buffer<float> dout(dy), att(c.B * c.H * c.T * c.T), dqkv(c.B * c.T * W);
+      gpu::gqa_attention_forward_bf16(out.data(), att.data(), in.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
+      gpu::gqa_attention_backward_bf16(dqkv.data(), dout.data(), in.data(), att.data(), c.B, c.T, c.H, c.Hkv, c.d,
+                                       c.window);
+      return std::make_pair(out.host(), dqkv.host());
+    };
+    const auto [out, dqkv] = run();
+    const GqaReference ref = gqa_reference(widened(qkv), dy, c.B, c.T, c.H, c.Hkv, c.d, c.window);
+    for (float x : dqkv) ASSERT_TRUE(std::isfinite(x)) << "dqkv written everywhere" << at;
+    EXPECT_LT(worst_relative(out, ref.out, c.H * c.d, 0, c.H * c.d), 6e-3) << "out" << at;
+    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, 0, c.H * c.d), 1e-2) << "dq" << at;
+    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, c.H * c.d, c.Hkv * c.d), 1e-2) << "dk, summed over the group" << at;
+    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, (c.H + c.Hkv) * c.d, c.Hkv * c.d), 1e-2) << "dv, summed over the group"
+                                                                                          << at;
+    const auto [again_out, again_dqkv] = run();
+    expect_same_bits("out, second run" + at, again_out, out);
+    expect_same_bits("dqkv, second run" + at, again_dqkv, dqkv);
+  }
+}
+
 // The group's dK and dV are summed in a fixed order: a second run gives the same bits.
 TEST(LlamaGqaAttentionBf16, RepeatsItsBits) {
   for (const GqaCase& c : {GqaCase{1, 300, 8, 2, 64, 100}, GqaCase{2, 77, 4, 1, 128, 0}}) {
