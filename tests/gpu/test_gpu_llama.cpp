@@ -173,7 +173,7 @@ TEST(GpuLlamaKernels, GroupedQueryAttentionWithAndWithoutAWindowMatchesTheHost) 
   }
 }
 
-// The Llama family's bf16 attention as the build chooses it (the portable form on q, k, v widened;
+// The Llama family's bf16 attention as the build chooses it (bf16 products in causal query blocks;
 // under ZERO3D_ATTENTION_KERNEL=flash the fused CUDA kernel with its groups and window, which
 // benchmarks/gpu_check.sh runs with that filter): 8 query heads over 2 (Llama 3), over 8 (no
 // groups) and over 1 (multi-query), head sizes 64 and 128, T 1000 (no multiple of the kernel's 64-row blocks), without a
