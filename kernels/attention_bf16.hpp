@@ -8,7 +8,9 @@
 // at half the speed). q, k and v are packed per tile in bf16, [tile][b·H + h][row][hs]; scores
 // and every sum stay fp32, softmax runs in fp32 and keeps the probabilities as bf16 tiles
 // in `att` (the products read them in bf16 anyway). Rows past T (T not a multiple of TB) are
-// zero rows: their keys are in every real row's future, so they are masked like any other.
+// zero rows: their keys are in every real row's future, so they are masked like any other. A GPU
+// takes one tile of all T positions and makes its products in causal query blocks instead
+// (AttentionProducts below).
 //
 // att holds the tiles (i, j ≤ i) at tile index i(i+1)/2 + j, each [B·H][TB][TB] bf16: at most
 // T(T+TB)/2 bf16 per (batch, head), inside the B·H·T·T floats the fp32 kernel uses.
@@ -600,11 +602,12 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
         products.rows(dq, ds, k);
         products.keys(dk, ds, q);
         products.keys(dv, pv, dy);
-      }
-      for (Index j = 0; !blocks && j <= i; ++j) {
-        gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, false, k + j * tq, false, dq + i * tq, j > 0);
-        gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, true, q + i * tq, false, dk + j * tq, i > j);
-        gemm_batched_bf16(G, TB, hs, TB, pv + j * pv_stride, true, dy + i * tq, false, dv + j * tq, i > j);
+      } else {
+        for (Index j = 0; j <= i; ++j) {
+          gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, false, k + j * tq, false, dq + i * tq, j > 0);
+          gemm_batched_bf16(G, TB, hs, TB, ds + j * sg, true, q + i * tq, false, dk + j * tq, i > j);
+          gemm_batched_bf16(G, TB, hs, TB, pv + j * pv_stride, true, dy + i * tq, false, dv + j * tq, i > j);
+        }
       }
     }
     attention_unpack(dqkv, C3, dq, g0, G, T, H, hs, t);

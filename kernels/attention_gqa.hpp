@@ -156,8 +156,8 @@ inline void gqa_attention_backward(float* dqkv, const float* dout, const float* 
 // q, k and v split from the bf16 qkv as they are, the six products in bf16 with fp32 sums in
 // causal query blocks, the softmax from fp32 scores to the bf16 probabilities att keeps, dS in
 // bf16: GPT-2's bf16 attention's arithmetic with the groups and the window. The portable form
-// made its products in fp32 on q, k and v widened (about 46 TFLOP/s on the H200, against some
-// 300-800 for bf16). Scratch: head_scratch the fp32 results then the bf16 heads, score_scratch
+// made its products in fp32 on q, k and v widened (46 TFLOP/s on the H200, whose bf16 products
+// ran at 160-340 with an operand's conversion included). Scratch: head_scratch the fp32 results then the bf16 heads, score_scratch
 // the fp32 scores (dP), then dS in bf16 (gqa_attention_workspace_bytes).
 struct GqaBf16Scratch {
   float* wide;  // y, or dq then dk, dv

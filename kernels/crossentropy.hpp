@@ -1,7 +1,9 @@
 // crossentropy.hpp — softmax + cross-entropy over the vocabulary, mean over tokens.
 //
 // The forward keeps the logits and saves one log-sum-exp per row; the backward turns the
-// logits into their gradient in place, so no [N,V] probability buffer is ever held.
+// logits into their gradient in place, so no [N,V] probability buffer is ever held (a bf16
+// step's backward writes the gradient rounded into the head products' operand instead:
+// crossentropy_backward_bf16, llm.c's fused classifier).
 // Rows are Vp apart: a padded vocabulary (Megatron's make_vocab_size_divisible_by; llm.c's
 // fused_classifier takes V and Vp alike) has Vp − V columns past the real V, masked out of the
 // softmax and given a zero gradient. Vp = V is the unpadded head.
