@@ -549,9 +549,7 @@ std::string describe(const GqaCase& c) {
 
 // Causal and windowed; windows that end inside a query row block, cross the 64-row block
 // boundary (T 130: three blocks) or exceed T; grouped (2 query heads a K/V head), multi-query
-// (Hkv 1) and plain multi-head (Hkv = H). T 300 with a window of 30: five of the device form's
-// causal blocks, whose products start at a window's first key and whose key blocks end at the
-// last query that sees them.
+// (Hkv 1) and plain multi-head (Hkv = H); T 300, window 30: five of the device form's causal blocks.
 const GqaCase kGqaCases[] = {{2, 80, 4, 2, 8, 0}, {2, 80, 4, 2, 8, 20}, {1, 130, 4, 1, 8, 70},
                              {2, 16, 2, 2, 16, 100}, {1, 40, 6, 3, 4, 1}, {1, 300, 4, 2, 8, 30}};
 
@@ -678,10 +676,21 @@ const GqaCase kBf16Cases[] = {{2, 80, 4, 4, 64, 0},   {1, 130, 4, 2, 64, 50}, {1
                               {1, 300, 8, 2, 64, 100}, {2, 77, 4, 2, 128, 0}, {1, 160, 2, 1, 128, 33},
                               {2, 64, 4, 2, 16, 24},  {1, 40, 6, 3, 16, 1}};
 
+// bf16 P and dS in the products, fp32 sums: the fused GPT-2 kernel's bounds (test_attention_flash.cpp)
+// against the definition, the output also rounded to bf16 (2^-9 of itself more).
+void expect_within_the_fused_bounds(const std::vector<bf16>& out, const std::vector<float>& dqkv,
+                                    const GqaReference& ref, const GqaCase& c) {
+  const std::string at = describe(c);
+  const Index W = (c.H + 2 * c.Hkv) * c.d;
+  EXPECT_LT(worst_relative(out, ref.out, c.H * c.d, 0, c.H * c.d), 6e-3) << "out" << at;
+  EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, 0, c.H * c.d), 1e-2) << "dq" << at;
+  EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, c.H * c.d, c.Hkv * c.d), 1e-2) << "dk, summed over the group" << at;
+  EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, (c.H + c.Hkv) * c.d, c.Hkv * c.d), 1e-2) << "dv, summed over the group"
+                                                                                        << at;
+}
+
 // The bf16 grouped-query attention (the fused AVX512-BF16 kernel where built) against the
-// double-precision definition on the same bf16 q, k, v: bf16 probabilities and dS in the
-// products, fp32 sums — the fused GPT-2 kernel's bounds (test_attention_flash.cpp), the output
-// also rounded to bf16 (2^-9 of itself more).
+// double-precision definition on the same bf16 q, k, v, within the fused bounds.
 TEST(LlamaGqaAttentionBf16, MatchesTheDefinitionOnTheSameBf16Inputs) {
   for (const GqaCase& c : kBf16Cases) {
     const std::string at = describe(c);
@@ -692,19 +701,13 @@ TEST(LlamaGqaAttentionBf16, MatchesTheDefinitionOnTheSameBf16Inputs) {
     const GqaReference ref = gqa_reference(widened(run.qkv), run.dy, c.B, c.T, c.H, c.Hkv, c.d, c.window);
     const std::vector<float> dqkv = run.dqkv.host();
     for (float x : dqkv) ASSERT_TRUE(std::isfinite(x)) << "dqkv written everywhere" << at;
-    const Index W = (c.H + 2 * c.Hkv) * c.d;
-    EXPECT_LT(worst_relative(run.out.host(), ref.out, c.H * c.d, 0, c.H * c.d), 6e-3) << "out" << at;
-    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, 0, c.H * c.d), 1e-2) << "dq" << at;
-    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, c.H * c.d, c.Hkv * c.d), 1e-2) << "dk, summed over the group" << at;
-    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, (c.H + c.Hkv) * c.d, c.Hkv * c.d), 1e-2) << "dv, summed over the group"
-                                                                                          << at;
+    expect_within_the_fused_bounds(run.out.host(), dqkv, ref, c);
   }
 }
 
-// The GPU's bf16 form (where the fused CUDA kernel does not run, without attention dropout): q, k
-// and v as they are, bf16 products in causal query blocks, bf16 probabilities and dS — the fused
-// kernel's arithmetic, held on the CPU to the fused kernel's bounds against the definition on the
-// same bf16 inputs; a second run gives the same bits.
+// The GPU's bf16 form (where the fused CUDA kernel does not run, without attention dropout): bf16
+// products in causal query blocks, bf16 probabilities and dS, held on the CPU to the fused bounds
+// against the definition on the same bf16 inputs; a second run gives the same bits.
 TEST(LlamaGqaAttentionBf16, GpuFormMatchesTheDefinitionOnTheSameBf16Inputs) {
   for (const GqaCase& c : kBf16Cases) {
     const std::string at = describe(c);
@@ -721,12 +724,7 @@ TEST(LlamaGqaAttentionBf16, GpuFormMatchesTheDefinitionOnTheSameBf16Inputs) {
     };
     const auto [out, dqkv] = run();
     const GqaReference ref = gqa_reference(widened(qkv), dy, c.B, c.T, c.H, c.Hkv, c.d, c.window);
-    for (float x : dqkv) ASSERT_TRUE(std::isfinite(x)) << "dqkv written everywhere" << at;
-    EXPECT_LT(worst_relative(out, ref.out, c.H * c.d, 0, c.H * c.d), 6e-3) << "out" << at;
-    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, 0, c.H * c.d), 1e-2) << "dq" << at;
-    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, c.H * c.d, c.Hkv * c.d), 1e-2) << "dk, summed over the group" << at;
-    EXPECT_LT(worst_relative(dqkv, ref.dqkv, W, (c.H + c.Hkv) * c.d, c.Hkv * c.d), 1e-2) << "dv, summed over the group"
-                                                                                          << at;
+    expect_within_the_fused_bounds(out, dqkv, ref, c);  // (a value not finite counts as infinitely far)
     const auto [again_out, again_dqkv] = run();
     expect_same_bits("out, second run" + at, again_out, out);
     expect_same_bits("dqkv, second run" + at, again_dqkv, dqkv);
