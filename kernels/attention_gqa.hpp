@@ -67,6 +67,16 @@ ZERO3D_KERNEL void gqa_split_heads(Heads* dst, const Rows* src, Index ld, Index 
   copy_heads<HeadCopy::Split>(dst, src, ld, first_channel, B, T, n * d, n, "gqa_split_heads");
 }
 
+// q [B·H][T][d], k and v [B·Hkv][T][d] from qkv[B,T,(H + 2·Hkv)·d] (fp32, or bf16 as they are).
+template <typename Heads, typename Rows>
+ZERO3D_KERNEL void gqa_split_qkv(Heads* q, Heads* k, Heads* v, const Rows* qkv, Index B, Index T, Index H, Index Hkv,
+                                 Index d) {
+  const Index W = (H + 2 * Hkv) * d;
+  gqa_split_heads(q, qkv, W, 0, B, T, H, d);
+  gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
+  gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
+}
+
 // src[B·n][T][d] -> the token-major dst (row stride ld) at channel first_channel.
 template <typename Rows>
 ZERO3D_KERNEL void gqa_merge_heads(Rows* dst, Index ld, Index first_channel, const float* src, Index B, Index T, Index n,
@@ -106,12 +116,10 @@ ZERO3D_KERNEL void gqa_softmax_backward(D* ds, const float* dp, const Pr* p, Ind
 // The scratch layout: q [B·H][T][d], k and v [B·Hkv][T][d], then y (or dy), dq, dk, dv.
 inline void gqa_attention_forward(float* out, float* att, const float* qkv, Index B, Index T, Index H, Index Hkv,
                                   Index d, Index window, DropoutMask dropout = {}) {
-  const Index G = H / Hkv, W = (H + 2 * Hkv) * d, nq = B * H * T * d, nkv = B * Hkv * T * d;
+  const Index G = H / Hkv, nq = B * H * T * d, nkv = B * Hkv * T * d;
   float* q = head_scratch().take<float>(2 * nq + 2 * nkv);
   float *k = q + nq, *v = k + nkv, *y = v + nkv;
-  gqa_split_heads(q, qkv, W, 0, B, T, H, d);
-  gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
-  gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
+  gqa_split_qkv(q, k, v, qkv, B, T, H, Hkv, d);
   const CausalProducts products(B * Hkv, G, T, d, window);
   products.scores(att, q, k);  // S = Q·Kᵀ over each query block's keys
   gqa_softmax(att, att, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
@@ -131,9 +139,7 @@ inline void gqa_attention_backward(float* dqkv, const float* dout, const float* 
   float* q = head_scratch().take<float>(3 * nq + 4 * nkv);
   float *k = q + nq, *v = k + nkv, *dy = v + nkv, *dq = dy + nq, *dk = dq + nq, *dv = dk + nkv;
   float* ds = score_scratch().take<float>(B * H * T * T);
-  gqa_split_heads(q, qkv, W, 0, B, T, H, d);
-  gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
-  gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
+  gqa_split_qkv(q, k, v, qkv, B, T, H, Hkv, d);
   gqa_split_heads(dy, dout, H * d, 0, B, T, H, d);
   const float* pk = att;  // dV = (P ∘ M)ᵀ·dY, the group summed (under dropout the kept probabilities in ds)
   if (dropout.on()) {
@@ -176,15 +182,13 @@ struct GqaBf16Scratch {
 template <typename O>
 inline void gqa_attention_forward_bf16(O* out, float* att, const bf16* qkv, Index B, Index T, Index H, Index Hkv,
                                        Index d, Index window) {
-  const Index G = H / Hkv, W = (H + 2 * Hkv) * d, nq = B * H * T * d, nkv = B * Hkv * T * d;
+  const Index G = H / Hkv, nq = B * H * T * d, nkv = B * Hkv * T * d;
   const GqaBf16Scratch scratch(nq, nkv, false);
   float* y = scratch.wide;
   bf16 *q = scratch.heads, *k = q + nq, *v = k + nkv;
   float* s = static_cast<float*>(score_scratch().take(GqaBf16Scratch::score_bytes(B * H * T, T, false)));
   bf16* p = reinterpret_cast<bf16*>(att);
-  gqa_split_heads(q, qkv, W, 0, B, T, H, d);
-  gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
-  gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
+  gqa_split_qkv(q, k, v, qkv, B, T, H, Hkv, d);
   const CausalProducts products(B * Hkv, G, T, d, window);
   products.scores(s, q, k);  // S = Q·Kᵀ over each query block's keys
   gqa_softmax(p, s, B * H * T, T, 1.0f / std::sqrt(static_cast<float>(d)), window);
@@ -202,9 +206,7 @@ inline void gqa_attention_backward_bf16(float* dqkv, const float* dout, const bf
   float* dp = reinterpret_cast<float*>(scores);
   bf16* ds = reinterpret_cast<bf16*>(scores + 4 * rows * T);
   const bf16* p = reinterpret_cast<const bf16*>(att);
-  gqa_split_heads(q, qkv, W, 0, B, T, H, d);
-  gqa_split_heads(k, qkv, W, H * d, B, T, Hkv, d);
-  gqa_split_heads(v, qkv, W, (H + Hkv) * d, B, T, Hkv, d);
+  gqa_split_qkv(q, k, v, qkv, B, T, H, Hkv, d);
   gqa_split_heads(dy, dout, H * d, 0, B, T, H, d);  // dY rounded to bf16, as GPT-2's bf16 attention packs it
   const CausalProducts products(B * Hkv, G, T, d, window);
   products.keys(dv, p, dy);    // dV = Pᵀ·dY, the group summed
