@@ -117,13 +117,14 @@ TEST(GpuKernels, CrossEntropyForwardAndBackwardMatchTheHostOverGpt2sVocabulary) 
     ModelArray<int32_t> Tg(t);
     crossentropy_forward(Loss.data(), Lse.data(), Z.data(), Tg.data(), N, V, Vp);
     expect_close(Loss.host(), loss, 1e-5, 1e-5, ("crossentropy losses" + at).c_str());
-    // the fused classifier's bf16 gradient (logits only read): within bf16's half step, 2⁻⁹
+    // the fused classifier's bf16 gradient (logits only read): rounding to bf16 moves a value by
+    // half a step, up to 2⁻⁸ of it (at the bottom of a binade)
     ModelArray<bf16> D(N * Vp);
     crossentropy_backward_bf16(D.data(), Z.data(), Lse.data(), Tg.data(), dloss, N, V, Vp);
     const std::vector<bf16> d16 = D.host();
     std::vector<float> d32(d16.size());
     for (size_t j = 0; j < d16.size(); ++j) d32[j] = to_float(d16[j]);
-    expect_close(d32, dz, std::ldexp(1.0, -9) + 1e-4, 1e-10, ("crossentropy dlogits in bf16" + at).c_str());
+    expect_close(d32, dz, std::ldexp(1.0, -8) + 1e-4, 1e-10, ("crossentropy dlogits in bf16" + at).c_str());
     crossentropy_backward(Z.data(), Lse.data(), Tg.data(), dloss, N, V, Vp);
     expect_close(Z.host(), dz, 1e-4, 1e-10, ("crossentropy dlogits" + at).c_str());
   }
