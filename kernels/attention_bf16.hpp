@@ -514,6 +514,7 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
   bf16* p = reinterpret_cast<bf16*>(att);
   for (Index g0 = 0; g0 < BH; g0 += G0) {
     const Index G = std::min(G0, BH - g0), tq = G * TB * hs, sg = G * TB * TB;
+    const CausalProducts products(G, 1, T, hs);  // (blocks: the group's heads over one tile of T)
     attention_pack(q, qkv, C3, g0, G, T, H, hs, t);
     attention_pack(k, qkv + C, C3, g0, G, T, H, hs, t);
     attention_pack(v, qkv + 2 * C, C3, g0, G, T, H, hs, t);
@@ -522,7 +523,7 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
       // S_ij = Q_i · K_jᵀ for the key tiles 0..i; softmax; O_i = Σ_j P_ij · V_j (one tile of T:
       // a query block at a time, over the keys up to its end)
       if (blocks) {
-        CausalProducts(G, 1, T, hs).scores(s, q, k);
+        products.scores(s, q, k);
       } else {
         for (Index j = 0; j <= i; ++j)
           gemm_batched_bf16(G, TB, TB, hs, q + i * tq, false, k + j * tq, true, s + j * sg, false);
@@ -535,7 +536,7 @@ inline void attention_forward_tiled_bf16(O* out, float* att, const Q* qkv, Index
         pv = kept, pv_stride = sg;
       }
       if (blocks) {
-        CausalProducts(G, 1, T, hs).rows(o, pv, v);
+        products.rows(o, pv, v);
       } else {
         for (Index j = 0; j <= i; ++j)
           gemm_batched_bf16(G, TB, hs, TB, pv + j * pv_stride, false, v + j * tq, false, o + i * tq, j > 0);
@@ -569,6 +570,7 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
   const bf16* p = reinterpret_cast<const bf16*>(att);
   for (Index g0 = 0; g0 < BH; g0 += G0) {
     const Index G = std::min(G0, BH - g0), tq = G * TB * hs, sg = G * TB * TB;
+    const CausalProducts products(G, 1, T, hs);  // (blocks: the group's heads over one tile of T)
     attention_pack(q, qkv, C3, g0, G, T, H, hs, t);
     attention_pack(k, qkv + C, C3, g0, G, T, H, hs, t);
     attention_pack(v, qkv + 2 * C, C3, g0, G, T, H, hs, t);
@@ -582,7 +584,7 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
         // blocks leave it unwritten there: zeros keep a stale NaN out (on a CPU only tests run this).
         Kokkos::deep_copy(Kokkos::View<float*, Kokkos::MemoryUnmanaged>(dp, sg), 0.0f);
 #endif
-        CausalProducts(G, 1, T, hs).scores(dp, dy, v);
+        products.scores(dp, dy, v);
       } else {
         for (Index j = 0; j <= i; ++j)
           gemm_batched_bf16(G, TB, TB, hs, dy + i * tq, false, v + j * tq, true, dp + j * sg, false);
@@ -598,7 +600,6 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
       // dQ_i = Σ_j dS_ij · K_j ; dK_j += dS_ijᵀ · Q_i ; dV_j += P_ijᵀ · dY_i (tile j is first met at
       // i = j). One tile of T: dQ a query block at a time, dK and dV a key block at a time.
       if (blocks) {
-        const CausalProducts products(G, 1, T, hs);
         products.rows(dq, ds, k);
         products.keys(dk, ds, q);
         products.keys(dv, pv, dy);

@@ -16,6 +16,7 @@
 #include "kernels/common.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/half.hpp"
+#include "kernels/matmul.hpp"  // dtype_of
 
 namespace zero3d::kernels {
 
@@ -27,9 +28,6 @@ struct CausalBlocks {
   Index begin(Index r) const { return r * rows; }
   Index end(Index r, Index T) const { return std::min(T, (r + 1) * rows); }
 };
-
-inline DType element_type(const float*) { return DType::F32; }
-inline DType element_type(const bf16*) { return DType::BF16; }
 
 // The six products of causal attention for `groups` K/V heads, each read by G query heads (G 1:
 // multi-head attention), over T positions of head size d, with a sliding window (0: none).
@@ -81,15 +79,15 @@ struct CausalProducts {
   // the scores of query head h from row r0 and key k0.
   template <typename E>
   BatchedOperand query_side(const E* x, Index h, Index r0) const {
-    return {{x + (h * T + r0) * d, element_type(x), false, d}, G * T * d};
+    return {{x + (h * T + r0) * d, dtype_of<E>(), false, d}, G * T * d};
   }
   template <typename E>
   BatchedOperand key_side(const E* x, Index r0, bool trans) const {
-    return {{x + r0 * d, element_type(x), trans, d}, T * d};
+    return {{x + r0 * d, dtype_of<E>(), trans, d}, T * d};
   }
   template <typename Pe>
   BatchedOperand score_side(const Pe* p, Index h, Index r0, Index k0, bool trans) const {
-    return {{p + (h * T + r0) * T + k0, element_type(p), trans, T}, G * T * T};
+    return {{p + (h * T + r0) * T + k0, dtype_of<Pe>(), trans, T}, G * T * T};
   }
 };
 
