@@ -9,8 +9,8 @@
 // follows it (PTX ISA, "Matrix Fragments for mma.m16n8k16"), so the online softmax runs on
 // registers and P and dS reach the tensor cores without a store. Shared memory holds only the
 // bf16 operands a block's warps share, each row padded by 16 bytes so that the 8 rows a fragment
-// load touches fall on 8 different bank quadruples; operands read along their rows go through
-// ldmatrix's transposing load. The tiles a block walks (keys, or queries for dK/dV) are double
+// load touches fall on 8 different bank quadruples; every fragment comes by ldmatrix (its
+// transposing form for operands read along their rows). The tiles a block walks (keys, or queries for dK/dV) are double
 // buffered: the next one's copy goes out by cp.async before the warps compute on this one, so the
 // load's latency hides behind the tensor cores' work (FlashAttention-2's kernels and CUTLASS's
 // multistage main loop do the same).
@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/cuda/mma_sync.hpp"
@@ -140,12 +141,13 @@ struct Lane {
 };
 __device__ inline Lane lane_of() { return {int(threadIdx.x % 32) / 4, int(threadIdx.x % 4)}; }
 
-// A fragment register: two consecutive bf16 of a shared-memory row (the lower column in the lower
-// half), or two fp32 values rounded to bf16 and packed so.
-__device__ inline uint32_t pair_at(const bfloat* p) { return cuda_ptx::ld_shared_b32(p); }
+// A fragment register from two fp32 values rounded to bf16, the lower column in the lower half:
+// one cvt.rn.bf16x2.f32 where two roundings and the packing took four instructions.
 __device__ inline uint32_t pack(float lo, float hi) {
-  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-         uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16;
+  const __nv_bfloat162 two = __floats2bfloat162_rn(lo, hi);
+  uint32_t bits;
+  memcpy(&bits, &two, sizeof bits);
+  return bits;
 }
 
 // The B fragments of two 16×8 tiles, columns n0.. and n0 + 8.., of a [K][N] operand stored row-major
@@ -156,14 +158,24 @@ __device__ inline void load_b_transposed(uint32_t (&b)[4], const bfloat* tile, i
   cuda_ptx::ldmatrix_x4_trans(b, tile + (k0 + lane % 16) * ld + n0 + (lane / 16) * 8);
 }
 
-// A fragments from a row-major bf16 tile: rows r0..r0 + 15 of row stride ld.
+// The B fragment of the 16×8 tile at columns n0.. of an operand stored as the rows of its transpose,
+// bt [N][K] (row stride ld): ldmatrix's untransposed load of matrices (n0, k0) and (n0, k0 + 8),
+// named by lanes 0-7 and 8-15. (Its four-matrix form would serve two tiles an instruction, but
+// ptxas then hoists the loads and a thread's registers grow by a third: 105 → 137 in the
+// head-size-64 forward, an SM's fourth block lost.)
+__device__ inline void load_b_rows(uint32_t (&b)[2], const bfloat* bt, int ld, int k0, int n0) {
+  const int lane = threadIdx.x % 32;
+  cuda_ptx::ldmatrix_x2(b, bt + (n0 + lane % 8) * ld + k0 + (lane / 8) % 2 * 8);
+}
+
+// A fragments from a row-major bf16 tile: rows r0..r0 + 15 of row stride ld, in one ldmatrix whose
+// matrices (r0, k0), (r0 + 8, k0), (r0, k0 + 8), (r0 + 8, k0 + 8) are a[0]..a[3].
 struct RowsOf {
   const bfloat* tile;
   int ld, r0;
-  Lane l;
   __device__ void operator()(uint32_t (&a)[4], int k0) const {
-    const bfloat* p = tile + (r0 + l.g) * ld + k0 + 2 * l.t;
-    a[0] = pair_at(p), a[1] = pair_at(p + 8 * ld), a[2] = pair_at(p + 8), a[3] = pair_at(p + 8 * ld + 8);
+    const int lane = threadIdx.x % 32;
+    cuda_ptx::ldmatrix_x4(a, tile + (r0 + lane % 16) * ld + k0 + (lane / 16) * 8);
   }
 };
 
@@ -180,15 +192,16 @@ struct Rounded {
 
 // acc (16×N) += A·B over K, B stored as the rows of its transpose, bt [N][K] (row stride ld).
 template <int N, int K, typename A>
-__device__ inline void product_bt(float (&acc)[N / 8][4], const A& a_of, const bfloat* bt, int ld, Lane l) {
+__device__ inline void product_bt(float (&acc)[N / 8][4], const A& a_of, const bfloat* bt, int ld) {
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
     uint32_t a[4];
     a_of(a, k0);
 #pragma unroll
     for (int j = 0; j < N / 8; ++j) {
-      const bfloat* p = bt + (j * 8 + l.g) * ld + k0 + 2 * l.t;
-      cuda_ptx::mma_bf16_16x8x16(acc[j], a, pair_at(p), pair_at(p + 8));
+      uint32_t bb[2];
+      load_b_rows(bb, bt, ld, k0, j * 8);
+      cuda_ptx::mma_bf16_16x8x16(acc[j], a, bb[0], bb[1]);
     }
   }
 }
@@ -291,7 +304,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
   const int first_key = lay.first_key_block(at.q0), last_key = min(at.q0 + kRows, at.T);
   stage_tile<kRows, HS>(sq, qkv, at.row0 + at.q0, at.T - at.q0, at.W, lay.q_col(at.h, HS), vec);
   stage_key_block<HS>(skv, 0, qkv, at, lay, first_key, vec);
-  const RowsOf q_rows{sq, LD, at.r16, at.l};
+  const RowsOf q_rows{sq, LD, at.r16};
   float o[HS / 8][4];
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.0f, 0.0f};  // lsum: this lane's columns' share
@@ -304,7 +317,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
     const bfloat *sk = skv + 2 * buf * kRows * LD, *sv = sk + kRows * LD;
     float s[kRows / 8][4];
     zero(s);
-    product_bt<kRows, HS>(s, q_rows, sk, LD, at.l);  // S = Q·Kᵀ
+    product_bt<kRows, HS>(s, q_rows, sk, LD);  // S = Q·Kᵀ
     const bool whole = lay.all_visible(at.rw, at.rw + 15, k0, k0 + kRows - 1);
     // online softmax of the lane's two rows over this block's visible keys (with a window a row may
     // see none of them yet: m stays -inf, the sums and O 0)
@@ -418,7 +431,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float
   stage_tile<kRows, HS>(sk, qkv, row0 + k0, T - k0, W, lay.k_col(g, HS), vec_qkv);
   stage_tile<kRows, HS>(sv, qkv, row0 + k0, T - k0, W, lay.v_col(g, HS), vec_qkv);
   stage_queries(g * group_size, k0, 0);
-  const RowsOf k_rows{sk, LD, warp * 16, l}, v_rows{sv, LD, warp * 16, l};
+  const RowsOf k_rows{sk, LD, warp * 16}, v_rows{sv, LD, warp * 16};
   float dk[HS / 8][4], dv[HS / 8][4];
   zero(dk);
   zero(dv);
@@ -433,8 +446,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float
     float st[BN / 8][4], dpt[BN / 8][4];
     zero(st);
     zero(dpt);
-    product_bt<BN, HS>(st, k_rows, sq, LD, l);   // Sᵀ = K·Qᵀ
-    product_bt<BN, HS>(dpt, v_rows, sdo, LD, l);  // dPᵀ = V·dOᵀ
+    product_bt<BN, HS>(st, k_rows, sq, LD);   // Sᵀ = K·Qᵀ
+    product_bt<BN, HS>(dpt, v_rows, sdo, LD);  // dPᵀ = V·dOᵀ
     const bool whole = lay.all_visible(q0, q0 + BN - 1, kw, kw + 15);
     // Pᵀ = exp(Sᵀ·scale − L) and dSᵀ = Pᵀ∘(dPᵀ − D), L and D those of each column's query
 #pragma unroll
@@ -489,7 +502,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* 
     L[rh] = at.rows[rh] < at.T ? lse[int64_t(at.bh) * at.T + at.rows[rh]] * kLog2e : 0.0f;
     D[rh] = at.rows[rh] < at.T ? dd[int64_t(at.bh) * at.T + at.rows[rh]] : 0.0f;
   }
-  const RowsOf q_rows{sq, LD, at.r16, at.l}, do_rows{sdo, LD, at.r16, at.l};
+  const RowsOf q_rows{sq, LD, at.r16}, do_rows{sdo, LD, at.r16};
   float dq[HS / 8][4];
   zero(dq);
   const float scale2 = scale * kLog2e;
@@ -502,8 +515,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* 
     float s[kRows / 8][4], dp[kRows / 8][4];
     zero(s);
     zero(dp);
-    product_bt<kRows, HS>(s, q_rows, sk, LD, at.l);    // S = Q·Kᵀ
-    product_bt<kRows, HS>(dp, do_rows, sv, LD, at.l);  // dP = dO·Vᵀ
+    product_bt<kRows, HS>(s, q_rows, sk, LD);    // S = Q·Kᵀ
+    product_bt<kRows, HS>(dp, do_rows, sv, LD);  // dP = dO·Vᵀ
     const bool whole = lay.all_visible(at.rw, at.rw + 15, k0, k0 + kRows - 1);
 #pragma unroll
     for (int j = 0; j < kRows / 8; ++j)

@@ -38,8 +38,22 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* 
                : "r"(addr));
 }
 
-// ld.shared.b32: a fragment register's two bf16 from shared memory (4-byte aligned).
-__device__ inline uint32_t ld_shared_b32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: the same rows named, untransposed: m[i] of lane 4g + t
+// is matrix i's elements [g][2t] (lower half) and [g][2t + 1], the layout of mma's A and B
+// fragments, so an A fragment's four registers come in one instruction where 32-bit loads took four.
+__device__ inline void ldmatrix_x4(uint32_t (&m)[4], const __nv_bfloat16* row) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(m[0]), "=r"(m[1]), "=r"(m[2]), "=r"(m[3])
+               : "r"(addr));
+}
+
+// ldmatrix.sync.aligned.m8n8.x2.shared.b16: two matrices, their rows named by lanes 0-15 (the other
+// lanes' addresses are not read), delivered as ldmatrix_x4's first two: a B fragment.
+__device__ inline void ldmatrix_x2(uint32_t (&m)[2], const __nv_bfloat16* row) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(m[0]), "=r"(m[1]) : "r"(addr));
+}
 
 // st.shared.v4.b32: eight bf16 into shared memory (16-byte aligned), a tile's row chunk.
 __device__ inline void st_shared_b128(__nv_bfloat16* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }

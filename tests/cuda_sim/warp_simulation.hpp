@@ -85,24 +85,22 @@ class Barrier {
   unsigned generation_ = 0;
 };
 
-// What a warp's lanes post for a collective instruction, and the byte offsets in shared memory of
-// each lane's 32-bit loads in order (the lanes run the same loads: the kernels' control flow is
-// warp-uniform).
+// What a warp's lanes post for a collective instruction.
 struct Warp {
   Barrier barrier{32};
   uint32_t a[32][4], b[32][2];
   const __nv_bfloat16* row[32];
   float value[32];
-  std::vector<size_t> loads[32];
 };
 
 // Shared memory's 32 banks of 4 bytes serve a warp's request in as many passes as the most
 // distinct words it asks of one bank (the same word is broadcast); ldmatrix's each 8×8 matrix,
 // 8 rows of 16 bytes, in one pass where its rows' words fall on distinct banks. The worst pass
-// count over every fragment load of the kernels run since reset(): 1 is free of bank conflicts.
+// count over every fragment load (every one is an ldmatrix) of the kernels run since reset(): 1
+// is free of bank conflicts.
 struct BankCensus {
-  int64_t loads = 0, matrices = 0;
-  int worst_load = 0, worst_matrix = 0;
+  int64_t matrices = 0;
+  int worst_matrix = 0;
   void reset() { *this = BankCensus{}; }
 };
 inline BankCensus bank_census;
@@ -267,13 +265,6 @@ inline void run_block(unsigned bx, unsigned by, unsigned threads, size_t smem_by
       shared_fault(shared_census.unwaited, "a cp.async never waited for");
     }
   }
-  for (Warp& w : block.warps)  // the i-th load of every lane is one request
-    for (size_t i = 0; i < w.loads[0].size(); ++i) {
-      std::vector<size_t> words;
-      for (const std::vector<size_t>& lane : w.loads) words.push_back(lane.at(i) / 4);
-      bank_census.worst_load = std::max(bank_census.worst_load, passes(words));
-      ++bank_census.loads;
-    }
 }
 
 // Runs kernel() as a grid of blocks of `threads` threads, one block at a time.
@@ -325,18 +316,22 @@ inline void mma_bf16_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
   for (int i = 0; i < 4; ++i) c[i] = d[i];
 }
 
-// ldmatrix.m8n8.x4.trans: lane l names row l % 8 of matrix l / 8; lane 4g + t receives, of matrix
-// i, the stored elements [2t][g] (lower half) and [2t + 1][g].
-inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* row) {
+// ldmatrix.m8n8 of M matrices (.x2, .x4; .trans when `trans`): lane l names row l % 8 of matrix
+// l / 8 (with two matrices, lanes 16-31 name none); lane 4g + t receives, of matrix i, the stored
+// elements [g][2t] (lower half) and [g][2t + 1], or transposed [2t][g] and [2t + 1][g].
+template <int M>
+inline void ldmatrix_rows(uint32_t (&m)[M], const __nv_bfloat16* row, bool trans) {
   using namespace zero3d::cuda_sim;
   Warp& w = current_warp();
   const int lane = lane_id(), g = lane / 4, t = lane % 4;
-  access_shared(row, 16, 16, false);
+  if (lane < 8 * M) access_shared(row, 16, 16, false);
   w.row[lane] = row;
   w.barrier.wait();
-  for (int i = 0; i < 4; ++i) m[i] = bits_of(w.row[8 * i + 2 * t][g]) | bits_of(w.row[8 * i + 2 * t + 1][g]) << 16;
+  for (int i = 0; i < M; ++i)
+    m[i] = trans ? bits_of(w.row[8 * i + 2 * t][g]) | bits_of(w.row[8 * i + 2 * t + 1][g]) << 16
+                 : bits_of(w.row[8 * i + g][2 * t]) | bits_of(w.row[8 * i + g][2 * t + 1]) << 16;
   if (lane == 0)
-    for (int i = 0; i < 4; ++i) {  // matrix i's 8 rows of 4 words
+    for (int i = 0; i < M; ++i) {  // matrix i's 8 rows of 4 words
       std::vector<size_t> words;
       for (int r = 0; r < 8; ++r)
         for (size_t k = 0; k < 4; ++k) words.push_back(smem_offset(w.row[8 * i + r]) / 4 + k);
@@ -345,17 +340,11 @@ inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* row) {
     }
   w.barrier.wait();
 }
+inline void ldmatrix_x2(uint32_t (&m)[2], const __nv_bfloat16* row) { ldmatrix_rows(m, row, false); }
+inline void ldmatrix_x4(uint32_t (&m)[4], const __nv_bfloat16* row) { ldmatrix_rows(m, row, false); }
+inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* row) { ldmatrix_rows(m, row, true); }
 
 inline unsigned char* dynamic_smem() { return zero3d::cuda_sim::current_block->smem.data(); }
-
-inline uint32_t ld_shared_b32(const __nv_bfloat16* p) {
-  using namespace zero3d::cuda_sim;
-  access_shared(p, 4, 4, false);
-  current_warp().loads[lane_id()].push_back(smem_offset(p));
-  uint32_t word;
-  std::memcpy(&word, p, 4);
-  return word;
-}
 
 inline void st_shared_b128(__nv_bfloat16* p, uint4 v) {
   zero3d::cuda_sim::access_shared(p, 16, 16, true);
