@@ -333,15 +333,19 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
           mx = fmaxf(mx, x);
         }
       const float mnew = fmaxf(m[rh], row_max(mx));
-      // 0 on the row's first block with a visible key (m = -inf); before it, nothing to rescale
-      const float alpha = mnew == -INFINITY ? 0.0f : exp2f((m[rh] - mnew) * scale2);
+      // The max scaled, 0 while the row has met no visible key (every score -inf: exp2(-inf) is
+      // then 0, not NaN), so each probability is one FFMA and one ex2 (FlashAttention-2's
+      // softmax_rescale_o). alpha is 0 on the row's first block with a visible key (m = -inf);
+      // before it, nothing to rescale.
+      const float mscaled = mnew == -INFINITY ? 0.0f : mnew * scale2;
+      const float alpha = cuda_ptx::ex2_approx(m[rh] * scale2 - mscaled);
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < kRows / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[j][2 * rh + e];
-          x = x == -INFINITY ? 0.0f : exp2f((x - mnew) * scale2);
+          x = cuda_ptx::ex2_approx(fmaf(x, scale2, -mscaled));
           sum += x;
         }
       lsum[rh] = lsum[rh] * alpha + sum;
@@ -459,7 +463,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
           float& p = st[j][2 * rh + e];
-          p = whole || lay.visible(q0 + c, keys[rh]) ? exp2f(p * scale2 - L) : 0.0f;
+          p = whole || lay.visible(q0 + c, keys[rh]) ? cuda_ptx::ex2_approx(fmaf(p, scale2, -L)) : 0.0f;
           dpt[j][2 * rh + e] = p * (dpt[j][2 * rh + e] - D);
         }
       }
@@ -526,7 +530,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* 
         for (int rh = 0; rh < 2; ++rh) {
           const float x = s[j][2 * rh + e];
           const bool seen = whole || lay.visible(at.rows[rh], k0 + j * 8 + 2 * at.l.t + e);
-          const float p = seen ? exp2f(x * scale2 - L[rh]) : 0.0f;
+          const float p = seen ? cuda_ptx::ex2_approx(fmaf(x, scale2, -L[rh])) : 0.0f;
           dp[j][2 * rh + e] = p * (dp[j][2 * rh + e] - D[rh]);  // dS
         }
     product_b<HS, kRows>(dq, Rounded<kRows>{dp}, sk, LD);  // dQ += dS·K

@@ -1,5 +1,6 @@
-// mma_sync.hpp (CUDA) — the warp-level PTX instructions under the fused attention
-// (attention_flash_bf16_kernels.hpp), each by its PTX ISA name and contract, every access the
+// mma_sync.hpp (CUDA) — the PTX instructions under the fused attention
+// (attention_flash_bf16_kernels.hpp), each by its PTX ISA name and contract: the warp-level
+// products and matrix loads, the softmax's exponential, every access the
 // kernels make to shared memory, the asynchronous copies into it, and the block's dynamic shared
 // memory. A build with ZERO3D_WARP_SIMULATION set to a header's name takes that header's host
 // simulation of the same functions instead (tests/cuda_sim: the kernels then run on a CPU,
@@ -57,6 +58,16 @@ __device__ inline void ldmatrix_x2(uint32_t (&m)[2], const __nv_bfloat16* row) {
 
 // st.shared.v4.b32: eight bf16 into shared memory (16-byte aligned), a tile's row chunk.
 __device__ inline void st_shared_b128(__nv_bfloat16* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+
+// ex2.approx.ftz.f32: 2^x on the special-function unit alone. exp2f without fast math compiles to
+// ex2.approx.f32, whose subnormal range costs a scaling before and after; the softmax's
+// probabilities below 2^-126 (0 here) are 0 in bf16's rounding of P anyway (FlashAttention-2 builds
+// with --use_fast_math for the same instruction).
+__device__ inline float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // ld.shared.f32 / st.shared.f32: one float of shared memory (a block's per-query L and D).
 __device__ inline float ld_shared_f32(const float* p) { return *p; }

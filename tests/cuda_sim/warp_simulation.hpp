@@ -23,6 +23,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -343,6 +344,12 @@ inline void ldmatrix_rows(uint32_t (&m)[M], const __nv_bfloat16* row, bool trans
 inline void ldmatrix_x2(uint32_t (&m)[2], const __nv_bfloat16* row) { ldmatrix_rows(m, row, false); }
 inline void ldmatrix_x4(uint32_t (&m)[4], const __nv_bfloat16* row) { ldmatrix_rows(m, row, false); }
 inline void ldmatrix_x4_trans(uint32_t (&m)[4], const __nv_bfloat16* row) { ldmatrix_rows(m, row, true); }
+
+// ex2.approx.ftz.f32: subnormal inputs read as 0 and subnormal results written as 0.
+inline float ex2_approx(float x) {
+  const float y = std::exp2(std::fpclassify(x) == FP_SUBNORMAL ? 0.0f : x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.0f : y;
+}
 
 inline unsigned char* dynamic_smem() { return zero3d::cuda_sim::current_block->smem.data(); }
 
