@@ -660,14 +660,14 @@ inline Index attention_bf16_saved_floats(Index BH, Index T, Index hs, bool dropo
 // (attention_workspace()'s takes below, forward and backward): the q, k, v and dY tiles and dS in
 // bf16, under dropout P ∘ M too; the scores (dP in the backward) and dQ (the forward's O), dK and
 // dV in fp32. Where the fused kernel runs every pass (a training pass under dropout runs this
-// one), 0 on a CPU and the CUDA kernel's D on a GPU (cuda_flash::backward_scratch_bytes). A GPU
+// one), 0 on a CPU and the CUDA kernel's D and bf16 dO on a GPU (cuda_flash::backward_scratch_bytes). A GPU
 // takes every head in one tile of T: about 1.5 GB at GPT-2 124M's micro-batch 16, which the H200
 // measured as the plan's shortfall (0.919 of the device's peak) before it counted it.
 inline int64_t attention_bf16_workspace_bytes(Index BH, Index T, Index hs, bool dropout) {
 #if defined(ZERO3D_FLASH_ATTENTION)
   if (!dropout && attention_flash_chosen(BH, T, hs)) return 0;
 #elif defined(ZERO3D_DEVICE)
-  if (!dropout && attention_flash_chosen(BH, T, hs)) return cuda_flash::backward_scratch_bytes(BH, T);
+  if (!dropout && attention_flash_chosen(BH, T, hs)) return cuda_flash::backward_scratch_bytes(BH, T, hs);
 #endif
   const AttentionTiles t(T);
   const int64_t rows = t.n * attention_head_group(T, hs, BH) * t.TB, tiles = rows * hs, scores = rows * t.TB;

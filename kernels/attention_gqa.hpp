@@ -509,7 +509,7 @@ inline int64_t gqa_attention_workspace_bytes(Index B, Index T, Index H, Index Hk
 #if defined(ZERO3D_FLASH_ATTENTION)
     if (gqa_attention_flash_chosen(B * H, T, d)) return 0;  // it draws dropout's mask itself
 #elif defined(ZERO3D_DEVICE)
-    if (!dropout && gqa_attention_flash_chosen(B * H, T, d)) return cuda_flash::backward_scratch_bytes(B * H, T);
+    if (!dropout && gqa_attention_flash_chosen(B * H, T, d)) return cuda_flash::backward_scratch_bytes(B * H, T, d);
     // the bf16 form's scratch (its backward's, the larger); under attention dropout training passes
     // run the portable form and evaluation the bf16 one, each shared scratch growing to the larger
     const int64_t nkv = B * Hkv * T * d, rows = B * H * T;

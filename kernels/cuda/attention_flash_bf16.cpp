@@ -69,19 +69,24 @@ void backward_hs(float* dqkv, const float* dout, const Q* qkv, const float* lse,
       (allow_smem(dkdv_kernel<HS, QT>, dkdv_smem<HS>()), allow_smem(dq_kernel<HS, QT>, dq_smem<HS>()), true);
   (void)allowed;
   const Index rows = B * lay.H * lay.T;
-  // D = rowsum(dO ∘ O), read by both gradient kernels: backward_scratch_bytes
+  // backward_scratch_bytes: D = rowsum(dO ∘ O), read by both gradient kernels, and dO rounded to
+  // bf16 once (the products read it so): its tiles then come by cp.async, and the dK/dV kernel,
+  // which reads every later query block's dO for each key block, reads half the bytes.
   float* dd = static_scratch<16>("flash_attention_rowdot").take<float>(rows);
+  bf16* dout16 = static_scratch<17>("flash_attention_dout16").take<bf16>(rows * HS);
+  kernels::convert(dout16, dout, rows * HS);
+  const bfloat* dO = reinterpret_cast<const bfloat*>(dout16);
   const float scale = 1.0f / std::sqrt(static_cast<float>(HS));
-  const bool vec_qkv = vector_aligned(qkv, lay.width(HS)), vec_dout = vector_aligned(dout, int64_t(lay.H) * HS);
+  const bool vec_qkv = vector_aligned(qkv, lay.width(HS)), vec_dout = vector_aligned(dO, int64_t(lay.H) * HS);
   row_dot_kernel<HS><<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kThreads, 0, stream()>>>(
-      dd, dout, reinterpret_cast<const bfloat*>(osave), lay.T, lay.H, rows);
+      dd, dO, reinterpret_cast<const bfloat*>(osave), lay.T, lay.H, rows);
   check(cudaGetLastError(), "row-dot launch");
   const unsigned blocks = static_cast<unsigned>((lay.T + kRows - 1) / kRows);
   dkdv_kernel<HS, QT><<<dim3(blocks, static_cast<unsigned>(B * lay.Hkv)), kThreads, dkdv_smem<HS>(), stream()>>>(
-      dqkv, dout, reinterpret_cast<const QT*>(qkv), lse, dd, lay, scale, vec_qkv, vec_dout);
+      dqkv, dO, reinterpret_cast<const QT*>(qkv), lse, dd, lay, scale, vec_qkv, vec_dout);
   check(cudaGetLastError(), "dK/dV launch");
   dq_kernel<HS, QT><<<dim3(blocks, static_cast<unsigned>(B * lay.H)), kThreads, dq_smem<HS>(), stream()>>>(
-      dqkv, dout, reinterpret_cast<const QT*>(qkv), lse, dd, lay, scale, vec_qkv, vec_dout);
+      dqkv, dO, reinterpret_cast<const QT*>(qkv), lse, dd, lay, scale, vec_qkv, vec_dout);
   check(cudaGetLastError(), "dQ launch");
 }
 

@@ -44,9 +44,10 @@ template <typename Q>
 void backward(float* dqkv, const float* dout, const Q* qkv, const float* lse, const bf16* osave, Index B, Index T,
               const Heads& heads);
 
-// The device memory backward() takes beside its arguments for B·H = BH heads: D = rowsum(dO ∘ O),
-// one float per head and query row (the memory plan's attention scratch counts it).
-inline int64_t backward_scratch_bytes(Index BH, Index T) { return 4 * BH * T; }
+// The device memory backward() takes beside its arguments for B·H = BH heads of size hs: D =
+// rowsum(dO ∘ O), one float per head and query row, and dO in bf16 (the memory plan's attention
+// scratch counts them).
+inline int64_t backward_scratch_bytes(Index BH, Index T, Index hs) { return 4 * BH * T + 2 * BH * T * hs; }
 
 // GPT-2's layout: qkv [B][T][3C], C = H·hs, no groups, no window.
 template <typename O, typename Q>

@@ -368,9 +368,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(OT* out, float* lse, 
 
 // ---- backward ----------------------------------------------------------------------------------
 
-// D[bh][t] = Σ_d bf16(dO[b][t][h·hs + d])·O[bh][t][d]: one warp per row.
+// D[bh][t] = Σ_d dO[b][t][h·hs + d]·O[bh][t][d]: one warp per row.
 template <int HS>
-__global__ void __launch_bounds__(kThreads) row_dot_kernel(float* dd, const float* dout, const bfloat* osave, int T,
+__global__ void __launch_bounds__(kThreads) row_dot_kernel(float* dd, const bfloat* dout, const bfloat* osave, int T,
                                                            int H, int64_t rows) {
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (row >= rows) return;
@@ -378,8 +378,7 @@ __global__ void __launch_bounds__(kThreads) row_dot_kernel(float* dd, const floa
   const int64_t bh = row / T, t = row % T, b = bh / H, h = bh % H, C = int64_t(H) * HS;
   float dot = 0.0f;
   for (int d = lane; d < HS; d += 32)
-    dot += __bfloat162float(__float2bfloat16_rn(dout[(b * T + t) * C + h * HS + d])) *
-           __bfloat162float(osave[row * HS + d]);
+    dot += __bfloat162float(dout[(b * T + t) * C + h * HS + d]) * __bfloat162float(osave[row * HS + d]);
   for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
   if (lane == 0) dd[row] = dot;
 }
@@ -401,10 +400,11 @@ constexpr size_t dkdv_smem() {
 // one owner per sum, a fixed order (the CPU kernel sums the group in head order too). A warp's
 // tiles are transposed: rows are its 16 keys, columns the block's queries.
 template <int HS, typename QT>
-__global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float* dout, const QT* qkv, const float* lse,
+__global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const bfloat* dout, const QT* qkv, const float* lse,
                                                         const float* dd, Layout lay, float scale, bool vec_qkv,
                                                         bool vec_dout) {
   constexpr int LD = HS + kPad, BN = kDkdvQueries<HS>;
+  static_assert(2 * BN <= kThreads, "a thread for each L and D of a query block");
   unsigned char* smem = cuda_ptx::dynamic_smem();
   bfloat* sk = reinterpret_cast<bfloat*>(smem);
   bfloat* sv = sk + kRows * LD;
@@ -420,29 +420,40 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float
   const float scale2 = scale * kLog2e;
   // The query blocks these keys meet, head by head of the group: (h, q0), q0 from k0 on by BN.
   const int h_end = (g + 1) * group_size, q_end = lay.query_end(k0);
+  // Q and dO of a query block into buffer buf, as one cp.async group.
   const auto stage_queries = [&](int h, int q0, int buf) {
-    const int64_t bh = int64_t(b) * H + h;
     bfloat* sq = sqdo + 2 * buf * BN * LD;
-    float* sl = sld + 2 * buf * BN;
     stage_tile<BN, HS>(sq, qkv, row0 + q0, T - q0, W, lay.q_col(h, HS), vec_qkv);
     stage_tile<BN, HS>(sq + BN * LD, dout, row0 + q0, T - q0, C, int64_t(h) * HS, vec_dout);
-    for (int i = threadIdx.x; i < BN; i += kThreads) {
-      cuda_ptx::st_shared_f32(sl + i, q0 + i < T ? lse[bh * T + q0 + i] * kLog2e : 0.0f);
-      cuda_ptx::st_shared_f32(sl + BN + i, q0 + i < T ? dd[bh * T + q0 + i] : 0.0f);
-    }
     cuda_ptx::cp_async_commit();
+  };
+  // Its L and D: thread i < 2·BN loads the i-th of [L | D] into a register as the block's copy goes
+  // out and stores it (L scaled by log2 e) once the warps are done with the buffer, so the load
+  // flies while they compute, where a store straight after it would wait for it.
+  const auto load_l_or_d = [&](int h, int q0) {
+    const int i = int(threadIdx.x) % BN, q = q0 + i;
+    if (int(threadIdx.x) >= 2 * BN || q >= T) return 0.0f;
+    const int64_t at = (int64_t(b) * H + h) * T + q;
+    return int(threadIdx.x) < BN ? lse[at] : dd[at];
+  };
+  const auto store_l_or_d = [&](int buf, float x) {
+    if (int(threadIdx.x) < 2 * BN)
+      cuda_ptx::st_shared_f32(sld + 2 * buf * BN + threadIdx.x, int(threadIdx.x) < BN ? x * kLog2e : x);
   };
   stage_tile<kRows, HS>(sk, qkv, row0 + k0, T - k0, W, lay.k_col(g, HS), vec_qkv);
   stage_tile<kRows, HS>(sv, qkv, row0 + k0, T - k0, W, lay.v_col(g, HS), vec_qkv);
   stage_queries(g * group_size, k0, 0);
+  store_l_or_d(0, load_l_or_d(g * group_size, k0));
   const RowsOf k_rows{sk, LD, warp * 16}, v_rows{sv, LD, warp * 16};
   float dk[HS / 8][4], dv[HS / 8][4];
   zero(dk);
   zero(dv);
   for (int h = g * group_size, q0 = k0, buf = 0; h < h_end; buf ^= 1) {
     const int h_next = q0 + BN < q_end ? h : h + 1, q_next = q0 + BN < q_end ? q0 + BN : k0;
-    // the next query block's copy goes out before this one's is waited for
-    if (h_next < h_end) stage_queries(h_next, q_next, buf ^ 1), cuda_ptx::cp_async_wait<1>();
+    // the next query block's copy (and its L and D load) goes out before this one's is waited for
+    const bool next = h_next < h_end;
+    float next_l_or_d = 0.0f;
+    if (next) stage_queries(h_next, q_next, buf ^ 1), next_l_or_d = load_l_or_d(h_next, q_next), cuda_ptx::cp_async_wait<1>();
     else cuda_ptx::cp_async_wait<0>();
     __syncthreads();  // this query block (and K, V) landed, for every warp
     const bfloat *sq = sqdo + 2 * buf * BN * LD, *sdo = sq + BN * LD;
@@ -469,6 +480,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const float
       }
     product_b<HS, BN>(dv, Rounded<BN>{st}, sdo, LD);  // dV += Pᵀ·dO
     product_b<HS, BN>(dk, Rounded<BN>{dpt}, sq, LD);  // dK += dSᵀ·Q
+    if (next) store_l_or_d(buf ^ 1, next_l_or_d);  // buf ^ 1 has been free since the last barrier
     __syncthreads();  // every warp is done with buf: the next iteration's copy goes into it
     h = h_next, q0 = q_next;
   }
@@ -487,7 +499,7 @@ constexpr size_t dq_smem() {
 
 // grid (query blocks, B·H), as QueryBlock says: dQ of 64 queries, over the key blocks up to their own.
 template <int HS, typename QT>
-__global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const float* dout, const QT* qkv, const float* lse,
+__global__ void __launch_bounds__(kThreads) dq_kernel(float* dqkv, const bfloat* dout, const QT* qkv, const float* lse,
                                                       const float* dd, Layout lay, float scale, bool vec_qkv,
                                                       bool vec_dout) {
   constexpr int LD = HS + kPad;
