@@ -3,7 +3,10 @@
 // The forward keeps the logits and saves one log-sum-exp per row; the backward turns the
 // logits into their gradient in place, so no [N,V] probability buffer is ever held (a bf16
 // step's backward writes the gradient rounded into the head products' operand instead:
-// crossentropy_backward_bf16, llm.c's fused classifier).
+// crossentropy_backward_bf16, llm.c's fused classifier). The logits are fp32, or bf16 where the
+// head's product rounds them (a GPU's bf16 step, as DeepSpeed's bf16 and torch.autocast's linear
+// give them): the forward widens each one as it reads it, and the bf16 backward may then write
+// the gradient over the logits themselves.
 // Rows are Vp apart: a padded vocabulary (Megatron's make_vocab_size_divisible_by; llm.c's
 // fused_classifier takes V and Vp alike) has Vp − V columns past the real V, masked out of the
 // softmax and given a zero gradient. Vp = V is the unpadded head.
@@ -53,8 +56,8 @@ struct OnlineSoftmax {
 // One row's max and sum of exponentials over its V real columns in one read, in the row's lanes, W
 // columns at a time (the last vector may run into the padding, Vp a multiple of W: masked out).
 // A lane rescales its sum only when a vector raises its max, one fast_exp per such vector.
-template <int W>
-KOKKOS_INLINE_FUNCTION SoftmaxDenominator crossentropy_row(const RowTeam& team, const float* z, Index V) {
+template <int W, typename L>
+KOKKOS_INLINE_FUNCTION SoftmaxDenominator crossentropy_row(const RowTeam& team, const L* z, Index V) {
   SoftmaxDenominator d;
   Kokkos::parallel_reduce(
       Kokkos::ThreadVectorRange(team, (V + W - 1) / W),
@@ -80,18 +83,19 @@ KOKKOS_INLINE_FUNCTION SoftmaxDenominator crossentropy_row(const RowTeam& team, 
 // of exponentials are one lane-strided online reduction, so each row is read once; the 8192 rows
 // of 200 KB in flight do not stay in L2 for a second read (llm.c fused_classifier.cuh:68-140 takes
 // a block per row; 8192 rows of warps already fill an H100).
-ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, Index N,
+template <typename L>
+ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const L* logits, const int32_t* targets, Index N,
                                  Index V, Index Vp) {
   const bool vec = vectorizable(Vp, logits);
   Kokkos::parallel_for("crossentropy_forward", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
     if (i >= N) return;
-    const float* z = logits + i * Vp;
+    const L* z = logits + i * Vp;
     const SoftmaxDenominator d = vec ? crossentropy_row<kVec>(team, z, V) : crossentropy_row<1>(team, z, V);
     Kokkos::single(Kokkos::PerThread(team), [&] {
       const float l = d.max + std::log(d.sum);
       lse[i] = l;
-      losses[i] = l - z[targets[i]];
+      losses[i] = l - to_float(z[targets[i]]);
     });
   });
 }
@@ -124,8 +128,10 @@ ZERO3D_KERNEL void crossentropy_backward(float* logits, const float* lse, const 
 // The fused classifier's backward (llm.c fused_classifier.cuh): the loss gradient rounded to bf16
 // into the head products' operand, the fp32 logits only read. One read of 4 bytes and one write of
 // 2 an element, where crossentropy_backward and then convert read 4, wrote 4, read 4 and wrote 2.
-// kVec logits a thread where the rows allow; each element's arithmetic is the CPU form's.
-ZERO3D_KERNEL void crossentropy_backward_bf16(bf16* dlogits, const float* logits, const float* lse,
+// kVec logits a thread where the rows allow; each element's arithmetic is the CPU form's. bf16
+// logits may be the gradient's own memory: a thread reads its elements before it writes them.
+template <typename L>
+ZERO3D_KERNEL void crossentropy_backward_bf16(bf16* dlogits, const L* logits, const float* lse,
                                               const int32_t* targets, float dloss, Index N, Index V, Index Vp) {
   if (vectorizable(Vp, logits, dlogits)) {
     Kokkos::parallel_for("crossentropy_backward_bf16", range(N * Vp / kVec), KOKKOS_LAMBDA(Index p) {
@@ -141,7 +147,7 @@ ZERO3D_KERNEL void crossentropy_backward_bf16(bf16* dlogits, const float* logits
   } else {
     Kokkos::parallel_for("crossentropy_backward_bf16", range(N * Vp), KOKKOS_LAMBDA(Index j) {
       const Index i = j / Vp, c = j - i * Vp;
-      float g = c < V ? fast_exp(logits[j] - lse[i]) * dloss : 0.0f;
+      float g = c < V ? fast_exp(to_float(logits[j]) - lse[i]) * dloss : 0.0f;
       if (c == targets[i]) g -= dloss;
       dlogits[j] = to_bf16(g);
     });
@@ -151,22 +157,24 @@ ZERO3D_KERNEL void crossentropy_backward_bf16(bf16* dlogits, const float* logits
 }  // namespace gpu
 
 // losses[i] = logsumexp(logits[i,:V]) - logits[i, target[i]]; lse[i] saved for the backward.
-ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, Index N,
+// Logits fp32 or bf16 (L), each widened as it is read: the bits of the fp32 form on the widened values.
+template <typename L>
+ZERO3D_KERNEL void crossentropy_forward(float* losses, float* lse, const L* logits, const int32_t* targets, Index N,
                                  Index V, Index Vp) {
 #ifdef ZERO3D_DEVICE
   gpu::crossentropy_forward(losses, lse, logits, targets, N, V, Vp);
 #else
   Kokkos::parallel_for("crossentropy_forward", range(N), KOKKOS_LAMBDA(Index i) {
-    const float* z = logits + i * Vp;
-    float mx = z[0];
+    const L* z = logits + i * Vp;
+    float mx = to_float(z[0]);
 #pragma omp simd reduction(max : mx)  // a float reduction vectorises only when told it may reorder
-    for (Index v = 1; v < V; ++v) mx = z[v] > mx ? z[v] : mx;
+    for (Index v = 1; v < V; ++v) mx = to_float(z[v]) > mx ? to_float(z[v]) : mx;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (Index v = 0; v < V; ++v) sum += fast_exp(z[v] - mx);
+    for (Index v = 0; v < V; ++v) sum += fast_exp(to_float(z[v]) - mx);
     const float l = mx + std::log(sum);
     lse[i] = l;
-    losses[i] = l - z[targets[i]];
+    losses[i] = l - to_float(z[targets[i]]);
   });
 #endif
 }
@@ -192,14 +200,16 @@ ZERO3D_KERNEL void crossentropy_backward(float* logits, const float* lse, const 
 // head's bf16 products take the gradient without an fp32 copy written and converted (the same bits
 // as crossentropy_backward, then convert). The CPU form computes a row in L1-sized pieces through
 // the same fp32 statements, so the target's subtraction rounds apart from the product as it did.
-ZERO3D_KERNEL void crossentropy_backward_bf16(bf16* dlogits, const float* logits, const float* lse,
+// bf16 logits (L) may be dlogits' own memory: each piece of a row is read before it is written.
+template <typename L>
+ZERO3D_KERNEL void crossentropy_backward_bf16(bf16* dlogits, const L* logits, const float* lse,
                                               const int32_t* targets, float dloss, Index N, Index V, Index Vp) {
 #ifdef ZERO3D_DEVICE
   gpu::crossentropy_backward_bf16(dlogits, logits, lse, targets, dloss, N, V, Vp);
 #else
   Kokkos::parallel_for("crossentropy_backward_bf16", range(N), KOKKOS_LAMBDA(Index i) {
     constexpr Index kPiece = 512;
-    const float* z = logits + i * Vp;
+    const L* z = logits + i * Vp;
     bf16* d = dlogits + i * Vp;
     const float l = lse[i];
     const Index t = targets[i];
@@ -207,7 +217,7 @@ ZERO3D_KERNEL void crossentropy_backward_bf16(bf16* dlogits, const float* logits
     for (Index v0 = 0; v0 < Vp; v0 += kPiece) {
       const Index n = Vp - v0 < kPiece ? Vp - v0 : kPiece;
       const Index real = V <= v0 ? 0 : (V - v0 < n ? V - v0 : n);
-      for (Index k = 0; k < real; ++k) g[k] = fast_exp(z[v0 + k] - l) * dloss;
+      for (Index k = 0; k < real; ++k) g[k] = fast_exp(to_float(z[v0 + k]) - l) * dloss;
       for (Index k = real; k < n; ++k) g[k] = 0.0f;
       if (t >= v0 && t < v0 + n) g[t - v0] -= dloss;
       for (Index k = 0; k < n; ++k) d[v0 + k] = to_bf16(g[k]);

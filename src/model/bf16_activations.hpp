@@ -1,8 +1,10 @@
 // bf16_activations.hpp — which activations a block keeps in bf16 (GPT-2's block in model.cpp,
-// the Llama family's in llama_block.cpp; the saves' sizes in model_layout.cpp follow it).
+// the Llama family's in llama_block.cpp; the saves' sizes in model_layout.cpp follow it), and
+// whether the head keeps its logits in bf16.
 #pragma once
 
 #include "base/dtype.hpp"
+#include "kernels/device.hpp"
 #include "kernels/half.hpp"
 
 namespace zero3d {
@@ -14,6 +16,22 @@ namespace zero3d {
 // the same question.
 inline bool activations_bf16(DType compute, bool tensor_parallel, bool moe_block, bool mlp_half) {
   return compute == DType::BF16 && !tensor_parallel && !(mlp_half && moe_block);
+}
+
+// Tests turn on the GPU build's bf16 logits in a CPU build (logits_bf16), whose own logits stay fp32.
+inline bool& logits_bf16_on_host() {
+  static bool on = false;
+  return on;
+}
+
+// A GPU's bf16 step without tensor parallelism keeps the logits in bf16 (the head's product rounds
+// them in its epilogue, as DeepSpeed's bf16 model and torch.autocast's linear give them) and writes
+// their gradient over them: 2 bytes an element where the fp32 logits and the gradient's bf16
+// operand beside them held 6 (3.3 GB less at GPT-2 124M's micro-batch 16, T 1024, V 50,304), and
+// the classifier reads and writes half the bytes. The CPU build keeps fp32 logits, so its losses keep
+// their bits; the vocab-parallel head keeps them too (its max and sums cross the tensor group in fp32).
+inline bool logits_bf16(DType compute, bool tensor_parallel) {
+  return compute == DType::BF16 && !tensor_parallel && (kernels::kGpuBuild || logits_bf16_on_host());
 }
 
 // A float-sized buffer read as the bf16 values it holds.

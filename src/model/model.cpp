@@ -324,9 +324,14 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   // an untied head's lm_head.weight [V, C] follows model.norm.weight in the final unit
   const P* E = static_cast<const P*>(store.fetch(c.head_unit)) + head_offset();
   head.next(obs::lm_head_module(static_cast<int>(shape_.n_layer)));
-  gemm(BT, V, C, {buf.ln_f, DType::F32, false, C}, {E, dtype_of<P>(), true, C}, buf.logits, V, false, cmp);
+  const GemmOperand lnf{buf.ln_f, DType::F32, false, C}, wte{E, dtype_of<P>(), true, C};
+  const bool logits16 = logits_bf16(cmp, tp);  // rounded in the product's epilogue
+  if (logits16) gemm_bf16_output(BT, V, C, gemm_operand(lnf, BT * C, cmp), wte, as_bf16(buf.logits));
+  else gemm(BT, V, C, lnf, wte, buf.logits, V, false, cmp);
   store.release(c.head_unit);
-  if (!tp) {  // the real columns (ids < V) of rows padded to make_vocab_size_divisible_by
+  if (logits16) {  // the real columns (ids < V) of rows padded to make_vocab_size_divisible_by
+    crossentropy_forward(buf.losses, buf.lse, as_bf16(buf.logits), buf.targets, BT, part_.vocab_real, V);
+  } else if (!tp) {
     crossentropy_forward(buf.losses, buf.lse, buf.logits, buf.targets, BT, part_.vocab_real, V);
   } else {  // vocab-parallel cross-entropy: max, then sum-exp and target logit, over the group
     const int64_t real = part_.vocab_real, v0 = part_.vocab_begin;
@@ -372,20 +377,29 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     float* dlnf = keep || part == BackwardPart::Weight ? buf.d_ln_f : dln_;  // this rank's tokens
     // loss = mean over BT tokens, so each token's loss carries weight grad_scale / BT.
     const float dloss = grad_scale / static_cast<float>(BT);
-    // A full pass in bf16 writes the gradient straight into the products' bf16 operand (the fused
-    // classifier); a split pass keeps it in fp32 in the logits for its weight pass.
-    const bool fused_classifier = part == BackwardPart::Full && !tp && cmp == DType::BF16;
-    if (input && !fused_classifier) {
+    // bf16 logits (logits_bf16) take their gradient in place, the products' bf16 operand for both
+    // passes. Otherwise a full pass in bf16 writes the gradient straight into the products' bf16
+    // operand (the fused classifier), and a split pass keeps it in fp32 in the logits for its
+    // weight pass.
+    const bool logits16 = logits_bf16(cmp, tp);
+    const bool fused_classifier = !logits16 && part == BackwardPart::Full && !tp && cmp == DType::BF16;
+    if (input && logits16) {
+      bf16* z = as_bf16(buf.logits);
+      crossentropy_backward_bf16(z, static_cast<const bf16*>(z), buf.lse, buf.targets, dloss, BT, part_.vocab_real, V);
+    } else if (input && !fused_classifier) {
       if (!tp) crossentropy_backward(buf.logits, buf.lse, buf.targets, dloss, BT, part_.vocab_real, V);
       else vocab_ce_backward(buf.logits, buf.lse, buf.targets, dloss, part_.vocab_begin, BT, V, part_.vocab_real);
     }
     const float* dlogits = buf.logits;
+    const GemmOperand dlogits16{as_bf16(buf.logits), DType::BF16, false, V};
     // tied head: dln_f = dlogits · wte ; dwte += dlogitsᵀ · ln_f (an untied head: lm_head.weight's)
     if (weights) dE = store.grad_target(c.head_unit) + head_offset();
     if (input) {
       const P* E = static_cast<const P*>(store.fetch(c.head_unit)) + head_offset();
       GemmOperand d{};  // dlogits in the products' type, made once for both
-      if (fused_classifier) {
+      if (logits16) {
+        d = dlogits16;
+      } else if (fused_classifier) {
         d = gemm_operand_slot(BT, V);
         crossentropy_backward_bf16(static_cast<bf16*>(const_cast<void*>(d.data)), buf.logits, buf.lse, buf.targets,
                                    dloss, BT, part_.vocab_real, V);
@@ -399,7 +413,7 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       if (sp) gather_from_sequence_parallel_region_backward(tp_, dlnf_all, dlnf, Ns * C);
       else copy_to_tp_region_backward(tp_, dlnf, BT * C);
     } else {
-      const GemmOperand d = gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);
+      const GemmOperand d = logits16 ? dlogits16 : gemm_operand({dlogits, DType::F32, false, V}, BT * V, cmp);
       gemm(V, C, BT, {d.data, d.type, true, V}, {buf.ln_f, DType::F32, false, C}, dE, C, true, cmp);
     }
     head.next(obs::ln_f_module(static_cast<int>(shape_.n_layer)));

@@ -7,6 +7,7 @@
 #include "kernels/attention.hpp"
 #include "kernels/memory.hpp"
 #include "kernels/rope_config.hpp"
+#include "model/bf16_activations.hpp"
 #include "model/model.hpp"
 #include "model/sparse_attention.hpp"
 
@@ -201,7 +202,8 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
     buf.ln_f = take(BT * C);  // all tokens: the head's input (gathered with sequence parallelism)
     buf.ln_f_mean = take(Ns);
     buf.ln_f_rstd = take(Ns);
-    buf.logits = take(BT * Vl_);
+    // bf16 logits (logits_bf16) in half the floats
+    buf.logits = take(logits_bf16(compute_type(), part_.tp_size > 1) ? (BT * Vl_ + 1) / 2 : BT * Vl_);
     buf.losses = take(BT);
     buf.lse = take(BT);
   }

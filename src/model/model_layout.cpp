@@ -527,7 +527,8 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
   p.stream = Ns * C + (full ? Ns * C : 0) + Ns * C + (receives_grad ? Ns * C : 0);
   p.per_block = ac.selective() ? block - att : block;
   p.blocks = ac.full() ? 0 : max_blocks;
-  p.head = any_final ? BT * C + 2 * Ns + BT * V + 2 * BT + (split_backward ? Ns * C : 0) : 0;
+  const int64_t logits = logits_bf16(compute, t > 1) ? (BT * V + 1) / 2 : BT * V;  // (in floats)
+  p.head = any_final ? BT * C + 2 * Ns + logits + 2 * BT + (split_backward ? Ns * C : 0) : 0;
   const BlockWidths w = block_widths(shape, t);
   // d(res_3), d(fch), d(ln_2), d(res_2), d(qkv), d(ln_1) (BlockGradOperands)
   p.grad_operands = split_backward ? max_blocks * (2 * BT * C + 2 * Ns * C + BT * (w.fc + w.qkv)) : 0;

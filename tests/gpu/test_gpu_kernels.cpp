@@ -130,6 +130,39 @@ TEST(GpuKernels, CrossEntropyForwardAndBackwardMatchTheHostOverGpt2sVocabulary) 
   }
 }
 
+// A GPU's bf16 step keeps bf16 logits (model/bf16_activations.hpp logits_bf16): the loss of them,
+// and their gradient written over them, against double loops on their widened values.
+TEST(GpuKernels, CrossEntropyOfBf16LogitsAndItsGradientInPlaceMatchTheHost) {
+  const Index N = 1024, V = kV, Vp = 50304;
+  std::vector<bf16> z16(static_cast<size_t>(N * Vp));
+  const std::vector<float> z32 = normal(N * Vp, 3.0f, 13);
+  for (size_t j = 0; j < z16.size(); ++j) z16[j] = to_bf16(z32[j]);
+  const std::vector<int32_t> t = tokens(N, static_cast<int32_t>(V), 14);
+  const float dloss = 1.0f / N;
+  std::vector<double> loss(N), dz(N * Vp, 0.0);
+  for (Index i = 0; i < N; ++i) {
+    const bf16* zi = z16.data() + i * Vp;
+    double mx = to_float(zi[0]);
+    for (Index v = 1; v < V; ++v) mx = std::max<double>(mx, to_float(zi[v]));
+    double sum = 0;
+    for (Index v = 0; v < V; ++v) sum += std::exp(to_float(zi[v]) - mx);
+    const double lse = mx + std::log(sum);
+    loss[i] = lse - to_float(zi[t[i]]);
+    for (Index v = 0; v < V; ++v) dz[i * Vp + v] = std::exp(to_float(zi[v]) - lse) * dloss;
+    dz[i * Vp + t[i]] -= dloss;
+  }
+  ModelArray<bf16> Z(z16);
+  ModelArray<float> Loss(N), Lse(N);
+  ModelArray<int32_t> Tg(t);
+  crossentropy_forward(Loss.data(), Lse.data(), static_cast<const bf16*>(Z.data()), Tg.data(), N, V, Vp);
+  expect_close(Loss.host(), loss, 1e-5, 1e-5, "crossentropy losses of bf16 logits");
+  crossentropy_backward_bf16(Z.data(), static_cast<const bf16*>(Z.data()), Lse.data(), Tg.data(), dloss, N, V, Vp);
+  const std::vector<bf16> d16 = Z.host();
+  std::vector<float> d32(d16.size());
+  for (size_t j = 0; j < d16.size(); ++j) d32[j] = to_float(d16[j]);
+  expect_close(d32, dz, std::ldexp(1.0, -8) + 1e-4, 1e-10, "crossentropy dlogits written over bf16 logits");
+}
+
 // Token and position embeddings; the backward adds every row of a repeated token (a 64-word
 // vocabulary over 8192 positions repeats each ~128 times) in a fixed order: two runs, same bits.
 TEST(GpuKernels, EncoderForwardAndBackwardMatchTheHostAndRepeatBitForBit) {

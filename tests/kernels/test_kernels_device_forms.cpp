@@ -325,6 +325,56 @@ TEST(KernelDeviceForms, CrossEntropyOnlineNormalizerHoldsOnRisingAndFallingRows)
   expect_close("lse, two passes (CPU form)", cpu_lse.host(), want, tolerance, 0.0);
 }
 
+// bf16 logits (a GPU's bf16 step: model/bf16_activations.hpp logits_bf16): the device form gives,
+// from them, the bits it gives from their fp32 widening (the CPU form, which runs them only in
+// tests, vectorises its sum another way: within the reordering's bound), and the bf16 backward
+// writes the gradient over them with the bits it writes elsewhere. Rows whole vectors (Vp 64,
+// 16-byte aligned) or not (Vp 61; 64 one element off).
+TEST(KernelDeviceForms, CrossEntropyOfBf16LogitsIsTheCrossEntropyOfTheirWidening) {
+  for (const auto& size : {std::tuple<Index, Index, Index, size_t>{8, 61, 64, 0}, {8, 61, 64, 1}, {5, 61, 61, 0}}) {
+    const Index N = std::get<0>(size), V = std::get<1>(size), Vp = std::get<2>(size);
+    const size_t shift = std::get<3>(size);
+    const std::string at = shape(N, Vp) + " V " + std::to_string(V) + " shift " + std::to_string(shift);
+    const std::vector<bf16> z16 = rounded(random_vector(N * Vp, 24, 3.0f));
+    std::vector<float> widened(z16.size());
+    for (size_t i = 0; i < z16.size(); ++i) widened[i] = to_float(z16[i]);
+    std::vector<int32_t> t(N);
+    for (Index i = 0; i < N; ++i) t[i] = static_cast<int32_t>((i * 7919) % V);
+    Buffer<int32_t> targets(t);
+    for (const bool device : {true, false}) {
+      const std::string form = (device ? " (device form)" : " (CPU form)") + at;
+      Buffer<bf16> logits16(z16, shift);
+      Buffer<float> logits32(widened, shift);
+      Buffer<float> losses16(N), lse16(N), losses32(N), lse32(N);
+      if (device) {
+        gpu::crossentropy_forward(losses16.data(), lse16.data(), logits16.data(), targets.data(), N, V, Vp);
+        gpu::crossentropy_forward(losses32.data(), lse32.data(), logits32.data(), targets.data(), N, V, Vp);
+      } else {
+        crossentropy_forward(losses16.data(), lse16.data(), logits16.data(), targets.data(), N, V, Vp);
+        crossentropy_forward(losses32.data(), lse32.data(), logits32.data(), targets.data(), N, V, Vp);
+      }
+      if (device) {
+        expect_same_bits("losses" + form, losses16.host(), losses32.host());
+        expect_same_bits("lse" + form, lse16.host(), lse32.host());
+      } else {  // as CrossEntropyMatchesTheCpuForm's bound for a sum in another order
+        const double tolerance = 16.0 * std::sqrt(static_cast<double>(V)) * std::ldexp(1.0, -24);
+        expect_close("losses" + form, losses16.host(), losses32.host(), tolerance, 0.0);
+        expect_close("lse" + form, lse16.host(), lse32.host(), tolerance, 0.0);
+      }
+      // the gradient over the bf16 logits themselves, and into its own buffer from the widening
+      Buffer<bf16> separate(N * Vp, shift);
+      if (device) {
+        gpu::crossentropy_backward_bf16(logits16.data(), logits16.data(), lse32.data(), targets.data(), 0.125f, N, V, Vp);
+        gpu::crossentropy_backward_bf16(separate.data(), logits32.data(), lse32.data(), targets.data(), 0.125f, N, V, Vp);
+      } else {
+        crossentropy_backward_bf16(logits16.data(), logits16.data(), lse32.data(), targets.data(), 0.125f, N, V, Vp);
+        crossentropy_backward_bf16(separate.data(), logits32.data(), lse32.data(), targets.data(), 0.125f, N, V, Vp);
+      }
+      expect_same_bits("gradient in place" + form, logits16.host(), separate.host());
+    }
+  }
+}
+
 TEST(KernelDeviceForms, VocabParallelCrossEntropyMatchesTheCpuForm) {
   const Index N = 64, Vl = 1000, real = 990, v0 = 500;  // the last shard: 10 padding columns
   const auto z = random_vector(N * Vl, 23, 3.0f);
