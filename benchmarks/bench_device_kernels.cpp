@@ -258,19 +258,22 @@ void BM_CrossEntropyForwardBackward(benchmark::State& state) {
 }
 BENCHMARK(BM_CrossEntropyForwardBackward)->UseRealTime()->Unit(benchmark::kMillisecond);
 
-// The bf16 step's classifier: the forward, then the gradient written in bf16 for the head's
-// products (the fused classifier), at V padded to 50,304 as the GPU build pads it.
+// The bf16 step's classifier as a GPU runs it (model/bf16_activations.hpp logits_bf16): the forward
+// over bf16 logits, then the gradient written over them in bf16 for the head's products, at V padded
+// to 50,304 as the GPU build pads it. (After the first iteration the logits hold gradients: the
+// kernels' work does not depend on the values.)
 void BM_CrossEntropyForwardBackwardBf16(benchmark::State& state) {
   const Index Vp = 50304;
-  Floats logits(BT * Vp, 1, 2.0f), losses(BT), lse(BT);
-  Bf16s dlogits(BT * Vp);
+  Bf16s logits(BT * Vp, 1, 2.0f);
+  Floats losses(BT), lse(BT);
   Tokens targets(BT);
   for (auto _ : state) {
-    crossentropy_forward(losses.get(), lse.get(), logits.get(), targets.get(), BT, V, Vp);
-    crossentropy_backward_bf16(dlogits.get(), logits.get(), lse.get(), targets.get(), 1.0f / BT, BT, V, Vp);
+    crossentropy_forward(losses.get(), lse.get(), static_cast<const bf16*>(logits.get()), targets.get(), BT, V, Vp);
+    crossentropy_backward_bf16(logits.get(), static_cast<const bf16*>(logits.get()), lse.get(), targets.get(), 1.0f / BT,
+                               BT, V, Vp);
     fence();
   }
-  rate(state, (4.0 + 4.0 + 2.0) * BT * Vp);  // logits read by the forward and the backward, bf16 gradient written
+  rate(state, (2.0 + 2.0 + 2.0) * BT * Vp);  // logits read by the forward and the backward, the gradient written over them
 }
 BENCHMARK(BM_CrossEntropyForwardBackwardBf16)->UseRealTime()->Unit(benchmark::kMillisecond);
 
@@ -340,22 +343,36 @@ BENCHMARK(BM_Bf16OperandProduct)
 
 // The tied LM head's forward as the model runs it (logits = ln_f · wteᵀ, then the loss over the
 // real V columns) at GPT-2's V and at V padded to 50,304 (model.make_vocab_size_divisible_by 128,
-// the GPU build's default; llm.c's padded_vocab_size). Args: the padded V, compute 0 fp32 / 1 bf16.
+// the GPU build's default; llm.c's padded_vocab_size). Args: the padded V, compute 0 fp32 / 1 bf16
+// (fp32 logits) / 2 bf16 with bf16 logits, rounded in the product's epilogue (what a GPU's bf16
+// step runs: logits_bf16).
 void BM_HeadAndLoss(benchmark::State& state) {
   const Index Vp = state.range(0);
   const DType compute = state.range(1) ? DType::BF16 : DType::F32;
-  Floats x(BT * C), wte(Vp * C, 2, 0.02f), logits(BT * Vp), losses(BT), lse(BT);
+  const bool logits16 = state.range(1) == 2;
+  Floats x(BT * C), wte(Vp * C, 2, 0.02f), logits(logits16 ? 1 : BT * Vp), losses(BT), lse(BT);
+  Bf16s x16(logits16 ? BT * C : 1), wte16(logits16 ? Vp * C : 1, 2, 0.02f), logits16s(logits16 ? BT * Vp : 1);
   Tokens targets(BT);
   for (auto _ : state) {
-    gemm(BT, Vp, C, GemmOperand{x.get(), DType::F32, false, C}, GemmOperand{wte.get(), DType::F32, true, C}, logits.get(),
-         Vp, false, compute);
-    crossentropy_forward(losses.get(), lse.get(), logits.get(), targets.get(), BT, V, Vp);
+    if (logits16) {
+      gemm_bf16_output(BT, Vp, C, GemmOperand{x16.get(), DType::BF16, false, C},
+                       GemmOperand{wte16.get(), DType::BF16, true, C}, logits16s.get());
+      crossentropy_forward(losses.get(), lse.get(), static_cast<const bf16*>(logits16s.get()), targets.get(), BT, V, Vp);
+    } else {
+      gemm(BT, Vp, C, GemmOperand{x.get(), DType::F32, false, C}, GemmOperand{wte.get(), DType::F32, true, C},
+           logits.get(), Vp, false, compute);
+      crossentropy_forward(losses.get(), lse.get(), logits.get(), targets.get(), BT, V, Vp);
+    }
     fence();
   }
   rate(state, 0, 2.0 * BT * C * V);  // the useful products: the padding columns' are overhead
-  state.SetLabel(gemm_path(compute));
+  state.SetLabel(logits16 ? gemm_path(compute) + ", bf16 logits" : gemm_path(compute));
 }
-BENCHMARK(BM_HeadAndLoss)->ArgsProduct({{V, 50304}, {0, 1}})->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_HeadAndLoss)
+    ->ArgsProduct({{V, 50304}, {0, 1}})
+    ->Args({50304, 2})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 // Causal attention at T 1024 (arg: compute 0 fp32 / 1 bf16): forward and backward.
 void BM_Attention(benchmark::State& state) {
