@@ -79,6 +79,14 @@ Pass train_pass(bool gpu_logits, bool split_backward) {
 
 float bf16_rounded(float x) { return kernels::to_float(kernels::to_bf16(x)); }
 
+// log Σ_v exp(z[v]) over a row of logits, in double.
+double log_sum_exp(const float* z) {
+  const double mx = *std::max_element(z, z + kV);
+  double sum = 0.0;
+  for (int64_t v = 0; v < kV; ++v) sum += std::exp(double(z[v]) - mx);
+  return mx + std::log(sum);
+}
+
 // One bf16 unit in the last place of x: 2^(exponent − 7).
 double bf16_ulp(double x) { return x == 0.0 ? std::ldexp(1.0, -133) : std::ldexp(1.0, std::ilogb(x) - 7); }
 
@@ -107,13 +115,7 @@ TEST(LogitsBf16, TheLogitsAreTheFp32ProductRoundedAndTheLossTheirCrossEntropy) {
   EXPECT_NE(bf16.logits, fp32.logits) << "the logits were not rounded";
   // The mean cross-entropy of those bf16 logits, in double.
   double loss = 0.0;
-  for (int64_t i = 0; i < kBT; ++i) {
-    const float* z = bf16.logits.data() + i * kV;
-    const double mx = *std::max_element(z, z + kV);
-    double sum = 0.0;
-    for (int64_t v = 0; v < kV; ++v) sum += std::exp(double(z[v]) - mx);
-    loss += mx + std::log(sum) - z[target_of(i)];
-  }
+  for (int64_t i = 0; i < kBT; ++i) loss += log_sum_exp(bf16.logits.data() + i * kV) - bf16.logits[i * kV + target_of(i)];
   loss /= double(kBT);
   EXPECT_NEAR(bf16.loss, loss, 2e-6 * loss);
   EXPECT_NEAR(bf16.loss, fp32.loss, 1e-2 * fp32.loss) << "bf16 logits move the loss by their rounding only";
@@ -125,11 +127,9 @@ TEST(LogitsBf16, TheGradientIsWrittenOverTheLogitsInBf16) {
   double worst_ulps = 0.0;
   for (int64_t i = 0; i < kBT; ++i) {
     const float* z = p.logits.data() + i * kV;
-    const double mx = *std::max_element(z, z + kV);
-    double sum = 0.0;
-    for (int64_t v = 0; v < kV; ++v) sum += std::exp(double(z[v]) - mx);
+    const double lse = log_sum_exp(z);
     for (int64_t v = 0; v < kV; ++v) {
-      const double want = dloss * (std::exp(double(z[v]) - mx) / sum - (v == target_of(i) ? 1.0 : 0.0));
+      const double want = dloss * (std::exp(double(z[v]) - lse) - (v == target_of(i) ? 1.0 : 0.0));
       const double got = p.gradient[static_cast<size_t>(i * kV + v)];
       worst_ulps = std::max(worst_ulps, std::fabs(got - want) / bf16_ulp(want));
     }
