@@ -70,6 +70,8 @@ print('$1: %.0f tokens/s, mfu %.3f over steps 5-%d; loss %.6f at step %d' % (
     sum(r['tokens_per_s'] for r in tail) / len(tail), sum(r.get('mfu', 0) for r in tail) / len(tail),
     4 + len(tail), rows[-1]['loss'], rows[-1]['step']))
 " 2>&1 | tee -a "$summary"
+  # the device's measured peak beside the plan's (PyTorch's peer prints its peak_mem_mb)
+  [ -f "$out/$1.txt" ] && grep -m1 "^memory plan:" "$out/$1.txt" | sed "s/^/$1: /" | tee -a "$summary"
 }
 
 train() {  # train NAME LIMIT MODEL [ENV=VALUE...] -- [--set ...]: a throughput run of input/MODEL.json
