@@ -10,10 +10,10 @@
 // registers and P and dS reach the tensor cores without a store. Shared memory holds only the
 // bf16 operands a block's warps share, each row padded by 16 bytes so that the 8 rows a fragment
 // load touches fall on 8 different bank quadruples; every fragment comes by ldmatrix (its
-// transposing form for operands read along their rows). The tiles a block walks (keys, or queries for dK/dV) are double
-// buffered: the next one's copy goes out by cp.async before the warps compute on this one, so the
-// load's latency hides behind the tensor cores' work (FlashAttention-2's kernels and CUTLASS's
-// multistage main loop do the same).
+// transposing form for operands read along their rows). The tiles a block walks (keys, or
+// queries for dK/dV) are double buffered: the next one's copy goes out by cp.async before the
+// warps compute on this one, so the load's latency hides behind the tensor cores' work
+// (FlashAttention-2's kernels and CUTLASS's multistage main loop do the same).
 //
 // The kernels take the Llama family's layout too: H query heads over Hkv K/V heads (query head h
 // reads K/V head h / (H/Hkv); qkv rows [q heads | k heads | v heads], (H + 2·Hkv)·hs wide) and a
@@ -453,8 +453,13 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(float* dqkv, const bfloa
     // the next query block's copy (and its L and D load) goes out before this one's is waited for
     const bool next = h_next < h_end;
     float next_l_or_d = 0.0f;
-    if (next) stage_queries(h_next, q_next, buf ^ 1), next_l_or_d = load_l_or_d(h_next, q_next), cuda_ptx::cp_async_wait<1>();
-    else cuda_ptx::cp_async_wait<0>();
+    if (next) {
+      stage_queries(h_next, q_next, buf ^ 1);
+      next_l_or_d = load_l_or_d(h_next, q_next);
+      cuda_ptx::cp_async_wait<1>();
+    } else {
+      cuda_ptx::cp_async_wait<0>();
+    }
     __syncthreads();  // this query block (and K, V) landed, for every warp
     const bfloat *sq = sqdo + 2 * buf * BN * LD, *sdo = sq + BN * LD;
     const float *sl = sld + 2 * buf * BN, *sd = sl + BN;
