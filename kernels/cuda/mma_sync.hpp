@@ -1,8 +1,7 @@
 // mma_sync.hpp (CUDA) — the PTX instructions under the fused attention
 // (attention_flash_bf16_kernels.hpp), each by its PTX ISA name and contract: the warp-level
-// products and matrix loads, the softmax's exponential, every access the
-// kernels make to shared memory, the asynchronous copies into it, and the block's dynamic shared
-// memory. A build with ZERO3D_WARP_SIMULATION set to a header's name takes that header's host
+// products and matrix loads, the softmax's exponential, every access the kernels make to shared
+// memory, the asynchronous copies into it, and the block's dynamic shared memory. A build with ZERO3D_WARP_SIMULATION set to a header's name takes that header's host
 // simulation of the same functions instead (tests/cuda_sim: the kernels then run on a CPU,
 // against a reference and the checks of racecheck and memcheck, where no GPU is).
 #pragma once
