@@ -349,8 +349,10 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
 // output gradients the weight products need kept in buf.grad_operands. Weight (W): the weight
 // products from those operands and the forward saves, with no parameters fetched. Every
 // kernel call is the same in all three, with the skipped part's pointers null, so a split
-// backward computes the same numbers as a fused one. Tensor-parallel regions sit on the lines
-// mirroring the forward's.
+// backward computes the same numbers as a fused one, but for the bias gradients a bf16 fused pass
+// sums beside the gradients it rounds into the products' operands (GELU's with c_fc's bias, the
+// attention's with c_attn's): another order, within fp32 rounding. Tensor-parallel regions sit on
+// the lines mirroring the forward's.
 template <typename P>
 void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_scale, ParamStore& store,
                         BackwardPart part) {
