@@ -292,14 +292,13 @@ ZERO3D_KERNEL void attention_backward_fp32(float* dqkv, const float* dout, const
 // The attention scratch a training step grows beyond the model's own buffers, for B·T tokens of
 // H heads (C = H·hs): bf16's tiled workspace; fp32 on a GPU, the heads split out (q, k, v, dY,
 // dQ, dK, dV) and the backward's dS (gpu::attention_backward_fp32); on a CPU under dropout, a row
-// block's kept probabilities (the row block's scores are the model's scratch).
-inline int64_t attention_workspace_bytes(Index B, Index T, Index C, Index H, DType compute, bool dropout) {
-  if (compute == DType::BF16) return attention_bf16_workspace_bytes(B * H, T, C / H, dropout);
-#ifdef ZERO3D_DEVICE
-  return 4 * (7 * B * T * C + B * H * T * T);
-#else
+// block's kept probabilities (the row block's scores are the model's scratch). backend: the
+// build asked about (a plan's).
+inline int64_t attention_workspace_bytes(Index B, Index T, Index C, Index H, DType compute, bool dropout,
+                                         Backend backend = kBuildBackend) {
+  if (compute == DType::BF16) return attention_bf16_workspace_bytes(B * H, T, C / H, dropout, backend);
+  if (backend == Backend::Gpu) return 4 * (7 * B * T * C + B * H * T * T);
   return dropout ? dropped_scratch_bytes(T) : 0;
-#endif
 }
 
 // O: the output's type; Q: qkv's. bf16 (an output that only feeds a bf16 product, a qkv its

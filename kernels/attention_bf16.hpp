@@ -35,9 +35,8 @@
 #include "kernels/attention_causal_blocks.hpp"
 #include "kernels/common.hpp"
 #include "kernels/cpu/attention_flash_bf16.hpp"
-#ifdef ZERO3D_DEVICE
-#include "kernels/cuda/attention_flash_bf16.hpp"
-#endif
+#include "kernels/cuda/attention_flash_bf16.hpp"  // (on a CPU build its sizes only: a GPU run's plan)
+#include "kernels/device.hpp"
 #include "kernels/device_forms.hpp"
 #include "kernels/dropout.hpp"
 #include "kernels/fastmath.hpp"
@@ -57,11 +56,10 @@ inline Index attention_tile(Index T) { return T > 512 ? 128 : 64; }
 // GPT-2 124M: 30 ms a layer in pair products of 128-tiles; the square's dense products, twice
 // the causal work, were far faster).
 enum class AttentionProducts { Tiles, CausalBlocks };
-#ifdef ZERO3D_DEVICE
-constexpr AttentionProducts kAttentionProducts = AttentionProducts::CausalBlocks;
-#else
-constexpr AttentionProducts kAttentionProducts = AttentionProducts::Tiles;
-#endif
+constexpr AttentionProducts attention_products(Backend backend) {
+  return backend == Backend::Gpu ? AttentionProducts::CausalBlocks : AttentionProducts::Tiles;
+}
+constexpr AttentionProducts kAttentionProducts = attention_products(kBuildBackend);
 
 // The tiling of T positions: n tiles of TB rows, Tp = n·TB >= T (one tile of T for CausalBlocks).
 struct AttentionTiles {
@@ -486,14 +484,10 @@ ZERO3D_KERNEL void attention_softmax_backward_rows(bf16* ds, const bf16* p, Inde
 // both; fewer heads per product cost more per call than the cache saves). A GPU takes every
 // head at once: its products want size, and each small one costs a launch (measured on an H100:
 // 2 heads at a time made GPT-2 124M's attention 1.3 s a layer).
-inline Index attention_head_group(Index T, Index hs, Index BH) {
-#ifdef ZERO3D_DEVICE
-  (void)T, (void)hs;
-  return BH;
-#else
+inline Index attention_head_group(Index T, Index hs, Index BH, Backend backend = kBuildBackend) {
+  if (backend == Backend::Gpu) return BH;
   const Index fits = (Index(1) << 20) / (T * hs * 6);
   return std::min(BH, fits < 2 ? Index(2) : fits > 8 ? Index(8) : fits);
-#endif
 }
 
 template <typename O, typename Q>
@@ -624,18 +618,17 @@ inline void attention_backward_tiled_bf16(float* dqkv, const float* dout, const 
 // fused CUDA kernel (kernels/cuda/attention_flash_bf16.hpp) is chosen only by
 // ZERO3D_ATTENTION_KERNEL=flash: its first form matched the host on an H200 but trained GPT-2 124M
 // bf16 at 109,874 tokens/s against the dense tile's 165,200; its register-resident rewrite has
-// run only in tests/cuda_sim's simulation so far.
-inline bool attention_flash_chosen(Index BH, Index T, Index hs, const DropoutMask& dropout = {}) {
+// run only in tests/cuda_sim's simulation so far. backend: the build asked about (a plan's).
+inline bool attention_flash_chosen(Index BH, Index T, Index hs, const DropoutMask& dropout = {},
+                                   Backend backend = kBuildBackend) {
   static const std::string kernel = [] {
     const char* e = std::getenv("ZERO3D_ATTENTION_KERNEL");
     return std::string(e ? e : "");
   }();
-#ifdef ZERO3D_DEVICE
-  return kernel == "flash" && !dropout.on() && cuda_flash::serves(hs) &&
-         attention_flash_o_offset(BH, T) + (BH * T * hs + 1) / 2 <= BH * T * T;
-#else
+  if (backend == Backend::Gpu)
+    return kernel == "flash" && !dropout.on() && cuda_flash::serves(hs) &&
+           attention_flash_o_offset(BH, T) + (BH * T * hs + 1) / 2 <= BH * T * T;
   return kernel != "tiled" && !dropout.on() && attention_flash_fits(BH, T, hs);
-#endif
 }
 
 // The floats of `att` the bf16 attention writes for B·H = BH heads: the fused kernel's log-sum-
@@ -643,16 +636,14 @@ inline bool attention_flash_chosen(Index BH, Index T, Index hs, const DropoutMas
 // TB×TB tile per (query tile, key tile ≤ it) pair and head. What the model allocates for it;
 // dropout (attn_pdrop set): training passes run the tiled kernel, evaluation the fused one,
 // room for either.
-inline Index attention_bf16_saved_floats(Index BH, Index T, Index hs, bool dropout = false) {
-  const AttentionTiles t(T);
+inline Index attention_bf16_saved_floats(Index BH, Index T, Index hs, bool dropout = false,
+                                         Backend backend = kBuildBackend) {
+  const AttentionTiles t(T, attention_products(backend));
   const Index tiled = ((AttentionTiles::pair(t.n - 1, t.n - 1) + 1) * BH * t.TB * t.TB + 1) / 2;
-#if defined(ZERO3D_FLASH_ATTENTION) || defined(ZERO3D_DEVICE)
-  if (attention_flash_chosen(BH, T, hs)) {
+  if (attention_flash_chosen(BH, T, hs, {}, backend)) {
     const Index fused = attention_flash_o_offset(BH, T) + (BH * T * hs + 1) / 2;
     return dropout ? std::max(fused, tiled) : fused;
   }
-#endif
-  (void)hs, (void)dropout;
   return tiled;
 }
 
@@ -663,14 +654,12 @@ inline Index attention_bf16_saved_floats(Index BH, Index T, Index hs, bool dropo
 // one), 0 on a CPU and the CUDA kernel's D and bf16 dO on a GPU (cuda_flash::backward_scratch_bytes). A GPU
 // takes every head in one tile of T: about 1.5 GB at GPT-2 124M's micro-batch 16, which the H200
 // measured as the plan's shortfall (0.919 of the device's peak) before it counted it.
-inline int64_t attention_bf16_workspace_bytes(Index BH, Index T, Index hs, bool dropout) {
-#if defined(ZERO3D_FLASH_ATTENTION)
-  if (!dropout && attention_flash_chosen(BH, T, hs)) return 0;
-#elif defined(ZERO3D_DEVICE)
-  if (!dropout && attention_flash_chosen(BH, T, hs)) return cuda_flash::backward_scratch_bytes(BH, T, hs);
-#endif
-  const AttentionTiles t(T);
-  const int64_t rows = t.n * attention_head_group(T, hs, BH) * t.TB, tiles = rows * hs, scores = rows * t.TB;
+inline int64_t attention_bf16_workspace_bytes(Index BH, Index T, Index hs, bool dropout,
+                                              Backend backend = kBuildBackend) {
+  if (!dropout && attention_flash_chosen(BH, T, hs, {}, backend))
+    return backend == Backend::Gpu ? cuda_flash::backward_scratch_bytes(BH, T, hs) : 0;
+  const AttentionTiles t(T, attention_products(backend));
+  const int64_t rows = t.n * attention_head_group(T, hs, BH, backend) * t.TB, tiles = rows * hs, scores = rows * t.TB;
   return 2 * (4 * tiles + scores + (dropout ? scores : 0)) + 4 * (scores + 3 * tiles);
 }
 

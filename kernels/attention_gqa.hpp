@@ -367,31 +367,21 @@ ZERO3D_KERNEL void gqa_attention_backward(float* dqkv, float* scratch, const flo
 // and att has room for its L and O (ZERO3D_ATTENTION_KERNEL=tiled: the portable form). The CPU's
 // fused kernel draws attention dropout's mask itself (the same bits as the portable form's); the
 // CUDA kernel (ZERO3D_ATTENTION_KERNEL=flash, a head size it serves) carries no mask, so a
-// training pass with attention dropout runs the portable form there.
-inline bool gqa_attention_flash_chosen(Index BH, Index T, Index d, const DropoutMask& dropout = {}) {
-#if defined(ZERO3D_FLASH_ATTENTION)
-  (void)dropout;
-  return attention_flash_chosen(BH, T, d);
-#elif defined(ZERO3D_DEVICE)
-  return attention_flash_chosen(BH, T, d, dropout);
-#else
-  (void)dropout;
-  (void)BH, (void)T, (void)d;
-  return false;
-#endif
+// training pass with attention dropout runs the portable form there. backend: the build asked
+// about (a plan's).
+inline bool gqa_attention_flash_chosen(Index BH, Index T, Index d, const DropoutMask& dropout = {},
+                                       Backend backend = kBuildBackend) {
+  return attention_flash_chosen(BH, T, d, backend == Backend::Gpu ? dropout : DropoutMask{}, backend);
 }
 
 // The floats of att the bf16 overloads write for BH query heads (what the model allocates): the
 // fused kernel's L and O, or the portable form's probabilities. With attention dropout the CPU's
 // fused kernel serves either way; the CUDA kernel serves evaluation only, so training passes need
 // the probabilities' room (the fused kernel's fits inside it: attention_flash_chosen).
-inline Index gqa_attention_bf16_saved_floats(Index BH, Index T, Index d, bool dropout = false) {
-  if (!gqa_attention_flash_chosen(BH, T, d)) return BH * T * T;
-#ifdef ZERO3D_DEVICE
-  if (dropout) return BH * T * T;
-#else
-  (void)dropout;
-#endif
+inline Index gqa_attention_bf16_saved_floats(Index BH, Index T, Index d, bool dropout = false,
+                                             Backend backend = kBuildBackend) {
+  if (!gqa_attention_flash_chosen(BH, T, d, {}, backend)) return BH * T * T;
+  if (backend == Backend::Gpu && dropout) return BH * T * T;
   return attention_flash_o_offset(BH, T) + (BH * T * d + 1) / 2;
 }
 
@@ -500,31 +490,30 @@ inline void gqa_attention_backward_summing_columns(bf16* dqkv, float* dbias, flo
 // a GPU, the bf16 form's heads and scores (gpu::GqaBf16Scratch); otherwise q, k and v widened to
 // fp32 (and the output when it is bf16: bf16_out), then the fp32 kernels' own: on a GPU the heads
 // split out and the backward's dS (gpu::gqa_attention_backward), on a CPU under dropout a row
-// block's kept probabilities.
+// block's kept probabilities. backend: the build asked about (a plan's).
 inline int64_t gqa_attention_workspace_bytes(Index B, Index T, Index H, Index Hkv, Index d, DType compute,
-                                             bool bf16_out, bool dropout) {
-  const int64_t nq = B * H * T * d;
+                                             bool bf16_out, bool dropout, Backend backend = kBuildBackend) {
+  const bool gpu = backend == Backend::Gpu;
+  const int64_t nq = B * H * T * d, nkv = B * Hkv * T * d;
   int64_t bytes = 0;
   if (compute == DType::BF16) {
-#if defined(ZERO3D_FLASH_ATTENTION)
-    if (gqa_attention_flash_chosen(B * H, T, d)) return 0;  // it draws dropout's mask itself
-#elif defined(ZERO3D_DEVICE)
-    if (!dropout && gqa_attention_flash_chosen(B * H, T, d)) return cuda_flash::backward_scratch_bytes(B * H, T, d);
-    // the bf16 form's scratch (its backward's, the larger); under attention dropout training passes
-    // run the portable form and evaluation the bf16 one, each shared scratch growing to the larger
-    const int64_t nkv = B * Hkv * T * d, rows = B * H * T;
-    const int64_t heads = gpu::GqaBf16Scratch::head_bytes(nq, nkv, true), scores = gpu::GqaBf16Scratch::score_bytes(rows, T, true);
-    if (!dropout) return heads + scores;
-    return 4 * (B * T * (H + 2 * Hkv) * d + (bf16_out ? nq : 0)) + std::max<int64_t>(4 * (3 * nq + 4 * nkv), heads) +
-           std::max<int64_t>(4 * rows * T, scores);
-#endif
+    if (!gpu && gqa_attention_flash_chosen(B * H, T, d, {}, backend)) return 0;  // it draws dropout's mask itself
+    if (gpu && !dropout && gqa_attention_flash_chosen(B * H, T, d, {}, backend))
+      return cuda_flash::backward_scratch_bytes(B * H, T, d);
+    if (gpu) {
+      // the bf16 form's scratch (its backward's, the larger); under attention dropout training passes
+      // run the portable form and evaluation the bf16 one, each shared scratch growing to the larger
+      const int64_t rows = B * H * T;
+      const int64_t heads = gpu::GqaBf16Scratch::head_bytes(nq, nkv, true),
+                    scores = gpu::GqaBf16Scratch::score_bytes(rows, T, true);
+      if (!dropout) return heads + scores;
+      return 4 * (B * T * (H + 2 * Hkv) * d + (bf16_out ? nq : 0)) + std::max<int64_t>(4 * (3 * nq + 4 * nkv), heads) +
+             std::max<int64_t>(4 * rows * T, scores);
+    }
     bytes += 4 * (B * T * (H + 2 * Hkv) * d + (bf16_out ? nq : 0));
   }
-#ifdef ZERO3D_DEVICE
-  return bytes + 4 * (3 * nq + 4 * B * Hkv * T * d + B * H * T * T);
-#else
+  if (gpu) return bytes + 4 * (3 * nq + 4 * nkv + B * H * T * T);
   return bytes + (dropout ? dropped_scratch_bytes(T) : 0);
-#endif
 }
 
 }  // namespace zero3d::kernels

@@ -17,6 +17,12 @@ constexpr bool kGpuBuild = true;
 constexpr bool kGpuBuild = false;
 #endif
 
+// The kind of build a memory plan is for. The kernels run this binary's only (kBuildBackend), but
+// their sizing functions answer for either, so that a CPU build on a login node plans a GPU run
+// (`zero3d estimate --device gpu`): the GPU's attention kernels, bf16 logits and padded vocabulary.
+enum class Backend { Cpu, Gpu };
+constexpr Backend kBuildBackend = kGpuBuild ? Backend::Gpu : Backend::Cpu;
+
 struct DeviceInfo {
   std::string backend;  // "CPU: Kokkos Serial, OpenBLAS, oneDNN" or "CUDA 13.0: Kokkos 4.6 Cuda, cuBLASLt, NCCL"
   std::string name;     // the GPU's name; empty on a CPU build

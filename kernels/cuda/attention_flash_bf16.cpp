@@ -99,8 +99,6 @@ Layout layout_of(Index T, const Heads& heads) {
 }
 }  // namespace
 
-bool serves(Index hs) { return hs == 64 || hs == 128; }
-
 template <typename O, typename Q>
 void forward(O* out, float* lse, bf16* osave, const Q* qkv, Index B, Index T, const Heads& heads) {
   const Layout lay = layout_of(T, heads);

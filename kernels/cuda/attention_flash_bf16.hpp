@@ -23,8 +23,9 @@ struct bf16;
 
 namespace cuda_flash {
 
-// Whether the fused kernels serve a head size.
-bool serves(Index hs);
+// Whether the fused kernels serve a head size. (This and backward_scratch_bytes are host
+// arithmetic that every build reads: a CPU build plans a GPU run with them.)
+inline bool serves(Index hs) { return hs == 64 || hs == 128; }
 
 // H query heads over Hkv K/V heads (H a multiple of Hkv; GPT-2: Hkv = H) of size hs, and a sliding
 // window (0: none; Mistral: query t sees keys t − window < k ≤ t).

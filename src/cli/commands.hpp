@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/device.hpp"  // Backend
+
 namespace zero3d::text {
 class Tokenizer;
 }
@@ -39,6 +41,7 @@ struct EstimateArgs {
   int64_t ranks_per_node = 0;  // --config: nodes of this many ranks for the bytes by link and qgZ (0: one node)
   int64_t step = 1;            // --config: the optimizer step whose bytes are reported (its phase's)
   std::string step_range;      // --config: FIRST-LAST, the steps averaged (default 1 to training.steps)
+  std::string device;          // --config: "cpu" or "gpu", the build planned for (empty: this one)
   bool json = false;
   std::set<std::string> given;  // the options on the command line
   bool has(const char* option) const { return given.count(option) > 0; }
@@ -65,9 +68,15 @@ int ranks_on_this_node(MPI_Comm world);
 int local_rank(MPI_Comm world);
 // A byte size option such as 16GiB (parse_byte_size says what is wrong; the option is named).
 int64_t size_option(const std::string& option, const std::string& text);
+// `COMMAND --device cpu|gpu` (null: not given, this build's): the build a plan is for. A CPU build
+// plans a GPU run with the sizes a GPU build's kernels take; a GPU build cannot plan a CPU run,
+// whose attention depends on the CPU its build was compiled for.
+kernels::Backend device_option(const std::string& command, const std::string* device);
 
-// Commands that read a config and run the engine (train.cpp).
-int cmd_validate(const ConfigArgs& a, int64_t world_size, const std::string& output_override, MPI_Comm world);
+// Commands that read a config and run the engine (train.cpp). device: validate --device's text,
+// null when not given.
+int cmd_validate(const ConfigArgs& a, int64_t world_size, const std::string& output_override,
+                 const std::string* device, MPI_Comm world);
 int cmd_train(const ConfigArgs& a, const std::string& output_override, MPI_Comm world);
 // memory_per_rank: --memory-per-rank's text, null when the option is not given.
 int cmd_autotune(const ConfigArgs& a, int64_t world_size, bool world_size_given, const std::string* memory_per_rank,

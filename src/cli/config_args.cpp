@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "base/errors.hpp"
 #include "base/input_file.hpp"
 #include "cli/commands.hpp"
 #include "config/config.hpp"
@@ -47,5 +48,16 @@ int local_rank(MPI_Comm world) {
 }
 
 int64_t size_option(const std::string& option, const std::string& text) { return parse_byte_size(text, option); }
+
+kernels::Backend device_option(const std::string& command, const std::string* device) {
+  if (!device) return kernels::kBuildBackend;
+  if (*device != "cpu" && *device != "gpu")
+    throw InputError(command + " --device " + echo(*device) + ": expected cpu or gpu");
+  if (*device == "cpu" && kernels::kGpuBuild)
+    throw InputError(command + " --device cpu: this is a GPU build, and a CPU run's plan depends on the CPU build's "
+                     "own attention kernels (AVX512-BF16's fused kernel where it was compiled for one); run it from "
+                     "the CPU build");
+  return *device == "gpu" ? kernels::Backend::Gpu : kernels::Backend::Cpu;
+}
 
 }  // namespace zero3d::cli

@@ -25,7 +25,7 @@ void check_estimate_mode(const EstimateArgs& a) {
   const std::set<std::string> table_only = {"--params", "--largest-layer-params", "--gpus-per-node", "--nodes",
                                             "--additional-buffer-factor", "--model"};
   const std::set<std::string> budget_only = {"--config", "--world-size", "--memory-per-rank", "--report", "--json",
-                                             "--ranks-per-node", "--step", "--step-range"};
+                                             "--ranks-per-node", "--step", "--step-range", "--device"};
   for (const std::string& o : a.given) {
     if (table && budget_only.count(o))
       throw InputError("estimate " + a.kind + " " + o + ": DeepSpeed's " + a.kind +
@@ -169,8 +169,9 @@ int cmd_estimate(EstimateArgs a, int rank) {
   // Nodes of --ranks-per-node ranks (default: every rank on one node): the bytes by link, qgZ's
   // staging in every budget, the "auto" micro-batch and what fits --memory-per-rank.
   const int64_t per_node = a.ranks_per_node > 0 ? a.ranks_per_node : a.world_size;
+  const kernels::Backend backend = device_option("estimate", a.has("--device") ? &a.device : nullptr);
   const Config cfg =
-      resolve_config(load_with_overrides(a.config, name), name, a.world_size, set_keys(a.config), per_node);
+      resolve_config(load_with_overrides(a.config, name), name, a.world_size, set_keys(a.config), per_node, backend);
   std::vector<MemoryBudget> budgets;
   for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage, per_node));
   int64_t limit = 0;
@@ -182,7 +183,9 @@ int cmd_estimate(EstimateArgs a, int rank) {
   }
   if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets, fits, limit);
   const ModelCounts counts = count_model(cfg.model);
-  nlohmann::json doc = {{"config", name}, {"world_size", a.world_size}, {"world_size_given", a.has("--world-size")},
+  const bool gpu = backend == kernels::Backend::Gpu;
+  nlohmann::json doc = {{"config", name}, {"device", gpu ? "gpu" : "cpu"},
+                        {"world_size", a.world_size}, {"world_size_given", a.has("--world-size")},
                         {"configured_stage", cfg.zero.stage},
                         {"parameters", counts.params},
                         {"active_parameters", counts.active_params},
@@ -240,6 +243,9 @@ int cmd_estimate(EstimateArgs a, int rank) {
               layout_text(layout, a.world_size).c_str(), (long long)cfg.zero.stage,
               dtype_name(cfg.precision.param).c_str(), dtype_name(cfg.precision.grad_accum).c_str(),
               dtype_name(cfg.precision.comm).c_str());
+  if (backend != kernels::kBuildBackend)  // (only a CPU build's plan of a GPU run)
+    std::printf("(--device gpu: the plan of a GPU build's run, made on this CPU build: the GPU's attention kernels, "
+                "bf16 logits, a vocabulary padded as a GPU's, device memory)\n");
   if (!a.has("--world-size"))  // without --world-size the budget is for one rank, and says so
     std::printf("(--world-size not given: the budget is for %lld rank(s); give --world-size N for N ranks in all)\n",
                 (long long)a.world_size);
@@ -264,7 +270,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
     for (const auto& b : budgets) std::printf(" %s", mib(b.host_total()).c_str());
     std::printf("\n%-25s", "(in NVMe swap files)");
     for (const auto& b : budgets) std::printf(" %s", mib(b.offload_nvme).c_str());
-    if (kernels::kGpuBuild)
+    if (gpu)
       std::printf("\n(offload: `total` is device plus host memory; `in device memory` is what the GPU holds; swap "
                   "files are on disk and not in the total)\n");
     else

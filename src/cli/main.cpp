@@ -91,6 +91,9 @@ int main(int argc, char** argv) {
   std::string validate_output;  // checked as train's --output would be
   validate->add_option("--output", validate_output, "the output directory train would use (default: training.output_dir or "
                                                     "output/<config name>)");
+  std::string validate_device;
+  auto* validate_device_option = validate->add_option(
+      "--device", validate_device, "check for a cpu or gpu build (default: this build's); a CPU build checks a GPU run with gpu");
   int64_t pp = 1, dp = 1, tp = 1;
   bool as_json = false;
   auto* topology = app.add_subcommand("topology", "Print each rank's coordinates and process groups");
@@ -200,6 +203,8 @@ int main(int argc, char** argv) {
   estimate->add_option("--step-range", est.step_range,
                        "FIRST-LAST: the steps whose bytes are averaged, by phase (default 1 to training.steps)");
   estimate->add_flag("--json", est.json, "machine-readable output");
+  estimate->add_option("--device", est.device,
+                       "plan for a cpu or gpu build (default: this build's); a CPU build plans a GPU run with gpu");
 
   int code = kExitOk;
   bool kokkos_started = false;
@@ -223,7 +228,9 @@ int main(int argc, char** argv) {
       kokkos_started = true;
     }
     if (train->parsed()) code = cmd_train(train_args, output_dir, MPI_COMM_WORLD);
-    else if (validate->parsed()) code = cmd_validate(validate_args, world_size, validate_output, MPI_COMM_WORLD);
+    else if (validate->parsed()) code = cmd_validate(validate_args, world_size, validate_output,
+                                                 validate_device_option->count() > 0 ? &validate_device : nullptr,
+                                                 MPI_COMM_WORLD);
     else if (tune->parsed())
       code = cmd_autotune(tune_args, tune_world, tune->count("--world-size") > 0,
                           tune->count("--memory-per-rank") > 0 ? &tune_memory : nullptr, MPI_COMM_WORLD);

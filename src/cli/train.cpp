@@ -94,17 +94,22 @@ void check_swap_directories(const Config& cfg, const MemoryBudget& b) {
 
 }  // namespace
 
-int cmd_validate(const ConfigArgs& a, int64_t world_size, const std::string& output_override, MPI_Comm world) {
+int cmd_validate(const ConfigArgs& a, int64_t world_size, const std::string& output_override,
+                 const std::string* device, MPI_Comm world) {
   std::string name, resume_note;
   Config cfg;
   MemoryBudget budget;
-  const AvailableMemory avail = available_memory();
+  AvailableMemory avail = available_memory();
   const int per_node = planned_ranks_per_node(world);  // the nodes train would find (ZERO3D_RANKS_PER_NODE)
+  bool other_build = false;  // --device gpu on a CPU build: this machine is not the one the run needs
   run_collectively(world, [&] {
-    cfg = resolve_config(load_with_overrides(a, name), name, world_size, set_keys(a), per_node);
+    const kernels::Backend backend = device_option("validate", device);
+    other_build = backend != kernels::kBuildBackend;
+    if (other_build) avail = {};
+    cfg = resolve_config(load_with_overrides(a, name), name, world_size, set_keys(a), per_node, backend);
     // The same check as train's, for one rank on this machine: a plan that cannot start here is not valid here.
     budget = check_memory_fits(cfg, 1, avail, per_node);
-    check_swap_directories(cfg, budget);
+    if (!other_build) check_swap_directories(cfg, budget);  // (a GPU node's NVMe is not this machine's)
     resume_note = check_run_files(cfg, resolve_run_paths(cfg, a.path, output_override));
   });
   int rank = 0;
@@ -114,10 +119,15 @@ int cmd_validate(const ConfigArgs& a, int64_t world_size, const std::string& out
                 layout_text(rank_layout(cfg, world_size), world_size).c_str());
     std::printf("batch   %s\n", cfg.batch.derivation.c_str());
     for (const std::string& line : cfg.notes) std::printf("%s\n", line.c_str());
-    std::printf("memory  %s per rank at ZeRO stage %d; %s\n", human_bytes(double(budget.total())).c_str(), budget.stage,
-                avail.bytes < 0 ? "available memory unknown (not checked)"
-                                : (human_bytes(double(avail.bytes)) + " available on this machine (" + avail.source +
-                                   ")").c_str());
+    if (other_build)
+      std::printf("memory  %s of device memory per rank at ZeRO stage %d (--device gpu: a GPU run's plan, not checked "
+                  "against this machine)\n", human_bytes(double(budget.device_need())).c_str(), budget.stage);
+    else
+      std::printf("memory  %s per rank at ZeRO stage %d; %s\n", human_bytes(double(budget.total())).c_str(),
+                  budget.stage,
+                  avail.bytes < 0 ? "available memory unknown (not checked)"
+                                  : (human_bytes(double(avail.bytes)) + " available on this machine (" + avail.source +
+                                     ")").c_str());
     if (!resume_note.empty()) std::printf("%s\n", resume_note.c_str());
   }
   return kExitOk;

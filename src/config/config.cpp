@@ -175,7 +175,7 @@ const std::vector<std::string> kLlamaFamilyKeys = {
     "max_window_layers", "seq_length", "hidden_act", "initializer_range", "attention_dropout", "num_local_experts",
     "num_experts_per_tok", "router_aux_loss_coef", "router_jitter_noise", "output_router_logits"};
 
-ModelConfig read_model(Section& top) {
+ModelConfig read_model(Section& top, kernels::Backend backend) {
   ModelConfig m;
   Section sec = top.child("model");
   // hf_config first: its model_type is the architecture unless the section names one
@@ -209,7 +209,8 @@ ModelConfig read_model(Section& top) {
   }
   // Megatron's _vocab_size_with_padding: a GPU's products want tile-sized shapes (128 as Megatron's
   // default, llm.c's 50,304 for GPT-2); a CPU build keeps the vocabulary as it is (its bits).
-  m.make_vocab_size_divisible_by = sec.integer("make_vocab_size_divisible_by", kernels::kGpuBuild ? 128 : 1, 1, 1 << 16);
+  m.make_vocab_size_divisible_by =
+      sec.integer("make_vocab_size_divisible_by", backend == kernels::Backend::Gpu ? 128 : 1, 1, 1 << 16);
   if (arch != "gpt2") {
     const Architecture a = arch == "llama"     ? Architecture::Llama
                            : arch == "mistral" ? Architecture::Mistral
@@ -553,9 +554,10 @@ const std::vector<std::string> kDeepSpeedOnlyTopLevel = {
     "seq_parallel_communication_data_type", "zenflow", "train_data", "data_sampling"};
 
 Config read_config_unguarded(const json& given, const std::string& file, int64_t world_size,
-                             const std::vector<std::string>& set_keys) {
+                             const std::vector<std::string>& set_keys, kernels::Backend backend) {
   Config c;
   c.file = file;
+  c.backend = backend;
   c.resolved = json::object();
   ReadContext ctx;
   ctx.set_keys = set_keys;
@@ -565,7 +567,7 @@ Config read_config_unguarded(const json& given, const std::string& file, int64_t
   const bool tuning = root.is_object() && root.contains("autotuning") && root["autotuning"].is_object() &&
                       root["autotuning"].value("enabled", json(false)) == true;
   auto step = [&](auto&& f) { attempt(ctx, file, f); };
-  step([&] { c.model = read_model(top); });
+  step([&] { c.model = read_model(top, backend); });
   step([&] { c.data = read_data(top, c.model); });
   // DeepSpeed's configs describe no model or data: one of them here would train zero3d's
   // defaults, which the start-up says rather than doing it silently.
@@ -730,7 +732,7 @@ ModelConfig read_model_section(const json& model, const std::string& file) {
   const json root = {{"model", model}};
   Section top(&root, "", file, &resolved, &ctx);
   try {
-    attempt(ctx, file, [&] { m = read_model(top); });
+    attempt(ctx, file, [&] { m = read_model(top, kernels::kBuildBackend); });
   } catch (const json::exception& e) {
     throw InputError(file + ": " + json_detail(e));
   }
@@ -744,9 +746,9 @@ ModelConfig read_model_section(const json& model, const std::string& file) {
 }
 
 Config read_config(const json& root, const std::string& file, int64_t world_size,
-                   const std::vector<std::string>& set_keys) {
+                   const std::vector<std::string>& set_keys, kernels::Backend backend) {
   try {
-    return read_config_unguarded(root, file, world_size, set_keys);
+    return read_config_unguarded(root, file, world_size, set_keys, backend);
   } catch (const json::exception& e) {
     // A value of a type a reader did not expect: bad input, never an internal error.
     throw InputError(file + ": " + json_detail(e));

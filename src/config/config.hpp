@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "base/dtype.hpp"
+#include "kernels/device.hpp"  // Backend
 #include "model/activation_checkpointing.hpp"
 #include "model/autocast.hpp"
 #include "model/family.hpp"
@@ -391,6 +392,9 @@ struct Config {
   CheckpointOptions checkpoint;
   PldConfig pld;  // `progressive_layer_drop` (config/pld.cpp)
   InferenceConfig inference;  // `inference` (config/inference.cpp)
+  // The build the config is read and planned for: this binary's, except for `zero3d estimate
+  // --device`, which plans another's (a GPU run's defaults, kernels and memory from a CPU build).
+  kernels::Backend backend = kernels::kBuildBackend;
   nlohmann::json resolved;  // every key with its value after defaults and derivation
   // Start-up lines: each "auto" value with where it came from, keys with no effect on this
   // build with the reason, warnings DeepSpeed gives too. Printed once by validate and train.
@@ -420,9 +424,9 @@ void apply_override(nlohmann::json& root, const std::string& assignment);
 // Reads the whole config in one pass: throws InputError naming the file, key and value of each
 // problem (one line for one problem; "N problems in FILE:" and one line each for several).
 // set_keys: the key paths command-line --set overrides gave, so that a problem with one names
-// --set rather than the file.
+// --set rather than the file. backend: the build the config is read and planned for (Config::backend).
 Config read_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
-                   const std::vector<std::string>& set_keys = {});
+                   const std::vector<std::string>& set_keys = {}, kernels::Backend backend = kernels::kBuildBackend);
 
 // The `model` section alone, as read_config reads it (every key checked, defaults filled in):
 // for a checkpoint's saved, resolved model section, which `zero3d convert` turns back into the

@@ -30,8 +30,9 @@ inline bool& logits_bf16_on_host() {
 // operand beside them held 6 (3.3 GB less at GPT-2 124M's micro-batch 16, T 1024, V 50,304), and
 // the classifier reads and writes half the bytes. The CPU build keeps fp32 logits, so its losses keep
 // their bits; the vocab-parallel head keeps them too (its max and sums cross the tensor group in fp32).
-inline bool logits_bf16(DType compute, bool tensor_parallel) {
-  return compute == DType::BF16 && !tensor_parallel && (kernels::kGpuBuild || logits_bf16_on_host());
+// backend: the build asked about (a plan's).
+inline bool logits_bf16(DType compute, bool tensor_parallel, kernels::Backend backend = kernels::kBuildBackend) {
+  return compute == DType::BF16 && !tensor_parallel && (backend == kernels::Backend::Gpu || logits_bf16_on_host());
 }
 
 // A float-sized buffer read as the bf16 values it holds.

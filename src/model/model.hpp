@@ -14,6 +14,7 @@
 
 #include "base/dtype.hpp"
 #include "kernels/attention_sparse_table.hpp"
+#include "kernels/device.hpp"  // Backend: the build a plan is for
 #include "kernels/dropout.hpp"
 #include "kernels/memory.hpp"
 #include "kernels/moe.hpp"  // the gate's settings and routing (MPI-free kernels)
@@ -633,9 +634,11 @@ struct BlockSaveSizes {
   // ln_1, two rstd and two means, qkv, att, atty, res_2 and res_3, ln_2, fch and fch_gelu
   int64_t total() const { return ln_1 + 2 * stats + 2 * mean + qkv + att + atty + 2 * res + ln_2 + fch + act; }
 };
-// compute: the products' dtype (GPT::compute_type()).
+// compute: the products' dtype (GPT::compute_type()). backend: the build whose kernels keep them
+// (the model's own; a plan may ask for the other: kernels/device.hpp Backend).
 BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
-                                    bool sequence_parallel, DType compute);
+                                    bool sequence_parallel, DType compute,
+                                    kernels::Backend backend = kernels::kBuildBackend);
 
 // The units one pass over `chunk` fetches, in order (GPT::fetch_order; the memory planner
 // simulates stage 3's gathers along them).
@@ -664,16 +667,18 @@ struct ActivationPlan {
   int64_t shared_bytes() const { return 4 * (scratch + recompute); }
 };
 // moe: the routing MoE blocks use (their saves depend on k, capacity and noise). compute: the
-// products' dtype (bf16 keeps some saves in bf16, BlockSaveSizes).
+// products' dtype (bf16 keeps some saves in bf16, BlockSaveSizes). backend: as BlockSaveSizes'.
 ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
                                    bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac = {},
-                                   const MoeRouting& moe = {}, DType compute = DType::F32);
+                                   const MoeRouting& moe = {}, DType compute = DType::F32,
+                                   kernels::Backend backend = kernels::kBuildBackend);
 
 // The attention kernels' scratch a training step of this rank grows beyond its activation
 // buffers (kernels/attention.hpp, attention_gqa.hpp: one for all its blocks, at its heads); none
 // where attention is block-sparse (its panels are sparse_attention_model_bytes'), or on a rank
 // with no block.
-int64_t attention_scratch_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T, DType compute);
+int64_t attention_scratch_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T, DType compute,
+                                kernels::Backend backend = kernels::kBuildBackend);
 
 // What GPT(shape, B, T, …, part, TensorGroup{…, sequence_parallel}, ac) allocates for
 // activations, from gpt_activation_plan without allocating: `buffer` = one
@@ -684,6 +689,6 @@ struct GPTActivationBytes {
 GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
                                         bool sequence_parallel, bool split_backward,
                                         const ActivationCheckpointing& ac = {}, const MoeRouting& moe = {},
-                                        DType compute = DType::F32);
+                                        DType compute = DType::F32, kernels::Backend backend = kernels::kBuildBackend);
 
 }  // namespace zero3d

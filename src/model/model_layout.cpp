@@ -462,7 +462,7 @@ bool low_precision_tensor(const std::string& name, const LowPrecisionModules& mo
 }
 
 BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
-                                    bool sequence_parallel, DType compute) {
+                                    bool sequence_parallel, DType compute, kernels::Backend backend) {
   const int64_t t = part.tp_size, C = shape.n_embd, Cl = C / t, H = shape.n_head / t, BT = B * T,
                 Ns = sequence_parallel && t > 1 ? BT / t : BT;
   const bool bf16 = compute == DType::BF16;
@@ -478,7 +478,7 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
     z.stats = Ns;
     z.qkv = attn16 ? half(BT * w.qkv) : BT * w.qkv;
     z.att = attn16 ? kernels::gqa_attention_bf16_saved_floats(B * H, T, shape.family.head_dim,
-                                                                         shape.dropout.attn > 0.0)
+                                                              shape.dropout.attn > 0.0, backend)
                    : B * H * T * T;
     z.atty = attn16 ? half(BT * w.attn) : BT * w.attn;
     z.fch = mlp16 ? half(BT * w.fc) : BT * w.fc;
@@ -494,7 +494,7 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   z.stats = z.mean = Ns;
   z.qkv = attn16 ? half(3 * BT * Cl) : 3 * BT * Cl;
   z.att = shape.sparse.enabled ? attention_probs_size(shape, B, H, T)
-          : bf16               ? kernels::attention_bf16_saved_floats(B * H, T, Cl / H, shape.dropout.attn > 0.0)
+          : bf16               ? kernels::attention_bf16_saved_floats(B * H, T, Cl / H, shape.dropout.attn > 0.0, backend)
                                : B * H * T * T;
   z.atty = attn16 ? half(BT * Cl) : BT * Cl;
   z.res = Ns * C;
@@ -505,7 +505,7 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
 
 ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
                                    bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac,
-                                   const MoeRouting& moe, DType compute) {
+                                   const MoeRouting& moe, DType compute, kernels::Backend backend) {
   const int64_t t = part.tp_size, C = shape.n_embd, V = part.vocab_local,
                 BT = B * T, Ns = sequence_parallel && t > 1 ? BT / t : BT;
   const bool sp = sequence_parallel && t > 1;
@@ -519,7 +519,7 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
   }
   // ln_1, res_2, ln_2, res_3 and the LayerNorm statistics over this rank's tokens; qkv, the
   // attention output, fc and its GELU over all tokens at this rank's width; what attention keeps
-  const BlockSaveSizes sizes = gpt_block_save_sizes(shape, part, B, T, sequence_parallel, compute);
+  const BlockSaveSizes sizes = gpt_block_save_sizes(shape, part, B, T, sequence_parallel, compute, backend);
   const int64_t att = sizes.att, block = sizes.total();
   const bool full = ac.full() && max_blocks > 0;
   ActivationPlan p;
@@ -527,7 +527,7 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
   p.stream = Ns * C + (full ? Ns * C : 0) + Ns * C + (receives_grad ? Ns * C : 0);
   p.per_block = ac.selective() ? block - att : block;
   p.blocks = ac.full() ? 0 : max_blocks;
-  const int64_t logits = logits_bf16(compute, t > 1) ? (BT * V + 1) / 2 : BT * V;  // (in floats)
+  const int64_t logits = logits_bf16(compute, t > 1, backend) ? (BT * V + 1) / 2 : BT * V;  // (in floats)
   p.head = any_final ? BT * C + 2 * Ns + logits + 2 * BT + (split_backward ? Ns * C : 0) : 0;
   const BlockWidths w = block_widths(shape, t);
   // d(res_3), d(fch), d(ln_2), d(res_2), d(qkv), d(ln_1) (BlockGradOperands)
@@ -567,7 +567,8 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
   return p;
 }
 
-int64_t attention_scratch_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T, DType compute) {
+int64_t attention_scratch_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T, DType compute,
+                                kernels::Backend backend) {
   const bool has_blocks =
       std::any_of(part.chunks.begin(), part.chunks.end(), [](const ModelChunk& c) { return c.num_blocks > 0; });
   if (!has_blocks || shape.sparse.enabled) return 0;
@@ -576,15 +577,16 @@ int64_t attention_scratch_bytes(const GPTShape& shape, const ModelPart& part, in
   if (shape.llama()) {  // the bf16 overloads where the attention half keeps bf16 (llama_block.cpp), else fp32's
     const bool bf16_half = activations_bf16(compute, t > 1, false, false);
     return kernels::gqa_attention_workspace_bytes(B, T, H, shape.family.num_key_value_heads / t, shape.family.head_dim,
-                                                  bf16_half ? DType::BF16 : DType::F32, bf16_half, dropout);
+                                                  bf16_half ? DType::BF16 : DType::F32, bf16_half, dropout, backend);
   }
-  return kernels::attention_workspace_bytes(B, T, shape.n_embd / t, H, compute, dropout);
+  return kernels::attention_workspace_bytes(B, T, shape.n_embd / t, H, compute, dropout, backend);
 }
 
 GPTActivationBytes gpt_activation_bytes(const GPTShape& shape, const ModelPart& part, int64_t B, int64_t T,
                                         bool sequence_parallel, bool split_backward, const ActivationCheckpointing& ac,
-                                        const MoeRouting& moe, DType compute) {
-  const ActivationPlan p = gpt_activation_plan(shape, part, B, T, sequence_parallel, split_backward, ac, moe, compute);
+                                        const MoeRouting& moe, DType compute, kernels::Backend backend) {
+  const ActivationPlan p =
+      gpt_activation_plan(shape, part, B, T, sequence_parallel, split_backward, ac, moe, compute, backend);
   GPTActivationBytes out;
   out.buffer = p.buffer_bytes();  // ActivationBuffer::bytes()
   out.scratch = p.shared_bytes();

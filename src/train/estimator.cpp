@@ -270,7 +270,7 @@ void add_expert_states(const Config& cfg, const RankPlan& plan, int64_t dp, Memo
   b.master += pc.param != DType::F32 && cfg.zero.master_weights == DType::F32 ? 4 * x.state : 0;
   b.optimizer_states += static_cast<int64_t>(dtype_size(cfg.zero.optimizer_states)) * moments * x.state;
   // its offloaded optimizer's host stages, as the dense one's (rank_budget)
-  const int64_t stages = offload_stage_bytes(cfg, b.stage, x.state, kernels::kHostIsDevice);
+  const int64_t stages = offload_stage_bytes(cfg, b.stage, x.state, cfg.backend == kernels::Backend::Cpu);
   b.workspace += stages;
   b.offload_host += stages;
   int64_t unit = 0;
@@ -306,6 +306,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
                                      ? cfg.zero.mics_shard_size : dp;
   const Partition part(plan.partition_numel, static_cast<int>(partition_ranks));
   MemoryBudget b;
+  b.backend = cfg.backend;
   b.stage = stage < 0 ? static_cast<int>(cfg.zero.stage) : stage;
   b.pipe_stage = plan.pipe_stage;
   b.tensor_rank = plan.tensor_rank;
@@ -362,7 +363,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   // offload_param cpu: the partition in (page-locked) host memory, whatever the optimizer's placement
   if (b.stage == 3 && cfg.zero.offload_param.device == OffloadDevice::Cpu) b.offload_host += b.params;
   // The offloaded optimizer's host stages: in the total (as workspace), and in host memory.
-  const int64_t stages = offload_stage_bytes(cfg, b.stage, state_elems, kernels::kHostIsDevice);
+  const int64_t stages = offload_stage_bytes(cfg, b.stage, state_elems, cfg.backend == kernels::Backend::Cpu);
   b.workspace += stages;
   b.offload_host += stages;
   const OffloadParamConfig& op = cfg.zero.offload_param;
@@ -502,7 +503,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
     if (bound >= 36028797018963968.0) return capped(bound);  // 2^55
     const GPTActivationBytes act =
         gpt_activation_bytes(shape, plan.part, Bm, Tm, cfg.tensor.sequence_parallel, plan.split, ac,
-                             moe_routing_of(m.moe, cfg.training.seed), cfg.precision.products());
+                             moe_routing_of(m.moe, cfg.training.seed), cfg.precision.products(), cfg.backend);
     if (host) *host = plan.num_buffers * act.host;
     return plan.num_buffers * act.buffer + act.scratch;
   };
@@ -521,7 +522,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   // that fill the 16-bit copy at start-up (stages 1-2). (oneDNN's own code and caches measured
   // within ±5 MB of nothing: kRuntimeBytes covers them.)
   // (the logits' bf16 gradient among them, unless it is written over bf16 logits: logits_bf16)
-  const bool logits16 = logits_bf16(pc.products(), plan.part.tp_size > 1);
+  const bool logits16 = logits_bf16(pc.products(), plan.part.tp_size > 1, cfg.backend);
   if (pc.products() == DType::BF16) workspace += 2 * std::max(4 * BT * C, logits16 ? 0.0 : BT * V) + 2 * 4 * BT * C;
   if (pc.param == DType::F16) workspace += 4 * std::max(V * C, 4 * C * C);
   // torch_autocast: fp32 weights converted for each product (gemm.cpp): to bf16; to fp16 and
@@ -537,10 +538,11 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
     const int64_t Hl = shape.n_head / std::max(1, plan.part.tp_size);
     const SparseAttentionBytes sparse =
         sparse_attention_model_bytes(shape.sparse, shape.n_head, Tm, layers, plan.part.tp_rank * Hl, Hl, Bm,
-                                     shape.n_embd / shape.n_head, sparse_attention_device_form());
+                                     shape.n_embd / shape.n_head,
+                                     cfg.backend == kernels::Backend::Gpu || sparse_attention_device_form());
     b.workspace += sparse.tables + sparse.panels;
   }
-  b.workspace += attention_scratch_bytes(shape, plan.part, Bm, Tm, pc.products());
+  b.workspace += attention_scratch_bytes(shape, plan.part, Bm, Tm, pc.products(), cfg.backend);
   if (mixed && (b.stage == 1 || b.stage == 2)) b.workspace += 4 * std::min(psi, ZeroOptimizer::kInitFillElems + largest_tensor);
   if (!m.init_from.empty()) b.workspace += 4 * psi;
   // A save reads offloaded (or 16-bit) state back into fp32 staging (checkpoint_arrays), and
@@ -666,6 +668,7 @@ void write_budget_report(const std::string& path, const Config& cfg, int64_t wor
   h5::write_attribute(f.id(), "config", cfg.resolved.dump());
   h5::write_attribute(f.id(), "config_file", cfg.file);
   h5::write_attribute(f.id(), "world_size", world);
+  h5::write_attribute(f.id(), "device", std::string(cfg.backend == kernels::Backend::Gpu ? "gpu" : "cpu"));
   const RankLayout layout = rank_layout(cfg, world);
   h5::write_attribute(f.id(), "pipeline_stages", int64_t(layout.stages));
   h5::write_attribute(f.id(), "tensor_parallel_size", int64_t(layout.tensor));

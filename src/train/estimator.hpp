@@ -65,6 +65,7 @@ QgzPlacement qgz_placement(const ZeroConfig& zero, int stage, int64_t dp, int64_
 
 // --- the complete budget -------------------------------------------------------------------------
 struct MemoryBudget {
+  kernels::Backend backend = kernels::kBuildBackend;  // the build it is planned for (Config::backend)
   int stage = 0;
   int pipe_stage = 0, tensor_rank = 0;  // the rank this budget is for (pipeline stage, tensor rank)
   int64_t micro_batch = 0;
@@ -98,10 +99,11 @@ struct MemoryBudget {
   int64_t device_total() const { return total() - host_total(); }
   // What each memory must hold for this rank. A CPU build's host and device memory are one
   // memory, which holds the total; on a GPU build the device holds device_total() and the host
-  // the offload tiers and host checkpoints plus the process's runtime (the start-up checks and
-  // the end-of-run comparison against the device's measured peak use these).
-  int64_t device_need(bool gpu_build = kernels::kGpuBuild) const { return gpu_build ? device_total() : total(); }
-  int64_t host_need(bool gpu_build = kernels::kGpuBuild) const { return gpu_build ? host_total() + runtime : total(); }
+  // the offload tiers and host checkpoints plus the process's runtime (the start-up checks, the
+  // end-of-run comparison against the device's measured peak, and estimate's --memory-per-rank).
+  bool gpu() const { return backend == kernels::Backend::Gpu; }
+  int64_t device_need() const { return gpu() ? device_total() : total(); }
+  int64_t host_need() const { return gpu() ? host_total() + runtime : total(); }
   nlohmann::json to_json() const;
 };
 
@@ -177,9 +179,11 @@ int64_t device_bytes_per_rank(int64_t device_total, int visible, int64_t ranks_h
 // started: the device's memory shared by the ranks on it, device_bytes_per_rank), at most Hugging Face's
 // default of 8, with the notes and resolved keys that say so; planned on nodes of
 // `ranks_per_node` ranks (0: one node), as check_memory_fits then checks it. Every command that
-// trains, checks or sizes a config reads it through here.
+// trains, checks or sizes a config reads it through here. backend: the build planned for
+// (Config::backend; a GPU's from a CPU build knows no device memory: Hugging Face's default).
 Config resolve_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
-                      const std::vector<std::string>& set_keys = {}, int64_t ranks_per_node = 0);
+                      const std::vector<std::string>& set_keys = {}, int64_t ranks_per_node = 0,
+                      kernels::Backend backend = kernels::kBuildBackend);
 
 // The start-up memory check: the budget of `cfg` at its configured stage on nodes of
 // `ranks_per_node` ranks (the run's layout: planned_ranks_per_node, parallel/nodes.hpp; 0: one

@@ -91,7 +91,14 @@ void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node
   AvailableMemory avail = available_memory();
   int64_t sharing = world_size;  // the ranks avail.bytes is divided among
   std::string shared = " / " + std::to_string(world_size) + " ranks";
-  if (kernels::kGpuBuild && kernels::backend_started()) {
+  std::string unknown = "available memory unknown";
+  const bool device_started = kernels::kGpuBuild && kernels::backend_started();
+  if (c.backend == kernels::Backend::Gpu && !device_started) {
+    // a GPU run planned where no device has started (estimate --device gpu on a CPU build, a GPU
+    // build's planning commands on a login node): this machine's memory is not the device's
+    avail = {};
+    unknown = "no GPU has started here to give its memory";
+  } else if (device_started) {
     // The device's total memory, not its free memory: the same on every rank of identical
     // devices, so every rank resolves the same micro-batch (the start-up device check then
     // compares the plan with what is free).
@@ -102,7 +109,7 @@ void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node
     shared.clear();
   }
   int64_t micro = kHfPerDeviceBatch;
-  std::string why = "Hugging Face's per_device_train_batch_size default; available memory unknown";
+  std::string why = "Hugging Face's per_device_train_batch_size default; " + unknown;
   if (avail.bytes > 0) {
     const int64_t per_rank = avail.bytes / std::max<int64_t>(1, sharing);
     const int64_t fits = largest_fitting_micro_batch(c, world_size, c.zero.stage, per_rank, ranks_per_node);
@@ -129,8 +136,8 @@ void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node
 }  // namespace
 
 Config resolve_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
-                      const std::vector<std::string>& set_keys, int64_t ranks_per_node) {
-  Config c = read_config(root, file, world_size, set_keys);
+                      const std::vector<std::string>& set_keys, int64_t ranks_per_node, kernels::Backend backend) {
+  Config c = read_config(root, file, world_size, set_keys, backend);
   if (!c.batch.micro_batch_from_memory) return c;
   try {
     plan_auto_micro_batch(c, world_size, ranks_per_node);

@@ -199,13 +199,16 @@ TEST(Budget, OffloadStagesAreTheLargestHostSubGroupsOnAGpuBuildAndNoneOnACpuBuil
 // the device check alike); on a GPU build the device holds what offload and cpu_checkpointing do
 // not put in host memory, and the host those tiers and the process's runtime.
 TEST(Budget, ACpuBuildNeedsTheTotalInOneMemoryAndAGpuBuildSplitsItBetweenDeviceAndHost) {
-  const MemoryBudget b = estimate_budget(offload_config(3, true, {{"device", "cpu"}}), 2);
+  MemoryBudget b = estimate_budget(offload_config(3, true, {{"device", "cpu"}}), 2);
   ASSERT_GT(b.host_total(), b.params);  // the partition and the optimizer's offloaded sub-groups
-  EXPECT_EQ(b.device_need(/*gpu_build=*/false), b.total());
-  EXPECT_EQ(b.host_need(/*gpu_build=*/false), b.total());
-  EXPECT_EQ(b.device_need(/*gpu_build=*/true), b.total() - b.host_total());
-  EXPECT_EQ(b.host_need(/*gpu_build=*/true), b.host_total() + b.runtime);
-  EXPECT_EQ(b.device_need() + (kernels::kGpuBuild ? b.host_total() : 0), b.total());  // this build's
+  EXPECT_EQ(b.backend, kernels::kBuildBackend);  // a config read without --device plans this build
+  EXPECT_EQ(b.device_need() + (kernels::kGpuBuild ? b.host_total() : 0), b.total());
+  b.backend = kernels::Backend::Cpu;
+  EXPECT_EQ(b.device_need(), b.total());
+  EXPECT_EQ(b.host_need(), b.total());
+  b.backend = kernels::Backend::Gpu;
+  EXPECT_EQ(b.device_need(), b.total() - b.host_total());
+  EXPECT_EQ(b.host_need(), b.host_total() + b.runtime);
 }
 
 // A GPU build's "auto" micro-batch fits the device's memory over the ranks its busiest device
