@@ -192,7 +192,9 @@ int main(int argc, char** argv) {
   estimate->add_option("--strategy", est.config.strategy, strategy_help);
   estimate->add_option("--world-size", est.world_size, "ranks in all (pipeline stages x data-parallel x tensor-parallel)")
       ->check(CLI::Range(int64_t(1), kMaxRanks));
-  estimate->add_option("--memory-per-rank", est.memory_per_rank, "find the largest micro-batch that fits (e.g. 16GiB)");
+  estimate->add_option("--memory-per-rank", est.memory_per_rank,
+                       "find the largest micro-batch that fits (e.g. 16GiB; a GPU's memory per rank on a GPU build "
+                       "or with --device gpu)");
   estimate->add_option("--report", est.report, "write the budget to this HDF5 file");
   estimate->add_option("--ranks-per-node", est.ranks_per_node,
                        "ranks per node for the bytes per step by link and qgZ's staging (default: every rank on one node)")
