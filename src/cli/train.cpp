@@ -119,15 +119,19 @@ int cmd_validate(const ConfigArgs& a, int64_t world_size, const std::string& out
                 layout_text(rank_layout(cfg, world_size), world_size).c_str());
     std::printf("batch   %s\n", cfg.batch.derivation.c_str());
     for (const std::string& line : cfg.notes) std::printf("%s\n", line.c_str());
+    const std::string host = avail.bytes < 0 ? "available memory unknown (not checked)"
+                                              : human_bytes(double(avail.bytes)) + " available on this machine (" +
+                                                    avail.source + ")";
     if (other_build)
       std::printf("memory  %s of device memory per rank at ZeRO stage %d (--device gpu: a GPU run's plan, not checked "
                   "against this machine)\n", human_bytes(double(budget.device_need())).c_str(), budget.stage);
+    else if (budget.gpu())  // the device's share is checked when train has started the device
+      std::printf("memory  %s of device memory per rank at ZeRO stage %d (train checks it against the device); %s of "
+                  "host memory per rank, %s\n", human_bytes(double(budget.device_need())).c_str(), budget.stage,
+                  human_bytes(double(budget.host_need())).c_str(), host.c_str());
     else
       std::printf("memory  %s per rank at ZeRO stage %d; %s\n", human_bytes(double(budget.total())).c_str(),
-                  budget.stage,
-                  avail.bytes < 0 ? "available memory unknown (not checked)"
-                                  : (human_bytes(double(avail.bytes)) + " available on this machine (" + avail.source +
-                                     ")").c_str());
+                  budget.stage, host.c_str());
     if (!resume_note.empty()) std::printf("%s\n", resume_note.c_str());
   }
   return kExitOk;
