@@ -206,4 +206,25 @@ ZERO3D_KERNEL void gelu_backward_summing_columns(bf16* dinp, float* column_sums,
 #endif
 }
 
+// The same gradient kept in fp32 for [N, OC] rows of the bf16 MLP (dinp may be dout): a split
+// backward's input pass (a zero-bubble schedule), whose weight pass rounds it and sums its columns
+// (matmul_backward) where a whole backward does both here. Each element is the value
+// gelu_backward_summing_columns computes (its 16-lane rows on one AVX-512 thread), so the two
+// backwards give the same bits.
+ZERO3D_KERNEL void gelu_backward(float* dinp, const bf16* inp, const float* dout, Index N, Index OC) {
+#ifdef ZERO3D_AVX512
+  const ProfileRegion region("gelu_backward");
+  for (Index i = 0; i < N; ++i) {
+    const bf16* x = inp + i * OC;
+    const float* dy = dout + i * OC;
+    float* dx = dinp + i * OC;
+    Index o = 0;
+    for (; o + 16 <= OC; o += 16) _mm512_storeu_ps(dx + o, gelu_grad_x16(load_bf16_x16(x + o, 0xFFFF), _mm512_loadu_ps(dy + o)));
+    for (; o < OC; ++o) dx[o] = gelu_grad(to_float(x[o]), dy[o]);
+  }
+#else
+  gelu_backward(dinp, inp, dout, N * OC);  // every other form computes each element as gelu_grad does
+#endif
+}
+
 }  // namespace zero3d::kernels

@@ -245,4 +245,34 @@ ZERO3D_KERNEL void swiglu_backward_summing_columns(bf16* d, float* column_sums, 
 #endif
 }
 
+// The same gradient kept in fp32 (dgate and dup at stride ld, as swiglu_backward writes them): a
+// split backward's input pass (a zero-bubble schedule),
+// whose weight pass rounds it and sums its columns (linear_backward) where a whole backward does
+// both here. Each element is the value swiglu_backward_summing_columns computes (its 16-lane rows
+// on one AVX-512 thread), so the two backwards give the same bits.
+inline void swiglu_backward(float* dgate, float* dup, const float* dout, const bf16* gate, const bf16* up, Index N,
+                            Index I, Index ld) {
+#ifdef ZERO3D_AVX512
+  const ProfileRegion region("swiglu_backward");
+  for (Index i = 0; i < N; ++i) {
+    const bf16 *g = gate + i * ld, *u = up + i * ld;
+    const float* dy = dout + i * I;
+    float *dg = dgate + i * ld, *du = dup + i * ld;
+    Index c = 0;
+    for (; c + 16 <= I; c += 16) {  // swiglu_backward_summing_columns' arithmetic, lane for lane
+      const __m512 x = load_bf16_x16(g + c, 0xFFFF), y = _mm512_loadu_ps(dy + c);
+      const __m512 s = swiglu_sigmoid_x16(x), xs = _mm512_mul_ps(x, s);
+      const __m512 vu = _mm512_mul_ps(y, xs);
+      const __m512 vg = _mm512_mul_ps(_mm512_mul_ps(y, load_bf16_x16(u + c, 0xFFFF)),
+                                      _mm512_fmadd_ps(xs, _mm512_sub_ps(_mm512_set1_ps(1.0f), s), s));
+      _mm512_storeu_ps(dg + c, vg);
+      _mm512_storeu_ps(du + c, vu);
+    }
+    for (; c < I; ++c) swiglu_grad(to_float(g[c]), to_float(u[c]), dy[c], dg[c], du[c]);
+  }
+#else
+  swiglu_backward<bf16>(dgate, dup, dout, gate, up, N, I, ld);  // every other form computes swiglu_grad's
+#endif
+}
+
 }  // namespace zero3d::kernels

@@ -349,10 +349,11 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
 // output gradients the weight products need kept in buf.grad_operands. Weight (W): the weight
 // products from those operands and the forward saves, with no parameters fetched. Every
 // kernel call is the same in all three, with the skipped part's pointers null, so a split
-// backward computes the same numbers as a fused one, but for the bias gradients a bf16 fused pass
-// sums beside the gradients it rounds into the products' operands (GELU's with c_fc's bias, the
-// attention's with c_attn's): another order, within fp32 rounding. Tensor-parallel regions sit on
-// the lines mirroring the forward's.
+// backward computes the same numbers as a fused one. Where a bf16 fused pass rounds a gradient
+// into the products' operand and sums its bias gradient beside it (GELU's with c_fc's, the
+// attention's with c_attn's), the split keeps the fp32 values that pass computes, and its weight
+// pass rounds and sums them in the same order (tests/kernels/test_split_backward.cpp): the same
+// bits. Tensor-parallel regions sit on the lines mirroring the forward's.
 template <typename P>
 void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_scale, ParamStore& store,
                         BackwardPart part) {
@@ -485,8 +486,8 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
         gelu_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(d.data)), dw.c_fc_b, as_bf16(a.fch), d_fch,
                                       BT, 4 * Cl);
         matmul_backward(d_ln_2, dw.c_fc_w, d, as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp, add_dw);
-      } else {  // a split backward keeps the fp32 gradient for its weight pass
-        if (input) gelu_backward(d_fch, as_bf16(a.fch), d_fch, BT * 4 * Cl);
+      } else {  // a split backward keeps the fp32 gradient (the values above) for its weight pass
+        if (input) gelu_backward(d_fch, as_bf16(a.fch), d_fch, BT, 4 * Cl);
         matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
                         as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp, add_dw);
       }
