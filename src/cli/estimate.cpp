@@ -297,8 +297,8 @@ int cmd_estimate(EstimateArgs a, int rank) {
         Config one = cfg;
         one.batch.micro_batch = 1;
         const MemoryBudget b = estimate_budget(one, a.world_size, stage, per_node);
-        std::printf("  stage %d: none (model states alone %.1f MiB, total at micro-batch 1 %.1f MiB)", stage,
-                    b.model_states() / 1048576.0, b.total() / 1048576.0);
+        std::printf("  stage %d: none (model states alone %.1f MiB, %s at micro-batch 1 %.1f MiB)", stage,
+                    b.model_states() / 1048576.0, gpu ? "device memory" : "total", b.device_need() / 1048576.0);
       }
     }
     std::printf("\n");

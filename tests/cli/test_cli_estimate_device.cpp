@@ -83,6 +83,10 @@ TEST(EstimateDevice, TheTextSaysTheBudgetIsAGpuRunsAndWhereOffloadPutsItsBytes) 
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(count(r.out, "(--device gpu: the plan of a GPU build's run"), zero3d::kernels::kGpuBuild ? 0u : 1u) << r.out;
   EXPECT_NE(r.out.find("`in device memory` is what the GPU holds"), std::string::npos) << r.out;
+  // where nothing fits --memory-per-rank, what micro-batch 1 needs is device memory
+  const Result none = run(args + " --device gpu --memory-per-rank 1GiB");
+  ASSERT_EQ(none.code, 0) << none.err;
+  EXPECT_EQ(count(none.out, "device memory at micro-batch 1"), 4u) << none.out;
 }
 
 // An "auto" micro-batch fits the memory the run will have. This machine's is not a GPU's, and no
