@@ -32,6 +32,12 @@ inline __m512 swiglu_sigmoid_x16(__m512 g) {
   const __m512 e = exp2_x16(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)));
   return _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
+// swiglu_grad on 16 lanes: s = σ(g), dup = dy·g·s, dgate = dy·u·s(1 + g(1 - s)) = dy·u·(s + g·s(1 - s)).
+inline void swiglu_grad_x16(__m512 g, __m512 u, __m512 dy, __m512& dgate, __m512& dup) {
+  const __m512 s = swiglu_sigmoid_x16(g), gs = _mm512_mul_ps(g, s);
+  dup = _mm512_mul_ps(dy, gs);
+  dgate = _mm512_mul_ps(_mm512_mul_ps(dy, u), _mm512_fmadd_ps(gs, _mm512_sub_ps(_mm512_set1_ps(1.0f), s), s));
+}
 #endif
 
 namespace gpu {
@@ -199,12 +205,8 @@ ZERO3D_KERNEL void swiglu_backward_summing_columns(bf16* d, float* column_sums, 
     Index c = 0;
 #ifdef ZERO3D_AVX512
     for (; c + 16 <= I; c += 16) {
-      // s = σ(g), dup = dy·g·s, dgate = dy·u·s(1 + g(1 - s)) = dy·u·(s + g·s(1 - s))
-      const __m512 x = load_bf16_x16(g + c, 0xFFFF), y = _mm512_loadu_ps(dy + c);
-      const __m512 s = swiglu_sigmoid_x16(x), xs = _mm512_mul_ps(x, s);
-      const __m512 vu = _mm512_mul_ps(y, xs);
-      const __m512 vg = _mm512_mul_ps(_mm512_mul_ps(y, load_bf16_x16(u + c, 0xFFFF)),
-                                      _mm512_fmadd_ps(xs, _mm512_sub_ps(_mm512_set1_ps(1.0f), s), s));
+      __m512 vg, vu;
+      swiglu_grad_x16(load_bf16_x16(g + c, 0xFFFF), load_bf16_x16(u + c, 0xFFFF), _mm512_loadu_ps(dy + c), vg, vu);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dg + c), round_bf16_x16(vg));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(du + c), round_bf16_x16(vu));
       if (au) {
@@ -260,11 +262,8 @@ inline void swiglu_backward(float* dgate, float* dup, const float* dout, const b
     float *dg = dgate + i * ld, *du = dup + i * ld;
     Index c = 0;
     for (; c + 16 <= I; c += 16) {  // swiglu_backward_summing_columns' arithmetic, lane for lane
-      const __m512 x = load_bf16_x16(g + c, 0xFFFF), y = _mm512_loadu_ps(dy + c);
-      const __m512 s = swiglu_sigmoid_x16(x), xs = _mm512_mul_ps(x, s);
-      const __m512 vu = _mm512_mul_ps(y, xs);
-      const __m512 vg = _mm512_mul_ps(_mm512_mul_ps(y, load_bf16_x16(u + c, 0xFFFF)),
-                                      _mm512_fmadd_ps(xs, _mm512_sub_ps(_mm512_set1_ps(1.0f), s), s));
+      __m512 vg, vu;
+      swiglu_grad_x16(load_bf16_x16(g + c, 0xFFFF), load_bf16_x16(u + c, 0xFFFF), _mm512_loadu_ps(dy + c), vg, vu);
       _mm512_storeu_ps(dg + c, vg);
       _mm512_storeu_ps(du + c, vu);
     }
