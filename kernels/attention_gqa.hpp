@@ -375,14 +375,16 @@ inline bool gqa_attention_flash_chosen(Index BH, Index T, Index d, const Dropout
 }
 
 // The floats of att the bf16 overloads write for BH query heads (what the model allocates): the
-// fused kernel's L and O, or the portable form's probabilities. With attention dropout the CPU's
-// fused kernel serves either way; the CUDA kernel serves evaluation only, so training passes need
-// the probabilities' room (the fused kernel's fits inside it: attention_flash_chosen).
+// fused kernel's L and O; else a GPU's bf16 form's bf16 probabilities (half the floats), or the
+// portable form's fp32 ones. With attention dropout the CPU's fused kernel serves either way; on a
+// GPU, training passes run the portable form, so they need the fp32 probabilities' room (the
+// fused kernel's and the bf16 form's, which evaluation runs, fit inside it).
 inline Index gqa_attention_bf16_saved_floats(Index BH, Index T, Index d, bool dropout = false,
                                              Backend backend = kBuildBackend) {
-  if (!gqa_attention_flash_chosen(BH, T, d, {}, backend)) return BH * T * T;
-  if (backend == Backend::Gpu && dropout) return BH * T * T;
-  return attention_flash_o_offset(BH, T) + (BH * T * d + 1) / 2;
+  const bool gpu = backend == Backend::Gpu;
+  if (gpu && dropout) return BH * T * T;
+  if (gqa_attention_flash_chosen(BH, T, d, {}, backend)) return attention_flash_o_offset(BH, T) + (BH * T * d + 1) / 2;
+  return gpu ? (BH * T * T + 1) / 2 : BH * T * T;
 }
 
 // q, k and v widened to fp32 for the portable form (exact: a bf16 is an fp32 with a shorter
