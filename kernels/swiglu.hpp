@@ -248,10 +248,10 @@ ZERO3D_KERNEL void swiglu_backward_summing_columns(bf16* d, float* column_sums, 
 }
 
 // The same gradient kept in fp32 (dgate and dup at stride ld, as swiglu_backward writes them): a
-// split backward's input pass (a zero-bubble schedule),
-// whose weight pass rounds it and sums its columns (linear_backward) where a whole backward does
-// both here. Each element is the value swiglu_backward_summing_columns computes (its 16-lane rows
-// on one AVX-512 thread), so the two backwards give the same bits.
+// split backward's input pass (a zero-bubble schedule), whose weight pass rounds it and sums its
+// columns (linear_backward) where a whole backward does both here. Each element is the value
+// swiglu_backward_summing_columns computes (its 16-lane rows on one AVX-512 thread), so the two
+// backwards give the same bits.
 inline void swiglu_backward(float* dgate, float* dup, const float* dout, const bf16* gate, const bf16* up, Index N,
                             Index I, Index ld) {
 #ifdef ZERO3D_AVX512
