@@ -2,7 +2,10 @@
 // (kernels/attention_gqa.hpp gqa_attention_backward_summing_columns): the fused AVX512-BF16
 // kernel (where built) folds rope's backward and the bf16 rounding of dqkv, with q/k/v_proj's
 // bias gradient, into what it writes; the portable form writes the fp32 dqkv, runs rope_backward
-// and rounds after. The two give the same bits.
+// and rounds after. The two give the same bits. And what the bf16 attention keeps for its
+// backward fits the floats the model allocates for it (gqa_attention_bf16_saved_floats, which the
+// memory plan counts) on each backend: a GPU's bf16 form keeps bf16 probabilities, half the floats
+// of the portable form's fp32 ones (the GPU forms compile on every build, so they run here).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -156,6 +159,54 @@ TEST(LlamaGqaAttentionBf16, DropoutDrawsThePortableFormsMask) {
       }
     }
   }
+}
+
+constexpr float kUntouched = 12345.0f;  // what att holds past the floats it was given
+
+// The GPU's bf16 form over att of `floats` floats followed by a guard of untouched values: its
+// output and dqkv, and att as it was left.
+struct GpuBf16Run {
+  std::vector<bf16> out;
+  std::vector<float> dqkv, att;
+  GpuBf16Run(const Case& c, Index floats) {
+    const Index W = (c.H + 2 * c.Hkv) * c.d;
+    Buffer<bf16> qkv(rounded(random_vector(c.B * c.T * W, 51))), y(c.B * c.T * c.H * c.d);
+    Buffer<float> dout(random_vector(c.B * c.T * c.H * c.d, 52)), dq(c.B * c.T * W);
+    Buffer<float> saved(std::vector<float>(floats + 64, kUntouched));
+    gpu::gqa_attention_forward_bf16(y.data(), saved.data(), qkv.data(), c.B, c.T, c.H, c.Hkv, c.d, c.window);
+    gpu::gqa_attention_backward_bf16(dq.data(), dout.data(), qkv.data(), saved.data(), c.B, c.T, c.H, c.Hkv, c.d,
+                                     c.window);
+    out = y.host();
+    dqkv = dq.host();
+    att = saved.host();
+  }
+};
+
+TEST(GqaAttentionSavedFloats, AGpusBf16FormKeepsItsBf16ProbabilitiesInHalfTheFloats) {
+  // an odd count of probabilities (1·3·33·33) rounds up to whole floats
+  for (const Case& c : {Case{2, 40, 4, 2, 16, 0}, Case{1, 33, 3, 1, 32, 9}, Case{1, 64, 8, 2, 64, 0}}) {
+    const Index BH = c.B * c.H, probabilities = BH * c.T * c.T;
+    const Index floats = gqa_attention_bf16_saved_floats(BH, c.T, c.d, false, Backend::Gpu);
+    ASSERT_EQ(floats, (probabilities + 1) / 2) << describe(c);
+    const GpuBf16Run planned(c, floats), roomy(c, probabilities);
+    for (Index i = floats; i < floats + 64; ++i)
+      ASSERT_EQ(planned.att[i], kUntouched) << "att written past its planned floats at " << i << describe(c);
+    expect_same_bits("out" + describe(c), planned.out, roomy.out);
+    expect_same_bits("dqkv" + describe(c), planned.dqkv, roomy.dqkv);
+  }
+}
+
+// Under attention dropout a GPU's training passes run the portable form, whose fp32 probabilities
+// take every float; a CPU keeps the portable form's (or, built with AVX512-BF16, the fused
+// kernel's log-sum-exp and output where they fit) either way.
+TEST(GqaAttentionSavedFloats, DropoutAndTheCpuKeepFp32ProbabilitiesOrTheFusedKernelsSaves) {
+  const Index BH = 8, T = 40, d = 16;
+  EXPECT_EQ(gqa_attention_bf16_saved_floats(BH, T, d, true, Backend::Gpu), BH * T * T);
+  const Index cpu = gqa_attention_bf16_saved_floats(BH, T, d, false, Backend::Cpu);
+  if (gqa_attention_flash_chosen(BH, T, d, {}, Backend::Cpu))
+    EXPECT_EQ(cpu, attention_flash_o_offset(BH, T) + (BH * T * d + 1) / 2);
+  else
+    EXPECT_EQ(cpu, BH * T * T);
 }
 
 }  // namespace

@@ -16,19 +16,11 @@
 
 using namespace zero3d;
 using namespace zero3d::kernels;
-using test_support::Buffer;
-using test_support::expect_same_bits;
-using test_support::normal_vector;
+using namespace test_support;
 
 namespace {
 
 constexpr uint64_t kSeed = 0x5b1175;
-
-std::vector<bf16> rounded(const std::vector<float>& x) {
-  std::vector<bf16> out(x.size());
-  for (size_t i = 0; i < x.size(); ++i) out[i] = to_bf16(x[i]);
-  return out;
-}
 
 // What the weight pass makes of the kept fp32 gradient: the bf16 operand, and the column sums added
 // into `sums` (a bias gradient already holding an earlier micro-batch's).
@@ -43,7 +35,7 @@ void weight_pass(const std::vector<float>& grad, Index N, Index OC, std::vector<
 // 67 columns: four 16-lane vectors and a 3-lane tail per row, as a row of the bf16 MLP may have.
 TEST(SplitBackward, GeluKeptInFp32IsWhatTheWholeBackwardRoundsAndSums) {
   const Index N = 9, OC = 67;
-  const std::vector<bf16> inp = rounded(normal_vector(kSeed, N * OC, 1, 2.0f));
+  const std::vector<bf16> inp = bf16_rounded(normal_vector(kSeed, N * OC, 1, 2.0f));
   const std::vector<float> dout = normal_vector(kSeed, N * OC, 2), earlier = normal_vector(kSeed, OC, 3);
   Buffer<bf16> x(inp), whole(N * OC);
   Buffer<float> dy(dout), whole_sums(earlier), kept(N * OC);
@@ -62,7 +54,7 @@ TEST(SplitBackward, GeluKeptInFp32IsWhatTheWholeBackwardRoundsAndSums) {
 
 TEST(SplitBackward, SwiGluKeptInFp32IsWhatTheWholeBackwardRoundsAndSums) {
   const Index N = 9, I = 67, ld = 2 * I;
-  const std::vector<bf16> gate_up = rounded(normal_vector(kSeed, N * ld, 4, 2.0f));
+  const std::vector<bf16> gate_up = bf16_rounded(normal_vector(kSeed, N * ld, 4, 2.0f));
   const std::vector<float> dout = normal_vector(kSeed, N * I, 5), earlier = normal_vector(kSeed, ld, 6);
   Buffer<bf16> gu(gate_up), whole(N * ld);
   Buffer<float> dy(dout), whole_sums(earlier), kept(N * ld);

@@ -81,6 +81,13 @@ inline std::vector<float> normal_vector(uint64_t seed, size_t n, uint64_t stream
   return v;
 }
 
+// x rounded to bf16, element by element (a bf16 kernel's input drawn in fp32).
+inline std::vector<zero3d::kernels::bf16> bf16_rounded(const std::vector<float>& x) {
+  std::vector<zero3d::kernels::bf16> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = zero3d::kernels::to_bf16(x[i]);
+  return out;
+}
+
 // max |a - b| / max(1, |b|)
 inline double worst_error(const std::vector<float>& a, const std::vector<float>& b) {
   double worst = 0.0;
