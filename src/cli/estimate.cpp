@@ -170,17 +170,18 @@ int cmd_estimate(EstimateArgs a, int rank) {
   // staging in every budget, the "auto" micro-batch and what fits --memory-per-rank.
   const int64_t per_node = a.ranks_per_node > 0 ? a.ranks_per_node : a.world_size;
   const kernels::Backend backend = device_option("estimate", a.has("--device") ? &a.device : nullptr);
-  const Config cfg =
-      resolve_config(load_with_overrides(a.config, name), name, a.world_size, set_keys(a.config), per_node, backend);
-  std::vector<MemoryBudget> budgets;
-  for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage, per_node));
-  int64_t limit = 0;
-  std::vector<FitAnswer> fits;  // --memory-per-rank: what fits at each ZeRO stage
+  int64_t limit = 0;  // --memory-per-rank: the memory a rank has, which an "auto" micro-batch is fitted to
   if (a.has("--memory-per-rank")) {  // given empty is a bad size, not an absent option
     limit = size_option("--memory-per-rank", a.memory_per_rank);
     if (limit <= 0) throw InputError("estimate --memory-per-rank " + echo(a.memory_per_rank) + ": expected a size above 0");
-    for (int stage = 0; stage <= 3; ++stage) fits.push_back(what_fits(cfg, a.world_size, stage, limit, per_node));
   }
+  const Config cfg = resolve_config(load_with_overrides(a.config, name), name, a.world_size, set_keys(a.config),
+                                    per_node, backend, limit);
+  std::vector<MemoryBudget> budgets;
+  for (int stage = 0; stage <= 3; ++stage) budgets.push_back(estimate_budget(cfg, a.world_size, stage, per_node));
+  std::vector<FitAnswer> fits;  // --memory-per-rank: what fits at each ZeRO stage
+  if (limit > 0)
+    for (int stage = 0; stage <= 3; ++stage) fits.push_back(what_fits(cfg, a.world_size, stage, limit, per_node));
   if (!a.report.empty()) write_budget_report(a.report, cfg, a.world_size, budgets, fits, limit);
   const ModelCounts counts = count_model(cfg.model);
   const bool gpu = backend == kernels::Backend::Gpu;

@@ -181,9 +181,11 @@ int64_t device_bytes_per_rank(int64_t device_total, int visible, int64_t ranks_h
 // `ranks_per_node` ranks (0: one node), as check_memory_fits then checks it. Every command that
 // trains, checks or sizes a config reads it through here. backend: the build planned for
 // (Config::backend; a GPU's from a CPU build knows no device memory: Hugging Face's default).
+// memory_per_rank > 0: the memory each rank has, given (estimate --memory-per-rank), in place of
+// this machine's or the device's.
 Config resolve_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
                       const std::vector<std::string>& set_keys = {}, int64_t ranks_per_node = 0,
-                      kernels::Backend backend = kernels::kBuildBackend);
+                      kernels::Backend backend = kernels::kBuildBackend, int64_t memory_per_rank = 0);
 
 // The start-up memory check: the budget of `cfg` at its configured stage on nodes of
 // `ranks_per_node` ranks (the run's layout: planned_ranks_per_node, parallel/nodes.hpp; 0: one

@@ -87,13 +87,17 @@ namespace {
 // "auto" micro-batch with nothing to derive it from: the largest that the memory planner says
 // fits this machine's available memory shared by `world_size` ranks (on nodes of `ranks_per_node`),
 // at most HF's default of 8.
-void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node) {
+void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node, int64_t memory_per_rank) {
   AvailableMemory avail = available_memory();
   int64_t sharing = world_size;  // the ranks avail.bytes is divided among
   std::string shared = " / " + std::to_string(world_size) + " ranks";
   std::string unknown = "available memory unknown";
   const bool device_started = kernels::kGpuBuild && kernels::backend_started();
-  if (c.backend == kernels::Backend::Gpu && !device_started) {
+  if (memory_per_rank > 0) {  // the memory the planner was told each rank has
+    avail = {memory_per_rank, "--memory-per-rank"};
+    sharing = 1;
+    shared.clear();
+  } else if (c.backend == kernels::Backend::Gpu && !device_started) {
     // a GPU run planned where no device has started (estimate --device gpu on a CPU build, a GPU
     // build's planning commands on a login node): this machine's memory is not the device's
     avail = {};
@@ -136,11 +140,12 @@ void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node
 }  // namespace
 
 Config resolve_config(const nlohmann::json& root, const std::string& file, int64_t world_size,
-                      const std::vector<std::string>& set_keys, int64_t ranks_per_node, kernels::Backend backend) {
+                      const std::vector<std::string>& set_keys, int64_t ranks_per_node, kernels::Backend backend,
+                      int64_t memory_per_rank) {
   Config c = read_config(root, file, world_size, set_keys, backend);
   if (!c.batch.micro_batch_from_memory) return c;
   try {
-    plan_auto_micro_batch(c, world_size, ranks_per_node);
+    plan_auto_micro_batch(c, world_size, ranks_per_node, memory_per_rank);
   } catch (const InputError& e) {
     const std::string what = e.what();
     throw InputError(what.rfind(file + ": ", 0) == 0 ? what : file + ": " + what);

@@ -5,6 +5,7 @@
 // to 128, page-locked offload stages, device memory. A CPU build must give every byte of it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -103,6 +104,25 @@ TEST(EstimateDevice, AnAutoMicroBatchOfAGpuRunIsNotFittedToThisMachinesMemory) {
   const Result cpu = run(args);
   ASSERT_EQ(cpu.code, 0) << cpu.err;
   EXPECT_EQ(json::parse(cpu.out)["budgets"][0]["micro_batch"], 1);
+}
+
+// Given --memory-per-rank, an "auto" micro-batch is fitted to it (at most Hugging Face's 8), as a GPU
+// run fits it to its device: the largest that fits at the configured stage, the budget's own.
+TEST(EstimateDevice, AnAutoMicroBatchIsFittedToTheMemoryPerRankGiven) {
+  const std::string args = "estimate --config " + kSource +
+                           "/input/gpt2-124m.json --json --set bf16.enabled=true "
+                           "--set train_micro_batch_size_per_gpu=auto --memory-per-rank 6GiB";
+  for (const std::string device : {"gpu", "cpu"}) {
+    if (device == "cpu" && zero3d::kernels::kGpuBuild) continue;
+    const Result r = run(args + " --device " + device);
+    ASSERT_EQ(r.code, 0) << r.err;
+    const json est = json::parse(r.out);
+    const int64_t fits = est["largest_micro_batch"][est["configured_stage"].get<int>()];
+    EXPECT_EQ(est["budgets"][0]["micro_batch"], std::min<int64_t>(8, fits)) << device;
+    if (device == "gpu") {
+      EXPECT_LT(fits, 8) << "6 GiB holds fewer than 8 of a GPU's GPT-2 124M bf16 micro-batches";
+    }
+  }
 }
 
 // --report records whose plan it is.
