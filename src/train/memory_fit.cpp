@@ -85,8 +85,9 @@ MemoryBudget check_memory_fits(const Config& cfg, int ranks_here, const Availabl
 namespace {
 
 // "auto" micro-batch with nothing to derive it from: the largest that the memory planner says
-// fits this machine's available memory shared by `world_size` ranks (on nodes of `ranks_per_node`),
-// at most HF's default of 8.
+// fits the memory a rank has (memory_per_rank where given; else the started device's, or this
+// machine's available memory shared by `world_size` ranks, on nodes of `ranks_per_node`), at
+// most HF's default of 8.
 void plan_auto_micro_batch(Config& c, int64_t world_size, int64_t ranks_per_node, int64_t memory_per_rank) {
   AvailableMemory avail = available_memory();
   int64_t sharing = world_size;  // the ranks avail.bytes is divided among
