@@ -256,12 +256,8 @@ SparseAttentionBytes sparse_attention_model_bytes(const SparseAttention& s, int6
   return out;
 }
 
-bool sparse_attention_device_form() {
-#ifdef ZERO3D_DEVICE
-  return true;
-#else
-  return kernels::sparse_attention_device_form_on_host();
-#endif
+bool sparse_attention_device_form(kernels::Backend backend) {
+  return backend == kernels::Backend::Gpu || kernels::sparse_attention_device_form_on_host();
 }
 
 std::string sparse_attention_summary(const SparseAttention& s, int64_t heads, int64_t seq_len, int64_t layers) {

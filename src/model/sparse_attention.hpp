@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/device.hpp"  // Backend
+
 namespace zero3d {
 
 enum class SparsityMode { Dense, Fixed, Variable, BigBird, BSLongformer };
@@ -62,9 +64,10 @@ struct SparseAttentionBytes {
 SparseAttentionBytes sparse_attention_model_bytes(const SparseAttention& s, int64_t heads, int64_t seq_len,
                                                   const std::vector<int64_t>& layers, int64_t head0,
                                                   int64_t local_heads, int64_t B, int64_t hs, bool device_form);
-// Whether sparse attention runs its device form: always on a GPU build; on a CPU build when the
-// tests turn it on (kernels/attention_sparse.hpp sparse_attention_device_form_on_host).
-bool sparse_attention_device_form();
+// Whether sparse attention runs its device form: always on a GPU (backend: the build asked about,
+// a plan's); on a CPU when the tests turn it on (kernels/attention_sparse.hpp
+// sparse_attention_device_form_on_host).
+bool sparse_attention_device_form(kernels::Backend backend = kernels::kBuildBackend);
 
 // The start-up line's text: mode, block, the keys that shape it, and the share of causal blocks
 // computed over the model's `layers` blocks.

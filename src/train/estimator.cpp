@@ -538,8 +538,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
     const int64_t Hl = shape.n_head / std::max(1, plan.part.tp_size);
     const SparseAttentionBytes sparse =
         sparse_attention_model_bytes(shape.sparse, shape.n_head, Tm, layers, plan.part.tp_rank * Hl, Hl, Bm,
-                                     shape.n_embd / shape.n_head,
-                                     cfg.backend == kernels::Backend::Gpu || sparse_attention_device_form());
+                                     shape.n_embd / shape.n_head, sparse_attention_device_form(cfg.backend));
     b.workspace += sparse.tables + sparse.panels;
   }
   b.workspace += attention_scratch_bytes(shape, plan.part, Bm, Tm, pc.products(), cfg.backend);
