@@ -53,6 +53,11 @@ bool backend_started();
 // return before the kernels run). Nothing to wait for on a CPU build.
 void fence();
 
+// The stream the kernels and products are queued on (a cudaStream_t on a GPU build), for a
+// transport on a stream of its own (NCCL) to wait on before it reads what they wrote. Null on a
+// CPU build, where a kernel has run by the time its call returns.
+void* compute_stream_handle();
+
 // Whether p lies in memory only the device may touch (host code must copy it: kernels/memory.hpp).
 // Never on a CPU build, whose model memory is host memory.
 bool is_device_memory(const void* p);

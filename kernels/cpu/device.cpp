@@ -39,6 +39,8 @@ void reset_device_peak() {}
 
 bool is_device_memory(const void*) { return false; }
 
+void* compute_stream_handle() { return nullptr; }
+
 void fence() {}
 
 // Model memory is host memory: a copy is a memcpy, done when it returns.

@@ -109,8 +109,10 @@ int64_t device_peak_bytes() { return g_peak_bytes.load(); }
 
 int64_t device_live_bytes() { return g_live_bytes.load(); }
 
+void* compute_stream_handle() { return Kokkos::DefaultExecutionSpace().cuda_stream(); }
+
 namespace {
-cudaStream_t compute_stream() { return Kokkos::DefaultExecutionSpace().cuda_stream(); }
+cudaStream_t compute_stream() { return static_cast<cudaStream_t>(compute_stream_handle()); }
 
 void check_copy(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("copy stream: ") + what + ": " + cudaGetErrorString(e));

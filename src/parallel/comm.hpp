@@ -1,6 +1,6 @@
 // comm.hpp — the communicator interface the training code talks to: collectives and
-// point-to-point over one process group. Implementations: MPI (always) and NCCL (when
-// built with CUDA and NCCL; device buffers).
+// point-to-point over one process group. Implementations: MPI (always), MPI on host-staged
+// copies (comm_staged.hpp) and NCCL (a GPU build whose ranks each have a GPU; device buffers).
 //
 // Counts are elements, 64-bit. all_reduce is in place; reduce_scatter takes size()·recv_count
 // elements and leaves this rank's block; all_gather concatenates every rank's send_count
@@ -78,6 +78,8 @@ class Communicator {
   virtual void reset_bus_bytes() { bus_bytes_ = 0; }
   // The same count since construction, never reset (what the comms logger's table must add up to).
   virtual int64_t total_bus_bytes() const { return total_bus_bytes_; }
+  // Counts bytes another transport moved for this group (NCCL beside MPI), as the group's own.
+  void count_traffic(double factor, int64_t elements, DType type) { count_bus_bytes(factor, elements, type); }
   // Whether the group's ranks all share one node (nodes.hpp): its bytes are intra-node ones,
   // else inter-node ones. Set by whoever built the group from the job's NodeMap.
   virtual bool intra_node() const { return intra_node_; }
@@ -145,9 +147,30 @@ class MpiCommunicator : public Communicator {
   std::unique_ptr<RingScratch> ring_scratch_;  // their buffers, reused call after call
 };
 
-// NCCL communicator over device buffers; nullptr when zero3d was built without NCCL.
-// Rank 0 of `comm` creates the NCCL id and broadcasts it over MPI.
-std::unique_ptr<Communicator> make_nccl_communicator(MPI_Comm comm, int device, Watchdog* watchdog = nullptr);
+// NCCL for the collectives on model memory (comm_nccl.cpp), when every rank of the job has a GPU
+// of its own: one NCCL communicator over the world, split into one per group (ncclCommSplit), as
+// torch.distributed's new_group and Megatron's groups are made. A group's communicator sends the
+// buffers the device holds to NCCL on a stream of its own, ordered after the kernels queued
+// before the call; host buffers (losses, norms, flags, counts) to the group's MPI communicator;
+// point-to-point (pipeline stages, whose messages MPI matches by tag where NCCL matches them in
+// issue order) and a call mixing the two through `staged`. Its bus bytes and comms-log records
+// are the MPI group's, so that a group's figures read the same whichever transport moved them.
+class NcclWorld {
+ public:
+  virtual ~NcclWorld() = default;
+  // Collective over the world: every rank calls it for the same groups in the same order, with
+  // group null where it belongs to no group of that kind. Null for a group of one rank (nothing
+  // crosses) or none. staged: the group's communicator for buffers in model memory without NCCL.
+  virtual std::unique_ptr<Communicator> split(MpiCommunicator* group, Communicator* staged) = 0;
+  virtual std::string version() const = 0;  // "NCCL 2.28.9"
+};
+
+// Whether this build has NCCL (a GPU build; a CPU build has no device buffers to give it).
 bool nccl_available();
+
+// Collective over world: the NCCL world when NCCL can serve every rank, else null and *why (for
+// the start-up line): one rank, ZERO3D_NCCL=0 in the environment, or ranks sharing a GPU (NCCL
+// refuses two ranks on one device; those jobs stage their buffers through MPI, comm_staged.hpp).
+std::unique_ptr<NcclWorld> open_nccl_world(MPI_Comm world, Watchdog* watchdog, std::string* why);
 
 }  // namespace zero3d

@@ -213,7 +213,29 @@ void StagedCommunicator::all_to_all_v(const void* send, const std::vector<int64_
   r.finish();
 }
 
+void ModelMemoryComms::open_nccl(MPI_Comm world, const std::vector<MpiCommunicator*>& groups, Watchdog* watchdog) {
+  if (!nccl_available()) {
+    if (kernels::kGpuBuild) transport_ = "MPI through page-locked host copies (built without NCCL)";
+    return;
+  }
+  std::string why;
+  nccl_world_ = open_nccl_world(world, watchdog, &why);
+  if (!nccl_world_) {
+    transport_ = (kernels::kGpuBuild ? "MPI through page-locked host copies (" : "MPI (") + why + ")";
+    return;
+  }
+  for (MpiCommunicator* g : groups)
+    if (std::unique_ptr<Communicator> c = nccl_world_->split(g, g ? &staged(*g) : nullptr)) nccl_.emplace_back(g, std::move(c));
+  transport_ = nccl_world_->version() + " (each rank has a GPU of its own)";
+}
+
 Communicator& ModelMemoryComms::of(MpiCommunicator& group) {
+  for (auto& [mpi, nccl] : nccl_)
+    if (mpi == &group) return *nccl;
+  return staged(group);
+}
+
+Communicator& ModelMemoryComms::staged(MpiCommunicator& group) {
   if (!kernels::kGpuBuild) return group;
   for (auto& [mpi, staged] : staged_)
     if (mpi == &group) return *staged;

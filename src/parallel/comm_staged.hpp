@@ -83,14 +83,27 @@ class StagedCommunicator : public Communicator {
 };
 
 // The communicator each MPI group uses for buffers in model memory: the MPI communicator itself
-// on a CPU build (model memory is host memory), one staging through the host on a GPU build
-// (kept here, one per group). Host scalars keep going to the MPI communicators themselves.
+// on a CPU build (model memory is host memory); on a GPU build NCCL where every rank has a GPU of
+// its own (comm.hpp, NcclWorld), else one staging through the host (kept here, one per group).
+// Host scalars keep going to the MPI communicators themselves.
 class ModelMemoryComms {
  public:
+  // Collective over world: NCCL for the groups named, when this build has it and it can serve the
+  // job. Every rank names the same kinds of group in the same order, null where it has none.
+  void open_nccl(MPI_Comm world, const std::vector<MpiCommunicator*>& groups, Watchdog* watchdog);
   Communicator& of(MpiCommunicator& group);
+  // What carries the collectives on model memory and why, for the start-up line; empty on a CPU
+  // build without NCCL, where nothing is in question.
+  const std::string& transport() const { return transport_; }
 
  private:
+  Communicator& staged(MpiCommunicator& group);
+
   std::vector<std::pair<const Communicator*, std::unique_ptr<StagedCommunicator>>> staged_;
+  std::unique_ptr<NcclWorld> nccl_world_;
+  // declared after what they use (the staged paths, the world they were split from), so they go first
+  std::vector<std::pair<const Communicator*, std::unique_ptr<Communicator>>> nccl_;
+  std::string transport_;
 };
 
 }  // namespace zero3d

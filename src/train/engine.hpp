@@ -170,12 +170,13 @@ class Engine {
   ShardGroups shard_groups();  // the ZeRO optimizer's view of them
   // What each group uses for buffers in model memory (the MPI communicators above on a CPU
   // build); declared before everything that holds one, so that it goes after them.
-  mutable ModelMemoryComms model_comms_;  // a cache: of() makes a group's on first use
-  std::unique_ptr<ZeroOptimizer> zero_;
   // MoE (engine_moe.cpp): the expert groups, and the experts' own ZeRO optimizer over the
   // expert-data group (DESIGN-3D: no MoE branch inside ZeRO); null on a dense model or on a
   // pipeline stage without MoE blocks.
   std::unique_ptr<MpiCommunicator> ep_comm_, edp_comm_, enorm_comm_;
+  // NCCL's groups are opened at start-up (open_nccl, collective); a staged group is made on first use.
+  mutable ModelMemoryComms model_comms_;
+  std::unique_ptr<ZeroOptimizer> zero_;
   std::unique_ptr<ZeroOptimizer> expert_zero_;
   MoeRouting moe_routing() const;
   void setup_expert_optimizer(const std::function<void(float*, int64_t, int64_t)>& fill_global);

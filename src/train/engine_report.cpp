@@ -110,6 +110,8 @@ void Engine::print_startup() const {
     std::printf("device  %s (device %d of %d visible) | %.1f GiB, %.1f GiB free | %s\n", d.name.c_str(), d.id,
                 d.visible, d.total_bytes / 1073741824.0, d.free_bytes / 1073741824.0, d.backend.c_str());
   }
+  if (!model_comms_.transport().empty() && topo.world_size() > 1)
+    std::printf("comms   collectives on model memory: %s\n", model_comms_.transport().c_str());
   const int64_t total_params = gpt_layout(s).total();
   const std::string init = cfg_.model.init_from.empty() ? "initialised from seed " + std::to_string(cfg_.training.seed)
                                                         : "loaded from " + cfg_.model.init_from;
@@ -253,7 +255,7 @@ void Engine::print_startup() const {
               gemm_path(model_->compute_type()).c_str());
   const MemoryBytes m = model_state_memory();
   std::printf("zero    stage %d over %d data-parallel ranks (%s), reduce buckets of %lld elements, overlap_comm %s%s\n",
-              zero_->stage(), world_, dp_comm_->backend().c_str(), (long long)cfg_.zero.reduce_bucket_size,
+              zero_->stage(), world_, model_comms_.of(*dp_comm_).backend().c_str(), (long long)cfg_.zero.reduce_bucket_size,
               cfg_.zero.overlap_comm ? "on" : "off",
               cfg_.training.comms_timeout > 0 ? (", comms_timeout " + format_number(cfg_.training.comms_timeout) + " s").c_str() : "");
   std::printf("memory  bytes per rank: params %lld | grads %lld | master %lld | optimizer_states %lld | "

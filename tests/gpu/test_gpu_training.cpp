@@ -37,13 +37,6 @@ std::vector<double> train_losses(const std::string& model, const std::string& ex
   return losses_of(read_metrics(dir));
 }
 
-// The same run by another executable (the CPU build's), without mpiexec.
-Result run_with(const std::string& exe, const std::string& args) {
-  const std::string out = temp_path("other_stdout.txt"), err = temp_path("other_stderr.txt");
-  const int status = std::system((exe + " " + args + " >" + out + " 2>" + err).c_str());
-  return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
-}
-
 double max_distance(const std::vector<double>& a, const std::vector<double>& b) {
   double d = 0;
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) d = std::max(d, std::fabs(a[i] - b[i]));
@@ -88,6 +81,22 @@ TEST(GpuTraining, TwoRanksSharingOneGpuEqualOneRankInEveryLayout) {
     const std::vector<double> two = train_losses("quickstart", layout, 2, temp_path("np2"));
     expect_losses_close(two, one, 1e-5, "np 2 " + layout);
   }
+}
+
+// NCCL refuses two ranks on one GPU: such a job finds them on one PCI address (the device's own,
+// not a count of devices) and stages its collectives through the host, and says so.
+TEST(GpuTraining, TwoRanksSharingOneGpuSayTheyStageThroughTheHost) {
+  if (!zero3d::kernels::kGpuBuild) GTEST_SKIP() << "a CPU build's ranks share no GPU";
+  const Result r = run("train " + kSource + "/input/quickstart.json --output " + temp_path("np2_comms") +
+                           " --set training.steps=2 --set zero_optimization.stage=2",
+                       2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("comms   collectives on model memory: MPI through page-locked host copies (2 ranks share a GPU, "
+                       "which NCCL refuses)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("over 2 data-parallel ranks (mpi (model memory staged through the host))"), std::string::npos)
+      << r.out;
 }
 
 // The Llama family (GQA split by whole K/V groups under tensor parallelism) likewise.
@@ -226,7 +235,7 @@ TEST(GpuTraining, ACheckpointSavedOnTheGpuResumesOnTheCpu) {
   const std::vector<double> gpu = train_losses("quickstart", "--set training.save_interval=5", 1, dir);
   ASSERT_EQ(gpu.size(), 10u);
   const std::string out = temp_path("cpu_resumes");
-  const Result r = run_with(cpu_exe, "train " + kSource + "/input/quickstart.json --output " + out + " " +
+  const Result r = run_exe(cpu_exe, "train " + kSource + "/input/quickstart.json --output " + out + " " +
                                          reference().at("args").get<std::string>() +
                                          " --set training.resume=" + dir + "/checkpoints/global_step5");
   ASSERT_EQ(r.code, 0) << r.err;
@@ -242,7 +251,7 @@ TEST(GpuTraining, ACheckpointSavedOnTheCpuResumesOnTheGpu) {
   const char* cpu_exe = std::getenv("ZERO3D_CPU_EXE");
   if (cpu_exe == nullptr) GTEST_SKIP() << "ZERO3D_CPU_EXE (the CPU build's zero3d) is not set";
   const std::string dir = temp_path("cpu_saves");
-  const Result r = run_with(cpu_exe, "train " + kSource + "/input/quickstart.json --output " + dir + " " +
+  const Result r = run_exe(cpu_exe, "train " + kSource + "/input/quickstart.json --output " + dir + " " +
                                          reference().at("args").get<std::string>() + " --set training.save_interval=5");
   ASSERT_EQ(r.code, 0) << r.err;
   const std::vector<double> cpu = losses_of(read_metrics(dir));

@@ -66,14 +66,18 @@ inline std::string temp_path(const std::string& name) {
   return dir.path + "/" + name;
 }
 
-// Runs `zero3d ARGS` on `np` ranks (np 0: without mpiexec). `prefix` goes before the launch:
+// Runs `EXE ARGS` on `np` ranks (np 0: without mpiexec). `prefix` goes before the launch:
 // environment assignments (VAR=value) or a wrapper such as `timeout 60`.
-inline Result run(const std::string& args, int np = 0, const std::string& prefix = "") {
+inline Result run_exe(const std::string& exe, const std::string& args, int np = 0, const std::string& prefix = "") {
   const std::string out = temp_path("stdout.txt"), err = temp_path("stderr.txt");
   std::string cmd = prefix + (prefix.empty() ? "" : " ") + (np > 0 ? kMpiexec + " -np " + std::to_string(np) + " " : "") +
-                    kExe + " " + args;
+                    exe + " " + args;
   int status = std::system((cmd + " >" + out + " 2>" + err).c_str());
   return Result{WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+}
+// The same with zero3d itself.
+inline Result run(const std::string& args, int np = 0, const std::string& prefix = "") {
+  return run_exe(kExe, args, np, prefix);
 }
 
 inline std::string write_config(const std::string& name, const json& j) {
