@@ -108,6 +108,26 @@ class Communicator {
   std::unique_ptr<CommsLog> log_;
 };
 
+// A group's communicator over another path (MPI on host-staged copies, NCCL): the group's own
+// communicator counts its bytes and logs its operations, so that a group's figures read the same
+// whichever path carried them.
+class GroupPath : public Communicator {
+ public:
+  explicit GroupPath(Communicator& group) : group_(group) {}
+  int rank() const override { return group_.rank(); }
+  int size() const override { return group_.size(); }
+  int64_t bus_bytes() const override { return group_.bus_bytes(); }
+  void reset_bus_bytes() override { group_.reset_bus_bytes(); }
+  int64_t total_bus_bytes() const override { return group_.total_bus_bytes(); }
+  void observe(const std::string& axis, const std::string& trace_prefix) override { group_.observe(axis, trace_prefix); }
+  CommsLog* log() const override { return group_.log(); }
+  bool intra_node() const override { return group_.intra_node(); }
+  void set_intra_node(bool intra) override { group_.set_intra_node(intra); }
+
+ protected:
+  Communicator& group_;
+};
+
 // MPI over one communicator (MPI-4 large-count calls, so counts beyond 2^31 work).
 class MpiCommunicator : public Communicator {
  public:

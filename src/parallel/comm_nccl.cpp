@@ -57,14 +57,15 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 
 size_t count_of(int64_t n) { return static_cast<size_t>(n); }
 
-// Memory NCCL may read: what the device holds. Host memory, page-locked or not, goes to MPI.
+// Memory NCCL is given: what the device holds, as the staged path decides what to stage
+// (kernels::is_device_memory). Host memory, page-locked or not, goes to MPI.
 bool on_device(const void* p) {
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
     cudaGetLastError();  // a pointer the runtime does not know is host memory; clear the error
     return false;
   }
-  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  return a.type == cudaMemoryTypeDevice;
 }
 
 // Which transport a call takes, from the buffers it names with elements on this rank (an empty
@@ -122,12 +123,12 @@ class NcclRequest : public CommRequest {
   bool done_ = false;
 };
 
-// One group's collectives: device buffers on NCCL, the rest as comm.hpp says. Counts its bytes
-// and logs its operations as the MPI group's (count_traffic, log()).
-class NcclGroup : public Communicator {
+// One group's collectives: device buffers on NCCL, the rest as comm.hpp says. Its bytes and log
+// are the MPI group's (GroupPath, count_traffic).
+class NcclGroup : public GroupPath {
  public:
   NcclGroup(ncclComm_t comm, MpiCommunicator& host, Communicator& staged, Watchdog* w)
-      : comm_(comm), host_(host), staged_(staged), watchdog_(w) {
+      : GroupPath(host), comm_(comm), staged_(staged), watchdog_(w) {
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     check_cuda(cudaEventCreateWithFlags(&computed_, cudaEventDisableTiming), "cudaEventCreate");
   }
@@ -138,16 +139,14 @@ class NcclGroup : public Communicator {
     ncclCommDestroy(comm_);
   }
   std::string backend() const override { return "nccl"; }
-  int rank() const override { return host_.rank(); }
-  int size() const override { return host_.size(); }
 
   void all_reduce(void* buf, int64_t count, DType type, ReduceOp op) override {
     switch (route({{buf, count}})) {
-      case Route::Host: return host_.all_reduce(buf, count, type, op);
+      case Route::Host: return group_.all_reduce(buf, count, type, op);
       case Route::Staged: return staged_.all_reduce(buf, count, type, op);
       case Route::Nccl: break;
     }
-    host_.count_traffic(2.0 * ring_factor(), count, type);
+    group_.count_traffic(2.0 * ring_factor(), count, type);
     const BlockingCall observed(log(), CommOp::AllReduce, count, type);
     after_compute();
     check_nccl(ncclAllReduce(buf, buf, count_of(count), nccl_type(type), nccl_op(op), comm_, stream_), "ncclAllReduce");
@@ -155,11 +154,11 @@ class NcclGroup : public Communicator {
   }
   std::unique_ptr<CommRequest> all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) override {
     switch (route({{buf, count}})) {
-      case Route::Host: return host_.all_reduce_async(buf, count, type, op);
+      case Route::Host: return group_.all_reduce_async(buf, count, type, op);
       case Route::Staged: return staged_.all_reduce_async(buf, count, type, op);
       case Route::Nccl: break;
     }
-    host_.count_traffic(2.0 * ring_factor(), count, type);
+    group_.count_traffic(2.0 * ring_factor(), count, type);
     const Observed o = observe_op(log(), CommOp::AllReduce, count, type);
     after_compute();
     check_nccl(ncclAllReduce(buf, buf, count_of(count), nccl_type(type), nccl_op(op), comm_, stream_), "ncclAllReduce");
@@ -167,11 +166,11 @@ class NcclGroup : public Communicator {
   }
   void reduce_scatter(const void* send, void* recv, int64_t recv_count, DType type, ReduceOp op) override {
     switch (route({{send, recv_count * size()}, {recv, recv_count}})) {
-      case Route::Host: return host_.reduce_scatter(send, recv, recv_count, type, op);
+      case Route::Host: return group_.reduce_scatter(send, recv, recv_count, type, op);
       case Route::Staged: return staged_.reduce_scatter(send, recv, recv_count, type, op);
       case Route::Nccl: break;
     }
-    host_.count_traffic(ring_factor(), recv_count * size(), type);
+    group_.count_traffic(ring_factor(), recv_count * size(), type);
     const BlockingCall observed(log(), CommOp::ReduceScatter, recv_count * size(), type);
     after_compute();
     check_nccl(ncclReduceScatter(send, recv, count_of(recv_count), nccl_type(type), nccl_op(op), comm_, stream_),
@@ -180,11 +179,11 @@ class NcclGroup : public Communicator {
   }
   void all_gather(const void* send, void* recv, int64_t send_count, DType type) override {
     switch (route({{send, send_count}, {recv, send_count * size()}})) {
-      case Route::Host: return host_.all_gather(send, recv, send_count, type);
+      case Route::Host: return group_.all_gather(send, recv, send_count, type);
       case Route::Staged: return staged_.all_gather(send, recv, send_count, type);
       case Route::Nccl: break;
     }
-    host_.count_traffic(ring_factor(), send_count * size(), type);
+    group_.count_traffic(ring_factor(), send_count * size(), type);
     const BlockingCall observed(log(), CommOp::AllGather, send_count * size(), type);
     after_compute();
     check_nccl(ncclAllGather(send, recv, count_of(send_count), nccl_type(type), comm_, stream_), "ncclAllGather");
@@ -197,11 +196,11 @@ class NcclGroup : public Communicator {
                                                      DType type, ReduceOp op) override {
     const int64_t n = total(counts), mine = counts[static_cast<size_t>(rank())];
     switch (route({{send, n}, {recv, mine}})) {
-      case Route::Host: return host_.reduce_scatter_v_async(send, recv, counts, type, op);
+      case Route::Host: return group_.reduce_scatter_v_async(send, recv, counts, type, op);
       case Route::Staged: return staged_.reduce_scatter_v_async(send, recv, counts, type, op);
       case Route::Nccl: break;
     }
-    host_.count_traffic(ring_factor(), n, type);
+    group_.count_traffic(ring_factor(), n, type);
     const Observed o = observe_op(log(), CommOp::ReduceScatter, n, type);
     after_compute();
     const size_t es = dtype_size(type);
@@ -234,11 +233,11 @@ class NcclGroup : public Communicator {
     int64_t end = 0;
     for (size_t r = 0; r < counts.size(); ++r) end = std::max(end, displs[r] + counts[r]);
     switch (route({{buf, end}})) {
-      case Route::Host: return host_.all_gather_v_async(buf, counts, displs, type);
+      case Route::Host: return group_.all_gather_v_async(buf, counts, displs, type);
       case Route::Staged: return staged_.all_gather_v_async(buf, counts, displs, type);
       case Route::Nccl: break;
     }
-    host_.count_traffic(ring_factor(), n, type);
+    group_.count_traffic(ring_factor(), n, type);
     const Observed o = observe_op(log(), CommOp::AllGather, n, type);
     after_compute();
     const size_t es = dtype_size(type);
@@ -264,11 +263,11 @@ class NcclGroup : public Communicator {
   }
   void broadcast(void* buf, int64_t count, DType type, int root) override {
     switch (route({{buf, count}})) {
-      case Route::Host: return host_.broadcast(buf, count, type, root);
+      case Route::Host: return group_.broadcast(buf, count, type, root);
       case Route::Staged: return staged_.broadcast(buf, count, type, root);
       case Route::Nccl: break;
     }
-    host_.count_traffic(1.0, count, type);
+    group_.count_traffic(1.0, count, type);
     const BlockingCall observed(log(), CommOp::Broadcast, count, type);
     after_compute();
     check_nccl(ncclBroadcast(buf, buf, count_of(count), nccl_type(type), root, comm_, stream_), "ncclBroadcast");
@@ -286,10 +285,10 @@ class NcclGroup : public Communicator {
   std::unique_ptr<CommRequest> irecv(void* buf, int64_t count, DType type, int peer, int tag) override {
     return staged_.irecv(buf, count, type, peer, tag);
   }
-  void barrier() override { host_.barrier(); }
+  void barrier() override { group_.barrier(); }
   void all_to_all(const void* send, void* recv, int64_t count, DType type) override {
     switch (route({{send, count * size()}, {recv, count * size()}})) {
-      case Route::Host: return host_.all_to_all(send, recv, count, type);
+      case Route::Host: return group_.all_to_all(send, recv, count, type);
       case Route::Staged: return staged_.all_to_all(send, recv, count, type);
       case Route::Nccl: break;
     }
@@ -299,20 +298,12 @@ class NcclGroup : public Communicator {
   void all_to_all_v(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                     const std::vector<int64_t>& recv_counts, DType type) override {
     switch (route({{send, total(send_counts)}, {recv, total(recv_counts)}})) {
-      case Route::Host: return host_.all_to_all_v(send, send_counts, recv, recv_counts, type);
+      case Route::Host: return group_.all_to_all_v(send, send_counts, recv, recv_counts, type);
       case Route::Staged: return staged_.all_to_all_v(send, send_counts, recv, recv_counts, type);
       case Route::Nccl: break;
     }
     exchange(send, send_counts, recv, recv_counts, type);
   }
-
-  int64_t bus_bytes() const override { return host_.bus_bytes(); }
-  void reset_bus_bytes() override { host_.reset_bus_bytes(); }
-  int64_t total_bus_bytes() const override { return host_.total_bus_bytes(); }
-  void observe(const std::string& axis, const std::string& trace_prefix) override { host_.observe(axis, trace_prefix); }
-  CommsLog* log() const override { return host_.log(); }
-  bool intra_node() const override { return host_.intra_node(); }
-  void set_intra_node(bool intra) override { host_.set_intra_node(intra); }
 
  private:
   // NCCL's all-to-all is grouped point-to-point (nccl-tests alltoall.cu); a rank's own block too.
@@ -324,7 +315,7 @@ class NcclGroup : public Communicator {
     int64_t leaving = 0;
     for (int r = 0; r < size(); ++r)
       if (r != rank()) leaving += send_counts[static_cast<size_t>(r)];
-    host_.count_traffic(1.0, leaving, type);  // the rows that really cross to another rank
+    group_.count_traffic(1.0, leaving, type);  // the rows that really cross to another rank
     const BlockingCall observed(log(), CommOp::AllToAll, total(send_counts), type);
     after_compute();
     check_nccl(ncclGroupStart(), "ncclGroupStart");
@@ -359,7 +350,6 @@ class NcclGroup : public Communicator {
   }
 
   ncclComm_t comm_;
-  MpiCommunicator& host_;
   Communicator& staged_;
   Watchdog* watchdog_;
   cudaStream_t stream_ = nullptr;

@@ -91,7 +91,7 @@ int64_t sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v
 }  // namespace
 
 StagedCommunicator::StagedCommunicator(Communicator& host, StagingRoutes routes)
-    : host_(host), routes_(std::move(routes)), pool_(std::make_shared<StagingPool>()) {}
+    : GroupPath(host), routes_(std::move(routes)), pool_(std::make_shared<StagingPool>()) {}
 
 StagedCommunicator::Staged StagedCommunicator::out(const void* buf, int64_t count, DType type) {
   if (count <= 0 || !buf || !routes_.in_model_memory(buf)) return Staged::direct(const_cast<void*>(buf));
@@ -123,26 +123,26 @@ std::vector<std::function<void()>> finishing(S&&... staged) {
 
 void StagedCommunicator::all_reduce(void* buf, int64_t count, DType type, ReduceOp op) {
   Staged b = inout(buf, count, type);
-  host_.all_reduce(b.ptr(), count, type, op);
+  group_.all_reduce(b.ptr(), count, type, op);
   b.finish();
 }
 
 std::unique_ptr<CommRequest> StagedCommunicator::all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) {
   Staged b = inout(buf, count, type);
-  auto inner = host_.all_reduce_async(b.ptr(), count, type, op);
+  auto inner = group_.all_reduce_async(b.ptr(), count, type, op);
   return std::make_unique<StagedRequest>(std::move(inner), finishing(std::move(b)));
 }
 
 void StagedCommunicator::reduce_scatter(const void* send, void* recv, int64_t recv_count, DType type, ReduceOp op) {
   Staged s = out(send, recv_count * size(), type), r = in(recv, recv_count, type);
-  host_.reduce_scatter(s.ptr(), r.ptr(), recv_count, type, op);
+  group_.reduce_scatter(s.ptr(), r.ptr(), recv_count, type, op);
   s.finish();
   r.finish();
 }
 
 void StagedCommunicator::all_gather(const void* send, void* recv, int64_t send_count, DType type) {
   Staged s = out(send, send_count, type), r = in(recv, send_count * size(), type);
-  host_.all_gather(s.ptr(), r.ptr(), send_count, type);
+  group_.all_gather(s.ptr(), r.ptr(), send_count, type);
   s.finish();
   r.finish();
 }
@@ -151,7 +151,7 @@ std::unique_ptr<CommRequest> StagedCommunicator::reduce_scatter_v_async(const vo
                                                                        const std::vector<int64_t>& counts, DType type,
                                                                        ReduceOp op) {
   Staged s = out(send, sum(counts), type), r = in(recv, counts[static_cast<size_t>(rank())], type);
-  auto inner = host_.reduce_scatter_v_async(s.ptr(), r.ptr(), counts, type, op);
+  auto inner = group_.reduce_scatter_v_async(s.ptr(), r.ptr(), counts, type, op);
   return std::make_unique<StagedRequest>(std::move(inner), finishing(std::move(s), std::move(r)));
 }
 
@@ -164,43 +164,43 @@ std::unique_ptr<CommRequest> StagedCommunicator::all_gather_v_async(void* buf, c
   for (size_t r = 0; r < counts.size(); ++r)
     if (counts[r] > 0) extent = std::max(extent, displs[r] + counts[r]);
   Staged b = inout(buf, extent, type);
-  auto inner = host_.all_gather_v_async(b.ptr(), counts, displs, type);
+  auto inner = group_.all_gather_v_async(b.ptr(), counts, displs, type);
   return std::make_unique<StagedRequest>(std::move(inner), finishing(std::move(b)));
 }
 
 void StagedCommunicator::broadcast(void* buf, int64_t count, DType type, int root) {
   Staged b = inout(buf, count, type);
-  host_.broadcast(b.ptr(), count, type, root);
+  group_.broadcast(b.ptr(), count, type, root);
   b.finish();
 }
 
 void StagedCommunicator::send(const void* buf, int64_t count, DType type, int peer, int tag) {
   Staged b = out(buf, count, type);
-  host_.send(b.ptr(), count, type, peer, tag);
+  group_.send(b.ptr(), count, type, peer, tag);
   b.finish();
 }
 
 void StagedCommunicator::recv(void* buf, int64_t count, DType type, int peer, int tag) {
   Staged b = in(buf, count, type);
-  host_.recv(b.ptr(), count, type, peer, tag);
+  group_.recv(b.ptr(), count, type, peer, tag);
   b.finish();
 }
 
 std::unique_ptr<CommRequest> StagedCommunicator::isend(const void* buf, int64_t count, DType type, int peer, int tag) {
   Staged b = out(buf, count, type);
-  auto inner = host_.isend(b.ptr(), count, type, peer, tag);
+  auto inner = group_.isend(b.ptr(), count, type, peer, tag);
   return std::make_unique<StagedRequest>(std::move(inner), finishing(std::move(b)));
 }
 
 std::unique_ptr<CommRequest> StagedCommunicator::irecv(void* buf, int64_t count, DType type, int peer, int tag) {
   Staged b = in(buf, count, type);
-  auto inner = host_.irecv(b.ptr(), count, type, peer, tag);
+  auto inner = group_.irecv(b.ptr(), count, type, peer, tag);
   return std::make_unique<StagedRequest>(std::move(inner), finishing(std::move(b)));
 }
 
 void StagedCommunicator::all_to_all(const void* send, void* recv, int64_t count, DType type) {
   Staged s = out(send, count * size(), type), r = in(recv, count * size(), type);
-  host_.all_to_all(s.ptr(), r.ptr(), count, type);
+  group_.all_to_all(s.ptr(), r.ptr(), count, type);
   s.finish();
   r.finish();
 }
@@ -208,7 +208,7 @@ void StagedCommunicator::all_to_all(const void* send, void* recv, int64_t count,
 void StagedCommunicator::all_to_all_v(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                                       const std::vector<int64_t>& recv_counts, DType type) {
   Staged s = out(send, sum(send_counts), type), r = in(recv, sum(recv_counts), type);
-  host_.all_to_all_v(s.ptr(), send_counts, r.ptr(), recv_counts, type);
+  group_.all_to_all_v(s.ptr(), send_counts, r.ptr(), recv_counts, type);
   s.finish();
   r.finish();
 }

@@ -32,13 +32,11 @@ StagingRoutes model_memory_staging();
 // The host side of staged buffers: page-locked on a GPU build (kernels::HostStagingBuffer).
 using StagingPool = BasicPool<kernels::HostStagingBuffer>;
 
-class StagedCommunicator : public Communicator {
+class StagedCommunicator : public GroupPath {
  public:
   // host: the communicator the calls go to (not owned; it outlives this one).
   StagedCommunicator(Communicator& host, StagingRoutes routes);
-  std::string backend() const override { return host_.backend() + " (model memory staged through the host)"; }
-  int rank() const override { return host_.rank(); }
-  int size() const override { return host_.size(); }
+  std::string backend() const override { return group_.backend() + " (model memory staged through the host)"; }
 
   void all_reduce(void* buf, int64_t count, DType type, ReduceOp op) override;
   std::unique_ptr<CommRequest> all_reduce_async(void* buf, int64_t count, DType type, ReduceOp op) override;
@@ -53,19 +51,10 @@ class StagedCommunicator : public Communicator {
   void recv(void* buf, int64_t count, DType type, int peer, int tag) override;
   std::unique_ptr<CommRequest> isend(const void* buf, int64_t count, DType type, int peer, int tag) override;
   std::unique_ptr<CommRequest> irecv(void* buf, int64_t count, DType type, int peer, int tag) override;
-  void barrier() override { host_.barrier(); }
+  void barrier() override { group_.barrier(); }
   void all_to_all(const void* send, void* recv, int64_t count, DType type) override;
   void all_to_all_v(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                     const std::vector<int64_t>& recv_counts, DType type) override;
-
-  // The wrapped communicator counts and logs every call.
-  int64_t bus_bytes() const override { return host_.bus_bytes(); }
-  void reset_bus_bytes() override { host_.reset_bus_bytes(); }
-  int64_t total_bus_bytes() const override { return host_.total_bus_bytes(); }
-  void observe(const std::string& axis, const std::string& trace_prefix) override { host_.observe(axis, trace_prefix); }
-  CommsLog* log() const override { return host_.log(); }
-  bool intra_node() const override { return host_.intra_node(); }
-  void set_intra_node(bool intra) override { host_.set_intra_node(intra); }
 
   // Host staging bytes held (in use and spare) and their peak, for the memory report.
   int64_t staging_bytes() const { return pool_->held_bytes(); }
@@ -76,7 +65,6 @@ class StagedCommunicator : public Communicator {
   Staged in(void* buf, int64_t count, DType type);         // copied back by finish() (the call writes it)
   Staged inout(void* buf, int64_t count, DType type);      // both
 
-  Communicator& host_;
   StagingRoutes routes_;
   // shared with the requests in flight, which give their buffers back; page-locked on a GPU build
   std::shared_ptr<StagingPool> pool_;

@@ -168,15 +168,16 @@ class Engine {
   // MiCS / hpZ's groups (ProcessGroups' DataShards), by name; empty without them.
   std::vector<std::pair<std::string, std::unique_ptr<MpiCommunicator>>> shard_comms_;
   ShardGroups shard_groups();  // the ZeRO optimizer's view of them
-  // What each group uses for buffers in model memory (the MPI communicators above on a CPU
-  // build); declared before everything that holds one, so that it goes after them.
-  // MoE (engine_moe.cpp): the expert groups, and the experts' own ZeRO optimizer over the
-  // expert-data group (DESIGN-3D: no MoE branch inside ZeRO); null on a dense model or on a
-  // pipeline stage without MoE blocks.
+  // MoE (engine_moe.cpp): the expert groups; null on a dense model.
   std::unique_ptr<MpiCommunicator> ep_comm_, edp_comm_, enorm_comm_;
-  // NCCL's groups are opened at start-up (open_nccl, collective); a staged group is made on first use.
+  // What each group uses for buffers in model memory (the MPI communicators above on a CPU
+  // build): declared after the groups it wraps and before everything that holds one of its
+  // communicators, so that it is destroyed after those and before the groups. NCCL's are opened
+  // at start-up (open_nccl, collective over the world); a staged one is made on first use.
   mutable ModelMemoryComms model_comms_;
   std::unique_ptr<ZeroOptimizer> zero_;
+  // The experts' own ZeRO optimizer over the expert-data group (DESIGN-3D: no MoE branch inside
+  // ZeRO); null on a dense model or on a pipeline stage without MoE blocks.
   std::unique_ptr<ZeroOptimizer> expert_zero_;
   MoeRouting moe_routing() const;
   void setup_expert_optimizer(const std::function<void(float*, int64_t, int64_t)>& fill_global);
