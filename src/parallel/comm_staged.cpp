@@ -218,8 +218,12 @@ void ModelMemoryComms::open_nccl(MPI_Comm world, const std::vector<MpiCommunicat
     if (kernels::kGpuBuild) transport_ = "MPI through page-locked host copies (built without NCCL)";
     return;
   }
-  std::string why;
-  nccl_world_ = open_nccl_world(world, watchdog, &why);
+  int spans = 0;  // a group of more than one rank anywhere in the job (else NCCL has nothing to carry)
+  for (MpiCommunicator* g : groups) spans |= g && g->size() > 1 ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &spans, 1, MPI_INT, MPI_MAX, world);
+  std::string why = "no group but the pipeline's spans ranks";
+  const int64_t free_before = kernels::kGpuBuild ? kernels::device_info().free_bytes : 0;
+  if (spans) nccl_world_ = open_nccl_world(world, watchdog, &why);
   if (!nccl_world_) {
     transport_ = (kernels::kGpuBuild ? "MPI through page-locked host copies (" : "MPI (") + why + ")";
     return;
@@ -227,6 +231,11 @@ void ModelMemoryComms::open_nccl(MPI_Comm world, const std::vector<MpiCommunicat
   for (MpiCommunicator* g : groups)
     if (std::unique_ptr<Communicator> c = nccl_world_->split(g, g ? &staged(*g) : nullptr)) nccl_.emplace_back(g, std::move(c));
   transport_ = nccl_world_->version() + " (each rank has a GPU of its own)";
+  // NCCL's buffers are its own allocations, outside the plan: what they took, as the device saw it
+  // (the engine holds the plan to the memory left after them).
+  const int64_t taken = free_before - kernels::device_info().free_bytes;
+  if (kernels::kGpuBuild && taken > 0)
+    transport_ += ", " + std::to_string((taken + (1 << 20) - 1) >> 20) + " MiB of device memory for its communicators";
 }
 
 Communicator& ModelMemoryComms::of(MpiCommunicator& group) {

@@ -74,12 +74,15 @@ Engine::Engine(const Config& cfg, const ProcessGroups& groups, std::string outpu
   world_ = dp_comm_->size();
   stage_ = pipe_comm_->rank();
   stages_ = pipe_comm_->size();
-  if constexpr (kernels::kGpuBuild) run_collectively(groups.world(), [&] { check_device_memory(cfg_, groups.world()); });
   // NCCL for the groups whose collectives carry model memory. The pipe group's traffic is
-  // point-to-point, which keeps MPI's tags (comm.hpp), so it gets no NCCL communicator.
-  std::vector<MpiCommunicator*> device_groups{dp_comm_.get(), tp_comm_.get(), emb_comm_.get(), ep_comm_.get(), edp_comm_.get()};
+  // point-to-point, which keeps MPI's tags (comm.hpp), so it gets no NCCL communicator. Opened
+  // before the plan is held to the device's free memory, so that NCCL's own buffers count.
+  // (The embedding group carries the tied head's gradient only.)
+  MpiCommunicator* tied = shape_of(cfg_.model).tied_head() ? emb_comm_.get() : nullptr;
+  std::vector<MpiCommunicator*> device_groups{dp_comm_.get(), tp_comm_.get(), tied, ep_comm_.get(), edp_comm_.get()};
   for (auto& [name, c] : shard_comms_) device_groups.push_back(c.get());
   run_collectively(groups.world(), [&] { model_comms_.open_nccl(groups.world(), device_groups, watchdog); });
+  if constexpr (kernels::kGpuBuild) run_collectively(groups.world(), [&] { check_device_memory(cfg_, groups.world()); });
   run_collectively(groups.world(), [this] { setup_local(); });
   if (!cfg_.training.resume.empty()) resume_from_checkpoint();
   if (groups_.rank() == 0 && !output_dir_.empty()) open_metrics();

@@ -116,4 +116,21 @@ TEST(NcclRanks, SharingAGpuTrainsOverMpiAndSaysWhy) {
 #endif
 }
 
+// A pipeline whose head is untied has no group but the pipe's spanning ranks, and the pipe's traffic
+// is point-to-point (MPI's tags): NCCL is not opened for nothing.
+TEST(NcclRanks, APipelineWithAnUntiedHeadOpensNoNccl) {
+#ifndef ZERO3D_NCCL_SIM_EXE
+  GTEST_SKIP() << "this build has the real NCCL: the gpu label runs it";
+#else
+  const std::string dir = temp_path("nccl_untied_pipe");
+  const Result r = run_exe(kNcclSim, "train " + kSource + "/input/llama-tiny.json --output " + dir +
+                                         " --set pipeline.stages=2 --set training.steps=3", 2);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("comms   collectives on model memory: MPI (no group but the pipeline's spans ranks)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(losses_of(read_metrics(dir)).size(), 3u);
+#endif
+}
+
 }  // namespace
