@@ -189,12 +189,13 @@ class NcclGroup : public GroupPath {
     check_nccl(ncclAllGather(send, recv, count_of(send_count), nccl_type(type), comm_, stream_), "ncclAllGather");
     sync("all_gather");
   }
-  // NCCL has no v-collectives. Equal blocks are one ncclReduceScatter (a ring); unequal ones one
-  // ncclReduce a block to its rank, fused in a group (nccl-tests' reduce_scatter, DeepSpeed's
-  // reduce_scatter_coalesced do the same).
+  // NCCL has no v-collectives. Equal blocks are one ncclReduceScatter (a ring); unequal ones an
+  // ncclReduce of each block to its rank, fused in one group, as DeepSpeed's ZeRO-1/2
+  // average_tensor reduces each partition's slice to its owner (stage_1_and_2.py, dist.reduce).
   std::unique_ptr<CommRequest> reduce_scatter_v_async(const void* send, void* recv, const std::vector<int64_t>& counts,
                                                      DType type, ReduceOp op) override {
     const int64_t n = total(counts), mine = counts[static_cast<size_t>(rank())];
+    if (n == 0) return std::make_unique<CompletedRequest>();
     switch (route({{send, n}, {recv, mine}})) {
       case Route::Host: return group_.reduce_scatter_v_async(send, recv, counts, type, op);
       case Route::Staged: return staged_.reduce_scatter_v_async(send, recv, counts, type, op);
@@ -205,7 +206,6 @@ class NcclGroup : public GroupPath {
     after_compute();
     const size_t es = dtype_size(type);
     const char* base = static_cast<const char*>(send);
-    if (n == 0) return std::make_unique<CompletedRequest>();
     if (equal(counts) && (static_cast<const char*>(recv) == base + mine * rank() * int64_t(es) ||
                           !overlaps(recv, mine * int64_t(es), send, n * int64_t(es)))) {
       check_nccl(ncclReduceScatter(send, recv, count_of(mine), nccl_type(type), nccl_op(op), comm_, stream_),
