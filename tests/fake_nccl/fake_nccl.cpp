@@ -150,7 +150,8 @@ char* keep_copy(const void* src, size_t bytes) {  // a call's input as it was wh
   return g_group.temps.back()->data();
 }
 
-// Runs a call now (outside a group) or posts it to complete at ncclGroupEnd.
+// An MPI call's result as NCCL's. Every call is posted nonblocking (next_request) and completes
+// at once outside a group (finish_if_outside), or at ncclGroupEnd inside one.
 ncclResult_t run(int rc_mpi, const char* call) {
   if (rc_mpi != MPI_SUCCESS) return refuse(ncclSystemError, std::string(call) + ": MPI failed");
   return ncclSuccess;
