@@ -145,7 +145,7 @@ if [ -f "$out/gpu_flash_attention_test.txt" ] && ! ran gpu_flash_attention_test 
     --gtest_filter='GpuAttention.Bf16*'
 fi
 step gpu_training_tests_new 200 zero3d_gpu_tests \
-  --gtest_filter='GpuTraining.TwoRanksSharingOneGpuSay*:GpuTraining.ZeroOffload*:GpuTraining.ParameterOffload*:GpuTraining.SparseAttention*:GpuTraining.MixtureOfExperts*:GpuTraining.ACheckpointSavedOnTheCpu*:GpuGenerate.*' \
+  --gtest_filter='GpuTraining.TwoRanksSharingOneGpuSay*:GpuTraining.ZeroOffload*:GpuTraining.ParameterOffload*:GpuTraining.SparseAttention*:GpuTraining.MixtureOfExperts*:GpuTraining.ACheckpointSavedOnTheCpu*:GpuTraining.TensorRanksKeepingBf16*:GpuGenerate.*' \
   --gtest_output="json:$out/gpu_training_tests_new.json"
 
 # 4. ZeRO-Offload's GPU form and ZeRO-Infinity's parameter offload: GPT-2 124M bf16 with
@@ -159,7 +159,7 @@ train gpt2_124m_bf16_offload_param 60 gpt2-124m -- --set training.steps=8 --set 
 
 # 5. The training checks a device has run before.
 step gpu_training_tests 150 zero3d_gpu_tests \
-  --gtest_filter='GpuTraining.*:-GpuTraining.TwoRanksSharingOneGpuSay*:GpuTraining.ZeroOffload*:GpuTraining.ParameterOffload*:GpuTraining.SparseAttention*:GpuTraining.MixtureOfExperts*:GpuTraining.ACheckpointSavedOnTheCpu*' \
+  --gtest_filter='GpuTraining.*:-GpuTraining.TwoRanksSharingOneGpuSay*:GpuTraining.ZeroOffload*:GpuTraining.ParameterOffload*:GpuTraining.SparseAttention*:GpuTraining.MixtureOfExperts*:GpuTraining.ACheckpointSavedOnTheCpu*:GpuTraining.TensorRanksKeepingBf16*' \
   --gtest_output="json:$out/gpu_training_tests.json"
 
 # 6. The Llama family's throughput, and its peer.

@@ -132,10 +132,11 @@ inline void matmul_forward_adding(float* out, const float* residual, const bf16*
 }
 
 // out = bf16(inp · weight + bias): the product rounds its own result (gemm_bf16_output) when
-// its only reader takes bf16, as the MLP's GELU does. compute is BF16.
-template <typename P>
-inline void matmul_forward(bf16* out, const bf16* inp, const P* weight, const P* bias, Index N, Index IC, Index OC) {
-  gemm_bf16_output(N, OC, IC, {inp, DType::BF16, false, IC}, {weight, dtype_of<P>(), false, OC}, out, bias,
+// its only reader takes bf16, as the MLP's GELU does. compute is BF16. In: the input's stored
+// type (fp32: a sequence-parallel gather's tokens).
+template <typename P, typename In>
+inline void matmul_forward(bf16* out, const In* inp, const P* weight, const P* bias, Index N, Index IC, Index OC) {
+  gemm_bf16_output(N, OC, IC, {inp, dtype_of<In>(), false, IC}, {weight, dtype_of<P>(), false, OC}, out, bias,
                    dtype_of<P>());
 }
 
@@ -163,12 +164,12 @@ inline void matmul_backward(float* dinp, float* dweight, float* dbias, const flo
 }
 
 // The same with dout already in the products' form (a bf16 gemm_operand_slot its producer
-// filled, the bias gradient taken in that same pass).
-template <typename P>
-inline void matmul_backward(float* dinp, float* dweight, const GemmOperand& dout, const bf16* inp, const P* weight,
+// filled, the bias gradient taken in that same pass). In: as above (fp32: a sequence-parallel gather's).
+template <typename P, typename In>
+inline void matmul_backward(float* dinp, float* dweight, const GemmOperand& dout, const In* inp, const P* weight,
                             Index N, Index IC, Index OC, DType compute = DType::BF16, bool add_dweight = true) {
   if (dinp) gemm(N, IC, OC, dout, {weight, dtype_of<P>(), true, OC}, dinp, IC, false, compute);
-  if (dweight) gemm(IC, OC, N, {inp, DType::BF16, true, IC}, dout, dweight, OC, dweight_accumulates(add_dweight, compute), compute);
+  if (dweight) gemm(IC, OC, N, {inp, dtype_of<In>(), true, IC}, dout, dweight, OC, dweight_accumulates(add_dweight, compute), compute);
 }
 
 // nn.Linear: out[N,OC] = inp[N,IC] · weight[OC,IC]ᵀ + bias (+ out when accumulate: a residual

@@ -43,33 +43,37 @@ inline void vocab_embedding_backward(float* dwte_local, float* dwpe, const float
 
 // The cross-entropy's row passes a row to a warp, as crossentropy_forward's device form
 // (crossentropy.hpp). A rank whose columns are all padding keeps the CPU form's -inf max.
-ZERO3D_KERNEL void vocab_ce_local_max(float* row_max, const float* logits, Index N, Index Vl, Index real_cols) {
+// Logits fp32 or bf16 (L), each widened as it is read.
+template <typename L>
+ZERO3D_KERNEL void vocab_ce_local_max(float* row_max, const L* logits, Index N, Index Vl, Index real_cols) {
   Kokkos::parallel_for("vocab_ce_local_max", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
     if (i >= N) return;
-    const float* z = logits + i * Vl;
+    const L* z = logits + i * Vl;
     float mx;  // the reducer's result (its identity is -FLT_MAX)
     Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(team, real_cols), [&](Index v, float& m) { m = z[v] > m ? z[v] : m; },
-        Kokkos::Max<float>(mx));
+        Kokkos::ThreadVectorRange(team, real_cols),
+        [&](Index v, float& m) { m = to_float(z[v]) > m ? to_float(z[v]) : m; }, Kokkos::Max<float>(mx));
     Kokkos::single(Kokkos::PerThread(team), [&] { row_max[i] = real_cols > 0 ? mx : -INFINITY; });
   });
 }
 
-ZERO3D_KERNEL void vocab_ce_local_sums(float* sum_exp, float* target_logit, const float* logits, const float* row_max,
+template <typename L>
+ZERO3D_KERNEL void vocab_ce_local_sums(float* sum_exp, float* target_logit, const L* logits, const float* row_max,
                                 const int32_t* targets, Index v0, Index N, Index Vl, Index real_cols) {
   Kokkos::parallel_for("vocab_ce_local_sums", row_teams(N), KOKKOS_LAMBDA(const RowTeam& team) {
     const Index i = team_row(team);
     if (i >= N) return;
-    const float* z = logits + i * Vl;
+    const L* z = logits + i * Vl;
     const float mx = row_max[i];
     float sum = 0.0f;
     Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(team, real_cols), [&](Index v, float& s) { s += fast_exp(z[v] - mx); }, sum);
+        Kokkos::ThreadVectorRange(team, real_cols), [&](Index v, float& s) { s += fast_exp(to_float(z[v]) - mx); },
+        sum);
     Kokkos::single(Kokkos::PerThread(team), [&] {
       sum_exp[i] = sum;
       const Index t = static_cast<Index>(targets[i]) - v0;
-      target_logit[i] = t >= 0 && t < real_cols ? z[t] : 0.0f;
+      target_logit[i] = t >= 0 && t < real_cols ? to_float(z[t]) : 0.0f;
     });
   });
 }
@@ -83,6 +87,21 @@ ZERO3D_KERNEL void vocab_ce_backward(float* logits, const float* lse, const int3
   Kokkos::parallel_for("vocab_ce_backward_target", range(N), KOKKOS_LAMBDA(Index i) {
     const Index t = static_cast<Index>(targets[i]) - v0;
     if (t >= 0 && t < real_cols) logits[i * Vl + t] -= dloss;
+  });
+}
+
+// A thread per logit, the target's subtraction in the same thread: each gradient made in fp32
+// and rounded once, over its own logit.
+ZERO3D_KERNEL void vocab_ce_backward_bf16(bf16* logits, const float* lse, const int32_t* targets, float dloss, Index v0,
+                                          Index N, Index Vl, Index real_cols) {
+  Kokkos::parallel_for("vocab_ce_backward_bf16", range(N * Vl), KOKKOS_LAMBDA(Index j) {
+    const Index i = j / Vl, c = j - i * Vl;
+    float g = 0.0f;
+    if (c < real_cols) {
+      g = fast_exp(to_float(logits[j]) - lse[i]) * dloss;
+      if (c == static_cast<Index>(targets[i]) - v0) g -= dloss;
+    }
+    logits[j] = to_bf16(g);
   });
 }
 
@@ -146,14 +165,17 @@ ZERO3D_KERNEL void vocab_embedding_backward(float* dwte_local, float* dwpe, cons
 }
 
 // Step 1: row max over this rank's real columns (global ids < V); all-reduce MAX next.
-ZERO3D_KERNEL void vocab_ce_local_max(float* row_max, const float* logits, Index N, Index Vl, Index real_cols) {
+// Logits fp32 or bf16 (L: a GPU's bf16 step, model/bf16_activations.hpp logits_bf16), each
+// widened as it is read: the bits of the fp32 form on the widened values, in steps 1 and 2.
+template <typename L>
+ZERO3D_KERNEL void vocab_ce_local_max(float* row_max, const L* logits, Index N, Index Vl, Index real_cols) {
 #ifdef ZERO3D_DEVICE
   gpu::vocab_ce_local_max(row_max, logits, N, Vl, real_cols);
 #else
   Kokkos::parallel_for("vocab_ce_local_max", range(N), KOKKOS_LAMBDA(Index i) {
-    const float* z = logits + i * Vl;
+    const L* z = logits + i * Vl;
     float mx = -INFINITY;
-    for (Index v = 0; v < real_cols; ++v) mx = z[v] > mx ? z[v] : mx;
+    for (Index v = 0; v < real_cols; ++v) mx = to_float(z[v]) > mx ? to_float(z[v]) : mx;
     row_max[i] = mx;
   });
 #endif
@@ -161,19 +183,20 @@ ZERO3D_KERNEL void vocab_ce_local_max(float* row_max, const float* logits, Index
 
 // Step 2: sum of exp(z - max) over real columns, and the target's logit where this rank owns
 // it (0 elsewhere); all-reduce SUM of both next.
-ZERO3D_KERNEL void vocab_ce_local_sums(float* sum_exp, float* target_logit, const float* logits, const float* row_max,
+template <typename L>
+ZERO3D_KERNEL void vocab_ce_local_sums(float* sum_exp, float* target_logit, const L* logits, const float* row_max,
                                 const int32_t* targets, Index v0, Index N, Index Vl, Index real_cols) {
 #ifdef ZERO3D_DEVICE
   gpu::vocab_ce_local_sums(sum_exp, target_logit, logits, row_max, targets, v0, N, Vl, real_cols);
 #else
   Kokkos::parallel_for("vocab_ce_local_sums", range(N), KOKKOS_LAMBDA(Index i) {
-    const float* z = logits + i * Vl;
+    const L* z = logits + i * Vl;
     const float mx = row_max[i];
     float sum = 0.0f;
-    for (Index v = 0; v < real_cols; ++v) sum += fast_exp(z[v] - mx);
+    for (Index v = 0; v < real_cols; ++v) sum += fast_exp(to_float(z[v]) - mx);
     sum_exp[i] = sum;
     const Index t = static_cast<Index>(targets[i]) - v0;
-    target_logit[i] = t >= 0 && t < real_cols ? z[t] : 0.0f;
+    target_logit[i] = t >= 0 && t < real_cols ? to_float(z[t]) : 0.0f;
   });
 #endif
 }
@@ -201,6 +224,29 @@ ZERO3D_KERNEL void vocab_ce_backward(float* logits, const float* lse, const int3
     for (Index v = real_cols; v < Vl; ++v) z[v] = 0.0f;
     const Index t = static_cast<Index>(targets[i]) - v0;
     if (t >= 0 && t < real_cols) z[t] -= dloss;
+  });
+#endif
+}
+
+// The same over bf16 logits, the gradient written over them (logits_bf16): each made in fp32 by
+// vocab_ce_backward's statements on the widened logit, then rounded once.
+ZERO3D_KERNEL void vocab_ce_backward_bf16(bf16* logits, const float* lse, const int32_t* targets, float dloss, Index v0,
+                                          Index N, Index Vl, Index real_cols) {
+#ifdef ZERO3D_DEVICE
+  gpu::vocab_ce_backward_bf16(logits, lse, targets, dloss, v0, N, Vl, real_cols);
+#else
+  Kokkos::parallel_for("vocab_ce_backward_bf16", range(N), KOKKOS_LAMBDA(Index i) {
+    bf16* z = logits + i * Vl;
+    const float l = lse[i];
+    const Index t = static_cast<Index>(targets[i]) - v0;
+    for (Index v = 0; v < Vl; ++v) {
+      float g = 0.0f;
+      if (v < real_cols) {
+        g = fast_exp(to_float(z[v]) - l) * dloss;
+        if (v == t) g -= dloss;
+      }
+      z[v] = to_bf16(g);
+    }
   });
 #endif
 }

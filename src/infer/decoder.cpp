@@ -288,9 +288,9 @@ void Decoder::block(int l, int64_t N, int64_t n) {
     const float eps = static_cast<float>(f.rms_norm_eps);
     const LlamaTensors<const P> p = llama_tensors(unit, shape_, w);
     const int64_t I = w.act;
-    // as llama_block_forward: bf16 compute keeps the products' inputs in bf16 (no MoE block
-    // reaches the decoder)
-    const bool lp = activations_bf16(cmp, tensor_parallel, false, true);
+    // as llama_block_forward on one tensor rank: bf16 compute keeps the products' inputs in bf16
+    // (no MoE block reaches the decoder; tensor-parallel decoding keeps fp32 on either build)
+    const bool lp = !tensor_parallel && activations_bf16(cmp, false, false, true);
     if (lp) {  // q/k/v_proj rounds its own output, its bias in the product's epilogue, as the block's
       rmsnorm_forward(as_bf16(ln_), rstd_, x_, p.input_norm, N, C, eps);
       linear_forward(qkv_bf16_, as_bf16(ln_), p.qkv_w, p.qkv_b, N, C, w.qkv);

@@ -8,8 +8,9 @@
 // another (model_layout.cpp llama_block_tensors), so they form one [(H + 2·Hkv)·d, C] and one
 // [2I, C] matrix. Attention is grouped-query with the layer's sliding window
 // (kernels/attention_gqa.hpp). The products run in the model's compute dtype. bf16 compute
-// without tensor parallelism (bf16_activations.hpp, as GPT-2's block) keeps the products' inputs
-// in bf16 where they are made: the RMSNorms write bf16; q/k/v_proj rounds its output, rope
+// (bf16_activations.hpp, as GPT-2's block: under tensor parallelism on a GPU build only) keeps the
+// products' inputs in bf16 where they are made: the RMSNorms write bf16 (but for the shards that
+// sequence parallelism gathers in fp32); q/k/v_proj rounds its output, rope
 // rotates it in place in bf16, attention reads bf16 q, k, v (the fused AVX512-BF16 kernel where
 // built) and writes the bf16 output o_proj reads; gate_up_proj writes bf16, SwiGLU reads and
 // writes bf16, and its backward makes [dgate | dup] in bf16 straight into the gate/up product's
@@ -44,6 +45,8 @@
 #include "model/tp_regions.hpp"
 #include "parallel/comm.hpp"
 
+#include <type_traits>
+
 namespace zero3d {
 
 using namespace kernels;
@@ -60,9 +63,12 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   const DType cmp = compute_type();
   // the attention half's activations in bf16; the MLP half's too, but for Mixtral's MoE MLP
   const bool lp = activations_bf16(cmp, tp, f.mixtral(), false), lp_mlp = activations_bf16(cmp, tp, f.mixtral(), true);
+  // the norms' outputs too, but for the shards that sequence parallelism gathers in fp32
+  const bool ln16 = norm_output_bf16(lp, sp), ln16_mlp = norm_output_bf16(lp_mlp, sp);
   // res = res_in + inp · Wᵀ + bias: one product on one rank; a row-parallel product's partial
   // sums over the group (into this rank's tokens with sequence parallelism) then the bias once.
-  const auto residual_product = [&](float* res, const float* res_in, const float* inp, const P* weight, const P* bias,
+  // inp: fp32, or bf16 kept under tensor parallelism (one rank's bf16 input adds in the epilogue).
+  const auto residual_product = [&](float* res, const float* res_in, const auto* inp, const P* weight, const P* bias,
                                     int64_t IC) {
     if (!tp) {
       copy(res, res_in, BT * C);
@@ -85,12 +91,14 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   obs::Region region(obs::attention_module(global_block));
   // h = x + o_proj(attention(...)) on input_layernorm(x)
   const DropoutMask attn_drop = dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities);
-  if (lp) {  // q/k/v_proj reads bf16 and rounds its own output: attention reads q, k and v in bf16
-    rmsnorm_forward(as_bf16(a.ln_1), a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
-    linear_forward(as_bf16(a.qkv), as_bf16(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv);
+  if (ln16) rmsnorm_forward(as_bf16(a.ln_1), a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
+  else rmsnorm_forward(a.ln_1, a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
+  if (lp) {  // q/k/v_proj rounds its own output: attention reads q, k and v in bf16
+    // (entering the column-parallel product is the identity without sequence parallelism)
+    if (ln16) linear_forward(as_bf16(a.qkv), as_bf16(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv);
+    else linear_forward(as_bf16(a.qkv), column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv);
     rope_forward(as_bf16(a.qkv), rope_cos_, rope_sin_, B, T, H, Hkv, d);
   } else {
-    rmsnorm_forward(a.ln_1, a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
     linear_forward(a.qkv, column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
     rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);
   }  // q and k rotated in place: the saves hold them rotated
@@ -101,20 +109,24 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
     else gqa_attention_forward(a.atty, a.att, a.qkv, B, T, H, Hkv, d, window, attn_drop);
     if (attention_ms) *attention_ms += sw.ms();
   }
-  if (lp) linear_forward_adding(a.res_2, residual, as_bf16(a.atty), p.o_w, p.o_b, BT, w.attn, C);
+  if (lp && !tp) linear_forward_adding(a.res_2, residual, as_bf16(a.atty), p.o_w, p.o_b, BT, w.attn, C);
+  else if (lp) residual_product(a.res_2, residual, as_bf16(a.atty), p.o_w, p.o_b, w.attn);
   else residual_product(a.res_2, residual, a.atty, p.o_w, p.o_b, w.attn);
   // out = h + down_proj(silu(gate) · up) on post_attention_layernorm(h)
   region.next(obs::mlp_module(global_block));
+  if (ln16_mlp) rmsnorm_forward(as_bf16(a.ln_2), a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
+  else rmsnorm_forward(a.ln_2, a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
   if (lp_mlp) {  // gate_up_proj writes bf16 (as autocast's linear does): SwiGLU reads half the bytes
-    rmsnorm_forward(as_bf16(a.ln_2), a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
-    linear_forward(as_bf16(a.fch), as_bf16(a.ln_2), p.gate_up_w, p.gate_up_b, BT, C, w.fc);  // rows [gate | up]
+    if (ln16_mlp)  // rows [gate | up]
+      linear_forward(as_bf16(a.fch), as_bf16(a.ln_2), p.gate_up_w, p.gate_up_b, BT, C, w.fc);
+    else linear_forward(as_bf16(a.fch), column_parallel_input(a.ln_2), p.gate_up_w, p.gate_up_b, BT, C, w.fc);
     swiglu_forward(as_bf16(a.fch_gelu), as_bf16(a.fch), as_bf16(a.fch) + I, BT, I, w.fc);
-    linear_forward_adding(a.res_3, a.res_2, as_bf16(a.fch_gelu), p.down_w, p.down_b, BT, I, C);
+    if (!tp) linear_forward_adding(a.res_3, a.res_2, as_bf16(a.fch_gelu), p.down_w, p.down_b, BT, I, C);
+    else residual_product(a.res_3, a.res_2, as_bf16(a.fch_gelu), p.down_w, p.down_b, I);
     store.release(u);
     store.progress();
     return;
   }
-  rmsnorm_forward(a.ln_2, a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
   if (f.mixtral()) {  // model.moe's checks keep sequence parallelism and full recompute away (Ns = B·T, buf given)
     BlockTensors<const P> router{};
     router.gate_w = p.router_w;
@@ -146,6 +158,7 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   const bool sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
   const bool lp = activations_bf16(cmp, t > 1, f.mixtral(), false), lp_mlp = activations_bf16(cmp, t > 1, f.mixtral(), true);
+  const bool ln16 = norm_output_bf16(lp, sp), ln16_mlp = norm_output_bf16(lp_mlp, sp);
   const bool input = part != BackwardPart::Weight, weights = part != BackwardPart::Input;
   const bool keep = part == BackwardPart::Input;
   const int u = c.first_block_unit + l, global_block = c.first_block + l;
@@ -161,13 +174,29 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   float* d_ln_2 = saved ? g.d_ln_2 : dln_;
   float* d_qkv = saved ? g.d_qkv : dqkv_;
   float* d_ln_1 = saved ? g.d_ln_1 : dln_;
-  // A column-parallel product's backward (tp_regions.hpp) with nn.Linear's products.
-  const auto column_backward = [&](float* dinp_shard, float* dweight, float* dbias, const float* dout, const float* x,
+  // A column-parallel product's backward (tp_regions.hpp) with nn.Linear's products: x the norm's
+  // output (fp32, or bf16 where it was kept so), dout fp32 or already in the products' form (the
+  // bias gradient taken where it was made). One rank passes straight through the regions.
+  const auto column_backward = [&](float* dinp_shard, float* dweight, float* dbias, const auto& dout, const auto* x,
                                    const P* weight, int64_t OC) {
     column_parallel_backward(dinp_shard, dweight, dbias, x, C, store,
-                             [&](float* dinp, float* dw_, float* db, const float* inp) {
-                               linear_backward(dinp, dw_, db, dout, inp, weight, BT, C, OC, cmp, add_dw);
+                             [&](float* dinp, float* dw_, float* db, const auto* inp) {
+                               if constexpr (std::is_same_v<std::decay_t<decltype(dout)>, GemmOperand>) {
+                                 (void)db;
+                                 linear_backward(dinp, dw_, dout, inp, weight, BT, C, OC, cmp, add_dw);
+                               } else {
+                                 linear_backward(dinp, dw_, db, dout, inp, weight, BT, C, OC, cmp, add_dw);
+                               }
                              });
+  };
+  // q/k/v_proj's and gate/up_proj's: ln_1 or ln_2 in the type the forward kept
+  const auto qkv_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout) {
+    if (ln16) column_backward(dinp, dweight, dbias, dout, as_bf16(a.ln_1), p.qkv_w, w.qkv);
+    else column_backward(dinp, dweight, dbias, dout, static_cast<const float*>(a.ln_1), p.qkv_w, w.qkv);
+  };
+  const auto gate_up_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout) {
+    if (ln16_mlp) column_backward(dinp, dweight, dbias, dout, as_bf16(a.ln_2), p.gate_up_w, w.fc);
+    else column_backward(dinp, dweight, dbias, dout, static_cast<const float*>(a.ln_2), p.gate_up_w, w.fc);
   };
   obs::Region region(obs::mlp_module(global_block));
   // MLP half: dres holds d(out) (this rank's tokens), which is also the residual path's d(h)
@@ -187,19 +216,19 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
       const GemmOperand d = gemm_operand_slot(BT, w.fc);
       swiglu_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(d.data)), dw.gate_up_b, dact_, as_bf16(a.fch),
                                       BT, I);
-      linear_backward(d_ln_2, dw.gate_up_w, d, as_bf16(a.ln_2), p.gate_up_w, BT, C, w.fc, cmp, add_dw);
+      gate_up_backward(d_ln_2, dw.gate_up_w, nullptr, d);
     } else {  // a split backward keeps the fp32 gradient for its weight pass (as GPT-2's block)
       if (input) swiglu_backward(d_fch, d_fch + I, dact_, as_bf16(a.fch), as_bf16(a.fch) + I, BT, I, w.fc);
-      linear_backward(input ? d_ln_2 : nullptr, weights ? dw.gate_up_w : nullptr, weights ? dw.gate_up_b : nullptr, d_fch,
-                      as_bf16(a.ln_2), p.gate_up_w, BT, C, w.fc, cmp, add_dw);
+      gate_up_backward(input ? d_ln_2 : nullptr, weights ? dw.gate_up_w : nullptr, weights ? dw.gate_up_b : nullptr,
+                       static_cast<const float*>(d_fch));
     }
   } else {
     linear_backward(input ? dact_ : nullptr, weights ? dw.down_w : nullptr, weights ? dw.down_b : nullptr, d_out,
                     a.fch_gelu, p.down_w, BT, I, C, cmp, add_dw);
     store.progress();
     if (input) swiglu_backward(d_fch, d_fch + I, dact_, a.fch, a.fch + I, BT, I, w.fc);
-    column_backward(input ? d_ln_2 : nullptr, weights ? dw.gate_up_w : nullptr, weights ? dw.gate_up_b : nullptr,
-                    d_fch, a.ln_2, p.gate_up_w, w.fc);
+    gate_up_backward(input ? d_ln_2 : nullptr, weights ? dw.gate_up_w : nullptr, weights ? dw.gate_up_b : nullptr,
+                     static_cast<const float*>(d_fch));
   }
   store.progress();
   rmsnorm_backward(input ? dres : nullptr, weights ? dw.post_norm : nullptr, d_ln_2, a.res_2, p.post_norm, a.ln_2_rstd,
@@ -243,13 +272,10 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   }
   store.progress();
   if (dqkv_bf16)
-    linear_backward(d_ln_1, dw.qkv_w, dqkv_slot, as_bf16(a.ln_1), p.qkv_w, BT, C, w.qkv, cmp, add_dw);
-  else if (lp)  // ln_1 kept in bf16
-    linear_backward(input ? d_ln_1 : nullptr, weights ? dw.qkv_w : nullptr, weights ? dw.qkv_b : nullptr, d_qkv,
-                    as_bf16(a.ln_1), p.qkv_w, BT, C, w.qkv, cmp, add_dw);
+    qkv_backward(d_ln_1, dw.qkv_w, nullptr, dqkv_slot);
   else
-    column_backward(input ? d_ln_1 : nullptr, weights ? dw.qkv_w : nullptr, weights ? dw.qkv_b : nullptr, d_qkv, a.ln_1,
-                    p.qkv_w, w.qkv);
+    qkv_backward(input ? d_ln_1 : nullptr, weights ? dw.qkv_w : nullptr, weights ? dw.qkv_b : nullptr,
+                 static_cast<const float*>(d_qkv));
   rmsnorm_backward(input ? dres : nullptr, weights ? dw.input_norm : nullptr, d_ln_1, residual, p.input_norm,
                    a.ln_1_rstd, Ns, C);
   if (input) store.release(u);

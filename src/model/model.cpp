@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cmath>
 #include <stdexcept>
+#include <type_traits>
 
 namespace zero3d {
 
@@ -166,16 +167,17 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   // (sparse attention runs in fp32 and hands the product an fp32 input)
   const bool lp = !shape_.sparse.enabled && activations_bf16(cmp, tp, moe_block, false),
              lp_mlp = activations_bf16(cmp, tp, moe_block, true);
+  // the norms' outputs too, but for the shards that sequence parallelism gathers in fp32
+  const bool ln16 = norm_output_bf16(lp, sp), ln16_mlp = norm_output_bf16(lp_mlp, sp);
   obs::Region region(obs::attention_module(c.first_block + l));  // the flops profiler's and trace's module
   // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
-  if (lp) {
-    layernorm_forward(as_bf16(a.ln_1), a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
-    // c_attn rounds its own output: attention rounds q, k and v to bf16 anyway (same bits)
+  if (ln16) layernorm_forward(as_bf16(a.ln_1), a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
+  else layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
+  // c_attn rounds its own output where attention reads bf16: it rounds q, k and v anyway (same bits)
+  if (ln16)  // entering the column-parallel product is the identity without sequence parallelism
     matmul_forward(as_bf16(a.qkv), as_bf16(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl);
-  } else {
-    layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
-    matmul_forward(a.qkv, column_parallel_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
-  }
+  else if (lp) matmul_forward(as_bf16(a.qkv), column_parallel_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl);
+  else matmul_forward(a.qkv, column_parallel_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
   {
     const Stopwatch sw(attention_ms != nullptr);
     if (shape_.sparse.enabled)
@@ -185,9 +187,9 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     else attention_forward(a.atty, a.att, a.qkv, B, T, Cl, H, cmp, attn_drop);
     if (attention_ms) *attention_ms += sw.ms();
   }
-  if (lp && attn_out_drop.on()) {
+  if (lp && !tp && attn_out_drop.on()) {
     dropped_output(a.res_2, residual, as_bf16(a.atty), w.attn_proj_w, w.attn_proj_b, C, attn_out_drop);
-  } else if (lp) {
+  } else if (lp && !tp) {
     matmul_forward_adding(a.res_2, residual, as_bf16(a.atty), w.attn_proj_w, w.attn_proj_b, BT, C, C);
   } else if (!tp && attn_out_drop.on()) {
     dropped_output(a.res_2, residual, a.atty, w.attn_proj_w, w.attn_proj_b, C, attn_out_drop);
@@ -195,13 +197,14 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     copy(a.res_2, residual, BT * C);
     matmul_forward(a.res_2, a.atty, w.attn_proj_w, w.attn_proj_b, BT, C, C, /*accumulate=*/true, cmp);
   } else {
-    matmul_forward(row_out_, a.atty, w.attn_proj_w, static_cast<const P*>(nullptr), BT, Cl, C, false, cmp);
+    if (lp) matmul_forward(row_out_, as_bf16(a.atty), w.attn_proj_w, static_cast<const P*>(nullptr), BT, Cl, C, false, cmp);
+    else matmul_forward(row_out_, a.atty, w.attn_proj_w, static_cast<const P*>(nullptr), BT, Cl, C, false, cmp);
     row_output(a.res_2, residual, w.attn_proj_b, attn_out_drop);
   }
   if (scale != 1.0f) scale_residual_branch(a.res_2, residual, scale, Ns * C);  // progressive layer drop's 1/p
   // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
   region.next(obs::mlp_module(c.first_block + l));
-  if (lp_mlp) layernorm_forward(as_bf16(a.ln_2), a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
+  if (ln16_mlp) layernorm_forward(as_bf16(a.ln_2), a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
   else layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
   if (shape_.moe.is_moe_block(global_block)) {
     MoeActivations& m = *moe_saves(c, l, *buf);
@@ -224,12 +227,18 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     return;
   }
   if (lp_mlp) {  // c_fc writes bf16 (as autocast's linear does): GELU reads half the bytes
-    matmul_forward(as_bf16(a.fch), as_bf16(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl);
+    if (ln16_mlp) matmul_forward(as_bf16(a.fch), as_bf16(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl);
+    else matmul_forward(as_bf16(a.fch), column_parallel_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl);
     gelu_forward(as_bf16(a.fch_gelu), as_bf16(a.fch), BT * 4 * Cl);
-    if (mlp_out_drop.on())
+    if (tp) {
+      matmul_forward(row_out_, as_bf16(a.fch_gelu), w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false,
+                     cmp);
+      row_output(a.res_3, a.res_2, w.mlp_proj_b, mlp_out_drop);
+    } else if (mlp_out_drop.on()) {
       dropped_output(a.res_3, a.res_2, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, 4 * C, mlp_out_drop);
-    else
+    } else {
       matmul_forward_adding(a.res_3, a.res_2, as_bf16(a.fch_gelu), w.mlp_proj_w, w.mlp_proj_b, BT, 4 * C, C);
+    }
     if (scale != 1.0f) scale_residual_branch(a.res_3, a.res_2, scale, Ns * C);
     store.release(u);
     store.progress();
@@ -325,21 +334,28 @@ float GPT::forward_impl(const ModelChunk& c, ActivationBuffer& buf, ParamStore& 
   const P* E = static_cast<const P*>(store.fetch(c.head_unit)) + head_offset();
   head.next(obs::lm_head_module(static_cast<int>(shape_.n_layer)));
   const GemmOperand lnf{buf.ln_f, DType::F32, false, C}, wte{E, dtype_of<P>(), true, C};
-  const bool logits16 = logits_bf16(cmp, tp);  // rounded in the product's epilogue
+  const bool logits16 = logits_bf16(cmp);  // rounded in the product's epilogue
   if (logits16) gemm_bf16_output(BT, V, C, gemm_operand(lnf, BT * C, cmp), wte, as_bf16(buf.logits));
   else gemm(BT, V, C, lnf, wte, buf.logits, V, false, cmp);
   store.release(c.head_unit);
-  if (logits16) {  // the real columns (ids < V) of rows padded to make_vocab_size_divisible_by
+  // vocab-parallel cross-entropy: max, then sum-exp and target logit, over the group (fp32 row
+  // statistics, whatever the logits' type)
+  const auto vocab_parallel_crossentropy = [&](const auto* z) {
+    const int64_t real = part_.vocab_real, v0 = part_.vocab_begin;
+    vocab_ce_local_max(ce_max_, z, BT, V, real);
+    tp_.all_reduce_max(ce_max_, BT);
+    vocab_ce_local_sums(ce_sum_, ce_target_, z, ce_max_, buf.targets, v0, BT, V, real);
+    tp_.all_reduce_sum(ce_sum_, 2 * BT);  // ce_sum_ and ce_target_ are adjacent
+    vocab_ce_finish(buf.losses, buf.lse, ce_max_, ce_sum_, ce_target_, BT);
+  };
+  if (logits16 && tp) {
+    vocab_parallel_crossentropy(as_bf16(buf.logits));
+  } else if (logits16) {  // the real columns (ids < V) of rows padded to make_vocab_size_divisible_by
     crossentropy_forward(buf.losses, buf.lse, as_bf16(buf.logits), buf.targets, BT, part_.vocab_real, V);
   } else if (!tp) {
     crossentropy_forward(buf.losses, buf.lse, buf.logits, buf.targets, BT, part_.vocab_real, V);
-  } else {  // vocab-parallel cross-entropy: max, then sum-exp and target logit, over the group
-    const int64_t real = part_.vocab_real, v0 = part_.vocab_begin;
-    vocab_ce_local_max(ce_max_, buf.logits, BT, V, real);
-    tp_.all_reduce_max(ce_max_, BT);
-    vocab_ce_local_sums(ce_sum_, ce_target_, buf.logits, ce_max_, buf.targets, v0, BT, V, real);
-    tp_.all_reduce_sum(ce_sum_, 2 * BT);  // ce_sum_ and ce_target_ are adjacent
-    vocab_ce_finish(buf.losses, buf.lse, ce_max_, ce_sum_, ce_target_, BT);
+  } else {
+    vocab_parallel_crossentropy(buf.logits);
   }
   return sum(buf.losses, BT, "mean_loss") / static_cast<float>(BT);
 }
@@ -384,11 +400,13 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     // passes. Otherwise a full pass in bf16 writes the gradient straight into the products' bf16
     // operand (the fused classifier), and a split pass keeps it in fp32 in the logits for its
     // weight pass.
-    const bool logits16 = logits_bf16(cmp, tp);
+    const bool logits16 = logits_bf16(cmp);
     const bool fused_classifier = !logits16 && part == BackwardPart::Full && !tp && cmp == DType::BF16;
     if (input && logits16) {
       bf16* z = as_bf16(buf.logits);
-      crossentropy_backward_bf16(z, static_cast<const bf16*>(z), buf.lse, buf.targets, dloss, BT, part_.vocab_real, V);
+      if (!tp)
+        crossentropy_backward_bf16(z, static_cast<const bf16*>(z), buf.lse, buf.targets, dloss, BT, part_.vocab_real, V);
+      else vocab_ce_backward_bf16(z, buf.lse, buf.targets, dloss, part_.vocab_begin, BT, V, part_.vocab_real);
     } else if (input && !fused_classifier) {
       if (!tp) crossentropy_backward(buf.logits, buf.lse, buf.targets, dloss, BT, part_.vocab_real, V);
       else vocab_ce_backward(buf.logits, buf.lse, buf.targets, dloss, part_.vocab_begin, BT, V, part_.vocab_real);
@@ -477,19 +495,39 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     }
     const bool lp = !shape_.sparse.enabled && activations_bf16(cmp, tp, moe, false),
                lp_mlp = activations_bf16(cmp, tp, moe, true);
-    if (lp_mlp) {  // the forward kept c_fc's output, the GELU output and ln_2 in bf16
+    const bool ln16 = norm_output_bf16(lp, sp), ln16_mlp = norm_output_bf16(lp_mlp, sp);
+    // A column-parallel product's backward from its kept bf16 saves (a norm's output x, fp32 or
+    // bf16) and dout in the products' form or fp32: column_parallel_backward's regions, which
+    // one rank passes straight through.
+    const auto bf16_column_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout, const auto* x,
+                                          const P* weight, int64_t OC) {
+      column_parallel_backward(dinp, dweight, dbias, x, C, store,
+                               [&](float* di, float* dw_, float* db, const auto* inp) {
+                                 if constexpr (std::is_same_v<std::decay_t<decltype(dout)>, GemmOperand>) {
+                                   (void)db;  // taken where dout was made
+                                   matmul_backward(di, dw_, dout, inp, weight, BT, C, OC, cmp, add_dw);
+                                 } else {
+                                   matmul_backward(di, dw_, db, dout, inp, weight, BT, C, OC, cmp, add_dw);
+                                 }
+                               });
+    };
+    if (lp_mlp) {  // the forward kept c_fc's output, the GELU output and ln_2 (unless a shard) in bf16
       matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
                       d_mlp, as_bf16(a.fch_gelu), w.mlp_proj_w, BT, 4 * Cl, C, cmp, add_dw);
       store.progress();
+      const auto c_fc_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout) {
+        if (ln16_mlp) bf16_column_backward(dinp, dweight, dbias, dout, as_bf16(a.ln_2), w.c_fc_w, 4 * Cl);
+        else bf16_column_backward(dinp, dweight, dbias, dout, a.ln_2, w.c_fc_w, 4 * Cl);
+      };
       if (part == BackwardPart::Full) {  // GELU's gradient made in the products' bf16, c_fc's bias gradient beside it
         const GemmOperand d = gemm_operand_slot(BT, 4 * Cl);
         gelu_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(d.data)), dw.c_fc_b, as_bf16(a.fch), d_fch,
                                       BT, 4 * Cl);
-        matmul_backward(d_ln_2, dw.c_fc_w, d, as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp, add_dw);
+        c_fc_backward(d_ln_2, dw.c_fc_w, nullptr, d);
       } else {  // a split backward keeps the fp32 gradient (the values above) for its weight pass
         if (input) gelu_backward(d_fch, as_bf16(a.fch), d_fch, BT, 4 * Cl);
-        matmul_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr, d_fch,
-                        as_bf16(a.ln_2), w.c_fc_w, BT, C, 4 * Cl, cmp, add_dw);
+        c_fc_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr,
+                      static_cast<const float*>(d_fch));
       }
     } else if (!moe || shape_.moe.use_residual) {
       matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
@@ -550,11 +588,15 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, Cl, H, cmp, attn_drop);
     else if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp, attn_drop);
     store.progress();
+    const auto c_attn_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout) {
+      if (ln16) bf16_column_backward(dinp, dweight, dbias, dout, as_bf16(a.ln_1), w.c_attn_w, 3 * Cl);
+      else bf16_column_backward(dinp, dweight, dbias, dout, a.ln_1, w.c_attn_w, 3 * Cl);
+    };
     if (dqkv_bf16) {
-      matmul_backward(d_ln_1, dw.c_attn_w, dqkv_slot, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);
+      c_attn_backward(d_ln_1, dw.c_attn_w, nullptr, dqkv_slot);
     } else if (lp) {
-      matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
-                      d_qkv, as_bf16(a.ln_1), w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);
+      c_attn_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
+                      static_cast<const float*>(d_qkv));
     } else if (!tp) {
       matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
                       d_qkv, a.ln_1, w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);

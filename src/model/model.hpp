@@ -505,9 +505,10 @@ class GPT {
   // products (a null output skips one); dinp (all tokens, partial over the group) is then summed,
   // all-reduced or reduce-scattered into dinp_shard with sequence parallelism; the weight product
   // reads the input over all tokens (x's shard re-gathered). With tp_overlap_comm the all-reduce
-  // runs under the weight product (Megatron's async dgrad).
-  template <typename Product>
-  void column_parallel_backward(float* dinp_shard, float* dweight, float* dbias, const float* x, int64_t IC,
+  // runs under the weight product (Megatron's async dgrad). In: x's type, float or bf16 (a norm's
+  // output kept in bf16, never a sequence-parallel shard: bf16_activations.hpp norm_output_bf16).
+  template <typename In, typename Product>
+  void column_parallel_backward(float* dinp_shard, float* dweight, float* dbias, const In* x, int64_t IC,
                                 ParamStore& store, const Product& product);
   // The Llama family's block (llama_block.cpp): the same contract as block_forward and as the
   // block backward of backward_impl (dres: d(res_3) on entry, d(residual) on exit; a split
@@ -628,7 +629,7 @@ struct FlatModel {
 // probabilities, the tiled bf16 kernel's bf16 tiles, or the fused kernel's log-sum-exp and bf16
 // output, never probabilities (kernels::attention_bf16_saved_floats).
 // The Llama family keeps two rstd and no means, act (SwiGLU's output) half of fch ([gate | up]);
-// bf16 compute without tensor parallelism keeps ln_1 in bf16, and ln_2, fch and act but for Mixtral.
+// its bf16 halves are GPT-2's (ln_2, fch and act but for Mixtral). backend: the build planned for.
 struct BlockSaveSizes {
   int64_t ln_1 = 0, stats = 0, mean = 0, qkv = 0, att = 0, atty = 0, res = 0, ln_2 = 0, fch = 0, act = 0;
   // ln_1, two rstd and two means, qkv, att, atty, res_2 and res_3, ln_2, fch and fch_gelu

@@ -203,7 +203,7 @@ ActivationBuffer GPT::make_buffer(bool split_backward) const {
     buf.ln_f_mean = take(Ns);
     buf.ln_f_rstd = take(Ns);
     // bf16 logits (logits_bf16) in half the floats
-    buf.logits = take(logits_bf16(compute_type(), part_.tp_size > 1) ? (BT * Vl_ + 1) / 2 : BT * Vl_);
+    buf.logits = take(logits_bf16(compute_type()) ? (BT * Vl_ + 1) / 2 : BT * Vl_);
     buf.losses = take(BT);
     buf.lse = take(BT);
   }

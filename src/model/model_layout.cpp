@@ -470,11 +470,13 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   if (shape.llama()) {  // rstd only; the halves llama_block.cpp keeps in bf16 (bf16_activations.hpp)
     const BlockWidths w = block_widths(shape, t);
     // att: what the bf16 grouped-query attention keeps (kernels/attention_gqa.hpp)
-    const bool attn16 = bf16 && t == 1, mlp16 = attn16 && !shape.family.mixtral();
+    const bool attn16 = activations_bf16(compute, t > 1, shape.family.mixtral(), false, backend),
+               mlp16 = activations_bf16(compute, t > 1, shape.family.mixtral(), true, backend);
+    const bool sp = sequence_parallel && t > 1;
     BlockSaveSizes z;
     z.res = Ns * C;
-    z.ln_1 = attn16 ? half(Ns * C) : Ns * C;
-    z.ln_2 = mlp16 ? half(Ns * C) : Ns * C;
+    z.ln_1 = norm_output_bf16(attn16, sp) ? half(Ns * C) : Ns * C;
+    z.ln_2 = norm_output_bf16(mlp16, sp) ? half(Ns * C) : Ns * C;
     z.stats = Ns;
     z.qkv = attn16 ? half(BT * w.qkv) : BT * w.qkv;
     z.att = attn16 ? kernels::gqa_attention_bf16_saved_floats(B * H, T, shape.family.head_dim,
@@ -486,11 +488,14 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
     return z;
   }
   // The halves kept in bf16 (bf16_activations.hpp, decided per block in model.cpp; here for every
-  // block of the model): no tensor parallelism, and for the attention half no sparse attention
-  // (its kernel is fp32), for the MLP half no MoE block anywhere (their MLP half keeps fp32).
-  const bool attn16 = bf16 && t == 1 && !shape.sparse.enabled, mlp16 = bf16 && t == 1 && !shape.moe.enabled();
+  // block of the model): for the attention half no sparse attention (its kernel is fp32), for the
+  // MLP half no MoE block anywhere (their MLP half keeps fp32); a norm's output not under
+  // sequence parallelism (norm_output_bf16).
+  const bool attn16 = !shape.sparse.enabled && activations_bf16(compute, t > 1, false, false, backend),
+             mlp16 = activations_bf16(compute, t > 1, shape.moe.enabled(), true, backend);
+  const bool sp = sequence_parallel && t > 1;
   BlockSaveSizes z;
-  z.ln_1 = attn16 ? half(Ns * C) : Ns * C;
+  z.ln_1 = norm_output_bf16(attn16, sp) ? half(Ns * C) : Ns * C;
   z.stats = z.mean = Ns;
   z.qkv = attn16 ? half(3 * BT * Cl) : 3 * BT * Cl;
   z.att = shape.sparse.enabled ? attention_probs_size(shape, B, H, T)
@@ -498,7 +503,7 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
                                : B * H * T * T;
   z.atty = attn16 ? half(BT * Cl) : BT * Cl;
   z.res = Ns * C;
-  z.ln_2 = mlp16 ? half(Ns * C) : Ns * C;
+  z.ln_2 = norm_output_bf16(mlp16, sp) ? half(Ns * C) : Ns * C;
   z.fch = z.act = mlp16 ? half(4 * BT * Cl) : 4 * BT * Cl;
   return z;
 }
@@ -527,7 +532,7 @@ ActivationPlan gpt_activation_plan(const GPTShape& shape, const ModelPart& part,
   p.stream = Ns * C + (full ? Ns * C : 0) + Ns * C + (receives_grad ? Ns * C : 0);
   p.per_block = ac.selective() ? block - att : block;
   p.blocks = ac.full() ? 0 : max_blocks;
-  const int64_t logits = logits_bf16(compute, t > 1, backend) ? (BT * V + 1) / 2 : BT * V;  // (in floats)
+  const int64_t logits = logits_bf16(compute, backend) ? (BT * V + 1) / 2 : BT * V;  // (in floats)
   p.head = any_final ? BT * C + 2 * Ns + logits + 2 * BT + (split_backward ? Ns * C : 0) : 0;
   const BlockWidths w = block_widths(shape, t);
   // d(res_3), d(fch), d(ln_2), d(res_2), d(qkv), d(ln_1) (BlockGradOperands)
@@ -575,7 +580,7 @@ int64_t attention_scratch_bytes(const GPTShape& shape, const ModelPart& part, in
   const int64_t t = std::max(1, part.tp_size), H = shape.n_head / t;
   const bool dropout = shape.dropout.attn > 0.0;
   if (shape.llama()) {  // the bf16 overloads where the attention half keeps bf16 (llama_block.cpp), else fp32's
-    const bool bf16_half = activations_bf16(compute, t > 1, false, false);
+    const bool bf16_half = activations_bf16(compute, t > 1, false, false, backend);
     return kernels::gqa_attention_workspace_bytes(B, T, H, shape.family.num_key_value_heads / t, shape.family.head_dim,
                                                   bf16_half ? DType::BF16 : DType::F32, bf16_half, dropout, backend);
   }

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <memory>
+#include <stdexcept>
+#include <type_traits>
 
 #include "model/model.hpp"
 #include "parallel/comm.hpp"
@@ -12,26 +14,29 @@
 
 namespace zero3d {
 
-template <typename Product>
-void GPT::column_parallel_backward(float* dinp_shard, float* dweight, float* dbias, const float* x, int64_t IC,
+template <typename In, typename Product>
+void GPT::column_parallel_backward(float* dinp_shard, float* dweight, float* dbias, const In* x, int64_t IC,
                                    ParamStore& store, const Product& product) {
   const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
   const int64_t BT = B_ * T_;
-  const float* inp = x;
-  if (sp && dweight) {
-    gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns_ * IC);
-    inp = gathered_;
+  if (sp && dweight) {  // the shard is fp32 (norm_output_bf16)
+    if constexpr (!std::is_same_v<In, float>) {
+      throw std::logic_error("a sequence-parallel shard reached a column-parallel backward in bf16");
+    } else {
+      gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns_ * IC);
+      x = gathered_;  // all tokens, for the weight product
+    }
   }
   float* dinp = sp && dinp_shard ? row_out_ : dinp_shard;
   if (tp && tp_.overlap && !sp && dinp && dweight) {
-    product(dinp, nullptr, nullptr, inp);
+    product(dinp, nullptr, nullptr, x);
     const std::unique_ptr<CommRequest> pending = tp_.all_reduce_sum_async(dinp, BT * IC);
-    product(nullptr, dweight, dbias, inp);
+    product(nullptr, dweight, dbias, x);
     store.progress();
     pending->wait();
     return;
   }
-  product(dinp, dweight, dbias, inp);
+  product(dinp, dweight, dbias, x);
   if (!dinp) return;
   if (sp) gather_from_sequence_parallel_region_backward(tp_, dinp, dinp_shard, Ns_ * IC);
   else copy_to_tp_region_backward(tp_, dinp, BT * IC);

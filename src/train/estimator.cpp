@@ -522,7 +522,7 @@ MemoryBudget rank_budget(const Config& cfg, const RankPlan& plan, int64_t dp, in
   // that fill the 16-bit copy at start-up (stages 1-2). (oneDNN's own code and caches measured
   // within ±5 MB of nothing: kRuntimeBytes covers them.)
   // (the logits' bf16 gradient among them, unless it is written over bf16 logits: logits_bf16)
-  const bool logits16 = logits_bf16(pc.products(), plan.part.tp_size > 1, cfg.backend);
+  const bool logits16 = logits_bf16(pc.products(), cfg.backend);
   if (pc.products() == DType::BF16) workspace += 2 * std::max(4 * BT * C, logits16 ? 0.0 : BT * V) + 2 * 4 * BT * C;
   if (pc.param == DType::F16) workspace += 4 * std::max(V * C, 4 * C * C);
   // torch_autocast: fp32 weights converted for each product (gemm.cpp): to bf16; to fp16 and

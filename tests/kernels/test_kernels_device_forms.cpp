@@ -415,6 +415,49 @@ TEST(KernelDeviceForms, VocabParallelCrossEntropyMatchesTheCpuForm) {
   expect_same_bits("vocab_ce_backward", backward(true), backward(false));
 }
 
+// bf16 logits on a tensor rank (a GPU's bf16 step: model/bf16_activations.hpp logits_bf16): each
+// form's row statistics from them are its statistics from their fp32 widening, bit for bit, and
+// the bf16 backward writes over them the fp32 backward's gradient of that widening, rounded once.
+TEST(KernelDeviceForms, VocabParallelCrossEntropyOfBf16LogitsIsThatOfTheirWidening) {
+  const Index N = 16, Vl = 200, real = 190, v0 = 100;
+  const std::vector<bf16> z16 = rounded(random_vector(N * Vl, 25, 3.0f));
+  std::vector<float> widened(z16.size());
+  for (size_t i = 0; i < z16.size(); ++i) widened[i] = to_float(z16[i]);
+  std::vector<int32_t> t(N);
+  for (Index i = 0; i < N; ++i) t[i] = static_cast<int32_t>(80 + (i * 37) % 230);  // some ids on other ranks
+  t[0] = static_cast<int32_t>(v0), t[1] = static_cast<int32_t>(v0 + real - 1);
+  Buffer<int32_t> targets(t);
+  Buffer<float> lse(random_vector(N, 26, 1.0f, 8.0f));
+  std::vector<bf16> grads[2];
+  for (const bool device : {true, false}) {
+    const std::string form = device ? " (device form)" : " (CPU form)";
+    Buffer<bf16> logits16(z16);
+    Buffer<float> logits32(widened);
+    Buffer<float> mx16(N), sum16(N), target16(N), mx32(N), sum32(N), target32(N);
+    if (device) {
+      gpu::vocab_ce_local_max(mx16.data(), logits16.data(), N, Vl, real);
+      gpu::vocab_ce_local_max(mx32.data(), logits32.data(), N, Vl, real);
+      gpu::vocab_ce_local_sums(sum16.data(), target16.data(), logits16.data(), mx16.data(), targets.data(), v0, N, Vl, real);
+      gpu::vocab_ce_local_sums(sum32.data(), target32.data(), logits32.data(), mx32.data(), targets.data(), v0, N, Vl, real);
+      gpu::vocab_ce_backward_bf16(logits16.data(), lse.data(), targets.data(), 0.25f, v0, N, Vl, real);
+      gpu::vocab_ce_backward(logits32.data(), lse.data(), targets.data(), 0.25f, v0, N, Vl, real);
+    } else {
+      vocab_ce_local_max(mx16.data(), logits16.data(), N, Vl, real);
+      vocab_ce_local_max(mx32.data(), logits32.data(), N, Vl, real);
+      vocab_ce_local_sums(sum16.data(), target16.data(), logits16.data(), mx16.data(), targets.data(), v0, N, Vl, real);
+      vocab_ce_local_sums(sum32.data(), target32.data(), logits32.data(), mx32.data(), targets.data(), v0, N, Vl, real);
+      vocab_ce_backward_bf16(logits16.data(), lse.data(), targets.data(), 0.25f, v0, N, Vl, real);
+      vocab_ce_backward(logits32.data(), lse.data(), targets.data(), 0.25f, v0, N, Vl, real);
+    }
+    expect_same_bits("row max" + form, mx16.host(), mx32.host());
+    expect_same_bits("sum of exp" + form, sum16.host(), sum32.host());
+    expect_same_bits("target logit" + form, target16.host(), target32.host());
+    expect_same_bits("gradient" + form, logits16.host(), rounded(logits32.host()));
+    grads[device ? 0 : 1] = logits16.host();
+  }
+  expect_same_bits("gradient, device form against CPU form", grads[0], grads[1]);
+}
+
 namespace {
 
 // `shifted`: the one pointer off a 16-byte boundary (0 out, 1 bias, 2 src, 3 the bf16 dst; -1 none).

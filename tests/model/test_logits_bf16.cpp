@@ -92,14 +92,15 @@ double bf16_ulp(double x) { return x == 0.0 ? std::ldexp(1.0, -133) : std::ldexp
 
 }  // namespace
 
-TEST(LogitsBf16, OnlyAGpuBuildsBf16StepWithoutTensorParallelismKeepsBf16Logits) {
+TEST(LogitsBf16, OnlyAGpuBuildsBf16StepKeepsBf16Logits) {
   const GpuLogits hook(false);
-  EXPECT_EQ(logits_bf16(DType::BF16, false), kernels::kGpuBuild);
+  EXPECT_EQ(logits_bf16(DType::BF16), kernels::kGpuBuild);
+  EXPECT_TRUE(logits_bf16(DType::BF16, kernels::Backend::Gpu)) << "a GPU build's plan";
+  EXPECT_FALSE(logits_bf16(DType::BF16, kernels::Backend::Cpu)) << "a CPU build's plan";
   logits_bf16_on_host() = true;
-  EXPECT_TRUE(logits_bf16(DType::BF16, false));
-  EXPECT_FALSE(logits_bf16(DType::BF16, true)) << "the vocab-parallel head's max and sums cross the group in fp32";
-  EXPECT_FALSE(logits_bf16(DType::F32, false));
-  EXPECT_FALSE(logits_bf16(DType::F16, false));
+  EXPECT_TRUE(logits_bf16(DType::BF16));
+  EXPECT_FALSE(logits_bf16(DType::F32));
+  EXPECT_FALSE(logits_bf16(DType::F16));
 }
 
 TEST(LogitsBf16, TheLogitsAreTheFp32ProductRoundedAndTheLossTheirCrossEntropy) {
