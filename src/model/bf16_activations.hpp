@@ -22,21 +22,15 @@ inline bool& tensor_parallel_bf16_on_host() {
 // anyway, so the rounding passes go and the backward reads half the bytes. An MoE block's MLP
 // half keeps fp32 (its gate and experts read ln_2). Forward and backward ask the same question.
 // Under tensor parallelism a GPU build does the same to each rank's slices (Megatron keeps its
-// activations in the model's bf16 too): the row-parallel products' partial sums still cross the
-// group in fp32, and a norm's output that sequence parallelism gathers stays fp32
-// (norm_output_bf16). The CPU build keeps fp32 saves there, so its tensor-parallel losses keep
-// their bits. backend: the build asked about (a plan's).
+// activations in the model's bf16 too): a norm's output that sequence parallelism gathers is
+// gathered in bf16, half the bytes, while the row-parallel products' partial sums still cross the
+// group in fp32. The CPU build keeps fp32 saves there, so its tensor-parallel losses keep their
+// bits. backend: the build asked about (a plan's).
 inline bool activations_bf16(DType compute, bool tensor_parallel, bool moe_block, bool mlp_half,
                              kernels::Backend backend = kernels::kBuildBackend) {
   const bool tp_ok = !tensor_parallel || backend == kernels::Backend::Gpu || tensor_parallel_bf16_on_host();
   return compute == DType::BF16 && tp_ok && !(mlp_half && moe_block);
 }
-
-// Whether a half whose saves are bf16 (activations_bf16) keeps its norm's output (ln_1, ln_2) in
-// bf16 too: not with sequence parallelism, where that output is this rank's token shard, which
-// the tensor group gathers in fp32 before the column-parallel product reads it (and gathers
-// again for its weight gradient).
-inline bool norm_output_bf16(bool half_bf16, bool sequence_parallel) { return half_bf16 && !sequence_parallel; }
 
 // Tests turn on the GPU build's bf16 logits in a CPU build (logits_bf16), whose own logits stay fp32.
 inline bool& logits_bf16_on_host() {

@@ -9,8 +9,8 @@
 // [2I, C] matrix. Attention is grouped-query with the layer's sliding window
 // (kernels/attention_gqa.hpp). The products run in the model's compute dtype. bf16 compute
 // (bf16_activations.hpp, as GPT-2's block: under tensor parallelism on a GPU build only) keeps the
-// products' inputs in bf16 where they are made: the RMSNorms write bf16 (but for the shards that
-// sequence parallelism gathers in fp32); q/k/v_proj rounds its output, rope
+// products' inputs in bf16 where they are made: the RMSNorms write bf16 (a sequence-parallel
+// shard gathered in bf16); q/k/v_proj rounds its output, rope
 // rotates it in place in bf16, attention reads bf16 q, k, v (the fused AVX512-BF16 kernel where
 // built) and writes the bf16 output o_proj reads; gate_up_proj writes bf16, SwiGLU reads and
 // writes bf16, and its backward makes [dgate | dup] in bf16 straight into the gate/up product's
@@ -63,8 +63,6 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   const DType cmp = compute_type();
   // the attention half's activations in bf16; the MLP half's too, but for Mixtral's MoE MLP
   const bool lp = activations_bf16(cmp, tp, f.mixtral(), false), lp_mlp = activations_bf16(cmp, tp, f.mixtral(), true);
-  // the norms' outputs too, but for the shards that sequence parallelism gathers in fp32
-  const bool ln16 = norm_output_bf16(lp, sp), ln16_mlp = norm_output_bf16(lp_mlp, sp);
   // res = res_in + inp · Wᵀ + bias: one product on one rank; a row-parallel product's partial
   // sums over the group (into this rank's tokens with sequence parallelism) then the bias once.
   // inp: fp32, or bf16 kept under tensor parallelism (one rank's bf16 input adds in the epilogue).
@@ -91,14 +89,12 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   obs::Region region(obs::attention_module(global_block));
   // h = x + o_proj(attention(...)) on input_layernorm(x)
   const DropoutMask attn_drop = dropout_mask(shape_.dropout.attn, global_block, DropoutSite::Probabilities);
-  if (ln16) rmsnorm_forward(as_bf16(a.ln_1), a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
-  else rmsnorm_forward(a.ln_1, a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
-  if (lp) {  // q/k/v_proj rounds its own output: attention reads q, k and v in bf16
-    // (entering the column-parallel product is the identity without sequence parallelism)
-    if (ln16) linear_forward(as_bf16(a.qkv), as_bf16(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv);
-    else linear_forward(as_bf16(a.qkv), column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv);
+  if (lp) {  // q/k/v_proj reads bf16 and rounds its own output: attention reads q, k and v in bf16
+    rmsnorm_forward(as_bf16(a.ln_1), a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
+    linear_forward(as_bf16(a.qkv), column_parallel_input(as_bf16(a.ln_1)), p.qkv_w, p.qkv_b, BT, C, w.qkv);
     rope_forward(as_bf16(a.qkv), rope_cos_, rope_sin_, B, T, H, Hkv, d);
   } else {
+    rmsnorm_forward(a.ln_1, a.ln_1_rstd, residual, p.input_norm, Ns, C, eps);
     linear_forward(a.qkv, column_parallel_input(a.ln_1), p.qkv_w, p.qkv_b, BT, C, w.qkv, false, cmp);
     rope_forward(a.qkv, rope_cos_, rope_sin_, B, T, H, Hkv, d);
   }  // q and k rotated in place: the saves hold them rotated
@@ -114,12 +110,10 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
   else residual_product(a.res_2, residual, a.atty, p.o_w, p.o_b, w.attn);
   // out = h + down_proj(silu(gate) · up) on post_attention_layernorm(h)
   region.next(obs::mlp_module(global_block));
-  if (ln16_mlp) rmsnorm_forward(as_bf16(a.ln_2), a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
-  else rmsnorm_forward(a.ln_2, a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
   if (lp_mlp) {  // gate_up_proj writes bf16 (as autocast's linear does): SwiGLU reads half the bytes
-    if (ln16_mlp)  // rows [gate | up]
-      linear_forward(as_bf16(a.fch), as_bf16(a.ln_2), p.gate_up_w, p.gate_up_b, BT, C, w.fc);
-    else linear_forward(as_bf16(a.fch), column_parallel_input(a.ln_2), p.gate_up_w, p.gate_up_b, BT, C, w.fc);
+    rmsnorm_forward(as_bf16(a.ln_2), a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
+    linear_forward(as_bf16(a.fch), column_parallel_input(as_bf16(a.ln_2)), p.gate_up_w, p.gate_up_b, BT, C,
+                   w.fc);  // rows [gate | up]
     swiglu_forward(as_bf16(a.fch_gelu), as_bf16(a.fch), as_bf16(a.fch) + I, BT, I, w.fc);
     if (!tp) linear_forward_adding(a.res_3, a.res_2, as_bf16(a.fch_gelu), p.down_w, p.down_b, BT, I, C);
     else residual_product(a.res_3, a.res_2, as_bf16(a.fch_gelu), p.down_w, p.down_b, I);
@@ -127,6 +121,7 @@ void GPT::llama_block_forward(const ModelChunk& c, int l, BlockActivations& a, c
     store.progress();
     return;
   }
+  rmsnorm_forward(a.ln_2, a.ln_2_rstd, a.res_2, p.post_norm, Ns, C, eps);
   if (f.mixtral()) {  // model.moe's checks keep sequence parallelism and full recompute away (Ns = B·T, buf given)
     BlockTensors<const P> router{};
     router.gate_w = p.router_w;
@@ -158,7 +153,6 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   const bool sp = tp_.sequence_parallel;
   const DType cmp = compute_type();
   const bool lp = activations_bf16(cmp, t > 1, f.mixtral(), false), lp_mlp = activations_bf16(cmp, t > 1, f.mixtral(), true);
-  const bool ln16 = norm_output_bf16(lp, sp), ln16_mlp = norm_output_bf16(lp_mlp, sp);
   const bool input = part != BackwardPart::Weight, weights = part != BackwardPart::Input;
   const bool keep = part == BackwardPart::Input;
   const int u = c.first_block_unit + l, global_block = c.first_block + l;
@@ -191,11 +185,11 @@ void GPT::llama_block_backward(const ModelChunk& c, int l, const BlockActivation
   };
   // q/k/v_proj's and gate/up_proj's: ln_1 or ln_2 in the type the forward kept
   const auto qkv_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout) {
-    if (ln16) column_backward(dinp, dweight, dbias, dout, as_bf16(a.ln_1), p.qkv_w, w.qkv);
+    if (lp) column_backward(dinp, dweight, dbias, dout, as_bf16(a.ln_1), p.qkv_w, w.qkv);
     else column_backward(dinp, dweight, dbias, dout, static_cast<const float*>(a.ln_1), p.qkv_w, w.qkv);
   };
   const auto gate_up_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout) {
-    if (ln16_mlp) column_backward(dinp, dweight, dbias, dout, as_bf16(a.ln_2), p.gate_up_w, w.fc);
+    if (lp_mlp) column_backward(dinp, dweight, dbias, dout, as_bf16(a.ln_2), p.gate_up_w, w.fc);
     else column_backward(dinp, dweight, dbias, dout, static_cast<const float*>(a.ln_2), p.gate_up_w, w.fc);
   };
   obs::Region region(obs::mlp_module(global_block));

@@ -167,17 +167,16 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   // (sparse attention runs in fp32 and hands the product an fp32 input)
   const bool lp = !shape_.sparse.enabled && activations_bf16(cmp, tp, moe_block, false),
              lp_mlp = activations_bf16(cmp, tp, moe_block, true);
-  // the norms' outputs too, but for the shards that sequence parallelism gathers in fp32
-  const bool ln16 = norm_output_bf16(lp, sp), ln16_mlp = norm_output_bf16(lp_mlp, sp);
   obs::Region region(obs::attention_module(c.first_block + l));  // the flops profiler's and trace's module
   // x + attn(ln_1(x)): c_attn column-parallel (this rank's heads), attn.c_proj row-parallel
-  if (ln16) layernorm_forward(as_bf16(a.ln_1), a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
-  else layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
-  // c_attn rounds its own output where attention reads bf16: it rounds q, k and v anyway (same bits)
-  if (ln16)  // entering the column-parallel product is the identity without sequence parallelism
-    matmul_forward(as_bf16(a.qkv), as_bf16(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl);
-  else if (lp) matmul_forward(as_bf16(a.qkv), column_parallel_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl);
-  else matmul_forward(a.qkv, column_parallel_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+  if (lp) {
+    layernorm_forward(as_bf16(a.ln_1), a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
+    // c_attn rounds its own output: attention rounds q, k and v to bf16 anyway (same bits)
+    matmul_forward(as_bf16(a.qkv), column_parallel_input(as_bf16(a.ln_1)), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl);
+  } else {
+    layernorm_forward(a.ln_1, a.ln_1_mean, a.ln_1_rstd, residual, w.ln_1_w, w.ln_1_b, Ns, C);
+    matmul_forward(a.qkv, column_parallel_input(a.ln_1), w.c_attn_w, w.c_attn_b, BT, C, 3 * Cl, /*accumulate=*/false, cmp);
+  }
   {
     const Stopwatch sw(attention_ms != nullptr);
     if (shape_.sparse.enabled)
@@ -204,7 +203,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
   if (scale != 1.0f) scale_residual_branch(a.res_2, residual, scale, Ns * C);  // progressive layer drop's 1/p
   // x + mlp(ln_2(x)): c_fc column-parallel, mlp.c_proj row-parallel
   region.next(obs::mlp_module(c.first_block + l));
-  if (ln16_mlp) layernorm_forward(as_bf16(a.ln_2), a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
+  if (lp_mlp) layernorm_forward(as_bf16(a.ln_2), a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
   else layernorm_forward(a.ln_2, a.ln_2_mean, a.ln_2_rstd, a.res_2, w.ln_2_w, w.ln_2_b, Ns, C);
   if (shape_.moe.is_moe_block(global_block)) {
     MoeActivations& m = *moe_saves(c, l, *buf);
@@ -227,8 +226,7 @@ void GPT::block_forward(const ModelChunk& c, int l, BlockActivations& a, const f
     return;
   }
   if (lp_mlp) {  // c_fc writes bf16 (as autocast's linear does): GELU reads half the bytes
-    if (ln16_mlp) matmul_forward(as_bf16(a.fch), as_bf16(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl);
-    else matmul_forward(as_bf16(a.fch), column_parallel_input(a.ln_2), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl);
+    matmul_forward(as_bf16(a.fch), column_parallel_input(as_bf16(a.ln_2)), w.c_fc_w, w.c_fc_b, BT, C, 4 * Cl);
     gelu_forward(as_bf16(a.fch_gelu), as_bf16(a.fch), BT * 4 * Cl);
     if (tp) {
       matmul_forward(row_out_, as_bf16(a.fch_gelu), w.mlp_proj_w, static_cast<const P*>(nullptr), BT, 4 * Cl, C, false,
@@ -495,11 +493,10 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
     }
     const bool lp = !shape_.sparse.enabled && activations_bf16(cmp, tp, moe, false),
                lp_mlp = activations_bf16(cmp, tp, moe, true);
-    const bool ln16 = norm_output_bf16(lp, sp), ln16_mlp = norm_output_bf16(lp_mlp, sp);
-    // A column-parallel product's backward from its kept bf16 saves (a norm's output x, fp32 or
-    // bf16) and dout in the products' form or fp32: column_parallel_backward's regions, which
-    // one rank passes straight through.
-    const auto bf16_column_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout, const auto* x,
+    // A column-parallel product's backward from its kept bf16 saves (x: the norm's output) and dout
+    // in the products' form or fp32: column_parallel_backward's regions, which one rank passes
+    // straight through.
+    const auto bf16_column_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout, const bf16* x,
                                           const P* weight, int64_t OC) {
       column_parallel_backward(dinp, dweight, dbias, x, C, store,
                                [&](float* di, float* dw_, float* db, const auto* inp) {
@@ -511,23 +508,19 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
                                  }
                                });
     };
-    if (lp_mlp) {  // the forward kept c_fc's output, the GELU output and ln_2 (unless a shard) in bf16
+    if (lp_mlp) {  // the forward kept c_fc's output, the GELU output and ln_2 in bf16
       matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
                       d_mlp, as_bf16(a.fch_gelu), w.mlp_proj_w, BT, 4 * Cl, C, cmp, add_dw);
       store.progress();
-      const auto c_fc_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout) {
-        if (ln16_mlp) bf16_column_backward(dinp, dweight, dbias, dout, as_bf16(a.ln_2), w.c_fc_w, 4 * Cl);
-        else bf16_column_backward(dinp, dweight, dbias, dout, a.ln_2, w.c_fc_w, 4 * Cl);
-      };
       if (part == BackwardPart::Full) {  // GELU's gradient made in the products' bf16, c_fc's bias gradient beside it
         const GemmOperand d = gemm_operand_slot(BT, 4 * Cl);
         gelu_backward_summing_columns(static_cast<bf16*>(const_cast<void*>(d.data)), dw.c_fc_b, as_bf16(a.fch), d_fch,
                                       BT, 4 * Cl);
-        c_fc_backward(d_ln_2, dw.c_fc_w, nullptr, d);
+        bf16_column_backward(d_ln_2, dw.c_fc_w, nullptr, d, as_bf16(a.ln_2), w.c_fc_w, 4 * Cl);
       } else {  // a split backward keeps the fp32 gradient (the values above) for its weight pass
         if (input) gelu_backward(d_fch, as_bf16(a.fch), d_fch, BT, 4 * Cl);
-        c_fc_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr,
-                      static_cast<const float*>(d_fch));
+        bf16_column_backward(input ? d_ln_2 : nullptr, weights ? dw.c_fc_w : nullptr, weights ? dw.c_fc_b : nullptr,
+                             static_cast<const float*>(d_fch), as_bf16(a.ln_2), w.c_fc_w, 4 * Cl);
       }
     } else if (!moe || shape_.moe.use_residual) {
       matmul_backward(input ? d_fch : nullptr, weights ? dw.mlp_proj_w : nullptr, weights ? dw.mlp_proj_b : nullptr,
@@ -588,15 +581,11 @@ void GPT::backward_impl(const ModelChunk& c, ActivationBuffer& buf, float grad_s
       attention_backward(d_qkv, datt_scratch_, datty_, as_bf16(a.qkv), a.att, B, T, Cl, H, cmp, attn_drop);
     else if (input) attention_backward(d_qkv, datt_scratch_, datty_, a.qkv, a.att, B, T, Cl, H, cmp, attn_drop);
     store.progress();
-    const auto c_attn_backward = [&](float* dinp, float* dweight, float* dbias, const auto& dout) {
-      if (ln16) bf16_column_backward(dinp, dweight, dbias, dout, as_bf16(a.ln_1), w.c_attn_w, 3 * Cl);
-      else bf16_column_backward(dinp, dweight, dbias, dout, a.ln_1, w.c_attn_w, 3 * Cl);
-    };
     if (dqkv_bf16) {
-      c_attn_backward(d_ln_1, dw.c_attn_w, nullptr, dqkv_slot);
+      bf16_column_backward(d_ln_1, dw.c_attn_w, nullptr, dqkv_slot, as_bf16(a.ln_1), w.c_attn_w, 3 * Cl);
     } else if (lp) {
-      c_attn_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
-                      static_cast<const float*>(d_qkv));
+      bf16_column_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
+                           static_cast<const float*>(d_qkv), as_bf16(a.ln_1), w.c_attn_w, 3 * Cl);
     } else if (!tp) {
       matmul_backward(input ? d_ln_1 : nullptr, weights ? dw.c_attn_w : nullptr, weights ? dw.c_attn_b : nullptr,
                       d_qkv, a.ln_1, w.c_attn_w, BT, C, 3 * Cl, cmp, add_dw);
@@ -710,6 +699,15 @@ const float* GPT::column_parallel_input(const float* x) {
   }
   copy_to_tp_region_forward(tp_, x, B_ * T_ * shape_.n_embd);  // "f": the identity forward
   return x;
+}
+
+const bf16* GPT::column_parallel_input(const bf16* x) {
+  if (tp_.sequence_parallel) {  // "g" in bf16: half the bytes
+    bf16* full = reinterpret_cast<bf16*>(gathered_);
+    gather_from_sequence_parallel_region_forward(tp_, x, full, Ns_ * shape_.n_embd);
+    return full;
+  }
+  return x;  // "f": the identity forward
 }
 
 const float* GPT::dropped_gradient(const float* d_res, int64_t layer, DropoutSite site) {

@@ -499,14 +499,15 @@ class GPT {
   // (d_res itself without dropout).
   const float* dropped_gradient(const float* d_res, int64_t layer, kernels::DropoutSite site);
   // The input of a column-parallel product (forward): this rank's tokens, or all of them gathered
-  // into gathered_ with sequence parallelism.
+  // into gathered_ with sequence parallelism (a bf16 norm output gathered in bf16).
   const float* column_parallel_input(const float* x);
+  const kernels::bf16* column_parallel_input(const kernels::bf16* x);
   // A column-parallel product's backward: product(dinp, dweight, dbias, inp) runs the layer's two
   // products (a null output skips one); dinp (all tokens, partial over the group) is then summed,
   // all-reduced or reduce-scattered into dinp_shard with sequence parallelism; the weight product
   // reads the input over all tokens (x's shard re-gathered). With tp_overlap_comm the all-reduce
   // runs under the weight product (Megatron's async dgrad). In: x's type, float or bf16 (a norm's
-  // output kept in bf16, never a sequence-parallel shard: bf16_activations.hpp norm_output_bf16).
+  // output kept in bf16: bf16_activations.hpp), which a shard is re-gathered in.
   template <typename In, typename Product>
   void column_parallel_backward(float* dinp_shard, float* dweight, float* dbias, const In* x, int64_t IC,
                                 ParamStore& store, const Product& product);

@@ -472,11 +472,10 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
     // att: what the bf16 grouped-query attention keeps (kernels/attention_gqa.hpp)
     const bool attn16 = activations_bf16(compute, t > 1, shape.family.mixtral(), false, backend),
                mlp16 = activations_bf16(compute, t > 1, shape.family.mixtral(), true, backend);
-    const bool sp = sequence_parallel && t > 1;
     BlockSaveSizes z;
     z.res = Ns * C;
-    z.ln_1 = norm_output_bf16(attn16, sp) ? half(Ns * C) : Ns * C;
-    z.ln_2 = norm_output_bf16(mlp16, sp) ? half(Ns * C) : Ns * C;
+    z.ln_1 = attn16 ? half(Ns * C) : Ns * C;
+    z.ln_2 = mlp16 ? half(Ns * C) : Ns * C;
     z.stats = Ns;
     z.qkv = attn16 ? half(BT * w.qkv) : BT * w.qkv;
     z.att = attn16 ? kernels::gqa_attention_bf16_saved_floats(B * H, T, shape.family.head_dim,
@@ -489,13 +488,11 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
   }
   // The halves kept in bf16 (bf16_activations.hpp, decided per block in model.cpp; here for every
   // block of the model): for the attention half no sparse attention (its kernel is fp32), for the
-  // MLP half no MoE block anywhere (their MLP half keeps fp32); a norm's output not under
-  // sequence parallelism (norm_output_bf16).
+  // MLP half no MoE block anywhere (their MLP half keeps fp32).
   const bool attn16 = !shape.sparse.enabled && activations_bf16(compute, t > 1, false, false, backend),
              mlp16 = activations_bf16(compute, t > 1, shape.moe.enabled(), true, backend);
-  const bool sp = sequence_parallel && t > 1;
   BlockSaveSizes z;
-  z.ln_1 = norm_output_bf16(attn16, sp) ? half(Ns * C) : Ns * C;
+  z.ln_1 = attn16 ? half(Ns * C) : Ns * C;
   z.stats = z.mean = Ns;
   z.qkv = attn16 ? half(3 * BT * Cl) : 3 * BT * Cl;
   z.att = shape.sparse.enabled ? attention_probs_size(shape, B, H, T)
@@ -503,7 +500,7 @@ BlockSaveSizes gpt_block_save_sizes(const GPTShape& shape, const ModelPart& part
                                : B * H * T * T;
   z.atty = attn16 ? half(BT * Cl) : BT * Cl;
   z.res = Ns * C;
-  z.ln_2 = norm_output_bf16(mlp16, sp) ? half(Ns * C) : Ns * C;
+  z.ln_2 = mlp16 ? half(Ns * C) : Ns * C;
   z.fch = z.act = mlp16 ? half(4 * BT * Cl) : 4 * BT * Cl;
   return z;
 }

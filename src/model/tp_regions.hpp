@@ -5,8 +5,6 @@
 #pragma once
 
 #include <memory>
-#include <stdexcept>
-#include <type_traits>
 
 #include "model/model.hpp"
 #include "parallel/comm.hpp"
@@ -19,13 +17,10 @@ void GPT::column_parallel_backward(float* dinp_shard, float* dweight, float* dbi
                                    ParamStore& store, const Product& product) {
   const bool tp = part_.tp_size > 1, sp = tp_.sequence_parallel;
   const int64_t BT = B_ * T_;
-  if (sp && dweight) {  // the shard is fp32 (norm_output_bf16)
-    if constexpr (!std::is_same_v<In, float>) {
-      throw std::logic_error("a sequence-parallel shard reached a column-parallel backward in bf16");
-    } else {
-      gather_from_sequence_parallel_region_forward(tp_, x, gathered_, Ns_ * IC);
-      x = gathered_;  // all tokens, for the weight product
-    }
+  if (sp && dweight) {  // all tokens, for the weight product, in the shard's type
+    In* full = reinterpret_cast<In*>(gathered_);
+    gather_from_sequence_parallel_region_forward(tp_, x, full, Ns_ * IC);
+    x = full;
   }
   float* dinp = sp && dinp_shard ? row_out_ : dinp_shard;
   if (tp && tp_.overlap && !sp && dinp && dweight) {

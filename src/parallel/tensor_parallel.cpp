@@ -3,6 +3,7 @@
 
 #include <chrono>
 
+#include "kernels/half.hpp"
 #include "parallel/comm.hpp"
 
 namespace zero3d {
@@ -35,6 +36,11 @@ std::unique_ptr<CommRequest> TensorGroup::all_reduce_sum_async(float* x, int64_t
 void TensorGroup::all_gather_tokens(const float* shard, float* full, int64_t n) const {
   Timed t{comm_ms};
   comm->all_gather(shard, full, n, DType::F32);
+}
+
+void TensorGroup::all_gather_tokens(const kernels::bf16* shard, kernels::bf16* full, int64_t n) const {
+  Timed t{comm_ms};
+  comm->all_gather(shard, full, n, DType::BF16);
 }
 
 void TensorGroup::reduce_scatter_tokens(const float* full, float* shard, int64_t n) const {

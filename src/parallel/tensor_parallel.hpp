@@ -9,6 +9,10 @@
 
 namespace zero3d {
 
+namespace kernels {
+struct bf16;  // kernels/half.hpp
+}
+
 class Communicator;
 class CommRequest;
 
@@ -25,6 +29,8 @@ struct TensorGroup {
   std::unique_ptr<CommRequest> all_reduce_sum_async(float* x, int64_t n) const;
   // Token shards in rank order: shard (n elements) -> full (size·n), and its adjoint.
   void all_gather_tokens(const float* shard, float* full, int64_t n) const;
+  // The same for shards kept in bf16 (a GPU's bf16 norm outputs): half the bytes.
+  void all_gather_tokens(const kernels::bf16* shard, kernels::bf16* full, int64_t n) const;
   void reduce_scatter_tokens(const float* full, float* shard, int64_t n) const;
 };
 
@@ -42,6 +48,11 @@ inline void reduce_from_tp_region_backward(const TensorGroup&, const float*, int
 // forward all-gathers the token shards, backward reduce-scatters the input gradient.
 inline void gather_from_sequence_parallel_region_forward(const TensorGroup& g, const float* shard, float* full,
                                                          int64_t n) {
+  g.all_gather_tokens(shard, full, n);
+}
+// A bf16 shard gathered as it is kept (Megatron gathers its bf16 activations).
+inline void gather_from_sequence_parallel_region_forward(const TensorGroup& g, const kernels::bf16* shard,
+                                                         kernels::bf16* full, int64_t n) {
   g.all_gather_tokens(shard, full, n);
 }
 inline void gather_from_sequence_parallel_region_backward(const TensorGroup& g, const float* full_grad,

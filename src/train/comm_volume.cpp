@@ -9,6 +9,7 @@
 
 #include "kernels/moe.hpp"
 #include "kernels/quantize.hpp"
+#include "model/bf16_activations.hpp"
 #include "optim/onebit.hpp"
 #include "parallel/compressed_allreduce.hpp"
 #include "parallel/grad_reducer.hpp"
@@ -94,6 +95,10 @@ std::vector<GroupBytes> activation_groups(const Config& cfg, const Placement& at
   const int64_t C = shape.n_embd, BT = cfg.batch.micro_batch * shape.n_positions, X = BT * C;
   const int64_t Ns = sp ? BT / t : BT, micro = std::max<int64_t>(1, cfg.batch.gradient_accumulation_steps);
   const ActivationCheckpointing& ac = cfg.activation_checkpointing;
+  // whether a dense block's attention and MLP halves keep bf16 saves on the planned build
+  const DType products = cfg.precision.products();
+  const bool attn16 = !shape.sparse.enabled && activations_bf16(products, t > 1, false, false, cfg.backend),
+             mlp16 = activations_bf16(products, t > 1, false, true, cfg.backend);
   if (t > 1) {
     std::vector<int64_t> ranks;
     for (int i = 0; i < t; ++i) ranks.push_back(at.world_rank(0, 0) + i);
@@ -118,8 +123,14 @@ std::vector<GroupBytes> activation_groups(const Config& cfg, const Placement& at
       // gradients, whose weight products re-gather their inputs with sequence parallelism.
       const int64_t forward = sp ? 4 : 2, backward = sp ? 6 : 2;
       const int64_t recomputed = ac.full() ? forward : 0;  // a checkpoint reruns its blocks' forward
-      per_micro.add((c.num_blocks - moe_blocks) * (forward + backward + recomputed) * exchange,
-                    (c.num_blocks - moe_blocks) * (forward + backward + recomputed));
+      // The gathered inputs are the two norms' outputs: bf16 where the half keeps bf16 saves
+      // (model/bf16_activations.hpp), each gathered forward (and in a recompute) and for the
+      // weight product.
+      const int64_t gathers = sp ? 2 + (ac.full() ? 1 : 0) : 0, dense = c.num_blocks - moe_blocks;
+      const int64_t norm_outputs = bus(ring(t), X, attn16 ? DType::BF16 : DType::F32) +
+                                   bus(ring(t), X, mlp16 ? DType::BF16 : DType::F32);
+      per_micro.add(dense * ((forward + backward + recomputed - 2 * gathers) * exchange + gathers * norm_outputs),
+                    dense * (forward + backward + recomputed));
       const int64_t moe_exchanges = shape.moe.use_residual ? 4 : 2;
       per_micro.add(moe_blocks * moe_exchanges * exchange, moe_blocks * moe_exchanges);
       if (moe_blocks > 0 && shape.moe.expert_tensor_parallel) {

@@ -112,15 +112,24 @@ TEST(GpuTraining, TwoRanksSharingOneGpuTrainTheLlamaFamilyAsOneRank) {
 // A GPU keeps a tensor rank's bf16 saves as one rank's are kept (model/bf16_activations.hpp):
 // two ranks sharing the GPU at t = 2, plain and sequence-parallel, train one rank's bf16 losses
 // within bf16 rounding (a row-parallel product's partial sums round apart from the whole one's,
-// as tests/cli/test_cli_tensor_parallel.cpp's bound on the CPU says).
+// as tests/cli/test_cli_tensor_parallel.cpp's bound on the CPU says), and the tensor group moves
+// the bytes `estimate` predicts for the build (its sequence-parallel gathers in bf16 on a GPU).
 TEST(GpuTraining, TensorRanksKeepingBf16SavesTrainOneRanksBf16Losses) {
   const std::string bf16 = "--set bf16.enabled=true";
   for (const std::string model : {"quickstart", "llama-tiny"}) {
     const std::vector<double> one = train_losses(model, bf16, 1, temp_path(model + "_tp_bf16_np1"));
     for (const std::string sp : {"", " --set tensor_parallel.sequence_parallel=true"}) {
-      const std::vector<double> two = train_losses(model, bf16 + " --set tensor_parallel.autotp_size=2" + sp, 2,
-                                                   temp_path(model + "_tp_bf16_np2"));
+      const std::string layout = bf16 + " --set tensor_parallel.autotp_size=2" + sp, dir = temp_path(model + "_tp_bf16");
+      const std::vector<double> two = train_losses(model, layout, 2, dir);
       expect_losses_close(two, one, 5e-4, model + " bf16 np 2, autotp 2" + sp);
+      const Result est = run("estimate --config " + kSource + "/input/" + model + ".json --world-size 2 --json " +
+                             reference().at("args").get<std::string>() + " " + layout);
+      ASSERT_EQ(est.code, 0) << est.err;
+      const std::vector<json> rows = read_metrics(dir);
+      ASSERT_FALSE(rows.empty());
+      EXPECT_EQ(rows.back().at("comm_bytes_by_axis").at("tensor"),
+                json::parse(est.out).at("communication").at(0).at("comm_bytes_by_axis").at("tensor"))
+          << model << sp;
     }
   }
 }

@@ -1,9 +1,9 @@
 // test_bf16_saves_plan.cpp — the plan of a block's saves under bf16 compute
 // (model_layout.cpp gpt_block_save_sizes, after model/bf16_activations.hpp). As specifications: a
-// GPU build keeps a tensor rank's saves in bf16 as one rank's are kept (half the floats for q/k/v,
-// the attention output, the MLP's hidden rows and activation, and the norms' outputs but for the
-// token shards sequence parallelism gathers in fp32), while a CPU build keeps its tensor-parallel
-// saves fp32; on one rank both builds keep the same saves.
+// GPU build keeps a tensor rank's saves in bf16 as one rank's are kept (half the floats for the
+// norms' outputs, sequence-parallel shards among them, q/k/v, the attention output, the MLP's
+// hidden rows and activation), while a CPU build keeps its tensor-parallel saves fp32; on one
+// rank both builds keep the same saves.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -50,9 +50,10 @@ TEST(Bf16SavesPlan, AGpuKeepsATensorRanksSavesInBf16AndACpuKeepsThemFp32) {
       EXPECT_EQ(gpu.atty, half(cpu.atty)) << what;
       EXPECT_EQ(gpu.fch, half(cpu.fch)) << what;
       EXPECT_EQ(gpu.act, half(cpu.act)) << what;
-      // a sequence-parallel shard is gathered in fp32 before the column-parallel product reads it
-      EXPECT_EQ(gpu.ln_1, sp ? cpu.ln_1 : half(cpu.ln_1)) << what;
-      EXPECT_EQ(gpu.ln_2, sp ? cpu.ln_2 : half(cpu.ln_2)) << what;
+      // the norms' outputs too: a sequence-parallel shard is gathered in bf16
+      EXPECT_EQ(gpu.ln_1, half(cpu.ln_1)) << what;
+      EXPECT_EQ(gpu.ln_2, half(cpu.ln_2)) << what;
+      EXPECT_EQ(cpu.ln_1, kB * kT * shape.n_embd / (sp ? 2 : 1)) << what;
       EXPECT_EQ(gpu.res, cpu.res) << what;
       EXPECT_EQ(gpu.stats, cpu.stats) << what;
       // the CPU build's tensor rank keeps fp32 saves: the unsplit width's over t, as floats

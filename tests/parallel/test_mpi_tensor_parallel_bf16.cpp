@@ -1,13 +1,14 @@
 // test_mpi_tensor_parallel_bf16.cpp — a GPU build's bf16 step under tensor parallelism keeps each
 // rank's saves in bf16 as one rank's step does (model/bf16_activations.hpp activations_bf16: the
-// norms' outputs but for sequence-parallel shards, q/k/v, the attention output, the MLP's hidden
-// rows and activation) and its vocabulary slice's logits in bf16 (logits_bf16);
+// norms' outputs, q/k/v, the attention output, the MLP's hidden rows and activation; a
+// sequence-parallel shard gathered in bf16) and its vocabulary slice's logits in bf16 (logits_bf16);
 // tensor_parallel_bf16_on_host() and logits_bf16_on_host() run those choices here. As
 // specifications, under mpiexec with t = np, for GPT-2 and a Qwen2 with grouped-query attention,
 // plain, overlapped, split into input and weight passes, sequence-parallel, with dropout: the split
 // model's loss is the unsplit bf16 model's (which keeps its saves in bf16 on either build) and its
 // gradient slices are within bf16 rounding of the unsplit model's, nearer than the CPU build's
-// fp32 saves bring them; its buffer is the plan's, smaller than the CPU build's.
+// fp32 saves bring them; its buffer is the plan's, smaller than the CPU build's; with sequence
+// parallelism its four gathers of norm outputs a block move half the bytes.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -86,6 +87,7 @@ struct Pass {
   float loss = 0.0f;
   double grad_error = 0.0, grad_norm = 0.0;  // over this rank's slices, against the unsplit model's
   int64_t buffer_bytes = 0, planned_bytes = 0;
+  int64_t tensor_bytes = 0;  // what the tensor group moved (bus bytes) in the forward and backward
 };
 
 // One forward and backward of this rank's part, with the GPU build's choices or the CPU build's.
@@ -108,6 +110,7 @@ Pass split_pass(const GPTShape& shape, const Variant& v, Communicator& comm, con
   p.planned_bytes = gpt_activation_bytes(shape, part, kB, kT, v.sequence_parallel, v.split_backward, {}, {},
                                          DType::BF16, kernels::Backend::Cpu)
                         .buffer;
+  const int64_t bytes_before = comm.bus_bytes();
   p.loss = local.forward(0, buf, store);
   if (v.split_backward) {
     local.backward(0, buf, 1.0f, store, BackwardPart::Input);
@@ -115,6 +118,7 @@ Pass split_pass(const GPTShape& shape, const Variant& v, Communicator& comm, con
   } else {
     local.backward(0, buf, 1.0f, store);
   }
+  p.tensor_bytes = comm.bus_bytes() - bytes_before;
   // with sequence parallelism a norm's gradient is a per-shard part: summed over the group
   std::vector<float> g = store.grads(), summed = g;
   comm.all_reduce(summed.data(), static_cast<int64_t>(summed.size()), DType::F32, ReduceOp::Sum);
@@ -181,6 +185,10 @@ TEST_P(TensorParallelBf16Saves, GiveTheUnsplitBf16ModelsLossAndGradientsInHalfTh
   EXPECT_EQ(gpu.buffer_bytes, gpu.planned_bytes) << what;
   EXPECT_EQ(cpu.buffer_bytes, cpu.planned_bytes) << what;
   EXPECT_LT(gpu.buffer_bytes, cpu.buffer_bytes) << what;
+  // Sequence parallelism gathers ln_1 and ln_2 forward and again for the weight products: in
+  // bf16, each gather's (t−1)/t of the B·T·C elements at 2 bytes where they took 4.
+  const int64_t gathered = shape.n_layer * 4 * (t - 1) * (kB * kT * shape.n_embd / t) * 2;
+  EXPECT_EQ(cpu.tensor_bytes - gpu.tensor_bytes, v.sequence_parallel ? gathered : 0) << what;
 }
 
 INSTANTIATE_TEST_SUITE_P(
