@@ -18,6 +18,7 @@
 #include "kernels/attention_gqa.hpp"
 #include "kernels/device.hpp"
 #include "model/model.hpp"
+#include "support/model_section.hpp"
 #include "support/typed_param_store.hpp"
 #include "train/estimator.hpp"
 
@@ -77,14 +78,10 @@ int64_t scratch_after_a_pass(const GPTShape& shape, DType type) {
 }
 
 GPTShape llama_shape() {
-  const nlohmann::json j = {{"train_micro_batch_size_per_gpu", kB},
-                            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
-                            {"model",
-                             {{"architecture", "llama"}, {"vocab_size", 64}, {"max_position_embeddings", kT},
-                              {"hidden_size", 256}, {"intermediate_size", 96}, {"num_hidden_layers", 2},
-                              {"num_attention_heads", 4}, {"num_key_value_heads", 2}}},
-                            {"training", {{"steps", 1}, {"peak_gflops", 50}}}};
-  return gpt_shape_of(read_config(j, "llama.json", 1).model);
+  return test_support::shape_of_model_section({{"architecture", "llama"}, {"vocab_size", 64},
+                                               {"max_position_embeddings", kT}, {"hidden_size", 256},
+                                               {"intermediate_size", 96}, {"num_hidden_layers", 2},
+                                               {"num_attention_heads", 4}, {"num_key_value_heads", 2}});
 }
 
 }  // namespace

@@ -8,10 +8,9 @@
 
 #include <string>
 
-#include "config/config.hpp"
-#include "config/model_shape.hpp"
 #include "kernels/device.hpp"
 #include "model/model.hpp"
+#include "support/model_section.hpp"
 
 using namespace zero3d;
 
@@ -20,14 +19,10 @@ namespace {
 constexpr int64_t kB = 2, kT = 32;
 
 GPTShape llama_shape() {
-  const nlohmann::json j = {{"train_micro_batch_size_per_gpu", kB},
-                            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
-                            {"model",
-                             {{"architecture", "llama"}, {"vocab_size", 64}, {"max_position_embeddings", kT},
-                              {"hidden_size", 64}, {"intermediate_size", 96}, {"num_hidden_layers", 2},
-                              {"num_attention_heads", 4}, {"num_key_value_heads", 2}}},
-                            {"training", {{"steps", 1}, {"peak_gflops", 50}}}};
-  return gpt_shape_of(read_config(j, "llama.json", 1).model);
+  return test_support::shape_of_model_section({{"architecture", "llama"}, {"vocab_size", 64},
+                                               {"max_position_embeddings", kT}, {"hidden_size", 64},
+                                               {"intermediate_size", 96}, {"num_hidden_layers", 2},
+                                               {"num_attention_heads", 4}, {"num_key_value_heads", 2}});
 }
 
 int64_t half(int64_t floats) { return (floats + 1) / 2; }

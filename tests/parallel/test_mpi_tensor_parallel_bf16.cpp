@@ -13,14 +13,14 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "config/config.hpp"
-#include "config/model_shape.hpp"
 #include "kernels/half.hpp"
 #include "model/bf16_activations.hpp"
 #include "model/model.hpp"
 #include "parallel/comm.hpp"
+#include "support/model_section.hpp"
 
 using namespace zero3d;
 
@@ -31,14 +31,10 @@ constexpr int64_t kB = 2, kT = 8;
 GPTShape gpt2_shape() { return GPTShape{61, kT, 2, 4, 32}; }  // V 61 pads to a multiple of t
 
 GPTShape llama_shape() {  // 4 query heads over 2 K/V heads, biases on q/k/v (Qwen2's)
-  const nlohmann::json j = {{"train_micro_batch_size_per_gpu", kB},
-                            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
-                            {"model",
-                             {{"architecture", "qwen2"}, {"vocab_size", 61}, {"max_position_embeddings", kT},
-                              {"hidden_size", 32}, {"intermediate_size", 48}, {"num_hidden_layers", 2},
-                              {"num_attention_heads", 4}, {"num_key_value_heads", 2}}},
-                            {"training", {{"steps", 1}, {"peak_gflops", 50}}}};
-  return gpt_shape_of(read_config(j, "qwen2.json", 1).model);
+  return test_support::shape_of_model_section({{"architecture", "qwen2"}, {"vocab_size", 61},
+                                               {"max_position_embeddings", kT}, {"hidden_size", 32},
+                                               {"intermediate_size", 48}, {"num_hidden_layers", 2},
+                                               {"num_attention_heads", 4}, {"num_key_value_heads", 2}});
 }
 
 // bf16 parameters (the fp32 draw rounded) and fp32 gradients, for a whole model or a rank's part.
