@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -168,6 +169,11 @@ TEST_P(TensorParallelBf16Saves, GiveTheUnsplitBf16ModelsLossAndGradientsInHalfTh
   const Pass gpu = split_pass(shape, v, comm, init, gpu_full.grads, tokens.data(), targets.data(), true);
   const Pass cpu = split_pass(shape, v, comm, init, cpu_full.grads, tokens.data(), targets.data(), false);
   const std::string what = std::string(v.llama ? "qwen2" : "gpt2") + " t=" + std::to_string(t);
+  // the figures, for --gtest_output: each build's gradient distance from its unsplit model
+  char figures[96];
+  std::snprintf(figures, sizeof figures, "%.3g (CPU build: %.3g)", gpu.grad_error / gpu.grad_norm,
+                cpu.grad_error / cpu.grad_norm);
+  RecordProperty("relative_gradient_error", figures);
   // A GPU build's split model rounds where its unsplit one does, so its loss is the unsplit
   // model's and its gradients are within bf16 rounding of them (a row-parallel product's partial
   // sums, summed over the group, round apart from the whole product's sums) ...
