@@ -167,9 +167,16 @@ train llama_125m_bf16 60 llama-125m -- --set training.steps=12 --set bf16.enable
 train llama_125m_bf16_flash 60 llama-125m ZERO3D_ATTENTION_KERNEL=flash -- --set training.steps=12 --set bf16.enabled=true
 peer pytorch_peer_llama 60 llama-125m eager-bf16
 
-# 7. ZeRO-3 with two ranks sharing the GPU, every C++ throw's stack printed (fault_backtrace.c).
+# 7. Two ranks sharing the GPU: ZeRO-3, every C++ throw's stack printed (fault_backtrace.c).
 step zero3_np2 45 env FAULT_BACKTRACE_THROW=1 mpiexec.hydra -np 2 zero3d train "$root/input/quickstart.json" \
   --output "$out/zero3_np2" --set zero_optimization.stage=3 --set training.steps=3
+# GPT-2 124M bf16 at t = 2, the two ranks sharing the GPU: a tensor rank's bf16 saves and logits
+# (src/model/bf16_activations.hpp): tokens/s (collectives staged through the host), and the
+# device's measured peak beside the plan's.
+step gpt2_124m_bf16_t2 60 mpiexec.hydra -np 2 zero3d train "$root/input/gpt2-124m.json" --output "$out/gpt2_124m_bf16_t2" \
+  --set train_micro_batch_size_per_gpu=8 --set training.steps=6 --set steps_per_print=2 --set bf16.enabled=true \
+  --set tensor_parallel.autotp_size=2
+throughput gpt2_124m_bf16_t2
 
 # 8. The per-kernel table, attention's row with the fused CUDA kernel, and attention's kernels
 # under Nsight Compute.
