@@ -31,7 +31,7 @@ constexpr int64_t kB = 2, kT = 8;
 
 GPTShape gpt2_shape() { return GPTShape{61, kT, 2, 4, 32}; }  // V 61 pads to a multiple of t
 
-GPTShape llama_shape() {  // 4 query heads over 2 K/V heads, biases on q/k/v (Qwen2's)
+GPTShape qwen2_shape() {  // 4 query heads over 2 K/V heads, biases on q/k/v (Qwen2's)
   return test_support::shape_of_model_section({{"architecture", "qwen2"}, {"vocab_size", 61},
                                                {"max_position_embeddings", kT}, {"hidden_size", 32},
                                                {"intermediate_size", 48}, {"num_hidden_layers", 2},
@@ -137,7 +137,7 @@ TEST_P(TensorParallelBf16Saves, GiveTheUnsplitBf16ModelsLossAndGradientsInHalfTh
   MpiCommunicator comm(MPI_COMM_WORLD);
   const int t = comm.size();
   const Variant v = GetParam();
-  GPTShape shape = v.llama ? llama_shape() : gpt2_shape();
+  GPTShape shape = v.llama ? qwen2_shape() : gpt2_shape();
   if (v.dropout) shape.dropout = {v.llama ? 0.0 : 0.1, 0.1, v.llama ? 0.0 : 0.1, 5};  // the Llama family's is attention's
   const int64_t kv_heads = v.llama ? shape.family.num_key_value_heads : shape.n_head;
   if (t == 1 || kv_heads % t != 0) GTEST_SKIP() << "t = " << t << " splits no whole K/V head group here";
