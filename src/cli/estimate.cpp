@@ -246,7 +246,7 @@ int cmd_estimate(EstimateArgs a, int rank) {
               dtype_name(cfg.precision.comm).c_str());
   if (backend != kernels::kBuildBackend)  // (only a CPU build's plan of a GPU run)
     std::printf("(--device gpu: the plan of a GPU build's run, made on this CPU build: the GPU's attention kernels, "
-                "bf16 logits, a vocabulary padded as a GPU's, device memory)\n");
+                "bf16 logits and tensor-parallel saves, a vocabulary padded as a GPU's, device memory)\n");
   if (!a.has("--world-size"))  // without --world-size the budget is for one rank, and says so
     std::printf("(--world-size not given: the budget is for %lld rank(s); give --world-size N for N ranks in all)\n",
                 (long long)a.world_size);
