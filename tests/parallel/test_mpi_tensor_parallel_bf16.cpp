@@ -14,14 +14,14 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
-#include <utility>
 #include <vector>
 
-#include "kernels/half.hpp"
+#include "kernels/device.hpp"
 #include "model/bf16_activations.hpp"
 #include "model/model.hpp"
 #include "parallel/comm.hpp"
 #include "support/model_section.hpp"
+#include "support/typed_param_store.hpp"
 
 using namespace zero3d;
 
@@ -37,24 +37,6 @@ GPTShape qwen2_shape() {  // 4 query heads over 2 K/V heads, biases on q/k/v (Qw
                                                {"intermediate_size", 48}, {"num_hidden_layers", 2},
                                                {"num_attention_heads", 4}, {"num_key_value_heads", 2}});
 }
-
-// bf16 parameters (the fp32 draw rounded) and fp32 gradients, for a whole model or a rank's part.
-class Bf16Store : public ParamStore {
- public:
-  Bf16Store(const GPT& model, std::vector<kernels::bf16> params)
-      : units_(model.units()), params_(std::move(params)), grads_(params_.size(), 0.0f) {}
-  const void* fetch(int u) override { return params_.data() + units_[u].offset; }
-  void release(int) override {}
-  float* grad_target(int u) override { return grads_.data() + units_[u].offset; }
-  void grads_done(int) override {}
-  void progress() override {}
-  std::vector<float>& grads() { return grads_; }
-
- private:
-  std::vector<ParamUnit> units_;
-  std::vector<kernels::bf16> params_;
-  std::vector<float> grads_;
-};
 
 // The GPU build's choices for the scope (bf16 saves under tensor parallelism, bf16 logits),
 // whatever they were before.
@@ -94,11 +76,10 @@ Pass split_pass(const GPTShape& shape, const Variant& v, Communicator& comm, con
   const int t = comm.size(), rank = comm.rank();
   const ModelPart part = gpt_model_part(shape, {0, static_cast<int>(shape.n_layer) + 2}, 1, 0, t, rank);
   GPT local(shape, kB, kT, DType::BF16, part, TensorGroup{&comm, t, rank, v.overlap, v.sequence_parallel});
-  std::vector<kernels::bf16> params(static_cast<size_t>(local.num_params()), kernels::to_bf16(0.0f));
+  std::vector<float> params(static_cast<size_t>(local.num_params()), 0.0f);
   for (const LayoutSegment& r : local.part().global_runs(0, local.num_params(), false))
-    for (int64_t i = r.local_begin; i < r.local_end; ++i)
-      params[i] = kernels::to_bf16(full_params[r.global_begin + (i - r.local_begin)]);
-  Bf16Store store(local, std::move(params));
+    for (int64_t i = r.local_begin; i < r.local_end; ++i) params[i] = full_params[r.global_begin + (i - r.local_begin)];
+  TypedParamStore store(local, DType::BF16, params);  // rounded to bf16 as the unsplit model's
   ActivationBuffer buf = local.make_buffer(v.split_backward);
   buf.tokens = tokens;
   buf.targets = targets;
@@ -158,9 +139,7 @@ TEST_P(TensorParallelBf16Saves, GiveTheUnsplitBf16ModelsLossAndGradientsInHalfTh
     GPT full(shape, kB, kT, DType::BF16);
     init.assign(static_cast<size_t>(full.num_params()), 0.0f);
     init_gpt_params(init.data(), full.layout(), shape, 7);
-    std::vector<kernels::bf16> rounded;
-    for (float x : init) rounded.push_back(kernels::to_bf16(x));
-    Bf16Store store(full, rounded);
+    TypedParamStore store(full, DType::BF16, init);
     const float loss = full.forward(tokens.data(), targets.data(), store);
     full.backward(1.0f, store);
     return Unsplit{loss, store.grads()};

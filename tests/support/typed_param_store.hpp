@@ -13,12 +13,14 @@ namespace zero3d {
 
 class TypedParamStore : public ParamStore {
  public:
-  TypedParamStore(const GPT& model, DType type, uint64_t seed) : units_(model.units()), type_(type) {
-    std::vector<float> init(static_cast<size_t>(model.num_params()));
-    init_gpt_params(init.data(), model.layout(), model.shape(), seed);
-    if (type == DType::F32) f32_ = init;
-    for (float x : init) b16_.push_back(kernels::to_bf16(x));
-    grads_.assign(init.size(), 0.0f);
+  TypedParamStore(const GPT& model, DType type, uint64_t seed)
+      : TypedParamStore(model, type, initial_values(model, seed)) {}
+  // The given fp32 values (a rank's slices of a whole model's draw), stored as `type`.
+  TypedParamStore(const GPT& model, DType type, const std::vector<float>& values)
+      : units_(model.units()), type_(type) {
+    if (type == DType::F32) f32_ = values;
+    for (float x : values) b16_.push_back(kernels::to_bf16(x));
+    grads_.assign(values.size(), 0.0f);
   }
   const void* fetch(int u) override {
     const int64_t o = units_[u].offset;
@@ -31,6 +33,11 @@ class TypedParamStore : public ParamStore {
   const std::vector<float>& grads() const { return grads_; }
 
  private:
+  static std::vector<float> initial_values(const GPT& model, uint64_t seed) {
+    std::vector<float> init(static_cast<size_t>(model.num_params()));
+    init_gpt_params(init.data(), model.layout(), model.shape(), seed);
+    return init;
+  }
   std::vector<ParamUnit> units_;
   DType type_;
   std::vector<float> f32_;
